@@ -1,0 +1,506 @@
+// The coordinator's state machine. Invariants:
+//  - a worker is kBusy iff it is a member of the current generation of a non-terminal job;
+//  - a job's `members` always describe its current generation (empty when not running);
+//  - every state change of a job appends an event and marks the job changed.
+#include "coordinator/core/core.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/core/job_spec.h"
+#include "coordinator/core/ranks.h"
+
+namespace lockstep::coordinator {
+namespace {
+
+int64_t UnixMs(absl::Time t) { return t == absl::InfinitePast() ? 0 : absl::ToUnixMillis(t); }
+
+std::string Seconds1(absl::Duration d) {
+  return absl::StrFormat("%.1fs", absl::ToDoubleSeconds(d));
+}
+
+}  // namespace
+
+Core::Core(CoreOptions options) : options_(options) {}
+
+bool Core::IsTerminal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+Core::Worker* Core::FindWorker(const std::string& worker_id) {
+  auto it = workers_.find(worker_id);
+  return it == workers_.end() ? nullptr : &it->second;
+}
+
+Core::JobRecord* Core::FindJob(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : &it->second;
+}
+
+absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& request,
+                                                 absl::Time now, Decisions* out) {
+  if (request.name().empty()) return absl::InvalidArgumentError("register.name: required");
+  if (request.device().empty()) return absl::InvalidArgumentError("register.device: required");
+  for (const auto& [id, w] : workers_) {
+    if (w.state != WorkerState::kLost && w.info.name() == request.name()) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("a connected worker is already named \"", request.name(), "\" (", id,
+                       ", host ", w.info.host(), ")"));
+    }
+  }
+  Worker worker;
+  worker.registration_seq = next_worker_seq_++;
+  worker.id = absl::StrCat("w-", worker.registration_seq);
+  worker.info = request;
+  worker.registered = now;
+  worker.last_heartbeat = now;
+  std::string id = worker.id;
+  workers_.emplace(id, std::move(worker));
+  Schedule(now, out);
+  return id;
+}
+
+void Core::MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time now,
+                          Decisions* out) {
+  if (worker.state == WorkerState::kLost) return;
+  const bool was_busy = worker.state == WorkerState::kBusy;
+  worker.state = WorkerState::kLost;
+  out->close_sessions.push_back(worker.id);
+  if (was_busy) {
+    if (JobRecord* job = FindJob(worker.job_id)) {
+      HandleMemberLoss(*job, worker.id, reason, /*fatal=*/false, now, out);
+    }
+  }
+}
+
+void Core::WorkerDisconnected(const std::string& worker_id, const std::string& reason,
+                              absl::Time now, Decisions* out) {
+  Worker* worker = FindWorker(worker_id);
+  if (worker == nullptr) return;
+  MarkWorkerLost(*worker,
+                 absl::StrCat("worker ", worker->info.name(), " (", worker_id, ") lost: ", reason),
+                 now, out);
+  PruneLostWorkers();
+}
+
+absl::Status Core::Heartbeat(const std::string& worker_id, absl::Time now) {
+  Worker* worker = FindWorker(worker_id);
+  if (worker == nullptr || worker->state == WorkerState::kLost) {
+    return absl::NotFoundError(absl::StrCat("worker ", worker_id, " is not registered"));
+  }
+  worker->last_heartbeat = now;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
+                                                 const std::string& job_id, int64_t generation) {
+  Worker* worker = FindWorker(worker_id);
+  if (worker == nullptr || worker->state == WorkerState::kLost) {
+    return absl::NotFoundError(absl::StrCat("worker ", worker_id, " is not registered"));
+  }
+  JobRecord* job = FindJob(job_id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  if (IsTerminal(job->job.state())) {
+    return absl::AbortedError(absl::StrCat("job ", job_id, " has ended (",
+                                           v1::JobState_Name(job->job.state()), ")"));
+  }
+  if (generation != job->job.generation() || worker->state != WorkerState::kBusy ||
+      worker->job_id != job_id || worker->generation != generation) {
+    return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
+                                           " is stale (current generation ",
+                                           job->job.generation(), ")"));
+  }
+  return job;
+}
+
+absl::Status Core::CheckGeneration(const std::string& job_id, int64_t generation) const {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  const v1::Job& job = it->second.job;
+  if (IsTerminal(job.state())) {
+    return absl::AbortedError(absl::StrCat("job ", job_id, " has ended"));
+  }
+  if (generation != job.generation() || job.state() != v1::JOB_STATE_RUNNING) {
+    return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
+                                           " is not current (current generation ",
+                                           job.generation(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::ReportProgress(const std::string& worker_id, const v1::ProgressReport& report,
+                                  absl::Time now, Decisions* out) {
+  auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
+  if (!job_or.ok()) return job_or.status();
+  JobRecord& job = **job_or;
+  for (MemberState& m : job.members) {
+    if (m.worker_id != worker_id) continue;
+    m.step = std::max(m.step, report.step());
+    m.peak_memory_bytes = std::max(m.peak_memory_bytes, report.peak_memory_bytes());
+  }
+  if (report.total_steps() > 0) job.job.set_total_steps(report.total_steps());
+  if (report.step() > job.job.step()) {
+    if (job.job.step() == 0) {
+      job.job.set_first_step_latency_ms(absl::ToInt64Milliseconds(now - job.submitted));
+    }
+    job.job.set_step(report.step());
+    job.last_advance = now;
+  }
+  // Rank 0 speaks for the group's loss and throughput (all ranks see the same reduced loss).
+  if (!job.members.empty() && job.members.front().worker_id == worker_id) {
+    job.job.set_loss(report.loss());
+    job.job.set_samples_per_second(report.samples_per_second());
+    const int64_t remaining = job.job.total_steps() - job.job.step();
+    const double sps = report.samples_per_second();
+    if (sps > 0 && remaining >= 0) {
+      job.job.set_eta_ms(static_cast<int64_t>(
+          1000.0 * static_cast<double>(remaining * job.job.spec().global_batch_size()) / sps));
+    }
+    RefreshMembers(job);
+    if (now - job.last_progress_event >= options_.progress_event_interval ||
+        job.job.step() == job.job.total_steps()) {
+      job.last_progress_event = now;
+      AddEvent(job, v1::JobEvent::PROGRESS,
+               absl::StrCat("step ", job.job.step(), "/", job.job.total_steps()), now, out);
+    }
+  } else {
+    RefreshMembers(job);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::ReportFailure(const std::string& worker_id, const v1::FailureReport& report,
+                                 absl::Time now, Decisions* out) {
+  auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
+  if (!job_or.ok()) return job_or.status();
+  Worker* worker = FindWorker(worker_id);
+  HandleMemberLoss(**job_or, worker_id,
+                   absl::StrCat("worker ", worker->info.name(), " (", worker_id,
+                                ") failed: ", report.message()),
+                   report.fatal(), now, out);
+  return absl::OkStatus();
+}
+
+absl::Status Core::ReportFinished(const std::string& worker_id, const v1::FinishedReport& report,
+                                  absl::Time now, Decisions* out) {
+  auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
+  if (!job_or.ok()) return job_or.status();
+  JobRecord& job = **job_or;
+  bool all_finished = true;
+  for (MemberState& m : job.members) {
+    if (m.worker_id == worker_id) {
+      m.finished = true;
+      m.step = std::max(m.step, report.step());
+      m.checksum = report.parameter_checksum();
+      m.peak_memory_bytes = std::max(m.peak_memory_bytes, report.peak_memory_bytes());
+      if (&m == &job.members.front() && report.has_eval()) *job.job.mutable_eval() = report.eval();
+    }
+    all_finished = all_finished && m.finished;
+  }
+  if (report.step() > job.job.step()) job.job.set_step(report.step());
+  RefreshMembers(job);
+  out->changed_jobs.insert(job.job.job_id());
+  if (all_finished) {
+    std::string reason = absl::StrCat("trained ", job.job.step(), " steps");
+    if (job.job.has_eval()) {
+      absl::StrAppend(&reason, absl::StrFormat("; test accuracy %.4f", job.job.eval().test_accuracy()));
+    }
+    FinishJob(job, v1::JOB_STATE_SUCCEEDED, reason, now, out);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out) {
+  ApplyJobSpecDefaults(&spec);
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) return s;
+  JobRecord record;
+  const std::string id = absl::StrCat("job-", next_job_seq_++);
+  record.job.set_job_id(id);
+  *record.job.mutable_spec() = std::move(spec);
+  record.job.set_state(v1::JOB_STATE_PENDING);
+  record.job.set_submit_time_unix_ms(UnixMs(now));
+  record.submitted = now;
+  JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
+  pending_.push_back(id);
+  AddEvent(job, v1::JobEvent::STATE, "submitted", now, out);
+  Schedule(now, out);
+  return job.job;
+}
+
+absl::StatusOr<v1::Job> Core::CancelJob(const std::string& job_id, absl::Time now,
+                                        Decisions* out) {
+  JobRecord* job = FindJob(job_id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  if (IsTerminal(job->job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " has already ended (", v1::JobState_Name(job->job.state()), ")"));
+  }
+  FinishJob(*job, v1::JOB_STATE_CANCELLED, "cancelled by user", now, out);
+  Schedule(now, out);
+  return job->job;
+}
+
+absl::StatusOr<v1::Job> Core::GetJob(const std::string& job_id) const {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  return it->second.job;
+}
+
+std::vector<v1::Job> Core::ListJobs() const {
+  std::vector<v1::Job> jobs;
+  for (const auto& [id, record] : jobs_) jobs.push_back(record.job);
+  std::sort(jobs.begin(), jobs.end(), [](const v1::Job& a, const v1::Job& b) {
+    return a.submit_time_unix_ms() != b.submit_time_unix_ms()
+               ? a.submit_time_unix_ms() < b.submit_time_unix_ms()
+               : a.job_id().size() != b.job_id().size() ? a.job_id().size() < b.job_id().size()
+                                                        : a.job_id() < b.job_id();
+  });
+  return jobs;
+}
+
+std::vector<v1::WorkerInfo> Core::ListWorkers() const {
+  std::vector<const Worker*> sorted;
+  for (const auto& [id, w] : workers_) sorted.push_back(&w);
+  std::sort(sorted.begin(), sorted.end(), [](const Worker* a, const Worker* b) {
+    return a->registration_seq < b->registration_seq;
+  });
+  std::vector<v1::WorkerInfo> out;
+  for (const Worker* w : sorted) {
+    v1::WorkerInfo info;
+    info.set_worker_id(w->id);
+    info.set_name(w->info.name());
+    info.set_host(w->info.host());
+    info.set_device(w->info.device());
+    info.set_free_memory_bytes(w->info.free_memory_bytes());
+    info.set_state(w->state == WorkerState::kIdle   ? "idle"
+                   : w->state == WorkerState::kBusy ? "busy"
+                                                    : "lost");
+    if (w->state == WorkerState::kBusy) info.set_job_id(w->job_id);
+    info.set_last_heartbeat_unix_ms(UnixMs(w->last_heartbeat));
+    info.set_registered_unix_ms(UnixMs(w->registered));
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> Core::EventsSince(const std::string& job_id,
+                                                            int64_t from_sequence) const {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  std::vector<v1::JobEvent> events;
+  for (const v1::JobEvent& e : it->second.events) {
+    if (e.sequence() >= from_sequence) events.push_back(e);
+  }
+  return events;
+}
+
+void Core::Tick(absl::Time now, Decisions* out) {
+  // Heartbeat silence: the job's own timeout applies to its members.
+  for (auto& [id, w] : workers_) {
+    if (w.state == WorkerState::kLost) continue;
+    absl::Duration timeout = options_.heartbeat_timeout;
+    if (w.state == WorkerState::kBusy) {
+      if (JobRecord* job = FindJob(w.job_id); job && job->job.spec().heartbeat_timeout_ms() > 0) {
+        timeout = absl::Milliseconds(job->job.spec().heartbeat_timeout_ms());
+      }
+    }
+    if (now - w.last_heartbeat > timeout) {
+      MarkWorkerLost(w,
+                     absl::StrCat("worker ", w.info.name(), " (", id, ") lost: no heartbeat for ",
+                                  Seconds1(now - w.last_heartbeat)),
+                     now, out);
+    }
+  }
+  for (auto& [id, job] : jobs_) {
+    const v1::JobSpec& spec = job.job.spec();
+    if (job.job.state() == v1::JOB_STATE_RUNNING) {
+      const absl::Duration step_timeout = absl::Milliseconds(spec.step_timeout_ms());
+      if (now - job.last_advance > step_timeout) {
+        FinishJob(job, v1::JOB_STATE_FAILED,
+                  absl::StrCat("no step completed for ", Seconds1(now - job.last_advance),
+                               " (step_timeout_ms ", spec.step_timeout_ms(), ") at step ",
+                               job.job.step()),
+                  now, out);
+      }
+    } else if (job.job.state() == v1::JOB_STATE_PENDING && spec.rendezvous_timeout_ms() > 0 &&
+               now - job.submitted > absl::Milliseconds(spec.rendezvous_timeout_ms())) {
+      FinishJob(job, v1::JOB_STATE_FAILED,
+                absl::StrCat("waited ", Seconds1(now - job.submitted), " for ",
+                             spec.min_workers(), " workers (rendezvous_timeout_ms ",
+                             spec.rendezvous_timeout_ms(), "); ", job.job.reason()),
+                now, out);
+    }
+  }
+  PruneLostWorkers();
+  Schedule(now, out);
+}
+
+void Core::Schedule(absl::Time now, Decisions* out) {
+  // Strict FIFO gang scheduling: the head job waits until its min_workers are idle, and later
+  // jobs wait behind it so that a large job cannot starve.
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [&](const std::string& id) {
+                                  return jobs_.at(id).job.state() != v1::JOB_STATE_PENDING;
+                                }),
+                 pending_.end());
+  while (!pending_.empty()) {
+    JobRecord& job = jobs_.at(pending_.front());
+    std::vector<RankCandidate> idle;
+    for (const auto& [id, w] : workers_) {
+      if (w.state == WorkerState::kIdle) {
+        idle.push_back({w.id, w.info.host(), w.registration_seq});
+      }
+    }
+    const v1::JobSpec& spec = job.job.spec();
+    if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
+      std::string reason = absl::StrCat("waiting for ", spec.min_workers(), " idle worker",
+                                        spec.min_workers() == 1 ? "" : "s", " (", idle.size(),
+                                        " idle)");
+      if (reason != job.job.reason()) {
+        job.job.set_reason(reason);
+        out->changed_jobs.insert(job.job.job_id());
+      }
+      return;
+    }
+    std::sort(idle.begin(), idle.end(), [](const RankCandidate& a, const RankCandidate& b) {
+      return a.registration_seq < b.registration_seq;
+    });
+    idle.resize(std::min<size_t>(idle.size(), spec.max_workers()));
+    pending_.erase(pending_.begin());
+    StartGeneration(job, AssignRanks({}, std::move(idle)), now, out);
+  }
+}
+
+void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
+                           Decisions* out) {
+  const int64_t generation = job.job.generation() + 1;
+  job.job.set_generation(generation);
+  job.members.clear();
+  std::vector<std::string> names;
+  for (const std::string& id : worker_ids) {
+    job.members.push_back({id});
+    names.push_back(workers_.at(id).info.name());
+  }
+  if (job.started == absl::InfinitePast()) {
+    job.started = now;
+    job.job.set_start_time_unix_ms(UnixMs(now));
+  }
+  job.last_advance = now;
+  job.job.set_state(v1::JOB_STATE_RUNNING);
+  job.job.set_reason(absl::StrCat("generation ", generation, " training on ", worker_ids.size(),
+                                  " worker", worker_ids.size() == 1 ? "" : "s"));
+  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
+    Worker& w = workers_.at(worker_ids[rank]);
+    w.state = WorkerState::kBusy;
+    w.job_id = job.job.job_id();
+    w.generation = generation;
+    Decisions::Outgoing msg{w.id, {}};
+    v1::Assignment* a = msg.message.mutable_assignment();
+    a->set_job_id(job.job.job_id());
+    a->set_generation(generation);
+    a->set_rank(static_cast<int32_t>(rank));
+    a->set_world_size(static_cast<int32_t>(worker_ids.size()));
+    *a->mutable_spec() = job.job.spec();
+    for (const std::string& n : names) a->add_member_names(n);
+    a->set_start_step(job.job.step() + 1);
+    a->set_source_rank(-1);
+    out->messages.push_back(std::move(msg));
+  }
+  RefreshMembers(job);
+  AddEvent(job, v1::JobEvent::STATE, "running", now, out);
+  AddEvent(job, v1::JobEvent::MEMBERSHIP,
+           absl::StrCat("generation ", generation, " formed: ", absl::StrJoin(names, ", "), " (",
+                        names.size(), " worker", names.size() == 1 ? "" : "s", ")"),
+           now, out);
+}
+
+void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id,
+                            const std::string& reason, bool fatal, absl::Time now,
+                            Decisions* out) {
+  if (IsTerminal(job.job.state())) return;
+  AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
+  // Without elastic recovery a generation cannot continue without one of its members.
+  FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
+  (void)fatal;
+  (void)worker_id;
+}
+
+void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reason,
+                     absl::Time now, Decisions* out) {
+  for (const MemberState& m : job.members) {
+    Worker* w = FindWorker(m.worker_id);
+    if (w == nullptr || w->job_id != job.job.job_id()) continue;
+    if (w->state == WorkerState::kBusy) {
+      if (state != v1::JOB_STATE_SUCCEEDED) {
+        Decisions::Outgoing msg{w->id, {}};
+        v1::Abort* abort = msg.message.mutable_abort();
+        abort->set_job_id(job.job.job_id());
+        abort->set_generation(job.job.generation());
+        abort->set_reason(reason);
+        out->messages.push_back(std::move(msg));
+      }
+      w->state = WorkerState::kIdle;
+    }
+    w->job_id.clear();
+    w->generation = 0;
+  }
+  if (job.job.generation() > 0) {
+    out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
+  }
+  job.job.set_state(state);
+  job.job.set_reason(reason);
+  job.job.set_end_time_unix_ms(UnixMs(now));
+  job.job.set_eta_ms(0);
+  RefreshMembers(job);
+  AddEvent(job, v1::JobEvent::STATE, reason, now, out);
+  Schedule(now, out);
+}
+
+void Core::RefreshMembers(JobRecord& job) {
+  job.job.clear_members();
+  for (size_t rank = 0; rank < job.members.size(); ++rank) {
+    const MemberState& m = job.members[rank];
+    v1::Member* member = job.job.add_members();
+    member->set_worker_id(m.worker_id);
+    if (const Worker* w = FindWorker(m.worker_id)) {
+      member->set_worker_name(w->info.name());
+      member->set_host(w->info.host());
+    }
+    member->set_rank(static_cast<int32_t>(rank));
+    member->set_step(m.step);
+    member->set_parameter_checksum(m.checksum);
+    member->set_peak_memory_bytes(m.peak_memory_bytes);
+  }
+}
+
+void Core::AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& message,
+                    absl::Time now, Decisions* out) {
+  v1::JobEvent event;
+  event.set_kind(kind);
+  event.set_time_unix_ms(UnixMs(now));
+  event.set_message(message);
+  event.set_sequence(job.next_sequence++);
+  *event.mutable_job() = job.job;
+  job.events.push_back(std::move(event));
+  while (job.events.size() > options_.max_events_per_job) job.events.pop_front();
+  out->changed_jobs.insert(job.job.job_id());
+}
+
+void Core::PruneLostWorkers() {
+  std::vector<const Worker*> lost;
+  for (const auto& [id, w] : workers_) {
+    if (w.state == WorkerState::kLost) lost.push_back(&w);
+  }
+  if (lost.size() <= options_.max_lost_workers) return;
+  std::sort(lost.begin(), lost.end(), [](const Worker* a, const Worker* b) {
+    return a->registration_seq < b->registration_seq;
+  });
+  std::vector<std::string> drop;
+  for (size_t i = 0; i + options_.max_lost_workers < lost.size(); ++i) drop.push_back(lost[i]->id);
+  for (const std::string& id : drop) workers_.erase(id);
+}
+
+}  // namespace lockstep::coordinator

@@ -1,0 +1,205 @@
+// Job spec validation and defaults.
+#include "coordinator/core/job_spec.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace lockstep::coordinator {
+namespace {
+
+absl::Status Invalid(const std::string& field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+// The largest divisor of b that is <= 64: enough micro-shards for 64 workers, and shards big
+// enough to keep the matrix products efficient.
+int32_t DefaultMicroShards(int64_t b) {
+  for (int64_t m = std::min<int64_t>(64, b); m > 1; --m) {
+    if (b % m == 0) return static_cast<int32_t>(m);
+  }
+  return 1;
+}
+
+}  // namespace
+
+void ApplyJobSpecDefaults(v1::JobSpec* spec) {
+  v1::ModelSpec* model = spec->mutable_model();
+  if (model->activation().empty()) model->set_activation("relu");
+  if (spec->dataset().type() == "fashion_mnist" && spec->dataset().path().empty()) {
+    spec->mutable_dataset()->set_path(kDefaultFashionMnistPath);
+  }
+  v1::OptimizerSpec* opt = spec->mutable_optimizer();
+  if (opt->type().empty()) opt->set_type("sgd");
+  if (opt->type() == "adamw") {
+    if (opt->beta1() == 0) opt->set_beta1(0.9);
+    if (opt->beta2() == 0) opt->set_beta2(0.999);
+    if (opt->epsilon() == 0) opt->set_epsilon(1e-8);
+  }
+  if (spec->global_batch_size() > 0 && spec->micro_shards() == 0) {
+    spec->set_micro_shards(DefaultMicroShards(spec->global_batch_size()));
+  }
+  if (spec->min_workers() == 0) spec->set_min_workers(1);
+  if (spec->max_workers() == 0) spec->set_max_workers(std::max(1, spec->min_workers()));
+  if (spec->bucket_size_kib() == 0) spec->set_bucket_size_kib(1024);
+  if (spec->step_timeout_ms() == 0) spec->set_step_timeout_ms(60000);
+  if (spec->collective_timeout_ms() == 0) spec->set_collective_timeout_ms(30000);
+  if (spec->threads_per_worker() == 0) spec->set_threads_per_worker(1);
+}
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  const v1::ModelSpec& model = spec.model();
+  if (model.type().empty()) return Invalid("model.type", "required (one of: mlp)");
+  if (model.type() != "mlp") {
+    return Invalid("model.type", absl::StrCat("unknown model \"", model.type(), "\" (one of: mlp)"));
+  }
+  for (int i = 0; i < model.hidden_widths_size(); ++i) {
+    if (model.hidden_widths(i) <= 0 || model.hidden_widths(i) > (1 << 20)) {
+      return Invalid(absl::StrCat("model.hidden_widths[", i, "]"),
+                     absl::StrCat("must be in [1, 1048576], got ", model.hidden_widths(i)));
+    }
+  }
+  if (model.activation() != "relu" && model.activation() != "gelu") {
+    return Invalid("model.activation",
+                   absl::StrCat("unknown activation \"", model.activation(), "\" (relu, gelu)"));
+  }
+
+  const v1::DatasetSpec& data = spec.dataset();
+  if (data.type().empty()) {
+    return Invalid("dataset.type", "required (one of: fashion_mnist, idx, synthetic)");
+  }
+  if (data.type() == "idx" || data.type() == "fashion_mnist") {
+    if (data.path().empty()) {
+      return Invalid("dataset.path", absl::StrCat("required for dataset type ", data.type()));
+    }
+  } else if (data.type() == "synthetic") {
+    const v1::SyntheticDatasetSpec& s = data.synthetic();
+    if (s.train_samples() <= 0) {
+      return Invalid("dataset.synthetic.train_samples",
+                     absl::StrCat("must be > 0, got ", s.train_samples()));
+    }
+    if (s.test_samples() <= 0) {
+      return Invalid("dataset.synthetic.test_samples",
+                     absl::StrCat("must be > 0, got ", s.test_samples()));
+    }
+    if (s.input_dim() <= 0) {
+      return Invalid("dataset.synthetic.input_dim",
+                     absl::StrCat("must be > 0, got ", s.input_dim()));
+    }
+    if (s.num_classes() < 2) {
+      return Invalid("dataset.synthetic.num_classes",
+                     absl::StrCat("must be >= 2, got ", s.num_classes()));
+    }
+    if (s.train_samples() > (int64_t{1} << 26) || s.test_samples() > (int64_t{1} << 26) ||
+        s.input_dim() > 65536 || s.num_classes() > 65536) {
+      return Invalid("dataset.synthetic", "too large (at most 2^26 samples, 65536 features)");
+    }
+    if (s.train_samples() * s.input_dim() > (int64_t{1} << 31)) {
+      return Invalid("dataset.synthetic", "train_samples * input_dim must be <= 2^31 values");
+    }
+  } else {
+    return Invalid("dataset.type", absl::StrCat("unknown dataset type \"", data.type(),
+                                                "\" (one of: fashion_mnist, idx, synthetic)"));
+  }
+
+  const v1::OptimizerSpec& opt = spec.optimizer();
+  if (opt.type() != "sgd" && opt.type() != "adamw") {
+    return Invalid("optimizer.type",
+                   absl::StrCat("unknown optimizer \"", opt.type(), "\" (one of: sgd, adamw)"));
+  }
+  if (!(opt.learning_rate() > 0) || opt.learning_rate() > 1e3) {
+    return Invalid("optimizer.learning_rate",
+                   absl::StrCat("must be in (0, 1000], got ", opt.learning_rate()));
+  }
+  if (!(opt.momentum() >= 0 && opt.momentum() < 1)) {
+    return Invalid("optimizer.momentum", absl::StrCat("must be in [0, 1), got ", opt.momentum()));
+  }
+  if (!(opt.weight_decay() >= 0)) {
+    return Invalid("optimizer.weight_decay",
+                   absl::StrCat("must be >= 0, got ", opt.weight_decay()));
+  }
+  if (opt.type() == "adamw") {
+    if (!(opt.beta1() >= 0 && opt.beta1() < 1)) {
+      return Invalid("optimizer.beta1", absl::StrCat("must be in [0, 1), got ", opt.beta1()));
+    }
+    if (!(opt.beta2() >= 0 && opt.beta2() < 1)) {
+      return Invalid("optimizer.beta2", absl::StrCat("must be in [0, 1), got ", opt.beta2()));
+    }
+    if (!(opt.epsilon() > 0)) {
+      return Invalid("optimizer.epsilon", absl::StrCat("must be > 0, got ", opt.epsilon()));
+    }
+  }
+  if (opt.warmup_steps() < 0) {
+    return Invalid("optimizer.warmup_steps",
+                   absl::StrCat("must be >= 0, got ", opt.warmup_steps()));
+  }
+
+  if (spec.global_batch_size() <= 0) {
+    return Invalid("global_batch_size", absl::StrCat("must be > 0, got ", spec.global_batch_size()));
+  }
+  if (spec.global_batch_size() > (int64_t{1} << 24)) {
+    return Invalid("global_batch_size",
+                   absl::StrCat("must be <= 16777216, got ", spec.global_batch_size()));
+  }
+  if (spec.micro_shards() <= 0) {
+    return Invalid("micro_shards", absl::StrCat("must be > 0, got ", spec.micro_shards()));
+  }
+  if (spec.global_batch_size() % spec.micro_shards() != 0) {
+    return Invalid("micro_shards",
+                   absl::StrCat("global_batch_size ", spec.global_batch_size(),
+                                " is not divisible into ", spec.micro_shards(), " micro-shards"));
+  }
+  if (spec.epochs() < 0) {
+    return Invalid("epochs", absl::StrCat("must be >= 0, got ", spec.epochs()));
+  }
+  if (spec.max_steps() < 0) {
+    return Invalid("max_steps", absl::StrCat("must be >= 0, got ", spec.max_steps()));
+  }
+  if (spec.epochs() == 0 && spec.max_steps() == 0) {
+    return Invalid("epochs", "set epochs or max_steps to a positive value");
+  }
+  if (spec.min_workers() <= 0) {
+    return Invalid("min_workers", absl::StrCat("must be > 0, got ", spec.min_workers()));
+  }
+  if (spec.max_workers() < spec.min_workers()) {
+    return Invalid("max_workers", absl::StrCat("min_workers ", spec.min_workers(),
+                                               " > max_workers ", spec.max_workers()));
+  }
+  if (spec.max_workers() > spec.micro_shards()) {
+    return Invalid("max_workers",
+                   absl::StrCat("max_workers ", spec.max_workers(), " exceeds micro_shards ",
+                                spec.micro_shards(), " (each worker needs a micro-shard)"));
+  }
+  if (spec.bucket_size_kib() < 0) {
+    return Invalid("bucket_size_kib", absl::StrCat("must be >= 0, got ", spec.bucket_size_kib()));
+  }
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"heartbeat_timeout_ms", spec.heartbeat_timeout_ms()},
+        {"step_timeout_ms", spec.step_timeout_ms()},
+        {"collective_timeout_ms", spec.collective_timeout_ms()},
+        {"rendezvous_timeout_ms", spec.rendezvous_timeout_ms()}}) {
+    if (value < 0) return Invalid(name, absl::StrCat("must be >= 0, got ", value));
+  }
+  if (spec.threads_per_worker() < 0 || spec.threads_per_worker() > 256) {
+    return Invalid("threads_per_worker",
+                   absl::StrCat("must be in [0, 256], got ", spec.threads_per_worker()));
+  }
+  if (spec.max_restarts() < 0) {
+    return Invalid("max_restarts", absl::StrCat("must be >= 0, got ", spec.max_restarts()));
+  }
+  if (spec.checkpoint_every_steps() < 0) {
+    return Invalid("checkpoint_every_steps",
+                   absl::StrCat("must be >= 0, got ", spec.checkpoint_every_steps()));
+  }
+  // In the schema for the elastic release; refused rather than silently ignored.
+  if (spec.deterministic()) {
+    return absl::UnimplementedError("deterministic: not available in this release yet");
+  }
+  if (spec.checkpoint_every_steps() > 0) {
+    return absl::UnimplementedError("checkpoint_every_steps: not available in this release yet");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace lockstep::coordinator

@@ -1,0 +1,99 @@
+// lockstep-coordinator: job queue, worker registry, rendezvous and recovery for one cluster.
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "common/grpc_options.h"
+#include "coordinator/service/services.h"
+#include "glog/logging.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
+          "Address to serve on; port 0 lets the OS pick (see --port_file).");
+ABSL_FLAG(std::string, state_dir, "",
+          "Directory for durable coordinator state (created if missing).");
+ABSL_FLAG(std::string, port_file, "",
+          "If set, the selected port is written to this file once serving.");
+ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
+          "Silence after which a worker is declared lost (jobs may set their own).");
+
+namespace {
+
+// Set by SIGINT/SIGTERM; the main loop polls it (nothing else is async-signal-safe).
+volatile std::sig_atomic_t g_stop_requested = 0;
+void RequestStop(int) { g_stop_requested = 1; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "lockstep-coordinator --listen=HOST:PORT [--state_dir=DIR] [--port_file=FILE]");
+  absl::ParseCommandLine(argc, argv);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+
+  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
+  if (!state_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(state_dir, ec);
+    if (ec) {
+      LOG(ERROR) << "cannot create --state_dir " << state_dir << ": " << ec.message();
+      return 1;
+    }
+  }
+  if (absl::GetFlag(FLAGS_heartbeat_timeout_ms) <= 0) {
+    LOG(ERROR) << "--heartbeat_timeout_ms must be > 0";
+    return 1;
+  }
+
+  lockstep::coordinator::CoreOptions options;
+  options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
+  lockstep::coordinator::InMemoryJobStore job_store;
+  lockstep::coordinator::Coordinator coordinator(options, lockstep::RealClock::Get(), &job_store);
+  lockstep::coordinator::JobServiceImpl jobs(&coordinator);
+  lockstep::coordinator::WorkerServiceImpl workers(&coordinator);
+  lockstep::coordinator::StoreServiceImpl store(&coordinator);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  lockstep::ConfigureServer(builder);
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&jobs);
+  builder.RegisterService(&workers);
+  builder.RegisterService(&store);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    LOG(ERROR) << "cannot listen on " << absl::GetFlag(FLAGS_listen)
+               << " (address in use or invalid?)";
+    return 1;
+  }
+  LOG(INFO) << "lockstep-coordinator serving on port " << port;
+  if (const std::string file = absl::GetFlag(FLAGS_port_file); !file.empty()) {
+    const std::string tmp = file + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::filesystem::rename(tmp, file);
+  }
+
+  std::signal(SIGINT, RequestStop);
+  std::signal(SIGTERM, RequestStop);
+  std::signal(SIGPIPE, SIG_IGN);
+  while (!g_stop_requested) {
+    coordinator.Tick();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  LOG(INFO) << "shutting down";
+  coordinator.Shutdown();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}

@@ -1,0 +1,190 @@
+// Shell state of the coordinator: applies the core's decisions outside the lock.
+#include "coordinator/service/coordinator.h"
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+
+namespace lockstep::coordinator {
+
+void SessionOutbox::Push(v1::CoordinatorMessage message) {
+  absl::MutexLock lock(&mu_);
+  if (!closed_) queue_.push_back(std::move(message));
+}
+
+void SessionOutbox::Close() {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return;
+  closed_ = true;
+  context_->TryCancel();
+}
+
+bool SessionOutbox::Pop(v1::CoordinatorMessage* message) {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](SessionOutbox* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+        return self->closed_ || !self->queue_.empty();
+      },
+      this));
+  if (closed_) return false;
+  *message = std::move(queue_.front());
+  queue_.pop_front();
+  return true;
+}
+
+Coordinator::Coordinator(CoreOptions options, Clock* clock, JobStore* store)
+    : clock_(clock), job_store_(store), core_(options) {}
+
+absl::StatusOr<std::string> Coordinator::Register(const v1::RegisterRequest& request,
+                                                  std::shared_ptr<SessionOutbox> outbox) {
+  return Call([&](Core& core, absl::Time now, Decisions* d) -> absl::StatusOr<std::string> {
+    mu_.AssertHeld();
+    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+    // Attach first so that an assignment produced by this registration finds the session.
+    absl::StatusOr<std::string> id = core.RegisterWorker(request, now, d);
+    if (!id.ok()) return id;
+    v1::CoordinatorMessage registered;
+    registered.mutable_registered()->set_worker_id(*id);
+    registered.mutable_registered()->set_heartbeat_interval_ms(500);
+    outbox->Push(std::move(registered));
+    sessions_[*id] = std::move(outbox);
+    LOG(INFO) << "worker " << request.name() << " registered as " << *id << " (host "
+              << request.host() << ", device " << request.device() << ")";
+    return id;
+  });
+}
+
+void Coordinator::Disconnect(const std::string& worker_id, const std::string& reason) {
+  Call([&](Core& core, absl::Time now, Decisions* d) {
+    mu_.AssertHeld();
+    sessions_.erase(worker_id);
+    core.WorkerDisconnected(worker_id, reason, now, d);
+    return 0;
+  });
+}
+
+void Coordinator::SendTo(const std::string& worker_id, v1::CoordinatorMessage message) {
+  std::shared_ptr<SessionOutbox> outbox;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(worker_id);
+    if (it == sessions_.end()) return;
+    outbox = it->second;
+  }
+  outbox->Push(std::move(message));
+}
+
+void Coordinator::Apply(const Decisions& decisions) {
+  std::vector<std::pair<std::shared_ptr<SessionOutbox>, const v1::CoordinatorMessage*>> sends;
+  std::vector<std::shared_ptr<SessionOutbox>> closes;
+  std::vector<v1::Job> changed;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& m : decisions.messages) {
+      auto it = sessions_.find(m.worker_id);
+      if (it != sessions_.end()) sends.emplace_back(it->second, &m.message);
+    }
+    for (const std::string& id : decisions.close_sessions) {
+      auto it = sessions_.find(id);
+      if (it != sessions_.end()) {
+        closes.push_back(it->second);
+        sessions_.erase(it);
+      }
+    }
+    for (const auto& key : decisions.ended_generations) kv_.erase(key);
+    for (const std::string& id : decisions.changed_jobs) {
+      if (auto job = core_.GetJob(id); job.ok()) changed.push_back(*std::move(job));
+    }
+    if (!decisions.changed_jobs.empty() || !decisions.ended_generations.empty()) {
+      changed_.SignalAll();
+    }
+  }
+  for (auto& [outbox, message] : sends) outbox->Push(*message);
+  for (auto& outbox : closes) outbox->Close();
+  for (const v1::Job& job : changed) {
+    if (absl::Status s = job_store_->Save(job); !s.ok()) {
+      LOG(ERROR) << "saving job " << job.job_id() << ": " << s;
+    }
+  }
+  for (const v1::Job& job : changed) {
+    if (Core::IsTerminal(job.state()) && job.end_time_unix_ms() != 0) {
+      VLOG(1) << "job " << job.job_id() << " " << v1::JobState_Name(job.state());
+    }
+  }
+}
+
+absl::Status Coordinator::StoreSet(const std::string& job_id, int64_t generation,
+                                   const std::string& key, std::string value) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = core_.CheckGeneration(job_id, generation); !s.ok()) return s;
+  kv_[{job_id, generation}][key] = std::move(value);
+  changed_.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Coordinator::StoreWait(const std::string& job_id, int64_t generation,
+                                                   const std::vector<std::string>& keys,
+                                                   absl::Duration timeout,
+                                                   grpc::ServerContext* context) {
+  if (keys.empty()) return absl::InvalidArgumentError("keys: at least one key is required");
+  const absl::Time deadline = clock_->Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (absl::Status s = core_.CheckGeneration(job_id, generation); !s.ok()) return s;
+    auto it = kv_.find({job_id, generation});
+    if (it != kv_.end()) {
+      bool all = true;
+      for (const std::string& k : keys) all = all && it->second.count(k) > 0;
+      if (all) return it->second.at(keys.front());
+    }
+    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
+    if (context != nullptr && context->IsCancelled()) {
+      return absl::CancelledError("request cancelled");
+    }
+    const absl::Time now = clock_->Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("store key \"", keys.front(), "\" of job ",
+                                                      job_id, " generation ", generation,
+                                                      " not set within ", absl::FormatDuration(timeout)));
+    }
+    // Wake at least every 200 ms to notice cancelled calls.
+    changed_.WaitWithTimeout(&mu_, std::min(deadline - now, absl::Milliseconds(200)));
+  }
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> Coordinator::WaitEvents(const std::string& job_id,
+                                                                  int64_t from,
+                                                                  absl::Duration timeout,
+                                                                  bool* finished) {
+  const absl::Time deadline = clock_->Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    absl::StatusOr<std::vector<v1::JobEvent>> events = core_.EventsSince(job_id, from);
+    if (!events.ok()) return events.status();
+    const absl::StatusOr<v1::Job> job = core_.GetJob(job_id);
+    *finished = job.ok() && Core::IsTerminal(job->state());
+    if (!events->empty() || *finished || shutdown_) return events;
+    const absl::Time now = clock_->Now();
+    if (now >= deadline) return events;
+    changed_.WaitWithTimeout(&mu_, deadline - now);
+  }
+}
+
+void Coordinator::Tick() {
+  Call([](Core& core, absl::Time now, Decisions* d) {
+    core.Tick(now, d);
+    return 0;
+  });
+}
+
+void Coordinator::Shutdown() {
+  std::vector<std::shared_ptr<SessionOutbox>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+    for (auto& [id, outbox] : sessions_) sessions.push_back(outbox);
+    changed_.SignalAll();
+  }
+  for (auto& outbox : sessions) outbox->Close();
+}
+
+}  // namespace lockstep::coordinator

@@ -1,0 +1,103 @@
+// The coordinator's shell state: the pure Core under one mutex, the live worker sessions, and
+// the bootstrap key-value store. The three gRPC services (jobs, workers, store) are thin
+// wrappers over this class.
+//
+// Thread safety: every public method may be called from any thread. Core calls run under mu_;
+// their Decisions are applied after mu_ is released (messages are queued to sessions, whose
+// writer threads send them, so no gRPC write ever happens under mu_).
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "coordinator/core/core.h"
+#include "coordinator/store/job_store.h"
+#include "grpcpp/server_context.h"
+#include "lockstep/v1/worker.pb.h"
+
+namespace lockstep::coordinator {
+
+// Outbound side of one worker's Session stream. The Session handler thread drains the queue.
+class SessionOutbox {
+ public:
+  explicit SessionOutbox(grpc::ServerContext* context) : context_(context) {}
+  void Push(v1::CoordinatorMessage message);
+  // Ends the session: the handler stops writing and the stream is cancelled.
+  void Close();
+  // Blocks until a message is queued or the outbox closed; false when closed and drained.
+  bool Pop(v1::CoordinatorMessage* message);
+
+ private:
+  absl::Mutex mu_;
+  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ServerContext* const context_;
+};
+
+class Coordinator {
+ public:
+  Coordinator(CoreOptions options, Clock* clock, JobStore* store);
+
+  // Runs fn(core, now, decisions) under the lock and applies the decisions afterwards.
+  template <typename Fn>
+  auto Call(Fn&& fn) -> decltype(fn(std::declval<Core&>(), absl::Time(),
+                                     std::declval<Decisions*>())) {
+    Decisions decisions;
+    auto apply = [&] { Apply(decisions); };
+    struct Finally {
+      std::function<void()> f;
+      ~Finally() { f(); }
+    } finally{apply};
+    absl::MutexLock lock(&mu_);
+    // The lock is released before `finally` runs (declared after it).
+    return fn(core_, clock_->Now(), &decisions);
+  }
+
+  // Registers a worker and attaches its outbox in one step, so the Registered reply is queued
+  // before any assignment the registration triggers.
+  absl::StatusOr<std::string> Register(const v1::RegisterRequest& request,
+                                       std::shared_ptr<SessionOutbox> outbox);
+  // Detaches the session and tells the core the worker is gone.
+  void Disconnect(const std::string& worker_id, const std::string& reason);
+  void SendTo(const std::string& worker_id, v1::CoordinatorMessage message);
+
+  // Bootstrap store, scoped by the core's live generations.
+  absl::Status StoreSet(const std::string& job_id, int64_t generation, const std::string& key,
+                        std::string value);
+  // Waits until every key exists; returns the value of the first one.
+  absl::StatusOr<std::string> StoreWait(const std::string& job_id, int64_t generation,
+                                        const std::vector<std::string>& keys,
+                                        absl::Duration timeout, grpc::ServerContext* context);
+
+  // Events with sequence >= from; blocks up to `timeout` when there are none yet. Sets
+  // *finished when the job has ended and every event has been returned.
+  absl::StatusOr<std::vector<v1::JobEvent>> WaitEvents(const std::string& job_id, int64_t from,
+                                                       absl::Duration timeout, bool* finished);
+
+  void Tick();
+  // Closes every session and wakes every waiter; later calls still work but nothing blocks.
+  void Shutdown();
+
+ private:
+  void Apply(const Decisions& decisions) ABSL_LOCKS_EXCLUDED(mu_);
+
+  Clock* const clock_;
+  JobStore* const job_store_;
+  absl::Mutex mu_;
+  absl::CondVar changed_;  // signalled on every store write and job change
+  Core core_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<SessionOutbox>> sessions_ ABSL_GUARDED_BY(mu_);
+  // (job, generation) -> key -> value.
+  std::map<std::pair<std::string, int64_t>, std::map<std::string, std::string>> kv_
+      ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace lockstep::coordinator

@@ -1,0 +1,108 @@
+// WorkerService: one Session stream per worker. A reader thread feeds the worker's messages to
+// the core; the handler thread writes the queued coordinator messages. A broken stream is the
+// fastest death signal: the core hears about it the moment Read fails.
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "coordinator/service/services.h"
+#include "glog/logging.h"
+
+namespace lockstep::coordinator {
+namespace {
+
+v1::CoordinatorMessage AbortMessage(const std::string& job_id, int64_t generation,
+                                    const absl::Status& status) {
+  v1::CoordinatorMessage message;
+  v1::Abort* abort = message.mutable_abort();
+  abort->set_job_id(job_id);
+  abort->set_generation(generation);
+  abort->set_reason(std::string(status.message()));
+  return message;
+}
+
+}  // namespace
+
+grpc::Status WorkerServiceImpl::Session(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
+  v1::WorkerMessage first;
+  if (!stream->Read(&first)) return grpc::Status::CANCELLED;
+  if (!first.has_register_()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the first message of a session must be register");
+  }
+  auto outbox = std::make_shared<SessionOutbox>(context);
+  absl::StatusOr<std::string> id = coordinator_->Register(first.register_(), outbox);
+  if (!id.ok()) {
+    LOG(WARNING) << "refused registration of " << first.register_().name() << ": " << id.status();
+    return ToGrpcStatus(id.status());
+  }
+  const std::string worker_id = *id;
+
+  std::thread reader([&, outbox] {
+    v1::WorkerMessage message;
+    std::string reason = "session closed by the worker";
+    while (stream->Read(&message)) {
+      absl::Status status;
+      std::string job_id;
+      int64_t generation = 0;
+      switch (message.kind_case()) {
+        case v1::WorkerMessage::kHeartbeat:
+          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions*) {
+            return core.Heartbeat(worker_id, now);
+          });
+          break;
+        case v1::WorkerMessage::kProgress:
+          job_id = message.progress().job_id();
+          generation = message.progress().generation();
+          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
+            return core.ReportProgress(worker_id, message.progress(), now, d);
+          });
+          break;
+        case v1::WorkerMessage::kFailure:
+          job_id = message.failure().job_id();
+          generation = message.failure().generation();
+          LOG(WARNING) << "worker " << worker_id << " reports failure in " << job_id << " g"
+                       << generation << ": " << message.failure().message();
+          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
+            return core.ReportFailure(worker_id, message.failure(), now, d);
+          });
+          break;
+        case v1::WorkerMessage::kFinished:
+          job_id = message.finished().job_id();
+          generation = message.finished().generation();
+          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
+            return core.ReportFinished(worker_id, message.finished(), now, d);
+          });
+          break;
+        default:
+          status = absl::InvalidArgumentError("unexpected message on an established session");
+      }
+      if (absl::IsAborted(status)) {
+        // Stale generation: fence the sender; its report changed nothing.
+        outbox->Push(AbortMessage(job_id, generation, status));
+      } else if (absl::IsNotFound(status) && job_id.empty()) {
+        reason = absl::StrCat("session ended: ", status.message());
+        break;
+      } else if (!status.ok()) {
+        LOG(WARNING) << "worker " << worker_id << ": " << status;
+      }
+    }
+    if (context->IsCancelled()) reason = "connection lost";
+    coordinator_->Disconnect(worker_id, reason);
+    outbox->Close();
+  });
+
+  v1::CoordinatorMessage out;
+  while (outbox->Pop(&out)) {
+    if (!stream->Write(out)) break;
+  }
+  // Pop fails only once the outbox is closed, which cancels the call so Read returns.
+  outbox->Close();
+  reader.join();
+  LOG(INFO) << "session of " << worker_id << " ended";
+  return grpc::Status::OK;
+}
+
+}  // namespace lockstep::coordinator

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Lockstep builds, tests and demos with. Idempotent: it only
+# calls apt-get when something is missing. Usage: scripts/install_deps.sh [--bench]
+set -euo pipefail
+
+pkgs=(
+  build-essential cmake ninja-build ccache pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libgoogle-glog-dev libgflags-dev libabsl-dev libgtest-dev libgmock-dev
+  libgloo-dev libsqlite3-dev libopenblas-dev zlib1g-dev
+  dataset-fashion-mnist
+)
+if [[ "${1:-}" == "--bench" ]]; then
+  pkgs+=(python3-torch libopenblas0-openmp)
+fi
+
+missing=()
+for p in "${pkgs[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+echo "install_deps: installing ${missing[*]}" >&2
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+# dataset-fashion-mnist is optional: the demo falls back to --synthetic when it is missing.
+if ! $sudo apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 "${missing[@]}"; then
+  rest=()
+  for p in "${missing[@]}"; do [[ "$p" != dataset-fashion-mnist ]] && rest+=("$p"); done
+  $sudo apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 "${rest[@]}"
+  echo "install_deps: dataset-fashion-mnist could not be installed; use --synthetic" >&2
+fi

@@ -1,0 +1,170 @@
+// lockstepctl against a real cluster: submit, status, list, workers, watch and cancel, their
+// exit codes, JSON output, and one-line errors naming the gRPC code.
+#include <fstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
+
+namespace lockstep {
+namespace {
+
+using testing::Cluster;
+using testing::CommandResult;
+using testing::RunCommand;
+
+constexpr char kShortJob[] = R"json({
+  "name": "cli-short",
+  "model": {"type": "mlp", "hiddenWidths": [32]},
+  "dataset": {"type": "synthetic",
+              "synthetic": {"trainSamples": 4096, "testSamples": 512, "inputDim": 16,
+                            "numClasses": 3, "seed": 1}},
+  "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
+  "globalBatchSize": 64,
+  "maxSteps": 150,
+  "minWorkers": 2,
+  "maxWorkers": 2
+})json";
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto cluster = Cluster::Start();
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = *std::move(cluster);
+    ASSERT_TRUE(cluster_->StartWorkers(2).ok());
+  }
+  CommandResult Ctl(std::vector<std::string> args, absl::Duration timeout = absl::Seconds(60)) {
+    std::vector<std::string> argv = {LOCKSTEP_CTL_BIN, "--coordinator=" + cluster_->address()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto result = RunCommand(argv, timeout);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.value_or(CommandResult{});
+  }
+  std::string WriteSpec(const std::string& name, const std::string& text) {
+    const std::string path = absl::StrCat(cluster_->dir(), "/", name);
+    std::ofstream(path) << text;
+    return path;
+  }
+  static std::string JobIdFrom(const std::string& output) {
+    // `submit` prints the job id on a line of its own, e.g. "job-1".
+    size_t pos = output.find("job-");
+    if (pos == std::string::npos) return "";
+    size_t end = output.find_first_of(" \n\t", pos);
+    return output.substr(pos, end - pos);
+  }
+  std::unique_ptr<Cluster> cluster_;
+};
+
+TEST_F(CliTest, SubmitStatusWatchListAndWorkers) {
+  const std::string spec = WriteSpec("job.json", kShortJob);
+  CommandResult submit = Ctl({"submit", spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.output;
+  const std::string id = JobIdFrom(submit.output);
+  ASSERT_FALSE(id.empty()) << submit.output;
+
+  CommandResult watch = Ctl({"watch", id}, absl::Seconds(180));
+  EXPECT_EQ(watch.exit_code, 0) << watch.output;
+  EXPECT_TRUE(absl::StrContains(watch.output, "SUCCEEDED")) << watch.output;
+  EXPECT_TRUE(absl::StrContains(watch.output, "test accuracy")) << watch.output;
+  EXPECT_TRUE(absl::StrContains(watch.output, "generation 1 formed")) << watch.output;
+
+  CommandResult status = Ctl({"status", id, "--output=json"});
+  ASSERT_EQ(status.exit_code, 0) << status.output;
+  v1::Job job;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(status.output, &job).ok())
+      << status.output;
+  EXPECT_EQ(job.job_id(), id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.step(), 150);
+  ASSERT_EQ(job.members_size(), 2);
+  EXPECT_EQ(job.members(0).parameter_checksum(), job.members(1).parameter_checksum());
+
+  CommandResult table = Ctl({"status", id});
+  EXPECT_EQ(table.exit_code, 0);
+  EXPECT_TRUE(absl::StrContains(table.output, "SUCCEEDED")) << table.output;
+
+  CommandResult list = Ctl({"list", "--output=json"});
+  ASSERT_EQ(list.exit_code, 0) << list.output;
+  v1::ListJobsResponse jobs;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(list.output, &jobs).ok()) << list.output;
+  ASSERT_EQ(jobs.jobs_size(), 1);
+  EXPECT_EQ(jobs.jobs(0).job_id(), id);
+  EXPECT_TRUE(absl::StrContains(Ctl({"list"}).output, id));
+
+  CommandResult workers = Ctl({"workers", "--output=json"});
+  ASSERT_EQ(workers.exit_code, 0) << workers.output;
+  v1::ListWorkersResponse listed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(workers.output, &listed).ok());
+  EXPECT_EQ(listed.workers_size(), 2);
+  CommandResult workers_table = Ctl({"workers"});
+  EXPECT_TRUE(absl::StrContains(workers_table.output, "w0")) << workers_table.output;
+  EXPECT_TRUE(absl::StrContains(workers_table.output, "idle")) << workers_table.output;
+}
+
+TEST_F(CliTest, CancelEndsARunningJobAndWatchExitsNonZero) {
+  std::string long_job = kShortJob;
+  long_job.replace(long_job.find("\"maxSteps\": 150"), 15, "\"maxSteps\": 900000");
+  CommandResult submit = Ctl({"submit", WriteSpec("long.json", long_job)});
+  ASSERT_EQ(submit.exit_code, 0) << submit.output;
+  const std::string id = JobIdFrom(submit.output);
+  auto running = cluster_->WaitFor(id, [](const v1::Job& j) { return j.step() > 5; },
+                                   absl::Seconds(60));
+  ASSERT_TRUE(running.ok()) << running.status();
+  CommandResult cancel = Ctl({"cancel", id});
+  EXPECT_EQ(cancel.exit_code, 0) << cancel.output;
+  auto job = cluster_->Get(id);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->state(), v1::JOB_STATE_CANCELLED);
+  CommandResult watch = Ctl({"watch", id});
+  EXPECT_EQ(watch.exit_code, 1) << watch.output;
+  EXPECT_TRUE(absl::StrContains(watch.output, "CANCELLED")) << watch.output;
+  CommandResult again = Ctl({"cancel", id});
+  EXPECT_EQ(again.exit_code, 3) << again.output;
+  EXPECT_TRUE(absl::StrContains(again.output, "FAILED_PRECONDITION")) << again.output;
+  // Both workers are free again.
+  auto workers = cluster_->Workers();
+  ASSERT_TRUE(workers.ok());
+  auto idle = cluster_->WaitFor(
+      id, [&](const v1::Job&) {
+        auto w = cluster_->Workers();
+        return w.ok() && w->size() == 2 && (*w)[0].state() == "idle" && (*w)[1].state() == "idle";
+      },
+      absl::Seconds(10));
+  EXPECT_TRUE(idle.ok()) << idle.status();
+}
+
+TEST_F(CliTest, ErrorsAreOneLineWithTheCode) {
+  CommandResult missing = Ctl({"status", "job-404"});
+  EXPECT_EQ(missing.exit_code, 3);
+  EXPECT_TRUE(absl::StrContains(missing.output, "NOT_FOUND")) << missing.output;
+
+  std::string bad = kShortJob;
+  bad.replace(bad.find("\"globalBatchSize\": 64"), 21, "\"globalBatchSize\": -8");
+  CommandResult invalid = Ctl({"submit", WriteSpec("bad.json", bad)});
+  EXPECT_EQ(invalid.exit_code, 3) << invalid.output;
+  EXPECT_TRUE(absl::StrContains(invalid.output, "INVALID_ARGUMENT")) << invalid.output;
+  EXPECT_TRUE(absl::StrContains(invalid.output, "global_batch_size")) << invalid.output;
+
+  CommandResult malformed = Ctl({"submit", WriteSpec("broken.json", "{ not json")});
+  EXPECT_EQ(malformed.exit_code, 2) << malformed.output;
+  EXPECT_TRUE(absl::StrContains(malformed.output, "broken.json")) << malformed.output;
+
+  CommandResult unknown = Ctl({"frobnicate"});
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
+
+  auto unreachable = RunCommand({LOCKSTEP_CTL_BIN, "--coordinator=127.0.0.1:1", "--timeout_ms=2000",
+                                 "list"},
+                                absl::Seconds(30));
+  ASSERT_TRUE(unreachable.ok());
+  EXPECT_EQ(unreachable->exit_code, 3) << unreachable->output;
+  EXPECT_TRUE(absl::StrContains(unreachable->output, "UNAVAILABLE") ||
+              absl::StrContains(unreachable->output, "DEADLINE_EXCEEDED"))
+      << unreachable->output;
+}
+
+}  // namespace
+}  // namespace lockstep

@@ -1,0 +1,283 @@
+// Local cluster harness for integration tests.
+#include "tests/testing/cluster.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/grpc_options.h"
+#include "common/grpc_status.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace lockstep::testing {
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Process>> Process::Spawn(const std::vector<std::string>& argv,
+                                                        const std::string& log_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    return absl::InternalError(absl::StrCat("posix_spawn ", argv[0], ": ", strerror(rc)));
+  }
+  return std::unique_ptr<Process>(new Process(pid));
+}
+
+Process::~Process() {
+  if (!reaped_) {
+    kill(pid_, SIGKILL);
+    kill(pid_, SIGCONT);
+    waitpid(pid_, &status_, 0);
+  }
+}
+
+void Process::Signal(int sig) {
+  if (!reaped_) kill(pid_, sig);
+}
+
+bool Process::running() {
+  if (reaped_) return false;
+  if (waitpid(pid_, &status_, WNOHANG) == pid_) reaped_ = true;
+  return !reaped_;
+}
+
+absl::StatusOr<int> Process::Wait(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (running()) {
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("pid ", pid_, " still running"));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  if (WIFEXITED(status_)) return WEXITSTATUS(status_);
+  return 128 + WTERMSIG(status_);
+}
+
+absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
+                                         absl::Duration timeout, const std::string& stdin_data) {
+  static int counter = 0;
+  const std::string base =
+      absl::StrCat(::testing::TempDir(), "/cmd-", getpid(), "-", counter++);
+  const std::vector<std::string>& args = argv;
+  std::string in_path = "/dev/null";
+  if (!stdin_data.empty()) {
+    in_path = base + ".in";
+    std::ofstream(in_path) << stdin_data;
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, in_path.c_str(), O_RDONLY, 0);
+  const std::string out_path = base + ".out";
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  std::vector<char*> cargs;
+  for (const std::string& a : args) cargs.push_back(const_cast<char*>(a.c_str()));
+  cargs.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, cargs[0], &actions, nullptr, cargs.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return absl::InternalError(absl::StrCat("posix_spawn: ", strerror(rc)));
+  absl::StatusOr<int> code = [&]() -> absl::StatusOr<int> {
+    const absl::Time deadline = absl::Now() + timeout;
+    int status = 0;
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+      if (absl::Now() > deadline) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        return absl::DeadlineExceededError(absl::StrCat(argv[0], " did not finish within ",
+                                                        absl::FormatDuration(timeout), ": ",
+                                                        ReadFile(out_path)));
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }();
+  CommandResult result;
+  if (!code.ok()) return code.status();
+  result.exit_code = *code;
+  result.output = ReadFile(out_path);
+  return result;
+}
+
+absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
+    const std::vector<std::string>& coordinator_flags) {
+  std::unique_ptr<Cluster> cluster(new Cluster());
+  static int counter = 0;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  cluster->dir_ = absl::StrCat(::testing::TempDir(), "/lockstep-", getpid(), "-",
+                               info ? info->name() : "cluster", "-", counter++);
+  std::filesystem::remove_all(cluster->dir_);
+  std::filesystem::create_directories(cluster->dir_);
+  const std::string port_file = cluster->dir_ + "/port";
+  std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                                   "--port_file=" + port_file,
+                                   "--state_dir=" + cluster->dir_ + "/state"};
+  argv.insert(argv.end(), coordinator_flags.begin(), coordinator_flags.end());
+  auto process = Process::Spawn(argv, cluster->dir_ + "/coordinator.log");
+  if (!process.ok()) return process.status();
+  cluster->coordinator_ = *std::move(process);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!std::filesystem::exists(port_file)) {
+    if (!cluster->coordinator_->running() || absl::Now() > deadline) {
+      return absl::UnavailableError(absl::StrCat("coordinator did not start:\n", cluster->Logs()));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const std::string port = ReadFile(port_file);
+  cluster->address_ = absl::StrCat("127.0.0.1:", std::stoi(port));
+  cluster->jobs_ = v1::JobService::NewStub(MakeChannel(cluster->address_));
+  return cluster;
+}
+
+Cluster::~Cluster() {
+  workers_.clear();
+  if (coordinator_ != nullptr) {
+    coordinator_->Signal(SIGTERM);
+    (void)coordinator_->Wait(absl::Seconds(5));
+  }
+}
+
+absl::Status Cluster::StartWorker(const std::string& name) {
+  auto process = Process::Spawn({LOCKSTEP_WORKER_BIN, "--coordinator=" + address_,
+                                 "--device=cpu", "--name=" + name},
+                                absl::StrCat(dir_, "/", name, ".log"));
+  if (!process.ok()) return process.status();
+  workers_[name] = *std::move(process);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline) {
+    auto workers = Workers();
+    if (workers.ok()) {
+      for (const v1::WorkerInfo& w : *workers) {
+        if (w.name() == name && w.state() == "idle") return absl::OkStatus();
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("worker ", name, " did not register:\n", Logs()));
+}
+
+absl::Status Cluster::StartWorkers(int n) {
+  for (int i = 0; i < n; ++i) {
+    if (absl::Status s = StartWorker(absl::StrCat("w", i)); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Job> Cluster::Submit(const v1::JobSpec& spec) {
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(absl::Seconds(10)));
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::Job job;
+  grpc::Status status = jobs_->SubmitJob(&context, request, &job);
+  if (!status.ok()) return ToAbslStatus(status);
+  return job;
+}
+
+absl::StatusOr<v1::Job> Cluster::Get(const std::string& job_id) {
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(absl::Seconds(10)));
+  v1::GetJobRequest request;
+  request.set_job_id(job_id);
+  v1::Job job;
+  grpc::Status status = jobs_->GetJob(&context, request, &job);
+  if (!status.ok()) return ToAbslStatus(status);
+  return job;
+}
+
+absl::StatusOr<v1::Job> Cluster::WaitFor(const std::string& job_id,
+                                         const std::function<bool(const v1::Job&)>& pred,
+                                         absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  v1::Job last;
+  while (absl::Now() < deadline) {
+    absl::StatusOr<v1::Job> job = Get(job_id);
+    if (!job.ok()) return job.status();
+    if (pred(*job)) return job;
+    last = *job;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("job ", job_id, " still ",
+                                                  v1::JobState_Name(last.state()), " at step ",
+                                                  last.step(), ": ", last.reason(), "\n", Logs()));
+}
+
+absl::StatusOr<v1::Job> Cluster::WaitForEnd(const std::string& job_id, absl::Duration timeout) {
+  return WaitFor(
+      job_id,
+      [](const v1::Job& j) {
+        return j.state() == v1::JOB_STATE_SUCCEEDED || j.state() == v1::JOB_STATE_FAILED ||
+               j.state() == v1::JOB_STATE_CANCELLED;
+      },
+      timeout);
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> Cluster::History(const std::string& job_id) {
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(absl::Seconds(10)));
+  v1::WatchJobRequest request;
+  request.set_job_id(job_id);
+  auto reader = jobs_->WatchJob(&context, request);
+  std::vector<v1::JobEvent> events;
+  v1::JobEvent event;
+  while (reader->Read(&event)) events.push_back(event);
+  grpc::Status status = reader->Finish();
+  if (!status.ok()) return ToAbslStatus(status);
+  return events;
+}
+
+absl::StatusOr<std::vector<v1::WorkerInfo>> Cluster::Workers() {
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(absl::Seconds(5)));
+  v1::ListWorkersResponse response;
+  grpc::Status status = jobs_->ListWorkers(&context, v1::ListWorkersRequest(), &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return std::vector<v1::WorkerInfo>(response.workers().begin(), response.workers().end());
+}
+
+std::string Cluster::Logs() const {
+  std::string out;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+    if (entry.path().extension() != ".log") continue;
+    std::string text = ReadFile(entry.path());
+    if (text.size() > 3000) text = "..." + text.substr(text.size() - 3000);
+    absl::StrAppend(&out, "==== ", entry.path().filename().string(), " ====\n", text, "\n");
+  }
+  return out;
+}
+
+}  // namespace lockstep::testing

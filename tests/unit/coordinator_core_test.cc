@@ -1,0 +1,406 @@
+// The coordinator core, driven by events with an explicit clock: registration, gang
+// scheduling, rank assignment, generations, stale-generation fencing and timeouts.
+#include "coordinator/core/core.h"
+
+#include "coordinator/core/ranks.h"
+#include "gtest/gtest.h"
+
+namespace lockstep::coordinator {
+namespace {
+
+using v1::JobState;
+
+v1::JobSpec Spec(int min_workers, int max_workers) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_type("mlp");
+  spec.mutable_dataset()->set_type("synthetic");
+  auto* s = spec.mutable_dataset()->mutable_synthetic();
+  s->set_train_samples(1024);
+  s->set_test_samples(128);
+  s->set_input_dim(4);
+  s->set_num_classes(2);
+  spec.mutable_optimizer()->set_learning_rate(0.1);
+  spec.set_global_batch_size(64);
+  spec.set_max_steps(100);
+  spec.set_min_workers(min_workers);
+  spec.set_max_workers(max_workers);
+  return spec;
+}
+
+class CoreTest : public ::testing::Test {
+ protected:
+  CoreTest() : core_(Options()) {}
+  static CoreOptions Options() {
+    CoreOptions o;
+    o.heartbeat_timeout = absl::Seconds(5);
+    return o;
+  }
+
+  std::string Register(const std::string& name, const std::string& host = "h1") {
+    v1::RegisterRequest r;
+    r.set_name(name);
+    r.set_host(host);
+    r.set_device("cpu");
+    Decisions d;
+    absl::StatusOr<std::string> id = core_.RegisterWorker(r, now_, &d);
+    EXPECT_TRUE(id.ok()) << id.status();
+    Collect(d);
+    return id.value_or("");
+  }
+  std::string Submit(v1::JobSpec spec) {
+    Decisions d;
+    absl::StatusOr<v1::Job> job = core_.SubmitJob(spec, now_, &d);
+    EXPECT_TRUE(job.ok()) << job.status();
+    Collect(d);
+    return job.ok() ? job->job_id() : "";
+  }
+  void Collect(const Decisions& d) {
+    for (const auto& m : d.messages) sent_.push_back(m);
+    for (const auto& c : d.close_sessions) closed_.push_back(c);
+  }
+  v1::Job Job(const std::string& id) { return core_.GetJob(id).value(); }
+  // Assignments sent since the last call, by worker id.
+  std::map<std::string, v1::Assignment> TakeAssignments() {
+    std::map<std::string, v1::Assignment> out;
+    for (const auto& m : sent_) {
+      if (m.message.has_assignment()) out[m.worker_id] = m.message.assignment();
+    }
+    sent_.clear();
+    return out;
+  }
+  std::vector<std::string> TakeAborts() {
+    std::vector<std::string> out;
+    for (const auto& m : sent_) {
+      if (m.message.has_abort()) out.push_back(m.worker_id);
+    }
+    sent_.clear();
+    return out;
+  }
+  absl::Status Progress(const std::string& worker, const std::string& job, int64_t gen,
+                        int64_t step) {
+    v1::ProgressReport p;
+    p.set_job_id(job);
+    p.set_generation(gen);
+    p.set_step(step);
+    p.set_loss(1.0 / step);
+    p.set_samples_per_second(1000);
+    p.set_total_steps(100);
+    Decisions d;
+    absl::Status s = core_.ReportProgress(worker, p, now_, &d);
+    Collect(d);
+    return s;
+  }
+  absl::Status Finished(const std::string& worker, const std::string& job, int64_t gen,
+                        const std::string& checksum) {
+    v1::FinishedReport f;
+    f.set_job_id(job);
+    f.set_generation(gen);
+    f.set_step(100);
+    f.set_parameter_checksum(checksum);
+    f.mutable_eval()->set_test_accuracy(0.9);
+    Decisions d;
+    absl::Status s = core_.ReportFinished(worker, f, now_, &d);
+    Collect(d);
+    return s;
+  }
+  void Heartbeats(const std::vector<std::string>& workers) {
+    for (const auto& w : workers) ASSERT_TRUE(core_.Heartbeat(w, now_).ok());
+  }
+  void Tick() {
+    Decisions d;
+    core_.Tick(now_, &d);
+    Collect(d);
+  }
+
+  absl::Time now_ = absl::FromUnixSeconds(1'700'000'000);
+  Core core_;
+  std::vector<Decisions::Outgoing> sent_;
+  std::vector<std::string> closed_;
+};
+
+TEST_F(CoreTest, RegistrationAssignsIdsAndRefusesDuplicateLiveNames) {
+  const std::string a = Register("w0");
+  const std::string b = Register("w1");
+  EXPECT_NE(a, b);
+  v1::RegisterRequest dup;
+  dup.set_name("w0");
+  dup.set_device("cpu");
+  Decisions d;
+  EXPECT_EQ(core_.RegisterWorker(dup, now_, &d).status().code(), absl::StatusCode::kAlreadyExists);
+  v1::RegisterRequest unnamed;
+  unnamed.set_device("cpu");
+  EXPECT_EQ(core_.RegisterWorker(unnamed, now_, &d).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Once the first w0 is gone its name can be reused (a restarted worker).
+  core_.WorkerDisconnected(a, "stream closed", now_, &d);
+  EXPECT_TRUE(core_.RegisterWorker(dup, now_, &d).ok());
+  EXPECT_EQ(core_.ListWorkers().size(), 3u);
+}
+
+TEST_F(CoreTest, JobWaitsForMinWorkersThenGangStartsUpToMax) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(2, 3));
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_PENDING);
+  EXPECT_NE(Job(job).reason().find("waiting for 2 idle workers"), std::string::npos)
+      << Job(job).reason();
+  EXPECT_TRUE(TakeAssignments().empty());
+  const std::string w1 = Register("w1");
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(j.generation(), 1);
+  auto assignments = TakeAssignments();
+  ASSERT_EQ(assignments.size(), 2u);
+  EXPECT_EQ(assignments[w0].rank(), 0);
+  EXPECT_EQ(assignments[w1].rank(), 1);
+  EXPECT_EQ(assignments[w0].world_size(), 2);
+  EXPECT_EQ(assignments[w0].generation(), 1);
+  EXPECT_EQ(assignments[w0].start_step(), 1);
+  // A third worker arriving later does not disturb the running generation (no elastic growth
+  // in this release) and stays idle.
+  Register("w2");
+  EXPECT_TRUE(TakeAssignments().empty());
+}
+
+TEST_F(CoreTest, TakesAtMostMaxWorkers) {
+  for (int i = 0; i < 4; ++i) Register("w" + std::to_string(i));
+  const std::string job = Submit(Spec(1, 2));
+  EXPECT_EQ(TakeAssignments().size(), 2u);
+  EXPECT_EQ(Job(job).members_size(), 2);
+}
+
+TEST_F(CoreTest, FifoHeadBlocksLaterJobs) {
+  Register("w0");
+  const std::string big = Submit(Spec(2, 2));
+  const std::string small = Submit(Spec(1, 1));
+  EXPECT_EQ(Job(big).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Job(small).state(), v1::JOB_STATE_PENDING) << "gang FIFO: the head job goes first";
+  Register("w1");
+  EXPECT_EQ(Job(big).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(small).state(), v1::JOB_STATE_PENDING);
+}
+
+TEST_F(CoreTest, FinishedByAllMembersSucceedsAndFreesWorkers) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(Progress(w0, job, 1, 1).ok());
+  EXPECT_EQ(Job(job).step(), 1);
+  EXPECT_EQ(Job(job).total_steps(), 100);
+  ASSERT_TRUE(Finished(w0, job, 1, "abc").ok());
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING) << "one member is still training";
+  ASSERT_TRUE(Finished(w1, job, 1, "abc").ok());
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(j.step(), 100);
+  EXPECT_DOUBLE_EQ(j.eval().test_accuracy(), 0.9);
+  EXPECT_EQ(j.members(0).parameter_checksum(), "abc");
+  EXPECT_EQ(j.members(1).parameter_checksum(), "abc");
+  // Both are idle again: the next job starts at once.
+  const std::string next = Submit(Spec(2, 2));
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING);
+}
+
+TEST_F(CoreTest, StaleGenerationIsRejectedWithAborted) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(1, 1));
+  TakeAssignments();
+  EXPECT_EQ(Progress(w0, job, 2, 1).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(Progress(w0, job, 0, 1).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(Job(job).step(), 0) << "a rejected report changes nothing";
+  EXPECT_TRUE(core_.CheckGeneration(job, 1).ok());
+  EXPECT_EQ(core_.CheckGeneration(job, 2).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(core_.CheckGeneration("job-404", 1).code(), absl::StatusCode::kNotFound);
+  Decisions d;
+  ASSERT_TRUE(core_.CancelJob(job, now_, &d).ok());
+  EXPECT_EQ(Progress(w0, job, 1, 2).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(core_.CheckGeneration(job, 1).code(), absl::StatusCode::kAborted);
+  ASSERT_EQ(d.ended_generations.size(), 1u);
+  EXPECT_EQ(d.ended_generations[0], std::make_pair(job, int64_t{1}));
+}
+
+TEST_F(CoreTest, NonMemberCannotReport) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(1, 1));
+  TakeAssignments();
+  EXPECT_EQ(Progress(w1, job, 1, 1).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(Progress(w0, job, 1, 1).ok());
+}
+
+TEST_F(CoreTest, StreamClosedFailsTheJobAndAbortsSurvivors) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  Decisions d;
+  core_.WorkerDisconnected(w1, "stream closed", now_, &d);
+  Collect(d);
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(j.reason().find("w1"), std::string::npos) << j.reason();
+  EXPECT_NE(j.reason().find("stream closed"), std::string::npos) << j.reason();
+  EXPECT_EQ(TakeAborts(), std::vector<std::string>{w0});
+  // The survivor is idle and can take the next job; the lost worker cannot.
+  const std::string next = Submit(Spec(1, 2));
+  auto a = TakeAssignments();
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a.begin()->first, w0);
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING);
+}
+
+TEST_F(CoreTest, FatalFailureReportFailsJobWithTheWorkersMessage) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(1, 1));
+  TakeAssignments();
+  v1::FailureReport f;
+  f.set_job_id(job);
+  f.set_generation(1);
+  f.set_message("loading data set at /nope: dataset directory /nope does not exist");
+  f.set_fatal(true);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFailure(w0, f, now_, &d).ok());
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(Job(job).reason().find("/nope"), std::string::npos);
+}
+
+TEST_F(CoreTest, HeartbeatSilenceLosesWorkerWithFakeClock) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  for (int i = 0; i < 8; ++i) {  // 4 s: both alive
+    now_ += absl::Milliseconds(500);
+    Heartbeats({w0, w1});
+    Tick();
+  }
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  for (int i = 0; i < 11; ++i) {  // w1 goes silent (SIGSTOP): 5.5 s later it is lost
+    now_ += absl::Milliseconds(500);
+    Heartbeats({w0});
+    ASSERT_TRUE(Progress(w0, job, 1, i + 1).ok());
+    Tick();
+  }
+  EXPECT_EQ(closed_, std::vector<std::string>{w1});
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(Job(job).reason().find("no heartbeat"), std::string::npos) << Job(job).reason();
+  // The fenced worker's late reports are rejected.
+  EXPECT_EQ(Progress(w1, job, 1, 3).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(core_.Heartbeat(w1, now_).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoreTest, JobHeartbeatTimeoutOverridesDefault) {
+  const std::string w0 = Register("w0");
+  v1::JobSpec spec = Spec(1, 1);
+  spec.set_heartbeat_timeout_ms(1000);
+  const std::string job = Submit(spec);
+  now_ += absl::Milliseconds(1500);
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
+}
+
+TEST_F(CoreTest, StepTimeoutFailsAStalledJob) {
+  const std::string w0 = Register("w0");
+  v1::JobSpec spec = Spec(1, 1);
+  spec.set_step_timeout_ms(2000);
+  const std::string job = Submit(spec);
+  TakeAssignments();
+  for (int i = 1; i <= 3; ++i) {
+    now_ += absl::Milliseconds(1500);
+    Heartbeats({w0});
+    ASSERT_TRUE(Progress(w0, job, 1, i).ok());
+    Tick();
+  }
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  now_ += absl::Milliseconds(1500);
+  Heartbeats({w0});
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  now_ += absl::Milliseconds(1000);
+  Heartbeats({w0});
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(Job(job).reason().find("no step completed"), std::string::npos) << Job(job).reason();
+  EXPECT_EQ(TakeAborts(), std::vector<std::string>{w0});
+}
+
+TEST_F(CoreTest, RendezvousTimeoutFailsAPendingJob) {
+  v1::JobSpec spec = Spec(2, 2);
+  spec.set_rendezvous_timeout_ms(3000);
+  const std::string job = Submit(spec);
+  now_ += absl::Seconds(2);
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_PENDING);
+  now_ += absl::Seconds(2);
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(Job(job).reason().find("waited"), std::string::npos) << Job(job).reason();
+}
+
+TEST_F(CoreTest, CancelPendingRunningAndFinished) {
+  const std::string w0 = Register("w0");
+  const std::string running = Submit(Spec(1, 1));
+  const std::string pending = Submit(Spec(1, 1));
+  TakeAssignments();
+  Decisions d;
+  ASSERT_TRUE(core_.CancelJob(pending, now_, &d).ok());
+  EXPECT_EQ(Job(pending).state(), v1::JOB_STATE_CANCELLED);
+  d = {};
+  ASSERT_TRUE(core_.CancelJob(running, now_, &d).ok());
+  Collect(d);
+  EXPECT_EQ(Job(running).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(TakeAborts(), std::vector<std::string>{w0});
+  EXPECT_EQ(core_.CancelJob(running, now_, &d).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core_.CancelJob("job-999", now_, &d).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(core_.GetJob("job-999").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoreTest, InvalidSpecIsRefusedAndNothingIsQueued) {
+  v1::JobSpec spec = Spec(1, 1);
+  spec.set_global_batch_size(-1);
+  Decisions d;
+  absl::StatusOr<v1::Job> job = core_.SubmitJob(spec, now_, &d);
+  EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(core_.ListJobs().empty());
+}
+
+TEST_F(CoreTest, EventsRecordStateMembershipAndFirstStepLatency) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(1, 1));
+  now_ += absl::Milliseconds(250);
+  ASSERT_TRUE(Progress(w0, job, 1, 1).ok());
+  EXPECT_EQ(Job(job).first_step_latency_ms(), 250);
+  auto events = core_.EventsSince(job, 0).value();
+  ASSERT_GE(events.size(), 4u);
+  EXPECT_EQ(events[0].kind(), v1::JobEvent::STATE);
+  bool membership = false, progress = false;
+  for (size_t i = 0; i < events.size(); ++i) {
+    EXPECT_EQ(events[i].sequence(), static_cast<int64_t>(i));
+    membership |= events[i].kind() == v1::JobEvent::MEMBERSHIP &&
+                  events[i].message().find("generation 1 formed: w0") != std::string::npos;
+    progress |= events[i].kind() == v1::JobEvent::PROGRESS && events[i].job().step() == 1;
+  }
+  EXPECT_TRUE(membership);
+  EXPECT_TRUE(progress);
+  EXPECT_EQ(core_.EventsSince(job, 3).value().size(), events.size() - 3);
+}
+
+TEST(AssignRanksTest, SurvivorsKeepOrderNewcomersAfterHostsContiguous) {
+  struct Case {
+    std::vector<RankCandidate> survivors, newcomers;
+    std::vector<std::string> want;
+  };
+  const std::vector<Case> cases = {
+      {{}, {{"a", "h1", 1}, {"b", "h1", 2}}, {"a", "b"}},
+      {{}, {{"b", "h1", 2}, {"a", "h1", 1}}, {"a", "b"}},
+      // Hosts interleaved by registration are made contiguous, first host first.
+      {{}, {{"a", "h1", 1}, {"b", "h2", 2}, {"c", "h1", 3}}, {"a", "c", "b"}},
+      // Survivors keep their order even when it is not registration order.
+      {{{"c", "h1", 3}, {"a", "h1", 1}}, {{"d", "h1", 4}}, {"c", "a", "d"}},
+      // A newcomer on a survivor's host joins that host's block, after the survivors there.
+      {{{"a", "h1", 1}, {"b", "h2", 2}}, {{"c", "h1", 5}, {"d", "h3", 4}}, {"a", "c", "b", "d"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(AssignRanks(cases[i].survivors, cases[i].newcomers), cases[i].want) << "case " << i;
+  }
+}
+
+}  // namespace
+}  // namespace lockstep::coordinator

@@ -1,0 +1,119 @@
+// Job spec validation: every refusal is INVALID_ARGUMENT and names the field.
+#include "coordinator/core/job_spec.h"
+
+#include <functional>
+
+#include "gtest/gtest.h"
+
+namespace lockstep::coordinator {
+namespace {
+
+v1::JobSpec ValidSpec() {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_type("mlp");
+  spec.mutable_model()->add_hidden_widths(16);
+  spec.mutable_dataset()->set_type("synthetic");
+  auto* s = spec.mutable_dataset()->mutable_synthetic();
+  s->set_train_samples(512);
+  s->set_test_samples(64);
+  s->set_input_dim(8);
+  s->set_num_classes(3);
+  spec.mutable_optimizer()->set_type("sgd");
+  spec.mutable_optimizer()->set_learning_rate(0.1);
+  spec.set_global_batch_size(64);
+  spec.set_epochs(1);
+  return spec;
+}
+
+TEST(JobSpecTest, ValidSpecWithDefaultsPasses) {
+  v1::JobSpec spec = ValidSpec();
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  EXPECT_EQ(spec.micro_shards(), 64);
+  EXPECT_EQ(spec.min_workers(), 1);
+  EXPECT_EQ(spec.max_workers(), 1);
+  EXPECT_EQ(spec.model().activation(), "relu");
+}
+
+TEST(JobSpecTest, FashionMnistGetsDefaultPath) {
+  v1::JobSpec spec = ValidSpec();
+  spec.mutable_dataset()->set_type("fashion_mnist");
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_EQ(spec.dataset().path(), kDefaultFashionMnistPath);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok());
+}
+
+struct BadCase {
+  const char* name;
+  std::function<void(v1::JobSpec*)> mutate;
+  const char* field;  // must appear in the message
+  absl::StatusCode code = absl::StatusCode::kInvalidArgument;
+};
+
+TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
+  const std::vector<BadCase> cases = {
+      {"zero batch", [](v1::JobSpec* s) { s->set_global_batch_size(0); }, "global_batch_size"},
+      {"negative batch", [](v1::JobSpec* s) { s->set_global_batch_size(-4); },
+       "global_batch_size"},
+      {"min > max",
+       [](v1::JobSpec* s) {
+         s->set_min_workers(3);
+         s->set_max_workers(2);
+       },
+       "max_workers"},
+      {"negative min", [](v1::JobSpec* s) { s->set_min_workers(-1); }, "min_workers"},
+      {"indivisible micro-shards", [](v1::JobSpec* s) { s->set_micro_shards(5); },
+       "micro_shards"},
+      {"more workers than shards",
+       [](v1::JobSpec* s) {
+         s->set_micro_shards(2);
+         s->set_max_workers(3);
+       },
+       "max_workers"},
+      {"unknown model", [](v1::JobSpec* s) { s->mutable_model()->set_type("resnet"); },
+       "model.type"},
+      {"missing model", [](v1::JobSpec* s) { s->mutable_model()->clear_type(); }, "model.type"},
+      {"zero width", [](v1::JobSpec* s) { s->mutable_model()->set_hidden_widths(0, 0); },
+       "model.hidden_widths[0]"},
+      {"bad activation", [](v1::JobSpec* s) { s->mutable_model()->set_activation("tanhh"); },
+       "model.activation"},
+      {"idx without path",
+       [](v1::JobSpec* s) {
+         s->mutable_dataset()->set_type("idx");
+         s->mutable_dataset()->clear_path();
+       },
+       "dataset.path"},
+      {"unknown dataset", [](v1::JobSpec* s) { s->mutable_dataset()->set_type("imagenet"); },
+       "dataset.type"},
+      {"synthetic zero samples",
+       [](v1::JobSpec* s) { s->mutable_dataset()->mutable_synthetic()->set_train_samples(0); },
+       "dataset.synthetic.train_samples"},
+      {"one class",
+       [](v1::JobSpec* s) { s->mutable_dataset()->mutable_synthetic()->set_num_classes(1); },
+       "dataset.synthetic.num_classes"},
+      {"unknown optimizer", [](v1::JobSpec* s) { s->mutable_optimizer()->set_type("lamb"); },
+       "optimizer.type"},
+      {"zero lr", [](v1::JobSpec* s) { s->mutable_optimizer()->set_learning_rate(0); },
+       "optimizer.learning_rate"},
+      {"momentum 1", [](v1::JobSpec* s) { s->mutable_optimizer()->set_momentum(1.0); },
+       "optimizer.momentum"},
+      {"no epochs nor steps", [](v1::JobSpec* s) { s->set_epochs(0); }, "epochs"},
+      {"negative steps", [](v1::JobSpec* s) { s->set_max_steps(-1); }, "max_steps"},
+      {"negative heartbeat", [](v1::JobSpec* s) { s->set_heartbeat_timeout_ms(-5); },
+       "heartbeat_timeout_ms"},
+      {"deterministic not yet", [](v1::JobSpec* s) { s->set_deterministic(true); },
+       "deterministic", absl::StatusCode::kUnimplemented},
+  };
+  for (const BadCase& c : cases) {
+    v1::JobSpec spec = ValidSpec();
+    c.mutate(&spec);
+    ApplyJobSpecDefaults(&spec);
+    absl::Status status = ValidateJobSpec(spec);
+    EXPECT_EQ(status.code(), c.code) << c.name << ": " << status;
+    EXPECT_NE(status.message().find(c.field), std::string::npos)
+        << c.name << ": message \"" << status.message() << "\" does not name " << c.field;
+  }
+}
+
+}  // namespace
+}  // namespace lockstep::coordinator

@@ -1,0 +1,182 @@
+// The training step: MLP gradients against finite differences, and data-parallel training over
+// a real in-process Gloo group matching single-worker training (the global batch is fixed, so
+// only the float summation order differs).
+#include "worker/train/trainer.h"
+
+#include <cmath>
+#include <thread>
+
+#include "gloo/rendezvous/hash_store.h"
+#include "gtest/gtest.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/train/dataset.h"
+#include "worker/train/mlp.h"
+
+namespace lockstep::worker {
+namespace {
+
+// A one-rank communicator (sums over one rank are the identity).
+class SoloCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  absl::Status AllreduceSum(float*, size_t) override { return absl::OkStatus(); }
+  absl::Status AllreduceSum(double*, size_t) override { return absl::OkStatus(); }
+  absl::Status AllreduceSum(int64_t*, size_t) override { return absl::OkStatus(); }
+  absl::Status Broadcast(void*, size_t, int) override { return absl::OkStatus(); }
+  absl::Status Barrier() override { return absl::OkStatus(); }
+};
+
+v1::JobSpec SyntheticSpec() {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_type("mlp");
+  spec.mutable_model()->add_hidden_widths(32);
+  spec.mutable_model()->add_hidden_widths(16);
+  spec.mutable_model()->set_activation("gelu");
+  spec.mutable_dataset()->set_type("synthetic");
+  auto* s = spec.mutable_dataset()->mutable_synthetic();
+  s->set_train_samples(2048);
+  s->set_test_samples(512);
+  s->set_input_dim(12);
+  s->set_num_classes(4);
+  s->set_seed(3);
+  spec.mutable_optimizer()->set_type("sgd");
+  spec.mutable_optimizer()->set_learning_rate(0.1);
+  spec.mutable_optimizer()->set_momentum(0.9);
+  spec.set_global_batch_size(64);
+  spec.set_micro_shards(8);
+  spec.set_max_steps(60);
+  spec.set_seed(11);
+  spec.set_bucket_size_kib(1);  // several buckets even for this small model
+  return spec;
+}
+
+TEST(MlpTest, GradientMatchesFiniteDifferences) {
+  for (auto act : {kernels::Activation::kRelu, kernels::Activation::kGelu}) {
+    Mlp mlp({5, 7, 3}, act);
+    mlp.Initialize(9);
+    const int n = 6;
+    std::vector<float> x(n * 5);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(1.7 * i + 0.3);
+    std::vector<int32_t> y = {0, 1, 2, 1, 0, 2};
+    std::vector<int> ready;
+    mlp.ForwardBackward(x.data(), y.data(), n, 1.0f, nullptr, [&](int l) { ready.push_back(l); });
+    EXPECT_EQ(ready, (std::vector<int>{1, 0})) << "layers become ready last first";
+    std::vector<float> analytic(mlp.grads(), mlp.grads() + mlp.num_params());
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < mlp.num_params(); ++i) {
+      const float saved = mlp.params()[i];
+      const float h = 1e-2f;
+      int64_t c = 0;
+      mlp.params()[i] = saved + h;
+      const double up = mlp.Evaluate(x.data(), y.data(), n, &c);
+      mlp.params()[i] = saved - h;
+      const double down = mlp.Evaluate(x.data(), y.data(), n, &c);
+      mlp.params()[i] = saved;
+      const double numeric = (up - down) / (2 * h);
+      err += (numeric - analytic[i]) * (numeric - analytic[i]);
+      norm += numeric * numeric;
+    }
+    // Central differences in float with h = 1e-2 carry O(h^2) truncation plus rounding of the
+    // loss difference; 1e-2 relative is far below what a wrong gradient gives (~1).
+    EXPECT_LT(std::sqrt(err / norm), 1e-2) << "activation " << static_cast<int>(act);
+  }
+}
+
+TEST(TrainerTest, SoloTrainingReducesLossAndCountsSteps) {
+  v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator comm;
+  auto trainer = Trainer::Create(spec, data, &comm);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  EXPECT_EQ((*trainer)->total_steps(), 60);
+  std::vector<v1::ProgressReport> reports;
+  std::atomic<bool> abort{false};
+  ASSERT_TRUE((*trainer)->Train(1, abort, [&](const v1::ProgressReport& r) { reports.push_back(r); },
+                                absl::ZeroDuration())
+                  .ok());
+  ASSERT_EQ(reports.size(), 60u);
+  EXPECT_EQ(reports.back().step(), 60);
+  EXPECT_EQ(reports.back().total_steps(), 60);
+  EXPECT_LT(reports.back().loss(), 0.8 * reports.front().loss());
+  auto eval = (*trainer)->Evaluate();
+  ASSERT_TRUE(eval.ok());
+  EXPECT_EQ(eval->test_samples(), 512);
+  EXPECT_GT(eval->test_accuracy(), 0.4) << "4 classes: chance is 0.25";
+}
+
+TEST(TrainerTest, AbortStopsBetweenSteps) {
+  v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator comm;
+  auto trainer = Trainer::Create(spec, data, &comm).value();
+  std::atomic<bool> abort{false};
+  absl::Status s = trainer->Train(1, abort, [&](const v1::ProgressReport& r) {
+    if (r.step() == 5) abort = true;
+  }, absl::ZeroDuration());
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(trainer->completed_step(), 5);
+}
+
+TEST(TrainerTest, BatchLargerThanDataIsAPreconditionFailure) {
+  v1::JobSpec spec = SyntheticSpec();
+  spec.set_global_batch_size(4096);
+  spec.set_micro_shards(8);
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator comm;
+  auto trainer = Trainer::Create(spec, data, &comm);
+  EXPECT_EQ(trainer.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(trainer.status().message().find("4096"), std::string::npos);
+}
+
+// Trains the job on `world` ranks of an in-process Gloo group; returns rank 0's parameters
+// and every rank's checksum.
+std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::JobSpec& spec,
+                                                                    int world) {
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  gloo::rendezvous::HashStore store;
+  std::vector<std::vector<float>> params(world);
+  std::vector<std::string> checksums(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto comm = GlooCommunicator::Create(r, world, store, "127.0.0.1",
+                                           std::chrono::milliseconds(20000));
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      auto trainer = Trainer::Create(spec, data, comm->get());
+      ASSERT_TRUE(trainer.ok()) << trainer.status();
+      std::atomic<bool> abort{false};
+      ASSERT_TRUE((*trainer)->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
+      auto eval = (*trainer)->Evaluate();
+      ASSERT_TRUE(eval.ok()) << eval.status();
+      Mlp& m = (*trainer)->model();
+      params[r].assign(m.params(), m.params() + m.num_params());
+      checksums[r] = (*trainer)->ParameterChecksum();
+    });
+  }
+  for (auto& t : threads) t.join();
+  return {params[0], checksums};
+}
+
+TEST(TrainerTest, DataParallelMatchesSingleWorker) {
+  const v1::JobSpec spec = SyntheticSpec();
+  auto [solo, solo_sums] = TrainOnGloo(spec, 1);
+  for (int world : {2, 3}) {
+    auto [params, sums] = TrainOnGloo(spec, world);
+    ASSERT_EQ(params.size(), solo.size());
+    for (int r = 1; r < world; ++r) {
+      EXPECT_EQ(sums[r], sums[0]) << "rank " << r << " diverged from rank 0 (world " << world << ")";
+    }
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < solo.size(); ++i) {
+      err += (params[i] - solo[i]) * (params[i] - solo[i]);
+      norm += solo[i] * solo[i];
+    }
+    // Same samples, same global batch: only the summation order of the gradient differs, which
+    // over 60 steps of SGD with momentum stays at float rounding scale.
+    EXPECT_LT(std::sqrt(err / norm), 1e-4) << "world " << world;
+  }
+}
+
+}  // namespace
+}  // namespace lockstep::worker

@@ -1,0 +1,248 @@
+// Worker agent. The session thread reads coordinator messages; a heartbeat thread and the job
+// threads write through Send(), which serializes writes on the stream.
+#include "worker/agent.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/grpc_options.h"
+#include "common/grpc_status.h"
+#include "glog/logging.h"
+#include "kernels/cpu_kernels.h"
+#include "worker/comm/coordinator_store.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/train/dataset.h"
+#include "worker/train/trainer.h"
+
+namespace lockstep::worker {
+
+Agent::Agent(AgentOptions options)
+    : options_(std::move(options)), incarnation_(std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32)) {
+  channel_ = MakeChannel(options_.coordinator);
+  store_stub_ = v1::StoreService::NewStub(channel_);
+}
+
+Agent::~Agent() {
+  Stop();
+  ReapJobs(/*wait=*/true);
+}
+
+void Agent::Stop() {
+  stop_ = true;
+  std::lock_guard<std::mutex> lock(session_mu_);
+  if (context_ != nullptr) context_->TryCancel();
+}
+
+void Agent::Run() {
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (!stop_) {
+    const absl::Time started = absl::Now();
+    absl::Status status = RunSession();
+    AbortJobs("", 0, "session with the coordinator ended");
+    ReapJobs(/*wait=*/false);
+    if (stop_) break;
+    // A session that lasted a while was healthy: start the backoff over.
+    if (absl::Now() - started > absl::Seconds(10)) backoff = absl::Milliseconds(100);
+    LOG(WARNING) << "session with coordinator " << options_.coordinator
+                 << " ended: " << StatusLine(status) << "; reconnecting in "
+                 << absl::FormatDuration(backoff);
+    const absl::Time until = absl::Now() + backoff;
+    while (!stop_ && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+    backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+}
+
+absl::Status Agent::RunSession() {
+  auto stub = v1::WorkerService::NewStub(channel_);
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream =
+      stub->Session(&context);
+  {
+    std::lock_guard<std::mutex> lock(session_mu_);
+    if (stop_) return absl::CancelledError("stopping");
+    context_ = &context;
+  }
+  v1::WorkerMessage hello;
+  v1::RegisterRequest* reg = hello.mutable_register_();
+  reg->set_name(options_.name);
+  reg->set_host(options_.host);
+  reg->set_device(options_.device);
+  reg->set_free_memory_bytes(options_.free_memory_bytes);
+  reg->add_capabilities("gloo");
+  reg->set_incarnation(incarnation_);
+  reg->set_comm_address(options_.comm_address);
+
+  absl::Status result;
+  v1::CoordinatorMessage message;
+  if (!stream->Write(hello) || !stream->Read(&message) || !message.has_registered()) {
+    result = ToAbslStatus(stream->Finish());
+    if (result.ok()) result = absl::UnavailableError("coordinator closed the session");
+    std::lock_guard<std::mutex> lock(session_mu_);
+    context_ = nullptr;
+    return result;
+  }
+  const std::string worker_id = message.registered().worker_id();
+  const absl::Duration interval =
+      absl::Milliseconds(std::max<int64_t>(50, message.registered().heartbeat_interval_ms()));
+  LOG(INFO) << "registered with " << options_.coordinator << " as " << worker_id << " ("
+            << options_.name << ", " << options_.device << ")";
+  {
+    std::lock_guard<std::mutex> lock(session_mu_);
+    stream_ = stream.get();
+  }
+
+  std::atomic<bool> session_over{false};
+  std::thread heartbeats([&] {
+    v1::WorkerMessage beat;
+    beat.mutable_heartbeat();
+    while (!session_over) {
+      Send(beat);
+      const absl::Time until = absl::Now() + interval;
+      while (!session_over && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+    }
+  });
+
+  while (stream->Read(&message)) {
+    switch (message.kind_case()) {
+      case v1::CoordinatorMessage::kAssignment:
+        StartJob(message.assignment());
+        break;
+      case v1::CoordinatorMessage::kAbort:
+        AbortJobs(message.abort().job_id(), message.abort().generation(),
+                  message.abort().reason());
+        break;
+      default:
+        LOG(WARNING) << "ignoring unexpected coordinator message " << message.kind_case();
+    }
+    ReapJobs(/*wait=*/false);
+  }
+  session_over = true;
+  heartbeats.join();
+  {
+    std::lock_guard<std::mutex> lock(session_mu_);
+    stream_ = nullptr;
+    context_ = nullptr;
+  }
+  result = ToAbslStatus(stream->Finish());
+  if (result.ok()) result = absl::UnavailableError("coordinator ended the session");
+  return result;
+}
+
+void Agent::Send(const v1::WorkerMessage& message) {
+  std::lock_guard<std::mutex> lock(session_mu_);
+  if (stream_ != nullptr) stream_->Write(message);
+}
+
+void Agent::StartJob(const v1::Assignment& assignment) {
+  // One job at a time: a new assignment supersedes whatever ran before.
+  AbortJobs("", 0, "superseded by a new assignment");
+  auto run = std::make_shared<JobRun>();
+  run->assignment = assignment;
+  LOG(INFO) << "assigned " << assignment.job_id() << " generation " << assignment.generation()
+            << " rank " << assignment.rank() << "/" << assignment.world_size() << " ("
+            << absl::StrJoin(assignment.member_names(), ", ") << ")";
+  std::lock_guard<std::mutex> lock(jobs_mu_);
+  run->thread = std::thread([this, run] { RunJob(run); });
+  jobs_.push_back(run);
+}
+
+void Agent::AbortJobs(const std::string& job_id, int64_t generation, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(jobs_mu_);
+  for (auto& run : jobs_) {
+    const v1::Assignment& a = run->assignment;
+    const bool match = job_id.empty() || (a.job_id() == job_id && a.generation() == generation);
+    if (match && !run->done && !run->abort.exchange(true)) {
+      LOG(INFO) << "aborting " << a.job_id() << " generation " << a.generation() << ": " << reason;
+    }
+  }
+}
+
+void Agent::ReapJobs(bool wait) {
+  std::vector<std::shared_ptr<JobRun>> finished;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (wait || (*it)->done) {
+        finished.push_back(*it);
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& run : finished) {
+    if (run->thread.joinable()) run->thread.join();
+  }
+}
+
+void Agent::RunJob(std::shared_ptr<JobRun> run) {
+  const v1::Assignment& a = run->assignment;
+  const v1::JobSpec& spec = a.spec();
+  auto fail = [&](const absl::Status& status, bool fatal) {
+    if (run->abort) {
+      LOG(INFO) << a.job_id() << " generation " << a.generation() << " stopped: " << status;
+    } else {
+      LOG(WARNING) << a.job_id() << " generation " << a.generation() << " failed: " << status;
+      v1::WorkerMessage m;
+      v1::FailureReport* f = m.mutable_failure();
+      f->set_job_id(a.job_id());
+      f->set_generation(a.generation());
+      f->set_message(std::string(status.message()));
+      f->set_fatal(fatal);
+      Send(m);
+    }
+    run->done = true;
+  };
+
+  kernels::SetBlasThreads(std::max(1, spec.threads_per_worker()));
+  absl::StatusOr<std::shared_ptr<const Dataset>> data = LoadDataset(spec.dataset());
+  if (!data.ok()) {
+    const std::string where = spec.dataset().type() == "synthetic"
+                                  ? std::string("synthetic data set")
+                                  : absl::StrCat("data set at ", spec.dataset().path());
+    return fail(absl::Status(data.status().code(),
+                             absl::StrCat("loading ", where, ": ", data.status().message())),
+                /*fatal=*/true);
+  }
+
+  CoordinatorStore store(store_stub_, a.job_id(), a.generation(),
+                         std::chrono::milliseconds(spec.collective_timeout_ms()));
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm = GlooCommunicator::Create(
+      a.rank(), a.world_size(), store, options_.comm_address,
+      std::chrono::milliseconds(spec.collective_timeout_ms()));
+  if (!comm.ok()) return fail(comm.status(), /*fatal=*/false);
+
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, *data, comm->get());
+  if (!trainer.ok()) return fail(trainer.status(), /*fatal=*/true);
+
+  absl::Status trained = (*trainer)->Train(a.start_step(), run->abort,
+                                           [&](const v1::ProgressReport& progress) {
+                                             v1::WorkerMessage m;
+                                             *m.mutable_progress() = progress;
+                                             m.mutable_progress()->set_job_id(a.job_id());
+                                             m.mutable_progress()->set_generation(a.generation());
+                                             Send(m);
+                                           });
+  if (!trained.ok()) return fail(trained, /*fatal=*/false);
+
+  v1::WorkerMessage m;
+  v1::FinishedReport* f = m.mutable_finished();
+  if (!spec.skip_evaluation()) {
+    absl::StatusOr<v1::EvalResult> eval = (*trainer)->Evaluate();
+    if (!eval.ok()) return fail(eval.status(), /*fatal=*/false);
+    *f->mutable_eval() = *eval;
+  }
+  f->set_job_id(a.job_id());
+  f->set_generation(a.generation());
+  f->set_step((*trainer)->completed_step());
+  f->set_parameter_checksum((*trainer)->ParameterChecksum());
+  LOG(INFO) << a.job_id() << " finished at step " << f->step() << " parameters "
+            << f->parameter_checksum()
+            << (f->has_eval() ? absl::StrCat(" test accuracy ", f->eval().test_accuracy()) : "");
+  Send(m);
+  run->done = true;
+}
+
+}  // namespace lockstep::worker

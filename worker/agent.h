@@ -1,0 +1,73 @@
+// The worker daemon's session with the coordinator: registers, sends heartbeats, receives
+// assignments and aborts, runs each assignment on a job thread, and reconnects with backoff
+// whenever the session breaks.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "lockstep/v1/store.grpc.pb.h"
+#include "lockstep/v1/worker.grpc.pb.h"
+
+namespace lockstep::worker {
+
+struct AgentOptions {
+  std::string coordinator;   // host:port
+  std::string name;
+  std::string host;
+  std::string device = "cpu";
+  std::string comm_address;  // where peers reach this worker's collectives
+  int64_t free_memory_bytes = 0;
+  absl::Duration max_backoff = absl::Seconds(5);
+};
+
+// Run() is called by one thread; Stop() may be called from any thread (e.g. a signal watcher).
+class Agent {
+ public:
+  explicit Agent(AgentOptions options);
+  ~Agent();
+
+  // Connects, serves sessions and reconnects until Stop().
+  void Run();
+  void Stop();
+
+ private:
+  // One training assignment, owned by its job thread and the agent together. Buffers live as
+  // long as either holds it, so an abandoned thread never touches freed memory.
+  struct JobRun {
+    v1::Assignment assignment;
+    std::atomic<bool> abort{false};
+    std::atomic<bool> done{false};
+    std::thread thread;
+  };
+
+  // Serves one session; returns why it ended.
+  absl::Status RunSession();
+  // Thread-safe; drops the message when no session is open.
+  void Send(const v1::WorkerMessage& message);
+  void StartJob(const v1::Assignment& assignment);
+  void AbortJobs(const std::string& job_id, int64_t generation, const std::string& reason);
+  void RunJob(std::shared_ptr<JobRun> run);
+  void ReapJobs(bool wait);
+
+  const AgentOptions options_;
+  const uint64_t incarnation_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::shared_ptr<v1::StoreService::StubInterface> store_stub_;
+
+  std::atomic<bool> stop_{false};
+  std::mutex session_mu_;  // guards stream_, context_ and writes to the stream
+  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_ = nullptr;
+  grpc::ClientContext* context_ = nullptr;
+
+  std::mutex jobs_mu_;
+  std::vector<std::shared_ptr<JobRun>> jobs_;  // current and abandoned job threads
+};
+
+}  // namespace lockstep::worker

@@ -1,0 +1,29 @@
+// The collective operations a training step needs, independent of the transport (Gloo on CPU
+// today, NCCL on GPU next). One communicator serves one generation of one job.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace lockstep::worker {
+
+// Calls on one communicator must come from one thread at a time, in the same order on every
+// rank. Errors: UNAVAILABLE when a peer is gone or the transport failed, DEADLINE_EXCEEDED when
+// an operation outlived the collective timeout; either way the generation is over.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // In-place sum over all ranks.
+  virtual absl::Status AllreduceSum(float* data, size_t count) = 0;
+  virtual absl::Status AllreduceSum(double* data, size_t count) = 0;
+  virtual absl::Status AllreduceSum(int64_t* data, size_t count) = 0;
+  // Copies `bytes` from `root` to every rank.
+  virtual absl::Status Broadcast(void* data, size_t bytes, int root) = 0;
+  virtual absl::Status Barrier() = 0;
+};
+
+}  // namespace lockstep::worker

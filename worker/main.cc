@@ -1,0 +1,132 @@
+// lockstep-worker: owns one device and trains the shards the coordinator assigns to it.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <fstream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "glog/logging.h"
+#include "worker/agent.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
+ABSL_FLAG(std::string, device, "cpu", "Device this worker owns: cpu or cuda:N.");
+ABSL_FLAG(std::string, name, "", "Worker name, unique in the cluster (default HOST-PID).");
+ABSL_FLAG(std::string, host, "", "Host name reported to the coordinator (default gethostname).");
+ABSL_FLAG(std::string, comm_address, "",
+          "Address peers use for collectives (default: the local address that routes to the "
+          "coordinator).");
+
+namespace {
+
+volatile std::sig_atomic_t g_stop_requested = 0;
+void RequestStop(int) { g_stop_requested = 1; }
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "localhost";
+  return buf;
+}
+
+// The local address of the interface that routes to the coordinator: a connected UDP socket
+// sends nothing, but the kernel picks the source address.
+std::string LocalAddressTowards(const std::string& target) {
+  std::string host = target;
+  if (size_t colon = target.rfind(':'); colon != std::string::npos) host = target.substr(0, colon);
+  if (!host.empty() && host.front() == '[') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || res == nullptr) return "127.0.0.1";
+  std::string result = "127.0.0.1";
+  int fd = socket(res->ai_family, SOCK_DGRAM, 0);
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    char text[INET6_ADDRSTRLEN] = {};
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      const void* addr = local.ss_family == AF_INET6
+                             ? static_cast<const void*>(
+                                   &reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                             : &reinterpret_cast<sockaddr_in*>(&local)->sin_addr;
+      if (inet_ntop(local.ss_family, addr, text, sizeof(text)) != nullptr) result = text;
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(res);
+  return result;
+}
+
+int64_t AvailableMemoryBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "lockstep-worker --coordinator=HOST:PORT --device=cpu [--name=NAME]");
+  absl::ParseCommandLine(argc, argv);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+
+  lockstep::worker::AgentOptions options;
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.device = absl::GetFlag(FLAGS_device);
+  if (options.coordinator.empty()) {
+    LOG(ERROR) << "--coordinator is required (HOST:PORT)";
+    return 2;
+  }
+  if (options.device != "cpu") {
+    if (absl::StartsWith(options.device, "cuda:")) {
+      int index = -1;
+      if (!absl::SimpleAtoi(options.device.substr(5), &index) || index < 0) {
+        LOG(ERROR) << "--device=" << options.device << ": expected cpu or cuda:N";
+        return 2;
+      }
+      LOG(ERROR) << "--device=" << options.device
+                 << ": this build has no CUDA worker yet; use --device=cpu";
+      return 2;
+    }
+    LOG(ERROR) << "--device=" << options.device << ": expected cpu or cuda:N";
+    return 2;
+  }
+  options.host = absl::GetFlag(FLAGS_host).empty() ? HostName() : absl::GetFlag(FLAGS_host);
+  options.name = absl::GetFlag(FLAGS_name).empty() ? absl::StrCat(options.host, "-", getpid())
+                                                   : absl::GetFlag(FLAGS_name);
+  options.comm_address = absl::GetFlag(FLAGS_comm_address).empty()
+                             ? LocalAddressTowards(options.coordinator)
+                             : absl::GetFlag(FLAGS_comm_address);
+  options.free_memory_bytes = AvailableMemoryBytes();
+  LOG(INFO) << "lockstep-worker " << options.name << " on " << options.host << " device "
+            << options.device << ", collectives on " << options.comm_address;
+
+  std::signal(SIGPIPE, SIG_IGN);
+  std::signal(SIGINT, RequestStop);
+  std::signal(SIGTERM, RequestStop);
+  lockstep::worker::Agent agent(options);
+  std::thread watcher([&] {
+    while (!g_stop_requested) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    agent.Stop();
+  });
+  agent.Run();
+  g_stop_requested = 1;
+  watcher.join();
+  LOG(INFO) << "stopped";
+  return 0;
+}

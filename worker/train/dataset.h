@@ -1,0 +1,41 @@
+// In-memory classification data sets: IDX files (MNIST format, optionally gzipped) and a
+// synthetic generator. Features are float32 in row-major [samples x dim].
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lockstep/v1/job.pb.h"
+
+namespace lockstep::worker {
+
+struct Split {
+  int64_t samples = 0;
+  std::vector<float> x;      // samples * dim
+  std::vector<int32_t> y;    // samples, each in [0, classes)
+};
+
+struct Dataset {
+  int32_t dim = 0;
+  int32_t classes = 0;
+  Split train;
+  Split test;
+};
+
+// Reads train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and
+// t10k-labels-idx1-ubyte (each with or without .gz) from `dir`; pixels are scaled to [0, 1].
+// NOT_FOUND names the missing file; DATA_LOSS names the file and what is wrong with it.
+absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir);
+
+// Samples x ~ N(0, 1) and labels them with a fixed random teacher network, so the task is
+// learnable and the same seed gives the same data on every worker.
+Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec);
+
+// Loads the data set a job names, sharing one copy between jobs of this process that name the
+// same data (workers are long-lived and usually train the same data again). Thread-safe.
+absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec& spec);
+
+}  // namespace lockstep::worker

@@ -1,0 +1,42 @@
+// Runs gradient allreduces on a thread of their own, in submission order, so communication
+// of one bucket overlaps the backward computation of the next.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "worker/comm/communicator.h"
+
+namespace lockstep::worker {
+
+// Enqueue and Wait are called by the training thread only. The communicator must not be used
+// by anyone else while buckets are in flight.
+class GradientReducer {
+ public:
+  explicit GradientReducer(Communicator* comm);
+  ~GradientReducer();
+
+  // Starts an in-place sum of data[0, count) over all ranks. The memory must stay valid until
+  // Wait returns.
+  void Enqueue(float* data, size_t count);
+  // Blocks until every enqueued bucket is reduced; returns the first error (later buckets are
+  // skipped once one fails).
+  absl::Status Wait();
+
+ private:
+  void Loop();
+
+  Communicator* const comm_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<float*, size_t>> queue_;
+  size_t in_flight_ = 0;
+  absl::Status error_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace lockstep::worker

@@ -1,0 +1,111 @@
+// MLP forward/backward through the CPU kernels.
+#include "worker/train/mlp.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "worker/train/random.h"
+
+namespace lockstep::worker {
+
+Mlp::Mlp(std::vector<int> dims, kernels::Activation activation)
+    : dims_(std::move(dims)), activation_(activation) {
+  const int n_layers = static_cast<int>(dims_.size()) - 1;
+  layers_.resize(n_layers);
+  size_t offset = 0;
+  for (int l = n_layers - 1; l >= 0; --l) {
+    LayerSlice& s = layers_[l];
+    s.in = dims_[l];
+    s.out = dims_[l + 1];
+    s.offset = offset;
+    s.count = static_cast<size_t>(s.in) * s.out + s.out;
+    offset += s.count;
+  }
+  num_params_ = offset;
+  params_.assign(num_params_, 0.0f);
+  grads_.assign(num_params_ + 1, 0.0f);
+  z_.resize(n_layers);
+  a_.resize(n_layers);
+}
+
+void Mlp::Initialize(uint64_t seed) {
+  for (int l = 0; l < num_layers(); ++l) {
+    const LayerSlice& s = layers_[l];
+    SplitMix64 rng(MixSeed(seed, static_cast<uint64_t>(l) + 1));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(s.in));
+    for (size_t i = 0; i < s.count; ++i) {
+      params_[s.offset + i] = static_cast<float>((2.0 * rng.Uniform() - 1.0) * bound);
+    }
+  }
+}
+
+void Mlp::Reserve(int n) {
+  if (n <= capacity_) return;
+  capacity_ = n;
+  int max_width = 0;
+  for (int l = 0; l < num_layers(); ++l) {
+    z_[l].resize(static_cast<size_t>(n) * layers_[l].out);
+    if (l + 1 < num_layers()) a_[l].resize(static_cast<size_t>(n) * layers_[l].out);
+    max_width = std::max({max_width, layers_[l].in, layers_[l].out});
+  }
+  dz_.resize(static_cast<size_t>(n) * max_width);
+  da_.resize(static_cast<size_t>(n) * max_width);
+}
+
+void Mlp::Forward(const float* x, int n) {
+  Reserve(n);
+  const float* in = x;
+  for (int l = 0; l < num_layers(); ++l) {
+    const LayerSlice& s = layers_[l];
+    const float* w = params_.data() + s.offset;
+    const float* b = w + static_cast<size_t>(s.in) * s.out;
+    float* z = z_[l].data();
+    // z = in * W^T: W is (out x in) row-major, as in PyTorch.
+    kernels::Gemm(false, true, n, s.out, s.in, 1.0f, in, s.in, w, s.in, 0.0f, z, s.out);
+    const bool last = l + 1 == num_layers();
+    if (last) {
+      kernels::BiasActivationForward(b, n, s.out, kernels::Activation::kIdentity, z, z);
+    } else {
+      kernels::BiasActivationForward(b, n, s.out, activation_, z, a_[l].data());
+      in = a_[l].data();
+    }
+  }
+}
+
+double Mlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
+                            const std::function<void(double)>& on_loss,
+                            const std::function<void(int)>& on_layer_ready) {
+  Forward(x, n);
+  const int last = num_layers() - 1;
+  float* dz = dz_.data();
+  const double loss = kernels::SoftmaxCrossEntropy(z_[last].data(), y, n, layers_[last].out,
+                                                   grad_scale, dz, nullptr);
+  if (on_loss) on_loss(loss);
+  for (int l = last; l >= 0; --l) {
+    const LayerSlice& s = layers_[l];
+    const float* in = l == 0 ? x : a_[l - 1].data();
+    float* dw = grads_.data() + s.offset;
+    float* db = dw + static_cast<size_t>(s.in) * s.out;
+    // dW = dz^T * in (out x in); db = column sums of dz.
+    kernels::Gemm(true, false, s.out, s.in, n, 1.0f, dz, s.out, in, s.in, 0.0f, dw, s.in);
+    kernels::BiasGradient(dz, n, s.out, db);
+    if (on_layer_ready) on_layer_ready(l);
+    if (l == 0) break;
+    // da = dz * W (n x in), then through the activation of layer l-1.
+    const float* w = params_.data() + s.offset;
+    kernels::Gemm(false, false, n, s.in, s.out, 1.0f, dz, s.out, w, s.in, 0.0f, da_.data(),
+                  s.in);
+    kernels::ActivationBackward(activation_, z_[l - 1].data(), da_.data(), dz,
+                                static_cast<size_t>(n) * s.in);
+  }
+  return loss;
+}
+
+double Mlp::Evaluate(const float* x, const int32_t* y, int n, int64_t* correct) {
+  Forward(x, n);
+  const int last = num_layers() - 1;
+  return kernels::SoftmaxCrossEntropy(z_[last].data(), y, n, layers_[last].out, 0.0f, nullptr,
+                                      correct);
+}
+
+}  // namespace lockstep::worker

@@ -1,0 +1,70 @@
+// A multilayer perceptron classifier with explicit forward and backward passes over flat
+// parameter and gradient buffers, so gradient buckets are plain contiguous ranges.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "kernels/cpu_kernels.h"
+
+namespace lockstep::worker {
+
+// Not thread-safe.
+class Mlp {
+ public:
+  // dims = {input, hidden..., classes}; at least {input, classes}.
+  Mlp(std::vector<int> dims, kernels::Activation activation);
+
+  // Where layer l's weights (out x in, row-major) and bias live in the flat buffers. Layers are
+  // stored last layer first, so the gradient filled by backward is a growing prefix.
+  struct LayerSlice {
+    size_t offset = 0;  // of the weights; the bias follows them
+    size_t count = 0;   // weights + bias
+    int in = 0;
+    int out = 0;
+  };
+  int num_layers() const { return static_cast<int>(layers_.size()); }
+  const LayerSlice& layer(int l) const { return layers_[l]; }
+  size_t num_params() const { return num_params_; }
+  const std::vector<int>& dims() const { return dims_; }
+
+  float* params() { return params_.data(); }
+  const float* params() const { return params_.data(); }
+  // num_params() + 1 floats: the extra slot after the gradients carries the loss so that it
+  // is reduced together with the last bucket.
+  float* grads() { return grads_.data(); }
+  float& loss_slot() { return grads_[num_params_]; }
+
+  // PyTorch's nn.Linear default: weights and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+  void Initialize(uint64_t seed);
+
+  // Forward and backward on n samples. Writes grad_scale * d(sum of sample losses)/d(params)
+  // into grads() (overwriting), calls on_layer_ready(l) as soon as layer l's gradient is
+  // complete (last layer first), and returns the sum of the sample losses. on_loss(loss_sum) is
+  // called after the forward pass, before any gradient is ready.
+  double ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
+                         const std::function<void(double)>& on_loss,
+                         const std::function<void(int)>& on_layer_ready);
+
+  // Forward only: returns the loss sum and adds the number of correct predictions.
+  double Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
+
+ private:
+  // Runs the forward pass, leaving pre-activations in z_ and activations in a_.
+  void Forward(const float* x, int n);
+  void Reserve(int n);
+
+  std::vector<int> dims_;
+  kernels::Activation activation_;
+  std::vector<LayerSlice> layers_;
+  size_t num_params_ = 0;
+  std::vector<float> params_;
+  std::vector<float> grads_;
+  int capacity_ = 0;
+  std::vector<std::vector<float>> z_;  // per layer: n x out, pre-activation
+  std::vector<std::vector<float>> a_;  // per hidden layer: n x out, activation
+  std::vector<float> dz_, da_;         // scratch: n x max width
+};
+
+}  // namespace lockstep::worker

@@ -1,0 +1,181 @@
+// The training step loop.
+#include "worker/train/trainer.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "worker/train/gradient_reducer.h"
+
+namespace lockstep::worker {
+namespace {
+
+int64_t PeakRssBytes() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec,
+                                                         std::shared_ptr<const Dataset> data,
+                                                         Communicator* comm) {
+  if (spec.model().type() != "mlp") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.type: unknown model \"", spec.model().type(), "\""));
+  }
+  kernels::Activation activation;
+  if (!kernels::ParseActivation(spec.model().activation(), &activation)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.activation: unknown \"", spec.model().activation(), "\""));
+  }
+  if (spec.global_batch_size() > data->train.samples) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "global_batch_size ", spec.global_batch_size(), " exceeds the ", data->train.samples,
+        " training samples of the data set"));
+  }
+  if (spec.micro_shards() <= 0 || spec.global_batch_size() % spec.micro_shards() != 0 ||
+      comm->size() > spec.micro_shards()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot split global batch ", spec.global_batch_size(), " into ",
+                     spec.micro_shards(), " micro-shards over ", comm->size(), " workers"));
+  }
+  std::vector<int> dims = {data->dim};
+  for (int w : spec.model().hidden_widths()) dims.push_back(w);
+  dims.push_back(data->classes);
+  return std::unique_ptr<Trainer>(
+      new Trainer(spec, std::move(data), comm, std::move(dims), activation));
+}
+
+Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data,
+                 Communicator* comm, std::vector<int> dims, kernels::Activation activation)
+    : spec_(spec),
+      data_(std::move(data)),
+      comm_(comm),
+      model_(std::move(dims), activation),
+      sampler_(data_->train.samples, spec.global_batch_size(), spec.micro_shards(), spec.seed()) {
+  const int64_t spe = sampler_.steps_per_epoch();
+  total_steps_ = spec.epochs() > 0 ? spec.epochs() * spe : spec.max_steps();
+  if (spec.max_steps() > 0) total_steps_ = std::min(total_steps_, spec.max_steps());
+  model_.Initialize(spec.model().init_seed() != 0 ? spec.model().init_seed() : spec.seed());
+  optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_.num_params(), total_steps_);
+  shards_ = RankShards(spec.micro_shards(), comm->rank(), comm->size());
+
+  // Buckets close at layer boundaries once they hold bucket_size_kib; the loss slot rides in
+  // the last one. Layers are laid out last-first, so each bucket is contiguous.
+  const size_t bucket_bytes = static_cast<size_t>(std::max(1, spec.bucket_size_kib())) * 1024;
+  size_t start = 0, end = 0;
+  for (int l = model_.num_layers() - 1; l >= 0; --l) {
+    end = model_.layer(l).offset + model_.layer(l).count;
+    if ((end - start) * sizeof(float) >= bucket_bytes || l == 0) {
+      buckets_.push_back({l, start, end - start + (l == 0 ? 1 : 0)});
+      start = end;
+    }
+  }
+}
+
+absl::Status Trainer::TrainStep(int64_t step) {
+  sampler_.Indices(step - 1, shards_, &indices_);
+  const int n = static_cast<int>(indices_.size());
+  const int dim = data_->dim;
+  batch_x_.resize(static_cast<size_t>(n) * dim);
+  batch_y_.resize(n);
+  for (int i = 0; i < n; ++i) {
+    const int64_t s = indices_[i];
+    std::memcpy(&batch_x_[static_cast<size_t>(i) * dim], &data_->train.x[s * dim],
+                sizeof(float) * dim);
+    batch_y_[i] = data_->train.y[s];
+  }
+  const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
+  GradientReducer* reducer = reducer_.get();
+  size_t next_bucket = 0;
+  model_.ForwardBackward(
+      batch_x_.data(), batch_y_.data(), n, inv_batch,
+      [&](double loss_sum) { model_.loss_slot() = static_cast<float>(loss_sum) * inv_batch; },
+      [&](int layer) {
+        while (next_bucket < buckets_.size() && buckets_[next_bucket].closing_layer == layer) {
+          const Bucket& b = buckets_[next_bucket++];
+          reducer->Enqueue(model_.grads() + b.offset, b.count);
+        }
+      });
+  if (absl::Status s = reducer->Wait(); !s.ok()) return s;
+  last_loss_ = model_.loss_slot();
+  optimizer_->Step(model_.params(), model_.grads(), step);
+  completed_step_ = step;
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
+                            const ProgressFn& progress, absl::Duration report_interval) {
+  reducer_ = std::make_unique<GradientReducer>(comm_);
+  absl::Time window_start = absl::Now();
+  int64_t window_steps = 0;
+  double samples_per_second = 0;
+  absl::Time last_report = absl::InfinitePast();
+  for (int64_t step = start_step; step <= total_steps_; ++step) {
+    if (abort.load(std::memory_order_relaxed)) {
+      return absl::AbortedError(absl::StrCat("aborted before step ", step));
+    }
+    if (absl::Status s = TrainStep(step); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
+    }
+    ++window_steps;
+    const absl::Time now = absl::Now();
+    const bool first = step == start_step, last = step == total_steps_;
+    if (first || last || now - last_report >= report_interval) {
+      // The first step includes warm-up costs; throughput is measured from its end on.
+      if (!first && now > window_start) {
+        samples_per_second = static_cast<double>(window_steps * spec_.global_batch_size()) /
+                             absl::ToDoubleSeconds(now - window_start);
+      }
+      window_start = now;
+      window_steps = 0;
+      last_report = now;
+      v1::ProgressReport report;
+      report.set_step(step);
+      report.set_loss(last_loss_);
+      report.set_samples_per_second(samples_per_second);
+      report.set_peak_memory_bytes(PeakRssBytes());
+      report.set_total_steps(total_steps_);
+      progress(report);
+    }
+  }
+  reducer_.reset();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
+  const Split& test = data_->test;
+  const int64_t begin = test.samples * comm_->rank() / comm_->size();
+  const int64_t end = test.samples * (comm_->rank() + 1) / comm_->size();
+  constexpr int64_t kChunk = 1024;
+  double sums[3] = {0, 0, static_cast<double>(end - begin)};  // loss, correct, count
+  for (int64_t i = begin; i < end; i += kChunk) {
+    const int n = static_cast<int>(std::min(kChunk, end - i));
+    int64_t correct = 0;
+    sums[0] += model_.Evaluate(&test.x[i * data_->dim], &test.y[i], n, &correct);
+    sums[1] += static_cast<double>(correct);
+  }
+  if (absl::Status s = comm_->AllreduceSum(sums, 3); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("evaluation: ", s.message()));
+  }
+  v1::EvalResult result;
+  result.set_test_samples(static_cast<int64_t>(sums[2]));
+  if (sums[2] > 0) {
+    result.set_test_loss(sums[0] / sums[2]);
+    result.set_test_accuracy(sums[1] / sums[2]);
+  }
+  return result;
+}
+
+std::string Trainer::ParameterChecksum() const {
+  return absl::StrFormat("%016x", kernels::Fnv1a64(model_.params(),
+                                                   model_.num_params() * sizeof(float)));
+}
+
+}  // namespace lockstep::worker

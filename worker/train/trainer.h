@@ -1,0 +1,81 @@
+// One member's training of one job generation: the step loop of DESIGN.md sections 4-5
+// (fixed global batch, world-size-independent data order, bucketed gradient allreduce
+// overlapped with backward, optimizer update) and the sharded evaluation at the end.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lockstep/v1/job.pb.h"
+#include "lockstep/v1/worker.pb.h"
+#include "worker/comm/communicator.h"
+#include "worker/train/dataset.h"
+#include "worker/train/gradient_reducer.h"
+#include "worker/train/mlp.h"
+#include "worker/train/optimizer.h"
+#include "worker/train/sampler.h"
+
+namespace lockstep::worker {
+
+// Not thread-safe: one training thread drives it. `abort` may be set from any thread; the
+// loop checks it between steps.
+class Trainer {
+ public:
+  // FAILED_PRECONDITION when the data cannot serve the spec (batch larger than the data set,
+  // labels beyond the model's classes), INVALID_ARGUMENT for a bad model spec.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const v1::JobSpec& spec,
+                                                         std::shared_ptr<const Dataset> data,
+                                                         Communicator* comm);
+
+  int64_t total_steps() const { return total_steps_; }
+  int64_t steps_per_epoch() const { return sampler_.steps_per_epoch(); }
+  Mlp& model() { return model_; }
+
+  using ProgressFn = std::function<void(const v1::ProgressReport&)>;
+  // Trains 1-based steps [start_step, total_steps]. Reports progress at most every
+  // `report_interval` (and always for the first and last step). ABORTED when `abort` was set;
+  // the communicator's error when a collective failed.
+  absl::Status Train(int64_t start_step, const std::atomic<bool>& abort, const ProgressFn& progress,
+                     absl::Duration report_interval = absl::Milliseconds(100));
+
+  // Loss and accuracy on the whole test set, each rank taking a contiguous share.
+  absl::StatusOr<v1::EvalResult> Evaluate();
+
+  // FNV-1a 64 of the parameter bytes, as 16 hex digits.
+  std::string ParameterChecksum() const;
+  int64_t completed_step() const { return completed_step_; }
+
+ private:
+  Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, Communicator* comm,
+          std::vector<int> dims, kernels::Activation activation);
+  absl::Status TrainStep(int64_t step);
+
+  const v1::JobSpec spec_;
+  std::shared_ptr<const Dataset> data_;
+  Communicator* const comm_;
+  Mlp model_;
+  Sampler sampler_;
+  int64_t total_steps_ = 0;
+  std::unique_ptr<Optimizer> optimizer_;
+  ShardRange shards_;
+  // Gradient buckets in backward order, each a contiguous range of the flat buffer.
+  struct Bucket {
+    int closing_layer;  // the bucket is complete once this layer's gradient is ready
+    size_t offset;
+    size_t count;
+  };
+  std::vector<Bucket> buckets_;
+  std::unique_ptr<GradientReducer> reducer_;  // lives for one Train call
+  std::vector<int64_t> indices_;
+  std::vector<float> batch_x_;
+  std::vector<int32_t> batch_y_;
+  double last_loss_ = 0;
+  int64_t completed_step_ = 0;
+};
+
+}  // namespace lockstep::worker
