@@ -5,6 +5,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/grpc_options.h"
@@ -226,6 +227,14 @@ void Agent::RunJob(std::shared_ptr<JobRun> run) {
                                              Send(m);
                                            });
   if (!trained.ok()) return fail(trained, /*fatal=*/false);
+  if (const Trainer::Timing& t = (*trainer)->timing(); t.steps > 0) {
+    const double per_step = 1e3 / static_cast<double>(t.steps);
+    LOG(INFO) << absl::StrFormat(
+        "%s: %d steps; per step %.2f ms compute, %.2f ms waiting for allreduce, %.2f ms update",
+        a.job_id(), t.steps, absl::ToDoubleSeconds(t.compute) * per_step,
+        absl::ToDoubleSeconds(t.exposed_comm) * per_step,
+        absl::ToDoubleSeconds(t.update) * per_step);
+  }
 
   v1::WorkerMessage m;
   v1::FinishedReport* f = m.mutable_finished();
@@ -238,6 +247,7 @@ void Agent::RunJob(std::shared_ptr<JobRun> run) {
   f->set_generation(a.generation());
   f->set_step((*trainer)->completed_step());
   f->set_parameter_checksum((*trainer)->ParameterChecksum());
+  f->set_train_samples_per_second((*trainer)->TrainSamplesPerSecond());
   LOG(INFO) << a.job_id() << " finished at step " << f->step() << " parameters "
             << f->parameter_checksum()
             << (f->has_eval() ? absl::StrCat(" test accuracy ", f->eval().test_accuracy()) : "");

@@ -17,6 +17,11 @@
 # Prints "LAUNCH_UNIX_MS <ms>" first (before the interpreter starts), so
 # launch-to-first-step = FIRST_STEP_UNIX_MS - LAUNCH_UNIX_MS.
 # Exit status is torchrun's.
+#
+# torchrun's per-attempt log dir (error files; stdout.log only for tee'd ranks)
+# goes to a fresh mktemp dir that is removed on exit; set TORCHRUN_KEEP_LOGS=1
+# to keep it (its path is printed to stderr), or pass --log_dir in
+# TORCHRUN_EXTRA (it comes later on the command line, so it wins).
 set -euo pipefail
 
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ || "$1" -lt 1 ]]; then
@@ -33,11 +38,18 @@ export PYTHONUNBUFFERED=1
 # shellcheck disable=SC2206  # word-splitting of TORCHRUN_EXTRA is intended
 EXTRA=(${TORCHRUN_EXTRA:-})
 
+LOG_DIR=$(mktemp -d /tmp/lockstep_torchrun.XXXXXX)
+if [[ "${TORCHRUN_KEEP_LOGS:-0}" == 1 ]]; then
+    echo "torchrun log dir: $LOG_DIR" >&2
+else
+    trap 'rm -rf "$LOG_DIR"' EXIT
+fi
+
 echo "LAUNCH_UNIX_MS $(date +%s%3N)"
 set +e
 /usr/bin/python3 -m torch.distributed.run \
     --standalone --nnodes=1 --nproc_per_node="$NPROC" \
-    --redirects=9:1 --tee=9:1 \
+    --redirects=9:1 --tee=9:1 --log_dir="$LOG_DIR" \
     "${EXTRA[@]}" \
     "$HERE/train_mlp.py" "$@" \
     | sed -u -E 's/^\[[A-Za-z_]*[0-9]+\]:[[:space:]]?//'

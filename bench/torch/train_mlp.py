@@ -273,7 +273,17 @@ def main():
             "torch_version": torch.__version__,
         }
         emit("RESULT " + json.dumps(result, sort_keys=True))
-    dist.destroy_process_group()
+    # Leave without running destructors. With torch 1.13 + gloo, tearing down
+    # DDP/ProcessGroupGloo at exit can deadlock: the main thread holds the GIL
+    # while ~ProcessGroupGloo joins its worker thread, and that thread is
+    # freeing a tensor with a Python object (e.g. an all_reduce input), which
+    # needs the GIL. Seen here once in ~10 runs (rank 1 hung at 100% CPU after
+    # rank 0 had printed RESULT; torchrun waited forever). The barrier makes
+    # sure every rank is past its last collective before any rank leaves.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,10 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
       m.step = std::max(m.step, report.step());
       m.checksum = report.parameter_checksum();
       m.peak_memory_bytes = std::max(m.peak_memory_bytes, report.peak_memory_bytes());
-      if (&m == &job.members.front() && report.has_eval()) *job.job.mutable_eval() = report.eval();
+      if (&m == &job.members.front()) {
+        if (report.has_eval()) *job.job.mutable_eval() = report.eval();
+        job.job.set_train_samples_per_second(report.train_samples_per_second());
+      }
     }
     all_finished = all_finished && m.finished;
   }

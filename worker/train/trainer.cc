@@ -94,6 +94,7 @@ absl::Status Trainer::TrainStep(int64_t step) {
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
   GradientReducer* reducer = reducer_.get();
   size_t next_bucket = 0;
+  const absl::Time t0 = absl::Now();
   model_.ForwardBackward(
       batch_x_.data(), batch_y_.data(), n, inv_batch,
       [&](double loss_sum) { model_.loss_slot() = static_cast<float>(loss_sum) * inv_batch; },
@@ -103,9 +104,15 @@ absl::Status Trainer::TrainStep(int64_t step) {
           reducer->Enqueue(model_.grads() + b.offset, b.count);
         }
       });
+  const absl::Time t1 = absl::Now();
   if (absl::Status s = reducer->Wait(); !s.ok()) return s;
+  const absl::Time t2 = absl::Now();
   last_loss_ = model_.loss_slot();
   optimizer_->Step(model_.params(), model_.grads(), step);
+  timing_.compute += t1 - t0;
+  timing_.exposed_comm += t2 - t1;
+  timing_.update += absl::Now() - t2;
+  ++timing_.steps;
   completed_step_ = step;
   return absl::OkStatus();
 }
@@ -117,6 +124,7 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
   int64_t window_steps = 0;
   double samples_per_second = 0;
   absl::Time last_report = absl::InfinitePast();
+  absl::Time first_step_end = absl::InfinitePast();
   for (int64_t step = start_step; step <= total_steps_; ++step) {
     if (abort.load(std::memory_order_relaxed)) {
       return absl::AbortedError(absl::StrCat("aborted before step ", step));
@@ -126,6 +134,8 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
     }
     ++window_steps;
     const absl::Time now = absl::Now();
+    if (step == start_step) first_step_end = now;
+    timing_.after_first = now - first_step_end;
     const bool first = step == start_step, last = step == total_steps_;
     if (first || last || now - last_report >= report_interval) {
       // The first step includes warm-up costs; throughput is measured from its end on.
@@ -171,6 +181,12 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
     result.set_test_accuracy(sums[1] / sums[2]);
   }
   return result;
+}
+
+double Trainer::TrainSamplesPerSecond() const {
+  const double seconds = absl::ToDoubleSeconds(timing_.after_first);
+  if (timing_.steps < 2 || seconds <= 0) return 0;
+  return static_cast<double>((timing_.steps - 1) * spec_.global_batch_size()) / seconds;
 }
 
 std::string Trainer::ParameterChecksum() const {

@@ -49,6 +49,18 @@ class Trainer {
   // FNV-1a 64 of the parameter bytes, as 16 hex digits.
   std::string ParameterChecksum() const;
   int64_t completed_step() const { return completed_step_; }
+  // Samples per second from the end of the first step trained to the end of the last.
+  double TrainSamplesPerSecond() const;
+
+  // Where the step time went, summed over the steps trained so far.
+  struct Timing {
+    int64_t steps = 0;
+    absl::Duration compute;       // forward + backward (communication overlaps it)
+    absl::Duration exposed_comm;  // waiting for the allreduce after backward
+    absl::Duration update;        // optimizer
+    absl::Duration after_first;   // wall time from the end of the first step to the last
+  };
+  const Timing& timing() const { return timing_; }
 
  private:
   Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, Communicator* comm,
@@ -76,6 +88,7 @@ class Trainer {
   std::vector<int32_t> batch_y_;
   double last_loss_ = 0;
   int64_t completed_step_ = 0;
+  Timing timing_;
 };
 
 }  // namespace lockstep::worker

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Trains the reference workload with Lockstep and with PyTorch's torchrun side by side.
+
+Reference workload (issue 2): MLP 784-512-512-10 (ReLU), softmax cross-entropy, SGD lr 0.05
+momentum 0.9, global batch 256, Fashion-MNIST, 2 epochs, one thread per process, Gloo.
+
+Measures, for each system:
+  * training throughput (samples/s, excluding the first step and the evaluation) and test
+    accuracy with 1 and 2 workers;
+  * start-up latency: Lockstep's submit-to-first-step with 2, 4 and 8 long-lived workers
+    (cold: the workers' first job; warm: the next one) next to torchrun's launch-to-first-step.
+
+Prints a Markdown table and writes JSON (default bench/results/compare_torchrun.json).
+Usage: bench/compare_torchrun.py [--epochs 2] [--workers 1,2] [--startup 2,4,8] [--repeats 1]
+       [--skip-torch] [--build build] [--out FILE]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def reference_spec(workers, epochs, max_steps=0, skip_eval=False, seed=1):
+    spec = {
+        "name": f"reference-{workers}w",
+        "model": {"type": "mlp", "hiddenWidths": [512, 512], "activation": "relu"},
+        "dataset": {"type": "fashion_mnist", "path": "/usr/share/datasets/fashion-mnist"},
+        "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
+        "globalBatchSize": 256,
+        "seed": seed,
+        "minWorkers": workers,
+        "maxWorkers": workers,
+        "threadsPerWorker": 1,
+    }
+    if max_steps:
+        spec["maxSteps"] = max_steps
+    else:
+        spec["epochs"] = epochs
+    if skip_eval:
+        spec["skipEvaluation"] = True
+    return spec
+
+
+class Cluster:
+    def __init__(self, build, workers):
+        self.build = build
+        self.dir = tempfile.mkdtemp(prefix="lockstep-bench.")
+        subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "start", "--dir", self.dir,
+                        "--workers", str(workers), "--bin", build], check=True,
+                       stdout=subprocess.DEVNULL)
+        with open(os.path.join(self.dir, "address")) as f:
+            self.address = f.read().strip()
+
+    def ctl(self, *args):
+        out = subprocess.run([os.path.join(self.build, "cli/lockstepctl"),
+                              f"--coordinator={self.address}", *args],
+                             check=True, capture_output=True, text=True)
+        return out.stdout
+
+    def run_job(self, spec, timeout_s=900):
+        path = os.path.join(self.dir, f"job-{time.time_ns()}.json")
+        with open(path, "w") as f:
+            json.dump(spec, f)
+        job = json.loads(self.ctl("submit", path, "--output=json"))
+        job_id = job["jobId"]
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            job = json.loads(self.ctl("status", job_id, "--output=json"))
+            if job["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"):
+                if job["state"] != "JOB_STATE_SUCCEEDED":
+                    raise RuntimeError(f"{job_id} {job['state']}: {job.get('reason')}")
+                return job
+            time.sleep(0.05)
+        raise RuntimeError(f"{job_id} did not finish in {timeout_s}s")
+
+    def stop(self):
+        subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "stop", "--dir", self.dir],
+                       check=False)
+
+
+def lockstep_training(build, workers, epochs):
+    cluster = Cluster(build, workers)
+    try:
+        job = cluster.run_job(reference_spec(workers, epochs))
+    finally:
+        cluster.stop()
+    return {
+        "samples_per_second": job["trainSamplesPerSecond"],
+        "test_accuracy": job["eval"]["testAccuracy"],
+        "test_loss": job["eval"]["testLoss"],
+        "steps": int(job["step"]),
+        "first_step_latency_ms": int(job["firstStepLatencyMs"]),
+    }
+
+
+def torchrun(nproc, *args):
+    cmd = [os.path.join(ROOT, "bench/torch/run_torchrun.sh"), str(nproc), *args]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    values = {}
+    for line in out.splitlines():
+        parts = line.split(" ", 1)
+        if parts[0] in ("LAUNCH_UNIX_MS", "FIRST_STEP_UNIX_MS"):
+            values.setdefault(parts[0], int(parts[1]))
+        elif parts[0] == "RESULT":
+            values["RESULT"] = json.loads(parts[1])
+    return values
+
+
+def torch_training(nproc, epochs):
+    r = torchrun(nproc, "--epochs", str(epochs))
+    res = r["RESULT"]
+    return {
+        "samples_per_second": res["samples_per_second"],
+        "test_accuracy": res["test_accuracy"],
+        "test_loss": res["test_loss"],
+        "steps": res["steps"],
+        "launch_to_first_step_ms": r["FIRST_STEP_UNIX_MS"] - r["LAUNCH_UNIX_MS"],
+    }
+
+
+def lockstep_startup(build, sizes, repeats):
+    cluster = Cluster(build, max(sizes))
+    out = {}
+    try:
+        for w in sizes:
+            # Cold: the workers have not loaded this data set yet (a new data spec).
+            cold = cluster.run_job(reference_spec(w, 1, max_steps=3, skip_eval=True, seed=100 + w))
+            warm = [int(cluster.run_job(reference_spec(w, 1, max_steps=3, skip_eval=True))
+                        ["firstStepLatencyMs"]) for _ in range(repeats)]
+            out[w] = {"cold_ms": int(cold["firstStepLatencyMs"]), "warm_ms": statistics.median(warm)}
+    finally:
+        cluster.stop()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--workers", default="1,2")
+    p.add_argument("--startup", default="2,4,8")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench/results/compare_torchrun.json"))
+    a = p.parse_args()
+    workers = [int(w) for w in a.workers.split(",") if w]
+    sizes = [int(w) for w in a.startup.split(",") if w]
+
+    result = {"workload": "MLP 784-512-512-10, SGD 0.05/0.9, batch 256, Fashion-MNIST",
+              "epochs": a.epochs, "host": os.uname().nodename, "cpus": os.cpu_count(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "training": {}, "startup": {}}
+    for w in workers:
+        row = {"lockstep": lockstep_training(a.build, w, a.epochs)}
+        if not a.skip_torch:
+            row["torchrun"] = torch_training(w, a.epochs)
+        result["training"][w] = row
+        print(f"trained with {w} worker(s): {json.dumps(row)}", file=sys.stderr)
+    if sizes:
+        ls = lockstep_startup(a.build, sizes, a.repeats)
+        for w in sizes:
+            row = {"lockstep": ls[w]}
+            if not a.skip_torch:
+                runs = [torchrun(w, "--max_steps", "3") for _ in range(max(1, a.repeats // 3))]
+                row["torchrun_ms"] = statistics.median(
+                    r["FIRST_STEP_UNIX_MS"] - r["LAUNCH_UNIX_MS"] for r in runs)
+            result["startup"][w] = row
+            print(f"start-up with {w} workers: {json.dumps(row)}", file=sys.stderr)
+
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+    print(f"\nReference workload, {a.epochs} epochs, {os.cpu_count()} CPUs\n")
+    print("| workers | Lockstep samples/s | torchrun samples/s | ratio | Lockstep accuracy "
+          "| torchrun accuracy |")
+    print("|---|---|---|---|---|---|")
+    for w, row in result["training"].items():
+        ls, tr = row["lockstep"], row.get("torchrun")
+        ratio = f"{ls['samples_per_second'] / tr['samples_per_second']:.2f}x" if tr else "-"
+        print(f"| {w} | {ls['samples_per_second']:,.0f} | "
+              f"{tr['samples_per_second']:,.0f} | {ratio} | {ls['test_accuracy']:.4f} | "
+              f"{tr['test_accuracy']:.4f} |" if tr else
+              f"| {w} | {ls['samples_per_second']:,.0f} | - | - | {ls['test_accuracy']:.4f} | - |")
+    if result["startup"]:
+        print("\n| workers | Lockstep submit-to-first-step (cold) | (warm, median) "
+              "| torchrun launch-to-first-step |")
+        print("|---|---|---|---|")
+        for w, row in result["startup"].items():
+            tr = f"{row['torchrun_ms'] / 1000:.2f} s" if "torchrun_ms" in row else "-"
+            print(f"| {w} | {row['lockstep']['cold_ms'] / 1000:.2f} s | "
+                  f"{row['lockstep']['warm_ms'] / 1000:.2f} s | {tr} |")
+    print(f"\nJSON: {a.out}")
+
+
+if __name__ == "__main__":
+    main()

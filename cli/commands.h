@@ -1,0 +1,78 @@
+// The commands of lockstepctl. Each takes the JobService stub and the output stream, so a test can
+// drive it with a fake stub (JobService::StubInterface) and a std::ostringstream.
+#pragma once
+
+#include <functional>
+#include <ostream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cli/format.h"
+#include "cli/invocation.h"
+#include "common/clock.h"
+#include "lockstep/v1/job.grpc.pb.h"
+
+namespace lockstep::cli {
+
+// How the commands talk and print. The defaults are the real process's.
+struct CommandOptions {
+  OutputFormat output = OutputFormat::kTable;
+  // Deadline of each unary RPC. The watch stream has none: it lasts as long as the job.
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  // watch: rewrite a single progress line with '\r' (stdout is a terminal). Otherwise progress
+  // is printed at most once per second, plus the last one.
+  bool live_progress = false;
+  // watch: how often a stream broken with UNAVAILABLE is reopened before giving up, and the
+  // backoff between attempts (doubling from the initial value up to the maximum). The count
+  // starts over whenever an attempt delivers an event.
+  int max_watch_retries = 5;
+  absl::Duration initial_backoff = absl::Milliseconds(500);
+  absl::Duration max_backoff = absl::Seconds(8);
+  // Time source (throttling, ages) and the wait between watch attempts; injected for tests.
+  Clock* clock = RealClock::Get();
+  std::function<void(absl::Duration)> sleep = [](absl::Duration d) { absl::SleepFor(d); };
+  absl::TimeZone time_zone = absl::LocalTimeZone();
+};
+
+// Each command below returns the RPC's status (or INTERNAL if the reply cannot be printed) and
+// prints nothing when it fails; the caller prints the error line.
+
+// Submits `spec`. Table: prints the new job id. JSON: prints the Job (one line when `one_line`,
+// for a JSON Lines stream that a watch continues). `*job` receives the reply when not null.
+absl::Status SubmitJob(v1::JobService::StubInterface& stub, const v1::JobSpec& spec,
+                       const CommandOptions& options, std::ostream& out, bool one_line = false,
+                       v1::Job* job = nullptr);
+
+// Table: the job list (JOB NAME STATE STEP LOSS WORKERS AGE/DURATION). JSON: ListJobsResponse.
+absl::Status ListJobs(v1::JobService::StubInterface& stub, const CommandOptions& options,
+                      std::ostream& out);
+
+// Table: the multi-line status block. JSON: the Job.
+absl::Status ShowJob(v1::JobService::StubInterface& stub, const std::string& job_id,
+                     const CommandOptions& options, std::ostream& out);
+
+// Table: one line on what the cancel did. JSON: the Job after the cancel.
+absl::Status CancelJob(v1::JobService::StubInterface& stub, const std::string& job_id,
+                       const CommandOptions& options, std::ostream& out);
+
+// Table: WORKER NAME HOST DEVICE STATE JOB LAST HEARTBEAT. JSON: ListWorkersResponse.
+absl::Status ListWorkers(v1::JobService::StubInterface& stub, const CommandOptions& options,
+                         std::ostream& out);
+
+// Follows the job's event stream until it ends and returns the finished job (the caller maps its
+// state to the exit code). Table: event lines, progress and the final summary. JSON: one JSON
+// document per event per line. A stream broken with UNAVAILABLE is reopened from the next
+// sequence number (see CommandOptions); notes on that go to `err`. Returns the RPC error that
+// ended the watch otherwise, e.g. NOT_FOUND for an unknown job.
+absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std::string& job_id,
+                                 const CommandOptions& options, std::ostream& out,
+                                 std::ostream& err);
+
+// Runs a checked invocation and returns the process exit code (see invocation.h): errors are
+// printed to `err` as "lockstepctl: CODE: message".
+int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,
+               const CommandOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace lockstep::cli

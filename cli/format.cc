@@ -1,0 +1,305 @@
+// Text rendering for lockstepctl. Views never read the clock: `now` comes from the caller, so the
+// same job always renders the same way in a test.
+#include "cli/format.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iterator>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace lockstep::cli {
+namespace {
+
+constexpr char kNone[] = "-";
+
+absl::Time FromUnixMillisOrInfinitePast(int64_t ms) {
+  return ms > 0 ? absl::FromUnixMillis(ms) : absl::InfinitePast();
+}
+
+// "0.5123", or "-" before the first step has reported a loss.
+std::string LossOrNone(const v1::Job& job) {
+  return job.step() > 0 ? absl::StrFormat("%.4f", job.loss()) : kNone;
+}
+
+std::string StepOfTotal(const v1::Job& job) {
+  if (job.total_steps() <= 0) return absl::StrCat(job.step());
+  return absl::StrCat(job.step(), "/", job.total_steps());
+}
+
+std::string OrNone(const std::string& s) { return s.empty() ? kNone : s; }
+
+// "2024-05-01 12:00:00 (3m12s ago)" in `tz`, or "-" for an unset timestamp.
+std::string FormatTimestamp(int64_t unix_ms, absl::Time now, absl::TimeZone tz) {
+  if (unix_ms <= 0) return kNone;
+  const absl::Time t = absl::FromUnixMillis(unix_ms);
+  return absl::StrCat(absl::FormatTime("%Y-%m-%d %H:%M:%S", t, tz), " (", ShortDuration(now - t),
+                      " ago)");
+}
+
+// One "Label:  value" line of the status block, labels padded to one column.
+void AddField(std::string& out, absl::string_view label, absl::string_view value) {
+  absl::StrAppendFormat(&out, "%-20s%s\n", absl::StrCat(label, ":"), value);
+}
+
+}  // namespace
+
+std::string ShortDuration(absl::Duration d) {
+  if (d < absl::ZeroDuration()) d = absl::ZeroDuration();
+  const int64_t ms = absl::ToInt64Milliseconds(d);
+  if (ms < 1000) return absl::StrCat(ms, "ms");
+  if (ms < 10'000) return absl::StrFormat("%d.%ds", ms / 1000, (ms % 1000) / 100);
+  const int64_t s = ms / 1000;
+  if (s < 60) return absl::StrCat(s, "s");
+  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  if (s < 86400) return absl::StrFormat("%dh%02dm", s / 3600, (s % 3600) / 60);
+  return absl::StrFormat("%dd%02dh", s / 86400, (s % 86400) / 3600);
+}
+
+std::string ShortMillis(int64_t ms) { return ShortDuration(absl::Milliseconds(ms)); }
+
+std::string FormatThousands(int64_t n) {
+  // Work on the magnitude as unsigned so INT64_MIN does not overflow.
+  const bool negative = n < 0;
+  uint64_t magnitude = negative ? 0 - static_cast<uint64_t>(n) : static_cast<uint64_t>(n);
+  std::string digits = absl::StrCat(magnitude);
+  std::string out;
+  const size_t first_group = digits.size() % 3 == 0 ? 3 : digits.size() % 3;
+  out.append(digits, 0, first_group);
+  for (size_t i = first_group; i < digits.size(); i += 3) {
+    out.push_back(',');
+    out.append(digits, i, 3);
+  }
+  return negative ? absl::StrCat("-", out) : out;
+}
+
+std::string FormatBytes(int64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+  double value = static_cast<double>(bytes) / 1024.0;
+  size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < std::size(kUnits)) {
+    value /= 1024.0;
+    ++unit;
+  }
+  return absl::StrFormat("%.1f %s", value, kUnits[unit]);
+}
+
+std::string JobStateName(v1::JobState state) {
+  if (!v1::JobState_IsValid(state)) return absl::StrCat("STATE_", static_cast<int>(state));
+  absl::string_view name = v1::JobState_Name(state);
+  absl::ConsumePrefix(&name, "JOB_STATE_");
+  return std::string(name);
+}
+
+bool IsTerminal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+Table::Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
+
+void Table::AddRow(std::vector<std::string> row) {
+  row.resize(rows_.front().size());
+  rows_.push_back(std::move(row));
+}
+
+std::string Table::Render(const std::string& indent) const {
+  const size_t columns = rows_.front().size();
+  std::vector<size_t> widths(columns, 0);
+  for (const auto& row : rows_) {
+    for (size_t c = 0; c < columns; ++c) widths[c] = std::max(widths[c], row[c].size());
+  }
+  std::string out;
+  for (const auto& row : rows_) {
+    std::string line = indent;
+    for (size_t c = 0; c < columns; ++c) {
+      line += row[c];
+      if (c + 1 < columns) line.append(widths[c] - row[c].size() + 2, ' ');
+    }
+    // An empty last cell would otherwise leave the padding of the one before it.
+    absl::StripTrailingAsciiWhitespace(&line);
+    absl::StrAppend(&out, line, "\n");
+  }
+  return out;
+}
+
+absl::Duration JobDuration(const v1::Job& job, absl::Time now) {
+  const absl::Time submit = FromUnixMillisOrInfinitePast(job.submit_time_unix_ms());
+  const absl::Time start = FromUnixMillisOrInfinitePast(job.start_time_unix_ms());
+  const absl::Time end =
+      job.end_time_unix_ms() > 0 ? absl::FromUnixMillis(job.end_time_unix_ms()) : now;
+  const absl::Time from = start != absl::InfinitePast() ? start : submit;
+  if (from == absl::InfinitePast()) return absl::ZeroDuration();
+  return std::max(end - from, absl::ZeroDuration());
+}
+
+std::string FormatProgress(const v1::Job& job) {
+  std::string out = absl::StrCat("step ", StepOfTotal(job));
+  if (job.total_steps() > 0) {
+    const double percent =
+        100.0 * static_cast<double>(job.step()) / static_cast<double>(job.total_steps());
+    absl::StrAppendFormat(&out, " (%.1f%%)", percent);
+  }
+  if (job.step() > 0) {
+    absl::StrAppendFormat(&out, "  loss %.4f", job.loss());
+    if (job.samples_per_second() > 0) {
+      absl::StrAppend(&out, "  ", FormatThousands(std::llround(job.samples_per_second())),
+                      " samples/s");
+    }
+  }
+  if (job.eta_ms() > 0) absl::StrAppend(&out, "  ETA ", ShortMillis(job.eta_ms()));
+  return out;
+}
+
+std::string FormatEval(const v1::Job& job) {
+  if (!job.has_eval() || job.eval().test_samples() <= 0) return "";
+  return absl::StrFormat("test accuracy %.4f (%d samples), test loss %.4f",
+                         job.eval().test_accuracy(), job.eval().test_samples(),
+                         job.eval().test_loss());
+}
+
+std::string FormatJobList(const v1::ListJobsResponse& response, absl::Time now) {
+  if (response.jobs().empty()) return "No jobs.\n";
+  Table table({"JOB", "NAME", "STATE", "STEP", "LOSS", "WORKERS", "AGE/DURATION"});
+  for (const v1::Job& job : response.jobs()) {
+    const absl::Time submit = FromUnixMillisOrInfinitePast(job.submit_time_unix_ms());
+    std::string age;
+    if (IsTerminal(job.state())) {
+      age = ShortDuration(JobDuration(job, now));
+    } else {
+      age = submit == absl::InfinitePast() ? kNone : ShortDuration(now - submit);
+    }
+    table.AddRow({job.job_id(), OrNone(job.spec().name()), JobStateName(job.state()),
+                  StepOfTotal(job), LossOrNone(job), absl::StrCat(job.members_size()), age});
+  }
+  return table.Render();
+}
+
+std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone tz) {
+  std::string out;
+  AddField(out, "Job", job.job_id());
+  AddField(out, "Name", OrNone(job.spec().name()));
+  AddField(out, "State", JobStateName(job.state()));
+  if (!job.reason().empty()) AddField(out, "Reason", job.reason());
+  AddField(out, "Generation", absl::StrCat(job.generation()));
+  AddField(out, "Workers",
+           absl::StrFormat("%d (min %d, max %d)", job.members_size(), job.spec().min_workers(),
+                           job.spec().max_workers()));
+  if (job.members_size() > 0) {
+    out += "Members:\n";
+    Table members({"RANK", "WORKER", "NAME", "HOST", "STEP", "CHECKSUM", "PEAK MEMORY"});
+    for (const v1::Member& m : job.members()) {
+      members.AddRow({absl::StrCat(m.rank()), m.worker_id(), OrNone(m.worker_name()),
+                      OrNone(m.host()), absl::StrCat(m.step()), OrNone(m.parameter_checksum()),
+                      m.peak_memory_bytes() > 0 ? FormatBytes(m.peak_memory_bytes()) : kNone});
+    }
+    out += members.Render("  ");
+  }
+  std::string step = StepOfTotal(job);
+  if (job.total_steps() > 0) {
+    absl::StrAppendFormat(
+        &step, " (%.1f%%)",
+        100.0 * static_cast<double>(job.step()) / static_cast<double>(job.total_steps()));
+  }
+  AddField(out, "Step", step);
+  AddField(out, "Loss", LossOrNone(job));
+  AddField(out, "Samples/s",
+           job.samples_per_second() > 0 ? FormatThousands(std::llround(job.samples_per_second()))
+                                        : kNone);
+  if (!IsTerminal(job.state())) {
+    AddField(out, "ETA", job.eta_ms() > 0 ? ShortMillis(job.eta_ms()) : kNone);
+  }
+  AddField(out, "First-step latency",
+           job.first_step_latency_ms() > 0 ? ShortMillis(job.first_step_latency_ms()) : kNone);
+  const std::string eval = FormatEval(job);
+  if (!eval.empty()) {
+    AddField(out, "Test accuracy",
+             absl::StrFormat("%.4f (%d samples)", job.eval().test_accuracy(),
+                             job.eval().test_samples()));
+    AddField(out, "Test loss", absl::StrFormat("%.4f", job.eval().test_loss()));
+  }
+  AddField(out, "Recoveries", absl::StrCat(job.recoveries()));
+  AddField(out, "Submitted", FormatTimestamp(job.submit_time_unix_ms(), now, tz));
+  if (job.start_time_unix_ms() > 0) {
+    AddField(out, "Started", FormatTimestamp(job.start_time_unix_ms(), now, tz));
+  }
+  if (job.end_time_unix_ms() > 0) {
+    AddField(out, "Ended", FormatTimestamp(job.end_time_unix_ms(), now, tz));
+  }
+  if (job.start_time_unix_ms() > 0) {
+    AddField(out, "Duration", ShortDuration(JobDuration(job, now)));
+  }
+  return out;
+}
+
+std::string FormatWorkerList(const v1::ListWorkersResponse& response, absl::Time now) {
+  if (response.workers().empty()) return "No workers.\n";
+  Table table({"WORKER", "NAME", "HOST", "DEVICE", "STATE", "JOB", "LAST HEARTBEAT"});
+  for (const v1::WorkerInfo& w : response.workers()) {
+    const std::string heartbeat =
+        w.last_heartbeat_unix_ms() > 0
+            ? absl::StrCat(ShortDuration(now - absl::FromUnixMillis(w.last_heartbeat_unix_ms())),
+                           " ago")
+            : kNone;
+    table.AddRow({w.worker_id(), OrNone(w.name()), OrNone(w.host()), OrNone(w.device()),
+                  OrNone(w.state()), OrNone(w.job_id()), heartbeat});
+  }
+  return table.Render();
+}
+
+std::string FormatEventLine(const v1::JobEvent& event, absl::TimeZone tz) {
+  std::string out;
+  if (event.time_unix_ms() > 0) {
+    absl::StrAppend(&out, "[",
+                    absl::FormatTime("%H:%M:%S", absl::FromUnixMillis(event.time_unix_ms()), tz),
+                    "] ");
+  }
+  absl::StrAppend(&out, event.job().job_id(), " ", JobStateName(event.job().state()));
+  // The message is one line by contract; a stray newline would break the live progress line.
+  std::string message(absl::StripAsciiWhitespace(event.message()));
+  std::replace(message.begin(), message.end(), '\n', ' ');
+  if (!message.empty()) absl::StrAppend(&out, ": ", message);
+  return out;
+}
+
+std::string FormatFinalSummary(const v1::Job& job, absl::Time now) {
+  const std::string duration = ShortDuration(JobDuration(job, now));
+  std::string out;
+  if (job.state() == v1::JOB_STATE_SUCCEEDED) {
+    absl::StrAppend(&out, job.job_id(), " SUCCEEDED in ", duration);
+    if (job.step() > 0) absl::StrAppend(&out, " (", job.step(), " steps)");
+    out += "\n";
+    const std::string eval = FormatEval(job);
+    if (!eval.empty()) absl::StrAppend(&out, eval, "\n");
+    return out;
+  }
+  absl::StrAppend(&out, job.job_id(), " ", JobStateName(job.state()), " after ", duration);
+  if (!job.reason().empty()) absl::StrAppend(&out, ": ", job.reason());
+  out += "\n";
+  return out;
+}
+
+absl::StatusOr<std::string> ToJson(const google::protobuf::Message& message, bool multiline) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = multiline;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = false;
+  std::string json;
+  const auto status = google::protobuf::util::MessageToJsonString(message, &json, options);
+  if (!status.ok()) {
+    return absl::InternalError(
+        absl::StrCat("cannot serialize ", message.GetTypeName(), " to JSON: ", status.ToString()));
+  }
+  // Pretty output already ends in a newline; a one-line document gets none from protobuf.
+  if (!absl::EndsWith(json, "\n")) json += "\n";
+  return json;
+}
+
+}  // namespace lockstep::cli

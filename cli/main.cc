@@ -1,0 +1,55 @@
+// lockstepctl: the user's command line for Lockstep (submit, list, status, watch, cancel,
+// workers). Parses flags, dials the coordinator, and hands over to cli/commands.h.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "cli/commands.h"
+#include "cli/invocation.h"
+#include "common/grpc_options.h"
+#include "common/grpc_status.h"
+#include "lockstep/v1/job.grpc.pb.h"
+
+ABSL_FLAG(std::string, coordinator, "",
+          "coordinator address HOST:PORT (default: $LOCKSTEP_COORDINATOR, else 127.0.0.1:7070)");
+ABSL_FLAG(std::string, output, "table", "output format: table or json");
+ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each request in milliseconds (not of watch)");
+ABSL_FLAG(bool, watch, false, "submit: keep following the job, as the watch command does");
+
+int main(int argc, char** argv) {
+  namespace cli = lockstep::cli;
+  absl::SetProgramUsageMessage(cli::UsageText());
+  if (cli::WantsHelp(argc, argv)) {
+    std::cout << cli::HelpText();
+    return cli::kExitOk;
+  }
+  auto usage_error = [](const absl::Status& status) {
+    std::cerr << "lockstepctl: " << lockstep::StatusLine(status) << "\n" << cli::UsageText();
+    return cli::kExitUsage;
+  };
+  if (absl::Status status = cli::CheckFlags(argc, argv); !status.ok()) return usage_error(status);
+  const std::vector<char*> parsed = absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> args(parsed.begin() + 1, parsed.end());
+
+  cli::FlagValues flags;
+  flags.coordinator = absl::GetFlag(FLAGS_coordinator);
+  flags.output = absl::GetFlag(FLAGS_output);
+  flags.timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
+  flags.watch = absl::GetFlag(FLAGS_watch);
+  absl::StatusOr<cli::Invocation> invocation =
+      cli::ParseInvocation(args, flags, std::getenv(cli::kCoordinatorEnv), std::cin);
+  if (!invocation.ok()) return usage_error(invocation.status());
+
+  cli::CommandOptions options;
+  options.output = invocation->output;
+  options.rpc_timeout = invocation->rpc_timeout;
+  options.live_progress = isatty(STDOUT_FILENO) == 1;
+  auto stub = lockstep::v1::JobService::NewStub(lockstep::MakeChannel(invocation->coordinator));
+  return cli::RunCommand(*invocation, *stub, options, std::cout, std::cerr);
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Starts or stops a local Lockstep cluster without containers: one coordinator and N CPU
+# workers, each a plain process with its log in DIR. The demo and the benchmarks use it.
+#   cluster.sh start --dir DIR [--workers N] [--listen HOST:PORT] [--bin BUILD_DIR]
+#   cluster.sh stop  --dir DIR
+# After start, DIR/address holds the coordinator address (HOST:PORT).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cmd="${1:-}"; shift || true
+dir=""; workers=2; listen="127.0.0.1:0"; bin="$root/build"
+while (($#)); do
+  case "$1" in
+    --dir) dir="$2"; shift ;;
+    --workers) workers="$2"; shift ;;
+    --listen) listen="$2"; shift ;;
+    --bin) bin="$2"; shift ;;
+    *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+[[ -n "$dir" ]] || { echo "cluster.sh: --dir is required" >&2; exit 2; }
+
+case "$cmd" in
+  start)
+    mkdir -p "$dir/state"
+    rm -f "$dir/port" "$dir/address"
+    "$bin/coordinator/lockstep-coordinator" --listen="$listen" --state_dir="$dir/state" \
+      --port_file="$dir/port" >"$dir/coordinator.log" 2>&1 &
+    echo $! >"$dir/coordinator.pid"
+    for _ in $(seq 1 200); do [[ -f "$dir/port" ]] && break; sleep 0.05; done
+    if [[ ! -f "$dir/port" ]]; then
+      echo "cluster.sh: coordinator did not start; its log:" >&2
+      tail -n 20 "$dir/coordinator.log" >&2
+      exit 1
+    fi
+    address="${listen%:*}:$(cat "$dir/port")"
+    echo "$address" >"$dir/address"
+    for ((i = 0; i < workers; i++)); do
+      "$bin/worker/lockstep-worker" --coordinator="$address" --device=cpu --name="w$i" \
+        >"$dir/w$i.log" 2>&1 &
+      echo $! >"$dir/w$i.pid"
+    done
+    # Wait until every worker has registered.
+    for _ in $(seq 1 200); do
+      idle=$("$bin/cli/lockstepctl" --coordinator="$address" workers 2>/dev/null | grep -c " idle " || true)
+      ((idle >= workers)) && break
+      sleep 0.05
+    done
+    echo "cluster up: coordinator $address, $workers workers, logs in $dir"
+    ;;
+  stop)
+    for pidfile in "$dir"/w*.pid "$dir"/coordinator.pid; do
+      [[ -f "$pidfile" ]] || continue
+      kill "$(cat "$pidfile")" 2>/dev/null || true
+      rm -f "$pidfile"
+    done
+    ;;
+  *) echo "usage: cluster.sh start|stop --dir DIR [--workers N]" >&2; exit 2 ;;
+esac
