@@ -14,6 +14,7 @@
 #include "kernels/cpu_kernels.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/comm/shm_communicator.h"
 #include "worker/train/dataset.h"
 #include "worker/train/trainer.h"
 
@@ -156,6 +157,8 @@ void Agent::AbortJobs(const std::string& job_id, int64_t generation, const std::
     const bool match = job_id.empty() || (a.job_id() == job_id && a.generation() == generation);
     if (match && !run->done && !run->abort.exchange(true)) {
       LOG(INFO) << "aborting " << a.job_id() << " generation " << a.generation() << ": " << reason;
+      std::lock_guard<std::mutex> comm_lock(run->comm_mu);
+      if (run->comm != nullptr) run->comm->Abort();
     }
   }
 }
@@ -210,13 +213,30 @@ void Agent::RunJob(std::shared_ptr<JobRun> run) {
 
   CoordinatorStore store(store_stub_, a.job_id(), a.generation(),
                          std::chrono::milliseconds(spec.collective_timeout_ms()));
-  absl::StatusOr<std::unique_ptr<GlooCommunicator>> comm = GlooCommunicator::Create(
-      a.rank(), a.world_size(), store, options_.comm_address,
-      std::chrono::milliseconds(spec.collective_timeout_ms()));
-  if (!comm.ok()) return fail(comm.status(), /*fatal=*/false);
+  const auto collective_timeout = std::chrono::milliseconds(spec.collective_timeout_ms());
+  absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(
+      a.rank(), a.world_size(), store, options_.comm_address, collective_timeout);
+  if (!gloo.ok()) return fail(gloo.status(), /*fatal=*/false);
 
-  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, *data, comm->get());
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, *data, gloo->get());
   if (!trainer.ok()) return fail(trainer.status(), /*fatal=*/true);
+  // Ranks on one host sum gradients through shared memory; Gloo stays underneath.
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = ShmCommunicator::Wrap(
+      *std::move(gloo), (*trainer)->largest_bucket_floats(), collective_timeout);
+  if (!comm.ok()) return fail(comm.status(), /*fatal=*/false);
+  (*trainer)->set_communicator(comm->get());
+  {
+    std::lock_guard<std::mutex> lock(run->comm_mu);
+    run->comm = comm->get();
+    if (run->abort) run->comm->Abort();
+  }
+  struct ClearComm {
+    JobRun* run;
+    ~ClearComm() {
+      std::lock_guard<std::mutex> lock(run->comm_mu);
+      run->comm = nullptr;
+    }
+  } clear_comm{run.get()};
 
   absl::Status trained = (*trainer)->Train(a.start_step(), run->abort,
                                            [&](const v1::ProgressReport& progress) {

@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
+#include "worker/comm/communicator.h"
 
 namespace lockstep::worker {
 
@@ -45,6 +46,9 @@ class Agent {
     std::atomic<bool> abort{false};
     std::atomic<bool> done{false};
     std::thread thread;
+    // The generation's communicator while it exists, so an abort can interrupt collectives.
+    std::mutex comm_mu;
+    Communicator* comm = nullptr;
   };
 
   // Serves one session; returns why it ended.

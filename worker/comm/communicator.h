@@ -24,6 +24,9 @@ class Communicator {
   // Copies `bytes` from `root` to every rank.
   virtual absl::Status Broadcast(void* data, size_t bytes, int root) = 0;
   virtual absl::Status Barrier() = 0;
+  // Makes operations blocked on peers return ABORTED as soon as the transport allows (Gloo
+  // cannot be interrupted: its operations end at their timeout). Any thread may call it.
+  virtual void Abort() {}
 };
 
 }  // namespace lockstep::worker

@@ -183,6 +183,12 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
   return result;
 }
 
+size_t Trainer::largest_bucket_floats() const {
+  size_t largest = 0;
+  for (const Bucket& b : buckets_) largest = std::max(largest, b.count);
+  return largest;
+}
+
 double Trainer::TrainSamplesPerSecond() const {
   const double seconds = absl::ToDoubleSeconds(timing_.after_first);
   if (timing_.steps < 2 || seconds <= 0) return 0;

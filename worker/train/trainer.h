@@ -33,6 +33,11 @@ class Trainer {
                                                          Communicator* comm);
 
   int64_t total_steps() const { return total_steps_; }
+  // The largest gradient bucket, in floats: what a communicator must sum in one call.
+  size_t largest_bucket_floats() const;
+  // Swaps in another communicator of the same rank and size (e.g. a faster transport formed
+  // after the model size is known). Not during Train.
+  void set_communicator(Communicator* comm) { comm_ = comm; }
   int64_t steps_per_epoch() const { return sampler_.steps_per_epoch(); }
   Mlp& model() { return model_; }
 
@@ -69,7 +74,7 @@ class Trainer {
 
   const v1::JobSpec spec_;
   std::shared_ptr<const Dataset> data_;
-  Communicator* const comm_;
+  Communicator* comm_;
   Mlp model_;
   Sampler sampler_;
   int64_t total_steps_ = 0;

@@ -1,0 +1,316 @@
+// lockstepctl's command logic against a fake JobService stub: formatting, watch resume and
+// backoff, exit codes, spec parsing.
+#include <deque>
+#include <sstream>
+
+#include "cli/commands.h"
+#include "cli/format.h"
+#include "cli/invocation.h"
+#include "cli/watch_printer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace lockstep::cli {
+namespace {
+using ::testing::HasSubstr;
+
+class FakeReader : public grpc::ClientReaderInterface<v1::JobEvent> {
+ public:
+  FakeReader(std::vector<v1::JobEvent> events, grpc::Status end)
+      : events_(events.begin(), events.end()), end_(end) {}
+  bool Read(v1::JobEvent* e) override {
+    if (events_.empty()) return false;
+    *e = events_.front();
+    events_.pop_front();
+    return true;
+  }
+  grpc::Status Finish() override { return end_; }
+  bool NextMessageSize(uint32_t* sz) override { *sz = 1 << 20; return !events_.empty(); }
+  void WaitForInitialMetadata() override {}
+ private:
+  std::deque<v1::JobEvent> events_;
+  grpc::Status end_;
+};
+
+struct Stream { std::vector<v1::JobEvent> events; grpc::Status end; };
+
+class FakeStub : public v1::JobService::StubInterface {
+ public:
+  std::deque<Stream> streams;
+  std::vector<int64_t> from_sequences;
+  v1::Job get_job;
+  grpc::Status get_status;
+  v1::ListJobsResponse jobs;
+  v1::ListWorkersResponse workers;
+  bool saw_deadline = false;
+
+  grpc::Status SubmitJob(grpc::ClientContext* c, const v1::SubmitJobRequest& r, v1::Job* j) override {
+    saw_deadline = c->deadline() < std::chrono::system_clock::now() + std::chrono::hours(1);
+    j->set_job_id("job-7");
+    *j->mutable_spec() = r.spec();
+    return grpc::Status::OK;
+  }
+  grpc::Status GetJob(grpc::ClientContext*, const v1::GetJobRequest&, v1::Job* j) override {
+    *j = get_job;
+    return get_status;
+  }
+  grpc::Status ListJobs(grpc::ClientContext*, const v1::ListJobsRequest&, v1::ListJobsResponse* r) override {
+    *r = jobs; return grpc::Status::OK;
+  }
+  grpc::Status CancelJob(grpc::ClientContext*, const v1::CancelJobRequest&, v1::Job*) override {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "job job-1 has already ended");
+  }
+  grpc::Status ListWorkers(grpc::ClientContext*, const v1::ListWorkersRequest&, v1::ListWorkersResponse* r) override {
+    *r = workers; return grpc::Status::OK;
+  }
+ private:
+  grpc::ClientReaderInterface<v1::JobEvent>* WatchJobRaw(grpc::ClientContext*, const v1::WatchJobRequest& r) override {
+    from_sequences.push_back(r.from_sequence());
+    if (streams.empty()) return new FakeReader({}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "down"));
+    Stream s = streams.front(); streams.pop_front();
+    std::vector<v1::JobEvent> evs;
+    for (auto& e : s.events) if (e.sequence() >= r.from_sequence()) evs.push_back(e);
+    return new FakeReader(evs, s.end);
+  }
+#define NOASYNC(Resp, Req, Name) \
+  grpc::ClientAsyncResponseReaderInterface<Resp>* Async##Name##Raw(grpc::ClientContext*, const Req&, grpc::CompletionQueue*) override { return nullptr; } \
+  grpc::ClientAsyncResponseReaderInterface<Resp>* PrepareAsync##Name##Raw(grpc::ClientContext*, const Req&, grpc::CompletionQueue*) override { return nullptr; }
+  NOASYNC(v1::Job, v1::SubmitJobRequest, SubmitJob)
+  NOASYNC(v1::Job, v1::GetJobRequest, GetJob)
+  NOASYNC(v1::ListJobsResponse, v1::ListJobsRequest, ListJobs)
+  NOASYNC(v1::Job, v1::CancelJobRequest, CancelJob)
+  NOASYNC(v1::ListWorkersResponse, v1::ListWorkersRequest, ListWorkers)
+  grpc::ClientAsyncReaderInterface<v1::JobEvent>* AsyncWatchJobRaw(grpc::ClientContext*, const v1::WatchJobRequest&, grpc::CompletionQueue*, void*) override { return nullptr; }
+  grpc::ClientAsyncReaderInterface<v1::JobEvent>* PrepareAsyncWatchJobRaw(grpc::ClientContext*, const v1::WatchJobRequest&, grpc::CompletionQueue*) override { return nullptr; }
+};
+
+v1::JobEvent Ev(int64_t seq, v1::JobEvent::Kind kind, v1::JobState state, int64_t step,
+                const std::string& msg = "") {
+  v1::JobEvent e;
+  e.set_sequence(seq);
+  e.set_kind(kind);
+  e.set_message(msg);
+  e.set_time_unix_ms(1'700'000'000'000 + seq * 1000);
+  v1::Job* j = e.mutable_job();
+  j->set_job_id("job-1");
+  j->set_state(state);
+  j->set_step(step);
+  j->set_total_steps(468);
+  j->set_loss(0.5123);
+  j->set_samples_per_second(29345.4);
+  j->set_eta_ms(12'300);
+  j->set_submit_time_unix_ms(1'700'000'000'000);
+  j->set_start_time_unix_ms(1'700'000'001'000);
+  if (IsTerminal(state)) j->set_end_time_unix_ms(1'700'000'063'500);
+  return e;
+}
+
+TEST(Format, Basics) {
+  EXPECT_EQ(ShortDuration(absl::Milliseconds(850)), "850ms");
+  EXPECT_EQ(ShortDuration(absl::Milliseconds(1250)), "1.2s");
+  EXPECT_EQ(ShortDuration(absl::Seconds(12)), "12s");
+  EXPECT_EQ(ShortDuration(absl::Seconds(62)), "1m02s");
+  EXPECT_EQ(ShortDuration(absl::Seconds(7500)), "2h05m");
+  EXPECT_EQ(ShortDuration(absl::Hours(76)), "3d04h");
+  EXPECT_EQ(ShortDuration(-absl::Seconds(3)), "0ms");
+  EXPECT_EQ(FormatThousands(29345), "29,345");
+  EXPECT_EQ(FormatThousands(-1234567), "-1,234,567");
+  EXPECT_EQ(FormatThousands(999), "999");
+  EXPECT_EQ(FormatThousands(0), "0");
+  EXPECT_EQ(FormatThousands(INT64_MIN), "-9,223,372,036,854,775,808");
+  EXPECT_EQ(FormatBytes(1536), "1.5 KiB");
+  EXPECT_EQ(FormatBytes(100), "100 B");
+  EXPECT_EQ(JobStateName(v1::JOB_STATE_RUNNING), "RUNNING");
+  EXPECT_EQ(JobStateName(static_cast<v1::JobState>(42)), "STATE_42");
+  v1::Job j = Ev(0, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 120).job();
+  EXPECT_EQ(FormatProgress(j), "step 120/468 (25.6%)  loss 0.5123  29,345 samples/s  ETA 12s");
+  v1::JobEvent e = Ev(3, v1::JobEvent::MEMBERSHIP, v1::JOB_STATE_RUNNING, 0, "generation 1 formed: w0, w1");
+  EXPECT_EQ(FormatEventLine(e, absl::UTCTimeZone()), "[22:13:23] job-1 RUNNING: generation 1 formed: w0, w1");
+}
+
+TEST(Format, Tables) {
+  v1::ListJobsResponse r;
+  *r.add_jobs() = Ev(0, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 120).job();
+  *r.add_jobs() = Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 468).job();
+  r.mutable_jobs(1)->set_job_id("job-2");
+  r.mutable_jobs(1)->mutable_spec()->set_name("fmnist");
+  std::string s = FormatJobList(r, absl::FromUnixMillis(1'700'000'200'000));
+  std::cout << s;
+  EXPECT_THAT(s, HasSubstr("job-1  -       RUNNING    120/468  0.5123  0        3m20s"));
+  EXPECT_THAT(s, HasSubstr("job-2  fmnist  SUCCEEDED  468/468  0.5123  0        1m02s"));
+  v1::Job j = r.jobs(1);
+  auto* m = j.add_members(); m->set_rank(0); m->set_worker_id("w-1"); m->set_worker_name("w0"); m->set_host("h"); m->set_step(468); m->set_parameter_checksum("abcdef0123456789"); m->set_peak_memory_bytes(300 << 20);
+  j.mutable_eval()->set_test_accuracy(0.8731); j.mutable_eval()->set_test_samples(10000); j.mutable_eval()->set_test_loss(0.3512);
+  std::cout << FormatJobDetail(j, absl::FromUnixMillis(1'700'000'200'000), absl::UTCTimeZone());
+  std::cout << FormatFinalSummary(j, absl::Now());
+  v1::ListWorkersResponse w;
+  auto* wi = w.add_workers(); wi->set_worker_id("w-1"); wi->set_name("w0"); wi->set_host("h"); wi->set_device("cpu"); wi->set_state("busy"); wi->set_job_id("job-1"); wi->set_last_heartbeat_unix_ms(1'700'000'199'500);
+  auto* wi2 = w.add_workers(); wi2->set_worker_id("w-2"); wi2->set_state("lost");
+  std::cout << FormatWorkerList(w, absl::FromUnixMillis(1'700'000'200'000));
+}
+
+CommandOptions TestOptions(FakeClock* clock, std::vector<absl::Duration>* sleeps) {
+  CommandOptions o;
+  o.clock = clock;
+  o.sleep = [sleeps](absl::Duration d) { sleeps->push_back(d); };
+  o.time_zone = absl::UTCTimeZone();
+  return o;
+}
+
+TEST(Watch, ResumesAfterUnavailableAndSucceeds) {
+  FakeStub stub;
+  std::vector<v1::JobEvent> all = {
+      Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_PENDING, 0, "submitted"),
+      Ev(1, v1::JobEvent::STATE, v1::JOB_STATE_RUNNING, 0, "running"),
+      Ev(2, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 100),
+      Ev(3, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 200),
+      Ev(4, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 468),
+      Ev(5, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 468, "trained 468 steps")};
+  all[5].mutable_job()->mutable_eval()->set_test_accuracy(0.8731);
+  all[5].mutable_job()->mutable_eval()->set_test_samples(10000);
+  all[5].mutable_job()->mutable_eval()->set_test_loss(0.3512);
+  stub.streams.push_back({{all[0], all[1], all[2]}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")});
+  stub.streams.push_back({{}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")});
+  stub.streams.push_back({all, grpc::Status::OK});
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  int rc = RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err);
+  std::cout << out.str() << "--err--\n" << err.str();
+  EXPECT_EQ(rc, 0);
+  EXPECT_THAT(stub.from_sequences, ::testing::ElementsAre(0, 3, 3));
+  EXPECT_THAT(sleeps, ::testing::ElementsAre(absl::Milliseconds(500), absl::Seconds(1)));
+  EXPECT_THAT(out.str(), HasSubstr("test accuracy 0.8731 (10000 samples), test loss 0.3512"));
+  EXPECT_THAT(out.str(), HasSubstr("step 468/468 (100.0%)"));
+  EXPECT_THAT(out.str(), HasSubstr("job-1 SUCCEEDED in 1m02s"));
+}
+
+TEST(Watch, GivesUpAfterRetries) {
+  FakeStub stub;
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
+  EXPECT_EQ(sleeps.size(), 5u);
+  EXPECT_EQ(sleeps.back(), absl::Seconds(8));
+  EXPECT_THAT(err.str(), HasSubstr("lockstepctl: UNAVAILABLE: down\n"));
+}
+
+TEST(Watch, NotFoundIsNotRetried) {
+  FakeStub stub;
+  stub.streams.push_back({{}, grpc::Status(grpc::StatusCode::NOT_FOUND, "job job-1 does not exist")});
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
+  EXPECT_TRUE(sleeps.empty());
+  EXPECT_EQ(err.str(), "lockstepctl: NOT_FOUND: job job-1 does not exist\n");
+}
+
+TEST(Watch, FailedExitsOneWithReason) {
+  FakeStub stub;
+  v1::JobEvent e = Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_FAILED, 10, "worker w1 lost");
+  e.mutable_job()->set_reason("worker w1 lost");
+  stub.streams.push_back({{e}, grpc::Status::OK});
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 1);
+  EXPECT_THAT(out.str(), HasSubstr("job-1 FAILED after 1m02s: worker w1 lost"));
+}
+
+TEST(Watch, StreamEndsEarlyFallsBackToGetJob) {
+  FakeStub stub;
+  stub.streams.push_back({{Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_RUNNING, 0, "running")}, grpc::Status::OK});
+  stub.get_job = Ev(9, v1::JobEvent::STATE, v1::JOB_STATE_CANCELLED, 5).job();
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 1);
+  EXPECT_THAT(out.str(), HasSubstr("job-1 CANCELLED after"));
+}
+
+TEST(Watch, ReplacedJobIsNotFollowed) {
+  FakeStub stub;
+  stub.streams.push_back({{Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_RUNNING, 0, "running")},
+                          grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")});
+  v1::JobEvent other = Ev(1, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 5, "done");
+  other.mutable_job()->set_submit_time_unix_ms(1'800'000'000'000);
+  stub.streams.push_back({{other}, grpc::Status::OK});
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
+  EXPECT_THAT(err.str(), HasSubstr("NOT_FOUND: job job-1 no longer exists"));
+  EXPECT_THAT(out.str(), ::testing::Not(HasSubstr("SUCCEEDED")));
+}
+
+TEST(WatchPrinter, ThrottlesProgressAndAlwaysPrintsLast) {
+  FakeClock clock;
+  std::ostringstream out;
+  WatchPrinter p(OutputFormat::kTable, false, &clock, absl::UTCTimeZone(), out);
+  for (int s = 1; s <= 10; ++s) {
+    p.OnEvent(Ev(s, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, s));
+    clock.Advance(absl::Milliseconds(300));
+  }
+  p.Finish(Ev(11, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 10).job());
+  std::cout << out.str();
+  std::string o = out.str();
+  EXPECT_THAT(o, HasSubstr("step 1/468"));
+  EXPECT_THAT(o, HasSubstr("step 5/468"));
+  EXPECT_THAT(o, HasSubstr("step 9/468"));
+  EXPECT_THAT(o, HasSubstr("step 10/468"));
+  EXPECT_THAT(o, ::testing::Not(HasSubstr("step 2/468")));
+}
+
+TEST(WatchPrinter, Live) {
+  FakeClock clock;
+  std::ostringstream out;
+  WatchPrinter p(OutputFormat::kTable, true, &clock, absl::UTCTimeZone(), out);
+  p.OnEvent(Ev(1, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 1));
+  p.OnEvent(Ev(2, v1::JobEvent::MEMBERSHIP, v1::JOB_STATE_RUNNING, 1, "gen 2"));
+  p.OnEvent(Ev(3, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 2));
+  p.OnEvent(Ev(4, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 2, "done"));
+  p.Finish(Ev(4, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 2, "done").job());
+  std::string o = out.str();
+  for (char& c : o) if (c == '\x1b') c = 'E';
+  std::cout << o;
+}
+
+TEST(Invocation, Parse) {
+  std::istringstream in("{\"name\":\"a\",\"globalBatchSize\":\"256\"}");
+  FlagValues f;
+  auto inv = ParseInvocation({"submit", "-"}, f, nullptr, in);
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  EXPECT_EQ(inv->spec.global_batch_size(), 256);
+  EXPECT_EQ(inv->coordinator, "127.0.0.1:7070");
+  EXPECT_EQ(ResolveCoordinator("", "h:1"), "h:1");
+  EXPECT_EQ(ResolveCoordinator("x:2", "h:1"), "x:2");
+  std::istringstream in2("{\"global_batch_size\": 256, \"min_workers\": 1}");
+  auto inv2 = ParseInvocation({"submit", "-"}, f, nullptr, in2);
+  ASSERT_TRUE(inv2.ok()) << inv2.status();
+  EXPECT_EQ(inv2->spec.min_workers(), 1);
+}
+
+TEST(Commands, SubmitSetsDeadlineAndCancelError) {
+  FakeStub stub;
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv; inv.command = Command::kSubmit;
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 0);
+  EXPECT_EQ(out.str(), "job-7\n");
+  EXPECT_TRUE(stub.saw_deadline);
+  inv.command = Command::kCancel; inv.job_id = "job-1";
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
+  EXPECT_EQ(err.str(), "lockstepctl: FAILED_PRECONDITION: job job-1 has already ended\n");
+}
+
+}  // namespace
+}  // namespace lockstep::cli

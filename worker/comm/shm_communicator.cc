@@ -1,0 +1,207 @@
+// Shared-memory float allreduce. Protocol of one sum (op k, W ranks, target W*k):
+//   copy own data into slot[rank]; arrive (counter += 1, the last arrival wakes all);
+//   wait for W*k arrivals; sum chunk `rank` of all slots into result (slot order 0..W-1, so
+//   every rank computes bit-identical sums); reduced += 1; wait for W*k; copy result out.
+// Reuse is safe: a rank writes its slot for op k+1 only after every rank finished reading
+// slots of op k (the reduced barrier), and nobody writes result for op k+1 before every rank
+// has arrived at k+1, which each does only after copying result of op k out.
+#include "worker/comm/shm_communicator.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "glog/logging.h"
+
+namespace lockstep::worker {
+namespace {
+
+constexpr uint64_t kMagic = 0x4c4f434b53544550ULL;  // "LOCKSTEP"
+constexpr size_t kHeaderBytes = 4096;
+// Larger groups or models go through Gloo rather than pin this much of /dev/shm.
+constexpr size_t kMaxMappingBytes = size_t{1} << 30;
+
+long Futex(std::atomic<uint32_t>* addr, int op, uint32_t value, const timespec* timeout) {
+  // Shared (not FUTEX_PRIVATE) because waiters live in different processes.
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, value, timeout, nullptr, 0);
+}
+
+// a >= b for counters that may wrap.
+bool Reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
+
+struct Handshake {
+  char name[64];
+  uint64_t token;
+  int64_t ok;
+};
+
+}  // namespace
+
+struct ShmCommunicator::Header {
+  uint64_t magic;
+  uint64_t token;
+  uint64_t world;
+  uint64_t max_floats;
+  alignas(64) std::atomic<uint32_t> arrived;
+  alignas(64) std::atomic<uint32_t> reduced;
+};
+
+
+absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
+    std::unique_ptr<Communicator> base, size_t max_floats, std::chrono::milliseconds timeout) {
+  static_assert(sizeof(Header) <= kHeaderBytes);
+  const int world = base->size();
+  if (world == 1 || max_floats == 0) return base;
+  const size_t bytes = kHeaderBytes + (static_cast<size_t>(world) + 1) * max_floats * sizeof(float);
+
+  Handshake hs{};
+  void* mapping = MAP_FAILED;
+  if (base->rank() == 0 && bytes <= kMaxMappingBytes) {
+    std::random_device rd;
+    hs.token = (uint64_t{rd()} << 32) ^ rd();
+    absl::SNPrintF(hs.name, sizeof(hs.name), "/lockstep-%d-%016x", getpid(), hs.token);
+    const int fd = shm_open(hs.name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    // posix_fallocate reserves the pages now: a full /dev/shm fails here, not as SIGBUS later.
+    if (fd >= 0 && posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0) {
+      mapping = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    if (fd >= 0) close(fd);
+    if (mapping != MAP_FAILED) {
+      auto* header = new (mapping) Header();
+      header->magic = kMagic;
+      header->token = hs.token;
+      header->world = static_cast<uint64_t>(world);
+      header->max_floats = max_floats;
+      hs.ok = 1;
+    } else {
+      LOG(WARNING) << "no shared-memory fast path (" << strerror(errno) << "); using Gloo";
+      shm_unlink(hs.name);
+    }
+  }
+  if (absl::Status s = base->Broadcast(&hs, sizeof(hs), 0); !s.ok()) return s;
+  int64_t ok = 0;
+  if (hs.ok != 0) {
+    if (base->rank() == 0) {
+      ok = 1;
+    } else {
+      // Fails when the peers do not share this host's /dev/shm (other machine or container).
+      const int fd = shm_open(hs.name, O_RDWR, 0);
+      struct stat st {};
+      if (fd >= 0 && fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes) {
+        mapping = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      }
+      if (fd >= 0) close(fd);
+      if (mapping != MAP_FAILED) {
+        const auto* header = static_cast<const Header*>(mapping);
+        ok = header->magic == kMagic && header->token == hs.token ? 1 : 0;
+      }
+    }
+  }
+  absl::Status agreed = base->AllreduceSum(&ok, 1);
+  if (agreed.ok()) agreed = base->Barrier();  // everyone has mapped (or given up)
+  if (base->rank() == 0 && hs.ok != 0) shm_unlink(hs.name);  // mappings outlive the name
+  if (!agreed.ok() || ok != world) {
+    if (mapping != MAP_FAILED) munmap(mapping, bytes);
+    if (!agreed.ok()) return agreed;
+    return base;
+  }
+  return std::unique_ptr<Communicator>(
+      new ShmCommunicator(std::move(base), mapping, bytes, max_floats, timeout));
+}
+
+ShmCommunicator::ShmCommunicator(std::unique_ptr<Communicator> base, void* mapping,
+                                 size_t mapping_bytes, size_t max_floats,
+                                 std::chrono::milliseconds timeout)
+    : base_(std::move(base)),
+      mapping_(mapping),
+      mapping_bytes_(mapping_bytes),
+      header_(static_cast<Header*>(mapping)),
+      slots_(reinterpret_cast<float*>(static_cast<char*>(mapping) + kHeaderBytes)),
+      result_(slots_ + static_cast<size_t>(base_->size()) * max_floats),
+      max_floats_(max_floats),
+      timeout_(timeout) {}
+
+ShmCommunicator::~ShmCommunicator() { munmap(mapping_, mapping_bytes_); }
+
+void ShmCommunicator::Abort() {
+  aborted_ = true;
+  // Wake our own waiters; they re-check aborted_. (Peers are woken by their own agents.)
+  Futex(&header_->arrived, FUTEX_WAKE, INT_MAX, nullptr);
+  Futex(&header_->reduced, FUTEX_WAKE, INT_MAX, nullptr);
+  base_->Abort();
+}
+
+absl::Status ShmCommunicator::WaitFor(std::atomic<uint32_t>& counter, uint32_t target,
+                                      const char* phase) {
+  // A short spin catches peers that are a few microseconds behind; then sleep in the kernel,
+  // because spinning on an oversubscribed host steals the very CPU the peer needs.
+  for (int i = 0; i < 2000; ++i) {
+    if (Reached(counter.load(std::memory_order_acquire), target)) return absl::OkStatus();
+    __builtin_ia32_pause();
+  }
+  const absl::Time deadline = absl::Now() + absl::FromChrono(timeout_);
+  while (true) {
+    const uint32_t seen = counter.load(std::memory_order_acquire);
+    if (Reached(seen, target)) return absl::OkStatus();
+    if (aborted_.load(std::memory_order_relaxed)) {
+      return absl::AbortedError(absl::StrCat("shared-memory allreduce aborted while ", phase));
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("shared-memory allreduce: peers did not arrive within ",
+                       timeout_.count(), " ms while ", phase));
+    }
+    // Re-check every 50 ms even without a wake-up, for the abort flag and the deadline.
+    const timespec wait{0, 50'000'000};
+    Futex(&counter, FUTEX_WAIT, seen, &wait);
+  }
+}
+
+absl::Status ShmCommunicator::AllreduceSum(float* data, size_t count) {
+  if (count > max_floats_) return base_->AllreduceSum(data, count);
+  if (count == 0) return absl::OkStatus();
+  const uint32_t world = static_cast<uint32_t>(size());
+  const size_t r = static_cast<size_t>(rank());
+  const uint32_t target = world * ++ops_;
+  std::memcpy(slots_ + r * max_floats_, data, count * sizeof(float));
+  if (header_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
+    Futex(&header_->arrived, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+  if (absl::Status s = WaitFor(header_->arrived, target, "gathering"); !s.ok()) return s;
+  const size_t begin = count * r / world, end = count * (r + 1) / world;
+  float* out = result_ + begin;
+  std::memcpy(out, slots_ + begin, (end - begin) * sizeof(float));
+  for (uint32_t j = 1; j < world; ++j) {
+    const float* in = slots_ + j * max_floats_ + begin;
+    for (size_t i = 0; i < end - begin; ++i) out[i] += in[i];
+  }
+  if (header_->reduced.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
+    Futex(&header_->reduced, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+  if (absl::Status s = WaitFor(header_->reduced, target, "reducing"); !s.ok()) return s;
+  std::memcpy(data, result_, count * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status ShmCommunicator::AllreduceSum(double* data, size_t count) {
+  return base_->AllreduceSum(data, count);
+}
+absl::Status ShmCommunicator::AllreduceSum(int64_t* data, size_t count) {
+  return base_->AllreduceSum(data, count);
+}
+absl::Status ShmCommunicator::Broadcast(void* data, size_t bytes, int root) {
+  return base_->Broadcast(data, bytes, root);
+}
+absl::Status ShmCommunicator::Barrier() { return base_->Barrier(); }
+
+}  // namespace lockstep::worker
