@@ -9,6 +9,7 @@
 #include "gloo/rendezvous/hash_store.h"
 #include "gtest/gtest.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/comm/shm_communicator.h"
 #include "worker/train/dataset.h"
 #include "worker/train/mlp.h"
 
@@ -132,7 +133,7 @@ TEST(TrainerTest, BatchLargerThanDataIsAPreconditionFailure) {
 // Trains the job on `world` ranks of an in-process Gloo group; returns rank 0's parameters
 // and every rank's checksum.
 std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::JobSpec& spec,
-                                                                    int world) {
+                                                                    int world, bool shm) {
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
   gloo::rendezvous::HashStore store;
   std::vector<std::vector<float>> params(world);
@@ -140,11 +141,19 @@ std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::Jo
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      auto comm = GlooCommunicator::Create(r, world, store, "127.0.0.1",
+      auto gloo = GlooCommunicator::Create(r, world, store, "127.0.0.1",
                                            std::chrono::milliseconds(20000));
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      auto trainer = Trainer::Create(spec, data, comm->get());
+      ASSERT_TRUE(gloo.ok()) << gloo.status();
+      auto trainer = Trainer::Create(spec, data, gloo->get());
       ASSERT_TRUE(trainer.ok()) << trainer.status();
+      std::unique_ptr<Communicator> comm = *std::move(gloo);
+      if (shm) {
+        auto wrapped = ShmCommunicator::Wrap(std::move(comm), (*trainer)->largest_bucket_floats(),
+                                             std::chrono::milliseconds(20000));
+        ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+        comm = *std::move(wrapped);
+      }
+      (*trainer)->set_communicator(comm.get());
       std::atomic<bool> abort{false};
       ASSERT_TRUE((*trainer)->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
       auto eval = (*trainer)->Evaluate();
@@ -160,9 +169,9 @@ std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::Jo
 
 TEST(TrainerTest, DataParallelMatchesSingleWorker) {
   const v1::JobSpec spec = SyntheticSpec();
-  auto [solo, solo_sums] = TrainOnGloo(spec, 1);
-  for (int world : {2, 3}) {
-    auto [params, sums] = TrainOnGloo(spec, world);
+  auto [solo, solo_sums] = TrainOnGloo(spec, 1, false);
+  for (auto [world, shm] : {std::pair{2, false}, {3, false}, {2, true}, {3, true}}) {
+    auto [params, sums] = TrainOnGloo(spec, world, shm);
     ASSERT_EQ(params.size(), solo.size());
     for (int r = 1; r < world; ++r) {
       EXPECT_EQ(sums[r], sums[0]) << "rank " << r << " diverged from rank 0 (world " << world << ")";
@@ -174,7 +183,7 @@ TEST(TrainerTest, DataParallelMatchesSingleWorker) {
     }
     // Same samples, same global batch: only the summation order of the gradient differs, which
     // over 60 steps of SGD with momentum stays at float rounding scale.
-    EXPECT_LT(std::sqrt(err / norm), 1e-4) << "world " << world;
+    EXPECT_LT(std::sqrt(err / norm), 1e-4) << "world " << world << " shm " << shm;
   }
 }
 

@@ -1,0 +1,101 @@
+// The shared-memory fast path: sums match, sizes beyond the segment fall back to Gloo, and a
+// rank stuck waiting for a peer is released by Abort or by its deadline.
+#include "worker/comm/shm_communicator.h"
+
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "gloo/rendezvous/hash_store.h"
+#include "gtest/gtest.h"
+#include "worker/comm/gloo_communicator.h"
+
+namespace lockstep::worker {
+namespace {
+
+// Forms a Gloo group of `world` threads, wraps it, and runs fn(rank, comm) on each.
+void RunGroup(int world, size_t max_floats, std::chrono::milliseconds timeout,
+              const std::function<void(int, Communicator&)>& fn) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto gloo = GlooCommunicator::Create(r, world, store, "127.0.0.1",
+                                           std::chrono::milliseconds(20000));
+      ASSERT_TRUE(gloo.ok()) << gloo.status();
+      auto comm = ShmCommunicator::Wrap(*std::move(gloo), max_floats, timeout);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      ASSERT_NE(dynamic_cast<ShmCommunicator*>(comm->get()), nullptr)
+          << "ranks in one process share /dev/shm: the fast path must be taken";
+      fn(r, **comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TEST(ShmCommunicatorTest, SumsMatchAndAreIdenticalOnEveryRank) {
+  for (int world : {2, 3, 4}) {
+    const size_t max_floats = 1000;
+    std::vector<std::vector<float>> results(world);
+    RunGroup(world, max_floats, std::chrono::milliseconds(20000), [&](int r, Communicator& comm) {
+      // Many operations of varying size, including one larger than the segment (Gloo path).
+      for (size_t n : {size_t{1}, size_t{7}, size_t{1000}, size_t{999}, size_t{2500},
+                       size_t{333}}) {
+        for (int rep = 0; rep < 20; ++rep) {
+          std::vector<float> v(n);
+          for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>((r + 1) * (i % 13) + rep);
+          ASSERT_TRUE(comm.AllreduceSum(v.data(), n).ok());
+          for (size_t i = 0; i < n; ++i) {
+            const float want = static_cast<float>(world * (world + 1) / 2 * (i % 13) + world * rep);
+            ASSERT_EQ(v[i], want) << "world " << world << " n " << n << " i " << i;
+          }
+          if (n == 999 && rep == 19) results[r] = v;
+        }
+      }
+      double d[2] = {1.5, static_cast<double>(r)};
+      ASSERT_TRUE(comm.AllreduceSum(d, 2).ok());
+      EXPECT_EQ(d[0], 1.5 * world);
+    });
+    for (int r = 1; r < world; ++r) EXPECT_EQ(results[r], results[0]);
+  }
+}
+
+TEST(ShmCommunicatorTest, NonIntegerSumsAreBitIdenticalAcrossRanks) {
+  const int world = 3;
+  std::vector<std::vector<float>> results(world);
+  RunGroup(world, 4096, std::chrono::milliseconds(20000), [&](int r, Communicator& comm) {
+    std::vector<float> v(4096);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = 0.1f * static_cast<float>(r + 1) / (i + 3.0f);
+    ASSERT_TRUE(comm.AllreduceSum(v.data(), v.size()).ok());
+    results[r] = v;
+  });
+  EXPECT_EQ(results[0], results[1]);
+  EXPECT_EQ(results[0], results[2]);
+}
+
+TEST(ShmCommunicatorTest, AbortReleasesARankWaitingForAMissingPeer) {
+  RunGroup(2, 64, std::chrono::milliseconds(60000), [&](int r, Communicator& comm) {
+    if (r == 1) return;  // never joins the sum
+    std::thread aborter([&] {
+      absl::SleepFor(absl::Milliseconds(200));
+      comm.Abort();
+    });
+    const absl::Time start = absl::Now();
+    std::vector<float> v(64, 1.0f);
+    absl::Status s = comm.AllreduceSum(v.data(), v.size());
+    aborter.join();
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "abort must not wait for the timeout";
+  });
+}
+
+TEST(ShmCommunicatorTest, MissingPeerHitsTheDeadline) {
+  RunGroup(2, 64, std::chrono::milliseconds(300), [&](int r, Communicator& comm) {
+    if (r == 1) return;
+    std::vector<float> v(64, 1.0f);
+    absl::Status s = comm.AllreduceSum(v.data(), v.size());
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  });
+}
+
+}  // namespace
+}  // namespace lockstep::worker
