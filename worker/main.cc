@@ -16,11 +16,14 @@
 #include "absl/strings/match.h"
 #include "glog/logging.h"
 #include "worker/agent.h"
+#include "worker/train/dataset.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
 ABSL_FLAG(std::string, device, "cpu", "Device this worker owns: cpu or cuda:N.");
 ABSL_FLAG(std::string, name, "", "Worker name, unique in the cluster (default HOST-PID).");
 ABSL_FLAG(std::string, host, "", "Host name reported to the coordinator (default gethostname).");
+ABSL_FLAG(std::string, data_cache_dir, "/dev/shm/lockstep-cache",
+          "Where decoded data sets are cached and shared by this host's workers (empty: off).");
 ABSL_FLAG(std::string, comm_address, "",
           "Address peers use for collectives (default: the local address that routes to the "
           "coordinator).");
@@ -113,6 +116,7 @@ int main(int argc, char** argv) {
                              ? LocalAddressTowards(options.coordinator)
                              : absl::GetFlag(FLAGS_comm_address);
   options.free_memory_bytes = AvailableMemoryBytes();
+  lockstep::worker::SetDatasetCacheDir(absl::GetFlag(FLAGS_data_cache_dir));
   LOG(INFO) << "lockstep-worker " << options.name << " on " << options.host << " device "
             << options.device << ", collectives on " << options.comm_address;
 

@@ -42,7 +42,7 @@ void ApplyJobSpecDefaults(v1::JobSpec* spec) {
   }
   if (spec->min_workers() == 0) spec->set_min_workers(1);
   if (spec->max_workers() == 0) spec->set_max_workers(std::max(1, spec->min_workers()));
-  if (spec->bucket_size_kib() == 0) spec->set_bucket_size_kib(1024);
+  if (spec->bucket_size_kib() == 0) spec->set_bucket_size_kib(256);
   if (spec->step_timeout_ms() == 0) spec->set_step_timeout_ms(60000);
   if (spec->collective_timeout_ms() == 0) spec->set_collective_timeout_ms(30000);
   if (spec->threads_per_worker() == 0) spec->set_threads_per_worker(1);

@@ -60,9 +60,13 @@ TEST(MlpTest, GradientMatchesFiniteDifferences) {
     std::vector<float> x(n * 5);
     for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(1.7 * i + 0.3);
     std::vector<int32_t> y = {0, 1, 2, 1, 0, 2};
-    std::vector<int> ready;
-    mlp.ForwardBackward(x.data(), y.data(), n, 1.0f, nullptr, [&](int l) { ready.push_back(l); });
-    EXPECT_EQ(ready, (std::vector<int>{1, 0})) << "layers become ready last first";
+    std::vector<size_t> ready;
+    mlp.ForwardBackward(x.data(), y.data(), n, 1.0f, /*chunk_floats=*/10, nullptr,
+                        [&](size_t end) { ready.push_back(end); });
+    // Last layer (3x7 + 3) first in rows of 1 (10/7), then the first layer (7x5 + 7) in rows
+    // of 2: a growing prefix ending at num_params.
+    EXPECT_EQ(ready, mlp.ReadyPoints(10));
+    EXPECT_EQ(ready, (std::vector<size_t>{7, 14, 21, 24, 34, 44, 54, 59, 66}));
     std::vector<float> analytic(mlp.grads(), mlp.grads() + mlp.num_params());
     double err = 0, norm = 0;
     for (size_t i = 0; i < mlp.num_params(); ++i) {

@@ -1,14 +1,24 @@
 // Data set loading. IDX: big-endian header (magic, dims), then unsigned bytes.
 #include "worker/train/dataset.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "glog/logging.h"
+#include "kernels/cpu_kernels.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "worker/train/random.h"
@@ -88,12 +98,15 @@ absl::StatusOr<std::vector<uint32_t>> ParseIdxHeader(const std::string& path,
   return shape;
 }
 
-absl::StatusOr<Split> LoadSplit(const std::string& dir, const std::string& prefix,
-                                int32_t* dim) {
-  LOCKSTEP_ASSIGN_OR_RETURN(std::string images_path,
-                            FindFile(dir, absl::StrCat(prefix, "-images-idx3-ubyte")));
-  LOCKSTEP_ASSIGN_OR_RETURN(std::string labels_path,
-                            FindFile(dir, absl::StrCat(prefix, "-labels-idx1-ubyte")));
+// One split's raw bytes as the IDX files hold them.
+struct RawSplit {
+  int64_t samples = 0;
+  std::string pixels;  // samples * dim
+  std::string labels;  // samples
+};
+
+absl::StatusOr<RawSplit> ReadSplit(const std::string& images_path,
+                                   const std::string& labels_path, int32_t* dim) {
   LOCKSTEP_ASSIGN_OR_RETURN(std::string images, ReadMaybeGzip(images_path));
   LOCKSTEP_ASSIGN_OR_RETURN(std::string labels, ReadMaybeGzip(labels_path));
   size_t image_offset = 0, label_offset = 0;
@@ -113,28 +126,190 @@ absl::StatusOr<Split> LoadSplit(const std::string& dir, const std::string& prefi
         absl::StrCat(images_path, ": ", d, " features per sample, expected ", *dim));
   }
   *dim = d;
-  Split split;
+  RawSplit split;
   split.samples = image_shape[0];
-  split.x.resize(static_cast<size_t>(split.samples) * d);
-  const auto* px = reinterpret_cast<const unsigned char*>(images.data()) + image_offset;
-  for (size_t i = 0; i < split.x.size(); ++i) split.x[i] = static_cast<float>(px[i]) / 255.0f;
-  split.y.resize(split.samples);
-  const auto* py = reinterpret_cast<const unsigned char*>(labels.data()) + label_offset;
-  for (int64_t i = 0; i < split.samples; ++i) split.y[i] = py[i];
+  split.pixels = images.substr(image_offset);
+  split.labels = labels.substr(label_offset);
   return split;
 }
 
-}  // namespace
+// Cache file: a fixed header, then train pixels, train labels, test pixels, test labels.
+struct CacheHeader {
+  char magic[8];
+  int64_t train_samples;
+  int64_t test_samples;
+  int64_t dim;
+};
+constexpr char kCacheMagic[8] = {'L', 'S', 'I', 'D', 'X', 'v', '1', '\0'};
 
-absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir) {
+size_t CacheBytes(const CacheHeader& h) {
+  return sizeof(CacheHeader) +
+         static_cast<size_t>((h.train_samples + h.test_samples) * (h.dim + 1));
+}
+
+std::string& CacheDir() {
+  static std::string* dir = new std::string("/dev/shm/lockstep-cache");
+  return *dir;
+}
+
+// Builds a Dataset whose pixels point into `base` (which `storage` keeps alive).
+Dataset FromLayout(const CacheHeader& h, const uint8_t* base,
+                   std::shared_ptr<const void> storage) {
   Dataset ds;
-  LOCKSTEP_ASSIGN_OR_RETURN(ds.train, LoadSplit(dir, "train", &ds.dim));
-  LOCKSTEP_ASSIGN_OR_RETURN(ds.test, LoadSplit(dir, "t10k", &ds.dim));
+  ds.dim = static_cast<int32_t>(h.dim);
+  const uint8_t* p = base + sizeof(CacheHeader);
+  auto fill = [&](Split& split, int64_t n) {
+    split.samples = n;
+    split.bytes = p;
+    p += n * h.dim;
+    split.y.assign(p, p + n);
+    p += n;
+  };
+  fill(ds.train, h.train_samples);
+  fill(ds.test, h.test_samples);
   int32_t max_label = 0;
   for (int32_t y : ds.train.y) max_label = std::max(max_label, y);
   for (int32_t y : ds.test.y) max_label = std::max(max_label, y);
   ds.classes = std::max(2, max_label + 1);
+  ds.storage = std::move(storage);
   return ds;
+}
+
+// Maps a complete cache file; NOT_FOUND when it is absent, DATA_LOSS when it is malformed.
+absl::StatusOr<Dataset> MapCache(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(path);
+  struct stat st {};
+  CacheHeader h{};
+  const bool ok = fstat(fd, &st) == 0 && st.st_size >= static_cast<off_t>(sizeof(h)) &&
+                  pread(fd, &h, sizeof(h), 0) == static_cast<ssize_t>(sizeof(h)) &&
+                  std::memcmp(h.magic, kCacheMagic, sizeof(kCacheMagic)) == 0 &&
+                  h.train_samples > 0 && h.test_samples > 0 && h.dim > 0 &&
+                  static_cast<size_t>(st.st_size) == CacheBytes(h);
+  if (!ok) {
+    close(fd);
+    return absl::DataLossError(absl::StrCat("malformed cache file ", path));
+  }
+  void* mapping = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (mapping == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap ", path));
+  const size_t bytes = st.st_size;
+  std::shared_ptr<const void> storage(
+      mapping, [bytes](const void* m) { munmap(const_cast<void*>(m), bytes); });
+  return FromLayout(h, static_cast<const uint8_t*>(mapping), std::move(storage));
+}
+
+absl::StatusOr<std::string> EncodeIdx(const std::string& dir, CacheHeader* h) {
+  int32_t dim = 0;
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string train_images, FindFile(dir, "train-images-idx3-ubyte"));
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string train_labels, FindFile(dir, "train-labels-idx1-ubyte"));
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string test_images, FindFile(dir, "t10k-images-idx3-ubyte"));
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string test_labels, FindFile(dir, "t10k-labels-idx1-ubyte"));
+  LOCKSTEP_ASSIGN_OR_RETURN(RawSplit train, ReadSplit(train_images, train_labels, &dim));
+  LOCKSTEP_ASSIGN_OR_RETURN(RawSplit test, ReadSplit(test_images, test_labels, &dim));
+  std::memcpy(h->magic, kCacheMagic, sizeof(kCacheMagic));
+  h->train_samples = train.samples;
+  h->test_samples = test.samples;
+  h->dim = dim;
+  std::string out(reinterpret_cast<const char*>(h), sizeof(*h));
+  out.reserve(CacheBytes(*h));
+  absl::StrAppend(&out, train.pixels, train.labels, test.pixels, test.labels);
+  return out;
+}
+
+// Cache key: the four source files' paths, sizes and modification times.
+absl::StatusOr<std::string> CacheKey(const std::string& dir) {
+  std::string identity;
+  for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                           "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
+    LOCKSTEP_ASSIGN_OR_RETURN(std::string path, FindFile(dir, name));
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0) {
+      return absl::NotFoundError(absl::StrCat("cannot stat ", path));
+    }
+    absl::StrAppend(&identity, std::filesystem::absolute(path).string(), ":", st.st_size, ":",
+                    st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ";");
+  }
+  return absl::StrFormat("%016x", kernels::Fnv1a64(identity.data(), identity.size()));
+}
+
+// Decodes through the host-wide cache: one process decodes under an exclusive lock while the
+// others wait for it, then everyone maps the same file.
+absl::StatusOr<Dataset> LoadThroughCache(const std::string& dir, const std::string& cache_dir) {
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string key, CacheKey(dir));
+  const std::string path = absl::StrCat(cache_dir, "/", key, ".idx");
+  if (absl::StatusOr<Dataset> hit = MapCache(path); hit.ok()) return hit;
+  std::error_code ec;
+  std::filesystem::create_directories(cache_dir, ec);
+  if (ec) {
+    return absl::UnavailableError(absl::StrCat("cache dir ", cache_dir, ": ", ec.message()));
+  }
+  const int lock = open(absl::StrCat(path, ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock < 0) return absl::UnavailableError(absl::StrCat("cannot lock ", path));
+  flock(lock, LOCK_EX);
+  absl::StatusOr<Dataset> result = MapCache(path);
+  if (!result.ok()) {
+    CacheHeader h{};
+    absl::StatusOr<std::string> encoded = EncodeIdx(dir, &h);
+    if (!encoded.ok()) {
+      result = encoded.status();
+    } else {
+      const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+      bool written = false;
+      {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        out.write(encoded->data(), static_cast<std::streamsize>(encoded->size()));
+        written = static_cast<bool>(out.flush());
+      }
+      if (written) std::filesystem::rename(tmp, path, ec);
+      if (!written || ec) {
+        std::filesystem::remove(tmp, ec);
+        result = absl::UnavailableError(absl::StrCat("writing cache ", path));
+      } else {
+        result = MapCache(path);
+      }
+    }
+  }
+  flock(lock, LOCK_UN);
+  close(lock);
+  return result;
+}
+
+}  // namespace
+
+void Split::Gather(const int64_t* idx, int count, int dim, float* out) const {
+  for (int i = 0; i < count; ++i) Range(idx[i], 1, dim, out + static_cast<size_t>(i) * dim);
+}
+
+void Split::Range(int64_t begin, int count, int dim, float* out) const {
+  const size_t n = static_cast<size_t>(count) * dim;
+  const size_t first = static_cast<size_t>(begin) * dim;
+  if (bytes != nullptr) {
+    // Divide in float, as torchvision's ToTensor does, so both systems see the same inputs.
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(bytes[first + i]) / 255.0f;
+  } else {
+    std::memcpy(out, x.data() + first, n * sizeof(float));
+  }
+}
+
+void SetDatasetCacheDir(const std::string& dir) { CacheDir() = dir; }
+
+absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir) {
+  const std::string cache_dir = CacheDir();
+  if (!cache_dir.empty()) {
+    absl::StatusOr<Dataset> cached = LoadThroughCache(dir, cache_dir);
+    // Data problems are final; cache problems (permissions, a full /dev/shm) fall back to
+    // decoding privately.
+    if (cached.ok() || absl::IsNotFound(cached.status()) || absl::IsDataLoss(cached.status())) {
+      return cached;
+    }
+    LOG(WARNING) << "dataset cache unavailable (" << cached.status() << "); decoding " << dir;
+  }
+  CacheHeader h{};
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string encoded, EncodeIdx(dir, &h));
+  auto storage = std::make_shared<const std::string>(std::move(encoded));
+  const auto* base = reinterpret_cast<const uint8_t*>(storage->data());
+  return FromLayout(h, base, storage);
 }
 
 Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec) {

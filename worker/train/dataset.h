@@ -14,8 +14,16 @@ namespace lockstep::worker {
 
 struct Split {
   int64_t samples = 0;
-  std::vector<float> x;      // samples * dim
-  std::vector<int32_t> y;    // samples, each in [0, classes)
+  // Features: IDX pixels stay bytes (4x less memory, and several workers can share one mapped
+  // copy) and are scaled to [0, 1] as rows are read; synthetic features are floats.
+  const uint8_t* bytes = nullptr;  // samples * dim, or null
+  std::vector<float> x;            // samples * dim, when bytes is null
+  std::vector<int32_t> y;          // samples, each in [0, classes)
+
+  // Writes the features of samples idx[0..count) to out (count x dim).
+  void Gather(const int64_t* idx, int count, int dim, float* out) const;
+  // Writes the features of samples [begin, begin + count) to out (count x dim).
+  void Range(int64_t begin, int count, int dim, float* out) const;
 };
 
 struct Dataset {
@@ -23,10 +31,18 @@ struct Dataset {
   int32_t classes = 0;
   Split train;
   Split test;
+  // Owns the memory `bytes` points into (a vector or a shared mapping).
+  std::shared_ptr<const void> storage;
 };
 
+// Directory where decoded IDX data sets are cached as plain files that every worker of the
+// host maps (default /dev/shm/lockstep-cache; empty disables the cache). A cache entry is
+// keyed by the source files' paths, sizes and modification times.
+void SetDatasetCacheDir(const std::string& dir);
+
 // Reads train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and
-// t10k-labels-idx1-ubyte (each with or without .gz) from `dir`; pixels are scaled to [0, 1].
+// t10k-labels-idx1-ubyte (each with or without .gz) from `dir`, through the cache when one is
+// set: the first worker of a host decodes, the others wait for it and map its result.
 // NOT_FOUND names the missing file; DATA_LOSS names the file and what is wrong with it.
 absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir);
 

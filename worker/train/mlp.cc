@@ -72,9 +72,27 @@ void Mlp::Forward(const float* x, int n) {
   }
 }
 
+int Mlp::RowsPerChunk(int l, size_t chunk_floats) const {
+  const size_t in = static_cast<size_t>(layers_[l].in);
+  return static_cast<int>(std::clamp<size_t>(chunk_floats / in, 1, layers_[l].out));
+}
+
+std::vector<size_t> Mlp::ReadyPoints(size_t chunk_floats) const {
+  std::vector<size_t> points;
+  for (int l = num_layers() - 1; l >= 0; --l) {
+    const LayerSlice& s = layers_[l];
+    const int rows = RowsPerChunk(l, chunk_floats);
+    for (int r = 0; r < s.out; r += rows) {
+      points.push_back(s.offset + static_cast<size_t>(std::min(r + rows, s.out)) * s.in);
+    }
+    points.push_back(s.offset + s.count);
+  }
+  return points;
+}
+
 double Mlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
-                            const std::function<void(double)>& on_loss,
-                            const std::function<void(int)>& on_layer_ready) {
+                            size_t chunk_floats, const std::function<void(double)>& on_loss,
+                            const std::function<void(size_t)>& on_ready) {
   Forward(x, n);
   const int last = num_layers() - 1;
   float* dz = dz_.data();
@@ -86,10 +104,17 @@ double Mlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_
     const float* in = l == 0 ? x : a_[l - 1].data();
     float* dw = grads_.data() + s.offset;
     float* db = dw + static_cast<size_t>(s.in) * s.out;
-    // dW = dz^T * in (out x in); db = column sums of dz.
-    kernels::Gemm(true, false, s.out, s.in, n, 1.0f, dz, s.out, in, s.in, 0.0f, dw, s.in);
+    // dW = dz^T * in (out x in), in row blocks so that communication of the first rows starts
+    // while later rows are computed; then db = column sums of dz.
+    const int rows = RowsPerChunk(l, chunk_floats);
+    for (int r = 0; r < s.out; r += rows) {
+      const int m = std::min(rows, s.out - r);
+      kernels::Gemm(true, false, m, s.in, n, 1.0f, dz + r, s.out, in, s.in, 0.0f,
+                    dw + static_cast<size_t>(r) * s.in, s.in);
+      if (on_ready) on_ready(s.offset + static_cast<size_t>(r + m) * s.in);
+    }
     kernels::BiasGradient(dz, n, s.out, db);
-    if (on_layer_ready) on_layer_ready(l);
+    if (on_ready) on_ready(s.offset + s.count);
     if (l == 0) break;
     // da = dz * W (n x in), then through the activation of layer l-1.
     const float* w = params_.data() + s.offset;

@@ -40,12 +40,15 @@ class Mlp {
   void Initialize(uint64_t seed);
 
   // Forward and backward on n samples. Writes grad_scale * d(sum of sample losses)/d(params)
-  // into grads() (overwriting), calls on_layer_ready(l) as soon as layer l's gradient is
-  // complete (last layer first), and returns the sum of the sample losses. on_loss(loss_sum) is
-  // called after the forward pass, before any gradient is ready.
+  // into grads() (overwriting) and returns the sum of the sample losses. on_loss(loss_sum) is
+  // called after the forward pass. Gradients are produced as a growing prefix of grads(): a
+  // layer's weight rows in chunks of about `chunk_floats` values, then its bias, last layer
+  // first; after each piece on_ready(end) reports that grads()[0, end) is final. The sequence
+  // of `end` values is ReadyPoints(chunk_floats).
   double ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
-                         const std::function<void(double)>& on_loss,
-                         const std::function<void(int)>& on_layer_ready);
+                         size_t chunk_floats, const std::function<void(double)>& on_loss,
+                         const std::function<void(size_t)>& on_ready);
+  std::vector<size_t> ReadyPoints(size_t chunk_floats) const;
 
   // Forward only: returns the loss sum and adds the number of correct predictions.
   double Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
@@ -54,6 +57,7 @@ class Mlp {
   // Runs the forward pass, leaving pre-activations in z_ and activations in a_.
   void Forward(const float* x, int n);
   void Reserve(int n);
+  int RowsPerChunk(int l, size_t chunk_floats) const;
 
   std::vector<int> dims_;
   kernels::Activation activation_;

@@ -66,15 +66,17 @@ Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data,
   optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_.num_params(), total_steps_);
   shards_ = RankShards(spec.micro_shards(), comm->rank(), comm->size());
 
-  // Buckets close at layer boundaries once they hold bucket_size_kib; the loss slot rides in
-  // the last one. Layers are laid out last-first, so each bucket is contiguous.
-  const size_t bucket_bytes = static_cast<size_t>(std::max(1, spec.bucket_size_kib())) * 1024;
-  size_t start = 0, end = 0;
-  for (int l = model_.num_layers() - 1; l >= 0; --l) {
-    end = model_.layer(l).offset + model_.layer(l).count;
-    if ((end - start) * sizeof(float) >= bucket_bytes || l == 0) {
-      buckets_.push_back({l, start, end - start + (l == 0 ? 1 : 0)});
-      start = end;
+  // Buckets: consecutive pieces of the gradient prefix, closed once they hold bucket_size_kib
+  // (large layers are produced in row chunks of that size, so they span several buckets and
+  // their communication overlaps their own computation). The loss slot rides in the last one.
+  chunk_floats_ = static_cast<size_t>(std::max(1, spec.bucket_size_kib())) * 1024 / sizeof(float);
+  const std::vector<size_t> points = model_.ReadyPoints(chunk_floats_);
+  size_t start = 0;
+  for (size_t i = 0; i < points.size(); ++i) {
+    const bool last = i + 1 == points.size();
+    if (points[i] - start >= chunk_floats_ || last) {
+      buckets_.push_back({start, points[i] - start + (last ? 1 : 0)});
+      start = points[i];
     }
   }
 }
@@ -85,21 +87,21 @@ absl::Status Trainer::TrainStep(int64_t step) {
   const int dim = data_->dim;
   batch_x_.resize(static_cast<size_t>(n) * dim);
   batch_y_.resize(n);
-  for (int i = 0; i < n; ++i) {
-    const int64_t s = indices_[i];
-    std::memcpy(&batch_x_[static_cast<size_t>(i) * dim], &data_->train.x[s * dim],
-                sizeof(float) * dim);
-    batch_y_[i] = data_->train.y[s];
-  }
+  data_->train.Gather(indices_.data(), n, dim, batch_x_.data());
+  for (int i = 0; i < n; ++i) batch_y_[i] = data_->train.y[indices_[i]];
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
   GradientReducer* reducer = reducer_.get();
   size_t next_bucket = 0;
   const absl::Time t0 = absl::Now();
+  const size_t num_params = model_.num_params();
   model_.ForwardBackward(
-      batch_x_.data(), batch_y_.data(), n, inv_batch,
+      batch_x_.data(), batch_y_.data(), n, inv_batch, chunk_floats_,
       [&](double loss_sum) { model_.loss_slot() = static_cast<float>(loss_sum) * inv_batch; },
-      [&](int layer) {
-        while (next_bucket < buckets_.size() && buckets_[next_bucket].closing_layer == layer) {
+      [&](size_t ready) {
+        // The last bucket also holds the loss slot, which is ready once all gradients are.
+        while (next_bucket < buckets_.size() &&
+               std::min(buckets_[next_bucket].offset + buckets_[next_bucket].count, num_params) <=
+                   ready) {
           const Bucket& b = buckets_[next_bucket++];
           reducer->Enqueue(model_.grads() + b.offset, b.count);
         }
@@ -165,10 +167,12 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
   const int64_t end = test.samples * (comm_->rank() + 1) / comm_->size();
   constexpr int64_t kChunk = 1024;
   double sums[3] = {0, 0, static_cast<double>(end - begin)};  // loss, correct, count
+  std::vector<float> x(static_cast<size_t>(kChunk) * data_->dim);
   for (int64_t i = begin; i < end; i += kChunk) {
     const int n = static_cast<int>(std::min(kChunk, end - i));
     int64_t correct = 0;
-    sums[0] += model_.Evaluate(&test.x[i * data_->dim], &test.y[i], n, &correct);
+    test.Range(i, n, data_->dim, x.data());
+    sums[0] += model_.Evaluate(x.data(), &test.y[i], n, &correct);
     sums[1] += static_cast<double>(correct);
   }
   if (absl::Status s = comm_->AllreduceSum(sums, 3); !s.ok()) {

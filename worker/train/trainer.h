@@ -80,12 +80,13 @@ class Trainer {
   int64_t total_steps_ = 0;
   std::unique_ptr<Optimizer> optimizer_;
   ShardRange shards_;
-  // Gradient buckets in backward order, each a contiguous range of the flat buffer.
+  // Gradient buckets in backward order, each a contiguous range of the flat buffer; a
+  // bucket is sent once backward has produced gradients up to its end.
   struct Bucket {
-    int closing_layer;  // the bucket is complete once this layer's gradient is ready
     size_t offset;
     size_t count;
   };
+  size_t chunk_floats_ = 0;
   std::vector<Bucket> buckets_;
   std::unique_ptr<GradientReducer> reducer_;  // lives for one Train call
   std::vector<int64_t> indices_;
