@@ -221,8 +221,11 @@ void Agent::RunJob(std::shared_ptr<JobRun> run) {
   absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, *data, gloo->get());
   if (!trainer.ok()) return fail(trainer.status(), /*fatal=*/true);
   // Ranks on one host sum gradients through shared memory; Gloo stays underneath.
-  absl::StatusOr<std::unique_ptr<Communicator>> comm = ShmCommunicator::Wrap(
-      *std::move(gloo), (*trainer)->largest_bucket_floats(), collective_timeout);
+  absl::StatusOr<std::unique_ptr<Communicator>> comm =
+      options_.shared_memory_collectives
+          ? ShmCommunicator::Wrap(*std::move(gloo), (*trainer)->largest_bucket_floats(),
+                                  collective_timeout)
+          : absl::StatusOr<std::unique_ptr<Communicator>>(*std::move(gloo));
   if (!comm.ok()) return fail(comm.status(), /*fatal=*/false);
   (*trainer)->set_communicator(comm->get());
   {

@@ -26,6 +26,8 @@ struct AgentOptions {
   std::string comm_address;  // where peers reach this worker's collectives
   int64_t free_memory_bytes = 0;
   absl::Duration max_backoff = absl::Seconds(5);
+  // Sum gradients through shared memory when every rank of a group is on this host.
+  bool shared_memory_collectives = true;
 };
 
 // Run() is called by one thread; Stop() may be called from any thread (e.g. a signal watcher).

@@ -24,6 +24,9 @@ ABSL_FLAG(std::string, name, "", "Worker name, unique in the cluster (default HO
 ABSL_FLAG(std::string, host, "", "Host name reported to the coordinator (default gethostname).");
 ABSL_FLAG(std::string, data_cache_dir, "/dev/shm/lockstep-cache",
           "Where decoded data sets are cached and shared by this host's workers (empty: off).");
+ABSL_FLAG(bool, shared_memory_collectives, true,
+          "Sum gradients through shared memory when all ranks of a group run on this host "
+          "(Gloo over TCP otherwise).");
 ABSL_FLAG(std::string, comm_address, "",
           "Address peers use for collectives (default: the local address that routes to the "
           "coordinator).");
@@ -116,6 +119,7 @@ int main(int argc, char** argv) {
                              ? LocalAddressTowards(options.coordinator)
                              : absl::GetFlag(FLAGS_comm_address);
   options.free_memory_bytes = AvailableMemoryBytes();
+  options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
   lockstep::worker::SetDatasetCacheDir(absl::GetFlag(FLAGS_data_cache_dir));
   LOG(INFO) << "lockstep-worker " << options.name << " on " << options.host << " device "
             << options.device << ", collectives on " << options.comm_address;

@@ -142,25 +142,56 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
                                info ? info->name() : "cluster", "-", counter++);
   std::filesystem::remove_all(cluster->dir_);
   std::filesystem::create_directories(cluster->dir_);
-  const std::string port_file = cluster->dir_ + "/port";
-  std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0",
-                                   "--port_file=" + port_file,
-                                   "--state_dir=" + cluster->dir_ + "/state"};
-  argv.insert(argv.end(), coordinator_flags.begin(), coordinator_flags.end());
-  auto process = Process::Spawn(argv, cluster->dir_ + "/coordinator.log");
+  cluster->coordinator_flags_ = coordinator_flags;
+  if (absl::Status s = cluster->StartCoordinator("127.0.0.1:0"); !s.ok()) return s;
+  cluster->jobs_ = v1::JobService::NewStub(MakeChannel(cluster->address_));
+  return cluster;
+}
+
+absl::Status Cluster::StartCoordinator(const std::string& listen) {
+  const std::string port_file = dir_ + "/port";
+  std::filesystem::remove(port_file);
+  std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=" + listen,
+                                   "--port_file=" + port_file, "--state_dir=" + dir_ + "/state"};
+  argv.insert(argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+  auto process = Process::Spawn(argv, dir_ + "/coordinator.log");
   if (!process.ok()) return process.status();
-  cluster->coordinator_ = *std::move(process);
+  coordinator_ = *std::move(process);
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (!std::filesystem::exists(port_file)) {
-    if (!cluster->coordinator_->running() || absl::Now() > deadline) {
-      return absl::UnavailableError(absl::StrCat("coordinator did not start:\n", cluster->Logs()));
+    if (!coordinator_->running() || absl::Now() > deadline) {
+      return absl::UnavailableError(absl::StrCat("coordinator did not start:\n", Logs()));
     }
     absl::SleepFor(absl::Milliseconds(10));
   }
-  const std::string port = ReadFile(port_file);
-  cluster->address_ = absl::StrCat("127.0.0.1:", std::stoi(port));
-  cluster->jobs_ = v1::JobService::NewStub(MakeChannel(cluster->address_));
-  return cluster;
+  address_ = absl::StrCat("127.0.0.1:", std::stoi(ReadFile(port_file)));
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::RestartCoordinator() {
+  coordinator_->Signal(SIGKILL);
+  if (absl::StatusOr<int> code = coordinator_->Wait(absl::Seconds(10)); !code.ok()) {
+    return code.status();
+  }
+  // The same port, so the workers (which know only this address) find the new coordinator.
+  return StartCoordinator(address_);
+}
+
+absl::Status Cluster::WaitForWorker(const std::string& name, const std::string& state,
+                                    absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    auto workers = Workers();
+    if (workers.ok()) {
+      for (const v1::WorkerInfo& w : *workers) {
+        if (w.name() == name && w.state() == state) return absl::OkStatus();
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("worker ", name, " not ", state, " within ", absl::FormatDuration(timeout),
+                   ":\n", Logs()));
 }
 
 Cluster::~Cluster() {
@@ -171,23 +202,15 @@ Cluster::~Cluster() {
   }
 }
 
-absl::Status Cluster::StartWorker(const std::string& name) {
-  auto process = Process::Spawn({LOCKSTEP_WORKER_BIN, "--coordinator=" + address_,
-                                 "--device=cpu", "--name=" + name},
-                                absl::StrCat(dir_, "/", name, ".log"));
+absl::Status Cluster::StartWorker(const std::string& name,
+                                  const std::vector<std::string>& flags) {
+  std::vector<std::string> argv = {LOCKSTEP_WORKER_BIN, "--coordinator=" + address_,
+                                   "--device=cpu", "--name=" + name};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  auto process = Process::Spawn(argv, absl::StrCat(dir_, "/", name, ".log"));
   if (!process.ok()) return process.status();
   workers_[name] = *std::move(process);
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (absl::Now() < deadline) {
-    auto workers = Workers();
-    if (workers.ok()) {
-      for (const v1::WorkerInfo& w : *workers) {
-        if (w.name() == name && w.state() == "idle") return absl::OkStatus();
-      }
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return absl::DeadlineExceededError(absl::StrCat("worker ", name, " did not register:\n", Logs()));
+  return WaitForWorker(name, "idle", absl::Seconds(20));
 }
 
 absl::Status Cluster::StartWorkers(int n) {

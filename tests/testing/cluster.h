@@ -56,8 +56,14 @@ class Cluster {
   const std::string& dir() const { return dir_; }
   v1::JobService::Stub& jobs() { return *jobs_; }
 
-  // Starts lockstep-worker --name=NAME and waits until the coordinator lists it as idle.
-  absl::Status StartWorker(const std::string& name);
+  // Starts lockstep-worker --name=NAME (plus `flags`) and waits until the coordinator lists
+  // it as idle.
+  absl::Status StartWorker(const std::string& name, const std::vector<std::string>& flags = {});
+  // Waits until a worker named `name` is listed in `state` ("idle", "busy", "lost").
+  absl::Status WaitForWorker(const std::string& name, const std::string& state,
+                             absl::Duration timeout);
+  // Kills the coordinator (SIGKILL) and starts a new one on the same port.
+  absl::Status RestartCoordinator();
   absl::Status StartWorkers(int n);  // w0 .. w{n-1}
   Process* worker(const std::string& name) { return workers_.at(name).get(); }
 
@@ -77,6 +83,8 @@ class Cluster {
 
  private:
   Cluster() = default;
+  absl::Status StartCoordinator(const std::string& listen);
+  std::vector<std::string> coordinator_flags_;
   std::string dir_;
   std::string address_;
   std::unique_ptr<Process> coordinator_;

@@ -110,6 +110,33 @@ TEST(TrainerTest, SoloTrainingReducesLossAndCountsSteps) {
   EXPECT_GT(eval->test_accuracy(), 0.4) << "4 classes: chance is 0.25";
 }
 
+TEST(TrainerTest, AdamWWithWarmupAndCosineDecayTrains) {
+  v1::JobSpec spec = SyntheticSpec();
+  spec.mutable_optimizer()->set_type("adamw");
+  spec.mutable_optimizer()->set_learning_rate(0.01);
+  spec.mutable_optimizer()->set_beta1(0.9);
+  spec.mutable_optimizer()->set_beta2(0.999);
+  spec.mutable_optimizer()->set_epsilon(1e-8);
+  spec.mutable_optimizer()->set_weight_decay(0.01);
+  spec.mutable_optimizer()->set_warmup_steps(10);
+  spec.mutable_optimizer()->set_cosine_decay(true);
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator comm;
+  auto trainer = Trainer::Create(spec, data, &comm).value();
+  std::vector<double> losses;
+  std::atomic<bool> abort{false};
+  ASSERT_TRUE(trainer->Train(1, abort, [&](const v1::ProgressReport& r) {
+    losses.push_back(r.loss());
+  }, absl::ZeroDuration()).ok());
+  ASSERT_EQ(losses.size(), 60u);
+  EXPECT_LT(losses.back(), 0.7 * losses.front());
+  Optimizer schedule(spec.optimizer(), 1, 60);
+  EXPECT_DOUBLE_EQ(schedule.LearningRate(5), 0.005);   // warm-up: 5/10 of the peak
+  EXPECT_DOUBLE_EQ(schedule.LearningRate(10), 0.01);   // peak
+  EXPECT_NEAR(schedule.LearningRate(35), 0.005, 1e-12);  // half-way down the cosine
+  EXPECT_NEAR(schedule.LearningRate(60), 0.0, 1e-12);
+}
+
 TEST(TrainerTest, AbortStopsBetweenSteps) {
   v1::JobSpec spec = SyntheticSpec();
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
