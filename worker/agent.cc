@@ -138,6 +138,18 @@ void Agent::Send(const v1::WorkerMessage& message) {
 }
 
 void Agent::StartJob(const v1::Assignment& assignment) {
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    for (const auto& run : jobs_) {
+      if (run->assignment.job_id() == assignment.job_id() &&
+          run->assignment.generation() >= assignment.generation()) {
+        LOG(WARNING) << "ignoring assignment to " << assignment.job_id() << " generation "
+                     << assignment.generation() << ": generation "
+                     << run->assignment.generation() << " was already assigned";
+        return;
+      }
+    }
+  }
   // One job at a time: a new assignment supersedes whatever ran before.
   AbortJobs("", 0, "superseded by a new assignment");
   auto run = std::make_shared<JobRun>();
@@ -146,6 +158,12 @@ void Agent::StartJob(const v1::Assignment& assignment) {
             << " rank " << assignment.rank() << "/" << assignment.world_size() << " ("
             << absl::StrJoin(assignment.member_names(), ", ") << ")";
   std::lock_guard<std::mutex> lock(jobs_mu_);
+  for (auto it = jobs_.rbegin(); it != jobs_.rend(); ++it) {
+    if ((*it)->assignment.job_id() == assignment.job_id()) {
+      run->previous = *it;
+      break;
+    }
+  }
   run->thread = std::thread([this, run] { RunJob(run); });
   jobs_.push_back(run);
 }
@@ -183,8 +201,22 @@ void Agent::ReapJobs(bool wait) {
 
 void Agent::RunJob(std::shared_ptr<JobRun> run) {
   const v1::Assignment& a = run->assignment;
-  const v1::JobSpec& spec = a.spec();
-  auto fail = [&](const absl::Status& status, bool fatal) {
+  // The previous generation's thread stops promptly once aborted (a blocked Gloo operation
+  // only at its collective timeout); its state is handed over through retained_.
+  if (run->previous != nullptr) {
+    run->previous->finished.WaitForNotification();
+    run->previous.reset();
+  }
+  std::unique_ptr<Trainer> trainer;
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    if (retained_job_ == a.job_id()) trainer = std::move(retained_);
+    retained_.reset();
+    retained_job_.clear();
+  }
+  bool fatal = false;
+  absl::Status status = TrainGeneration(*run, trainer, &fatal);
+  if (!status.ok()) {
     if (run->abort) {
       LOG(INFO) << a.job_id() << " generation " << a.generation() << " stopped: " << status;
     } else {
@@ -195,20 +227,35 @@ void Agent::RunJob(std::shared_ptr<JobRun> run) {
       f->set_generation(a.generation());
       f->set_message(std::string(status.message()));
       f->set_fatal(fatal);
+      if (trainer != nullptr) f->set_step(trainer->completed_step());
       Send(m);
     }
-    run->done = true;
-  };
+    if (!fatal && trainer != nullptr) {
+      std::lock_guard<std::mutex> lock(jobs_mu_);
+      retained_job_ = a.job_id();
+      retained_ = std::move(trainer);
+    }
+  }
+  run->done = true;
+  run->finished.Notify();
+}
 
+absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& trainer, bool* fatal) {
+  const v1::Assignment& a = run.assignment;
+  const v1::JobSpec& spec = a.spec();
   kernels::SetBlasThreads(std::max(1, spec.threads_per_worker()));
-  absl::StatusOr<std::shared_ptr<const Dataset>> data = LoadDataset(spec.dataset());
-  if (!data.ok()) {
-    const std::string where = spec.dataset().type() == "synthetic"
-                                  ? std::string("synthetic data set")
-                                  : absl::StrCat("data set at ", spec.dataset().path());
-    return fail(absl::Status(data.status().code(),
-                             absl::StrCat("loading ", where, ": ", data.status().message())),
-                /*fatal=*/true);
+  std::shared_ptr<const Dataset> data;
+  if (trainer == nullptr) {
+    absl::StatusOr<std::shared_ptr<const Dataset>> loaded = LoadDataset(spec.dataset());
+    if (!loaded.ok()) {
+      *fatal = true;
+      const std::string where = spec.dataset().type() == "synthetic"
+                                    ? std::string("synthetic data set")
+                                    : absl::StrCat("data set at ", spec.dataset().path());
+      return absl::Status(loaded.status().code(),
+                          absl::StrCat("loading ", where, ": ", loaded.status().message()));
+    }
+    data = *std::move(loaded);
   }
 
   CoordinatorStore store(store_stub_, a.job_id(), a.generation(),
@@ -216,22 +263,29 @@ void Agent::RunJob(std::shared_ptr<JobRun> run) {
   const auto collective_timeout = std::chrono::milliseconds(spec.collective_timeout_ms());
   absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(
       a.rank(), a.world_size(), store, options_.comm_address, collective_timeout);
-  if (!gloo.ok()) return fail(gloo.status(), /*fatal=*/false);
+  if (!gloo.ok()) return gloo.status();
 
-  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, *data, gloo->get());
-  if (!trainer.ok()) return fail(trainer.status(), /*fatal=*/true);
+  if (trainer == nullptr) {
+    absl::StatusOr<std::unique_ptr<Trainer>> created = Trainer::Create(spec, data, gloo->get());
+    if (!created.ok()) {
+      *fatal = true;
+      return created.status();
+    }
+    trainer = *std::move(created);
+  }
+  trainer->set_communicator(gloo->get());
   // Ranks on one host sum gradients through shared memory; Gloo stays underneath.
   absl::StatusOr<std::unique_ptr<Communicator>> comm =
       options_.shared_memory_collectives
-          ? ShmCommunicator::Wrap(*std::move(gloo), (*trainer)->largest_bucket_floats(),
+          ? ShmCommunicator::Wrap(*std::move(gloo), trainer->largest_bucket_floats(),
                                   collective_timeout)
           : absl::StatusOr<std::unique_ptr<Communicator>>(*std::move(gloo));
-  if (!comm.ok()) return fail(comm.status(), /*fatal=*/false);
-  (*trainer)->set_communicator(comm->get());
+  if (!comm.ok()) return comm.status();
+  trainer->set_communicator(comm->get());
   {
-    std::lock_guard<std::mutex> lock(run->comm_mu);
-    run->comm = comm->get();
-    if (run->abort) run->comm->Abort();
+    std::lock_guard<std::mutex> lock(run.comm_mu);
+    run.comm = comm->get();
+    if (run.abort) run.comm->Abort();
   }
   struct ClearComm {
     JobRun* run;
@@ -239,18 +293,35 @@ void Agent::RunJob(std::shared_ptr<JobRun> run) {
       std::lock_guard<std::mutex> lock(run->comm_mu);
       run->comm = nullptr;
     }
-  } clear_comm{run.get()};
+  } clear_comm{&run};
 
-  absl::Status trained = (*trainer)->Train(a.start_step(), run->abort,
-                                           [&](const v1::ProgressReport& progress) {
-                                             v1::WorkerMessage m;
-                                             *m.mutable_progress() = progress;
-                                             m.mutable_progress()->set_job_id(a.job_id());
-                                             m.mutable_progress()->set_generation(a.generation());
-                                             Send(m);
-                                           });
-  if (!trained.ok()) return fail(trained, /*fatal=*/false);
-  if (const Trainer::Timing& t = (*trainer)->timing(); t.steps > 0) {
+  absl::StatusOr<Trainer::HealInfo> heal = trainer->Heal();
+  if (!heal.ok()) return heal.status();
+  if (heal->source_rank >= 0) {
+    LOG(INFO) << a.job_id() << " generation " << a.generation() << " resumes after step "
+              << heal->resumed_from_step << " (state of rank " << heal->source_rank << ", "
+              << absl::FormatDuration(heal->took) << ")";
+  }
+
+  bool first = true;
+  absl::Status trained = trainer->Train(
+      trainer->completed_step() + 1, run.abort, [&](const v1::ProgressReport& progress) {
+        v1::WorkerMessage m;
+        v1::ProgressReport* p = m.mutable_progress();
+        *p = progress;
+        p->set_job_id(a.job_id());
+        p->set_generation(a.generation());
+        if (first) {
+          first = false;
+          p->set_first_of_generation(true);
+          p->set_resumed_from_step(heal->resumed_from_step);
+          p->set_heal_source_rank(heal->source_rank);
+          p->set_heal_ms(absl::ToInt64Milliseconds(heal->took));
+        }
+        Send(m);
+      });
+  if (!trained.ok()) return trained;
+  if (const Trainer::Timing& t = trainer->timing(); t.steps > 0) {
     const double per_step = 1e3 / static_cast<double>(t.steps);
     LOG(INFO) << absl::StrFormat(
         "%s: %d steps; per step %.2f ms compute, %.2f ms waiting for allreduce, %.2f ms update",
@@ -262,20 +333,21 @@ void Agent::RunJob(std::shared_ptr<JobRun> run) {
   v1::WorkerMessage m;
   v1::FinishedReport* f = m.mutable_finished();
   if (!spec.skip_evaluation()) {
-    absl::StatusOr<v1::EvalResult> eval = (*trainer)->Evaluate();
-    if (!eval.ok()) return fail(eval.status(), /*fatal=*/false);
+    absl::StatusOr<v1::EvalResult> eval = trainer->Evaluate();
+    if (!eval.ok()) return eval.status();
     *f->mutable_eval() = *eval;
   }
   f->set_job_id(a.job_id());
   f->set_generation(a.generation());
-  f->set_step((*trainer)->completed_step());
-  f->set_parameter_checksum((*trainer)->ParameterChecksum());
-  f->set_train_samples_per_second((*trainer)->TrainSamplesPerSecond());
+  f->set_step(trainer->completed_step());
+  f->set_parameter_checksum(trainer->ParameterChecksum());
+  f->set_train_samples_per_second(trainer->TrainSamplesPerSecond());
   LOG(INFO) << a.job_id() << " finished at step " << f->step() << " parameters "
             << f->parameter_checksum()
             << (f->has_eval() ? absl::StrCat(" test accuracy ", f->eval().test_accuracy()) : "");
   Send(m);
-  run->done = true;
+  trainer.reset();
+  return absl::OkStatus();
 }
 
 }  // namespace lockstep::worker

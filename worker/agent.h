@@ -12,9 +12,11 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
 #include "worker/comm/communicator.h"
+#include "worker/train/trainer.h"
 
 namespace lockstep::worker {
 
@@ -48,6 +50,10 @@ class Agent {
     std::atomic<bool> abort{false};
     std::atomic<bool> done{false};
     std::thread thread;
+    // The run of the previous generation of the same job, if any: this run starts only once
+    // that one has stopped and handed over its state.
+    std::shared_ptr<JobRun> previous;
+    absl::Notification finished;
     // The generation's communicator while it exists, so an abort can interrupt collectives.
     std::mutex comm_mu;
     Communicator* comm = nullptr;
@@ -60,6 +66,8 @@ class Agent {
   void StartJob(const v1::Assignment& assignment);
   void AbortJobs(const std::string& job_id, int64_t generation, const std::string& reason);
   void RunJob(std::shared_ptr<JobRun> run);
+  // Trains one generation; `trainer` holds the job's state across generations.
+  absl::Status TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& trainer, bool* fatal);
   void ReapJobs(bool wait);
 
   const AgentOptions options_;
@@ -74,6 +82,10 @@ class Agent {
 
   std::mutex jobs_mu_;
   std::vector<std::shared_ptr<JobRun>> jobs_;  // current and abandoned job threads
+  // State kept after an aborted generation (parameters, optimizer, step) so the next
+  // generation of the same job heals from memory. At most one job's state is kept.
+  std::string retained_job_;
+  std::unique_ptr<Trainer> retained_;
 };
 
 }  // namespace lockstep::worker

@@ -10,7 +10,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/core/job_spec.h"
-#include "coordinator/core/ranks.h"
 
 namespace lockstep::coordinator {
 namespace {
@@ -107,6 +106,10 @@ absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
     return absl::AbortedError(absl::StrCat("job ", job_id, " has ended (",
                                            v1::JobState_Name(job->job.state()), ")"));
   }
+  if (job->job.state() != v1::JOB_STATE_RUNNING) {
+    return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
+                                           " was aborted; the job is re-forming"));
+  }
   if (generation != job->job.generation() || worker->state != WorkerState::kBusy ||
       worker->job_id != job_id || worker->generation != generation) {
     return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
@@ -142,10 +145,34 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
     m.peak_memory_bytes = std::max(m.peak_memory_bytes, report.peak_memory_bytes());
   }
   if (report.total_steps() > 0) job.job.set_total_steps(report.total_steps());
-  if (report.step() > job.job.step()) {
-    if (job.job.step() == 0) {
-      job.job.set_first_step_latency_ms(absl::ToInt64Milliseconds(now - job.submitted));
+  if (job.job.first_step_latency_ms() == 0 && report.step() > 0) {
+    job.job.set_first_step_latency_ms(
+        std::max<int64_t>(1, absl::ToInt64Milliseconds(now - job.submitted)));
+  }
+  if (report.first_of_generation() && !job.first_report_of_generation_seen) {
+    // The first step of a new generation: the group may have resumed from an older state
+    // than the coordinator last saw (nobody held the newest), so the job's step follows it.
+    job.first_report_of_generation_seen = true;
+    job.job.set_step(report.step());
+    job.last_advance = now;
+    if (job.open_recovery >= 0) {
+      v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
+      r->set_first_step_unix_ms(UnixMs(now));
+      r->set_resumed_from_step(report.resumed_from_step());
+      r->set_source_rank(report.heal_source_rank());
+      r->set_heal_ms(report.heal_ms());
+      r->set_steps_redone(std::max<int64_t>(0, r->step_at_detection() - report.resumed_from_step()));
+      AddEvent(job, v1::JobEvent::MEMBERSHIP,
+               absl::StrFormat("generation %d resumed after step %d (source rank %d, heal %d ms, "
+                               "%d ms after detection, %d steps redone)",
+                               r->to_generation(), r->resumed_from_step(), r->source_rank(),
+                               r->heal_ms(), r->first_step_unix_ms() - r->detect_unix_ms(),
+                               r->steps_redone()),
+               now, out);
+      job.open_recovery = -1;
     }
+  }
+  if (report.step() > job.job.step()) {
     job.job.set_step(report.step());
     job.last_advance = now;
   }
@@ -177,9 +204,11 @@ absl::Status Core::ReportFailure(const std::string& worker_id, const v1::Failure
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
   if (!job_or.ok()) return job_or.status();
   Worker* worker = FindWorker(worker_id);
-  HandleMemberLoss(**job_or, worker_id,
+  // The reporter itself is healthy (it is talking to us); the peer behind a collective error
+  // is left to its own detection, so nobody is removed here.
+  HandleMemberLoss(**job_or, /*worker_id=*/"",
                    absl::StrCat("worker ", worker->info.name(), " (", worker_id,
-                                ") failed: ", report.message()),
+                                ") reported: ", report.message()),
                    report.fatal(), now, out);
   return absl::OkStatus();
 }
@@ -226,8 +255,10 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   record.job.set_state(v1::JOB_STATE_PENDING);
   record.job.set_submit_time_unix_ms(UnixMs(now));
   record.submitted = now;
+  record.submit_seq = next_job_seq_ - 1;
   JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
   pending_.push_back(id);
+  order_.push_back(id);
   AddEvent(job, v1::JobEvent::STATE, "submitted", now, out);
   Schedule(now, out);
   return job.job;
@@ -328,6 +359,14 @@ void Core::Tick(absl::Time now, Decisions* out) {
                                job.job.step()),
                   now, out);
       }
+    } else if (job.job.state() == v1::JOB_STATE_RECONFIGURING &&
+               spec.rendezvous_timeout_ms() > 0 &&
+               now - job.reconfigure_since > absl::Milliseconds(spec.rendezvous_timeout_ms())) {
+      FinishJob(job, v1::JOB_STATE_FAILED,
+                absl::StrCat("waited ", Seconds1(now - job.reconfigure_since), " to re-form with ",
+                             spec.min_workers(), " workers (rendezvous_timeout_ms ",
+                             spec.rendezvous_timeout_ms(), "); ", job.job.reason()),
+                now, out);
     } else if (job.job.state() == v1::JOB_STATE_PENDING && spec.rendezvous_timeout_ms() > 0 &&
                now - job.submitted > absl::Milliseconds(spec.rendezvous_timeout_ms())) {
       FinishJob(job, v1::JOB_STATE_FAILED,
@@ -341,9 +380,25 @@ void Core::Tick(absl::Time now, Decisions* out) {
   Schedule(now, out);
 }
 
+std::vector<RankCandidate> Core::IdleWorkers() const {
+  std::vector<RankCandidate> idle;
+  for (const auto& [id, w] : workers_) {
+    if (w.state == WorkerState::kIdle) idle.push_back({w.id, w.info.host(), w.registration_seq});
+  }
+  std::sort(idle.begin(), idle.end(), [](const RankCandidate& a, const RankCandidate& b) {
+    return a.registration_seq < b.registration_seq;
+  });
+  return idle;
+}
+
 void Core::Schedule(absl::Time now, Decisions* out) {
-  // Strict FIFO gang scheduling: the head job waits until its min_workers are idle, and later
-  // jobs wait behind it so that a large job cannot starve.
+  // 1. Jobs that lost members come first: they hold state and committed steps.
+  for (const std::string& id : order_) {
+    JobRecord& job = jobs_.at(id);
+    if (job.job.state() == v1::JOB_STATE_RECONFIGURING) TryReform(job, now, out);
+  }
+  // 2. Strict FIFO gang scheduling: the head job waits until its min_workers are idle, and
+  // later jobs wait behind it so that a large job cannot starve.
   pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                 [&](const std::string& id) {
                                   return jobs_.at(id).job.state() != v1::JOB_STATE_PENDING;
@@ -351,12 +406,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
                  pending_.end());
   while (!pending_.empty()) {
     JobRecord& job = jobs_.at(pending_.front());
-    std::vector<RankCandidate> idle;
-    for (const auto& [id, w] : workers_) {
-      if (w.state == WorkerState::kIdle) {
-        idle.push_back({w.id, w.info.host(), w.registration_seq});
-      }
-    }
+    std::vector<RankCandidate> idle = IdleWorkers();
     const v1::JobSpec& spec = job.job.spec();
     if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
       std::string reason = absl::StrCat("waiting for ", spec.min_workers(), " idle worker",
@@ -366,14 +416,31 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         job.job.set_reason(reason);
         out->changed_jobs.insert(job.job.job_id());
       }
-      return;
+      return;  // nothing below may overtake the head job
     }
-    std::sort(idle.begin(), idle.end(), [](const RankCandidate& a, const RankCandidate& b) {
-      return a.registration_seq < b.registration_seq;
-    });
     idle.resize(std::min<size_t>(idle.size(), spec.max_workers()));
     pending_.erase(pending_.begin());
     StartGeneration(job, AssignRanks({}, std::move(idle)), now, out);
+  }
+  // 3. Spares: a running job below max_workers grows onto idle workers, once its current
+  // generation has completed a step (so every re-formation is followed by progress).
+  for (const std::string& id : order_) {
+    JobRecord& job = jobs_.at(id);
+    if (job.job.state() != v1::JOB_STATE_RUNNING || !job.first_report_of_generation_seen ||
+        static_cast<int>(job.members.size()) >= job.job.spec().max_workers()) {
+      continue;
+    }
+    std::vector<RankCandidate> idle = IdleWorkers();
+    if (idle.empty()) continue;
+    std::vector<std::string> names;
+    for (size_t i = 0; i < idle.size() && job.members.size() + i <
+                                              static_cast<size_t>(job.job.spec().max_workers());
+         ++i) {
+      names.push_back(workers_.at(idle[i].worker_id).info.name());
+    }
+    BeginReconfiguration(job, absl::StrCat("scale-up: ", absl::StrJoin(names, ", "), " joined"),
+                         /*scale_up=*/true, now, now, out);
+    TryReform(job, now, out);
   }
 }
 
@@ -392,6 +459,7 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     job.job.set_start_time_unix_ms(UnixMs(now));
   }
   job.last_advance = now;
+  job.first_report_of_generation_seen = false;
   job.job.set_state(v1::JOB_STATE_RUNNING);
   job.job.set_reason(absl::StrCat("generation ", generation, " training on ", worker_ids.size(),
                                   " worker", worker_ids.size() == 1 ? "" : "s"));
@@ -420,15 +488,101 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
            now, out);
 }
 
+int64_t Core::MaxRestarts(const JobRecord& job) const {
+  return job.job.spec().has_max_restarts() ? job.job.spec().max_restarts() : 10;
+}
+
 void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id,
                             const std::string& reason, bool fatal, absl::Time now,
                             Decisions* out) {
   if (IsTerminal(job.job.state())) return;
   AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
-  // Without elastic recovery a generation cannot continue without one of its members.
-  FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
-  (void)fatal;
-  (void)worker_id;
+  if (fatal) return FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
+  if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
+    // Lost while re-forming: drop it from the survivors and carry on with the same recovery.
+    job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
+                                     [&](const MemberState& m) { return m.worker_id == worker_id; }),
+                      job.members.end());
+    RefreshMembers(job);
+    return TryReform(job, now, out);
+  }
+  if (job.job.recoveries() >= MaxRestarts(job)) {
+    return FinishJob(job, v1::JOB_STATE_FAILED,
+                     absl::StrCat(reason, " (max_restarts ", MaxRestarts(job),
+                                  job.job.recoveries() > 0 ? " used up)" : ": recovery disabled)"),
+                     now, out);
+  }
+  job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
+                                   [&](const MemberState& m) { return m.worker_id == worker_id; }),
+                    job.members.end());
+  job.job.set_recoveries(job.job.recoveries() + 1);
+  // After a reported collective error give the culprit a moment to be detected (its stream
+  // closes within milliseconds when it died), so the next generation does not include it.
+  const absl::Time reform_after = worker_id.empty() ? now + absl::Milliseconds(300) : now;
+  BeginReconfiguration(job, reason, /*scale_up=*/false, reform_after, now, out);
+  TryReform(job, now, out);
+}
+
+void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,
+                                absl::Time reform_after, absl::Time now, Decisions* out) {
+  for (const MemberState& m : job.members) {
+    Worker* w = FindWorker(m.worker_id);
+    if (w == nullptr || w->state != WorkerState::kBusy) continue;
+    Decisions::Outgoing msg{w->id, {}};
+    v1::Abort* abort = msg.message.mutable_abort();
+    abort->set_job_id(job.job.job_id());
+    abort->set_generation(job.job.generation());
+    abort->set_reason(reason);
+    out->messages.push_back(std::move(msg));
+  }
+  out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
+  v1::Recovery* r = job.job.add_recovery_history();
+  r->set_from_generation(job.job.generation());
+  r->set_reason(reason);
+  r->set_scale_up(scale_up);
+  r->set_detect_unix_ms(UnixMs(now));
+  r->set_step_at_detection(job.job.step());
+  r->set_source_rank(-1);
+  job.open_recovery = job.job.recovery_history_size() - 1;
+  job.reform_after = reform_after;
+  job.reconfigure_since = now;
+  job.job.set_state(v1::JOB_STATE_RECONFIGURING);
+  job.job.set_reason(absl::StrCat("re-forming: ", reason));
+  RefreshMembers(job);
+  AddEvent(job, v1::JobEvent::STATE, job.job.reason(), now, out);
+}
+
+void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
+  if (now < job.reform_after) return;
+  const v1::JobSpec& spec = job.job.spec();
+  std::vector<RankCandidate> survivors;
+  for (const MemberState& m : job.members) {
+    const Worker* w = FindWorker(m.worker_id);
+    if (w != nullptr && w->state == WorkerState::kBusy && w->job_id == job.job.job_id()) {
+      survivors.push_back({w->id, w->info.host(), w->registration_seq});
+    }
+  }
+  std::vector<RankCandidate> idle = IdleWorkers();
+  const size_t room = static_cast<size_t>(spec.max_workers()) -
+                      std::min<size_t>(survivors.size(), spec.max_workers());
+  idle.resize(std::min(idle.size(), room));
+  if (static_cast<int64_t>(survivors.size() + idle.size()) < spec.min_workers()) {
+    std::string reason = absl::StrCat("waiting for ", spec.min_workers(), " workers to re-form (",
+                                      survivors.size(), " survivor",
+                                      survivors.size() == 1 ? "" : "s", ", ", idle.size(),
+                                      " idle)");
+    if (reason != job.job.reason()) {
+      job.job.set_reason(reason);
+      out->changed_jobs.insert(job.job.job_id());
+    }
+    return;
+  }
+  StartGeneration(job, AssignRanks(survivors, std::move(idle)), now, out);
+  if (job.open_recovery >= 0) {
+    v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
+    r->set_to_generation(job.job.generation());
+    r->set_reformed_unix_ms(UnixMs(now));
+  }
 }
 
 void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reason,

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "lockstep/v1/job.pb.h"
+#include "coordinator/core/ranks.h"
 #include "lockstep/v1/worker.pb.h"
 
 namespace lockstep::coordinator {
@@ -118,6 +119,14 @@ class Core {
     absl::Time last_progress_event = absl::InfinitePast();
     std::deque<v1::JobEvent> events;
     int64_t next_sequence = 0;
+    uint64_t submit_seq = 0;
+    // RECONFIGURING: the next generation forms no earlier than this (a grace period after a
+    // collective-error report, so the peer that caused it can be detected first).
+    absl::Time reform_after = absl::InfinitePast();
+    absl::Time reconfigure_since = absl::InfinitePast();
+    // Index in job.recovery_history() of the re-formation whose first step is awaited.
+    int open_recovery = -1;
+    bool first_report_of_generation_seen = false;
   };
 
   Worker* FindWorker(const std::string& worker_id);
@@ -128,10 +137,19 @@ class Core {
   void Schedule(absl::Time now, Decisions* out);
   void StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
                        Decisions* out);
-  // A member is gone or failed: in this release the job fails (recovery comes with elastic
-  // mode). `fatal` failures never recover.
+  // A member is gone (`worker_id`), or a member reported a failure (`worker_id` empty: nobody
+  // is removed, the culprit is left to its own detection). Aborts the generation and re-forms
+  // it from the survivors and spares, or fails the job (fatal failure, max_restarts used up).
   void HandleMemberLoss(JobRecord& job, const std::string& worker_id, const std::string& reason,
                         bool fatal, absl::Time now, Decisions* out);
+  // Aborts the current generation's members (they stay reserved for the job) and records a
+  // re-formation; the job is RECONFIGURING until TryReform succeeds.
+  void BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,
+                            absl::Time reform_after, absl::Time now, Decisions* out);
+  // Forms the next generation when enough workers are available.
+  void TryReform(JobRecord& job, absl::Time now, Decisions* out);
+  std::vector<RankCandidate> IdleWorkers() const;
+  int64_t MaxRestarts(const JobRecord& job) const;
   // Ends the job: aborts the current generation's members that are still connected, frees them.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,
                  Decisions* out);
@@ -147,6 +165,7 @@ class Core {
   std::map<std::string, Worker> workers_;      // by worker id
   std::map<std::string, JobRecord> jobs_;      // by job id
   std::vector<std::string> pending_;           // FIFO of pending job ids
+  std::vector<std::string> order_;             // every job id in submission order
 };
 
 }  // namespace lockstep::coordinator

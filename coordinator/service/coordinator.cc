@@ -73,16 +73,18 @@ void Coordinator::SendTo(const std::string& worker_id, v1::CoordinatorMessage me
   outbox->Push(std::move(message));
 }
 
+void Coordinator::QueueMessages(const Decisions& decisions) {
+  for (const auto& m : decisions.messages) {
+    auto it = sessions_.find(m.worker_id);
+    if (it != sessions_.end()) it->second->Push(m.message);
+  }
+}
+
 void Coordinator::Apply(const Decisions& decisions) {
-  std::vector<std::pair<std::shared_ptr<SessionOutbox>, const v1::CoordinatorMessage*>> sends;
   std::vector<std::shared_ptr<SessionOutbox>> closes;
   std::vector<v1::Job> changed;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& m : decisions.messages) {
-      auto it = sessions_.find(m.worker_id);
-      if (it != sessions_.end()) sends.emplace_back(it->second, &m.message);
-    }
     for (const std::string& id : decisions.close_sessions) {
       auto it = sessions_.find(id);
       if (it != sessions_.end()) {
@@ -98,7 +100,6 @@ void Coordinator::Apply(const Decisions& decisions) {
       changed_.SignalAll();
     }
   }
-  for (auto& [outbox, message] : sends) outbox->Push(*message);
   for (auto& outbox : closes) outbox->Close();
   for (const v1::Job& job : changed) {
     if (absl::Status s = job_store_->Save(job); !s.ok()) {

@@ -3,8 +3,9 @@
 // wrappers over this class.
 //
 // Thread safety: every public method may be called from any thread. Core calls run under mu_;
-// their Decisions are applied after mu_ is released (messages are queued to sessions, whose
-// writer threads send them, so no gRPC write ever happens under mu_).
+// their messages are queued on the sessions' outboxes before mu_ is released (so each worker
+// receives them in decision order), and each session's handler thread does the gRPC writes, so
+// no gRPC write ever happens under mu_. The rest of the Decisions is applied after unlocking.
 #pragma once
 
 #include <deque>
@@ -57,7 +58,9 @@ class Coordinator {
     } finally{apply};
     absl::MutexLock lock(&mu_);
     // The lock is released before `finally` runs (declared after it).
-    return fn(core_, clock_->Now(), &decisions);
+    auto result = fn(core_, clock_->Now(), &decisions);
+    QueueMessages(decisions);
+    return result;
   }
 
   // Registers a worker and attaches its outbox in one step, so the Registered reply is queued
@@ -86,6 +89,10 @@ class Coordinator {
   void Shutdown();
 
  private:
+  // Queues the decisions' messages on the sessions' outboxes. Runs under mu_ so that messages
+  // to one worker keep the order in which the core decided them, whichever threads decided.
+  void QueueMessages(const Decisions& decisions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Everything else (closing sessions, saving jobs), after mu_ is released.
   void Apply(const Decisions& decisions) ABSL_LOCKS_EXCLUDED(mu_);
 
   Clock* const clock_;

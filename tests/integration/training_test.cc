@@ -15,28 +15,7 @@ namespace {
 using testing::Cluster;
 
 v1::JobSpec SyntheticJob(int workers, int64_t steps) {
-  v1::JobSpec spec;
-  spec.set_name("synthetic");
-  spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(64);
-  spec.mutable_model()->add_hidden_widths(64);
-  spec.mutable_dataset()->set_type("synthetic");
-  auto* s = spec.mutable_dataset()->mutable_synthetic();
-  s->set_train_samples(8192);
-  s->set_test_samples(2048);
-  s->set_input_dim(32);
-  s->set_num_classes(4);
-  s->set_seed(5);
-  spec.mutable_optimizer()->set_type("sgd");
-  spec.mutable_optimizer()->set_learning_rate(0.05);
-  spec.mutable_optimizer()->set_momentum(0.9);
-  spec.set_global_batch_size(120);  // divisible into 2 and 3 workers' shards alike
-  spec.set_micro_shards(12);
-  spec.set_max_steps(steps);
-  spec.set_seed(17);
-  spec.set_min_workers(workers);
-  spec.set_max_workers(workers);
-  return spec;
+  return testing::SyntheticJob(workers, workers, steps);
 }
 
 // Loss of the first and last progress events in the job's history.
@@ -208,13 +187,15 @@ TEST(TrainingIntegrationTest, InvalidSpecIsRefusedAtSubmit) {
   EXPECT_EQ((*cluster)->Get("job-404").status().code(), absl::StatusCode::kNotFound);
 }
 
-// Without elastic recovery, a member killed mid-run fails the job at once with a reason that
-// names it; the survivor is freed and stays usable.
-TEST(TrainingIntegrationTest, KilledWorkerFailsJobClearlyAndSurvivorIsFreed) {
+// With recovery disabled (max_restarts 0), a member killed mid-run fails the job at once with
+// a reason that names it; the survivor is freed and stays usable.
+TEST(TrainingIntegrationTest, KilledWorkerWithRecoveryOffFailsJobClearly) {
   auto cluster = Cluster::Start();
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   ASSERT_TRUE((*cluster)->StartWorkers(2).ok());
-  auto submitted = (*cluster)->Submit(SyntheticJob(2, 100000));
+  v1::JobSpec spec = SyntheticJob(2, 100000);
+  spec.set_max_restarts(0);
+  auto submitted = (*cluster)->Submit(spec);
   ASSERT_TRUE(submitted.ok());
   auto running = (*cluster)->WaitFor(
       submitted->job_id(), [](const v1::Job& j) { return j.step() >= 20; }, absl::Seconds(60));

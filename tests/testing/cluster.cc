@@ -36,6 +36,31 @@ std::chrono::system_clock::time_point Deadline(absl::Duration d) {
 
 }  // namespace
 
+v1::JobSpec SyntheticJob(int min_workers, int max_workers, int64_t steps) {
+  v1::JobSpec spec;
+  spec.set_name("synthetic");
+  spec.mutable_model()->set_type("mlp");
+  spec.mutable_model()->add_hidden_widths(64);
+  spec.mutable_model()->add_hidden_widths(64);
+  spec.mutable_dataset()->set_type("synthetic");
+  auto* s = spec.mutable_dataset()->mutable_synthetic();
+  s->set_train_samples(8192);
+  s->set_test_samples(2048);
+  s->set_input_dim(32);
+  s->set_num_classes(4);
+  s->set_seed(5);
+  spec.mutable_optimizer()->set_type("sgd");
+  spec.mutable_optimizer()->set_learning_rate(0.05);
+  spec.mutable_optimizer()->set_momentum(0.9);
+  spec.set_global_batch_size(120);  // divisible into 1, 2, 3 and 4 workers' shards alike
+  spec.set_micro_shards(12);
+  spec.set_max_steps(steps);
+  spec.set_seed(17);
+  spec.set_min_workers(min_workers);
+  spec.set_max_workers(max_workers);
+  return spec;
+}
+
 absl::StatusOr<std::unique_ptr<Process>> Process::Spawn(const std::vector<std::string>& argv,
                                                         const std::string& log_path) {
   posix_spawn_file_actions_t actions;

@@ -45,6 +45,10 @@ struct CommandResult {
 absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
                                          absl::Duration timeout, const std::string& stdin_data = "");
 
+// A small synthetic classification job (MLP 32-64-64-4, batch 120 in 12 micro-shards) that
+// trains `steps` steps on between min_workers and max_workers workers.
+v1::JobSpec SyntheticJob(int min_workers, int max_workers, int64_t steps);
+
 class Cluster {
  public:
   // Starts the coordinator (extra flags appended) and waits until it serves.

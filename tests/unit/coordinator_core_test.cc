@@ -226,9 +226,11 @@ TEST_F(CoreTest, NonMemberCannotReport) {
   EXPECT_TRUE(Progress(w0, job, 1, 1).ok());
 }
 
-TEST_F(CoreTest, StreamClosedFailsTheJobAndAbortsSurvivors) {
+TEST_F(CoreTest, WithRecoveryDisabledStreamClosedFailsTheJobAndAbortsSurvivors) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
-  const std::string job = Submit(Spec(2, 2));
+  v1::JobSpec spec = Spec(2, 2);
+  spec.set_max_restarts(0);
+  const std::string job = Submit(spec);
   TakeAssignments();
   Decisions d;
   core_.WorkerDisconnected(w1, "stream closed", now_, &d);
@@ -237,6 +239,7 @@ TEST_F(CoreTest, StreamClosedFailsTheJobAndAbortsSurvivors) {
   EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
   EXPECT_NE(j.reason().find("w1"), std::string::npos) << j.reason();
   EXPECT_NE(j.reason().find("stream closed"), std::string::npos) << j.reason();
+  EXPECT_NE(j.reason().find("recovery disabled"), std::string::npos) << j.reason();
   EXPECT_EQ(TakeAborts(), std::vector<std::string>{w0});
   // The survivor is idle and can take the next job; the lost worker cannot.
   const std::string next = Submit(Spec(1, 2));
@@ -263,7 +266,9 @@ TEST_F(CoreTest, FatalFailureReportFailsJobWithTheWorkersMessage) {
 
 TEST_F(CoreTest, HeartbeatSilenceLosesWorkerWithFakeClock) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
-  const std::string job = Submit(Spec(2, 2));
+  v1::JobSpec spec = Spec(2, 2);
+  spec.set_max_restarts(0);
+  const std::string job = Submit(spec);
   TakeAssignments();
   for (int i = 0; i < 8; ++i) {  // 4 s: both alive
     now_ += absl::Milliseconds(500);
@@ -288,6 +293,7 @@ TEST_F(CoreTest, HeartbeatSilenceLosesWorkerWithFakeClock) {
 TEST_F(CoreTest, JobHeartbeatTimeoutOverridesDefault) {
   const std::string w0 = Register("w0");
   v1::JobSpec spec = Spec(1, 1);
+  spec.set_max_restarts(0);
   spec.set_heartbeat_timeout_ms(1000);
   const std::string job = Submit(spec);
   now_ += absl::Milliseconds(1500);
@@ -380,6 +386,196 @@ TEST_F(CoreTest, EventsRecordStateMembershipAndFirstStepLatency) {
   EXPECT_TRUE(membership);
   EXPECT_TRUE(progress);
   EXPECT_EQ(core_.EventsSince(job, 3).value().size(), events.size() - 3);
+}
+
+// --- Elastic recovery ---
+
+TEST_F(CoreTest, LostMemberReformsFromSurvivorsWithoutTheLostOne) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
+  const std::string job = Submit(Spec(2, 3));
+  TakeAssignments();
+  ASSERT_TRUE(Progress(w0, job, 1, 40).ok());
+  Decisions d;
+  now_ += absl::Milliseconds(5);
+  core_.WorkerDisconnected(w1, "stream closed", now_, &d);
+  Collect(d);
+  EXPECT_EQ(d.ended_generations.front(), std::make_pair(job, int64_t{1}));
+  // Survivors get Abort(1) and then their assignment in generation 2, in that order.
+  std::vector<std::string> order;
+  for (const auto& m : sent_) {
+    order.push_back(m.worker_id + (m.message.has_abort() ? ":abort" : ":assign"));
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{w0 + ":abort", w2 + ":abort", w0 + ":assign",
+                                             w2 + ":assign"}));
+  auto a = TakeAssignments();
+  EXPECT_EQ(a[w0].generation(), 2);
+  EXPECT_EQ(a[w0].rank(), 0);
+  EXPECT_EQ(a[w2].rank(), 1) << "survivors keep their relative order";
+  EXPECT_EQ(a[w0].world_size(), 2);
+  EXPECT_EQ(a[w0].start_step(), 41);
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(j.generation(), 2);
+  EXPECT_EQ(j.recoveries(), 1);
+  ASSERT_EQ(j.recovery_history_size(), 1);
+  EXPECT_EQ(j.recovery_history(0).from_generation(), 1);
+  EXPECT_EQ(j.recovery_history(0).to_generation(), 2);
+  EXPECT_EQ(j.recovery_history(0).step_at_detection(), 40);
+  EXPECT_NE(j.recovery_history(0).reason().find("w1"), std::string::npos);
+  // The fenced generation is rejected; the new one is accepted.
+  EXPECT_EQ(Progress(w0, job, 1, 41).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(core_.CheckGeneration(job, 1).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(core_.CheckGeneration(job, 2).ok());
+  // First step of generation 2, healed from step 40: nothing redone.
+  now_ += absl::Milliseconds(100);
+  v1::ProgressReport p;
+  p.set_job_id(job);
+  p.set_generation(2);
+  p.set_step(41);
+  p.set_first_of_generation(true);
+  p.set_resumed_from_step(40);
+  p.set_heal_source_rank(0);
+  p.set_heal_ms(3);
+  ASSERT_TRUE(core_.ReportProgress(w0, p, now_, &d).ok());
+  j = Job(job);
+  EXPECT_EQ(j.step(), 41);
+  EXPECT_EQ(j.recovery_history(0).steps_redone(), 0);
+  EXPECT_EQ(j.recovery_history(0).resumed_from_step(), 40);
+  EXPECT_EQ(j.recovery_history(0).first_step_unix_ms() - j.recovery_history(0).detect_unix_ms(),
+            100);
+}
+
+TEST_F(CoreTest, BelowMinWorkersWaitsThenFailsAfterRendezvousTimeout) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  v1::JobSpec spec = Spec(2, 2);
+  spec.set_rendezvous_timeout_ms(3000);
+  const std::string job = Submit(spec);
+  TakeAssignments();
+  Decisions d;
+  core_.WorkerDisconnected(w1, "stream closed", now_, &d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  EXPECT_NE(Job(job).reason().find("waiting for 2 workers"), std::string::npos) << Job(job).reason();
+  now_ += absl::Seconds(2);
+  Heartbeats({w0});
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  now_ += absl::Seconds(2);
+  Heartbeats({w0});
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(Job(job).reason().find("rendezvous_timeout_ms"), std::string::npos);
+}
+
+TEST_F(CoreTest, ReconfiguringJobResumesWhenAWorkerArrives) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  Decisions d;
+  core_.WorkerDisconnected(w1, "stream closed", now_, &d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  const std::string w1b = Register("w1");  // restarted by its service manager
+  auto a = TakeAssignments();
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a[w0].rank(), 0);
+  EXPECT_EQ(a[w1b].rank(), 1);
+  EXPECT_EQ(Job(job).generation(), 2);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+}
+
+TEST_F(CoreTest, CollectiveErrorReportWaitsForTheCulpritThenReforms) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
+  const std::string job = Submit(Spec(1, 3));
+  TakeAssignments();
+  v1::FailureReport f;
+  f.set_job_id(job);
+  f.set_generation(1);
+  f.set_message("allreduce: Connection reset by peer");
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFailure(w0, f, now_, &d).ok());
+  Collect(d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  EXPECT_EQ(TakeAborts().size(), 3u);
+  // Within the grace period the dead peer's stream closes: it is left out.
+  now_ += absl::Milliseconds(50);
+  d = {};
+  core_.WorkerDisconnected(w2, "stream closed", now_, &d);
+  Collect(d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  now_ += absl::Milliseconds(300);
+  Heartbeats({w0, w1});
+  Tick();
+  auto a = TakeAssignments();
+  EXPECT_EQ(a.size(), 2u);
+  EXPECT_EQ(a.count(w2), 0u);
+  EXPECT_EQ(Job(job).recoveries(), 1) << "one failure, one recovery";
+}
+
+TEST_F(CoreTest, MaxRestartsBoundsRecoveries) {
+  std::vector<std::string> w;
+  for (int i = 0; i < 4; ++i) w.push_back(Register("w" + std::to_string(i)));
+  v1::JobSpec spec = Spec(1, 2);
+  spec.set_max_restarts(1);
+  const std::string job = Submit(spec);
+  auto a = TakeAssignments();
+  ASSERT_EQ(a.size(), 2u);
+  Decisions d;
+  core_.WorkerDisconnected(a.begin()->first, "killed", now_, &d);
+  Collect(d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(job).recoveries(), 1);
+  a = TakeAssignments();
+  ASSERT_EQ(a.size(), 2u) << "the survivor and a spare";
+  d = {};
+  core_.WorkerDisconnected(a.begin()->first, "killed again", now_, &d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(Job(job).reason().find("max_restarts 1 used up"), std::string::npos)
+      << Job(job).reason();
+}
+
+TEST_F(CoreTest, SpareJoinsARunningJobBelowMaxAfterItsFirstStep) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(1, 2));
+  TakeAssignments();
+  const std::string w1 = Register("w1");
+  EXPECT_TRUE(TakeAssignments().empty()) << "no re-formation before the first step";
+  v1::ProgressReport p;
+  p.set_job_id(job);
+  p.set_generation(1);
+  p.set_step(1);
+  p.set_first_of_generation(true);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportProgress(w0, p, now_, &d).ok());
+  Tick();
+  auto a = TakeAssignments();
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a[w0].rank(), 0);
+  EXPECT_EQ(a[w1].rank(), 1);
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.generation(), 2);
+  EXPECT_EQ(j.recoveries(), 0) << "scale-ups do not count against max_restarts";
+  ASSERT_EQ(j.recovery_history_size(), 1);
+  EXPECT_TRUE(j.recovery_history(0).scale_up());
+  // Full: a third worker stays a spare.
+  Register("w2");
+  Tick();
+  EXPECT_TRUE(TakeAssignments().empty());
+}
+
+TEST_F(CoreTest, PendingJobsTakeIdleWorkersBeforeScaleUp) {
+  const std::string w0 = Register("w0");
+  const std::string first = Submit(Spec(1, 2));
+  TakeAssignments();
+  v1::ProgressReport p;
+  p.set_job_id(first);
+  p.set_generation(1);
+  p.set_step(1);
+  p.set_first_of_generation(true);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportProgress(w0, p, now_, &d).ok());
+  const std::string second = Submit(Spec(1, 1));
+  const std::string w1 = Register("w1");
+  EXPECT_EQ(Job(second).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(first).generation(), 1);
 }
 
 TEST(AssignRanksTest, SurvivorsKeepOrderNewcomersAfterHostsContiguous) {

@@ -119,9 +119,51 @@ absl::Status Trainer::TrainStep(int64_t step) {
   return absl::OkStatus();
 }
 
+void Trainer::set_communicator(Communicator* comm) {
+  comm_ = comm;
+  shards_ = RankShards(spec_.micro_shards(), comm->rank(), comm->size());
+}
+
+absl::StatusOr<Trainer::HealInfo> Trainer::Heal() {
+  const absl::Time start = absl::Now();
+  std::vector<int64_t> steps(comm_->size(), 0);
+  steps[comm_->rank()] = completed_step_;
+  if (absl::Status s = comm_->AllreduceSum(steps.data(), steps.size()); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("healing: ", s.message()));
+  }
+  int source = 0;
+  for (int r = 1; r < comm_->size(); ++r) {
+    if (steps[r] > steps[source]) source = r;
+  }
+  HealInfo info;
+  info.resumed_from_step = steps[source];
+  if (steps[source] > 0) {
+    info.source_rank = source;
+    const bool all_equal =
+        std::all_of(steps.begin(), steps.end(), [&](int64_t s) { return s == steps[source]; });
+    if (!all_equal) {
+      std::vector<float>& opt = optimizer_->state();
+      absl::Status s = comm_->Broadcast(model_.params(), model_.num_params() * sizeof(float),
+                                        source);
+      if (s.ok()) s = comm_->Broadcast(opt.data(), opt.size() * sizeof(float), source);
+      if (!s.ok()) return absl::Status(s.code(), absl::StrCat("healing: ", s.message()));
+    }
+    completed_step_ = steps[source];
+  }
+  info.took = absl::Now() - start;
+  return info;
+}
+
 absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
                             const ProgressFn& progress, absl::Duration report_interval) {
+  timing_ = Timing{};
   reducer_ = std::make_unique<GradientReducer>(comm_);
+  // The reducer uses this generation's communicator: it must be gone (its thread joined)
+  // before Train returns, whatever the outcome.
+  struct ResetReducer {
+    std::unique_ptr<GradientReducer>& reducer;
+    ~ResetReducer() { reducer.reset(); }
+  } reset_reducer{reducer_};
   absl::Time window_start = absl::Now();
   int64_t window_steps = 0;
   double samples_per_second = 0;
@@ -157,7 +199,6 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
       progress(report);
     }
   }
-  reducer_.reset();
   return absl::OkStatus();
 }
 

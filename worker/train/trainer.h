@@ -35,9 +35,21 @@ class Trainer {
   int64_t total_steps() const { return total_steps_; }
   // The largest gradient bucket, in floats: what a communicator must sum in one call.
   size_t largest_bucket_floats() const;
-  // Swaps in another communicator of the same rank and size (e.g. a faster transport formed
-  // after the model size is known). Not during Train.
-  void set_communicator(Communicator* comm) { comm_ = comm; }
+  // Swaps in another communicator, e.g. a faster transport formed after the model size is
+  // known, or the group of a new generation (rank and size may differ: the micro-shards are
+  // re-divided). Not during Train.
+  void set_communicator(Communicator* comm);
+
+  // Brings every member of a (new) group to the same state: members exchange the step of the
+  // state they hold; when they differ, the most advanced member (lowest rank among equals)
+  // broadcasts its parameters and optimizer state. Members at the same step hold identical
+  // state (they applied the same reduced gradients), so nothing is sent when all agree.
+  struct HealInfo {
+    int64_t resumed_from_step = 0;  // training continues at this step + 1
+    int source_rank = -1;           // -1: nobody held state (all start from the seed)
+    absl::Duration took;
+  };
+  absl::StatusOr<HealInfo> Heal();
   int64_t steps_per_epoch() const { return sampler_.steps_per_epoch(); }
   Mlp& model() { return model_; }
 

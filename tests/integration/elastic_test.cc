@@ -1,0 +1,199 @@
+// Elastic recovery with real processes: workers killed (SIGKILL) or frozen (SIGSTOP) mid-run,
+// spares and restarted workers joining. Each test checks what a user would: the job
+// succeeded, it ran exactly the requested number of optimizer steps, survivors healed from
+// memory (no committed step redone), and every member holds identical parameters.
+#include <signal.h>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
+
+namespace lockstep {
+namespace {
+
+using testing::Cluster;
+using testing::SyntheticJob;
+
+constexpr int64_t kSteps = 3000;
+
+v1::JobSpec ElasticJob(int min_workers, int max_workers) {
+  v1::JobSpec spec = SyntheticJob(min_workers, max_workers, kSteps);
+  spec.set_heartbeat_timeout_ms(1500);
+  spec.set_collective_timeout_ms(5000);
+  return spec;
+}
+
+std::unique_ptr<Cluster> StartCluster(int workers) {
+  auto cluster = Cluster::Start();
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  if (!cluster.ok()) return nullptr;
+  EXPECT_TRUE((*cluster)->StartWorkers(workers).ok());
+  return *std::move(cluster);
+}
+
+absl::StatusOr<v1::Job> WaitForStep(Cluster& cluster, const std::string& id, int64_t step) {
+  return cluster.WaitFor(id, [&](const v1::Job& j) { return j.step() >= step; },
+                         absl::Seconds(60));
+}
+
+// The job succeeded with exactly kSteps steps and identical parameters on every member.
+void ExpectCompleted(Cluster& cluster, const v1::Job& job) {
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << cluster.Logs();
+  EXPECT_EQ(job.step(), kSteps);
+  EXPECT_EQ(job.total_steps(), kSteps);
+  ASSERT_GE(job.members_size(), 1);
+  for (const v1::Member& m : job.members()) {
+    EXPECT_EQ(m.step(), kSteps) << m.worker_name();
+    EXPECT_EQ(m.parameter_checksum().size(), 16u);
+    EXPECT_EQ(m.parameter_checksum(), job.members(0).parameter_checksum())
+        << "rank " << m.rank() << " (" << m.worker_name() << ") holds different parameters";
+  }
+  EXPECT_GT(job.eval().test_accuracy(), 0.6);
+}
+
+// Every re-formation that got to train (one interrupted by a further failure before its
+// first step is superseded by the next) resumed from memory with nothing redone.
+void ExpectHealedWithoutRedo(const v1::Job& job) {
+  ASSERT_GE(job.recovery_history_size(), 1);
+  EXPECT_GT(job.recovery_history(job.recovery_history_size() - 1).first_step_unix_ms(), 0);
+  for (const v1::Recovery& r : job.recovery_history()) {
+    if (r.first_step_unix_ms() == 0) continue;
+    EXPECT_EQ(r.steps_redone(), 0) << r.reason();
+    EXPECT_GT(r.first_step_unix_ms(), 0) << r.reason();
+    EXPECT_GE(r.resumed_from_step(), r.step_at_detection()) << r.reason();
+  }
+}
+
+TEST(ElasticTest, KilledWorkerTwoToOne) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto job = cluster->Submit(ElasticJob(1, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 200).ok());
+  cluster->worker("w1")->Signal(SIGKILL);
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectCompleted(*cluster, *done);
+  EXPECT_EQ(done->recoveries(), 1);
+  EXPECT_EQ(done->generation(), 2);
+  EXPECT_EQ(done->members_size(), 1);
+  ASSERT_EQ(done->recovery_history_size(), 1);
+  EXPECT_NE(done->recovery_history(0).reason().find("w1"), std::string::npos);
+  ExpectHealedWithoutRedo(*done);
+}
+
+TEST(ElasticTest, KilledWorkerThreeToTwo) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  auto job = cluster->Submit(ElasticJob(1, 3));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 200).ok());
+  cluster->worker("w0")->Signal(SIGKILL);  // rank 0
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectCompleted(*cluster, *done);
+  EXPECT_EQ(done->members_size(), 2);
+  EXPECT_EQ(done->recoveries(), 1);
+  ExpectHealedWithoutRedo(*done);
+}
+
+TEST(ElasticTest, TwoWorkersKilledAtOnce) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  auto job = cluster->Submit(ElasticJob(1, 3));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 200).ok());
+  cluster->worker("w1")->Signal(SIGKILL);
+  cluster->worker("w2")->Signal(SIGKILL);
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectCompleted(*cluster, *done);
+  EXPECT_EQ(done->members_size(), 1);
+  ExpectHealedWithoutRedo(*done);
+}
+
+TEST(ElasticTest, SpareJoinsMidRun) {
+  auto cluster = StartCluster(1);
+  ASSERT_NE(cluster, nullptr);
+  auto job = cluster->Submit(ElasticJob(1, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 200).ok());
+  ASSERT_TRUE(cluster->StartWorker("w1").ok() ||
+              cluster->WaitForWorker("w1", "busy", absl::Seconds(10)).ok());
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectCompleted(*cluster, *done);
+  EXPECT_EQ(done->members_size(), 2) << "the spare joined";
+  EXPECT_EQ(done->recoveries(), 0);
+  ASSERT_EQ(done->recovery_history_size(), 1);
+  EXPECT_TRUE(done->recovery_history(0).scale_up());
+  ExpectHealedWithoutRedo(*done);
+}
+
+TEST(ElasticTest, KilledWorkerRestartedRejoins) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  auto job = cluster->Submit(ElasticJob(1, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 200).ok());
+  cluster->worker("w1")->Signal(SIGKILL);
+  ASSERT_TRUE(cluster->WaitFor(job->job_id(), [](const v1::Job& j) {
+    return j.generation() >= 2 && j.state() == v1::JOB_STATE_RUNNING;
+  }, absl::Seconds(30)).ok());
+  // Its service manager restarts it: a new incarnation under the same name.
+  ASSERT_TRUE(cluster->StartWorker("w1").ok() ||
+              cluster->WaitForWorker("w1", "busy", absl::Seconds(10)).ok());
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectCompleted(*cluster, *done);
+  EXPECT_EQ(done->members_size(), 2) << "the restarted worker rejoined";
+  EXPECT_EQ(done->recoveries(), 1);
+  ExpectHealedWithoutRedo(*done);
+}
+
+TEST(ElasticTest, FrozenWorkerIsExcludedByHeartbeatAndFencedWhenContinued) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  v1::JobSpec spec = ElasticJob(1, 2);  // the third worker stays a spare
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 200).ok());
+  auto running = cluster->Get(job->job_id());
+  ASSERT_TRUE(running.ok());
+  const std::string frozen = running->members(1).worker_name();
+  cluster->worker(frozen)->Signal(SIGSTOP);
+  // Detected by heartbeat silence (1.5 s), replaced by the spare.
+  auto reformed = cluster->WaitFor(job->job_id(), [](const v1::Job& j) {
+    return j.generation() >= 2 && j.state() == v1::JOB_STATE_RUNNING;
+  }, absl::Seconds(30));
+  ASSERT_TRUE(reformed.ok()) << reformed.status();
+  EXPECT_NE(reformed->recovery_history(0).reason().find("no heartbeat"), std::string::npos)
+      << reformed->recovery_history(0).reason();
+  cluster->worker(frozen)->Signal(SIGCONT);
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectCompleted(*cluster, *done);
+  EXPECT_EQ(done->members_size(), 2);
+  EXPECT_GE(done->generation(), 2);
+  ExpectHealedWithoutRedo(*done);
+  // The continued process is alive and back as a new registration (its old one is lost).
+  EXPECT_TRUE(cluster->worker(frozen)->running());
+}
+
+TEST(ElasticTest, BelowMinWorkersFailsAfterRendezvousTimeout) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  v1::JobSpec spec = ElasticJob(2, 2);
+  spec.set_rendezvous_timeout_ms(2000);
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 100).ok());
+  cluster->worker("w1")->Signal(SIGKILL);
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(60));
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(done->reason().find("rendezvous_timeout_ms"), std::string::npos) << done->reason();
+}
+
+}  // namespace
+}  // namespace lockstep
