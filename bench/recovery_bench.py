@@ -138,6 +138,12 @@ def main():
         print(json.dumps(row), file=sys.stderr)
         if a.skip_torch:
             continue
+        if 256 % w != 0:
+            # train_mlp.py gives each rank 256 / W samples (DistributedSampler's split), so
+            # torchrun cannot run the reference batch on W ranks; Lockstep splits micro-shards.
+            print(f"torchrun skipped for {w} workers: 256 is not divisible by {w}",
+                  file=sys.stderr)
+            continue
         for interval in (0.1, None):
             trials = [torch_trial_timed(w, a.kill_at_step, a.steps, interval, a.checkpoint_every)
                       for _ in range(a.trials)]

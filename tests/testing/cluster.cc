@@ -235,7 +235,18 @@ absl::Status Cluster::StartWorker(const std::string& name,
   auto process = Process::Spawn(argv, absl::StrCat(dir_, "/", name, ".log"));
   if (!process.ok()) return process.status();
   workers_[name] = *std::move(process);
-  return WaitForWorker(name, "idle", absl::Seconds(20));
+  // Registered: idle, or already busy when a running job took it as a spare at once.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline) {
+    auto workers = Workers();
+    if (workers.ok()) {
+      for (const v1::WorkerInfo& w : *workers) {
+        if (w.name() == name && w.state() != "lost") return absl::OkStatus();
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("worker ", name, " did not register:\n", Logs()));
 }
 
 absl::Status Cluster::StartWorkers(int n) {

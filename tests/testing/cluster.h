@@ -61,7 +61,7 @@ class Cluster {
   v1::JobService::Stub& jobs() { return *jobs_; }
 
   // Starts lockstep-worker --name=NAME (plus `flags`) and waits until the coordinator lists
-  // it as idle.
+  // it as registered (idle, or busy if a running job took it at once).
   absl::Status StartWorker(const std::string& name, const std::vector<std::string>& flags = {});
   // Waits until a worker named `name` is listed in `state` ("idle", "busy", "lost").
   absl::Status WaitForWorker(const std::string& name, const std::string& state,
