@@ -353,11 +353,13 @@ void Core::Tick(absl::Time now, Decisions* out) {
     if (job.job.state() == v1::JOB_STATE_RUNNING) {
       const absl::Duration step_timeout = absl::Milliseconds(spec.step_timeout_ms());
       if (now - job.last_advance > step_timeout) {
-        FinishJob(job, v1::JOB_STATE_FAILED,
-                  absl::StrCat("no step completed for ", Seconds1(now - job.last_advance),
-                               " (step_timeout_ms ", spec.step_timeout_ms(), ") at step ",
-                               job.job.step()),
-                  now, out);
+        // Nobody is known to be at fault (members still heartbeat): abort and re-form the
+        // group, which max_restarts bounds like any other recovery.
+        HandleMemberLoss(job, /*worker_id=*/"",
+                         absl::StrCat("no step completed for ", Seconds1(now - job.last_advance),
+                                      " (step_timeout_ms ", spec.step_timeout_ms(), ") at step ",
+                                      job.job.step()),
+                         /*fatal=*/false, now, out);
       }
     } else if (job.job.state() == v1::JOB_STATE_RECONFIGURING &&
                spec.rendezvous_timeout_ms() > 0 &&

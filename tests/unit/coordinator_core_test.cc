@@ -301,10 +301,34 @@ TEST_F(CoreTest, JobHeartbeatTimeoutOverridesDefault) {
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
 }
 
+TEST_F(CoreTest, StepTimeoutReformsAStalledJobWithinMaxRestarts) {
+  const std::string w0 = Register("w0");
+  v1::JobSpec spec = Spec(1, 1);
+  spec.set_step_timeout_ms(2000);
+  spec.set_max_restarts(1);
+  const std::string job = Submit(spec);
+  TakeAssignments();
+  now_ += absl::Milliseconds(2500);
+  Heartbeats({w0});
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  now_ += absl::Milliseconds(400);  // after the grace period the group re-forms
+  Heartbeats({w0});
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(job).generation(), 2);
+  now_ += absl::Milliseconds(2500);  // stalls again: max_restarts is used up
+  Heartbeats({w0});
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(Job(job).reason().find("no step completed"), std::string::npos) << Job(job).reason();
+}
+
 TEST_F(CoreTest, StepTimeoutFailsAStalledJob) {
   const std::string w0 = Register("w0");
   v1::JobSpec spec = Spec(1, 1);
   spec.set_step_timeout_ms(2000);
+  spec.set_max_restarts(0);
   const std::string job = Submit(spec);
   TakeAssignments();
   for (int i = 1; i <= 3; ++i) {
