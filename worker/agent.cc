@@ -277,7 +277,7 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
   // Ranks on one host sum gradients through shared memory; Gloo stays underneath.
   absl::StatusOr<std::unique_ptr<Communicator>> comm =
       options_.shared_memory_collectives
-          ? ShmCommunicator::Wrap(*std::move(gloo), trainer->largest_bucket_floats(),
+          ? ShmCommunicator::Wrap(*std::move(gloo), trainer->largest_collective_bytes(),
                                   collective_timeout)
           : absl::StatusOr<std::unique_ptr<Communicator>>(*std::move(gloo));
   if (!comm.ok()) return comm.status();
@@ -320,7 +320,11 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
         }
         Send(m);
       });
-  if (!trained.ok()) return trained;
+  if (!trained.ok()) {
+    // A deterministic-mode range error recurs in any group: fail the job.
+    if (absl::IsOutOfRange(trained)) *fatal = true;
+    return trained;
+  }
   if (const Trainer::Timing& t = trainer->timing(); t.steps > 0) {
     const double per_step = 1e3 / static_cast<double>(t.steps);
     LOG(INFO) << absl::StrFormat(

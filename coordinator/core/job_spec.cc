@@ -192,10 +192,13 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     return Invalid("checkpoint_every_steps",
                    absl::StrCat("must be >= 0, got ", spec.checkpoint_every_steps()));
   }
-  // In the schema for the elastic release; refused rather than silently ignored.
-  if (spec.deterministic()) {
-    return absl::UnimplementedError("deterministic: not available in this release yet");
+  // Deterministic mode sums one fixed-point gradient per micro-shard; the fixed-point range
+  // leaves headroom for at most 1024 addends (kernels::kMaxFixedPointAddends).
+  if (spec.deterministic() && spec.micro_shards() > 1024) {
+    return Invalid("micro_shards", absl::StrCat("at most 1024 in deterministic mode, got ",
+                                                spec.micro_shards()));
   }
+  // In the schema for a later release; refused rather than silently ignored.
   if (spec.checkpoint_every_steps() > 0) {
     return absl::UnimplementedError("checkpoint_every_steps: not available in this release yet");
   }

@@ -197,6 +197,46 @@ TEST(ElasticTest, BelowMinWorkersFailsAfterRendezvousTimeout) {
   EXPECT_NE(done->reason().find("rendezvous_timeout_ms"), std::string::npos) << done->reason();
 }
 
+// Deterministic mode: world sizes 1-4 and a run that loses a member mid-way all end with
+// bitwise-identical parameters.
+TEST(ElasticTest, DeterministicModeIsBitwiseIdenticalAcrossWorldSizesAndFailures) {
+  auto cluster = StartCluster(4);
+  ASSERT_NE(cluster, nullptr);
+  auto run = [&](v1::JobSpec spec, bool kill_one) -> std::string {
+    spec.set_deterministic(true);
+    auto job = cluster->Submit(spec);
+    EXPECT_TRUE(job.ok()) << job.status();
+    if (!job.ok()) return "";
+    if (kill_one) {
+      auto running = WaitForStep(*cluster, job->job_id(), 200);
+      EXPECT_TRUE(running.ok() && running->members_size() == 3) << running.status();
+      if (!running.ok() || running->members_size() != 3) return "";
+      cluster->worker(running->members(1).worker_name())->Signal(SIGKILL);
+    }
+    auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(180));
+    EXPECT_TRUE(done.ok()) << done.status();
+    if (!done.ok()) return "";
+    EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason();
+    EXPECT_EQ(done->step(), spec.max_steps());
+    if (kill_one) {
+      EXPECT_EQ(done->recoveries(), 1);
+      ExpectHealedWithoutRedo(*done);
+    }
+    for (const v1::Member& m : done->members()) {
+      EXPECT_EQ(m.parameter_checksum(), done->members(0).parameter_checksum());
+    }
+    return done->members_size() > 0 ? done->members(0).parameter_checksum() : "";
+  };
+  const std::string reference = run(SyntheticJob(1, 1, 1500), false);
+  ASSERT_EQ(reference.size(), 16u);
+  for (int world = 2; world <= 4; ++world) {
+    EXPECT_EQ(run(SyntheticJob(world, world, 1500), false), reference) << "world " << world;
+  }
+  v1::JobSpec elastic = SyntheticJob(1, 3, 1500);
+  elastic.set_collective_timeout_ms(5000);
+  EXPECT_EQ(run(elastic, true), reference) << "3 workers, one killed mid-run";
+}
+
 // Random kills at random steps, each victim restarted by "its service manager" shortly after,
 // so the job keeps shrinking and growing. Small in CI; LOCKSTEP_SOAK_ROUNDS=N runs longer.
 TEST(ElasticTest, RandomizedKillSoak) {

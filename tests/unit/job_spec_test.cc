@@ -101,8 +101,15 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
       {"negative steps", [](v1::JobSpec* s) { s->set_max_steps(-1); }, "max_steps"},
       {"negative heartbeat", [](v1::JobSpec* s) { s->set_heartbeat_timeout_ms(-5); },
        "heartbeat_timeout_ms"},
-      {"deterministic not yet", [](v1::JobSpec* s) { s->set_deterministic(true); },
-       "deterministic", absl::StatusCode::kUnimplemented},
+      {"deterministic with too many micro-shards",
+       [](v1::JobSpec* s) {
+         s->set_deterministic(true);
+         s->set_global_batch_size(4096);
+         s->set_micro_shards(2048);
+       },
+       "micro_shards"},
+      {"checkpoints not yet", [](v1::JobSpec* s) { s->set_checkpoint_every_steps(10); },
+       "checkpoint_every_steps", absl::StatusCode::kUnimplemented},
   };
   for (const BadCase& c : cases) {
     v1::JobSpec spec = ValidSpec();

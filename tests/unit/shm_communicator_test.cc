@@ -13,7 +13,7 @@ namespace lockstep::worker {
 namespace {
 
 // Forms a Gloo group of `world` threads, wraps it, and runs fn(rank, comm) on each.
-void RunGroup(int world, size_t max_floats, std::chrono::milliseconds timeout,
+void RunGroup(int world, size_t max_bytes, std::chrono::milliseconds timeout,
               const std::function<void(int, Communicator&)>& fn) {
   gloo::rendezvous::HashStore store;
   std::vector<std::thread> threads;
@@ -22,7 +22,7 @@ void RunGroup(int world, size_t max_floats, std::chrono::milliseconds timeout,
       auto gloo = GlooCommunicator::Create(r, world, store, "127.0.0.1",
                                            std::chrono::milliseconds(20000));
       ASSERT_TRUE(gloo.ok()) << gloo.status();
-      auto comm = ShmCommunicator::Wrap(*std::move(gloo), max_floats, timeout);
+      auto comm = ShmCommunicator::Wrap(*std::move(gloo), max_bytes, timeout);
       ASSERT_TRUE(comm.ok()) << comm.status();
       ASSERT_NE(dynamic_cast<ShmCommunicator*>(comm->get()), nullptr)
           << "ranks in one process share /dev/shm: the fast path must be taken";
@@ -34,9 +34,9 @@ void RunGroup(int world, size_t max_floats, std::chrono::milliseconds timeout,
 
 TEST(ShmCommunicatorTest, SumsMatchAndAreIdenticalOnEveryRank) {
   for (int world : {2, 3, 4}) {
-    const size_t max_floats = 1000;
+    const size_t max_bytes = 1000 * sizeof(float);
     std::vector<std::vector<float>> results(world);
-    RunGroup(world, max_floats, std::chrono::milliseconds(20000), [&](int r, Communicator& comm) {
+    RunGroup(world, max_bytes, std::chrono::milliseconds(20000), [&](int r, Communicator& comm) {
       // Many operations of varying size, including one larger than the segment (Gloo path).
       for (size_t n : {size_t{1}, size_t{7}, size_t{1000}, size_t{999}, size_t{2500},
                        size_t{333}}) {
@@ -54,6 +54,18 @@ TEST(ShmCommunicatorTest, SumsMatchAndAreIdenticalOnEveryRank) {
       double d[2] = {1.5, static_cast<double>(r)};
       ASSERT_TRUE(comm.AllreduceSum(d, 2).ok());
       EXPECT_EQ(d[0], 1.5 * world);
+      // int64 through shared memory (500 fit) and through Gloo (600 do not).
+      for (size_t n : {size_t{500}, size_t{600}}) {
+        std::vector<int64_t> q(n);
+        for (size_t i = 0; i < n; ++i) q[i] = (int64_t{1} << 50) * (r % 2 ? -1 : 1) + r + i;
+        ASSERT_TRUE(comm.AllreduceSum(q.data(), n).ok());
+        int64_t big = 0, small = 0;
+        for (int k = 0; k < world; ++k) {
+          big += (int64_t{1} << 50) * (k % 2 ? -1 : 1);
+          small += k;
+        }
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(q[i], big + small + world * int64_t(i));
+      }
     });
     for (int r = 1; r < world; ++r) EXPECT_EQ(results[r], results[0]);
   }

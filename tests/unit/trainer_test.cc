@@ -179,7 +179,8 @@ std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::Jo
       ASSERT_TRUE(trainer.ok()) << trainer.status();
       std::unique_ptr<Communicator> comm = *std::move(gloo);
       if (shm) {
-        auto wrapped = ShmCommunicator::Wrap(std::move(comm), (*trainer)->largest_bucket_floats(),
+        auto wrapped = ShmCommunicator::Wrap(std::move(comm),
+                                             (*trainer)->largest_collective_bytes(),
                                              std::chrono::milliseconds(20000));
         ASSERT_TRUE(wrapped.ok()) << wrapped.status();
         comm = *std::move(wrapped);
@@ -216,6 +217,36 @@ TEST(TrainerTest, DataParallelMatchesSingleWorker) {
     // over 60 steps of SGD with momentum stays at float rounding scale.
     EXPECT_LT(std::sqrt(err / norm), 1e-4) << "world " << world << " shm " << shm;
   }
+}
+
+// Deterministic mode: the same bits for any world size and either transport.
+TEST(TrainerTest, DeterministicModeIsBitwiseIdenticalForEveryWorldSize) {
+  v1::JobSpec spec = SyntheticSpec();
+  spec.set_deterministic(true);
+  auto [solo, solo_sums] = TrainOnGloo(spec, 1, false);
+  for (auto [world, shm] : {std::pair{2, false}, {3, false}, {4, false}, {2, true}, {3, true}}) {
+    auto [params, sums] = TrainOnGloo(spec, world, shm);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(sums[r], solo_sums[0]) << "world " << world << " rank " << r << " shm " << shm;
+    }
+  }
+  // The default (float) mode differs from it, so the comparison above is not vacuous.
+  auto [float_params, float_sums] = TrainOnGloo(SyntheticSpec(), 1, false);
+  EXPECT_NE(float_sums[0], solo_sums[0]);
+}
+
+TEST(TrainerTest, DeterministicModeReportsOutOfRangeGradients) {
+  v1::JobSpec spec = SyntheticSpec();
+  spec.set_deterministic(true);
+  spec.mutable_optimizer()->set_learning_rate(1e3);  // diverges within a few steps
+  spec.mutable_optimizer()->set_momentum(0.99);
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator comm;
+  auto trainer = Trainer::Create(spec, data, &comm).value();
+  std::atomic<bool> abort{false};
+  absl::Status s = trainer->Train(1, abort, [](const v1::ProgressReport&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  EXPECT_NE(s.message().find("fixed-point range"), std::string::npos) << s;
 }
 
 }  // namespace

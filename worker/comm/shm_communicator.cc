@@ -51,18 +51,19 @@ struct ShmCommunicator::Header {
   uint64_t magic;
   uint64_t token;
   uint64_t world;
-  uint64_t max_floats;
+  uint64_t max_bytes;
   alignas(64) std::atomic<uint32_t> arrived;
   alignas(64) std::atomic<uint32_t> reduced;
 };
 
 
 absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
-    std::unique_ptr<Communicator> base, size_t max_floats, std::chrono::milliseconds timeout) {
+    std::unique_ptr<Communicator> base, size_t max_bytes, std::chrono::milliseconds timeout) {
   static_assert(sizeof(Header) <= kHeaderBytes);
   const int world = base->size();
-  if (world == 1 || max_floats == 0) return base;
-  const size_t bytes = kHeaderBytes + (static_cast<size_t>(world) + 1) * max_floats * sizeof(float);
+  if (world == 1 || max_bytes == 0) return base;
+  max_bytes = (max_bytes + 63) / 64 * 64;  // keep every slot cache-line aligned
+  const size_t bytes = kHeaderBytes + (static_cast<size_t>(world) + 1) * max_bytes;
 
   Handshake hs{};
   void* mapping = MAP_FAILED;
@@ -81,7 +82,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
       header->magic = kMagic;
       header->token = hs.token;
       header->world = static_cast<uint64_t>(world);
-      header->max_floats = max_floats;
+      header->max_bytes = max_bytes;
       hs.ok = 1;
     } else {
       LOG(WARNING) << "no shared-memory fast path (" << strerror(errno) << "); using Gloo";
@@ -116,19 +117,19 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
     return base;
   }
   return std::unique_ptr<Communicator>(
-      new ShmCommunicator(std::move(base), mapping, bytes, max_floats, timeout));
+      new ShmCommunicator(std::move(base), mapping, bytes, max_bytes, timeout));
 }
 
 ShmCommunicator::ShmCommunicator(std::unique_ptr<Communicator> base, void* mapping,
-                                 size_t mapping_bytes, size_t max_floats,
+                                 size_t mapping_bytes, size_t max_bytes,
                                  std::chrono::milliseconds timeout)
     : base_(std::move(base)),
       mapping_(mapping),
       mapping_bytes_(mapping_bytes),
       header_(static_cast<Header*>(mapping)),
-      slots_(reinterpret_cast<float*>(static_cast<char*>(mapping) + kHeaderBytes)),
-      result_(slots_ + static_cast<size_t>(base_->size()) * max_floats),
-      max_floats_(max_floats),
+      slots_(static_cast<char*>(mapping) + kHeaderBytes),
+      result_(slots_ + static_cast<size_t>(base_->size()) * max_bytes),
+      max_bytes_(max_bytes),
       timeout_(timeout) {}
 
 ShmCommunicator::~ShmCommunicator() { munmap(mapping_, mapping_bytes_); }
@@ -167,37 +168,44 @@ absl::Status ShmCommunicator::WaitFor(std::atomic<uint32_t>& counter, uint32_t t
   }
 }
 
-absl::Status ShmCommunicator::AllreduceSum(float* data, size_t count) {
-  if (count > max_floats_) return base_->AllreduceSum(data, count);
+template <typename T>
+absl::Status ShmCommunicator::Sum(T* data, size_t count) {
   if (count == 0) return absl::OkStatus();
   const uint32_t world = static_cast<uint32_t>(size());
   const size_t r = static_cast<size_t>(rank());
   const uint32_t target = world * ++ops_;
-  std::memcpy(slots_ + r * max_floats_, data, count * sizeof(float));
+  T* const result = reinterpret_cast<T*>(result_);
+  std::memcpy(slots_ + r * max_bytes_, data, count * sizeof(T));
   if (header_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
     Futex(&header_->arrived, FUTEX_WAKE, INT_MAX, nullptr);
   }
   if (absl::Status s = WaitFor(header_->arrived, target, "gathering"); !s.ok()) return s;
   const size_t begin = count * r / world, end = count * (r + 1) / world;
-  float* out = result_ + begin;
-  std::memcpy(out, slots_ + begin, (end - begin) * sizeof(float));
+  T* out = result + begin;
+  std::memcpy(out, slots_ + begin * sizeof(T), (end - begin) * sizeof(T));
   for (uint32_t j = 1; j < world; ++j) {
-    const float* in = slots_ + j * max_floats_ + begin;
+    const T* in = reinterpret_cast<const T*>(slots_ + j * max_bytes_) + begin;
     for (size_t i = 0; i < end - begin; ++i) out[i] += in[i];
   }
   if (header_->reduced.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
     Futex(&header_->reduced, FUTEX_WAKE, INT_MAX, nullptr);
   }
   if (absl::Status s = WaitFor(header_->reduced, target, "reducing"); !s.ok()) return s;
-  std::memcpy(data, result_, count * sizeof(float));
+  std::memcpy(data, result, count * sizeof(T));
   return absl::OkStatus();
 }
 
+absl::Status ShmCommunicator::AllreduceSum(float* data, size_t count) {
+  if (count * sizeof(float) > max_bytes_) return base_->AllreduceSum(data, count);
+  return Sum(data, count);
+}
 absl::Status ShmCommunicator::AllreduceSum(double* data, size_t count) {
   return base_->AllreduceSum(data, count);
 }
+// Integer sums are exact in any order, so they may take either path.
 absl::Status ShmCommunicator::AllreduceSum(int64_t* data, size_t count) {
-  return base_->AllreduceSum(data, count);
+  if (count * sizeof(int64_t) > max_bytes_) return base_->AllreduceSum(data, count);
+  return Sum(data, count);
 }
 absl::Status ShmCommunicator::Broadcast(void* data, size_t bytes, int root) {
   return base_->Broadcast(data, bytes, root);

@@ -15,17 +15,17 @@ namespace lockstep::worker {
 
 class ShmCommunicator final : public Communicator {
  public:
-  // Tries to map one segment shared by all ranks of `base` for float sums of up to
-  // `max_floats` values. Every rank must call it (it uses `base` collectively). Returns `base`
+  // Tries to map one segment shared by all ranks of `base` for float and int64 sums of up to
+  // `max_bytes` per call. Every rank must call it (it uses `base` collectively). Returns `base`
   // itself when the ranks do not share a host (or /dev/shm), so callers need not care.
   static absl::StatusOr<std::unique_ptr<Communicator>> Wrap(std::unique_ptr<Communicator> base,
-                                                            size_t max_floats,
+                                                            size_t max_bytes,
                                                             std::chrono::milliseconds timeout);
   ~ShmCommunicator() override;
 
   int rank() const override { return base_->rank(); }
   int size() const override { return base_->size(); }
-  // Shared memory for counts up to max_floats, Gloo beyond.
+  // Shared memory for up to max_bytes, Gloo beyond.
   absl::Status AllreduceSum(float* data, size_t count) override;
   absl::Status AllreduceSum(double* data, size_t count) override;
   absl::Status AllreduceSum(int64_t* data, size_t count) override;
@@ -37,7 +37,9 @@ class ShmCommunicator final : public Communicator {
  private:
   struct Header;
   ShmCommunicator(std::unique_ptr<Communicator> base, void* mapping, size_t mapping_bytes,
-                  size_t max_floats, std::chrono::milliseconds timeout);
+                  size_t max_bytes, std::chrono::milliseconds timeout);
+  template <typename T>
+  absl::Status Sum(T* data, size_t count);
   // Waits until `counter` reaches `target`; ABORTED or DEADLINE_EXCEEDED otherwise.
   absl::Status WaitFor(std::atomic<uint32_t>& counter, uint32_t target, const char* phase);
 
@@ -45,9 +47,9 @@ class ShmCommunicator final : public Communicator {
   void* mapping_;
   size_t mapping_bytes_;
   Header* header_;
-  float* slots_;   // size() slots of max_floats_ each
-  float* result_;  // max_floats_
-  const size_t max_floats_;
+  char* slots_;   // size() slots of max_bytes_ each
+  char* result_;  // max_bytes_
+  const size_t max_bytes_;
   const std::chrono::milliseconds timeout_;
   uint32_t ops_ = 0;  // collectives issued so far (identical on every rank)
   std::atomic<bool> aborted_{false};

@@ -4,11 +4,14 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "kernels/cpu_kernels.h"
 #include "worker/train/gradient_reducer.h"
 
 namespace lockstep::worker {
@@ -81,7 +84,60 @@ Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data,
   }
 }
 
+absl::Status Trainer::TrainStepDeterministic(int64_t step) {
+  sampler_.Indices(step - 1, shards_, &indices_);
+  const int shard = static_cast<int>(sampler_.micro_shard_size());
+  const int dim = data_->dim;
+  const size_t n = model_.num_params();
+  const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
+  const double scale = std::ldexp(1.0, kFixedPointFracBits);
+  fixed_sum_.assign(n + 2, 0);
+  fixed_shard_.resize(n);
+  batch_x_.resize(static_cast<size_t>(shard) * dim);
+  batch_y_.resize(shard);
+  int64_t out_of_range = 0;
+  const absl::Time t0 = absl::Now();
+  // One micro-shard at a time, so every shard's gradient is computed by the same code on the
+  // same shapes whichever rank holds it: the integer sum is then the same bits for any W.
+  for (size_t first = 0; first < indices_.size(); first += shard) {
+    data_->train.Gather(&indices_[first], shard, dim, batch_x_.data());
+    for (int i = 0; i < shard; ++i) batch_y_[i] = data_->train.y[indices_[first + i]];
+    const double loss = model_.ForwardBackward(batch_x_.data(), batch_y_.data(), shard, inv_batch,
+                                               std::numeric_limits<size_t>::max(), nullptr,
+                                               nullptr);
+    out_of_range += kernels::ToFixedPoint(model_.grads(), n, kFixedPointFracBits,
+                                          fixed_shard_.data());
+    for (size_t i = 0; i < n; ++i) fixed_sum_[i] += fixed_shard_[i];
+    const double scaled_loss = loss * inv_batch * scale;
+    if (std::isfinite(scaled_loss) && std::abs(scaled_loss) < 0x1p53) {
+      fixed_sum_[n] += std::llround(scaled_loss);
+    } else {
+      ++out_of_range;
+    }
+  }
+  fixed_sum_[n + 1] = out_of_range;
+  const absl::Time t1 = absl::Now();
+  if (absl::Status s = comm_->AllreduceSum(fixed_sum_.data(), n + 2); !s.ok()) return s;
+  const absl::Time t2 = absl::Now();
+  if (fixed_sum_[n + 1] != 0) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "deterministic mode: %d gradient values at step %d are not finite or outside the "
+        "fixed-point range |g| < %g; lower the learning rate or turn deterministic off",
+        fixed_sum_[n + 1], step, std::ldexp(1.0, 53 - kFixedPointFracBits)));
+  }
+  kernels::FromFixedPoint(fixed_sum_.data(), n, kFixedPointFracBits, model_.grads());
+  last_loss_ = static_cast<double>(fixed_sum_[n]) / scale;
+  optimizer_->Step(model_.params(), model_.grads(), step);
+  completed_step_ = step;
+  timing_.compute += t1 - t0;
+  timing_.exposed_comm += t2 - t1;
+  timing_.update += absl::Now() - t2;
+  ++timing_.steps;
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::TrainStep(int64_t step) {
+  if (spec_.deterministic()) return TrainStepDeterministic(step);
   sampler_.Indices(step - 1, shards_, &indices_);
   const int n = static_cast<int>(indices_.size());
   const int dim = data_->dim;
@@ -228,10 +284,11 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
   return result;
 }
 
-size_t Trainer::largest_bucket_floats() const {
+size_t Trainer::largest_collective_bytes() const {
+  if (spec_.deterministic()) return (model_.num_params() + 2) * sizeof(int64_t);
   size_t largest = 0;
   for (const Bucket& b : buckets_) largest = std::max(largest, b.count);
-  return largest;
+  return largest * sizeof(float);
 }
 
 double Trainer::TrainSamplesPerSecond() const {

@@ -33,8 +33,15 @@ class Trainer {
                                                          Communicator* comm);
 
   int64_t total_steps() const { return total_steps_; }
-  // The largest gradient bucket, in floats: what a communicator must sum in one call.
-  size_t largest_bucket_floats() const;
+  // The largest sum this trainer asks of its communicator in one call, in bytes (a gradient
+  // bucket, or in deterministic mode the whole fixed-point gradient).
+  size_t largest_collective_bytes() const;
+
+  // Deterministic mode: each micro-shard's gradient is converted to 64-bit fixed point with
+  // this many fraction bits and summed as integers, exactly and in any order. Accepted range
+  // |g| < 2^(53-40) = 8192 per micro-shard gradient value, resolution 2^-40 (9.1e-13); a value
+  // outside it (or not finite) fails the step with OUT_OF_RANGE instead of being clipped.
+  static constexpr int kFixedPointFracBits = 40;
   // Swaps in another communicator, e.g. a faster transport formed after the model size is
   // known, or the group of a new generation (rank and size may differ: the micro-shards are
   // re-divided). Not during Train.
@@ -83,6 +90,7 @@ class Trainer {
   Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, Communicator* comm,
           std::vector<int> dims, kernels::Activation activation);
   absl::Status TrainStep(int64_t step);
+  absl::Status TrainStepDeterministic(int64_t step);
 
   const v1::JobSpec spec_;
   std::shared_ptr<const Dataset> data_;
@@ -102,6 +110,8 @@ class Trainer {
   std::vector<Bucket> buckets_;
   std::unique_ptr<GradientReducer> reducer_;  // lives for one Train call
   std::vector<int64_t> indices_;
+  std::vector<int64_t> fixed_sum_;  // deterministic mode: gradients, loss, overflow count
+  std::vector<int64_t> fixed_shard_;
   std::vector<float> batch_x_;
   std::vector<int32_t> batch_y_;
   double last_loss_ = 0;
