@@ -19,8 +19,8 @@ void RunGroup(int world, size_t max_bytes, std::chrono::milliseconds timeout,
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      auto gloo = GlooCommunicator::Create(r, world, store, "127.0.0.1",
-                                           std::chrono::milliseconds(20000));
+      auto gloo =
+          GlooCommunicator::Create(r, world, store, "127.0.0.1", std::chrono::milliseconds(20000));
       ASSERT_TRUE(gloo.ok()) << gloo.status();
       auto comm = ShmCommunicator::Wrap(*std::move(gloo), max_bytes, timeout);
       ASSERT_TRUE(comm.ok()) << comm.status();
@@ -38,8 +38,8 @@ TEST(ShmCommunicatorTest, SumsMatchAndAreIdenticalOnEveryRank) {
     std::vector<std::vector<float>> results(world);
     RunGroup(world, max_bytes, std::chrono::milliseconds(20000), [&](int r, Communicator& comm) {
       // Many operations of varying size, including one larger than the segment (Gloo path).
-      for (size_t n : {size_t{1}, size_t{7}, size_t{1000}, size_t{999}, size_t{2500},
-                       size_t{333}}) {
+      for (size_t n :
+           {size_t{1}, size_t{7}, size_t{1000}, size_t{999}, size_t{2500}, size_t{333}}) {
         for (int rep = 0; rep < 20; ++rep) {
           std::vector<float> v(n);
           for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>((r + 1) * (i % 13) + rep);
@@ -74,18 +74,20 @@ TEST(ShmCommunicatorTest, SumsMatchAndAreIdenticalOnEveryRank) {
 TEST(ShmCommunicatorTest, NonIntegerSumsAreBitIdenticalAcrossRanks) {
   const int world = 3;
   std::vector<std::vector<float>> results(world);
-  RunGroup(world, 4096, std::chrono::milliseconds(20000), [&](int r, Communicator& comm) {
-    std::vector<float> v(4096);
-    for (size_t i = 0; i < v.size(); ++i) v[i] = 0.1f * static_cast<float>(r + 1) / (i + 3.0f);
-    ASSERT_TRUE(comm.AllreduceSum(v.data(), v.size()).ok());
-    results[r] = v;
-  });
+  RunGroup(world, 4096 * sizeof(float), std::chrono::milliseconds(20000),
+           [&](int r, Communicator& comm) {
+             std::vector<float> v(4096);
+             for (size_t i = 0; i < v.size(); ++i)
+               v[i] = 0.1f * static_cast<float>(r + 1) / (i + 3.0f);
+             ASSERT_TRUE(comm.AllreduceSum(v.data(), v.size()).ok());
+             results[r] = v;
+           });
   EXPECT_EQ(results[0], results[1]);
   EXPECT_EQ(results[0], results[2]);
 }
 
 TEST(ShmCommunicatorTest, AbortReleasesARankWaitingForAMissingPeer) {
-  RunGroup(2, 64, std::chrono::milliseconds(60000), [&](int r, Communicator& comm) {
+  RunGroup(2, 64 * sizeof(float), std::chrono::milliseconds(60000), [&](int r, Communicator& comm) {
     if (r == 1) return;  // never joins the sum
     std::thread aborter([&] {
       absl::SleepFor(absl::Milliseconds(200));
@@ -101,7 +103,7 @@ TEST(ShmCommunicatorTest, AbortReleasesARankWaitingForAMissingPeer) {
 }
 
 TEST(ShmCommunicatorTest, MissingPeerHitsTheDeadline) {
-  RunGroup(2, 64, std::chrono::milliseconds(300), [&](int r, Communicator& comm) {
+  RunGroup(2, 64 * sizeof(float), std::chrono::milliseconds(300), [&](int r, Communicator& comm) {
     if (r == 1) return;
     std::vector<float> v(64, 1.0f);
     absl::Status s = comm.AllreduceSum(v.data(), v.size());
