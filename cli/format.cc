@@ -226,26 +226,25 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
     AddField(out, "Test loss", absl::StrFormat("%.4f", job.eval().test_loss()));
   }
   AddField(out, "Recoveries",
-           job.spec().has_max_restarts()
-               ? absl::StrFormat("%d (max_restarts %d)", job.recoveries(), job.spec().max_restarts())
-               : absl::StrCat(job.recoveries()));
+           job.spec().has_max_restarts() ? absl::StrFormat("%d (max_restarts %d)", job.recoveries(),
+                                                           job.spec().max_restarts())
+                                         : absl::StrCat(job.recoveries()));
   if (job.recovery_history_size() > 0) {
     // Each re-formation with its timings: detect -> re-formed -> first step, and the heal.
     out += "Membership changes:\n";
-    Table changes({"GEN", "KIND", "RE-FORM", "HEAL", "FIRST STEP", "RESUMED AFTER", "REDONE",
-                   "REASON"});
+    Table changes(
+        {"GEN", "KIND", "RE-FORM", "HEAL", "FIRST STEP", "RESUMED AFTER", "REDONE", "REASON"});
     for (const v1::Recovery& r : job.recovery_history()) {
       const bool reformed = r.reformed_unix_ms() > 0;
       const bool trained = r.first_step_unix_ms() > 0;
-      changes.AddRow(
-          {absl::StrCat(r.from_generation(), "->",
-                        r.to_generation() > 0 ? absl::StrCat(r.to_generation()) : "?"),
-           r.scale_up() ? "scale-up" : "recovery",
-           reformed ? ShortMillis(r.reformed_unix_ms() - r.detect_unix_ms()) : kNone,
-           trained ? ShortMillis(r.heal_ms()) : kNone,
-           trained ? ShortMillis(r.first_step_unix_ms() - r.detect_unix_ms()) : kNone,
-           trained ? absl::StrCat("step ", r.resumed_from_step()) : kNone,
-           trained ? absl::StrCat(r.steps_redone()) : kNone, r.reason()});
+      changes.AddRow({absl::StrCat(r.from_generation(), "->",
+                                   r.to_generation() > 0 ? absl::StrCat(r.to_generation()) : "?"),
+                      r.scale_up() ? "scale-up" : "recovery",
+                      reformed ? ShortMillis(r.reformed_unix_ms() - r.detect_unix_ms()) : kNone,
+                      trained ? ShortMillis(r.heal_ms()) : kNone,
+                      trained ? ShortMillis(r.first_step_unix_ms() - r.detect_unix_ms()) : kNone,
+                      trained ? absl::StrCat("step ", r.resumed_from_step()) : kNone,
+                      trained ? absl::StrCat(r.steps_redone()) : kNone, r.reason()});
     }
     out += changes.Render("  ");
   }

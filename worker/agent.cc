@@ -21,7 +21,8 @@
 namespace lockstep::worker {
 
 Agent::Agent(AgentOptions options)
-    : options_(std::move(options)), incarnation_(std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32)) {
+    : options_(std::move(options)),
+      incarnation_(std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32)) {
   channel_ = MakeChannel(options_.coordinator);
   store_stub_ = v1::StoreService::NewStub(channel_);
 }
@@ -112,8 +113,7 @@ absl::Status Agent::RunSession() {
         StartJob(message.assignment());
         break;
       case v1::CoordinatorMessage::kAbort:
-        AbortJobs(message.abort().job_id(), message.abort().generation(),
-                  message.abort().reason());
+        AbortJobs(message.abort().job_id(), message.abort().generation(), message.abort().reason());
         break;
       default:
         LOG(WARNING) << "ignoring unexpected coordinator message " << message.kind_case();
@@ -144,8 +144,8 @@ void Agent::StartJob(const v1::Assignment& assignment) {
       if (run->assignment.job_id() == assignment.job_id() &&
           run->assignment.generation() >= assignment.generation()) {
         LOG(WARNING) << "ignoring assignment to " << assignment.job_id() << " generation "
-                     << assignment.generation() << ": generation "
-                     << run->assignment.generation() << " was already assigned";
+                     << assignment.generation() << ": generation " << run->assignment.generation()
+                     << " was already assigned";
         return;
       }
     }
@@ -304,22 +304,22 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
   }
 
   bool first = true;
-  absl::Status trained = trainer->Train(
-      trainer->completed_step() + 1, run.abort, [&](const v1::ProgressReport& progress) {
-        v1::WorkerMessage m;
-        v1::ProgressReport* p = m.mutable_progress();
-        *p = progress;
-        p->set_job_id(a.job_id());
-        p->set_generation(a.generation());
-        if (first) {
-          first = false;
-          p->set_first_of_generation(true);
-          p->set_resumed_from_step(heal->resumed_from_step);
-          p->set_heal_source_rank(heal->source_rank);
-          p->set_heal_ms(absl::ToInt64Milliseconds(heal->took));
-        }
-        Send(m);
-      });
+  absl::Status trained = trainer->Train(trainer->completed_step() + 1, run.abort,
+                                        [&](const v1::ProgressReport& progress) {
+                                          v1::WorkerMessage m;
+                                          v1::ProgressReport* p = m.mutable_progress();
+                                          *p = progress;
+                                          p->set_job_id(a.job_id());
+                                          p->set_generation(a.generation());
+                                          if (first) {
+                                            first = false;
+                                            p->set_first_of_generation(true);
+                                            p->set_resumed_from_step(heal->resumed_from_step);
+                                            p->set_heal_source_rank(heal->source_rank);
+                                            p->set_heal_ms(absl::ToInt64Milliseconds(heal->took));
+                                          }
+                                          Send(m);
+                                        });
   if (!trained.ok()) {
     // A deterministic-mode range error recurs in any group: fail the job.
     if (absl::IsOutOfRange(trained)) *fatal = true;

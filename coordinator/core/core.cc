@@ -39,15 +39,15 @@ Core::JobRecord* Core::FindJob(const std::string& job_id) {
   return it == jobs_.end() ? nullptr : &it->second;
 }
 
-absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& request,
-                                                 absl::Time now, Decisions* out) {
+absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& request, absl::Time now,
+                                                 Decisions* out) {
   if (request.name().empty()) return absl::InvalidArgumentError("register.name: required");
   if (request.device().empty()) return absl::InvalidArgumentError("register.device: required");
   for (const auto& [id, w] : workers_) {
     if (w.state != WorkerState::kLost && w.info.name() == request.name()) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("a connected worker is already named \"", request.name(), "\" (", id,
-                       ", host ", w.info.host(), ")"));
+      return absl::AlreadyExistsError(absl::StrCat("a connected worker is already named \"",
+                                                   request.name(), "\" (", id, ", host ",
+                                                   w.info.host(), ")"));
     }
   }
   Worker worker;
@@ -103,8 +103,8 @@ absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
   JobRecord* job = FindJob(job_id);
   if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
   if (IsTerminal(job->job.state())) {
-    return absl::AbortedError(absl::StrCat("job ", job_id, " has ended (",
-                                           v1::JobState_Name(job->job.state()), ")"));
+    return absl::AbortedError(
+        absl::StrCat("job ", job_id, " has ended (", v1::JobState_Name(job->job.state()), ")"));
   }
   if (job->job.state() != v1::JOB_STATE_RUNNING) {
     return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
@@ -113,23 +113,24 @@ absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
   if (generation != job->job.generation() || worker->state != WorkerState::kBusy ||
       worker->job_id != job_id || worker->generation != generation) {
     return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
-                                           " is stale (current generation ",
-                                           job->job.generation(), ")"));
+                                           " is stale (current generation ", job->job.generation(),
+                                           ")"));
   }
   return job;
 }
 
 absl::Status Core::CheckGeneration(const std::string& job_id, int64_t generation) const {
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  if (it == jobs_.end())
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
   const v1::Job& job = it->second.job;
   if (IsTerminal(job.state())) {
     return absl::AbortedError(absl::StrCat("job ", job_id, " has ended"));
   }
   if (generation != job.generation() || job.state() != v1::JOB_STATE_RUNNING) {
     return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
-                                           " is not current (current generation ",
-                                           job.generation(), ")"));
+                                           " is not current (current generation ", job.generation(),
+                                           ")"));
   }
   return absl::OkStatus();
 }
@@ -161,7 +162,8 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
       r->set_resumed_from_step(report.resumed_from_step());
       r->set_source_rank(report.heal_source_rank());
       r->set_heal_ms(report.heal_ms());
-      r->set_steps_redone(std::max<int64_t>(0, r->step_at_detection() - report.resumed_from_step()));
+      r->set_steps_redone(
+          std::max<int64_t>(0, r->step_at_detection() - report.resumed_from_step()));
       AddEvent(job, v1::JobEvent::MEMBERSHIP,
                absl::StrFormat("generation %d resumed after step %d (source rank %d, heal %d ms, "
                                "%d ms after detection, %d steps redone)",
@@ -238,7 +240,8 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
   if (all_finished) {
     std::string reason = absl::StrCat("trained ", job.job.step(), " steps");
     if (job.job.has_eval()) {
-      absl::StrAppend(&reason, absl::StrFormat("; test accuracy %.4f", job.job.eval().test_accuracy()));
+      absl::StrAppend(&reason,
+                      absl::StrFormat("; test accuracy %.4f", job.job.eval().test_accuracy()));
     }
     FinishJob(job, v1::JOB_STATE_SUCCEEDED, reason, now, out);
   }
@@ -264,13 +267,12 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   return job.job;
 }
 
-absl::StatusOr<v1::Job> Core::CancelJob(const std::string& job_id, absl::Time now,
-                                        Decisions* out) {
+absl::StatusOr<v1::Job> Core::CancelJob(const std::string& job_id, absl::Time now, Decisions* out) {
   JobRecord* job = FindJob(job_id);
   if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
   if (IsTerminal(job->job.state())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id, " has already ended (", v1::JobState_Name(job->job.state()), ")"));
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " has already ended (",
+                                                      v1::JobState_Name(job->job.state()), ")"));
   }
   FinishJob(*job, v1::JOB_STATE_CANCELLED, "cancelled by user", now, out);
   Schedule(now, out);
@@ -279,7 +281,8 @@ absl::StatusOr<v1::Job> Core::CancelJob(const std::string& job_id, absl::Time no
 
 absl::StatusOr<v1::Job> Core::GetJob(const std::string& job_id) const {
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  if (it == jobs_.end())
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
   return it->second.job;
 }
 
@@ -289,8 +292,8 @@ std::vector<v1::Job> Core::ListJobs() const {
   std::sort(jobs.begin(), jobs.end(), [](const v1::Job& a, const v1::Job& b) {
     return a.submit_time_unix_ms() != b.submit_time_unix_ms()
                ? a.submit_time_unix_ms() < b.submit_time_unix_ms()
-               : a.job_id().size() != b.job_id().size() ? a.job_id().size() < b.job_id().size()
-                                                        : a.job_id() < b.job_id();
+           : a.job_id().size() != b.job_id().size() ? a.job_id().size() < b.job_id().size()
+                                                    : a.job_id() < b.job_id();
   });
   return jobs;
 }
@@ -323,7 +326,8 @@ std::vector<v1::WorkerInfo> Core::ListWorkers() const {
 absl::StatusOr<std::vector<v1::JobEvent>> Core::EventsSince(const std::string& job_id,
                                                             int64_t from_sequence) const {
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  if (it == jobs_.end())
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
   std::vector<v1::JobEvent> events;
   for (const v1::JobEvent& e : it->second.events) {
     if (e.sequence() >= from_sequence) events.push_back(e);
@@ -361,8 +365,7 @@ void Core::Tick(absl::Time now, Decisions* out) {
                                       job.job.step()),
                          /*fatal=*/false, now, out);
       }
-    } else if (job.job.state() == v1::JOB_STATE_RECONFIGURING &&
-               spec.rendezvous_timeout_ms() > 0 &&
+    } else if (job.job.state() == v1::JOB_STATE_RECONFIGURING && spec.rendezvous_timeout_ms() > 0 &&
                now - job.reconfigure_since > absl::Milliseconds(spec.rendezvous_timeout_ms())) {
       FinishJob(job, v1::JOB_STATE_FAILED,
                 absl::StrCat("waited ", Seconds1(now - job.reconfigure_since), " to re-form with ",
@@ -372,9 +375,9 @@ void Core::Tick(absl::Time now, Decisions* out) {
     } else if (job.job.state() == v1::JOB_STATE_PENDING && spec.rendezvous_timeout_ms() > 0 &&
                now - job.submitted > absl::Milliseconds(spec.rendezvous_timeout_ms())) {
       FinishJob(job, v1::JOB_STATE_FAILED,
-                absl::StrCat("waited ", Seconds1(now - job.submitted), " for ",
-                             spec.min_workers(), " workers (rendezvous_timeout_ms ",
-                             spec.rendezvous_timeout_ms(), "); ", job.job.reason()),
+                absl::StrCat("waited ", Seconds1(now - job.submitted), " for ", spec.min_workers(),
+                             " workers (rendezvous_timeout_ms ", spec.rendezvous_timeout_ms(),
+                             "); ", job.job.reason()),
                 now, out);
     }
   }
@@ -411,9 +414,9 @@ void Core::Schedule(absl::Time now, Decisions* out) {
     std::vector<RankCandidate> idle = IdleWorkers();
     const v1::JobSpec& spec = job.job.spec();
     if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
-      std::string reason = absl::StrCat("waiting for ", spec.min_workers(), " idle worker",
-                                        spec.min_workers() == 1 ? "" : "s", " (", idle.size(),
-                                        " idle)");
+      std::string reason =
+          absl::StrCat("waiting for ", spec.min_workers(), " idle worker",
+                       spec.min_workers() == 1 ? "" : "s", " (", idle.size(), " idle)");
       if (reason != job.job.reason()) {
         job.job.set_reason(reason);
         out->changed_jobs.insert(job.job.job_id());
@@ -435,8 +438,8 @@ void Core::Schedule(absl::Time now, Decisions* out) {
     std::vector<RankCandidate> idle = IdleWorkers();
     if (idle.empty()) continue;
     std::vector<std::string> names;
-    for (size_t i = 0; i < idle.size() && job.members.size() + i <
-                                              static_cast<size_t>(job.job.spec().max_workers());
+    for (size_t i = 0; i < idle.size() &&
+                       job.members.size() + i < static_cast<size_t>(job.job.spec().max_workers());
          ++i) {
       names.push_back(workers_.at(idle[i].worker_id).info.name());
     }
@@ -494,17 +497,17 @@ int64_t Core::MaxRestarts(const JobRecord& job) const {
   return job.job.spec().has_max_restarts() ? job.job.spec().max_restarts() : 10;
 }
 
-void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id,
-                            const std::string& reason, bool fatal, absl::Time now,
-                            Decisions* out) {
+void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const std::string& reason,
+                            bool fatal, absl::Time now, Decisions* out) {
   if (IsTerminal(job.job.state())) return;
   AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
   if (fatal) return FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
   if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
     // Lost while re-forming: drop it from the survivors and carry on with the same recovery.
-    job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
-                                     [&](const MemberState& m) { return m.worker_id == worker_id; }),
-                      job.members.end());
+    job.members.erase(
+        std::remove_if(job.members.begin(), job.members.end(),
+                       [&](const MemberState& m) { return m.worker_id == worker_id; }),
+        job.members.end());
     RefreshMembers(job);
     return TryReform(job, now, out);
   }
@@ -569,10 +572,9 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
                       std::min<size_t>(survivors.size(), spec.max_workers());
   idle.resize(std::min(idle.size(), room));
   if (static_cast<int64_t>(survivors.size() + idle.size()) < spec.min_workers()) {
-    std::string reason = absl::StrCat("waiting for ", spec.min_workers(), " workers to re-form (",
-                                      survivors.size(), " survivor",
-                                      survivors.size() == 1 ? "" : "s", ", ", idle.size(),
-                                      " idle)");
+    std::string reason =
+        absl::StrCat("waiting for ", spec.min_workers(), " workers to re-form (", survivors.size(),
+                     " survivor", survivors.size() == 1 ? "" : "s", ", ", idle.size(), " idle)");
     if (reason != job.job.reason()) {
       job.job.set_reason(reason);
       out->changed_jobs.insert(job.job.job_id());
@@ -587,8 +589,8 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
   }
 }
 
-void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reason,
-                     absl::Time now, Decisions* out) {
+void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,
+                     Decisions* out) {
   for (const MemberState& m : job.members) {
     Worker* w = FindWorker(m.worker_id);
     if (w == nullptr || w->job_id != job.job.job_id()) continue;

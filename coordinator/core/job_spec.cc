@@ -52,7 +52,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   const v1::ModelSpec& model = spec.model();
   if (model.type().empty()) return Invalid("model.type", "required (one of: mlp)");
   if (model.type() != "mlp") {
-    return Invalid("model.type", absl::StrCat("unknown model \"", model.type(), "\" (one of: mlp)"));
+    return Invalid("model.type",
+                   absl::StrCat("unknown model \"", model.type(), "\" (one of: mlp)"));
   }
   for (int i = 0; i < model.hidden_widths_size(); ++i) {
     if (model.hidden_widths(i) <= 0 || model.hidden_widths(i) > (1 << 20)) {
@@ -136,7 +137,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   }
 
   if (spec.global_batch_size() <= 0) {
-    return Invalid("global_batch_size", absl::StrCat("must be > 0, got ", spec.global_batch_size()));
+    return Invalid("global_batch_size",
+                   absl::StrCat("must be > 0, got ", spec.global_batch_size()));
   }
   if (spec.global_batch_size() > (int64_t{1} << 24)) {
     return Invalid("global_batch_size",
@@ -195,8 +197,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   // Deterministic mode sums one fixed-point gradient per micro-shard; the fixed-point range
   // leaves headroom for at most 1024 addends (kernels::kMaxFixedPointAddends).
   if (spec.deterministic() && spec.micro_shards() > 1024) {
-    return Invalid("micro_shards", absl::StrCat("at most 1024 in deterministic mode, got ",
-                                                spec.micro_shards()));
+    return Invalid("micro_shards",
+                   absl::StrCat("at most 1024 in deterministic mode, got ", spec.micro_shards()));
   }
   // In the schema for a later release; refused rather than silently ignored.
   if (spec.checkpoint_every_steps() > 0) {

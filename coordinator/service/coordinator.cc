@@ -143,9 +143,9 @@ absl::StatusOr<std::string> Coordinator::StoreWait(const std::string& job_id, in
     }
     const absl::Time now = clock_->Now();
     if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("store key \"", keys.front(), "\" of job ",
-                                                      job_id, " generation ", generation,
-                                                      " not set within ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("store key \"", keys.front(), "\" of job ", job_id, " generation ",
+                       generation, " not set within ", absl::FormatDuration(timeout)));
     }
     // Wake at least every 200 ms to notice cancelled calls.
     changed_.WaitWithTimeout(&mu_, std::min(deadline - now, absl::Milliseconds(200)));

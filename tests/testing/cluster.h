@@ -43,7 +43,8 @@ struct CommandResult {
   std::string output;
 };
 absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
-                                         absl::Duration timeout, const std::string& stdin_data = "");
+                                         absl::Duration timeout,
+                                         const std::string& stdin_data = "");
 
 // A small synthetic classification job (MLP 32-64-64-4, batch 120 in 12 micro-shards) that
 // trains `steps` steps on between min_workers and max_workers workers.

@@ -25,14 +25,21 @@ class FakeReader : public grpc::ClientReaderInterface<v1::JobEvent> {
     return true;
   }
   grpc::Status Finish() override { return end_; }
-  bool NextMessageSize(uint32_t* sz) override { *sz = 1 << 20; return !events_.empty(); }
+  bool NextMessageSize(uint32_t* sz) override {
+    *sz = 1 << 20;
+    return !events_.empty();
+  }
   void WaitForInitialMetadata() override {}
+
  private:
   std::deque<v1::JobEvent> events_;
   grpc::Status end_;
 };
 
-struct Stream { std::vector<v1::JobEvent> events; grpc::Status end; };
+struct Stream {
+  std::vector<v1::JobEvent> events;
+  grpc::Status end;
+};
 
 class FakeStub : public v1::JobService::StubInterface {
  public:
@@ -44,7 +51,8 @@ class FakeStub : public v1::JobService::StubInterface {
   v1::ListWorkersResponse workers;
   bool saw_deadline = false;
 
-  grpc::Status SubmitJob(grpc::ClientContext* c, const v1::SubmitJobRequest& r, v1::Job* j) override {
+  grpc::Status SubmitJob(grpc::ClientContext* c, const v1::SubmitJobRequest& r,
+                         v1::Job* j) override {
     saw_deadline = c->deadline() < std::chrono::system_clock::now() + std::chrono::hours(1);
     j->set_job_id("job-7");
     *j->mutable_spec() = r.spec();
@@ -54,34 +62,57 @@ class FakeStub : public v1::JobService::StubInterface {
     *j = get_job;
     return get_status;
   }
-  grpc::Status ListJobs(grpc::ClientContext*, const v1::ListJobsRequest&, v1::ListJobsResponse* r) override {
-    *r = jobs; return grpc::Status::OK;
+  grpc::Status ListJobs(grpc::ClientContext*, const v1::ListJobsRequest&,
+                        v1::ListJobsResponse* r) override {
+    *r = jobs;
+    return grpc::Status::OK;
   }
   grpc::Status CancelJob(grpc::ClientContext*, const v1::CancelJobRequest&, v1::Job*) override {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "job job-1 has already ended");
   }
-  grpc::Status ListWorkers(grpc::ClientContext*, const v1::ListWorkersRequest&, v1::ListWorkersResponse* r) override {
-    *r = workers; return grpc::Status::OK;
+  grpc::Status ListWorkers(grpc::ClientContext*, const v1::ListWorkersRequest&,
+                           v1::ListWorkersResponse* r) override {
+    *r = workers;
+    return grpc::Status::OK;
   }
+
  private:
-  grpc::ClientReaderInterface<v1::JobEvent>* WatchJobRaw(grpc::ClientContext*, const v1::WatchJobRequest& r) override {
+  grpc::ClientReaderInterface<v1::JobEvent>* WatchJobRaw(grpc::ClientContext*,
+                                                         const v1::WatchJobRequest& r) override {
     from_sequences.push_back(r.from_sequence());
-    if (streams.empty()) return new FakeReader({}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "down"));
-    Stream s = streams.front(); streams.pop_front();
+    if (streams.empty())
+      return new FakeReader({}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "down"));
+    Stream s = streams.front();
+    streams.pop_front();
     std::vector<v1::JobEvent> evs;
-    for (auto& e : s.events) if (e.sequence() >= r.from_sequence()) evs.push_back(e);
+    for (auto& e : s.events)
+      if (e.sequence() >= r.from_sequence()) evs.push_back(e);
     return new FakeReader(evs, s.end);
   }
-#define NOASYNC(Resp, Req, Name) \
-  grpc::ClientAsyncResponseReaderInterface<Resp>* Async##Name##Raw(grpc::ClientContext*, const Req&, grpc::CompletionQueue*) override { return nullptr; } \
-  grpc::ClientAsyncResponseReaderInterface<Resp>* PrepareAsync##Name##Raw(grpc::ClientContext*, const Req&, grpc::CompletionQueue*) override { return nullptr; }
+#define NOASYNC(Resp, Req, Name)                                           \
+  grpc::ClientAsyncResponseReaderInterface<Resp>* Async##Name##Raw(        \
+      grpc::ClientContext*, const Req&, grpc::CompletionQueue*) override { \
+    return nullptr;                                                        \
+  }                                                                        \
+  grpc::ClientAsyncResponseReaderInterface<Resp>* PrepareAsync##Name##Raw( \
+      grpc::ClientContext*, const Req&, grpc::CompletionQueue*) override { \
+    return nullptr;                                                        \
+  }
   NOASYNC(v1::Job, v1::SubmitJobRequest, SubmitJob)
   NOASYNC(v1::Job, v1::GetJobRequest, GetJob)
   NOASYNC(v1::ListJobsResponse, v1::ListJobsRequest, ListJobs)
   NOASYNC(v1::Job, v1::CancelJobRequest, CancelJob)
   NOASYNC(v1::ListWorkersResponse, v1::ListWorkersRequest, ListWorkers)
-  grpc::ClientAsyncReaderInterface<v1::JobEvent>* AsyncWatchJobRaw(grpc::ClientContext*, const v1::WatchJobRequest&, grpc::CompletionQueue*, void*) override { return nullptr; }
-  grpc::ClientAsyncReaderInterface<v1::JobEvent>* PrepareAsyncWatchJobRaw(grpc::ClientContext*, const v1::WatchJobRequest&, grpc::CompletionQueue*) override { return nullptr; }
+  grpc::ClientAsyncReaderInterface<v1::JobEvent>* AsyncWatchJobRaw(grpc::ClientContext*,
+                                                                   const v1::WatchJobRequest&,
+                                                                   grpc::CompletionQueue*,
+                                                                   void*) override {
+    return nullptr;
+  }
+  grpc::ClientAsyncReaderInterface<v1::JobEvent>* PrepareAsyncWatchJobRaw(
+      grpc::ClientContext*, const v1::WatchJobRequest&, grpc::CompletionQueue*) override {
+    return nullptr;
+  }
 };
 
 v1::JobEvent Ev(int64_t seq, v1::JobEvent::Kind kind, v1::JobState state, int64_t step,
@@ -124,8 +155,10 @@ TEST(Format, Basics) {
   EXPECT_EQ(JobStateName(static_cast<v1::JobState>(42)), "STATE_42");
   v1::Job j = Ev(0, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 120).job();
   EXPECT_EQ(FormatProgress(j), "step 120/468 (25.6%)  loss 0.5123  29,345 samples/s  ETA 12s");
-  v1::JobEvent e = Ev(3, v1::JobEvent::MEMBERSHIP, v1::JOB_STATE_RUNNING, 0, "generation 1 formed: w0, w1");
-  EXPECT_EQ(FormatEventLine(e, absl::UTCTimeZone()), "[22:13:23] job-1 RUNNING: generation 1 formed: w0, w1");
+  v1::JobEvent e =
+      Ev(3, v1::JobEvent::MEMBERSHIP, v1::JOB_STATE_RUNNING, 0, "generation 1 formed: w0, w1");
+  EXPECT_EQ(FormatEventLine(e, absl::UTCTimeZone()),
+            "[22:13:23] job-1 RUNNING: generation 1 formed: w0, w1");
 }
 
 TEST(Format, Tables) {
@@ -139,13 +172,31 @@ TEST(Format, Tables) {
   EXPECT_THAT(s, HasSubstr("job-1  -       RUNNING    120/468  0.5123  0        3m20s"));
   EXPECT_THAT(s, HasSubstr("job-2  fmnist  SUCCEEDED  468/468  0.5123  0        1m02s"));
   v1::Job j = r.jobs(1);
-  auto* m = j.add_members(); m->set_rank(0); m->set_worker_id("w-1"); m->set_worker_name("w0"); m->set_host("h"); m->set_step(468); m->set_parameter_checksum("abcdef0123456789"); m->set_peak_memory_bytes(300 << 20);
-  j.mutable_eval()->set_test_accuracy(0.8731); j.mutable_eval()->set_test_samples(10000); j.mutable_eval()->set_test_loss(0.3512);
+  auto* m = j.add_members();
+  m->set_rank(0);
+  m->set_worker_id("w-1");
+  m->set_worker_name("w0");
+  m->set_host("h");
+  m->set_step(468);
+  m->set_parameter_checksum("abcdef0123456789");
+  m->set_peak_memory_bytes(300 << 20);
+  j.mutable_eval()->set_test_accuracy(0.8731);
+  j.mutable_eval()->set_test_samples(10000);
+  j.mutable_eval()->set_test_loss(0.3512);
   std::cout << FormatJobDetail(j, absl::FromUnixMillis(1'700'000'200'000), absl::UTCTimeZone());
   std::cout << FormatFinalSummary(j, absl::Now());
   v1::ListWorkersResponse w;
-  auto* wi = w.add_workers(); wi->set_worker_id("w-1"); wi->set_name("w0"); wi->set_host("h"); wi->set_device("cpu"); wi->set_state("busy"); wi->set_job_id("job-1"); wi->set_last_heartbeat_unix_ms(1'700'000'199'500);
-  auto* wi2 = w.add_workers(); wi2->set_worker_id("w-2"); wi2->set_state("lost");
+  auto* wi = w.add_workers();
+  wi->set_worker_id("w-1");
+  wi->set_name("w0");
+  wi->set_host("h");
+  wi->set_device("cpu");
+  wi->set_state("busy");
+  wi->set_job_id("job-1");
+  wi->set_last_heartbeat_unix_ms(1'700'000'199'500);
+  auto* wi2 = w.add_workers();
+  wi2->set_worker_id("w-2");
+  wi2->set_state("lost");
   std::cout << FormatWorkerList(w, absl::FromUnixMillis(1'700'000'200'000));
 }
 
@@ -169,13 +220,16 @@ TEST(Watch, ResumesAfterUnavailableAndSucceeds) {
   all[5].mutable_job()->mutable_eval()->set_test_accuracy(0.8731);
   all[5].mutable_job()->mutable_eval()->set_test_samples(10000);
   all[5].mutable_job()->mutable_eval()->set_test_loss(0.3512);
-  stub.streams.push_back({{all[0], all[1], all[2]}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")});
+  stub.streams.push_back(
+      {{all[0], all[1], all[2]}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")});
   stub.streams.push_back({{}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")});
   stub.streams.push_back({all, grpc::Status::OK});
   FakeClock clock;
   std::vector<absl::Duration> sleeps;
   std::ostringstream out, err;
-  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  Invocation inv;
+  inv.command = Command::kWatch;
+  inv.job_id = "job-1";
   int rc = RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err);
   std::cout << out.str() << "--err--\n" << err.str();
   EXPECT_EQ(rc, 0);
@@ -191,7 +245,9 @@ TEST(Watch, GivesUpAfterRetries) {
   FakeClock clock;
   std::vector<absl::Duration> sleeps;
   std::ostringstream out, err;
-  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  Invocation inv;
+  inv.command = Command::kWatch;
+  inv.job_id = "job-1";
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
   EXPECT_EQ(sleeps.size(), 5u);
   EXPECT_EQ(sleeps.back(), absl::Seconds(8));
@@ -200,11 +256,14 @@ TEST(Watch, GivesUpAfterRetries) {
 
 TEST(Watch, NotFoundIsNotRetried) {
   FakeStub stub;
-  stub.streams.push_back({{}, grpc::Status(grpc::StatusCode::NOT_FOUND, "job job-1 does not exist")});
+  stub.streams.push_back(
+      {{}, grpc::Status(grpc::StatusCode::NOT_FOUND, "job job-1 does not exist")});
   FakeClock clock;
   std::vector<absl::Duration> sleeps;
   std::ostringstream out, err;
-  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  Invocation inv;
+  inv.command = Command::kWatch;
+  inv.job_id = "job-1";
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
   EXPECT_TRUE(sleeps.empty());
   EXPECT_EQ(err.str(), "lockstepctl: NOT_FOUND: job job-1 does not exist\n");
@@ -218,19 +277,24 @@ TEST(Watch, FailedExitsOneWithReason) {
   FakeClock clock;
   std::vector<absl::Duration> sleeps;
   std::ostringstream out, err;
-  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  Invocation inv;
+  inv.command = Command::kWatch;
+  inv.job_id = "job-1";
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 1);
   EXPECT_THAT(out.str(), HasSubstr("job-1 FAILED after 1m02s: worker w1 lost"));
 }
 
 TEST(Watch, StreamEndsEarlyFallsBackToGetJob) {
   FakeStub stub;
-  stub.streams.push_back({{Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_RUNNING, 0, "running")}, grpc::Status::OK});
+  stub.streams.push_back(
+      {{Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_RUNNING, 0, "running")}, grpc::Status::OK});
   stub.get_job = Ev(9, v1::JobEvent::STATE, v1::JOB_STATE_CANCELLED, 5).job();
   FakeClock clock;
   std::vector<absl::Duration> sleeps;
   std::ostringstream out, err;
-  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  Invocation inv;
+  inv.command = Command::kWatch;
+  inv.job_id = "job-1";
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 1);
   EXPECT_THAT(out.str(), HasSubstr("job-1 CANCELLED after"));
 }
@@ -245,7 +309,9 @@ TEST(Watch, ReplacedJobIsNotFollowed) {
   FakeClock clock;
   std::vector<absl::Duration> sleeps;
   std::ostringstream out, err;
-  Invocation inv; inv.command = Command::kWatch; inv.job_id = "job-1";
+  Invocation inv;
+  inv.command = Command::kWatch;
+  inv.job_id = "job-1";
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
   EXPECT_THAT(err.str(), HasSubstr("NOT_FOUND: job job-1 no longer exists"));
   EXPECT_THAT(out.str(), ::testing::Not(HasSubstr("SUCCEEDED")));
@@ -279,7 +345,8 @@ TEST(WatchPrinter, Live) {
   p.OnEvent(Ev(4, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 2, "done"));
   p.Finish(Ev(4, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 2, "done").job());
   std::string o = out.str();
-  for (char& c : o) if (c == '\x1b') c = 'E';
+  for (char& c : o)
+    if (c == '\x1b') c = 'E';
   std::cout << o;
 }
 
@@ -303,11 +370,13 @@ TEST(Commands, SubmitSetsDeadlineAndCancelError) {
   FakeClock clock;
   std::vector<absl::Duration> sleeps;
   std::ostringstream out, err;
-  Invocation inv; inv.command = Command::kSubmit;
+  Invocation inv;
+  inv.command = Command::kSubmit;
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 0);
   EXPECT_EQ(out.str(), "job-7\n");
   EXPECT_TRUE(stub.saw_deadline);
-  inv.command = Command::kCancel; inv.job_id = "job-1";
+  inv.command = Command::kCancel;
+  inv.job_id = "job-1";
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
   EXPECT_EQ(err.str(), "lockstepctl: FAILED_PRECONDITION: job job-1 has already ended\n");
 }

@@ -1,7 +1,6 @@
 // The coordinator core, driven by events with an explicit clock: registration, gang
 // scheduling, rank assignment, generations, stale-generation fencing and timeouts.
 #include "coordinator/core/core.h"
-
 #include "coordinator/core/ranks.h"
 #include "gtest/gtest.h"
 
@@ -478,7 +477,8 @@ TEST_F(CoreTest, BelowMinWorkersWaitsThenFailsAfterRendezvousTimeout) {
   Decisions d;
   core_.WorkerDisconnected(w1, "stream closed", now_, &d);
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
-  EXPECT_NE(Job(job).reason().find("waiting for 2 workers"), std::string::npos) << Job(job).reason();
+  EXPECT_NE(Job(job).reason().find("waiting for 2 workers"), std::string::npos)
+      << Job(job).reason();
   now_ += absl::Seconds(2);
   Heartbeats({w0});
   Tick();

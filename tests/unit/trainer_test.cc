@@ -97,8 +97,10 @@ TEST(TrainerTest, SoloTrainingReducesLossAndCountsSteps) {
   EXPECT_EQ((*trainer)->total_steps(), 60);
   std::vector<v1::ProgressReport> reports;
   std::atomic<bool> abort{false};
-  ASSERT_TRUE((*trainer)->Train(1, abort, [&](const v1::ProgressReport& r) { reports.push_back(r); },
-                                absl::ZeroDuration())
+  ASSERT_TRUE((*trainer)
+                  ->Train(
+                      1, abort, [&](const v1::ProgressReport& r) { reports.push_back(r); },
+                      absl::ZeroDuration())
                   .ok());
   ASSERT_EQ(reports.size(), 60u);
   EXPECT_EQ(reports.back().step(), 60);
@@ -125,14 +127,16 @@ TEST(TrainerTest, AdamWWithWarmupAndCosineDecayTrains) {
   auto trainer = Trainer::Create(spec, data, &comm).value();
   std::vector<double> losses;
   std::atomic<bool> abort{false};
-  ASSERT_TRUE(trainer->Train(1, abort, [&](const v1::ProgressReport& r) {
-    losses.push_back(r.loss());
-  }, absl::ZeroDuration()).ok());
+  ASSERT_TRUE(trainer
+                  ->Train(
+                      1, abort, [&](const v1::ProgressReport& r) { losses.push_back(r.loss()); },
+                      absl::ZeroDuration())
+                  .ok());
   ASSERT_EQ(losses.size(), 60u);
   EXPECT_LT(losses.back(), 0.7 * losses.front());
   Optimizer schedule(spec.optimizer(), 1, 60);
-  EXPECT_DOUBLE_EQ(schedule.LearningRate(5), 0.005);   // warm-up: 5/10 of the peak
-  EXPECT_DOUBLE_EQ(schedule.LearningRate(10), 0.01);   // peak
+  EXPECT_DOUBLE_EQ(schedule.LearningRate(5), 0.005);     // warm-up: 5/10 of the peak
+  EXPECT_DOUBLE_EQ(schedule.LearningRate(10), 0.01);     // peak
   EXPECT_NEAR(schedule.LearningRate(35), 0.005, 1e-12);  // half-way down the cosine
   EXPECT_NEAR(schedule.LearningRate(60), 0.0, 1e-12);
 }
@@ -143,9 +147,12 @@ TEST(TrainerTest, AbortStopsBetweenSteps) {
   SoloCommunicator comm;
   auto trainer = Trainer::Create(spec, data, &comm).value();
   std::atomic<bool> abort{false};
-  absl::Status s = trainer->Train(1, abort, [&](const v1::ProgressReport& r) {
-    if (r.step() == 5) abort = true;
-  }, absl::ZeroDuration());
+  absl::Status s = trainer->Train(
+      1, abort,
+      [&](const v1::ProgressReport& r) {
+        if (r.step() == 5) abort = true;
+      },
+      absl::ZeroDuration());
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted);
   EXPECT_EQ(trainer->completed_step(), 5);
 }
@@ -172,16 +179,16 @@ std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::Jo
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      auto gloo = GlooCommunicator::Create(r, world, store, "127.0.0.1",
-                                           std::chrono::milliseconds(20000));
+      auto gloo =
+          GlooCommunicator::Create(r, world, store, "127.0.0.1", std::chrono::milliseconds(20000));
       ASSERT_TRUE(gloo.ok()) << gloo.status();
       auto trainer = Trainer::Create(spec, data, gloo->get());
       ASSERT_TRUE(trainer.ok()) << trainer.status();
       std::unique_ptr<Communicator> comm = *std::move(gloo);
       if (shm) {
-        auto wrapped = ShmCommunicator::Wrap(std::move(comm),
-                                             (*trainer)->largest_collective_bytes(),
-                                             std::chrono::milliseconds(20000));
+        auto wrapped =
+            ShmCommunicator::Wrap(std::move(comm), (*trainer)->largest_collective_bytes(),
+                                  std::chrono::milliseconds(20000));
         ASSERT_TRUE(wrapped.ok()) << wrapped.status();
         comm = *std::move(wrapped);
       }
@@ -206,7 +213,8 @@ TEST(TrainerTest, DataParallelMatchesSingleWorker) {
     auto [params, sums] = TrainOnGloo(spec, world, shm);
     ASSERT_EQ(params.size(), solo.size());
     for (int r = 1; r < world; ++r) {
-      EXPECT_EQ(sums[r], sums[0]) << "rank " << r << " diverged from rank 0 (world " << world << ")";
+      EXPECT_EQ(sums[r], sums[0]) << "rank " << r << " diverged from rank 0 (world " << world
+                                  << ")";
     }
     double err = 0, norm = 0;
     for (size_t i = 0; i < solo.size(); ++i) {
