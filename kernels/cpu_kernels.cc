@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstring>
 
 namespace lockstep::kernels {
 namespace {
@@ -335,10 +336,54 @@ int64_t ToFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out) {
   return rejected;
 }
 
+int64_t AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc) {
+  assert(frac_bits >= 0 && frac_bits <= 62);
+  const double scale = std::ldexp(1.0, frac_bits);
+  // For |x| < 2^51, x + 1.5 * 2^52 lands in [2^52, 2^53), where doubles are exactly the
+  // integers: the addition rounds x to the nearest integer (ties to even) and the low mantissa
+  // bits hold it, offset by the magic constant's own bits. Plain adds and integer subtracts,
+  // so the loop vectorizes, unlike llround.
+  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
+  constexpr double kLimit = 2251799813685248.0;  // 2^51
+  int64_t magic_bits;
+  std::memcpy(&magic_bits, &kMagic, sizeof(magic_bits));
+  int64_t rejected = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = static_cast<double>(g[i]) * scale;
+    const bool ok = std::fabs(x) < kLimit;  // false for NaN and +-inf as well
+    const double t = (ok ? x : 0.0) + kMagic;
+    int64_t bits;
+    std::memcpy(&bits, &t, sizeof(bits));
+    acc[i] += bits - magic_bits;
+    rejected += ok ? 0 : 1;
+  }
+  return rejected;
+}
+
 void FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out) {
   assert(frac_bits >= 0 && frac_bits <= 62);
   const double scale = std::ldexp(1.0, -frac_bits);
-  for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<double>(in[i]) * scale);
+  // int64 -> double has no vector instruction before AVX-512DQ, so when every value is below
+  // 2^51 in magnitude (the usual case) use the 1.5 * 2^52 trick backwards: integer add, then a
+  // double subtract, both exact. Otherwise convert one by one. Same results either way.
+  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
+  constexpr int64_t kLimit = int64_t{1} << 51;
+  bool small = true;
+  for (size_t i = 0; i < n; ++i) small &= in[i] > -kLimit && in[i] < kLimit;
+  if (!small) {
+    for (size_t i = 0; i < n; ++i) {
+      out[i] = static_cast<float>(static_cast<double>(in[i]) * scale);
+    }
+    return;
+  }
+  int64_t magic_bits;
+  std::memcpy(&magic_bits, &kMagic, sizeof(magic_bits));
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t bits = in[i] + magic_bits;
+    double d;
+    std::memcpy(&d, &bits, sizeof(d));
+    out[i] = static_cast<float>((d - kMagic) * scale);
+  }
 }
 
 uint64_t Fnv1a64(const void* data, size_t bytes) {

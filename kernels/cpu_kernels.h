@@ -107,6 +107,13 @@ inline constexpr int kMaxFixedPointAddends = 1024;
 // are written as 0 so the caller can still reduce them and decide what to do with the count.
 int64_t ToFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out);
 
+// acc[i] += round(g[i] * 2^frac_bits) (ties to even), for accumulating one micro-shard's
+// gradient in fixed point. Values that are not finite or whose scaled magnitude is 2^51 or more
+// (|g| >= 2^(51 - frac_bits)) add nothing and are counted in the return value. Same bits on
+// every machine for the same inputs; vectorizes (the rounding uses the 1.5 * 2^52 trick).
+// Up to kMaxFixedPointAddends accumulations into one acc cannot overflow int64.
+int64_t AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc);
+
 // Inverse of ToFixedPoint: out[i] = float(double(in[i]) * 2^-frac_bits). Exact for any sum of
 // up to kMaxFixedPointAddends ToFixedPoint outputs up to the final rounding to float (and the
 // int64 -> double rounding, which only matters above 2^53). Requires 0 <= frac_bits <= 62.

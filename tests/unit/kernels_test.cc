@@ -719,3 +719,57 @@ TEST(Fnv1a64Test, SensitiveToEveryBitOfFloatBuffers) {
 
 }  // namespace
 }  // namespace lockstep::kernels
+
+namespace lockstep::kernels {
+namespace {
+
+TEST(AccumulateFixedPointTest, MatchesRoundHalfEvenAndCountsRejects) {
+  std::mt19937 rng(123);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  const int frac = 40;
+  std::vector<float> g(1000);
+  for (float& v : g) v = u(rng) * std::pow(10.0f, static_cast<float>(rng() % 7) - 5.0f);
+  g[0] = std::ldexp(1.0f, -41);         // exactly half a step: ties to even gives 0
+  g[1] = 3.0f * std::ldexp(1.0f, -41);  // 1.5 steps: ties to even gives 2
+  g[2] = std::numeric_limits<float>::quiet_NaN();
+  g[3] = std::numeric_limits<float>::infinity();
+  g[4] = 4096.0f;  // >= 2^(51-40): out of range
+  std::vector<int64_t> acc(g.size(), 7);
+  const int64_t rejected = AccumulateFixedPoint(g.data(), g.size(), frac, acc.data());
+  EXPECT_EQ(rejected, 3);
+  EXPECT_EQ(acc[0], 7);
+  EXPECT_EQ(acc[1], 9);
+  EXPECT_EQ(acc[2], 7);
+  EXPECT_EQ(acc[3], 7);
+  EXPECT_EQ(acc[4], 7);
+  for (size_t i = 5; i < g.size(); ++i) {
+    const double want = std::nearbyint(std::ldexp(static_cast<double>(g[i]), frac));
+    ASSERT_EQ(acc[i], 7 + static_cast<int64_t>(want)) << i << " g=" << g[i];
+  }
+  // Accumulating in any order gives the same integers.
+  std::vector<int64_t> a(3, 0), b(3, 0);
+  const float x[3] = {0.1f, -2.5e-3f, 1e-7f}, y[3] = {-0.3f, 7.0f, 3e-9f};
+  AccumulateFixedPoint(x, 3, frac, a.data());
+  AccumulateFixedPoint(y, 3, frac, a.data());
+  AccumulateFixedPoint(y, 3, frac, b.data());
+  AccumulateFixedPoint(x, 3, frac, b.data());
+  EXPECT_EQ(a, b);
+}
+
+TEST(AccumulateFixedPointTest, FromFixedPointHandlesSmallAndLargeSums) {
+  // All below 2^51 (the fast path) and one above (the exact slow path) give the same values
+  // as a plain double conversion.
+  const std::vector<int64_t> small = {0, 1, -1, 123456789, -(int64_t{1} << 50)};
+  std::vector<int64_t> large = small;
+  large.push_back(int64_t{1} << 60);
+  for (const auto& in : {small, large}) {
+    std::vector<float> out(in.size());
+    FromFixedPoint(in.data(), in.size(), 40, out.data());
+    for (size_t i = 0; i < in.size(); ++i) {
+      EXPECT_EQ(out[i], static_cast<float>(std::ldexp(static_cast<double>(in[i]), -40))) << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lockstep::kernels

@@ -92,7 +92,6 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
   const double scale = std::ldexp(1.0, kFixedPointFracBits);
   fixed_sum_.assign(n + 2, 0);
-  fixed_shard_.resize(n);
   batch_x_.resize(static_cast<size_t>(shard) * dim);
   batch_y_.resize(shard);
   int64_t out_of_range = 0;
@@ -105,11 +104,10 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
     const double loss = model_.ForwardBackward(batch_x_.data(), batch_y_.data(), shard, inv_batch,
                                                std::numeric_limits<size_t>::max(), nullptr,
                                                nullptr);
-    out_of_range += kernels::ToFixedPoint(model_.grads(), n, kFixedPointFracBits,
-                                          fixed_shard_.data());
-    for (size_t i = 0; i < n; ++i) fixed_sum_[i] += fixed_shard_[i];
+    out_of_range +=
+        kernels::AccumulateFixedPoint(model_.grads(), n, kFixedPointFracBits, fixed_sum_.data());
     const double scaled_loss = loss * inv_batch * scale;
-    if (std::isfinite(scaled_loss) && std::abs(scaled_loss) < 0x1p53) {
+    if (std::isfinite(scaled_loss) && std::abs(scaled_loss) < 0x1p51) {
       fixed_sum_[n] += std::llround(scaled_loss);
     } else {
       ++out_of_range;
@@ -123,7 +121,7 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
     return absl::OutOfRangeError(absl::StrFormat(
         "deterministic mode: %d gradient values at step %d are not finite or outside the "
         "fixed-point range |g| < %g; lower the learning rate or turn deterministic off",
-        fixed_sum_[n + 1], step, std::ldexp(1.0, 53 - kFixedPointFracBits)));
+        fixed_sum_[n + 1], step, std::ldexp(1.0, 51 - kFixedPointFracBits)));
   }
   kernels::FromFixedPoint(fixed_sum_.data(), n, kFixedPointFracBits, model_.grads());
   last_loss_ = static_cast<double>(fixed_sum_[n]) / scale;

@@ -39,7 +39,7 @@ class Trainer {
 
   // Deterministic mode: each micro-shard's gradient is converted to 64-bit fixed point with
   // this many fraction bits and summed as integers, exactly and in any order. Accepted range
-  // |g| < 2^(53-40) = 8192 per micro-shard gradient value, resolution 2^-40 (9.1e-13); a value
+  // |g| < 2^(51-40) = 2048 per micro-shard gradient value, resolution 2^-40 (9.1e-13); a value
   // outside it (or not finite) fails the step with OUT_OF_RANGE instead of being clipped.
   static constexpr int kFixedPointFracBits = 40;
   // Swaps in another communicator, e.g. a faster transport formed after the model size is
@@ -111,7 +111,6 @@ class Trainer {
   std::unique_ptr<GradientReducer> reducer_;  // lives for one Train call
   std::vector<int64_t> indices_;
   std::vector<int64_t> fixed_sum_;  // deterministic mode: gradients, loss, overflow count
-  std::vector<int64_t> fixed_shard_;
   std::vector<float> batch_x_;
   std::vector<int32_t> batch_y_;
   double last_loss_ = 0;
