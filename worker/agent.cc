@@ -299,7 +299,8 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
   if (!heal.ok()) return heal.status();
   if (heal->source_rank >= 0) {
     LOG(INFO) << a.job_id() << " generation " << a.generation() << " resumes after step "
-              << heal->resumed_from_step << " (state of rank " << heal->source_rank << ", "
+              << heal->resumed_from_step << " (state of rank " << heal->source_rank
+              << (heal->from_checkpoint ? ", read from a disk checkpoint" : "") << ", "
               << absl::FormatDuration(heal->took) << ")";
   }
 

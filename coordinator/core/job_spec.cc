@@ -200,9 +200,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     return Invalid("micro_shards",
                    absl::StrCat("at most 1024 in deterministic mode, got ", spec.micro_shards()));
   }
-  // In the schema for a later release; refused rather than silently ignored.
-  if (spec.checkpoint_every_steps() > 0) {
-    return absl::UnimplementedError("checkpoint_every_steps: not available in this release yet");
+  if (spec.checkpoint_every_steps() > 0 && spec.checkpoint_dir().empty()) {
+    return Invalid("checkpoint_dir", "required when checkpoint_every_steps > 0");
+  }
+  if (spec.keep_checkpoints() < 0) {
+    return Invalid("keep_checkpoints", absl::StrCat("must be >= 0, got ", spec.keep_checkpoints()));
   }
   return absl::OkStatus();
 }

@@ -4,7 +4,10 @@
 // memory (no committed step redone), and every member holds identical parameters.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -36,8 +39,8 @@ std::unique_ptr<Cluster> StartCluster(int workers) {
 }
 
 absl::StatusOr<v1::Job> WaitForStep(Cluster& cluster, const std::string& id, int64_t step) {
-  return cluster.WaitFor(id, [&](const v1::Job& j) { return j.step() >= step; },
-                         absl::Seconds(60));
+  return cluster.WaitFor(
+      id, [&](const v1::Job& j) { return j.step() >= step; }, absl::Seconds(60));
 }
 
 // The job succeeded with exactly kSteps steps and identical parameters on every member.
@@ -57,6 +60,15 @@ void ExpectCompleted(Cluster& cluster, const v1::Job& job) {
 
 // Every re-formation that got to train (one interrupted by a further failure before its
 // first step is superseded by the next) resumed from memory with nothing redone.
+void ExpectCompletedSteps(Cluster& cluster, const v1::Job& job, int64_t steps) {
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << cluster.Logs();
+  EXPECT_EQ(job.step(), steps);
+  for (const v1::Member& m : job.members()) {
+    EXPECT_EQ(m.step(), steps) << m.worker_name();
+    EXPECT_EQ(m.parameter_checksum(), job.members(0).parameter_checksum());
+  }
+}
+
 void ExpectHealedWithoutRedo(const v1::Job& job) {
   ASSERT_GE(job.recovery_history_size(), 1);
   EXPECT_GT(job.recovery_history(job.recovery_history_size() - 1).first_step_unix_ms(), 0);
@@ -140,9 +152,14 @@ TEST(ElasticTest, KilledWorkerRestartedRejoins) {
   ASSERT_TRUE(job.ok()) << job.status();
   ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 200).ok());
   cluster->worker("w1")->Signal(SIGKILL);
-  ASSERT_TRUE(cluster->WaitFor(job->job_id(), [](const v1::Job& j) {
-    return j.generation() >= 2 && j.state() == v1::JOB_STATE_RUNNING;
-  }, absl::Seconds(30)).ok());
+  ASSERT_TRUE(cluster
+                  ->WaitFor(
+                      job->job_id(),
+                      [](const v1::Job& j) {
+                        return j.generation() >= 2 && j.state() == v1::JOB_STATE_RUNNING;
+                      },
+                      absl::Seconds(30))
+                  .ok());
   // Its service manager restarts it: a new incarnation under the same name.
   ASSERT_TRUE(cluster->StartWorker("w1").ok());
   auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
@@ -165,9 +182,10 @@ TEST(ElasticTest, FrozenWorkerIsExcludedByHeartbeatAndFencedWhenContinued) {
   const std::string frozen = running->members(1).worker_name();
   cluster->worker(frozen)->Signal(SIGSTOP);
   // Detected by heartbeat silence (1.5 s), replaced by the spare.
-  auto reformed = cluster->WaitFor(job->job_id(), [](const v1::Job& j) {
-    return j.generation() >= 2 && j.state() == v1::JOB_STATE_RUNNING;
-  }, absl::Seconds(30));
+  auto reformed = cluster->WaitFor(
+      job->job_id(),
+      [](const v1::Job& j) { return j.generation() >= 2 && j.state() == v1::JOB_STATE_RUNNING; },
+      absl::Seconds(30));
   ASSERT_TRUE(reformed.ok()) << reformed.status();
   EXPECT_NE(reformed->recovery_history(0).reason().find("no heartbeat"), std::string::npos)
       << reformed->recovery_history(0).reason();
@@ -235,6 +253,71 @@ TEST(ElasticTest, DeterministicModeIsBitwiseIdenticalAcrossWorldSizesAndFailures
   v1::JobSpec elastic = SyntheticJob(1, 3, 1500);
   elastic.set_collective_timeout_ms(5000);
   EXPECT_EQ(run(elastic, true), reference) << "3 workers, one killed mid-run";
+}
+
+// Every worker killed, then new ones started: the job resumes from the newest disk checkpoint
+// (or, when that one is corrupt, the one before), and in deterministic mode still ends with the
+// same bits as an uninterrupted run.
+TEST(ElasticTest, AllWorkersKilledResumeFromLastGoodCheckpoint) {
+  for (bool corrupt_latest : {false, true}) {
+    SCOPED_TRACE(corrupt_latest ? "latest checkpoint corrupted" : "checkpoints intact");
+    auto cluster = StartCluster(2);
+    ASSERT_NE(cluster, nullptr);
+    v1::JobSpec spec = SyntheticJob(1, 2, 6000);
+    spec.set_deterministic(true);
+    spec.set_collective_timeout_ms(5000);
+    auto reference = cluster->Submit(spec);  // uninterrupted, no checkpoints
+    ASSERT_TRUE(reference.ok());
+    auto ref_done = cluster->WaitForEnd(reference->job_id(), absl::Seconds(120));
+    ASSERT_TRUE(ref_done.ok() && ref_done->state() == v1::JOB_STATE_SUCCEEDED);
+
+    const std::string dir = cluster->dir() + "/checkpoints";
+    spec.set_checkpoint_every_steps(100);
+    spec.set_checkpoint_dir(dir);
+    spec.set_keep_checkpoints(3);
+    auto job = cluster->Submit(spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 650).ok());
+    cluster->worker("w0")->Signal(SIGKILL);
+    cluster->worker("w1")->Signal(SIGKILL);
+    auto waiting = cluster->WaitFor(
+        job->job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_RECONFIGURING; },
+        absl::Seconds(10));
+    ASSERT_TRUE(waiting.ok()) << waiting.status();
+    std::vector<std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (e.path().extension() == ".ckpt") files.push_back(e.path());
+    }
+    std::sort(files.begin(), files.end());
+    // keep_checkpoints 3; a kill between writing the newest and pruning the oldest leaves one
+    // more, which is harmless.
+    ASSERT_GE(files.size(), 3u);
+    ASSERT_LE(files.size(), 4u);
+    int64_t expected = std::stoll(files.back().filename().string().substr(5, 12));
+    if (corrupt_latest) {
+      std::fstream f(files.back(), std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(200);
+      f.put('\x55');
+      expected = std::stoll(files[files.size() - 2].filename().string().substr(5, 12));
+    }
+    ASSERT_TRUE(cluster->StartWorker("w2").ok());
+    ASSERT_TRUE(cluster->StartWorker("w3").ok());
+    auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+    ASSERT_TRUE(done.ok()) << done.status();
+    ExpectCompletedSteps(*cluster, *done, 6000);
+    // The first re-formation that trained after the kills is the one that read the disk (a
+    // later one may be the second new worker joining).
+    const v1::Recovery* resumed = nullptr;
+    for (const v1::Recovery& r : done->recovery_history()) {
+      if (!r.scale_up() && r.first_step_unix_ms() > 0) resumed = &r;
+    }
+    ASSERT_NE(resumed, nullptr);
+    EXPECT_EQ(resumed->resumed_from_step(), expected);
+    EXPECT_EQ(resumed->steps_redone(),
+              std::max<int64_t>(0, resumed->step_at_detection() - expected));
+    EXPECT_EQ(done->members(0).parameter_checksum(), ref_done->members(0).parameter_checksum())
+        << "resuming from a checkpoint must not change a deterministic result";
+  }
 }
 
 // Random kills at random steps, each victim restarted by "its service manager" shortly after,

@@ -11,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
+#include "worker/train/checkpoint.h"
 #include "worker/train/gradient_reducer.h"
 
 namespace lockstep::worker {
@@ -178,8 +180,43 @@ void Trainer::set_communicator(Communicator* comm) {
   shards_ = RankShards(spec_.micro_shards(), comm->rank(), comm->size());
 }
 
+uint64_t Trainer::StateFingerprint() const {
+  std::string id = absl::StrCat("mlp/", spec_.model().activation(), "/",
+                                spec_.optimizer().type());
+  for (int d : model_.dims()) absl::StrAppend(&id, "/", d);
+  return kernels::Fnv1a64(id.data(), id.size());
+}
+
+void Trainer::MaybeCheckpoint(int64_t step) {
+  const int64_t every = spec_.checkpoint_every_steps();
+  if (every <= 0 || comm_->rank() != 0 || step % every != 0) return;
+  CheckpointData data;
+  data.step = step;
+  data.fingerprint = StateFingerprint();
+  data.params.assign(model_.params(), model_.params() + model_.num_params());
+  data.optimizer_state = optimizer_->state();
+  const int keep = spec_.keep_checkpoints() > 0 ? spec_.keep_checkpoints() : 3;
+  if (absl::Status s = WriteCheckpoint(spec_.checkpoint_dir(), data, keep); !s.ok()) {
+    LOG(WARNING) << "checkpoint at step " << step << " not written: " << s;
+  }
+}
+
 absl::StatusOr<Trainer::HealInfo> Trainer::Heal() {
   const absl::Time start = absl::Now();
+  bool from_checkpoint = false;
+  if (comm_->rank() == 0 && spec_.checkpoint_every_steps() > 0) {
+    absl::StatusOr<CheckpointData> ckpt = LoadLatestCheckpoint(
+        spec_.checkpoint_dir(), StateFingerprint(), model_.num_params(),
+        optimizer_->state().size(), completed_step_);
+    if (ckpt.ok()) {
+      std::copy(ckpt->params.begin(), ckpt->params.end(), model_.params());
+      optimizer_->state() = std::move(ckpt->optimizer_state);
+      LOG(INFO) << "loaded checkpoint of step " << ckpt->step << " from "
+                << spec_.checkpoint_dir() << " (held step " << completed_step_ << ")";
+      completed_step_ = ckpt->step;
+      from_checkpoint = true;
+    }
+  }
   std::vector<int64_t> steps(comm_->size(), 0);
   steps[comm_->rank()] = completed_step_;
   if (absl::Status s = comm_->AllreduceSum(steps.data(), steps.size()); !s.ok()) {
@@ -191,6 +228,7 @@ absl::StatusOr<Trainer::HealInfo> Trainer::Heal() {
   }
   HealInfo info;
   info.resumed_from_step = steps[source];
+  info.from_checkpoint = from_checkpoint && source == 0;
   if (steps[source] > 0) {
     info.source_rank = source;
     const bool all_equal =
@@ -230,6 +268,7 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
     if (absl::Status s = TrainStep(step); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
     }
+    MaybeCheckpoint(step);
     ++window_steps;
     const absl::Time now = absl::Now();
     if (step == start_step) first_step_end = now;

@@ -47,13 +47,15 @@ class Trainer {
   // re-divided). Not during Train.
   void set_communicator(Communicator* comm);
 
-  // Brings every member of a (new) group to the same state: members exchange the step of the
-  // state they hold; when they differ, the most advanced member (lowest rank among equals)
+  // Brings every member of a (new) group to the same state. With checkpoints configured,
+  // rank 0 first loads the newest valid checkpoint if it is newer than its own state. Then
+  // members exchange the step of the state they hold; when they differ, the most advanced member (lowest rank among equals)
   // broadcasts its parameters and optimizer state. Members at the same step hold identical
   // state (they applied the same reduced gradients), so nothing is sent when all agree.
   struct HealInfo {
     int64_t resumed_from_step = 0;  // training continues at this step + 1
     int source_rank = -1;           // -1: nobody held state (all start from the seed)
+    bool from_checkpoint = false;   // rank 0 read the state from the newest disk checkpoint
     absl::Duration took;
   };
   absl::StatusOr<HealInfo> Heal();
@@ -91,6 +93,10 @@ class Trainer {
           std::vector<int> dims, kernels::Activation activation);
   absl::Status TrainStep(int64_t step);
   absl::Status TrainStepDeterministic(int64_t step);
+
+  // Writes a checkpoint (rank 0) when `step` is due; problems are logged, training goes on.
+  void MaybeCheckpoint(int64_t step);
+  uint64_t StateFingerprint() const;
 
   const v1::JobSpec spec_;
   std::shared_ptr<const Dataset> data_;
