@@ -84,10 +84,12 @@ class Cluster:
                        check=False)
 
 
-def lockstep_training(build, workers, epochs):
+def lockstep_training(build, workers, epochs, **overrides):
     cluster = Cluster(build, workers)
     try:
-        job = cluster.run_job(reference_spec(workers, epochs))
+        spec = reference_spec(workers, epochs)
+        spec.update(overrides)
+        job = cluster.run_job(spec)
     finally:
         cluster.stop()
     return {
@@ -158,6 +160,8 @@ def main():
     p.add_argument("--startup", default="2,4,8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="also measure deterministic mode's throughput cost (2 workers)")
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/compare_torchrun.json"))
     a = p.parse_args()
@@ -185,6 +189,18 @@ def main():
             result["startup"][w] = row
             print(f"start-up with {w} workers: {json.dumps(row)}", file=sys.stderr)
 
+    if a.deterministic:
+        result["deterministic"] = []
+        base = lockstep_training(a.build, 2, a.epochs)
+        for shards in (4, 8, 64):
+            det = lockstep_training(a.build, 2, a.epochs, deterministic=True, microShards=shards)
+            row = {"micro_shards": shards, "samples_per_second": det["samples_per_second"],
+                   "default_samples_per_second": base["samples_per_second"],
+                   "ratio": det["samples_per_second"] / base["samples_per_second"],
+                   "test_accuracy": det["test_accuracy"]}
+            result["deterministic"].append(row)
+            print(f"deterministic: {json.dumps(row)}", file=sys.stderr)
+
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -209,6 +225,14 @@ def main():
             ls = row["lockstep"]
             print(f"| {w} | {ls['cold_ms'] / 1000:.2f} s | {ls['new_workers_ms'] / 1000:.2f} s | "
                   f"{ls['warm_ms'] / 1000:.2f} s | {tr} |")
+    if result.get("deterministic"):
+        print("\n| deterministic mode, 2 workers | samples/s | default mode samples/s | ratio "
+              "| accuracy |")
+        print("|---|---|---|---|---|")
+        for row in result["deterministic"]:
+            print(f"| {row['micro_shards']} micro-shards | {row['samples_per_second']:,.0f} | "
+                  f"{row['default_samples_per_second']:,.0f} | {row['ratio']:.2f} | "
+                  f"{row['test_accuracy']:.4f} |")
     print(f"\nJSON: {a.out}")
 
 
