@@ -15,10 +15,13 @@ GradientReducer::~GradientReducer() {
   thread_.join();
 }
 
-void GradientReducer::Enqueue(float* data, size_t count) {
+void GradientReducer::Enqueue(float* data, size_t count) { Push({data, nullptr, count}); }
+void GradientReducer::Enqueue(int64_t* data, size_t count) { Push({nullptr, data, count}); }
+
+void GradientReducer::Push(Op op) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.emplace_back(data, count);
+    queue_.push_back(op);
     ++in_flight_;
   }
   cv_.notify_all();
@@ -35,11 +38,13 @@ void GradientReducer::Loop() {
   while (true) {
     cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stop_ and drained
-    auto [data, count] = queue_.front();
+    const Op op = queue_.front();
     queue_.pop_front();
     const bool skip = !error_.ok();
     lock.unlock();
-    absl::Status status = skip ? absl::OkStatus() : comm_->AllreduceSum(data, count);
+    absl::Status status = skip                    ? absl::OkStatus()
+                          : op.floats != nullptr ? comm_->AllreduceSum(op.floats, op.count)
+                                                 : comm_->AllreduceSum(op.ints, op.count);
     lock.lock();
     if (!status.ok() && error_.ok()) error_ = status;
     --in_flight_;

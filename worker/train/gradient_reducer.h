@@ -22,6 +22,7 @@ class GradientReducer {
   // Starts an in-place sum of data[0, count) over all ranks. The memory must stay valid until
   // Wait returns.
   void Enqueue(float* data, size_t count);
+  void Enqueue(int64_t* data, size_t count);
   // Blocks until every enqueued bucket is reduced; returns the first error (later buckets are
   // skipped once one fails).
   absl::Status Wait();
@@ -32,7 +33,13 @@ class GradientReducer {
   Communicator* const comm_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<float*, size_t>> queue_;
+  struct Op {
+    float* floats = nullptr;
+    int64_t* ints = nullptr;
+    size_t count = 0;
+  };
+  void Push(Op op);
+  std::deque<Op> queue_;
   size_t in_flight_ = 0;
   absl::Status error_;
   bool stop_ = false;

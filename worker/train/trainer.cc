@@ -98,26 +98,53 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   batch_y_.resize(shard);
   int64_t out_of_range = 0;
   const absl::Time t0 = absl::Now();
+  GradientReducer* reducer = reducer_.get();
   // One micro-shard at a time, so every shard's gradient is computed by the same code on the
   // same shapes whichever rank holds it: the integer sum is then the same bits for any W.
-  for (size_t first = 0; first < indices_.size(); first += shard) {
+  // The last shard's gradient is accumulated piece by piece as backward produces it, and each
+  // finished bucket of the integer sum goes to the reducer at once, overlapping the rest of
+  // backward (the loss and the out-of-range count ride in the last bucket).
+  const size_t shards = indices_.size() / static_cast<size_t>(shard);
+  for (size_t k = 0; k < shards; ++k) {
+    const size_t first = k * static_cast<size_t>(shard);
+    const bool last_shard = k + 1 == shards;
     data_->train.Gather(&indices_[first], shard, dim, batch_x_.data());
     for (int i = 0; i < shard; ++i) batch_y_[i] = data_->train.y[indices_[first + i]];
-    const double loss = model_.ForwardBackward(batch_x_.data(), batch_y_.data(), shard, inv_batch,
-                                               std::numeric_limits<size_t>::max(), nullptr,
-                                               nullptr);
-    out_of_range +=
-        kernels::AccumulateFixedPoint(model_.grads(), n, kFixedPointFracBits, fixed_sum_.data());
+    size_t accumulated = 0, sent = 0;
+    double loss = 0;
+    auto on_ready = [&](size_t ready) {
+      out_of_range += kernels::AccumulateFixedPoint(model_.grads() + accumulated,
+                                                    ready - accumulated, kFixedPointFracBits,
+                                                    fixed_sum_.data() + accumulated);
+      accumulated = ready;
+      if (ready - sent >= chunk_floats_ && ready < n) {
+        reducer->Enqueue(fixed_sum_.data() + sent, ready - sent);
+        sent = ready;
+      }
+    };
+    // Every shard is computed with the same row blocks, last or not, so its bits do not
+    // depend on its position in a rank's share.
+    loss = model_.ForwardBackward(batch_x_.data(), batch_y_.data(), shard, inv_batch,
+                                  chunk_floats_, nullptr,
+                                  last_shard ? std::function<void(size_t)>(on_ready)
+                                             : std::function<void(size_t)>());
+    if (!last_shard) {
+      out_of_range += kernels::AccumulateFixedPoint(model_.grads(), n, kFixedPointFracBits,
+                                                    fixed_sum_.data());
+    }
     const double scaled_loss = loss * inv_batch * scale;
     if (std::isfinite(scaled_loss) && std::abs(scaled_loss) < 0x1p51) {
       fixed_sum_[n] += std::llround(scaled_loss);
     } else {
       ++out_of_range;
     }
+    if (last_shard) {
+      fixed_sum_[n + 1] = out_of_range;
+      reducer->Enqueue(fixed_sum_.data() + sent, n + 2 - sent);
+    }
   }
-  fixed_sum_[n + 1] = out_of_range;
   const absl::Time t1 = absl::Now();
-  if (absl::Status s = comm_->AllreduceSum(fixed_sum_.data(), n + 2); !s.ok()) return s;
+  if (absl::Status s = reducer->Wait(); !s.ok()) return s;
   const absl::Time t2 = absl::Now();
   if (fixed_sum_[n + 1] != 0) {
     return absl::OutOfRangeError(absl::StrFormat(
