@@ -528,17 +528,22 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   TryReform(job, now, out);
 }
 
+void Core::PushAbort(const JobRecord& job, const std::string& worker_id,
+                     const std::string& reason, Decisions* out) {
+  Decisions::Outgoing msg{worker_id, {}};
+  v1::Abort* abort = msg.message.mutable_abort();
+  abort->set_job_id(job.job.job_id());
+  abort->set_generation(job.job.generation());
+  abort->set_reason(reason);
+  out->messages.push_back(std::move(msg));
+}
+
 void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,
                                 absl::Time reform_after, absl::Time now, Decisions* out) {
   for (const MemberState& m : job.members) {
     Worker* w = FindWorker(m.worker_id);
     if (w == nullptr || w->state != WorkerState::kBusy) continue;
-    Decisions::Outgoing msg{w->id, {}};
-    v1::Abort* abort = msg.message.mutable_abort();
-    abort->set_job_id(job.job.job_id());
-    abort->set_generation(job.job.generation());
-    abort->set_reason(reason);
-    out->messages.push_back(std::move(msg));
+    PushAbort(job, w->id, reason, out);
   }
   out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
   v1::Recovery* r = job.job.add_recovery_history();
@@ -595,14 +600,7 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
     Worker* w = FindWorker(m.worker_id);
     if (w == nullptr || w->job_id != job.job.job_id()) continue;
     if (w->state == WorkerState::kBusy) {
-      if (state != v1::JOB_STATE_SUCCEEDED) {
-        Decisions::Outgoing msg{w->id, {}};
-        v1::Abort* abort = msg.message.mutable_abort();
-        abort->set_job_id(job.job.job_id());
-        abort->set_generation(job.job.generation());
-        abort->set_reason(reason);
-        out->messages.push_back(std::move(msg));
-      }
+      if (state != v1::JOB_STATE_SUCCEEDED) PushAbort(job, w->id, reason, out);
       w->state = WorkerState::kIdle;
     }
     w->job_id.clear();

@@ -153,6 +153,9 @@ class Core {
   // Ends the job: aborts the current generation's members that are still connected, frees them.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,
                  Decisions* out);
+  // Tells one member to stop the job's current generation.
+  void PushAbort(const JobRecord& job, const std::string& worker_id, const std::string& reason,
+                 Decisions* out);
   void MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time now, Decisions* out);
   void RefreshMembers(JobRecord& job);
   void AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& message,
