@@ -13,10 +13,10 @@ absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
-// The largest divisor of b that is <= 64: enough micro-shards for 64 workers, and shards big
-// enough to keep the matrix products efficient.
-int32_t DefaultMicroShards(int64_t b) {
-  for (int64_t m = std::min<int64_t>(64, b); m > 1; --m) {
+// The largest divisor of b that is <= limit: enough micro-shards for `limit` workers, and
+// shards big enough to keep the matrix products efficient.
+int32_t DefaultMicroShards(int64_t b, int64_t limit) {
+  for (int64_t m = std::min<int64_t>(limit, b); m > 1; --m) {
     if (b % m == 0) return static_cast<int32_t>(m);
   }
   return 1;
@@ -38,7 +38,10 @@ void ApplyJobSpecDefaults(v1::JobSpec* spec) {
     if (opt->epsilon() == 0) opt->set_epsilon(1e-8);
   }
   if (spec->global_batch_size() > 0 && spec->micro_shards() == 0) {
-    spec->set_micro_shards(DefaultMicroShards(spec->global_batch_size()));
+    // Deterministic mode computes every micro-shard's gradient on its own: fewer, larger
+    // shards keep its matrix products efficient (64 shards of 4 samples ran at 0.17x).
+    spec->set_micro_shards(
+        DefaultMicroShards(spec->global_batch_size(), spec->deterministic() ? 8 : 64));
   }
   if (spec->min_workers() == 0) spec->set_min_workers(1);
   if (spec->max_workers() == 0) spec->set_max_workers(std::max(1, spec->min_workers()));

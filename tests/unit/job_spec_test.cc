@@ -35,6 +35,19 @@ TEST(JobSpecTest, ValidSpecWithDefaultsPasses) {
   EXPECT_EQ(spec.model().activation(), "relu");
 }
 
+TEST(JobSpecTest, DeterministicModeDefaultsToFewerLargerMicroShards) {
+  v1::JobSpec spec = ValidSpec();
+  spec.set_deterministic(true);
+  spec.set_global_batch_size(96);
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_EQ(spec.micro_shards(), 8);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok());
+  v1::JobSpec plain = ValidSpec();
+  plain.set_global_batch_size(96);
+  ApplyJobSpecDefaults(&plain);
+  EXPECT_EQ(plain.micro_shards(), 48);
+}
+
 TEST(JobSpecTest, FashionMnistGetsDefaultPath) {
   v1::JobSpec spec = ValidSpec();
   spec.mutable_dataset()->set_type("fashion_mnist");
