@@ -227,8 +227,11 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
       m.step = std::max(m.step, report.step());
       m.checksum = report.parameter_checksum();
       m.peak_memory_bytes = std::max(m.peak_memory_bytes, report.peak_memory_bytes());
-      if (&m == &job.members.front()) {
-        if (report.has_eval()) *job.job.mutable_eval() = report.eval();
+      // Every rank reports the same reduced evaluation; rank 0's throughput is the job's.
+      if (report.has_eval() && (&m == &job.members.front() || !job.job.has_eval())) {
+        *job.job.mutable_eval() = report.eval();
+      }
+      if (&m == &job.members.front() || job.job.train_samples_per_second() == 0) {
         job.job.set_train_samples_per_second(report.train_samples_per_second());
       }
     }
@@ -502,6 +505,16 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   if (IsTerminal(job.job.state())) return;
   AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
   if (fatal) return FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
+  // A member that reported Finished holds the final state (every rank applies the same last
+  // step and evaluation), so a loss after that point does not need a re-formation.
+  const bool some_finished = std::any_of(job.members.begin(), job.members.end(),
+                                         [](const MemberState& m) { return m.finished; });
+  if (some_finished && job.job.state() == v1::JOB_STATE_RUNNING) {
+    return FinishJob(job, v1::JOB_STATE_SUCCEEDED,
+                     absl::StrCat("trained ", job.job.step(), " steps; ", reason,
+                                  " after the last step"),
+                     now, out);
+  }
   if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
     // Lost while re-forming: drop it from the survivors and carry on with the same recovery.
     job.members.erase(

@@ -468,6 +468,19 @@ TEST_F(CoreTest, LostMemberReformsFromSurvivorsWithoutTheLostOne) {
             100);
 }
 
+TEST_F(CoreTest, MemberLostAfterAnotherFinishedCompletesTheJob) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(1, 2));
+  TakeAssignments();
+  ASSERT_TRUE(Finished(w1, job, 1, "abc").ok());  // rank 1 done; rank 0 dies before reporting
+  Decisions d;
+  core_.WorkerDisconnected(w0, "stream closed", now_, &d);
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_DOUBLE_EQ(j.eval().test_accuracy(), 0.9) << "the surviving member's evaluation";
+  EXPECT_EQ(j.recoveries(), 0);
+}
+
 TEST_F(CoreTest, BelowMinWorkersWaitsThenFailsAfterRendezvousTimeout) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
   v1::JobSpec spec = Spec(2, 2);
