@@ -96,6 +96,20 @@ TEST(ElasticTest, KilledWorkerTwoToOne) {
   ASSERT_EQ(done->recovery_history_size(), 1);
   EXPECT_NE(done->recovery_history(0).reason().find("w1"), std::string::npos);
   ExpectHealedWithoutRedo(*done);
+  // What the user sees: the recovery in `status` and in the replayed `watch` history.
+  auto status = testing::RunCommand(
+      {LOCKSTEP_CTL_BIN, "--coordinator=" + cluster->address(), "status", job->job_id()},
+      absl::Seconds(30));
+  ASSERT_TRUE(status.ok());
+  EXPECT_NE(status->output.find("Membership changes"), std::string::npos) << status->output;
+  EXPECT_NE(status->output.find("1->2  recovery"), std::string::npos) << status->output;
+  auto watch = testing::RunCommand(
+      {LOCKSTEP_CTL_BIN, "--coordinator=" + cluster->address(), "watch", job->job_id()},
+      absl::Seconds(30));
+  ASSERT_TRUE(watch.ok());
+  EXPECT_EQ(watch->exit_code, 0);
+  EXPECT_NE(watch->output.find("lost: connection lost"), std::string::npos) << watch->output;
+  EXPECT_NE(watch->output.find("0 steps redone"), std::string::npos) << watch->output;
 }
 
 TEST(ElasticTest, KilledWorkerThreeToTwo) {
