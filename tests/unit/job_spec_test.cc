@@ -39,8 +39,9 @@ TEST(JobSpecTest, DeterministicModeDefaultsToFewerLargerMicroShards) {
   v1::JobSpec spec = ValidSpec();
   spec.set_deterministic(true);
   spec.set_global_batch_size(96);
+  spec.set_max_workers(5);
   ApplyJobSpecDefaults(&spec);
-  EXPECT_EQ(spec.micro_shards(), 8);
+  EXPECT_EQ(spec.micro_shards(), 6) << "smallest divisor of 96 that gives 5 ranks a shard";
   EXPECT_TRUE(ValidateJobSpec(spec).ok());
   v1::JobSpec plain = ValidSpec();
   plain.set_global_batch_size(96);
