@@ -21,7 +21,7 @@ namespace {
 using testing::Cluster;
 using testing::SyntheticJob;
 
-constexpr int64_t kSteps = 3000;
+constexpr int64_t kSteps = 6000;
 
 v1::JobSpec ElasticJob(int min_workers, int max_workers) {
   v1::JobSpec spec = SyntheticJob(min_workers, max_workers, kSteps);
