@@ -5,8 +5,8 @@
 #include <thread>
 
 #include "absl/time/clock.h"
-#include "gloo/rendezvous/hash_store.h"
 #include "gtest/gtest.h"
+#include "tests/testing/gloo_group.h"
 #include "worker/comm/gloo_communicator.h"
 
 namespace lockstep::worker {
@@ -15,21 +15,13 @@ namespace {
 // Forms a Gloo group of `world` threads, wraps it, and runs fn(rank, comm) on each.
 void RunGroup(int world, size_t max_bytes, std::chrono::milliseconds timeout,
               const std::function<void(int, Communicator&)>& fn) {
-  gloo::rendezvous::HashStore store;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      auto gloo =
-          GlooCommunicator::Create(r, world, store, "127.0.0.1", std::chrono::milliseconds(20000));
-      ASSERT_TRUE(gloo.ok()) << gloo.status();
-      auto comm = ShmCommunicator::Wrap(*std::move(gloo), max_bytes, timeout);
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      ASSERT_NE(dynamic_cast<ShmCommunicator*>(comm->get()), nullptr)
-          << "ranks in one process share /dev/shm: the fast path must be taken";
-      fn(r, **comm);
-    });
-  }
-  for (auto& t : threads) t.join();
+  testing::RunInGlooGroup(world, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
+    auto comm = ShmCommunicator::Wrap(std::move(gloo), max_bytes, timeout);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    ASSERT_NE(dynamic_cast<ShmCommunicator*>(comm->get()), nullptr)
+        << "ranks in one process share /dev/shm: the fast path must be taken";
+    fn(r, **comm);
+  });
 }
 
 TEST(ShmCommunicatorTest, SumsMatchAndAreIdenticalOnEveryRank) {

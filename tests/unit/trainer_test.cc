@@ -6,8 +6,8 @@
 #include <cmath>
 #include <thread>
 
-#include "gloo/rendezvous/hash_store.h"
 #include "gtest/gtest.h"
+#include "tests/testing/gloo_group.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/train/dataset.h"
@@ -173,36 +173,27 @@ TEST(TrainerTest, BatchLargerThanDataIsAPreconditionFailure) {
 std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::JobSpec& spec,
                                                                     int world, bool shm) {
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
-  gloo::rendezvous::HashStore store;
   std::vector<std::vector<float>> params(world);
   std::vector<std::string> checksums(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      auto gloo =
-          GlooCommunicator::Create(r, world, store, "127.0.0.1", std::chrono::milliseconds(20000));
-      ASSERT_TRUE(gloo.ok()) << gloo.status();
-      auto trainer = Trainer::Create(spec, data, gloo->get());
-      ASSERT_TRUE(trainer.ok()) << trainer.status();
-      std::unique_ptr<Communicator> comm = *std::move(gloo);
-      if (shm) {
-        auto wrapped =
-            ShmCommunicator::Wrap(std::move(comm), (*trainer)->largest_collective_bytes(),
-                                  std::chrono::milliseconds(20000));
-        ASSERT_TRUE(wrapped.ok()) << wrapped.status();
-        comm = *std::move(wrapped);
-      }
-      (*trainer)->set_communicator(comm.get());
-      std::atomic<bool> abort{false};
-      ASSERT_TRUE((*trainer)->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
-      auto eval = (*trainer)->Evaluate();
-      ASSERT_TRUE(eval.ok()) << eval.status();
-      Mlp& m = (*trainer)->model();
-      params[r].assign(m.params(), m.params() + m.num_params());
-      checksums[r] = (*trainer)->ParameterChecksum();
-    });
-  }
-  for (auto& t : threads) t.join();
+  testing::RunInGlooGroup(world, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
+    auto trainer = Trainer::Create(spec, data, gloo.get());
+    ASSERT_TRUE(trainer.ok()) << trainer.status();
+    std::unique_ptr<Communicator> comm = std::move(gloo);
+    if (shm) {
+      auto wrapped = ShmCommunicator::Wrap(std::move(comm), (*trainer)->largest_collective_bytes(),
+                                           std::chrono::milliseconds(20000));
+      ASSERT_TRUE(wrapped.ok()) << wrapped.status();
+      comm = *std::move(wrapped);
+    }
+    (*trainer)->set_communicator(comm.get());
+    std::atomic<bool> abort{false};
+    ASSERT_TRUE((*trainer)->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
+    auto eval = (*trainer)->Evaluate();
+    ASSERT_TRUE(eval.ok()) << eval.status();
+    Mlp& m = (*trainer)->model();
+    params[r].assign(m.params(), m.params() + m.num_params());
+    checksums[r] = (*trainer)->ParameterChecksum();
+  });
   return {params[0], checksums};
 }
 

@@ -1,0 +1,33 @@
+// An in-process Gloo group for unit tests: `world` threads, one rank each, formed over a
+// HashStore on 127.0.0.1.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "gloo/rendezvous/hash_store.h"
+#include "gtest/gtest.h"
+#include "worker/comm/gloo_communicator.h"
+
+namespace lockstep::testing {
+
+// Runs fn(rank, communicator) on every rank's thread and joins them.
+inline void RunInGlooGroup(
+    int world, const std::function<void(int, std::unique_ptr<worker::GlooCommunicator>)>& fn) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto gloo = worker::GlooCommunicator::Create(r, world, store, "127.0.0.1",
+                                                   std::chrono::milliseconds(20000));
+      ASSERT_TRUE(gloo.ok()) << gloo.status();
+      fn(r, *std::move(gloo));
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace lockstep::testing
