@@ -86,16 +86,20 @@ Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data,
   }
 }
 
+void Trainer::LoadBatch(const int64_t* indices, int n) {
+  batch_x_.resize(static_cast<size_t>(n) * data_->dim);
+  batch_y_.resize(n);
+  data_->train.Gather(indices, n, data_->dim, batch_x_.data());
+  for (int i = 0; i < n; ++i) batch_y_[i] = data_->train.y[indices[i]];
+}
+
 absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   sampler_.Indices(step - 1, shards_, &indices_);
   const int shard = static_cast<int>(sampler_.micro_shard_size());
-  const int dim = data_->dim;
   const size_t n = model_.num_params();
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
   const double scale = std::ldexp(1.0, kFixedPointFracBits);
   fixed_sum_.assign(n + 2, 0);
-  batch_x_.resize(static_cast<size_t>(shard) * dim);
-  batch_y_.resize(shard);
   int64_t out_of_range = 0;
   const absl::Time t0 = absl::Now();
   GradientReducer* reducer = reducer_.get();
@@ -108,8 +112,7 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   for (size_t k = 0; k < shards; ++k) {
     const size_t first = k * static_cast<size_t>(shard);
     const bool last_shard = k + 1 == shards;
-    data_->train.Gather(&indices_[first], shard, dim, batch_x_.data());
-    for (int i = 0; i < shard; ++i) batch_y_[i] = data_->train.y[indices_[first + i]];
+    LoadBatch(&indices_[first], shard);
     size_t accumulated = 0, sent = 0;
     double loss = 0;
     auto on_ready = [&](size_t ready) {
@@ -167,11 +170,7 @@ absl::Status Trainer::TrainStep(int64_t step) {
   if (spec_.deterministic()) return TrainStepDeterministic(step);
   sampler_.Indices(step - 1, shards_, &indices_);
   const int n = static_cast<int>(indices_.size());
-  const int dim = data_->dim;
-  batch_x_.resize(static_cast<size_t>(n) * dim);
-  batch_y_.resize(n);
-  data_->train.Gather(indices_.data(), n, dim, batch_x_.data());
-  for (int i = 0; i < n; ++i) batch_y_[i] = data_->train.y[indices_[i]];
+  LoadBatch(indices_.data(), n);
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
   GradientReducer* reducer = reducer_.get();
   size_t next_bucket = 0;

@@ -91,6 +91,8 @@ class Trainer {
  private:
   Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, Communicator* comm,
           std::vector<int> dims, kernels::Activation activation);
+  // Fills batch_x_ / batch_y_ with the training samples indices[0, n).
+  void LoadBatch(const int64_t* indices, int n);
   absl::Status TrainStep(int64_t step);
   absl::Status TrainStepDeterministic(int64_t step);
 
