@@ -114,6 +114,22 @@ absl::Status ListWorkers(v1::JobService::StubInterface& stub, const CommandOptio
   return absl::OkStatus();
 }
 
+absl::Status CheckHealth(grpc::health::v1::Health::StubInterface& stub,
+                         const CommandOptions& options, std::ostream& out) {
+  grpc::health::v1::HealthCheckResponse response;
+  auto context = UnaryContext(options);
+  LOCKSTEP_RETURN_IF_ERROR(
+      ToAbslStatus(stub.Check(context.get(), grpc::health::v1::HealthCheckRequest(), &response)));
+  const std::string name =
+      grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+  if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat("coordinator health: ", name));
+  }
+  if (options.output == OutputFormat::kJson) return PrintJson(response, false, out);
+  out << name << "\n";
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std::string& job_id,
                                  const CommandOptions& options, std::ostream& out,
                                  std::ostream& err) {
@@ -197,7 +213,8 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
 }
 
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,
-               const CommandOptions& options, std::ostream& out, std::ostream& err) {
+               const CommandOptions& options, std::ostream& out, std::ostream& err,
+               grpc::health::v1::Health::StubInterface* health) {
   auto fail = [&err](const absl::Status& status) {
     err << "lockstepctl: " << StatusLine(status) << "\n" << std::flush;
     return kExitRpcError;
@@ -232,6 +249,10 @@ int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub
       break;
     case Command::kWorkers:
       status = ListWorkers(stub, options, out);
+      break;
+    case Command::kHealth:
+      status = health != nullptr ? CheckHealth(*health, options, out)
+                                 : absl::InternalError("no health stub");
       break;
   }
   return status.ok() ? kExitOk : fail(status);

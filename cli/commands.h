@@ -12,6 +12,7 @@
 #include "cli/format.h"
 #include "cli/invocation.h"
 #include "common/clock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
 namespace lockstep::cli {
@@ -57,9 +58,15 @@ absl::Status ShowJob(v1::JobService::StubInterface& stub, const std::string& job
 absl::Status CancelJob(v1::JobService::StubInterface& stub, const std::string& job_id,
                        const CommandOptions& options, std::ostream& out);
 
-// Table: WORKER NAME HOST DEVICE STATE JOB LAST HEARTBEAT. JSON: ListWorkersResponse.
+// Table: WORKER NAME HOST DEVICE STATE JOB LAST HEARTBEAT, then the clients the coordinator
+// rejected (missing or wrong token). JSON: ListWorkersResponse.
 absl::Status ListWorkers(v1::JobService::StubInterface& stub, const CommandOptions& options,
                          std::ostream& out);
+
+// Asks the coordinator's gRPC health service. Table: "SERVING". JSON: the response. Anything but
+// SERVING is UNAVAILABLE.
+absl::Status CheckHealth(grpc::health::v1::Health::StubInterface& stub,
+                         const CommandOptions& options, std::ostream& out);
 
 // Follows the job's event stream until it ends and returns the finished job (the caller maps its
 // state to the exit code). Table: event lines, progress and the final summary. JSON: one JSON
@@ -71,8 +78,9 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
                                  std::ostream& err);
 
 // Runs a checked invocation and returns the process exit code (see invocation.h): errors are
-// printed to `err` as "lockstepctl: CODE: message".
+// printed to `err` as "lockstepctl: CODE: message". `health` serves the health command.
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,
-               const CommandOptions& options, std::ostream& out, std::ostream& err);
+               const CommandOptions& options, std::ostream& out, std::ostream& err,
+               grpc::health::v1::Health::StubInterface* health = nullptr);
 
 }  // namespace lockstep::cli

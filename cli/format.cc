@@ -262,18 +262,32 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
 }
 
 std::string FormatWorkerList(const v1::ListWorkersResponse& response, absl::Time now) {
-  if (response.workers().empty()) return "No workers.\n";
-  Table table({"WORKER", "NAME", "HOST", "DEVICE", "STATE", "JOB", "LAST HEARTBEAT"});
-  for (const v1::WorkerInfo& w : response.workers()) {
-    const std::string heartbeat =
-        w.last_heartbeat_unix_ms() > 0
-            ? absl::StrCat(ShortDuration(now - absl::FromUnixMillis(w.last_heartbeat_unix_ms())),
-                           " ago")
-            : kNone;
-    table.AddRow({w.worker_id(), OrNone(w.name()), OrNone(w.host()), OrNone(w.device()),
-                  OrNone(w.state()), OrNone(w.job_id()), heartbeat});
+  std::string out = response.workers().empty() ? "No workers.\n" : "";
+  if (!response.workers().empty()) {
+    Table table({"WORKER", "NAME", "HOST", "DEVICE", "STATE", "JOB", "LAST HEARTBEAT"});
+    for (const v1::WorkerInfo& w : response.workers()) {
+      const std::string heartbeat =
+          w.last_heartbeat_unix_ms() > 0
+              ? absl::StrCat(ShortDuration(now - absl::FromUnixMillis(w.last_heartbeat_unix_ms())),
+                             " ago")
+              : kNone;
+      table.AddRow({w.worker_id(), OrNone(w.name()), OrNone(w.host()), OrNone(w.device()),
+                    OrNone(w.state()), OrNone(w.job_id()), heartbeat});
+    }
+    out += table.Render();
   }
-  return table.Render();
+  if (!response.rejected_clients().empty()) {
+    out += "\nRejected clients:\n";
+    Table rejected({"ADDRESS", "CLIENT", "CALLS", "LAST", "REASON"});
+    for (const v1::RejectedClient& r : response.rejected_clients()) {
+      rejected.AddRow(
+          {r.peer(), OrNone(r.client()), absl::StrCat(r.count()),
+           absl::StrCat(ShortDuration(now - absl::FromUnixMillis(r.last_unix_ms())), " ago"),
+           r.reason()});
+    }
+    out += rejected.Render();
+  }
+  return out;
 }
 
 std::string FormatEventLine(const v1::JobEvent& event, absl::TimeZone tz) {

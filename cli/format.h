@@ -70,7 +70,8 @@ std::string FormatJobList(const v1::ListJobsResponse& response, absl::Time now);
 // evaluation and recoveries. Absolute times are shown in `tz`.
 std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone tz);
 
-// The `workers` table: WORKER, NAME, HOST, DEVICE, STATE, JOB, LAST HEARTBEAT (an age).
+// The `workers` table: WORKER, NAME, HOST, DEVICE, STATE, JOB, LAST HEARTBEAT (an age); then,
+// if any, the rejected clients: ADDRESS, CLIENT, CALLS, LAST (an age), REASON.
 std::string FormatWorkerList(const v1::ListWorkersResponse& response, absl::Time now);
 
 // One watch line for a STATE or MEMBERSHIP event, without a newline:

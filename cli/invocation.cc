@@ -19,21 +19,23 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
+#include "common/auth.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace lockstep::cli {
 namespace {
 
 constexpr char kUsageBody[] =
-    "usage: lockstepctl [--coordinator=HOST:PORT] [--output=table|json] [--timeout_ms=N]\n"
-    "                   COMMAND [ARGS]\n"
+    "usage: lockstepctl [--coordinator=HOST:PORT] [--token_file=FILE] [--output=table|json]\n"
+    "                   [--timeout_ms=N] COMMAND [ARGS]\n"
     "commands:\n"
     "  submit FILE [--watch]  submit a JSON job spec ('-' reads stdin), print the job id\n"
     "  list                   list jobs\n"
     "  status JOB             show one job in detail\n"
     "  watch JOB              follow a job until it ends (exit 0 only if it succeeded)\n"
     "  cancel JOB             cancel a job\n"
-    "  workers                list the registered workers\n";
+    "  workers                list the registered workers and rejected clients\n"
+    "  health                 ask the coordinator's gRPC health service (exit 0 if SERVING)\n";
 
 // Flags that absl handles itself without registering them (DeduceUsageFlags in parse.cc).
 constexpr absl::string_view kAbslUsageFlags[] = {"help",        "helpfull", "helpshort",
@@ -41,7 +43,8 @@ constexpr absl::string_view kAbslUsageFlags[] = {"help",        "helpfull", "hel
                                                  "helpon",      "helpmatch"};
 
 // The global flags, in the order --help lists them. They are defined in main.cc.
-constexpr absl::string_view kOwnFlags[] = {"coordinator", "output", "timeout_ms", "watch"};
+constexpr absl::string_view kOwnFlags[] = {"coordinator", "token_file", "output", "timeout_ms",
+                                           "watch"};
 
 struct CommandInfo {
   Command command;
@@ -54,7 +57,7 @@ constexpr CommandInfo kCommands[] = {
     {Command::kSubmit, "submit", "FILE", 1}, {Command::kList, "list", "", 0},
     {Command::kStatus, "status", "JOB", 1},  {Command::kWatch, "watch", "JOB", 1},
     {Command::kCancel, "cancel", "JOB", 1},  {Command::kWorkers, "workers", "", 0},
-    {Command::kHelp, "help", "", 0},
+    {Command::kHealth, "health", "", 0},     {Command::kHelp, "help", "", 0},
 };
 
 // (name, value, has '=') of an argument whose leading dashes are already removed.
@@ -169,6 +172,9 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
                                            std::istream& stdin_stream) {
   Invocation inv;
   inv.coordinator = ResolveCoordinator(flags.coordinator, coordinator_env);
+  absl::StatusOr<std::string> token = ResolveToken(flags.token_file);
+  if (!token.ok()) return absl::InvalidArgumentError(token.status().message());
+  inv.token = *std::move(token);
   if (flags.output == "table") {
     inv.output = OutputFormat::kTable;
   } else if (flags.output == "json") {
@@ -227,6 +233,7 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
     case Command::kHelp:
     case Command::kList:
     case Command::kWorkers:
+    case Command::kHealth:
       break;
   }
   return inv;

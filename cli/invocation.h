@@ -25,11 +25,12 @@ inline constexpr int kExitRpcError = 3;   // an RPC failed or the watch stream b
 inline constexpr char kDefaultCoordinator[] = "127.0.0.1:7070";
 inline constexpr char kCoordinatorEnv[] = "LOCKSTEP_COORDINATOR";
 
-enum class Command { kHelp, kSubmit, kList, kStatus, kWatch, kCancel, kWorkers };
+enum class Command { kHelp, kSubmit, kList, kStatus, kWatch, kCancel, kWorkers, kHealth };
 
 // The values of the global flags, as absl parsed them.
 struct FlagValues {
   std::string coordinator;  // "" = $LOCKSTEP_COORDINATOR, else kDefaultCoordinator
+  std::string token_file;   // "" = $LOCKSTEP_TOKEN_FILE, else $LOCKSTEP_TOKEN, else none
   std::string output = "table";
   int64_t timeout_ms = 10000;
   bool watch = false;
@@ -39,6 +40,7 @@ struct FlagValues {
 struct Invocation {
   Command command = Command::kHelp;
   std::string coordinator;
+  std::string token;  // sent on every call; empty sends none
   OutputFormat output = OutputFormat::kTable;
   absl::Duration rpc_timeout = absl::Seconds(10);
   std::string job_id;  // status, watch, cancel

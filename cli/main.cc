@@ -18,6 +18,9 @@
 
 ABSL_FLAG(std::string, coordinator, "",
           "coordinator address HOST:PORT (default: $LOCKSTEP_COORDINATOR, else 127.0.0.1:7070)");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the coordinator's token (default: $LOCKSTEP_TOKEN_FILE, else "
+          "$LOCKSTEP_TOKEN, else none)");
 ABSL_FLAG(std::string, output, "table", "output format: table or json");
 ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each request in milliseconds (not of watch)");
 ABSL_FLAG(bool, watch, false, "submit: keep following the job, as the watch command does");
@@ -39,6 +42,7 @@ int main(int argc, char** argv) {
 
   cli::FlagValues flags;
   flags.coordinator = absl::GetFlag(FLAGS_coordinator);
+  flags.token_file = absl::GetFlag(FLAGS_token_file);
   flags.output = absl::GetFlag(FLAGS_output);
   flags.timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
   flags.watch = absl::GetFlag(FLAGS_watch);
@@ -50,6 +54,8 @@ int main(int argc, char** argv) {
   options.output = invocation->output;
   options.rpc_timeout = invocation->rpc_timeout;
   options.live_progress = isatty(STDOUT_FILENO) == 1;
-  auto stub = lockstep::v1::JobService::NewStub(lockstep::MakeChannel(invocation->coordinator));
-  return cli::RunCommand(*invocation, *stub, options, std::cout, std::cerr);
+  auto channel = lockstep::MakeChannel(invocation->coordinator, {invocation->token, "lockstepctl"});
+  auto stub = lockstep::v1::JobService::NewStub(channel);
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  return cli::RunCommand(*invocation, *stub, options, std::cout, std::cerr, health.get());
 }

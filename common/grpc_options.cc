@@ -2,13 +2,51 @@
 // pings" and drops the call (FACTS.md).
 #include "common/grpc_options.h"
 
+#include <utility>
+#include <vector>
+
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "grpcpp/support/client_interceptor.h"
 
 namespace lockstep {
+namespace {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
+// Adds the token and the client's name to the initial metadata of every call.
+class AuthInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit AuthInterceptor(const ClientAuth* auth) : auth_(auth) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      auto* metadata = methods->GetSendInitialMetadata();
+      if (!auth_->token.empty()) metadata->emplace(kAuthorizationKey, bearer_);
+      if (!auth_->client.empty()) metadata->emplace(kClientKey, auth_->client);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const ClientAuth* const auth_;  // owned by the factory, which the channel keeps
+  const std::string bearer_ = "Bearer " + auth_->token;
+};
+
+class AuthInterceptorFactory final : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit AuthInterceptorFactory(ClientAuth auth) : auth_(std::move(auth)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new AuthInterceptor(&auth_);
+  }
+
+ private:
+  const ClientAuth auth_;
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const ClientAuth& auth) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 500);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 1000);
@@ -19,7 +57,13 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
   // Reconnect quickly after a coordinator restart; the worker adds its own backoff on top.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (auth.token.empty() && auth.client.empty()) {
+    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  }
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
+  factories.push_back(std::make_unique<AuthInterceptorFactory>(auth));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(
+      target, grpc::InsecureChannelCredentials(), args, std::move(factories));
 }
 
 void ConfigureServer(grpc::ServerBuilder& builder) {

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "common/auth.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/server_builder.h"
 
@@ -13,8 +14,8 @@ namespace lockstep {
 // Largest message any Lockstep RPC accepts (job specs and reports are small).
 inline constexpr int kMaxMessageBytes = 16 << 20;
 
-// A channel to `target` with keepalive pings every 500 ms.
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target);
+// A channel to `target` with keepalive pings every 500 ms. Every call on it carries `auth`.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const ClientAuth& auth = {});
 
 // Server settings that permit the clients' keepalive pings and cap message sizes.
 void ConfigureServer(grpc::ServerBuilder& builder);

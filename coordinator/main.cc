@@ -8,6 +8,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/auth.h"
 #include "common/grpc_options.h"
 #include "coordinator/service/services.h"
 #include "glog/logging.h"
@@ -23,6 +24,9 @@ ABSL_FLAG(std::string, state_dir, "",
           "Directory for durable coordinator state (created if missing).");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the selected port is written to this file once serving.");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the shared token every client must send (default: $LOCKSTEP_TOKEN_FILE, "
+          "else $LOCKSTEP_TOKEN, else none: every client that can connect is trusted).");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
           "Silence after which a worker is declared lost (jobs may set their own).");
 
@@ -55,10 +59,21 @@ int main(int argc, char** argv) {
     return 1;
   }
 
+  absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
+  if (!token.ok()) {
+    LOG(ERROR) << token.status().message();
+    return 1;
+  }
+  if (token->empty()) {
+    LOG(WARNING) << "no token configured: any client that can reach " << absl::GetFlag(FLAGS_listen)
+                 << " may submit jobs and join as a worker";
+  }
+
   lockstep::coordinator::CoreOptions options;
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
   lockstep::coordinator::InMemoryJobStore job_store;
-  lockstep::coordinator::Coordinator coordinator(options, lockstep::RealClock::Get(), &job_store);
+  lockstep::coordinator::Coordinator coordinator(options, lockstep::RealClock::Get(), &job_store,
+                                                 *token);
   lockstep::coordinator::JobServiceImpl jobs(&coordinator);
   lockstep::coordinator::WorkerServiceImpl workers(&coordinator);
   lockstep::coordinator::StoreServiceImpl store(&coordinator);

@@ -2,6 +2,8 @@
 // threads write through Send(), which serializes writes on the stream.
 #include "worker/agent.h"
 
+#include <cstdio>
+#include <fstream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -23,7 +25,8 @@ namespace lockstep::worker {
 Agent::Agent(AgentOptions options)
     : options_(std::move(options)),
       incarnation_(std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32)) {
-  channel_ = MakeChannel(options_.coordinator);
+  channel_ = MakeChannel(options_.coordinator,
+                         {options_.token, absl::StrCat("lockstep-worker ", options_.name)});
   store_stub_ = v1::StoreService::NewStub(channel_);
 }
 
@@ -38,16 +41,35 @@ void Agent::Stop() {
   if (context_ != nullptr) context_->TryCancel();
 }
 
-void Agent::Run() {
+absl::Status Agent::Run() {
   absl::Duration backoff = absl::Milliseconds(100);
+  absl::Time last_session = absl::Now();  // start of the outage we are in
+  WriteStatus("connecting", options_.coordinator);
   while (!stop_) {
     const absl::Time started = absl::Now();
-    absl::Status status = RunSession();
+    bool registered = false;
+    absl::Status status = RunSession(&registered);
     AbortJobs("", 0, "session with the coordinator ended");
     ReapJobs(/*wait=*/false);
     if (stop_) break;
+    if (registered) last_session = absl::Now();
+    if (absl::IsUnauthenticated(status)) {
+      const std::string why = absl::StrCat("coordinator ", options_.coordinator,
+                                           " rejected this worker: ", status.message());
+      WriteStatus("rejected", why);
+      return absl::UnauthenticatedError(why);
+    }
+    if (options_.give_up_after > absl::ZeroDuration() &&
+        absl::Now() - last_session >= options_.give_up_after) {
+      const std::string why = absl::StrCat("no session with coordinator ", options_.coordinator,
+                                           " for ", absl::FormatDuration(options_.give_up_after),
+                                           " (--give_up_after); last error: ", StatusLine(status));
+      WriteStatus("unreachable", why);
+      return absl::UnavailableError(why);
+    }
     // A session that lasted a while was healthy: start the backoff over.
     if (absl::Now() - started > absl::Seconds(10)) backoff = absl::Milliseconds(100);
+    WriteStatus("connecting", absl::StrCat(options_.coordinator, ": ", StatusLine(status)));
     LOG(WARNING) << "session with coordinator " << options_.coordinator
                  << " ended: " << StatusLine(status) << "; reconnecting in "
                  << absl::FormatDuration(backoff);
@@ -55,9 +77,22 @@ void Agent::Run() {
     while (!stop_ && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
+  WriteStatus("stopped", "");
+  return absl::OkStatus();
 }
 
-absl::Status Agent::RunSession() {
+void Agent::WriteStatus(const std::string& state, const std::string& detail) {
+  if (options_.status_file.empty()) return;
+  const std::string tmp = options_.status_file + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << state << (detail.empty() ? "" : " ") << detail << "\n";
+    if (!out) return;  // best effort: a health check then sees the previous state
+  }
+  std::rename(tmp.c_str(), options_.status_file.c_str());
+}
+
+absl::Status Agent::RunSession(bool* registered) {
   auto stub = v1::WorkerService::NewStub(channel_);
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream =
@@ -87,6 +122,8 @@ absl::Status Agent::RunSession() {
     return result;
   }
   const std::string worker_id = message.registered().worker_id();
+  *registered = true;
+  WriteStatus("registered", absl::StrCat("as ", worker_id, " with ", options_.coordinator));
   const absl::Duration interval =
       absl::Milliseconds(std::max<int64_t>(50, message.registered().heartbeat_interval_ms()));
   LOG(INFO) << "registered with " << options_.coordinator << " as " << worker_id << " ("

@@ -21,13 +21,21 @@
 namespace lockstep::worker {
 
 struct AgentOptions {
-  std::string coordinator;   // host:port
+  std::string coordinator;  // host:port
   std::string name;
   std::string host;
   std::string device = "cpu";
   std::string comm_address;  // where peers reach this worker's collectives
   int64_t free_memory_bytes = 0;
+  // Shared token sent on every call; empty sends none.
+  std::string token;
   absl::Duration max_backoff = absl::Seconds(5);
+  // Run() returns UNAVAILABLE once the coordinator has been unreachable this long (zero: retry
+  // forever). Lets a service manager see, log and back off a misconfigured address.
+  absl::Duration give_up_after = absl::ZeroDuration();
+  // If set, the worker's state ("connecting", "registered", "training", "rejected", ...) and
+  // its reason are written here on every change: a container health check reads it.
+  std::string status_file;
   // Sum gradients through shared memory when every rank of a group is on this host.
   bool shared_memory_collectives = true;
 };
@@ -38,8 +46,10 @@ class Agent {
   explicit Agent(AgentOptions options);
   ~Agent();
 
-  // Connects, serves sessions and reconnects until Stop().
-  void Run();
+  // Connects, serves sessions and reconnects until Stop() (then OK). Returns early with
+  // UNAUTHENTICATED when the coordinator rejects the token (retrying cannot help), or with
+  // UNAVAILABLE after `give_up_after` without a session.
+  absl::Status Run();
   void Stop();
 
  private:
@@ -59,8 +69,10 @@ class Agent {
     Communicator* comm = nullptr;
   };
 
-  // Serves one session; returns why it ended.
-  absl::Status RunSession();
+  // Serves one session; returns why it ended. Sets *registered once the coordinator took us.
+  absl::Status RunSession(bool* registered);
+  // Writes options_.status_file (if set): "STATE detail".
+  void WriteStatus(const std::string& state, const std::string& detail);
   // Thread-safe; drops the message when no session is open.
   void Send(const v1::WorkerMessage& message);
   void StartJob(const v1::Assignment& assignment);

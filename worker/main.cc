@@ -11,9 +11,11 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
+#include "absl/time/time.h"
+#include "common/auth.h"
 #include "glog/logging.h"
 #include "worker/agent.h"
 #include "worker/train/dataset.h"
@@ -27,6 +29,15 @@ ABSL_FLAG(std::string, data_cache_dir, "/dev/shm/lockstep-cache",
 ABSL_FLAG(bool, shared_memory_collectives, true,
           "Sum gradients through shared memory when all ranks of a group run on this host "
           "(Gloo over TCP otherwise).");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the coordinator's token (default: $LOCKSTEP_TOKEN_FILE, else "
+          "$LOCKSTEP_TOKEN, else none). A rejected token stops the worker (exit code 3).");
+ABSL_FLAG(absl::Duration, give_up_after, absl::ZeroDuration(),
+          "Exit (code 4) after this long without a session with the coordinator, so that a "
+          "service manager logs it and backs off; 0 retries forever.");
+ABSL_FLAG(std::string, status_file, "",
+          "Write the worker's state here on every change (first word: connecting, registered, "
+          "rejected, unreachable or stopped); for health checks.");
 ABSL_FLAG(std::string, comm_address, "",
           "Address peers use for collectives (default: the local address that routes to the "
           "coordinator).");
@@ -59,10 +70,10 @@ std::string LocalAddressTowards(const std::string& target) {
     socklen_t len = sizeof(local);
     char text[INET6_ADDRSTRLEN] = {};
     if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      const void* addr = local.ss_family == AF_INET6
-                             ? static_cast<const void*>(
-                                   &reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
-                             : &reinterpret_cast<sockaddr_in*>(&local)->sin_addr;
+      const void* addr =
+          local.ss_family == AF_INET6
+              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+              : &reinterpret_cast<sockaddr_in*>(&local)->sin_addr;
       if (inet_ntop(local.ss_family, addr, text, sizeof(text)) != nullptr) result = text;
     }
   }
@@ -120,6 +131,18 @@ int main(int argc, char** argv) {
                              : absl::GetFlag(FLAGS_comm_address);
   options.free_memory_bytes = AvailableMemoryBytes();
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
+  absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
+  if (!token.ok()) {
+    LOG(ERROR) << token.status().message();
+    return 2;
+  }
+  options.token = *std::move(token);
+  options.give_up_after = absl::GetFlag(FLAGS_give_up_after);
+  if (options.give_up_after < absl::ZeroDuration()) {
+    LOG(ERROR) << "--give_up_after must be >= 0";
+    return 2;
+  }
+  options.status_file = absl::GetFlag(FLAGS_status_file);
   lockstep::worker::SetDatasetCacheDir(absl::GetFlag(FLAGS_data_cache_dir));
   LOG(INFO) << "lockstep-worker " << options.name << " on " << options.host << " device "
             << options.device << ", collectives on " << options.comm_address;
@@ -132,9 +155,17 @@ int main(int argc, char** argv) {
     while (!g_stop_requested) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     agent.Stop();
   });
-  agent.Run();
+  const absl::Status ended = agent.Run();
   g_stop_requested = 1;
   watcher.join();
+  if (absl::IsUnauthenticated(ended)) {
+    LOG(ERROR) << ended.message();
+    return 3;
+  }
+  if (!ended.ok()) {
+    LOG(ERROR) << ended.message();
+    return 4;
+  }
   LOG(INFO) << "stopped";
   return 0;
 }

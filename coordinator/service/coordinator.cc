@@ -31,8 +31,8 @@ bool SessionOutbox::Pop(v1::CoordinatorMessage* message) {
   return true;
 }
 
-Coordinator::Coordinator(CoreOptions options, Clock* clock, JobStore* store)
-    : clock_(clock), job_store_(store), core_(options) {}
+Coordinator::Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token)
+    : clock_(clock), job_store_(store), gate_(std::move(token), clock), core_(options) {}
 
 absl::StatusOr<std::string> Coordinator::Register(const v1::RegisterRequest& request,
                                                   std::shared_ptr<SessionOutbox> outbox) {

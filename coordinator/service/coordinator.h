@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "coordinator/core/core.h"
+#include "coordinator/service/client_gate.h"
 #include "coordinator/store/job_store.h"
 #include "grpcpp/server_context.h"
 #include "lockstep/v1/worker.pb.h"
@@ -44,12 +45,16 @@ class SessionOutbox {
 
 class Coordinator {
  public:
-  Coordinator(CoreOptions options, Clock* clock, JobStore* store);
+  // `token`: the shared token every RPC must carry; empty accepts every caller.
+  Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token = "");
+
+  // Every RPC handler admits its caller here first.
+  ClientGate& gate() { return gate_; }
 
   // Runs fn(core, now, decisions) under the lock and applies the decisions afterwards.
   template <typename Fn>
-  auto Call(Fn&& fn) -> decltype(fn(std::declval<Core&>(), absl::Time(),
-                                     std::declval<Decisions*>())) {
+  auto Call(Fn&& fn)
+      -> decltype(fn(std::declval<Core&>(), absl::Time(), std::declval<Decisions*>())) {
     Decisions decisions;
     auto apply = [&] { Apply(decisions); };
     struct Finally {
@@ -97,6 +102,7 @@ class Coordinator {
 
   Clock* const clock_;
   JobStore* const job_store_;
+  ClientGate gate_;
   absl::Mutex mu_;
   absl::CondVar changed_;  // signalled on every store write and job change
   Core core_ ABSL_GUARDED_BY(mu_);

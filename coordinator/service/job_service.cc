@@ -16,8 +16,9 @@ grpc::Status RequireJobId(const std::string& job_id) {
 
 }  // namespace
 
-grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
-                                       v1::Job* response) {
+grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
+                                       const v1::SubmitJobRequest* request, v1::Job* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
     return core.SubmitJob(request->spec(), now, d);
   });
@@ -30,8 +31,9 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJob
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
+grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                                     v1::Job* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = coordinator_->Call(
       [&](Core& core, absl::Time, Decisions*) { return core.GetJob(request->job_id()); });
@@ -40,16 +42,18 @@ grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobReques
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest*,
                                       v1::ListJobsResponse* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   std::vector<v1::Job> jobs =
       coordinator_->Call([&](Core& core, absl::Time, Decisions*) { return core.ListJobs(); });
   for (v1::Job& job : jobs) *response->add_jobs() = std::move(job);
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
-                                       v1::Job* response) {
+grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
+                                       const v1::CancelJobRequest* request, v1::Job* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
     return core.CancelJob(request->job_id(), now, d);
@@ -63,6 +67,7 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJob
 grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
                                       const v1::WatchJobRequest* request,
                                       grpc::ServerWriter<v1::JobEvent>* writer) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
   if (request->from_sequence() < 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "from_sequence: must be >= 0");
@@ -82,11 +87,16 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
   return grpc::Status::CANCELLED;
 }
 
-grpc::Status JobServiceImpl::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+grpc::Status JobServiceImpl::ListWorkers(grpc::ServerContext* context,
+                                         const v1::ListWorkersRequest*,
                                          v1::ListWorkersResponse* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   std::vector<v1::WorkerInfo> workers =
       coordinator_->Call([&](Core& core, absl::Time, Decisions*) { return core.ListWorkers(); });
   for (v1::WorkerInfo& w : workers) *response->add_workers() = std::move(w);
+  for (v1::RejectedClient& r : coordinator_->gate().Rejected()) {
+    *response->add_rejected_clients() = std::move(r);
+  }
   return grpc::Status::OK;
 }
 

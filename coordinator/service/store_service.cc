@@ -26,8 +26,9 @@ absl::Duration WaitTimeout(int64_t timeout_ms) {
 
 }  // namespace
 
-grpc::Status StoreServiceImpl::Set(grpc::ServerContext*, const v1::StoreSetRequest* request,
+grpc::Status StoreServiceImpl::Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                                    v1::StoreSetResponse*) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
   if (request->key().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
@@ -41,9 +42,9 @@ grpc::Status StoreServiceImpl::Set(grpc::ServerContext*, const v1::StoreSetReque
                                              request->key(), request->value()));
 }
 
-grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context,
-                                   const v1::StoreGetRequest* request,
+grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context, const v1::StoreGetRequest* request,
                                    v1::StoreGetResponse* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
   if (request->key().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
@@ -58,14 +59,14 @@ grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context,
 
 grpc::Status StoreServiceImpl::Wait(grpc::ServerContext* context,
                                     const v1::StoreWaitRequest* request, v1::StoreWaitResponse*) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
   for (const std::string& k : keys) {
     if (k.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "keys: empty key");
   }
-  absl::StatusOr<std::string> value =
-      coordinator_->StoreWait(request->job_id(), request->generation(), keys,
-                              WaitTimeout(request->timeout_ms()), context);
+  absl::StatusOr<std::string> value = coordinator_->StoreWait(
+      request->job_id(), request->generation(), keys, WaitTimeout(request->timeout_ms()), context);
   return ToGrpcStatus(value.status());
 }
 

@@ -26,6 +26,7 @@ v1::CoordinatorMessage AbortMessage(const std::string& job_id, int64_t generatio
 grpc::Status WorkerServiceImpl::Session(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
   v1::WorkerMessage first;
   if (!stream->Read(&first)) return grpc::Status::CANCELLED;
   if (!first.has_register_()) {

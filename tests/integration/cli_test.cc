@@ -1,5 +1,5 @@
 // lockstepctl against a real cluster: submit, status, list, workers, watch and cancel, their
-// exit codes, JSON output, and one-line errors naming the gRPC code.
+// exit codes, JSON output, and one-line errors naming the gRPC code; the shared token.
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -164,6 +164,75 @@ TEST_F(CliTest, ErrorsAreOneLineWithTheCode) {
   EXPECT_TRUE(absl::StrContains(unreachable->output, "UNAVAILABLE") ||
               absl::StrContains(unreachable->output, "DEADLINE_EXCEEDED"))
       << unreachable->output;
+}
+
+// A coordinator with a token: workers and lockstepctl without it, or with a wrong one, are turned
+// away with UNAUTHENTICATED; a rejected worker exits (code 3) and says why in its status file;
+// the coordinator lists who it rejected; the health check needs no token; jobs still run.
+TEST(AuthTest, TokenIsRequiredAndRejectionsAreVisible) {
+  auto started = Cluster::Start({}, "correct-horse");
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  ASSERT_TRUE(cluster.StartWorkers(2).ok()) << cluster.Logs();
+
+  const std::string bad_token = cluster.dir() + "/bad-token";
+  std::ofstream(bad_token) << "battery-staple\n";
+  const std::string status_file = cluster.dir() + "/intruder.status";
+  auto intruder = RunCommand({LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster.address(),
+                              "--name=intruder", "--token_file=" + bad_token,
+                              "--status_file=" + status_file},
+                             absl::Seconds(30));
+  ASSERT_TRUE(intruder.ok()) << intruder.status();
+  EXPECT_EQ(intruder->exit_code, 3) << intruder->output;
+  EXPECT_TRUE(absl::StrContains(intruder->output, "wrong token")) << intruder->output;
+  std::ifstream status_in(status_file);
+  std::string status_line;
+  std::getline(status_in, status_line);
+  EXPECT_TRUE(absl::StartsWith(status_line, "rejected ")) << status_line;
+
+  const std::vector<std::string> ctl = {LOCKSTEP_CTL_BIN, "--coordinator=" + cluster.address()};
+  auto run_ctl = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = ctl;
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv, absl::Seconds(30)).value_or(CommandResult{});
+  };
+  CommandResult anonymous = run_ctl({"list"});
+  EXPECT_EQ(anonymous.exit_code, 3) << anonymous.output;
+  EXPECT_TRUE(absl::StrContains(anonymous.output, "UNAUTHENTICATED: missing token"))
+      << anonymous.output;
+  CommandResult health = run_ctl({"health"});
+  EXPECT_EQ(health.exit_code, 0) << health.output;
+  EXPECT_TRUE(absl::StrContains(health.output, "SERVING")) << health.output;
+
+  CommandResult workers = run_ctl({"--token_file=" + cluster.token_file(), "workers"});
+  EXPECT_EQ(workers.exit_code, 0) << workers.output;
+  EXPECT_TRUE(absl::StrContains(workers.output, "Rejected clients")) << workers.output;
+  EXPECT_TRUE(absl::StrContains(workers.output, "lockstep-worker intruder")) << workers.output;
+  EXPECT_TRUE(absl::StrContains(workers.output, "wrong token")) << workers.output;
+  EXPECT_TRUE(absl::StrContains(workers.output, "lockstepctl")) << workers.output;
+
+  auto job = cluster.Submit(testing::SyntheticJob(2, 2, 40));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto done = cluster.WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster.Logs();
+}
+
+// A worker that cannot reach its coordinator gives up after --give_up_after with exit code 4
+// and the address in its last log line, instead of retrying silently forever.
+TEST(AuthTest, UnreachableCoordinatorEndsTheWorkerWhenAsked) {
+  const std::string status_file = ::testing::TempDir() + "/unreachable.status";
+  auto worker = RunCommand({LOCKSTEP_WORKER_BIN, "--coordinator=127.0.0.1:1", "--name=lonely",
+                            "--give_up_after=1s", "--status_file=" + status_file},
+                           absl::Seconds(30));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  EXPECT_EQ(worker->exit_code, 4) << worker->output;
+  EXPECT_TRUE(absl::StrContains(worker->output, "no session with coordinator 127.0.0.1:1"))
+      << worker->output;
+  std::ifstream status_in(status_file);
+  std::string status_line;
+  std::getline(status_in, status_line);
+  EXPECT_TRUE(absl::StartsWith(status_line, "unreachable ")) << status_line;
 }
 
 }  // namespace

@@ -159,7 +159,7 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
 }
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
-    const std::vector<std::string>& coordinator_flags) {
+    const std::vector<std::string>& coordinator_flags, const std::string& token) {
   std::unique_ptr<Cluster> cluster(new Cluster());
   static int counter = 0;
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
@@ -168,8 +168,14 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
   std::filesystem::remove_all(cluster->dir_);
   std::filesystem::create_directories(cluster->dir_);
   cluster->coordinator_flags_ = coordinator_flags;
+  if (!token.empty()) {
+    cluster->token_file_ = cluster->dir_ + "/token";
+    std::ofstream(cluster->token_file_) << token << "\n";
+    cluster->coordinator_flags_.push_back("--token_file=" + cluster->token_file_);
+  }
   if (absl::Status s = cluster->StartCoordinator("127.0.0.1:0"); !s.ok()) return s;
-  cluster->jobs_ = v1::JobService::NewStub(MakeChannel(cluster->address_));
+  cluster->jobs_ =
+      v1::JobService::NewStub(MakeChannel(cluster->address_, {token, "integration test"}));
   return cluster;
 }
 
@@ -231,6 +237,7 @@ absl::Status Cluster::StartWorker(const std::string& name,
                                   const std::vector<std::string>& flags) {
   std::vector<std::string> argv = {LOCKSTEP_WORKER_BIN, "--coordinator=" + address_,
                                    "--device=cpu", "--name=" + name};
+  if (!token_file_.empty()) argv.push_back("--token_file=" + token_file_);
   argv.insert(argv.end(), flags.begin(), flags.end());
   auto process = Process::Spawn(argv, absl::StrCat(dir_, "/", name, ".log"));
   if (!process.ok()) return process.status();

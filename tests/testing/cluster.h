@@ -52,13 +52,16 @@ v1::JobSpec SyntheticJob(int min_workers, int max_workers, int64_t steps);
 
 class Cluster {
  public:
-  // Starts the coordinator (extra flags appended) and waits until it serves.
+  // Starts the coordinator (extra flags appended) and waits until it serves. With a `token`,
+  // the coordinator requires it, and the cluster's own stub and StartWorker send it.
   static absl::StatusOr<std::unique_ptr<Cluster>> Start(
-      const std::vector<std::string>& coordinator_flags = {});
+      const std::vector<std::string>& coordinator_flags = {}, const std::string& token = "");
   ~Cluster();
 
   const std::string& address() const { return address_; }
   const std::string& dir() const { return dir_; }
+  // The file holding the token ("" without one).
+  const std::string& token_file() const { return token_file_; }
   v1::JobService::Stub& jobs() { return *jobs_; }
 
   // Starts lockstep-worker --name=NAME (plus `flags`) and waits until the coordinator lists
@@ -91,6 +94,7 @@ class Cluster {
   absl::Status StartCoordinator(const std::string& listen);
   std::vector<std::string> coordinator_flags_;
   std::string dir_;
+  std::string token_file_;
   std::string address_;
   std::unique_ptr<Process> coordinator_;
   std::map<std::string, std::unique_ptr<Process>> workers_;

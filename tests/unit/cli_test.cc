@@ -1,12 +1,15 @@
 // lockstepctl's command logic against a fake JobService stub: formatting, watch resume and
 // backoff, exit codes, spec parsing.
+#include <cstdlib>
 #include <deque>
+#include <fstream>
 #include <sstream>
 
 #include "cli/commands.h"
 #include "cli/format.h"
 #include "cli/invocation.h"
 #include "cli/watch_printer.h"
+#include "common/auth.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -198,6 +201,45 @@ TEST(Format, Tables) {
   wi2->set_worker_id("w-2");
   wi2->set_state("lost");
   std::cout << FormatWorkerList(w, absl::FromUnixMillis(1'700'000'200'000));
+}
+
+TEST(Format, WorkerListShowsRejectedClients) {
+  v1::ListWorkersResponse w;
+  auto* r = w.add_rejected_clients();
+  r->set_peer("172.18.0.4");
+  r->set_client("lockstep-worker w-3");
+  r->set_reason("wrong token: it does not match the coordinator's token");
+  r->set_count(7);
+  r->set_last_unix_ms(1'700'000'198'000);
+  const std::string out = FormatWorkerList(w, absl::FromUnixMillis(1'700'000'200'000));
+  EXPECT_THAT(out, HasSubstr("No workers."));
+  EXPECT_THAT(out, HasSubstr("Rejected clients:"));
+  EXPECT_THAT(out, HasSubstr("172.18.0.4"));
+  EXPECT_THAT(out, HasSubstr("lockstep-worker w-3"));
+  EXPECT_THAT(out, HasSubstr("2.0s ago"));
+  EXPECT_THAT(out, HasSubstr("wrong token"));
+}
+
+TEST(Token, FilesAreTrimmedAndBadOnesNamed) {
+  const std::string dir = ::testing::TempDir();
+  std::ofstream(dir + "/good") << "  s3cret-token\n";
+  std::ofstream(dir + "/empty") << "\n";
+  std::ofstream(dir + "/spaced") << "two words\n";
+  absl::StatusOr<std::string> good = ReadTokenFile(dir + "/good");
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_EQ(*good, "s3cret-token");
+  EXPECT_THAT(std::string(ReadTokenFile(dir + "/empty").status().message()),
+              HasSubstr("empty"));
+  EXPECT_THAT(std::string(ReadTokenFile(dir + "/spaced").status().message()),
+              HasSubstr("printable ASCII"));
+  absl::Status missing = ReadTokenFile(dir + "/nope").status();
+  EXPECT_THAT(std::string(missing.message()), HasSubstr(dir + "/nope"));
+  // The flag wins over the environment.
+  setenv("LOCKSTEP_TOKEN", "from-env", 1);
+  EXPECT_EQ(ResolveToken(dir + "/good").value_or(""), "s3cret-token");
+  EXPECT_EQ(ResolveToken("").value_or(""), "from-env");
+  unsetenv("LOCKSTEP_TOKEN");
+  EXPECT_EQ(ResolveToken("").value_or("?"), "");
 }
 
 CommandOptions TestOptions(FakeClock* clock, std::vector<absl::Duration>* sleeps) {

@@ -1,0 +1,89 @@
+#include "common/auth.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace lockstep {
+namespace {
+
+constexpr absl::string_view kBearer = "Bearer ";
+
+// Constant-time in the token's length, so a wrong guess does not reveal its prefix.
+bool SameToken(absl::string_view a, absl::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
+absl::Status ValidateToken(absl::string_view token, absl::string_view origin) {
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat(origin, ": token is empty"));
+  for (char c : token) {
+    // Metadata values are printable ASCII; a token with anything else could never match.
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(origin, ": token may contain only printable ASCII without spaces"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::string_view Value(const grpc::ServerContext& context, const char* key) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find(key);
+  if (it == metadata.end()) return {};
+  return absl::string_view(it->second.data(), it->second.size());
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("token file ", path, ": cannot be read"));
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  std::string token(absl::StripAsciiWhitespace(buffer.str()));
+  if (absl::Status s = ValidateToken(token, absl::StrCat("token file ", path)); !s.ok()) return s;
+  return token;
+}
+
+absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag) {
+  if (!token_file_flag.empty()) return ReadTokenFile(token_file_flag);
+  if (const char* file = std::getenv("LOCKSTEP_TOKEN_FILE"); file != nullptr && *file != '\0') {
+    return ReadTokenFile(file);
+  }
+  if (const char* token = std::getenv("LOCKSTEP_TOKEN"); token != nullptr && *token != '\0') {
+    std::string stripped(absl::StripAsciiWhitespace(token));
+    if (absl::Status s = ValidateToken(stripped, "$LOCKSTEP_TOKEN"); !s.ok()) return s;
+    return stripped;
+  }
+  return std::string();
+}
+
+absl::Status TokenChecker::Check(const grpc::ServerContext& context) const {
+  if (expected_.empty()) return absl::OkStatus();
+  absl::string_view header = Value(context, kAuthorizationKey);
+  if (header.empty()) {
+    return absl::UnauthenticatedError(
+        "missing token: this coordinator requires one (--token_file, $LOCKSTEP_TOKEN_FILE or "
+        "$LOCKSTEP_TOKEN)");
+  }
+  if (!absl::StartsWith(header, kBearer) || !SameToken(header.substr(kBearer.size()), expected_)) {
+    return absl::UnauthenticatedError("wrong token: it does not match the coordinator's token");
+  }
+  return absl::OkStatus();
+}
+
+std::string ClientName(const grpc::ServerContext& context) {
+  return std::string(Value(context, kClientKey));
+}
+
+}  // namespace lockstep

@@ -1,0 +1,50 @@
+// Shared-token authentication for every Lockstep RPC (DESIGN.md section 7). Clients send
+// "authorization: Bearer <token>" on every call; the coordinator compares it in constant time and
+// answers UNAUTHENTICATED when it is missing or wrong. Clients also name themselves
+// ("x-lockstep-client") so that the coordinator can show who was turned away.
+//
+// Where a daemon or lockstepctl finds its token, first match wins:
+//   --token_file=PATH, $LOCKSTEP_TOKEN_FILE (a path, e.g. a Docker or systemd secret),
+//   $LOCKSTEP_TOKEN (the token itself, e.g. from an env file). None: no token.
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "grpcpp/server_context.h"
+
+namespace lockstep {
+
+inline constexpr char kAuthorizationKey[] = "authorization";
+inline constexpr char kClientKey[] = "x-lockstep-client";
+
+// Reads a token file; surrounding whitespace (a trailing newline) is dropped. Errors name the
+// path: unreadable, empty, or with characters that cannot go into metadata.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+// The token from --token_file or the environment, as described above; "" when none is set.
+absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag);
+
+// What a client attaches to each call.
+struct ClientAuth {
+  std::string token;   // empty: send no authorization header
+  std::string client;  // e.g. "lockstep-worker w-3"; shown by the coordinator on rejection
+};
+
+// Server side. An empty expected token accepts everything.
+class TokenChecker {
+ public:
+  explicit TokenChecker(std::string expected) : expected_(std::move(expected)) {}
+  bool enabled() const { return !expected_.empty(); }
+  // UNAUTHENTICATED with "missing token" or "wrong token" and what to do about it.
+  absl::Status Check(const grpc::ServerContext& context) const;
+
+ private:
+  std::string expected_;
+};
+
+// The client's self-description from its metadata ("" when it sent none).
+std::string ClientName(const grpc::ServerContext& context);
+
+}  // namespace lockstep

@@ -1,0 +1,76 @@
+#include "coordinator/service/client_gate.h"
+
+#include <algorithm>
+
+#include "absl/strings/match.h"
+#include "common/grpc_status.h"
+#include "glog/logging.h"
+
+namespace lockstep::coordinator {
+namespace {
+
+// "ipv4:172.18.0.4:51234" -> "172.18.0.4"; "ipv6:[::1]:5000" -> "[::1]". Ports change with
+// every connection, so a retrying client would otherwise fill the table.
+std::string PeerHost(const std::string& peer) {
+  std::string host = peer;
+  for (const char* scheme : {"ipv4:", "ipv6:", "unix:"}) {
+    if (absl::StartsWith(host, scheme)) host = host.substr(std::string(scheme).size());
+  }
+  if (size_t colon = host.rfind(':');
+      colon != std::string::npos && host.find(':') == colon) {  // host:port, not bare IPv6
+    host = host.substr(0, colon);
+  } else if (!host.empty() && host.front() == '[') {
+    host = host.substr(0, host.find(']') + 1);
+  }
+  return host;
+}
+
+}  // namespace
+
+grpc::Status ClientGate::Admit(const grpc::ServerContext& context) {
+  absl::Status status = checker_.Check(context);
+  if (status.ok()) return grpc::Status::OK;
+  const std::string peer = PeerHost(context.peer());
+  const std::string client = ClientName(context);
+  const int64_t now_ms = absl::ToUnixMillis(clock_->Now());
+  int64_t count = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = rejected_.try_emplace({peer, client});
+    v1::RejectedClient& entry = it->second;
+    if (inserted) {
+      entry.set_peer(peer);
+      entry.set_client(client);
+      entry.set_first_unix_ms(now_ms);
+    }
+    entry.set_reason(std::string(status.message()));
+    entry.set_count(entry.count() + 1);
+    entry.set_last_unix_ms(now_ms);
+    count = entry.count();
+    if (rejected_.size() > kMaxRemembered) {
+      auto oldest = std::min_element(rejected_.begin(), rejected_.end(), [](auto& a, auto& b) {
+        return a.second.last_unix_ms() < b.second.last_unix_ms();
+      });
+      rejected_.erase(oldest);
+    }
+  }
+  // The first rejection and then every 100th: a retrying client must not flood the log.
+  if (count == 1 || count % 100 == 0) {
+    LOG(WARNING) << "rejected " << (client.empty() ? "a client" : client) << " at " << peer << " ("
+                 << count << (count == 1 ? " call" : " calls") << "): " << status.message();
+  }
+  return ToGrpcStatus(status);
+}
+
+std::vector<v1::RejectedClient> ClientGate::Rejected() const {
+  std::vector<v1::RejectedClient> result;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, entry] : rejected_) result.push_back(entry);
+  }
+  std::sort(result.begin(), result.end(),
+            [](const auto& a, const auto& b) { return a.last_unix_ms() > b.last_unix_ms(); });
+  return result;
+}
+
+}  // namespace lockstep::coordinator
