@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Lockstep builds, tests and demos with. Idempotent: it only
-# calls apt-get when something is missing. Usage: scripts/install_deps.sh [--bench]
+# calls apt-get when something is missing. Usage: scripts/install_deps.sh [--bench] [--test]
+# --test adds what the deploy tests need: a Docker engine, docker-compose, debootstrap, iptables.
 set -euo pipefail
 
 pkgs=(
@@ -10,9 +11,13 @@ pkgs=(
   libgloo-dev libsqlite3-dev libopenblas-dev zlib1g-dev
   dataset-fashion-mnist
 )
-if [[ "${1:-}" == "--bench" ]]; then
-  pkgs+=(python3-torch libopenblas0-openmp)
-fi
+for arg in "$@"; do
+  case "$arg" in
+    --bench) pkgs+=(python3-torch libopenblas0-openmp) ;;
+    --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd) ;;
+    *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${pkgs[@]}"; do

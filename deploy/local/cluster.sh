@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # Starts or stops a local Lockstep cluster without containers: one coordinator and N CPU
-# workers, each a plain process with its log in DIR. The demo and the benchmarks use it.
+# workers, each a plain process with its log in DIR. The same daemons and flags as the compose
+# file and the systemd units (docs/deploy.md); the demo and the benchmarks use it.
 #   cluster.sh start --dir DIR [--workers N] [--listen HOST:PORT] [--bin BUILD_DIR]
+#                    [--token_file FILE]
 #   cluster.sh stop  --dir DIR
-# After start, DIR/address holds the coordinator address (HOST:PORT).
+# After start, DIR/address holds the coordinator address (HOST:PORT). With --token_file, every
+# process (and lockstepctl, given the same file or $LOCKSTEP_TOKEN) uses that token.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cmd="${1:-}"; shift || true
-dir=""; workers=2; listen="127.0.0.1:0"; bin="$root/build"
+dir=""; workers=2; listen="127.0.0.1:0"; bin="$root/build"; token_file=""
 while (($#)); do
   case "$1" in
     --dir) dir="$2"; shift ;;
     --workers) workers="$2"; shift ;;
     --listen) listen="$2"; shift ;;
     --bin) bin="$2"; shift ;;
+    --token_file) token_file="$(realpath "$2")"; shift ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -24,8 +28,10 @@ case "$cmd" in
   start)
     mkdir -p "$dir/state"
     rm -f "$dir/port" "$dir/address"
+    auth=()
+    [[ -n "$token_file" ]] && auth=(--token_file="$token_file")
     "$bin/coordinator/lockstep-coordinator" --listen="$listen" --state_dir="$dir/state" \
-      --port_file="$dir/port" >"$dir/coordinator.log" 2>&1 &
+      --port_file="$dir/port" "${auth[@]}" >"$dir/coordinator.log" 2>&1 &
     echo $! >"$dir/coordinator.pid"
     for _ in $(seq 1 200); do [[ -f "$dir/port" ]] && break; sleep 0.05; done
     if [[ ! -f "$dir/port" ]]; then
@@ -37,12 +43,13 @@ case "$cmd" in
     echo "$address" >"$dir/address"
     for ((i = 0; i < workers; i++)); do
       "$bin/worker/lockstep-worker" --coordinator="$address" --device=cpu --name="w$i" \
-        >"$dir/w$i.log" 2>&1 &
+        --status_file="$dir/w$i.status" "${auth[@]}" >"$dir/w$i.log" 2>&1 &
       echo $! >"$dir/w$i.pid"
     done
     # Wait until every worker has registered.
     for _ in $(seq 1 200); do
-      idle=$("$bin/cli/lockstepctl" --coordinator="$address" workers 2>/dev/null | grep -c " idle " || true)
+      idle=$("$bin/cli/lockstepctl" --coordinator="$address" "${auth[@]}" workers 2>/dev/null |
+        grep -c " idle " || true)
       ((idle >= workers)) && break
       sleep 0.05
     done

@@ -1,0 +1,259 @@
+#!/usr/bin/env bash
+# End-to-end test of deploy/: a real Docker engine builds the images from
+# deploy/docker/Dockerfile on a Debian base made here without any registry (debootstrap +
+# docker import), brings up deploy/compose/docker-compose.yml with a coordinator and 3 CPU
+# workers, and trains a synthetic job submitted with lockstepctl from the host while:
+#   - one worker is stopped with `docker kill` (the job shrinks to 2 and goes on);
+#   - another worker's process is killed from the host, as a crash would (the restart policy
+#     brings the container back, it registers again and rejoins the running job).
+# The job must succeed with exactly maxSteps steps and identical parameters on every rank.
+# Bad input: a worker with a wrong token exits 3 and the coordinator lists it as rejected; a
+# wrong coordinator address exits 4 after --give_up_after; a GPU device on a host without one
+# exits 2; each with a log line that says why.
+# Then everything is torn down: containers, networks, volumes, the images it built, and, if it
+# started the engine itself, the engine, its iptables chains, its bridges and ip_forward, which
+# the test checks are back to what they were.
+#
+# Usage: tests/deploy/compose_e2e.sh [--lockstepctl PATH]
+# Exit 77 (ctest: skipped) when no Docker engine can run here. Needs root to start the engine.
+# The debootstrapped base is cached in ${LOCKSTEP_CACHE_DIR:-$HOME/.cache/lockstep}.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+ctl="$root/build/cli/lockstepctl"
+if [[ "${1:-}" == "--lockstepctl" ]]; then ctl="$2"; shift 2; fi
+cache="${LOCKSTEP_CACHE_DIR:-$HOME/.cache/lockstep}"
+mirror="${LOCKSTEP_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+base_tag="lockstep-e2e/debian:bookworm"
+proj="lockstepe2e$$"
+export LOCKSTEP_IMAGE_PREFIX="lockstep-e2e" LOCKSTEP_TAG="test-$$"
+export LOCKSTEP_BUILD_IMAGE="$base_tag" LOCKSTEP_RUNTIME_IMAGE="$base_tag"
+export LOCKSTEP_TOKEN="e2e-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+# A free host port for the coordinator (published on 127.0.0.1 only).
+LOCKSTEP_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+export LOCKSTEP_PORT
+work="$(mktemp -d /tmp/lockstep-e2e.XXXXXX)"
+export LOCKSTEP_DATASETS="$work/datasets"
+mkdir -p "$LOCKSTEP_DATASETS"
+compose=(docker-compose -p "$proj" -f "$root/deploy/compose/docker-compose.yml")
+
+log() { echo "[$(date +%H:%M:%S)] e2e: $*"; }
+fail() { echo "[$(date +%H:%M:%S)] e2e: FAIL: $*" >&2; exit 1; }
+skip() { echo "e2e: SKIP: $*"; exit 77; }
+
+# Polls `cmd` every second until it succeeds or `seconds` pass.
+wait_for() {
+  local seconds="$1" what="$2"; shift 2
+  local deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || fail "timed out after ${seconds}s waiting for: $what"
+    sleep 1
+  done
+}
+
+for tool in docker docker-compose; do
+  command -v "$tool" >/dev/null || skip "$tool is not installed (scripts/install_deps.sh --test)"
+done
+[[ -x "$ctl" ]] || fail "lockstepctl not found at $ctl (build it first)"
+
+# ---- the engine: an existing one, or one of our own that we undo completely afterwards ----
+own_engine=0
+dockerd_pid=""
+snapshot() {  # what an engine may change on the host, to compare before and after
+  echo "ip_forward=$(cat /proc/sys/net/ipv4/ip_forward)"
+  ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | sort | sed 's/^/link /'
+  # Rules, chains and policies; an empty table with ACCEPT policies counts as no table (it
+  # cannot always be removed once created).
+  if command -v iptables-save >/dev/null; then
+    iptables-save 2>/dev/null | grep -v '^#' | sed -E 's/ \[[0-9]+:[0-9]+\]$//' |
+      grep -vE '^(\*|COMMIT$|:(INPUT|OUTPUT|FORWARD|PREROUTING|POSTROUTING) ACCEPT$)' |
+      sed 's/^/ipt /' || true
+  fi
+}
+
+teardown() {
+  local rc=$?
+  set +e
+  if [[ -n "${DOCKER_HOST:-}" || $own_engine == 0 ]] && docker info >/dev/null 2>&1; then
+    log "tearing down the cluster"
+    "${compose[@]}" ps 2>/dev/null
+    if ((rc != 0)); then "${compose[@]}" logs --no-color --tail=40 2>/dev/null; fi
+    "${compose[@]}" --profile cli down --volumes --rmi all --remove-orphans >/dev/null 2>&1
+    docker rmi "$base_tag" >/dev/null 2>&1
+    # The untagged build stage that the classic builder leaves behind, and only that.
+    docker image prune -f --filter label=org.lockstep.stage=build >/dev/null 2>&1
+  fi
+  if ((own_engine)); then
+    log "stopping the engine and undoing its host changes"
+    kill "$dockerd_pid" 2>/dev/null
+    for _ in $(seq 1 30); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
+    kill -9 "$dockerd_pid" 2>/dev/null
+    pkill -f "containerd --config $work/exec" 2>/dev/null
+    restore_host
+    snapshot >"$work/after"
+    if ! diff -u "$work/before" "$work/after" >"$work/host.diff"; then
+      echo "e2e: FAIL: the host was not restored:" >&2
+      cat "$work/host.diff" >&2
+      rc=1
+    else
+      log "host restored: iptables, links and ip_forward as before"
+    fi
+    umount -R "$work/docker" 2>/dev/null
+  fi
+  rm -rf "$work" 2>/dev/null || true
+  exit "$rc"
+}
+
+restore_host() {
+  # iptables: put back each table the engine touched exactly as it was (an empty table with
+  # ACCEPT policies if it had none), which also deletes the DOCKER chains.
+  if command -v iptables-restore >/dev/null; then
+    for table in filter nat; do
+      if grep -q "^\*$table" "$work/iptables.before"; then
+        sed -n "/^\*$table/,/^COMMIT/p" "$work/iptables.before" | iptables-restore -T "$table"
+      else
+        case "$table" in
+          filter) printf '*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n' ;;
+          nat) printf '*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n' ;;
+        esac | iptables-restore -T "$table"
+      fi
+    done
+  fi
+  # Links the engine added (docker0, br-*, veth*).
+  ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | while read -r link; do
+    grep -qx "link $link" "$work/before" || ip link delete "$link" 2>/dev/null
+  done
+  echo "$ip_forward_before" >/proc/sys/net/ipv4/ip_forward
+}
+
+trap teardown EXIT
+if docker info >/dev/null 2>&1; then
+  log "using the running Docker engine"
+else
+  [[ $(id -u) == 0 ]] || skip "no Docker engine is running and starting one needs root"
+  command -v dockerd >/dev/null || skip "dockerd is not installed (scripts/install_deps.sh --test)"
+  ip_forward_before="$(cat /proc/sys/net/ipv4/ip_forward)"
+  iptables-save >"$work/iptables.before" 2>/dev/null || true
+  snapshot >"$work/before"
+  own_engine=1
+  export DOCKER_HOST="unix://$work/docker.sock"
+  log "starting dockerd (data in $work)"
+  dockerd --host="$DOCKER_HOST" --data-root="$work/docker" --exec-root="$work/exec" \
+    --pidfile="$work/dockerd.pid" >"$work/dockerd.log" 2>&1 &
+  dockerd_pid=$!
+  deadline=$((SECONDS + 60))
+  until docker info >/dev/null 2>&1; do
+    if ! kill -0 "$dockerd_pid" 2>/dev/null || ((SECONDS > deadline)); then
+      tail -n 20 "$work/dockerd.log"
+      skip "the Docker engine cannot start on this machine (log above)"
+    fi
+    sleep 0.5
+  done
+fi
+
+# ---- a Debian base image without a registry ----
+mkdir -p "$cache"
+if [[ ! -s "$cache/debian-bookworm-minbase.tar" ]]; then
+  command -v debootstrap >/dev/null || skip "debootstrap is not installed (scripts/install_deps.sh --test)"
+  log "debootstrapping Debian bookworm from $mirror (cached in $cache)"
+  debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 ||
+    { tail -n 20 "$work/debootstrap.log"; fail "debootstrap failed"; }
+  tar -C "$work/rootfs" -cf "$cache/debian-bookworm-minbase.tar.tmp" .
+  mv "$cache/debian-bookworm-minbase.tar.tmp" "$cache/debian-bookworm-minbase.tar"
+  rm -rf "$work/rootfs"
+fi
+docker import "$cache/debian-bookworm-minbase.tar" "$base_tag" >/dev/null
+
+# ---- build and start ----
+log "building the images (compile inside Docker; a few minutes)"
+SECONDS_BUILD=$SECONDS
+"${compose[@]}" build >"$work/build.log" 2>&1 || { tail -n 40 "$work/build.log"; fail "image build failed"; }
+log "images built in $((SECONDS - SECONDS_BUILD))s"
+"${compose[@]}" up -d --scale worker=3 >"$work/up.log" 2>&1 || { cat "$work/up.log"; fail "compose up failed"; }
+published="$("${compose[@]}" port coordinator 7070)"
+port="${published##*:}"
+[[ -n "$port" ]] || fail "the coordinator port is not published"
+[[ "$published" == 127.0.0.1:* ]] || fail "coordinator published on $published, not 127.0.0.1"
+export LOCKSTEP_COORDINATOR="127.0.0.1:$port"
+log "coordinator on $LOCKSTEP_COORDINATOR"
+
+healthy_count() {
+  local n=0 id
+  for id in $("${compose[@]}" ps -q "$1"); do
+    [[ "$(docker inspect -f '{{.State.Health.Status}}' "$id")" == healthy ]] && n=$((n + 1))
+  done
+  echo "$n"
+}
+wait_for 90 "3 healthy workers" bash -c "[[ \$($(declare -f healthy_count); compose=(${compose[*]}); healthy_count worker) -ge 3 ]]"
+"$ctl" workers
+[[ "$("$ctl" workers | grep -c ' idle ')" -ge 3 ]] || fail "the coordinator does not list 3 idle workers"
+
+# ---- a job, a docker kill, and a crash that the restart policy heals ----
+cat >"$work/job.json" <<'JOB'
+{
+  "name": "compose-e2e",
+  "model": {"type": "mlp", "hiddenWidths": [256, 256]},
+  "dataset": {"type": "synthetic",
+              "synthetic": {"trainSamples": 24000, "testSamples": 2000, "inputDim": 128,
+                            "numClasses": 10, "seed": 3}},
+  "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
+  "globalBatchSize": 120,
+  "maxSteps": 6000,
+  "minWorkers": 2,
+  "maxWorkers": 3
+}
+JOB
+job="$("$ctl" submit "$work/job.json")"
+log "submitted $job"
+job_field() { "$ctl" --output=json status "$job" | python3 -c "import json,sys; j=json.load(sys.stdin); print($1)"; }
+wait_for 60 "$job at step 300" bash -c "(( \$($(declare -f job_field); ctl=$ctl job=$job; job_field \"int(j.get('step', 0))\") >= 300 ))"
+
+mapfile -t workers < <("${compose[@]}" ps -q worker)
+victim="${workers[0]}"
+log "docker kill $(docker inspect -f '{{.Name}}' "$victim") at step $(job_field "j.get('step')")"
+docker kill "$victim" >/dev/null
+wait_for 60 "a recovery after the docker kill" bash -c "(( \$($(declare -f job_field); ctl=$ctl job=$job; job_field \"int(j.get('recoveries', 0))\") >= 1 ))"
+
+crashed="${workers[1]}"
+pid="$(docker inspect -f '{{.State.Pid}}' "$crashed")"
+log "kill -9 of the worker process in $(docker inspect -f '{{.Name}}' "$crashed") (host pid $pid)"
+kill -9 "$pid"
+wait_for 60 "the crashed container restarted" bash -c "(( \$(docker inspect -f '{{.RestartCount}}' $crashed) >= 1 ))"
+host="${crashed:0:12}"  # the container's hostname, which the worker reports
+log "restarted; waiting for $host to rejoin $job"
+wait_for 120 "$host back among the members" bash -c "$(declare -f job_field); ctl=$ctl job=$job; job_field \"'$host' in [m['host'] for m in j.get('members', [])]\" | grep -qx True"
+log "rejoined: members $(job_field "' '.join(m['host'] for m in j['members'])"), generation $(job_field "j.get('generation')")"
+
+"$ctl" watch "$job" >"$work/watch.log" 2>&1 || { cat "$work/watch.log"; fail "$job did not succeed"; }
+"$ctl" status "$job"
+[[ "$(job_field "j['state']")" == JOB_STATE_SUCCEEDED ]] || fail "$job not SUCCEEDED"
+[[ "$(job_field "j['step']")" == 6000 ]] || fail "$job did not run exactly 6000 steps"
+checksums="$(job_field "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))")"
+[[ -n "$checksums" && "$checksums" != *" "* ]] || fail "ranks ended with different parameters: $checksums"
+recoveries="$(job_field "int(j.get('recoveries', 0))")"
+redone="$(job_field "sum(int(r.get('stepsRedone', 0)) for r in j.get('recoveryHistory', []))")"
+((recoveries >= 2)) || fail "expected at least 2 recoveries, saw $recoveries"
+((redone == 0)) || fail "$redone committed steps were trained again"
+[[ "$(job_field "'$host' in [m['host'] for m in j['members']]")" == True ]] ||
+  fail "the restarted worker is not among the final members"
+log "$job SUCCEEDED: 6000 steps, $recoveries recoveries, 0 redone, parameters $checksums"
+[[ "$(docker inspect -f '{{.State.Status}}' "$victim")" == exited ]] || fail "docker kill'ed worker was restarted"
+
+# ---- bad input: each container exits with a clear line and a distinct code ----
+network="$(docker inspect -f '{{range $k, $v := .NetworkSettings.Networks}}{{$k}}{{end}}' "${workers[2]}")"
+image="$LOCKSTEP_IMAGE_PREFIX/worker:$LOCKSTEP_TAG"
+expect_exit() {
+  local code="$1" pattern="$2" out rc; shift 2
+  set +e; out="$(timeout 60 docker run --rm "$@" 2>&1)"; rc=$?; set -e
+  [[ $rc == "$code" ]] || fail "expected exit $code, got $rc from docker run $*: $out"
+  grep -q "$pattern" <<<"$out" || fail "no '$pattern' in the output of docker run $*: $out"
+  log "exit $rc as expected: $(grep "$pattern" <<<"$out" | head -n1 | cut -c1-160)"
+}
+expect_exit 3 "wrong token" --network "$network" -e LOCKSTEP_TOKEN=not-the-token --name "${proj}_intruder" "$image"
+"$ctl" workers | tee "$work/workers.txt"
+grep -q "Rejected clients" "$work/workers.txt" || fail "the coordinator does not list rejected clients"
+grep -q "wrong token" "$work/workers.txt" || fail "the coordinator does not say why it rejected"
+expect_exit 4 "no session with coordinator nowhere:7070" --network "$network" \
+  -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$image" --coordinator=nowhere:7070 --give_up_after=3s
+expect_exit 2 "device=cuda:0" --network "$network" -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$image" \
+  --coordinator=coordinator:7070 --device=cuda:0
+log "PASS"
