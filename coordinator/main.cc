@@ -71,9 +71,30 @@ int main(int argc, char** argv) {
 
   lockstep::coordinator::CoreOptions options;
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
-  lockstep::coordinator::InMemoryJobStore job_store;
-  lockstep::coordinator::Coordinator coordinator(options, lockstep::RealClock::Get(), &job_store,
-                                                 *token);
+  // Jobs survive a restart when there is a state directory.
+  std::unique_ptr<lockstep::coordinator::JobStore> job_store;
+  if (state_dir.empty()) {
+    LOG(WARNING) << "no --state_dir: jobs are kept in memory only and lost on restart";
+    job_store = std::make_unique<lockstep::coordinator::InMemoryJobStore>();
+  } else {
+    auto opened = lockstep::coordinator::FileJobStore::Open(state_dir);
+    if (!opened.ok()) {
+      LOG(ERROR) << "--state_dir: " << opened.status().message();
+      return 1;
+    }
+    job_store = *std::move(opened);
+  }
+  lockstep::coordinator::Coordinator coordinator(options, lockstep::RealClock::Get(),
+                                                 job_store.get(), *token);
+  absl::StatusOr<int> restored = coordinator.Restore();
+  if (!restored.ok()) {
+    LOG(ERROR) << "cannot load the jobs in " << state_dir << ": " << restored.status();
+    return 1;
+  }
+  if (*restored > 0) {
+    LOG(INFO) << "restored " << *restored << " unfinished job(s) from " << state_dir
+              << "; they resume as workers register";
+  }
   lockstep::coordinator::JobServiceImpl jobs(&coordinator);
   lockstep::coordinator::WorkerServiceImpl workers(&coordinator);
   lockstep::coordinator::StoreServiceImpl store(&coordinator);

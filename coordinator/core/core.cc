@@ -6,6 +6,8 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -270,6 +272,45 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   return job.job;
 }
 
+int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out) {
+  auto seq_of = [](const v1::Job& job) {
+    uint64_t seq = 0;
+    return absl::StartsWith(job.job_id(), "job-") && absl::SimpleAtoi(job.job_id().substr(4), &seq)
+               ? seq
+               : 0;
+  };
+  std::sort(jobs.begin(), jobs.end(),
+            [&](const v1::Job& a, const v1::Job& b) { return seq_of(a) < seq_of(b); });
+  int resuming = 0;
+  for (v1::Job& saved : jobs) {
+    const std::string id = saved.job_id();
+    if (id.empty() || jobs_.count(id) > 0) continue;
+    next_job_seq_ = std::max(next_job_seq_, seq_of(saved) + 1);
+    JobRecord record;
+    record.job = std::move(saved);
+    record.submitted = absl::FromUnixMillis(record.job.submit_time_unix_ms());
+    if (record.job.start_time_unix_ms() > 0) {
+      record.started = absl::FromUnixMillis(record.job.start_time_unix_ms());
+    }
+    record.submit_seq = seq_of(record.job);
+    record.last_advance = now;
+    JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
+    order_.push_back(id);
+    if (IsTerminal(job.job.state())) continue;
+    ++resuming;
+    if (job.job.state() == v1::JOB_STATE_PENDING) {
+      pending_.push_back(id);
+      AddEvent(job, v1::JobEvent::STATE, "coordinator restarted; queued again", now, out);
+      continue;
+    }
+    // Its members are unknown to this coordinator until they register again.
+    job.members.clear();
+    BeginReconfiguration(job, "coordinator restarted", /*scale_up=*/false, now, now, out);
+  }
+  Schedule(now, out);
+  return resuming;
+}
+
 absl::StatusOr<v1::Job> Core::CancelJob(const std::string& job_id, absl::Time now, Decisions* out) {
   JobRecord* job = FindJob(job_id);
   if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
@@ -510,10 +551,10 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   const bool some_finished = std::any_of(job.members.begin(), job.members.end(),
                                          [](const MemberState& m) { return m.finished; });
   if (some_finished && job.job.state() == v1::JOB_STATE_RUNNING) {
-    return FinishJob(job, v1::JOB_STATE_SUCCEEDED,
-                     absl::StrCat("trained ", job.job.step(), " steps; ", reason,
-                                  " after the last step"),
-                     now, out);
+    return FinishJob(
+        job, v1::JOB_STATE_SUCCEEDED,
+        absl::StrCat("trained ", job.job.step(), " steps; ", reason, " after the last step"), now,
+        out);
   }
   if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
     // Lost while re-forming: drop it from the survivors and carry on with the same recovery.
@@ -541,8 +582,8 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   TryReform(job, now, out);
 }
 
-void Core::PushAbort(const JobRecord& job, const std::string& worker_id,
-                     const std::string& reason, Decisions* out) {
+void Core::PushAbort(const JobRecord& job, const std::string& worker_id, const std::string& reason,
+                     Decisions* out) {
   Decisions::Outgoing msg{worker_id, {}};
   v1::Abort* abort = msg.message.mutable_abort();
   abort->set_job_id(job.job.job_id());

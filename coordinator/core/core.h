@@ -14,8 +14,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "lockstep/v1/job.pb.h"
 #include "coordinator/core/ranks.h"
+#include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/worker.pb.h"
 
 namespace lockstep::coordinator {
@@ -58,8 +58,8 @@ class Core {
   absl::StatusOr<std::string> RegisterWorker(const v1::RegisterRequest& request, absl::Time now,
                                              Decisions* out);
   // The worker's session ended (stream closed or broken). Unknown ids are ignored.
-  void WorkerDisconnected(const std::string& worker_id, const std::string& reason,
-                          absl::Time now, Decisions* out);
+  void WorkerDisconnected(const std::string& worker_id, const std::string& reason, absl::Time now,
+                          Decisions* out);
   // NOT_FOUND for an unknown or lost worker (its session must end).
   absl::Status Heartbeat(const std::string& worker_id, absl::Time now);
   // Member reports. ABORTED when (job, generation) is not the worker's current assignment:
@@ -72,6 +72,13 @@ class Core {
                               absl::Time now, Decisions* out);
 
   // --- Jobs ---
+  // Jobs saved by a previous coordinator, before any worker registers. Ended jobs are listed as
+  // they were; pending ones queue again in submission order; running ones re-form from the
+  // workers that register (RECONFIGURING, with a recovery entry "coordinator restarted" that
+  // is not counted against max_restarts): their state heals from the workers' memory, else
+  // from the last disk checkpoint, within rendezvous_timeout. New job ids continue after the
+  // highest restored one. Returns how many jobs will run again.
+  int RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out);
   // INVALID_ARGUMENT naming the field for a bad spec.
   absl::StatusOr<v1::Job> SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out);
   // NOT_FOUND, or FAILED_PRECONDITION when the job already finished.
@@ -111,7 +118,7 @@ class Core {
     int64_t peak_memory_bytes = 0;
   };
   struct JobRecord {
-    v1::Job job;  // state, reason, spec and the reported metrics
+    v1::Job job;                       // state, reason, spec and the reported metrics
     std::vector<MemberState> members;  // rank order, current generation
     absl::Time submitted;
     absl::Time started = absl::InfinitePast();
@@ -158,17 +165,17 @@ class Core {
                  Decisions* out);
   void MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time now, Decisions* out);
   void RefreshMembers(JobRecord& job);
-  void AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& message,
-                absl::Time now, Decisions* out);
+  void AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& message, absl::Time now,
+                Decisions* out);
   void PruneLostWorkers();
 
   const CoreOptions options_;
   uint64_t next_worker_seq_ = 1;
   uint64_t next_job_seq_ = 1;
-  std::map<std::string, Worker> workers_;      // by worker id
-  std::map<std::string, JobRecord> jobs_;      // by job id
-  std::vector<std::string> pending_;           // FIFO of pending job ids
-  std::vector<std::string> order_;             // every job id in submission order
+  std::map<std::string, Worker> workers_;  // by worker id
+  std::map<std::string, JobRecord> jobs_;  // by job id
+  std::vector<std::string> pending_;       // FIFO of pending job ids
+  std::vector<std::string> order_;         // every job id in submission order
 };
 
 }  // namespace lockstep::coordinator

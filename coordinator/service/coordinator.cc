@@ -34,6 +34,14 @@ bool SessionOutbox::Pop(v1::CoordinatorMessage* message) {
 Coordinator::Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token)
     : clock_(clock), job_store_(store), gate_(std::move(token), clock), core_(options) {}
 
+absl::StatusOr<int> Coordinator::Restore() {
+  absl::StatusOr<std::vector<v1::Job>> jobs = job_store_->LoadAll();
+  if (!jobs.ok()) return jobs.status();
+  return Call([&](Core& core, absl::Time now, Decisions* d) {
+    return core.RestoreJobs(*std::move(jobs), now, d);
+  });
+}
+
 absl::StatusOr<std::string> Coordinator::Register(const v1::RegisterRequest& request,
                                                   std::shared_ptr<SessionOutbox> outbox) {
   return Call([&](Core& core, absl::Time now, Decisions* d) -> absl::StatusOr<std::string> {

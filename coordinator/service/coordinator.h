@@ -48,6 +48,10 @@ class Coordinator {
   // `token`: the shared token every RPC must carry; empty accepts every caller.
   Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token = "");
 
+  // Loads the job store's jobs into the core (Core::RestoreJobs). Call once, before serving.
+  // Returns how many jobs will run again.
+  absl::StatusOr<int> Restore();
+
   // Every RPC handler admits its caller here first.
   ClientGate& gate() { return gate_; }
 

@@ -1,8 +1,10 @@
 // Durable job state behind an interface: the coordinator saves every job that changed and
-// reloads them at start. This release keeps them in memory; the SQLite store plugs in here.
+// reloads them at start (Core::RestoreJobs). FileJobStore keeps one file per job in the
+// coordinator's --state_dir; InMemoryJobStore (no --state_dir) forgets them on exit.
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,6 +31,22 @@ class InMemoryJobStore final : public JobStore {
  private:
   absl::Mutex mu_;
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
+};
+
+// DIR/jobs/JOB_ID.pb, the Job in protobuf's binary form, replaced atomically (temporary file,
+// fsync, rename, fsync of the directory) on every save. A file that does not parse (a disk
+// error, a foreign file) is skipped with a logged reason and renamed to *.corrupt.
+class FileJobStore final : public JobStore {
+ public:
+  // Creates DIR/jobs if missing; errors name the path.
+  static absl::StatusOr<std::unique_ptr<FileJobStore>> Open(const std::string& dir);
+  absl::Status Save(const v1::Job& job) override;
+  absl::StatusOr<std::vector<v1::Job>> LoadAll() override;
+
+ private:
+  explicit FileJobStore(std::string jobs_dir) : jobs_dir_(std::move(jobs_dir)) {}
+  const std::string jobs_dir_;
+  absl::Mutex mu_;  // one writer at a time per store (saves of one job must not interleave)
 };
 
 }  // namespace lockstep::coordinator

@@ -87,6 +87,33 @@ absl::StatusOr<v1::Job> RunDisturbed(Cluster& cluster, const v1::JobSpec& spec,
   return cluster.WaitForEnd(job->job_id(), absl::Seconds(120));
 }
 
+// The coordinator is killed mid-run and restarted on the same port with the same --state_dir:
+// it reloads the job, the workers register again, and the job resumes from the workers'
+// memory with no step redone, and succeeds with exactly its steps.
+TEST(ElasticTest, CoordinatorRestartResumesFromWorkerMemory) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  std::string job_id;
+  auto done = RunDisturbed(*cluster, ElasticJob(2, 2), [&](const v1::Job& running) {
+    job_id = running.job_id();
+    ASSERT_TRUE(cluster->RestartCoordinator().ok()) << cluster->Logs();
+    // Both workers come back (their backoff) and the job takes them again.
+    EXPECT_TRUE(cluster->WaitForWorker("w0", "busy", absl::Seconds(30)).ok());
+    EXPECT_TRUE(cluster->WaitForWorker("w1", "busy", absl::Seconds(30)).ok());
+  });
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectCompleted(*cluster, *done);
+  EXPECT_EQ(done->job_id(), job_id);
+  EXPECT_EQ(done->recoveries(), 0) << "a coordinator restart is not a worker failure";
+  ASSERT_GE(done->recovery_history_size(), 1);
+  EXPECT_EQ(done->recovery_history(0).reason(), "coordinator restarted");
+  ExpectHealedWithoutRedo(*done);
+  // Ids continue after the restored job.
+  auto next = cluster->Submit(SyntheticJob(2, 2, 20));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_NE(next->job_id(), job_id);
+}
+
 TEST(ElasticTest, KilledWorkerTwoToOne) {
   auto cluster = StartCluster(2);
   ASSERT_NE(cluster, nullptr);

@@ -2,6 +2,10 @@
 // scheduling, rank assignment, generations, stale-generation fencing and timeouts.
 #include "coordinator/core/core.h"
 #include "coordinator/core/ranks.h"
+#include "coordinator/store/job_store.h"
+#include <filesystem>
+#include <fstream>
+
 #include "gtest/gtest.h"
 
 namespace lockstep::coordinator {
@@ -633,6 +637,100 @@ TEST(AssignRanksTest, SurvivorsKeepOrderNewcomersAfterHostsContiguous) {
   for (size_t i = 0; i < cases.size(); ++i) {
     EXPECT_EQ(AssignRanks(cases[i].survivors, cases[i].newcomers), cases[i].want) << "case " << i;
   }
+}
+
+// A restarted coordinator gets the previous one's saved jobs: the running one re-forms from the
+// workers that register, in a generation after the saved one, without counting a restart;
+// the pending one queues behind it; the finished one is listed as it was; new ids continue.
+TEST_F(CoreTest, RestoredJobsResumeAsWorkersRegister) {
+  // The first coordinator's life: job-1 finished, job-2 running at step 40 in generation 3,
+  // job-3 pending.
+  const std::string a = Register("a");
+  const std::string b = Register("b");
+  const std::string done = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(Finished(a, done, 1, "c").ok());
+  ASSERT_TRUE(Finished(b, done, 1, "c").ok());
+  ASSERT_EQ(Job(done).state(), v1::JOB_STATE_SUCCEEDED);
+  const std::string running = Submit(Spec(2, 2));
+  std::map<std::string, v1::Assignment> first = TakeAssignments();
+  ASSERT_EQ(first.size(), 2u);
+  ASSERT_TRUE(Progress(a, running, first[a].generation(), 40).ok());
+  const std::string pending = Submit(Spec(2, 2));
+  std::vector<v1::Job> saved = {Job(pending), Job(done), Job(running)};
+  saved[2].set_generation(3);
+  saved[2].set_recoveries(1);
+
+  Core fresh(Options());
+  Decisions d;
+  EXPECT_EQ(fresh.RestoreJobs(saved, now_, &d), 2);
+  v1::Job r = fresh.GetJob(running).value();
+  EXPECT_EQ(r.state(), v1::JOB_STATE_RECONFIGURING);
+  EXPECT_EQ(r.step(), 40);
+  EXPECT_EQ(r.recoveries(), 1);
+  ASSERT_EQ(r.recovery_history_size(), 1);
+  EXPECT_EQ(r.recovery_history(0).reason(), "coordinator restarted");
+  EXPECT_EQ(r.recovery_history(0).step_at_detection(), 40);
+  EXPECT_EQ(fresh.GetJob(pending).value().state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(fresh.GetJob(done).value().state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(fresh.ListJobs().size(), 3u);
+
+  // The workers come back (new sessions, new ids): the running job re-forms first, in
+  // generation 4; the pending one waits for idle workers.
+  std::map<std::string, v1::Assignment> assigned;
+  for (const char* name : {"a", "b"}) {
+    v1::RegisterRequest req;
+    req.set_name(name);
+    req.set_host("h1");
+    req.set_device("cpu");
+    Decisions rd;
+    ASSERT_TRUE(fresh.RegisterWorker(req, now_, &rd).ok());
+    for (const auto& m : rd.messages) {
+      if (m.message.has_assignment()) assigned[m.worker_id] = m.message.assignment();
+    }
+  }
+  ASSERT_EQ(assigned.size(), 2u);
+  for (const auto& [worker, assignment] : assigned) {
+    EXPECT_EQ(assignment.job_id(), running);
+    EXPECT_EQ(assignment.generation(), 4);
+  }
+  EXPECT_EQ(fresh.GetJob(running).value().state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(fresh.GetJob(pending).value().state(), v1::JOB_STATE_PENDING);
+
+  Decisions sd;
+  absl::StatusOr<v1::Job> next = fresh.SubmitJob(Spec(1, 1), now_, &sd);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->job_id(), "job-4");
+}
+
+// Jobs saved to --state_dir come back after a restart; a corrupt file is skipped (and kept
+// aside as *.corrupt), never fatal; a later save replaces the earlier one.
+TEST(FileJobStoreTest, SavesReloadsAndSkipsCorruptFiles) {
+  const std::string dir = ::testing::TempDir() + "/job-store-test";
+  std::filesystem::remove_all(dir);
+  auto store = FileJobStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  v1::Job job;
+  job.set_job_id("job-7");
+  job.set_state(v1::JOB_STATE_RUNNING);
+  job.set_step(10);
+  ASSERT_TRUE((*store)->Save(job).ok());
+  job.set_step(20);
+  ASSERT_TRUE((*store)->Save(job).ok());
+  std::ofstream(dir + "/jobs/job-8.pb") << "\xff\xff not a job";
+  v1::Job bad_id;
+  bad_id.set_job_id("../escape");
+  EXPECT_FALSE((*store)->Save(bad_id).ok());
+
+  auto reopened = FileJobStore::Open(dir);
+  ASSERT_TRUE(reopened.ok());
+  auto jobs = (*reopened)->LoadAll();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ(jobs->size(), 1u);
+  EXPECT_EQ((*jobs)[0].job_id(), "job-7");
+  EXPECT_EQ((*jobs)[0].step(), 20);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/jobs/job-8.pb.corrupt"));
+  EXPECT_FALSE(FileJobStore::Open("/proc/no-such-dir").ok());
 }
 
 }  // namespace
