@@ -111,8 +111,8 @@ TEST_F(CliTest, CancelEndsARunningJobAndWatchExitsNonZero) {
   CommandResult submit = Ctl({"submit", WriteSpec("long.json", long_job)});
   ASSERT_EQ(submit.exit_code, 0) << submit.output;
   const std::string id = JobIdFrom(submit.output);
-  auto running = cluster_->WaitFor(id, [](const v1::Job& j) { return j.step() > 5; },
-                                   absl::Seconds(60));
+  auto running = cluster_->WaitFor(
+      id, [](const v1::Job& j) { return j.step() > 5; }, absl::Seconds(60));
   ASSERT_TRUE(running.ok()) << running.status();
   CommandResult cancel = Ctl({"cancel", id});
   EXPECT_EQ(cancel.exit_code, 0) << cancel.output;
@@ -129,7 +129,8 @@ TEST_F(CliTest, CancelEndsARunningJobAndWatchExitsNonZero) {
   auto workers = cluster_->Workers();
   ASSERT_TRUE(workers.ok());
   auto idle = cluster_->WaitFor(
-      id, [&](const v1::Job&) {
+      id,
+      [&](const v1::Job&) {
         auto w = cluster_->Workers();
         return w.ok() && w->size() == 2 && (*w)[0].state() == "idle" && (*w)[1].state() == "idle";
       },
@@ -156,9 +157,9 @@ TEST_F(CliTest, ErrorsAreOneLineWithTheCode) {
   CommandResult unknown = Ctl({"frobnicate"});
   EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
 
-  auto unreachable = RunCommand({LOCKSTEP_CTL_BIN, "--coordinator=127.0.0.1:1", "--timeout_ms=2000",
-                                 "list"},
-                                absl::Seconds(30));
+  auto unreachable =
+      RunCommand({LOCKSTEP_CTL_BIN, "--coordinator=127.0.0.1:1", "--timeout_ms=2000", "list"},
+                 absl::Seconds(30));
   ASSERT_TRUE(unreachable.ok());
   EXPECT_EQ(unreachable->exit_code, 3) << unreachable->output;
   EXPECT_TRUE(absl::StrContains(unreachable->output, "UNAVAILABLE") ||
@@ -178,10 +179,10 @@ TEST(AuthTest, TokenIsRequiredAndRejectionsAreVisible) {
   const std::string bad_token = cluster.dir() + "/bad-token";
   std::ofstream(bad_token) << "battery-staple\n";
   const std::string status_file = cluster.dir() + "/intruder.status";
-  auto intruder = RunCommand({LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster.address(),
-                              "--name=intruder", "--token_file=" + bad_token,
-                              "--status_file=" + status_file},
-                             absl::Seconds(30));
+  auto intruder =
+      RunCommand({LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster.address(), "--name=intruder",
+                  "--token_file=" + bad_token, "--status_file=" + status_file},
+                 absl::Seconds(30));
   ASSERT_TRUE(intruder.ok()) << intruder.status();
   EXPECT_EQ(intruder->exit_code, 3) << intruder->output;
   EXPECT_TRUE(absl::StrContains(intruder->output, "wrong token")) << intruder->output;

@@ -87,8 +87,9 @@ TEST(TrainingIntegrationTest, GlooTcpAndSharedMemoryGiveIdenticalParameters) {
     auto cluster = Cluster::Start();
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     for (const char* name : {"w0", "w1"}) {
-      ASSERT_TRUE((*cluster)->StartWorker(name, {shm ? "--shared_memory_collectives=true"
-                                                     : "--shared_memory_collectives=false"})
+      ASSERT_TRUE((*cluster)
+                      ->StartWorker(name, {shm ? "--shared_memory_collectives=true"
+                                               : "--shared_memory_collectives=false"})
                       .ok());
     }
     checksums[shm] = ExpectTrainedTogether(**cluster, 2, 200);

@@ -114,8 +114,7 @@ absl::StatusOr<int> Process::Wait(absl::Duration timeout) {
 absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
                                          absl::Duration timeout, const std::string& stdin_data) {
   static int counter = 0;
-  const std::string base =
-      absl::StrCat(::testing::TempDir(), "/cmd-", getpid(), "-", counter++);
+  const std::string base = absl::StrCat(::testing::TempDir(), "/cmd-", getpid(), "-", counter++);
   const std::vector<std::string>& args = argv;
   std::string in_path = "/dev/null";
   if (!stdin_data.empty()) {
@@ -220,9 +219,8 @@ absl::Status Cluster::WaitForWorker(const std::string& name, const std::string& 
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  return absl::DeadlineExceededError(
-      absl::StrCat("worker ", name, " not ", state, " within ", absl::FormatDuration(timeout),
-                   ":\n", Logs()));
+  return absl::DeadlineExceededError(absl::StrCat("worker ", name, " not ", state, " within ",
+                                                  absl::FormatDuration(timeout), ":\n", Logs()));
 }
 
 Cluster::~Cluster() {
@@ -233,10 +231,9 @@ Cluster::~Cluster() {
   }
 }
 
-absl::Status Cluster::StartWorker(const std::string& name,
-                                  const std::vector<std::string>& flags) {
-  std::vector<std::string> argv = {LOCKSTEP_WORKER_BIN, "--coordinator=" + address_,
-                                   "--device=cpu", "--name=" + name};
+absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std::string>& flags) {
+  std::vector<std::string> argv = {LOCKSTEP_WORKER_BIN, "--coordinator=" + address_, "--device=cpu",
+                                   "--name=" + name};
   if (!token_file_.empty()) argv.push_back("--token_file=" + token_file_);
   argv.insert(argv.end(), flags.begin(), flags.end());
   auto process = Process::Spawn(argv, absl::StrCat(dir_, "/", name, ".log"));

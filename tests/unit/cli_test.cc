@@ -228,8 +228,7 @@ TEST(Token, FilesAreTrimmedAndBadOnesNamed) {
   absl::StatusOr<std::string> good = ReadTokenFile(dir + "/good");
   ASSERT_TRUE(good.ok()) << good.status();
   EXPECT_EQ(*good, "s3cret-token");
-  EXPECT_THAT(std::string(ReadTokenFile(dir + "/empty").status().message()),
-              HasSubstr("empty"));
+  EXPECT_THAT(std::string(ReadTokenFile(dir + "/empty").status().message()), HasSubstr("empty"));
   EXPECT_THAT(std::string(ReadTokenFile(dir + "/spaced").status().message()),
               HasSubstr("printable ASCII"));
   absl::Status missing = ReadTokenFile(dir + "/nope").status();

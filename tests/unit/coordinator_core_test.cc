@@ -1,11 +1,11 @@
 // The coordinator core, driven by events with an explicit clock: registration, gang
 // scheduling, rank assignment, generations, stale-generation fencing and timeouts.
-#include "coordinator/core/core.h"
-#include "coordinator/core/ranks.h"
-#include "coordinator/store/job_store.h"
 #include <filesystem>
 #include <fstream>
 
+#include "coordinator/core/core.h"
+#include "coordinator/core/ranks.h"
+#include "coordinator/store/job_store.h"
 #include "gtest/gtest.h"
 
 namespace lockstep::coordinator {
