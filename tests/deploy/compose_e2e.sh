@@ -249,6 +249,7 @@ expect_exit() {
   log "exit $rc as expected: $(grep "$pattern" <<<"$out" | head -n1 | cut -c1-160)"
 }
 expect_exit 3 "wrong token" --network "$network" -e LOCKSTEP_TOKEN=not-the-token --name "${proj}_intruder" "$image"
+expect_exit 3 "missing token" --network "$network" "$image"
 "$ctl" workers | tee "$work/workers.txt"
 grep -q "Rejected clients" "$work/workers.txt" || fail "the coordinator does not list rejected clients"
 grep -q "wrong token" "$work/workers.txt" || fail "the coordinator does not say why it rejected"
@@ -256,4 +257,19 @@ expect_exit 4 "no session with coordinator nowhere:7070" --network "$network" \
   -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$image" --coordinator=nowhere:7070 --give_up_after=3s
 expect_exit 2 "device=cuda:0" --network "$network" -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$image" \
   --coordinator=coordinator:7070 --device=cuda:0
+
+# The cli service: lockstepctl inside the cluster network, token from the environment.
+"${compose[@]}" --profile cli run --rm cli list >"$work/cli.txt" 2>&1 || { cat "$work/cli.txt"; fail "cli service"; }
+grep -q "$job" "$work/cli.txt" || fail "the cli service does not list $job: $(cat "$work/cli.txt")"
+log "cli service lists $job"
+
+# The CUDA worker target: the relocatable bundle on a base without Lockstep's runtime
+# packages (here the plain Debian base stands in for the NVIDIA image, which no registry
+# provides here). Without a GPU it must refuse --device=cuda:0 with a clear line.
+cuda_image="$LOCKSTEP_IMAGE_PREFIX/worker-cuda:$LOCKSTEP_TAG"
+docker build -q -f "$root/deploy/docker/Dockerfile" --target worker-cuda \
+  --build-arg BUILD_IMAGE="$base_tag" --build-arg CUDA_RUNTIME_IMAGE="$base_tag" \
+  -t "$cuda_image" "$root" >"$work/cuda-build.log" 2>&1 || { tail -n 30 "$work/cuda-build.log"; fail "worker-cuda build"; }
+expect_exit 2 "device=cuda:0" -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$cuda_image" --coordinator=127.0.0.1:1
+docker rmi "$cuda_image" >/dev/null
 log "PASS"
