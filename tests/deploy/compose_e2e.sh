@@ -268,8 +268,10 @@ log "cli service lists $job"
 # provides here). Without a GPU it must refuse --device=cuda:0 with a clear line.
 cuda_image="$LOCKSTEP_IMAGE_PREFIX/worker-cuda:$LOCKSTEP_TAG"
 docker build -q -f "$root/deploy/docker/Dockerfile" --target worker-cuda \
-  --build-arg BUILD_IMAGE="$base_tag" --build-arg CUDA_RUNTIME_IMAGE="$base_tag" \
+  --build-arg BUILD_IMAGE="$base_tag" --build-arg RUNTIME_IMAGE="$base_tag" \
+  --build-arg CUDA_RUNTIME_IMAGE="$base_tag" \
   -t "$cuda_image" "$root" >"$work/cuda-build.log" 2>&1 || { tail -n 30 "$work/cuda-build.log"; fail "worker-cuda build"; }
-expect_exit 2 "device=cuda:0" -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$cuda_image" --coordinator=127.0.0.1:1
+expect_exit 2 "device=cuda:0" -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$cuda_image" \
+  --coordinator=127.0.0.1:1 --device=cuda:0
 docker rmi "$cuda_image" >/dev/null
 log "PASS"
