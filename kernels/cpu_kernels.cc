@@ -10,6 +10,17 @@
 #include <cmath>
 #include <cstring>
 
+// The fixed-point conversions are exact integer and power-of-two arithmetic, so every
+// instruction set computes the same bits: they are compiled for AVX-512, AVX2 and the
+// baseline, and the loader picks the best one for the CPU. (The floating-point kernels are
+// not: a fused multiply-add on one host and not on another would let ranks diverge.)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LOCKSTEP_EXACT_CLONES \
+  __attribute__((target_clones("arch=skylake-avx512", "avx2", "default")))
+#else
+#define LOCKSTEP_EXACT_CLONES
+#endif
+
 namespace lockstep::kernels {
 namespace {
 
@@ -336,7 +347,12 @@ int64_t ToFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out) {
   return rejected;
 }
 
-int64_t AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc) {
+namespace {
+
+// round(g * 2^frac_bits) into (kAccumulate) or over out[i]; see AccumulateFixedPoint.
+template <bool kAccumulate>
+__attribute__((always_inline)) inline int64_t FixedPointLoop(const float* g, size_t n,
+                                                             int frac_bits, int64_t* out) {
   assert(frac_bits >= 0 && frac_bits <= 62);
   const double scale = std::ldexp(1.0, frac_bits);
   // For |x| < 2^51, x + 1.5 * 2^52 lands in [2^52, 2^53), where doubles are exactly the
@@ -350,39 +366,58 @@ int64_t AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* a
   int64_t rejected = 0;
   for (size_t i = 0; i < n; ++i) {
     const double x = static_cast<double>(g[i]) * scale;
-    const bool ok = std::fabs(x) < kLimit;  // false for NaN and +-inf as well
-    const double t = (ok ? x : 0.0) + kMagic;
+    // All-ones when |x| < 2^51; zero for larger values, NaN and +-inf, whose (meaningless)
+    // bits are masked away. Integer masking instead of a select keeps the loop branch-free,
+    // which is what lets the compiler vectorize it.
+    const int64_t ok = -static_cast<int64_t>(std::fabs(x) < kLimit);
+    const double t = x + kMagic;
     int64_t bits;
     std::memcpy(&bits, &t, sizeof(bits));
-    acc[i] += bits - magic_bits;
-    rejected += ok ? 0 : 1;
+    if constexpr (kAccumulate) {
+      out[i] += (bits - magic_bits) & ok;
+    } else {
+      out[i] = (bits - magic_bits) & ok;
+    }
+    rejected += 1 + ok;
   }
   return rejected;
 }
 
+}  // namespace
+
+LOCKSTEP_EXACT_CLONES
+int64_t AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc) {
+  return FixedPointLoop<true>(g, n, frac_bits, acc);
+}
+
+LOCKSTEP_EXACT_CLONES
+int64_t StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out) {
+  return FixedPointLoop<false>(g, n, frac_bits, out);
+}
+
+LOCKSTEP_EXACT_CLONES
 void FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out) {
   assert(frac_bits >= 0 && frac_bits <= 62);
   const double scale = std::ldexp(1.0, -frac_bits);
-  // int64 -> double has no vector instruction before AVX-512DQ, so when every value is below
-  // 2^51 in magnitude (the usual case) use the 1.5 * 2^52 trick backwards: integer add, then a
-  // double subtract, both exact. Otherwise convert one by one. Same results either way.
+  // int64 -> double has no vector instruction before AVX-512DQ, so when every value is in
+  // [-2^51, 2^51) (the usual case) use the 1.5 * 2^52 trick backwards: integer add, then a
+  // double subtract, both exact. One pass converts and notes whether any value was outside
+  // (x + 2^51, as unsigned, has bits above 51); then the exact conversion redoes everything.
+  // Same results either way.
   constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52
-  constexpr int64_t kLimit = int64_t{1} << 51;
-  bool small = true;
-  for (size_t i = 0; i < n; ++i) small &= in[i] > -kLimit && in[i] < kLimit;
-  if (!small) {
-    for (size_t i = 0; i < n; ++i) {
-      out[i] = static_cast<float>(static_cast<double>(in[i]) * scale);
-    }
-    return;
-  }
   int64_t magic_bits;
   std::memcpy(&magic_bits, &kMagic, sizeof(magic_bits));
+  uint64_t outside = 0;
   for (size_t i = 0; i < n; ++i) {
+    outside |= (static_cast<uint64_t>(in[i]) + (uint64_t{1} << 51)) >> 52;
     const int64_t bits = in[i] + magic_bits;
     double d;
     std::memcpy(&d, &bits, sizeof(d));
     out[i] = static_cast<float>((d - kMagic) * scale);
+  }
+  if (outside == 0) return;
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = static_cast<float>(static_cast<double>(in[i]) * scale);
   }
 }
 

@@ -114,6 +114,11 @@ int64_t ToFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out);
 // Up to kMaxFixedPointAddends accumulations into one acc cannot overflow int64.
 int64_t AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc);
 
+// out[i] = round(g[i] * 2^frac_bits), exactly what AccumulateFixedPoint adds to a zeroed acc
+// (same rounding, same rejections, same count), without reading out first: a micro-shard's
+// first gradient needs no zeroed buffer.
+int64_t StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out);
+
 // Inverse of ToFixedPoint: out[i] = float(double(in[i]) * 2^-frac_bits). Exact for any sum of
 // up to kMaxFixedPointAddends ToFixedPoint outputs up to the final rounding to float (and the
 // int64 -> double rounding, which only matters above 2^53). Requires 0 <= frac_bits <= 62.

@@ -756,6 +756,21 @@ TEST(AccumulateFixedPointTest, MatchesRoundHalfEvenAndCountsRejects) {
   EXPECT_EQ(a, b);
 }
 
+TEST(AccumulateFixedPointTest, StoreIsAccumulateIntoZero) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-5.0f, 5.0f);
+  std::vector<float> g(777);
+  for (float& v : g) v = u(rng);
+  g[3] = std::numeric_limits<float>::quiet_NaN();
+  g[9] = 1e9f;  // out of range for frac 40
+  std::vector<int64_t> stored(g.size(), -99), accumulated(g.size(), 0);
+  const int64_t rejected_store = StoreFixedPoint(g.data(), g.size(), 40, stored.data());
+  const int64_t rejected_acc = AccumulateFixedPoint(g.data(), g.size(), 40, accumulated.data());
+  EXPECT_EQ(rejected_store, 2);
+  EXPECT_EQ(rejected_store, rejected_acc);
+  EXPECT_EQ(stored, accumulated);  // rejected entries become 0, not the old -99
+}
+
 TEST(AccumulateFixedPointTest, FromFixedPointHandlesSmallAndLargeSums) {
   // All below 2^51 (the fast path) and one above (the exact slow path) give the same values
   // as a plain double conversion.

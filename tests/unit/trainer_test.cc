@@ -4,6 +4,7 @@
 #include "worker/train/trainer.h"
 
 #include <cmath>
+#include <cstring>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -11,7 +12,9 @@
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/train/dataset.h"
+#include "kernels/cpu_kernels.h"
 #include "worker/train/mlp.h"
+#include "worker/train/optimizer.h"
 
 namespace lockstep::worker {
 namespace {
@@ -85,6 +88,35 @@ TEST(MlpTest, GradientMatchesFiniteDifferences) {
     // Central differences in float with h = 1e-2 carry O(h^2) truncation plus rounding of the
     // loss difference; 1e-2 relative is far below what a wrong gradient gives (~1).
     EXPECT_LT(std::sqrt(err / norm), 1e-2) << "activation " << static_cast<int>(act);
+  }
+}
+
+// The fused fixed-point update gives the bits of FromFixedPoint followed by Step, for both
+// optimizers and a size that is not a multiple of its block, including a value above 2^51.
+TEST(OptimizerTest, StepFixedPointMatchesConvertThenStep) {
+  for (const char* type : {"sgd", "adamw"}) {
+    v1::OptimizerSpec spec;
+    spec.set_type(type);
+    spec.set_learning_rate(0.01);
+    spec.set_momentum(0.9);
+    spec.set_weight_decay(0.01);
+    spec.set_warmup_steps(2);
+    const size_t n = 10'000;
+    Optimizer fused(spec, n, 100), plain(spec, n, 100);
+    std::vector<float> p1(n), p2(n), g(n);
+    std::vector<int64_t> fixed(n);
+    for (size_t i = 0; i < n; ++i) {
+      p1[i] = p2[i] = std::sin(static_cast<float>(i));
+      fixed[i] = static_cast<int64_t>((i * 2654435761u) % 2000003) - 1000001;
+    }
+    fixed[5000] = int64_t{1} << 55;
+    for (int64_t step = 1; step <= 3; ++step) {
+      fused.StepFixedPoint(p1.data(), fixed.data(), 32, step);
+      kernels::FromFixedPoint(fixed.data(), n, 32, g.data());
+      plain.Step(p2.data(), g.data(), step);
+    }
+    EXPECT_EQ(0, std::memcmp(p1.data(), p2.data(), n * sizeof(float))) << type;
+    EXPECT_EQ(fused.state(), plain.state()) << type;
   }
 }
 

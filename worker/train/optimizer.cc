@@ -24,14 +24,34 @@ double Optimizer::LearningRate(int64_t step) const {
 }
 
 void Optimizer::Step(float* params, const float* grads, int64_t step) {
+  UpdateRange(params, grads, 0, num_params_, step);
+}
+
+void Optimizer::StepFixedPoint(float* params, const int64_t* fixed_grads, int frac_bits,
+                               int64_t step) {
+  // 16 KiB of floats: the block's int64 input, its conversion and the parameters and state it
+  // updates stay in L1/L2 between the two passes.
+  constexpr size_t kBlock = 4096;
+  block_.resize(kBlock);
+  for (size_t offset = 0; offset < num_params_; offset += kBlock) {
+    const size_t count = std::min(kBlock, num_params_ - offset);
+    kernels::FromFixedPoint(fixed_grads + offset, count, frac_bits, block_.data());
+    UpdateRange(params + offset, block_.data(), offset, count, step);
+  }
+}
+
+// Updates the `count` parameters at `params` (parameter index `offset` on) with the gradient at
+// `grads`: both updates are elementwise, so any split gives the same bits as one call.
+void Optimizer::UpdateRange(float* params, const float* grads, size_t offset, size_t count,
+                            int64_t step) {
   const float lr = static_cast<float>(LearningRate(step));
   if (spec_.type() == "adamw") {
-    kernels::AdamWUpdate(params, grads, state_.data(), state_.data() + num_params_, num_params_,
-                         lr, static_cast<float>(spec_.beta1()), static_cast<float>(spec_.beta2()),
-                         static_cast<float>(spec_.epsilon()),
-                         static_cast<float>(spec_.weight_decay()), step);
+    kernels::AdamWUpdate(
+        params, grads, state_.data() + offset, state_.data() + num_params_ + offset, count, lr,
+        static_cast<float>(spec_.beta1()), static_cast<float>(spec_.beta2()),
+        static_cast<float>(spec_.epsilon()), static_cast<float>(spec_.weight_decay()), step);
   } else {
-    kernels::SgdMomentumUpdate(params, grads, state_.data(), num_params_, lr,
+    kernels::SgdMomentumUpdate(params, grads, state_.data() + offset, count, lr,
                                static_cast<float>(spec_.momentum()),
                                static_cast<float>(spec_.weight_decay()));
   }

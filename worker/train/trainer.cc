@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -40,9 +40,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
         absl::StrCat("model.activation: unknown \"", spec.model().activation(), "\""));
   }
   if (spec.global_batch_size() > data->train.samples) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "global_batch_size ", spec.global_batch_size(), " exceeds the ", data->train.samples,
-        " training samples of the data set"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("global_batch_size ", spec.global_batch_size(), " exceeds the ",
+                     data->train.samples, " training samples of the data set"));
   }
   if (spec.micro_shards() <= 0 || spec.global_batch_size() % spec.micro_shards() != 0 ||
       comm->size() > spec.micro_shards()) {
@@ -57,8 +57,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
       new Trainer(spec, std::move(data), comm, std::move(dims), activation));
 }
 
-Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data,
-                 Communicator* comm, std::vector<int> dims, kernels::Activation activation)
+Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, Communicator* comm,
+                 std::vector<int> dims, kernels::Activation activation)
     : spec_(spec),
       data_(std::move(data)),
       comm_(comm),
@@ -99,7 +99,9 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   const size_t n = model_.num_params();
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
   const double scale = std::ldexp(1.0, kFixedPointFracBits);
-  fixed_sum_.assign(n + 2, 0);
+  // Every entry is written before it is read: the first shard stores, later ones add.
+  fixed_sum_.resize(n + 2);
+  fixed_sum_[n] = 0;
   int64_t out_of_range = 0;
   const absl::Time t0 = absl::Now();
   GradientReducer* reducer = reducer_.get();
@@ -115,10 +117,10 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
     LoadBatch(&indices_[first], shard);
     size_t accumulated = 0, sent = 0;
     double loss = 0;
+    auto to_fixed = k == 0 ? kernels::StoreFixedPoint : kernels::AccumulateFixedPoint;
     auto on_ready = [&](size_t ready) {
-      out_of_range += kernels::AccumulateFixedPoint(model_.grads() + accumulated,
-                                                    ready - accumulated, kFixedPointFracBits,
-                                                    fixed_sum_.data() + accumulated);
+      out_of_range += to_fixed(model_.grads() + accumulated, ready - accumulated,
+                               kFixedPointFracBits, fixed_sum_.data() + accumulated);
       accumulated = ready;
       if (ready - sent >= chunk_floats_ && ready < n) {
         reducer->Enqueue(fixed_sum_.data() + sent, ready - sent);
@@ -127,13 +129,11 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
     };
     // Every shard is computed with the same row blocks, last or not, so its bits do not
     // depend on its position in a rank's share.
-    loss = model_.ForwardBackward(batch_x_.data(), batch_y_.data(), shard, inv_batch,
-                                  chunk_floats_, nullptr,
-                                  last_shard ? std::function<void(size_t)>(on_ready)
-                                             : std::function<void(size_t)>());
+    loss = model_.ForwardBackward(
+        batch_x_.data(), batch_y_.data(), shard, inv_batch, chunk_floats_, nullptr,
+        last_shard ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>());
     if (!last_shard) {
-      out_of_range += kernels::AccumulateFixedPoint(model_.grads(), n, kFixedPointFracBits,
-                                                    fixed_sum_.data());
+      out_of_range += to_fixed(model_.grads(), n, kFixedPointFracBits, fixed_sum_.data());
     }
     const double scaled_loss = loss * inv_batch * scale;
     if (std::isfinite(scaled_loss) && std::abs(scaled_loss) < 0x1p51) {
@@ -155,9 +155,8 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
         "fixed-point range |g| < %g; lower the learning rate or turn deterministic off",
         fixed_sum_[n + 1], step, std::ldexp(1.0, 51 - kFixedPointFracBits)));
   }
-  kernels::FromFixedPoint(fixed_sum_.data(), n, kFixedPointFracBits, model_.grads());
   last_loss_ = static_cast<double>(fixed_sum_[n]) / scale;
-  optimizer_->Step(model_.params(), model_.grads(), step);
+  optimizer_->StepFixedPoint(model_.params(), fixed_sum_.data(), kFixedPointFracBits, step);
   completed_step_ = step;
   timing_.compute += t1 - t0;
   timing_.exposed_comm += t2 - t1;
@@ -207,8 +206,7 @@ void Trainer::set_communicator(Communicator* comm) {
 }
 
 uint64_t Trainer::StateFingerprint() const {
-  std::string id = absl::StrCat("mlp/", spec_.model().activation(), "/",
-                                spec_.optimizer().type());
+  std::string id = absl::StrCat("mlp/", spec_.model().activation(), "/", spec_.optimizer().type());
   for (int d : model_.dims()) absl::StrAppend(&id, "/", d);
   return kernels::Fnv1a64(id.data(), id.size());
 }
@@ -231,14 +229,14 @@ absl::StatusOr<Trainer::HealInfo> Trainer::Heal() {
   const absl::Time start = absl::Now();
   bool from_checkpoint = false;
   if (comm_->rank() == 0 && spec_.checkpoint_every_steps() > 0) {
-    absl::StatusOr<CheckpointData> ckpt = LoadLatestCheckpoint(
-        spec_.checkpoint_dir(), StateFingerprint(), model_.num_params(),
-        optimizer_->state().size(), completed_step_);
+    absl::StatusOr<CheckpointData> ckpt =
+        LoadLatestCheckpoint(spec_.checkpoint_dir(), StateFingerprint(), model_.num_params(),
+                             optimizer_->state().size(), completed_step_);
     if (ckpt.ok()) {
       std::copy(ckpt->params.begin(), ckpt->params.end(), model_.params());
       optimizer_->state() = std::move(ckpt->optimizer_state);
-      LOG(INFO) << "loaded checkpoint of step " << ckpt->step << " from "
-                << spec_.checkpoint_dir() << " (held step " << completed_step_ << ")";
+      LOG(INFO) << "loaded checkpoint of step " << ckpt->step << " from " << spec_.checkpoint_dir()
+                << " (held step " << completed_step_ << ")";
       completed_step_ = ckpt->step;
       from_checkpoint = true;
     }
@@ -261,8 +259,8 @@ absl::StatusOr<Trainer::HealInfo> Trainer::Heal() {
         std::all_of(steps.begin(), steps.end(), [&](int64_t s) { return s == steps[source]; });
     if (!all_equal) {
       std::vector<float>& opt = optimizer_->state();
-      absl::Status s = comm_->Broadcast(model_.params(), model_.num_params() * sizeof(float),
-                                        source);
+      absl::Status s =
+          comm_->Broadcast(model_.params(), model_.num_params() * sizeof(float), source);
       if (s.ok()) s = comm_->Broadcast(opt.data(), opt.size() * sizeof(float), source);
       if (!s.ok()) return absl::Status(s.code(), absl::StrCat("healing: ", s.message()));
     }
@@ -361,8 +359,8 @@ double Trainer::TrainSamplesPerSecond() const {
 }
 
 std::string Trainer::ParameterChecksum() const {
-  return absl::StrFormat("%016x", kernels::Fnv1a64(model_.params(),
-                                                   model_.num_params() * sizeof(float)));
+  return absl::StrFormat("%016x",
+                         kernels::Fnv1a64(model_.params(), model_.num_params() * sizeof(float)));
 }
 
 }  // namespace lockstep::worker
