@@ -1,0 +1,394 @@
+// CUDA twins of the CPU kernels; see cuda_kernels.h. Elementwise kernels use grid-stride loops
+// of 256 threads; none of them needs shared memory. Reductions that feed the training state
+// (bias gradients, the loss sum) run in a fixed order, so a rank gets the same bits every run.
+#include "kernels/cuda_kernels.h"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/gpu_check.h"
+
+namespace lockstep::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+// Enough blocks to fill an H200 (132 SMs) several times over; grid-stride loops do the rest.
+constexpr int kMaxBlocks = 132 * 16;
+
+int Blocks(size_t n) {
+  const size_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < kMaxBlocks ? (blocks == 0 ? 1 : blocks) : kMaxBlocks);
+}
+
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+// Same forms as the CPU's (erfc keeps precision for negative x).
+__device__ float Gelu(float x) { return 0.5f * x * erfcf(-x * kInvSqrt2); }
+__device__ float GeluDerivative(float x) {
+  return 0.5f * erfcf(-x * kInvSqrt2) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+}
+
+__global__ void BiasActivationKernel(const float* bias, int rows, int cols, Activation act,
+                                     float* z, float* a) {
+  const size_t n = static_cast<size_t>(rows) * cols;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float v = z[i] + bias[i % cols];
+    z[i] = v;
+    a[i] = act == Activation::kRelu   ? (v > 0.0f ? v : 0.0f)
+           : act == Activation::kGelu ? Gelu(v)
+                                      : v;
+  }
+}
+
+__global__ void GeluKernel(const float* z, float* a, size_t n) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    a[i] = Gelu(z[i]);
+  }
+}
+
+__global__ void ActivationBackwardKernel(Activation act, const float* z, const float* da,
+                                         float* dz, size_t n) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float d = da[i];
+    dz[i] = act == Activation::kRelu   ? (z[i] > 0.0f ? d : 0.0f)
+            : act == Activation::kGelu ? d * GeluDerivative(z[i])
+                                       : d;
+  }
+}
+
+// One thread per column; consecutive threads read consecutive addresses of each row.
+__global__ void BiasGradientKernel(const float* dz, int rows, int cols, float* db) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  double sum = 0.0;
+  for (int r = 0; r < rows; ++r) sum += dz[static_cast<size_t>(r) * cols + c];
+  db[c] = static_cast<float>(sum);
+}
+
+// One thread per row: the classifier has few classes (10 for the MLPs here), so a row is a
+// few dozen bytes and a warp per row would idle most of its lanes.
+__global__ void SoftmaxCrossEntropyKernel(const float* logits, const int32_t* labels, int rows,
+                                          int classes, float grad_scale, float* dlogits,
+                                          double* row_loss, int32_t* row_correct) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const float* x = logits + static_cast<size_t>(r) * classes;
+  const int label = labels[r];
+  int argmax = 0;
+  float max = x[0];
+  for (int c = 1; c < classes; ++c) {
+    if (x[c] > max) {
+      max = x[c];
+      argmax = c;
+    }
+  }
+  double sum = 0.0;
+  if (dlogits != nullptr) {
+    float* e = dlogits + static_cast<size_t>(r) * classes;
+    for (int c = 0; c < classes; ++c) {
+      e[c] = expf(x[c] - max);
+      sum += e[c];
+    }
+    const float scale = static_cast<float>(static_cast<double>(grad_scale) / sum);
+    for (int c = 0; c < classes; ++c) e[c] *= scale;
+    e[label] -= grad_scale;
+  } else {
+    for (int c = 0; c < classes; ++c) sum += expf(x[c] - max);
+  }
+  row_loss[r] = log(sum) - (static_cast<double>(x[label]) - static_cast<double>(max));
+  if (row_correct != nullptr) row_correct[r] = argmax == label ? 1 : 0;
+}
+
+// A single thread adds the rows in order: deterministic, and a few microseconds for the batch
+// sizes a worker sees (thousands of rows), which is not worth a tree.
+__global__ void SumInOrderKernel(const double* values, int n, double* out) {
+  double sum = 0.0;
+  for (int i = 0; i < n; ++i) sum += values[i];
+  *out = sum;
+}
+
+__global__ void SgdKernel(float* p, const float* g, float* buf, size_t n, float lr,
+                          float momentum, float weight_decay) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float gi = g[i] + weight_decay * p[i];
+    const float bi = momentum * buf[i] + gi;
+    buf[i] = bi;
+    p[i] -= lr * bi;
+  }
+}
+
+__global__ void AdamWKernel(float* p, const float* g, float* m, float* v, size_t n, float beta1,
+                            float beta2, float one_minus_b1, float one_minus_b2, float decay,
+                            float step_size, float bc2_sqrt, float eps) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float gi = g[i];
+    const float mi = beta1 * m[i] + one_minus_b1 * gi;
+    const float vi = beta2 * v[i] + one_minus_b2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = sqrtf(vi) / bc2_sqrt + eps;
+    p[i] = p[i] * decay - step_size * (mi / denom);
+  }
+}
+
+// round(g * 2^frac_bits), ties to even (__double2ll_rn), exactly the CPU's magic-number
+// rounding; |x| >= 2^51, NaN and inf contribute 0 and are counted.
+template <bool kAccumulate>
+__global__ void FixedPointKernel(const float* g, size_t n, double scale, int64_t* out,
+                                 unsigned long long* rejected) {
+  unsigned long long local = 0;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const double x = static_cast<double>(g[i]) * scale;
+    const bool ok = fabs(x) < 2251799813685248.0;  // 2^51; false for NaN and +-inf
+    const int64_t q = ok ? __double2ll_rn(x) : 0;
+    if (kAccumulate) {
+      out[i] += q;
+    } else {
+      out[i] = q;
+    }
+    local += ok ? 0 : 1;
+  }
+  // Rejections are rare (they fail the step), so one atomic per thread that saw any is cheap.
+  if (local != 0) atomicAdd(rejected, local);
+}
+
+__global__ void FromFixedPointKernel(const int64_t* in, size_t n, double scale, float* out) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    out[i] = static_cast<float>(__ll2double_rn(in[i]) * scale);
+  }
+}
+
+absl::Status LaunchStatus(const char* kernel) {
+  const cudaError_t error = cudaGetLastError();
+  if (error == cudaSuccess) return absl::OkStatus();
+  return GpuStatus(error, kernel, __FILE__, __LINE__);
+}
+
+cublasHandle_t BlasHandle(void* h) { return static_cast<cublasHandle_t>(h); }
+cublasLtHandle_t LtHandle(void* h) { return static_cast<cublasLtHandle_t>(h); }
+
+// Owns the cuBLASLt descriptors of one matmul call.
+struct LtDescriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t preference = nullptr;
+  ~LtDescriptors() {
+    if (preference != nullptr) cublasLtMatmulPreferenceDestroy(preference);
+    if (d != nullptr) cublasLtMatrixLayoutDestroy(d);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (op != nullptr) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream) {
+  std::unique_ptr<Blas> blas(new Blas());
+  blas->stream_ = stream;
+  cublasHandle_t handle = nullptr;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasCreate(&handle));
+  blas->blas_ = handle;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSetStream(handle, stream));
+  // FP32 products stay FP32 (no TF32) so that CPU and GPU workers agree to FP32 rounding.
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH));
+  cublasLtHandle_t lt = nullptr;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtCreate(&lt));
+  blas->lt_ = lt;
+  // 32 MiB: what NVIDIA recommends for Hopper's cuBLASLt kernels.
+  blas->workspace_bytes_ = size_t{32} << 20;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&blas->workspace_, blas->workspace_bytes_));
+  return blas;
+}
+
+Blas::~Blas() {
+  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (lt_ != nullptr) cublasLtDestroy(LtHandle(lt_));
+  if (blas_ != nullptr) cublasDestroy(BlasHandle(blas_));
+}
+
+absl::Status Blas::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                        const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                        int ldc) {
+  if (m == 0 || n == 0) return absl::OkStatus();
+  // Row-major C (m x n) is column-major C^T (n x m) = op(B)^T * op(A)^T: swap the operands
+  // and keep each one's transpose flag.
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSgemm(
+      BlasHandle(blas_), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      n, m, k, &alpha, b, ldb, a, lda, &beta, c, ldc));
+  return absl::OkStatus();
+}
+
+absl::Status Blas::LinearForward(const float* x, const float* w, const float* bias, int rows,
+                                 int in, int out, Activation act, float* z, float* a) {
+  if (rows == 0 || out == 0) return absl::OkStatus();
+  if (act != Activation::kGelu && z != a) {
+    return absl::InvalidArgumentError("LinearForward: identity and ReLU write a only (z == a)");
+  }
+  // Column-major view: W is stored (in x out), X (in x rows), the output (out x rows). The
+  // output's "rows" are the layer's features, which is what cuBLASLt's bias runs along.
+  LtDescriptors desc;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)));
+  const cublasLtEpilogue_t epilogue =
+      act == Activation::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_32F, in, out, in));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_32F, in, rows, in));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_32F, out, rows, out));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc.preference));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
+      sizeof(workspace_bytes_)));
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a,
+                                                              desc.b, desc.d, desc.d,
+                                                              desc.preference, 1, &heuristic,
+                                                              &found));
+  if (found == 0) {
+    return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for a ", rows, "x", in,
+                                            " by ", in, "x", out, " product with bias epilogue"));
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  float* d = act == Activation::kGelu ? z : a;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, w, desc.a, x,
+                                              desc.b, &beta, d, desc.d, d, desc.d,
+                                              &heuristic.algo, workspace_, workspace_bytes_,
+                                              stream_));
+  if (act == Activation::kGelu) {
+    const size_t n = static_cast<size_t>(rows) * out;
+    GeluKernel<<<Blocks(n), kThreads, 0, stream_>>>(z, a, n);
+    return LaunchStatus("GeluKernel");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activation act,
+                                   float* z, float* a, cudaStream_t stream) {
+  const size_t n = static_cast<size_t>(rows) * cols;
+  if (n == 0) return absl::OkStatus();
+  BiasActivationKernel<<<Blocks(n), kThreads, 0, stream>>>(bias, rows, cols, act, z, a);
+  return LaunchStatus("BiasActivationKernel");
+}
+
+absl::Status ActivationBackward(Activation act, const float* z, const float* da, float* dz,
+                                size_t n, cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  ActivationBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(act, z, da, dz, n);
+  return LaunchStatus("ActivationBackwardKernel");
+}
+
+absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, cudaStream_t stream) {
+  if (cols == 0) return absl::OkStatus();
+  BiasGradientKernel<<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream>>>(dz, rows, cols,
+                                                                                db);
+  return LaunchStatus("BiasGradientKernel");
+}
+
+absl::Status SoftmaxCrossEntropy(const float* logits, const int32_t* labels, int rows,
+                                 int classes, float grad_scale, float* dlogits, double* row_loss,
+                                 int32_t* row_correct, double* loss_sum, cudaStream_t stream) {
+  if (classes < 1) return absl::InvalidArgumentError("SoftmaxCrossEntropy: classes must be >= 1");
+  if (rows > 0) {
+    SoftmaxCrossEntropyKernel<<<(rows + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        logits, labels, rows, classes, grad_scale, dlogits, row_loss, row_correct);
+    if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyKernel"); !s.ok()) return s;
+  }
+  SumInOrderKernel<<<1, 1, 0, stream>>>(row_loss, rows, loss_sum);
+  return LaunchStatus("SumInOrderKernel");
+}
+
+absl::Status SgdMomentumUpdate(float* p, const float* g, float* buf, size_t n, float lr,
+                               float momentum, float weight_decay, cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  SgdKernel<<<Blocks(n), kThreads, 0, stream>>>(p, g, buf, n, lr, momentum, weight_decay);
+  return LaunchStatus("SgdKernel");
+}
+
+absl::Status AdamWUpdate(float* p, const float* g, float* m, float* v, size_t n, float lr,
+                         float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                         cudaStream_t stream) {
+  if (step < 1) return absl::InvalidArgumentError("AdamWUpdate: step is 1-based");
+  if (n == 0) return absl::OkStatus();
+  // The scalars exactly as the CPU twin computes them (double, rounded once to float).
+  const double t = static_cast<double>(step);
+  const double lr_d = lr;
+  const float decay = static_cast<float>(1.0 - lr_d * weight_decay);
+  const float one_minus_b1 = static_cast<float>(1.0 - static_cast<double>(beta1));
+  const float one_minus_b2 = static_cast<float>(1.0 - static_cast<double>(beta2));
+  const float step_size = static_cast<float>(lr_d / (1.0 - std::pow(double{beta1}, t)));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{beta2}, t)));
+  AdamWKernel<<<Blocks(n), kThreads, 0, stream>>>(p, g, m, v, n, beta1, beta2, one_minus_b1,
+                                                  one_minus_b2, decay, step_size, bc2_sqrt, eps);
+  return LaunchStatus("AdamWKernel");
+}
+
+absl::Status StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out,
+                             unsigned long long* rejected, cudaStream_t stream) {
+  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
+  if (n == 0) return absl::OkStatus();
+  FixedPointKernel<false><<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits),
+                                                              out, rejected);
+  return LaunchStatus("FixedPointKernel<store>");
+}
+
+absl::Status AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc,
+                                  unsigned long long* rejected, cudaStream_t stream) {
+  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
+  if (n == 0) return absl::OkStatus();
+  FixedPointKernel<true><<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits),
+                                                             acc, rejected);
+  return LaunchStatus("FixedPointKernel<accumulate>");
+}
+
+absl::Status FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out,
+                            cudaStream_t stream) {
+  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
+  if (n == 0) return absl::OkStatus();
+  FromFixedPointKernel<<<Blocks(n), kThreads, 0, stream>>>(in, n, std::ldexp(1.0, -frac_bits),
+                                                           out);
+  return LaunchStatus("FromFixedPointKernel");
+}
+
+absl::Status PackBucket(const float* flat, const Segments& segments, float* bucket,
+                        cudaStream_t stream) {
+  size_t at = 0;
+  for (const auto& [offset, count] : segments) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(bucket + at, flat + offset, count * sizeof(float),
+                                                 cudaMemcpyDeviceToDevice, stream));
+    at += count;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UnpackBucket(const float* bucket, const Segments& segments, float* flat,
+                          cudaStream_t stream) {
+  size_t at = 0;
+  for (const auto& [offset, count] : segments) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(flat + offset, bucket + at, count * sizeof(float),
+                                                 cudaMemcpyDeviceToDevice, stream));
+    at += count;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace lockstep::kernels::cuda

@@ -1,0 +1,99 @@
+// CUDA twins of cpu_kernels.h for the GPU worker: matrix products through cuBLAS and cuBLASLt
+// (bias and ReLU fused in the epilogue), bias + activation, fused softmax cross-entropy forward
+// and backward, fused SGD-momentum and AdamW updates over all parameters, the fixed-point
+// conversions of deterministic mode, and gradient bucket packing.
+//
+// Same conventions as the CPU twins (row-major, non-owning device pointers, same formulas and
+// argument meanings), plus: everything is enqueued on the given stream and returns without
+// waiting; a Status reports launch and library errors (kernels/gpu_check.h), never a crash.
+// tests/gpu/cuda_kernels_test.cc compares every function with its CPU twin on random data.
+#ifndef LOCKSTEP_KERNELS_CUDA_KERNELS_H_
+#define LOCKSTEP_KERNELS_CUDA_KERNELS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cpu_kernels.h"
+
+namespace lockstep::kernels::cuda {
+
+// cuBLAS and cuBLASLt handles and the cuBLASLt workspace, bound to one stream. Not thread-safe:
+// one per worker (per device), used from the thread that owns the stream.
+class Blas {
+ public:
+  static absl::StatusOr<std::unique_ptr<Blas>> Create(cudaStream_t stream);
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+
+  // Twin of kernels::Gemm: C = alpha * op(A) * op(B) + beta * C, row-major. FP32 arithmetic
+  // (no TF32), so results match the CPU within FP32 rounding of the summation order.
+  absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+                    int lda, const float* b, int ldb, float beta, float* c, int ldc);
+
+  // One layer's forward: z = x * w^T + bias, a = act(z); x is rows x in, w is out x in (as
+  // stored by the CPU model), z and a are rows x out. Identity and ReLU run entirely in the
+  // matmul's epilogue and write only `a` (pass z == a: for ReLU the output stands in for the
+  // pre-activation in ActivationBackward, as on the CPU). GELU (exact, erf form) needs the
+  // pre-activation: the epilogue adds the bias into z and a kernel writes a; z != a.
+  absl::Status LinearForward(const float* x, const float* w, const float* bias, int rows, int in,
+                             int out, Activation act, float* z, float* a);
+
+ private:
+  Blas() = default;
+  cudaStream_t stream_ = nullptr;
+  void* blas_ = nullptr;  // cublasHandle_t
+  void* lt_ = nullptr;    // cublasLtHandle_t
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+};
+
+absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activation act, float* z,
+                                   float* a, cudaStream_t stream);
+absl::Status ActivationBackward(Activation act, const float* z, const float* da, float* dz,
+                                size_t n, cudaStream_t stream);
+// db[c] = sum over r of dz[r][c], accumulated in double in row order (deterministic).
+absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, cudaStream_t stream);
+
+// Twin of kernels::SoftmaxCrossEntropy. Per-row results go to device arrays: row_loss[r]
+// (double), and if row_correct != nullptr, row_correct[r] = 1 when the first argmax equals the
+// label, else 0. *loss_sum (device double) receives the sum of row_loss in row order, the same
+// every run. dlogits may be null (forward only).
+absl::Status SoftmaxCrossEntropy(const float* logits, const int32_t* labels, int rows, int classes,
+                                 float grad_scale, float* dlogits, double* row_loss,
+                                 int32_t* row_correct, double* loss_sum, cudaStream_t stream);
+
+absl::Status SgdMomentumUpdate(float* p, const float* g, float* buf, size_t n, float lr,
+                               float momentum, float weight_decay, cudaStream_t stream);
+absl::Status AdamWUpdate(float* p, const float* g, float* m, float* v, size_t n, float lr,
+                         float beta1, float beta2, float eps, float weight_decay, int64_t step,
+                         cudaStream_t stream);
+
+// Twins of StoreFixedPoint / AccumulateFixedPoint / FromFixedPoint: bit-identical results
+// (round half to even, the same 2^51 limit). The number of rejected values is ADDED to the
+// device counter *rejected (unsigned long long; integer atomics, so the total is exact).
+absl::Status StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out,
+                             unsigned long long* rejected, cudaStream_t stream);
+absl::Status AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc,
+                                  unsigned long long* rejected, cudaStream_t stream);
+absl::Status FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out,
+                            cudaStream_t stream);
+
+// A bucket made of (offset, count) ranges of a flat gradient: Pack gathers them into one
+// contiguous buffer (in order), Unpack scatters it back. Device-to-device copies on `stream`.
+using Segments = std::vector<std::pair<size_t, size_t>>;
+absl::Status PackBucket(const float* flat, const Segments& segments, float* bucket,
+                        cudaStream_t stream);
+absl::Status UnpackBucket(const float* bucket, const Segments& segments, float* flat,
+                          cudaStream_t stream);
+
+}  // namespace lockstep::kernels::cuda
+
+#endif  // LOCKSTEP_KERNELS_CUDA_KERNELS_H_

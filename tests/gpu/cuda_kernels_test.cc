@@ -1,0 +1,242 @@
+// Every CUDA kernel against its CPU twin on random data (label gpu; skipped without a device).
+// Tolerances fit the arithmetic: relative error norms of 1e-5 where the summation order
+// differs (GEMM, GPU fused multiply-adds), exact equality for the fixed-point conversions,
+// whose bits must match the CPU's for deterministic mode to mix CPU and GPU workers.
+#include "kernels/cuda_kernels.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu_kernels.h"
+#include "kernels/gpu_check.h"
+
+namespace lockstep::kernels {
+namespace {
+
+// Skips the test, with the reason, when this machine cannot run CUDA code.
+#define LOCKSTEP_REQUIRE_GPU()                                                  \
+  do {                                                                          \
+    int count = 0;                                                              \
+    const cudaError_t e = cudaGetDeviceCount(&count);                           \
+    if (e != cudaSuccess || count == 0) {                                       \
+      GTEST_SKIP() << "no usable GPU: "                                         \
+                   << (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices"); \
+    }                                                                           \
+  } while (false)
+
+template <typename T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(const std::vector<T>& host) : n_(host.size()) {
+    EXPECT_EQ(cudaMalloc(&ptr_, std::max<size_t>(1, n_) * sizeof(T)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  explicit DeviceBuffer(size_t n) : DeviceBuffer(std::vector<T>(n)) {}
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  T* get() { return ptr_; }
+  std::vector<T> Read() const {
+    std::vector<T> host(n_);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(host.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t n_;
+};
+
+std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+double RelativeError(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
+    norm += double{want[i]} * want[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+TEST(CudaKernelsTest, GemmMatchesCpuForEveryTransposition) {
+  LOCKSTEP_REQUIRE_GPU();
+  auto blas = cuda::Blas::Create(nullptr);
+  ASSERT_TRUE(blas.ok()) << blas.status();
+  const int m = 67, n = 45, k = 129;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      const int lda = ta ? m : k, ldb = tb ? k : n;
+      std::vector<float> a = Random(static_cast<size_t>(m) * k, 1), b = Random(size_t{k} * n, 2);
+      std::vector<float> c = Random(static_cast<size_t>(m) * n, 3), want = c;
+      Gemm(ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 0.25f, want.data(), n);
+      DeviceBuffer<float> da(a), db(b), dc(c);
+      ASSERT_TRUE(
+          (*blas)
+              ->Gemm(ta, tb, m, n, k, 0.5f, da.get(), lda, db.get(), ldb, 0.25f, dc.get(), n)
+              .ok());
+      EXPECT_LT(RelativeError(dc.Read(), want), 1e-5) << "trans_a " << ta << " trans_b " << tb;
+    }
+  }
+}
+
+TEST(CudaKernelsTest, LinearForwardMatchesCpuForEachActivation) {
+  LOCKSTEP_REQUIRE_GPU();
+  auto blas = cuda::Blas::Create(nullptr);
+  ASSERT_TRUE(blas.ok()) << blas.status();
+  const int rows = 96, in = 80, out = 33;
+  const std::vector<float> x = Random(size_t{rows} * in, 4), w = Random(size_t{out} * in, 5, 0.1f);
+  const std::vector<float> bias = Random(out, 6);
+  for (Activation act : {Activation::kIdentity, Activation::kRelu, Activation::kGelu}) {
+    std::vector<float> z(size_t{rows} * out), want(z.size());
+    Gemm(false, true, rows, out, in, 1.0f, x.data(), in, w.data(), in, 0.0f, z.data(), out);
+    BiasActivationForward(bias.data(), rows, out, act, z.data(), want.data());
+    DeviceBuffer<float> dx(x), dw(w), dbias(bias), dz(z.size()), da(z.size());
+    float* z_out = act == Activation::kGelu ? dz.get() : da.get();
+    ASSERT_TRUE(
+        (*blas)
+            ->LinearForward(dx.get(), dw.get(), dbias.get(), rows, in, out, act, z_out, da.get())
+            .ok());
+    EXPECT_LT(RelativeError(da.Read(), want), 1e-5) << static_cast<int>(act);
+    if (act == Activation::kGelu) {
+      EXPECT_LT(RelativeError(dz.Read(), z), 1e-5);  // z holds the pre-activation, bias added
+    }
+  }
+}
+
+TEST(CudaKernelsTest, ActivationBackwardAndBiasGradientMatchCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  const int rows = 300, cols = 77;
+  const size_t n = size_t{rows} * cols;
+  const std::vector<float> z = Random(n, 7), da = Random(n, 8);
+  for (Activation act : {Activation::kIdentity, Activation::kRelu, Activation::kGelu}) {
+    std::vector<float> want(n);
+    ActivationBackward(act, z.data(), da.data(), want.data(), n);
+    DeviceBuffer<float> dz_in(z), dda(da), ddz(n);
+    ASSERT_TRUE(cuda::ActivationBackward(act, dz_in.get(), dda.get(), ddz.get(), n, nullptr).ok());
+    EXPECT_LT(RelativeError(ddz.Read(), want), 1e-6) << static_cast<int>(act);
+  }
+  std::vector<float> want_db(cols);
+  BiasGradient(da.data(), rows, cols, want_db.data());
+  DeviceBuffer<float> dda(da), ddb(cols);
+  ASSERT_TRUE(cuda::BiasGradient(dda.get(), rows, cols, ddb.get(), nullptr).ok());
+  EXPECT_EQ(ddb.Read(), want_db);  // both sum in double in row order: the same float
+}
+
+TEST(CudaKernelsTest, SoftmaxCrossEntropyMatchesCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  const int rows = 513, classes = 10;
+  const std::vector<float> logits = Random(size_t{rows} * classes, 9, 3.0f);
+  std::vector<int32_t> labels(rows);
+  for (int r = 0; r < rows; ++r) labels[r] = (r * 7) % classes;
+  std::vector<float> want_d(logits.size());
+  int64_t want_correct = 0;
+  const double want_loss = SoftmaxCrossEntropy(logits.data(), labels.data(), rows, classes,
+                                               1.0f / rows, want_d.data(), &want_correct);
+  DeviceBuffer<float> dl(logits), dd(logits.size());
+  DeviceBuffer<int32_t> dlab(labels), dcorrect(rows);
+  DeviceBuffer<double> drow(rows), dsum(1);
+  ASSERT_TRUE(cuda::SoftmaxCrossEntropy(dl.get(), dlab.get(), rows, classes, 1.0f / rows, dd.get(),
+                                        drow.get(), dcorrect.get(), dsum.get(), nullptr)
+                  .ok());
+  EXPECT_NEAR(dsum.Read()[0], want_loss, 1e-6 * std::abs(want_loss));
+  EXPECT_LT(RelativeError(dd.Read(), want_d), 1e-5);
+  int64_t correct = 0;
+  for (int32_t c : dcorrect.Read()) correct += c;
+  EXPECT_EQ(correct, want_correct);
+}
+
+TEST(CudaKernelsTest, OptimizerUpdatesMatchCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  const size_t n = 10'007;
+  const std::vector<float> g = Random(n, 10, 0.01f), p0 = Random(n, 11);
+  std::vector<float> p = p0, buf(n), m(n), v(n);
+  DeviceBuffer<float> dp(p0), dg(g), dbuf(n);
+  for (int step = 1; step <= 3; ++step) {
+    SgdMomentumUpdate(p.data(), g.data(), buf.data(), n, 0.05f, 0.9f, 1e-4f);
+    ASSERT_TRUE(
+        cuda::SgdMomentumUpdate(dp.get(), dg.get(), dbuf.get(), n, 0.05f, 0.9f, 1e-4f, nullptr)
+            .ok());
+  }
+  EXPECT_LT(RelativeError(dp.Read(), p), 1e-6);
+  p = p0;
+  DeviceBuffer<float> dp2(p0), dm(n), dv(n);
+  for (int step = 1; step <= 3; ++step) {
+    AdamWUpdate(p.data(), g.data(), m.data(), v.data(), n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step);
+    ASSERT_TRUE(cuda::AdamWUpdate(dp2.get(), dg.get(), dm.get(), dv.get(), n, 1e-3f, 0.9f, 0.999f,
+                                  1e-8f, 0.01f, step, nullptr)
+                    .ok());
+  }
+  EXPECT_LT(RelativeError(dp2.Read(), p), 1e-6);
+}
+
+TEST(CudaKernelsTest, FixedPointConversionsAreBitIdenticalToCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  const size_t n = 4099;
+  std::vector<float> g = Random(n, 12, 0.3f), h = Random(n, 13, 0.3f);
+  g[5] = std::nanf("");
+  g[6] = 1e9f;  // beyond 2^(51-32)
+  std::vector<int64_t> want(n);
+  const int64_t want_rejected = StoreFixedPoint(g.data(), n, 32, want.data()) +
+                                AccumulateFixedPoint(h.data(), n, 32, want.data());
+  DeviceBuffer<float> dg(g), dh(h);
+  DeviceBuffer<int64_t> dfixed(n);
+  DeviceBuffer<unsigned long long> drejected(1);
+  ASSERT_TRUE(cuda::StoreFixedPoint(dg.get(), n, 32, dfixed.get(), drejected.get(), nullptr).ok());
+  ASSERT_TRUE(
+      cuda::AccumulateFixedPoint(dh.get(), n, 32, dfixed.get(), drejected.get(), nullptr).ok());
+  EXPECT_EQ(dfixed.Read(), want);
+  EXPECT_EQ(static_cast<int64_t>(drejected.Read()[0]), want_rejected);
+
+  want[7] = int64_t{1} << 60;  // the exact (slow) path on the CPU
+  std::vector<float> want_f(n);
+  FromFixedPoint(want.data(), n, 32, want_f.data());
+  DeviceBuffer<int64_t> din(want);
+  DeviceBuffer<float> dout(n);
+  ASSERT_TRUE(cuda::FromFixedPoint(din.get(), n, 32, dout.get(), nullptr).ok());
+  const std::vector<float> got = dout.Read();
+  EXPECT_EQ(0, std::memcmp(got.data(), want_f.data(), n * sizeof(float)));
+}
+
+TEST(CudaKernelsTest, BucketPackingRoundTrips) {
+  LOCKSTEP_REQUIRE_GPU();
+  const std::vector<float> flat = Random(1000, 14);
+  const cuda::Segments segments = {{10, 100}, {500, 3}, {900, 100}};
+  DeviceBuffer<float> dflat(flat), dbucket(203), dback(1000);
+  ASSERT_TRUE(cuda::PackBucket(dflat.get(), segments, dbucket.get(), nullptr).ok());
+  ASSERT_TRUE(cuda::UnpackBucket(dbucket.get(), segments, dback.get(), nullptr).ok());
+  const std::vector<float> bucket = dbucket.Read(), back = dback.Read();
+  size_t at = 0;
+  for (const auto& [offset, count] : segments) {
+    for (size_t i = 0; i < count; ++i, ++at) {
+      EXPECT_EQ(bucket[at], flat[offset + i]);
+      EXPECT_EQ(back[offset + i], flat[offset + i]);
+    }
+  }
+}
+
+// What a user sees with a bad device: the check macro's status names the call, the place
+// and the library's message. Needs no GPU: without a driver CUDA reports that itself.
+TEST(GpuCheckTest, StatusNamesCallFileAndLibraryMessage) {
+  auto fails = []() -> absl::Status {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaSetDevice(9999));
+    return absl::OkStatus();
+  };
+  const absl::Status status = fails();
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("cudaSetDevice(9999) failed at"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("cuda_kernels_test.cc"), std::string::npos) << status;
+  EXPECT_TRUE(absl::IsFailedPrecondition(status) || absl::IsInternal(status)) << status;
+}
+
+}  // namespace
+}  // namespace lockstep::kernels
