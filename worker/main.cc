@@ -18,6 +18,7 @@
 #include "common/auth.h"
 #include "glog/logging.h"
 #include "worker/agent.h"
+#include "worker/device.h"
 #include "worker/train/dataset.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
@@ -82,17 +83,6 @@ std::string LocalAddressTowards(const std::string& target) {
   return result;
 }
 
-int64_t AvailableMemoryBytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return 0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -109,18 +99,17 @@ int main(int argc, char** argv) {
     LOG(ERROR) << "--coordinator is required (HOST:PORT)";
     return 2;
   }
-  if (options.device != "cpu") {
-    if (absl::StartsWith(options.device, "cuda:")) {
-      int index = -1;
-      if (!absl::SimpleAtoi(options.device.substr(5), &index) || index < 0) {
-        LOG(ERROR) << "--device=" << options.device << ": expected cpu or cuda:N";
-        return 2;
-      }
-      LOG(ERROR) << "--device=" << options.device
-                 << ": this build has no CUDA worker yet; use --device=cpu";
-      return 2;
-    }
-    LOG(ERROR) << "--device=" << options.device << ": expected cpu or cuda:N";
+  absl::StatusOr<lockstep::worker::DeviceInfo> device =
+      lockstep::worker::OpenDevice(options.device);
+  if (!device.ok()) {
+    LOG(ERROR) << device.status().message();
+    return 2;
+  }
+  if (device->cuda_index >= 0) {
+    // The device is real and selected; what is missing is the GPU training step.
+    LOG(ERROR) << "--device=" << options.device << " (" << device->name << ", "
+               << device->free_memory_bytes / (1 << 20) << " MiB free) is usable, but this "
+               << "build cannot train on GPUs yet; use --device=cpu";
     return 2;
   }
   options.host = absl::GetFlag(FLAGS_host).empty() ? HostName() : absl::GetFlag(FLAGS_host);
@@ -129,7 +118,7 @@ int main(int argc, char** argv) {
   options.comm_address = absl::GetFlag(FLAGS_comm_address).empty()
                              ? LocalAddressTowards(options.coordinator)
                              : absl::GetFlag(FLAGS_comm_address);
-  options.free_memory_bytes = AvailableMemoryBytes();
+  options.free_memory_bytes = device->free_memory_bytes;
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {

@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/core/job_spec.h"
+#include "coordinator/core/memory.h"
 
 namespace lockstep::coordinator {
 namespace {
@@ -253,10 +254,35 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
   return absl::OkStatus();
 }
 
+absl::Status Core::CheckMemoryFits(const MemoryEstimate& memory) const {
+  // Refuse only what no registered worker can hold; with no workers yet, or one that reports
+  // no figure, the job waits (and the scheduler still skips workers that are too small).
+  const Worker* roomiest = nullptr;
+  for (const auto& [id, w] : workers_) {
+    if (w.state == WorkerState::kLost) continue;
+    if (w.info.free_memory_bytes() == 0) return absl::OkStatus();
+    if (roomiest == nullptr || w.info.free_memory_bytes() > roomiest->info.free_memory_bytes()) {
+      roomiest = &w;
+    }
+  }
+  if (roomiest == nullptr || roomiest->info.free_memory_bytes() >= memory.total()) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "each worker would need about ", memory.ToString(), ", but the most free memory any ",
+      "registered worker reports is ", HumanBytes(roomiest->info.free_memory_bytes()), " (",
+      roomiest->info.name(), " on ", roomiest->info.device(),
+      "); lower global_batch_size, raise min_workers, or use deterministic mode with more "
+      "micro_shards (one micro-shard in memory at a time)"));
+}
+
 absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out) {
   ApplyJobSpecDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) return s;
+  const MemoryEstimate memory = EstimateWorkerMemory(spec, spec.min_workers());
+  if (absl::Status s = CheckMemoryFits(memory); !s.ok()) return s;
   JobRecord record;
+  record.memory_needed = memory.total();
   const std::string id = absl::StrCat("job-", next_job_seq_++);
   record.job.set_job_id(id);
   *record.job.mutable_spec() = std::move(spec);
@@ -294,6 +320,8 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     }
     record.submit_seq = seq_of(record.job);
     record.last_advance = now;
+    record.memory_needed =
+        EstimateWorkerMemory(record.job.spec(), record.job.spec().min_workers()).total();
     JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
     order_.push_back(id);
     if (IsTerminal(job.job.state())) continue;
@@ -429,10 +457,13 @@ void Core::Tick(absl::Time now, Decisions* out) {
   Schedule(now, out);
 }
 
-std::vector<RankCandidate> Core::IdleWorkers() const {
+std::vector<RankCandidate> Core::IdleWorkers(int64_t memory_needed) const {
   std::vector<RankCandidate> idle;
   for (const auto& [id, w] : workers_) {
-    if (w.state == WorkerState::kIdle) idle.push_back({w.id, w.info.host(), w.registration_seq});
+    const int64_t free = w.info.free_memory_bytes();
+    if (w.state == WorkerState::kIdle && (free == 0 || free >= memory_needed)) {
+      idle.push_back({w.id, w.info.host(), w.registration_seq});
+    }
   }
   std::sort(idle.begin(), idle.end(), [](const RankCandidate& a, const RankCandidate& b) {
     return a.registration_seq < b.registration_seq;
@@ -455,12 +486,18 @@ void Core::Schedule(absl::Time now, Decisions* out) {
                  pending_.end());
   while (!pending_.empty()) {
     JobRecord& job = jobs_.at(pending_.front());
-    std::vector<RankCandidate> idle = IdleWorkers();
+    std::vector<RankCandidate> idle = IdleWorkers(job.memory_needed);
     const v1::JobSpec& spec = job.job.spec();
     if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
+      const size_t all_idle = IdleWorkers().size();
       std::string reason =
           absl::StrCat("waiting for ", spec.min_workers(), " idle worker",
-                       spec.min_workers() == 1 ? "" : "s", " (", idle.size(), " idle)");
+                       spec.min_workers() == 1 ? "" : "s", " (", all_idle, " idle");
+      if (all_idle > idle.size()) {
+        absl::StrAppend(&reason, ", ", idle.size(), " with the ", HumanBytes(job.memory_needed),
+                        " free that each worker needs");
+      }
+      reason += ")";
       if (reason != job.job.reason()) {
         job.job.set_reason(reason);
         out->changed_jobs.insert(job.job.job_id());
@@ -479,7 +516,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers()) {
       continue;
     }
-    std::vector<RankCandidate> idle = IdleWorkers();
+    std::vector<RankCandidate> idle = IdleWorkers(job.memory_needed);
     if (idle.empty()) continue;
     std::vector<std::string> names;
     for (size_t i = 0; i < idle.size() &&
@@ -626,7 +663,7 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
       survivors.push_back({w->id, w->info.host(), w->registration_seq});
     }
   }
-  std::vector<RankCandidate> idle = IdleWorkers();
+  std::vector<RankCandidate> idle = IdleWorkers(job.memory_needed);
   const size_t room = static_cast<size_t>(spec.max_workers()) -
                       std::min<size_t>(survivors.size(), spec.max_workers());
   idle.resize(std::min(idle.size(), room));

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "coordinator/core/memory.h"
 #include "coordinator/core/ranks.h"
 #include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/worker.pb.h"
@@ -134,8 +135,14 @@ class Core {
     // Index in job.recovery_history() of the re-formation whose first step is awaited.
     int open_recovery = -1;
     bool first_report_of_generation_seen = false;
+    // Estimated peak memory of one worker (EstimateWorkerMemory at min_workers): workers that
+    // report less free memory are never given this job.
+    int64_t memory_needed = 0;
   };
 
+  // RESOURCE_EXHAUSTED with the numbers when every registered worker reports less free memory
+  // than the estimate.
+  absl::Status CheckMemoryFits(const MemoryEstimate& memory) const;
   Worker* FindWorker(const std::string& worker_id);
   JobRecord* FindJob(const std::string& job_id);
   // The worker's job record when (job, generation) is its current assignment, else ABORTED.
@@ -155,7 +162,9 @@ class Core {
                             absl::Time reform_after, absl::Time now, Decisions* out);
   // Forms the next generation when enough workers are available.
   void TryReform(JobRecord& job, absl::Time now, Decisions* out);
-  std::vector<RankCandidate> IdleWorkers() const;
+  // Idle workers in registration order; with `memory_needed`, only those that report at least
+  // that much free memory (or report none: 0 means unknown).
+  std::vector<RankCandidate> IdleWorkers(int64_t memory_needed = 0) const;
   int64_t MaxRestarts(const JobRecord& job) const;
   // Ends the job: aborts the current generation's members that are still connected, frees them.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,

@@ -4,6 +4,8 @@
 #include <fstream>
 
 #include "coordinator/core/core.h"
+#include "coordinator/core/job_spec.h"
+#include "coordinator/core/memory.h"
 #include "coordinator/core/ranks.h"
 #include "coordinator/store/job_store.h"
 #include "gtest/gtest.h"
@@ -731,6 +733,82 @@ TEST(FileJobStoreTest, SavesReloadsAndSkipsCorruptFiles) {
   EXPECT_EQ((*jobs)[0].step(), 20);
   EXPECT_TRUE(std::filesystem::exists(dir + "/jobs/job-8.pb.corrupt"));
   EXPECT_FALSE(FileJobStore::Open("/proc/no-such-dir").ok());
+}
+
+// The reference MLP (784-512-512-10, SGD, batch 256): the estimate follows the formulas.
+TEST(MemoryEstimateTest, ReferenceModel) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_type("mlp");
+  spec.mutable_model()->add_hidden_widths(512);
+  spec.mutable_model()->add_hidden_widths(512);
+  spec.mutable_dataset()->set_type("fashion_mnist");
+  spec.mutable_optimizer()->set_learning_rate(0.05);
+  spec.set_global_batch_size(256);
+  spec.set_epochs(1);
+  ApplyJobSpecDefaults(&spec);
+  const int64_t params = 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10;
+  const MemoryEstimate two = EstimateWorkerMemory(spec, 2);
+  EXPECT_EQ(two.parameters, 4 * params);
+  EXPECT_EQ(two.gradients, 4 * params);
+  EXPECT_EQ(two.optimizer, 4 * params);
+  EXPECT_EQ(two.communication, 4 * params);
+  EXPECT_EQ(two.micro_batch, 128);
+  EXPECT_EQ(two.activations, 4 * 128 * (784 + 2 * (512 + 512 + 10) + 2 * 512));
+  // One worker holds the whole batch; AdamW keeps two moments.
+  EXPECT_EQ(EstimateWorkerMemory(spec, 1).micro_batch, 256);
+  spec.mutable_optimizer()->set_type("adamw");
+  EXPECT_EQ(EstimateWorkerMemory(spec, 2).optimizer, 8 * params);
+  // Deterministic mode holds one micro-shard at a time, and int64 sums.
+  spec.set_deterministic(true);
+  spec.set_micro_shards(8);
+  const MemoryEstimate det = EstimateWorkerMemory(spec, 2);
+  EXPECT_EQ(det.micro_batch, 32);
+  EXPECT_EQ(det.communication, 16 * (params + 2));
+  EXPECT_NE(det.ToString().find("32 samples at once"), std::string::npos) << det.ToString();
+}
+
+// A job that fits on no registered worker is refused with the numbers; one that fits only on
+// some runs there and never on the others.
+TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
+  auto register_with = [&](const std::string& name, int64_t free_bytes) {
+    v1::RegisterRequest r;
+    r.set_name(name);
+    r.set_host("h1");
+    r.set_device("cuda:0");
+    r.set_free_memory_bytes(free_bytes);
+    Decisions d;
+    absl::StatusOr<std::string> id = core_.RegisterWorker(r, now_, &d);
+    EXPECT_TRUE(id.ok()) << id.status();
+    Collect(d);
+    return id.value_or("");
+  };
+  const std::string small = register_with("small", int64_t{64} << 20);
+  v1::JobSpec huge = Spec(1, 1);
+  huge.mutable_dataset()->mutable_synthetic()->set_input_dim(8192);
+  for (int i = 0; i < 3; ++i) huge.mutable_model()->add_hidden_widths(8192);
+  Decisions d;
+  absl::StatusOr<v1::Job> refused = core_.SubmitJob(huge, now_, &d);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("each worker would need about"), std::string::npos);
+  EXPECT_NE(refused.status().message().find("64 MiB (small on cuda:0)"), std::string::npos)
+      << refused.status();
+
+  // 2 workers needed, ~900 MiB each: only "big" has the memory, so the job waits and says why.
+  v1::JobSpec medium = Spec(2, 2);
+  medium.mutable_dataset()->mutable_synthetic()->set_input_dim(4096);
+  medium.mutable_model()->add_hidden_widths(4096);
+  medium.mutable_model()->add_hidden_widths(4096);
+  const std::string big = register_with("big", int64_t{8} << 30);
+  const std::string job = Submit(medium);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_PENDING);
+  EXPECT_NE(Job(job).reason().find("1 with the"), std::string::npos) << Job(job).reason();
+  EXPECT_TRUE(TakeAssignments().empty());
+  const std::string big2 = register_with("big2", int64_t{8} << 30);
+  std::map<std::string, v1::Assignment> assigned = TakeAssignments();
+  EXPECT_EQ(assigned.size(), 2u);
+  EXPECT_EQ(assigned.count(small), 0u);
+  EXPECT_EQ(assigned.count(big), 1u);
+  EXPECT_EQ(assigned.count(big2), 1u);
 }
 
 }  // namespace
