@@ -175,6 +175,14 @@ absl::Status LaunchStatus(const char* kernel) {
   return GpuStatus(error, kernel, __FILE__, __LINE__);
 }
 
+// The largest power of two (up to 256) that divides the address.
+uint32_t Alignment(const void* p) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
 cublasHandle_t BlasHandle(void* h) { return static_cast<cublasHandle_t>(h); }
 cublasLtHandle_t LtHandle(void* h) { return static_cast<cublasLtHandle_t>(h); }
 
@@ -258,6 +266,19 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
       desc.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
       sizeof(workspace_bytes_)));
+  // Layers sit back to back in one flat buffer, so their weights are not always 16-byte
+  // aligned: tell the heuristic what the pointers really are, or it may pick a kernel that
+  // needs more and the matmul fails.
+  float* d = act == Activation::kGelu ? z : a;
+  const uint32_t align_w = Alignment(w), align_x = Alignment(x), align_d = Alignment(d);
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_w, sizeof(align_w)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_x, sizeof(align_x)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a,
@@ -269,7 +290,6 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
                                             " by ", in, "x", out, " product with bias epilogue"));
   }
   const float alpha = 1.0f, beta = 0.0f;
-  float* d = act == Activation::kGelu ? z : a;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, w, desc.a, x,
                                               desc.b, &beta, d, desc.d, d, desc.d,
                                               &heuristic.algo, workspace_, workspace_bytes_,

@@ -8,20 +8,31 @@
 
 namespace lockstep::worker {
 
-Mlp::Mlp(std::vector<int> dims, kernels::Activation activation)
-    : dims_(std::move(dims)), activation_(activation) {
-  const int n_layers = static_cast<int>(dims_.size()) - 1;
-  layers_.resize(n_layers);
+std::vector<Mlp::LayerSlice> Mlp::Layout(const std::vector<int>& dims, size_t* num_params) {
+  const int n_layers = static_cast<int>(dims.size()) - 1;
+  std::vector<LayerSlice> layers(n_layers);
   size_t offset = 0;
   for (int l = n_layers - 1; l >= 0; --l) {
-    LayerSlice& s = layers_[l];
-    s.in = dims_[l];
-    s.out = dims_[l + 1];
+    LayerSlice& s = layers[l];
+    s.in = dims[l];
+    s.out = dims[l + 1];
     s.offset = offset;
     s.count = static_cast<size_t>(s.in) * s.out + s.out;
     offset += s.count;
   }
-  num_params_ = offset;
+  *num_params = offset;
+  return layers;
+}
+
+int Mlp::RowsPerChunk(const LayerSlice& layer, size_t chunk_floats) {
+  const size_t in = static_cast<size_t>(layer.in);
+  return static_cast<int>(std::clamp<size_t>(chunk_floats / in, 1, layer.out));
+}
+
+Mlp::Mlp(std::vector<int> dims, kernels::Activation activation)
+    : dims_(std::move(dims)), activation_(activation) {
+  const int n_layers = static_cast<int>(dims_.size()) - 1;
+  layers_ = Layout(dims_, &num_params_);
   params_.assign(num_params_, 0.0f);
   grads_.assign(num_params_ + 1, 0.0f);
   z_.resize(n_layers);
@@ -72,11 +83,6 @@ void Mlp::Forward(const float* x, int n) {
   }
 }
 
-int Mlp::RowsPerChunk(int l, size_t chunk_floats) const {
-  const size_t in = static_cast<size_t>(layers_[l].in);
-  return static_cast<int>(std::clamp<size_t>(chunk_floats / in, 1, layers_[l].out));
-}
-
 std::vector<size_t> Mlp::ReadyPoints(size_t chunk_floats) const {
   std::vector<size_t> points;
   for (int l = num_layers() - 1; l >= 0; --l) {
@@ -118,8 +124,7 @@ double Mlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_
     if (l == 0) break;
     // da = dz * W (n x in), then through the activation of layer l-1.
     const float* w = params_.data() + s.offset;
-    kernels::Gemm(false, false, n, s.in, s.out, 1.0f, dz, s.out, w, s.in, 0.0f, da_.data(),
-                  s.in);
+    kernels::Gemm(false, false, n, s.in, s.out, 1.0f, dz, s.out, w, s.in, 0.0f, da_.data(), s.in);
     kernels::ActivationBackward(activation_, z_[l - 1].data(), da_.data(), dz,
                                 static_cast<size_t>(n) * s.in);
   }

@@ -24,6 +24,11 @@ class Mlp {
     int in = 0;
     int out = 0;
   };
+  // The layout for `dims` (shared with the GPU model, so parameters move between them as is);
+  // sets *num_params.
+  static std::vector<LayerSlice> Layout(const std::vector<int>& dims, size_t* num_params);
+  // The sizes of ForwardBackward's gradient pieces, in order (see ForwardBackward).
+  static int RowsPerChunk(const LayerSlice& layer, size_t chunk_floats);
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const LayerSlice& layer(int l) const { return layers_[l]; }
   size_t num_params() const { return num_params_; }
@@ -57,7 +62,9 @@ class Mlp {
   // Runs the forward pass, leaving pre-activations in z_ and activations in a_.
   void Forward(const float* x, int n);
   void Reserve(int n);
-  int RowsPerChunk(int l, size_t chunk_floats) const;
+  int RowsPerChunk(int l, size_t chunk_floats) const {
+    return RowsPerChunk(layers_[l], chunk_floats);
+  }
 
   std::vector<int> dims_;
   kernels::Activation activation_;

@@ -1,0 +1,69 @@
+// The GPU model against the CPU model (label gpu; skipped without a device): same parameters
+// and batch give the same loss and gradients (to FP32 rounding of the summation order), and
+// the gradient pieces are reported at the same points, which bucketing relies on.
+#include "worker/train/gpu_mlp.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "worker/train/mlp.h"
+
+namespace lockstep::worker {
+namespace {
+
+TEST(GpuMlpTest, MatchesCpuMlpForwardBackward) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
+  // Odd widths, so the layers in the flat buffer are not 16-byte aligned.
+  const std::vector<int> dims = {37, 64, 45, 7};
+  const int n = 50;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(static_cast<size_t>(n) * dims.front());
+  for (float& v : x) v = normal(rng);
+  std::vector<int32_t> y(n);
+  for (int i = 0; i < n; ++i) y[i] = i % dims.back();
+
+  for (kernels::Activation act : {kernels::Activation::kRelu, kernels::Activation::kGelu}) {
+    Mlp cpu(dims, act);
+    cpu.Initialize(11);
+    std::vector<size_t> cpu_points, gpu_points;
+    const double cpu_loss = cpu.ForwardBackward(x.data(), y.data(), n, 1.0f / n, 500, nullptr,
+                                                [&](size_t end) { cpu_points.push_back(end); });
+
+    auto gpu = GpuMlp::Create(dims, act, nullptr);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    ASSERT_TRUE((*gpu)->UploadParams(cpu.params()).ok());
+    float* dx = nullptr;
+    int32_t* dy = nullptr;
+    ASSERT_EQ(cudaMalloc(&dx, x.size() * sizeof(float)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&dy, y.size() * sizeof(int32_t)), cudaSuccess);
+    cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
+    cudaMemcpy(dy, y.data(), y.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
+    ASSERT_TRUE((*gpu)
+                    ->ForwardBackward(dx, dy, n, 1.0f / n, 500,
+                                      [&](size_t end) { gpu_points.push_back(end); })
+                    .ok());
+    auto gpu_loss = (*gpu)->LossSum();
+    ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
+    EXPECT_NEAR(*gpu_loss, cpu_loss, 1e-5 * std::abs(cpu_loss));
+    EXPECT_EQ(gpu_points, cpu_points);
+    std::vector<float> grads((*gpu)->num_params());
+    ASSERT_TRUE((*gpu)->DownloadGrads(grads.data()).ok());
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      diff += (double{grads[i]} - cpu.grads()[i]) * (double{grads[i]} - cpu.grads()[i]);
+      norm += double{cpu.grads()[i]} * cpu.grads()[i];
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 1e-5) << "activation " << static_cast<int>(act);
+    cudaFree(dx);
+    cudaFree(dy);
+  }
+}
+
+}  // namespace
+}  // namespace lockstep::worker
