@@ -226,6 +226,13 @@ Blas::~Blas() {
   if (blas_ != nullptr) cublasDestroy(BlasHandle(blas_));
 }
 
+absl::Status Blas::SetTf32(bool on) {
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cublasSetMathMode(BlasHandle(blas_), on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  tf32_ = on;
+  return absl::OkStatus();
+}
+
 absl::Status Blas::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
                         const float* a, int lda, const float* b, int ldb, float beta, float* c,
                         int ldc) {
@@ -247,7 +254,8 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
   // Column-major view: W is stored (in x out), X (in x rows), the output (out x rows). The
   // output's "rows" are the layer's features, which is what cuBLASLt's bias runs along.
   LtDescriptors desc;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescCreate(
+      &desc.op, tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
       desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)));

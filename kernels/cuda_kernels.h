@@ -33,8 +33,13 @@ class Blas {
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
 
+  // TF32 tensor cores for the FP32 products (off by default): about 8x the FP32 rate on
+  // Hopper, with 10-bit mantissas in the products, so results no longer match the CPU twin to
+  // FP32 rounding. What PyTorch calls allow_tf32.
+  absl::Status SetTf32(bool on);
+
   // Twin of kernels::Gemm: C = alpha * op(A) * op(B) + beta * C, row-major. FP32 arithmetic
-  // (no TF32), so results match the CPU within FP32 rounding of the summation order.
+  // (unless SetTf32), so results match the CPU within FP32 rounding of the summation order.
   absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
                     int lda, const float* b, int ldb, float beta, float* c, int ldc);
 
@@ -53,6 +58,7 @@ class Blas {
   void* lt_ = nullptr;    // cublasLtHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  bool tf32_ = false;
 };
 
 absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activation act, float* z,

@@ -4,6 +4,8 @@
 # they load except the C runtime and the GPU driver, and OUT/bin a launcher per binary that
 # points the loader at OUT/lib. The target needs glibc at least as new as the build host's.
 #   scripts/bundle.sh [--build DIR] OUT [BINARY...]   (default: all three daemons and the CLI)
+# With LOCKSTEP_BUNDLE_SYSTEM_CUDA=1 the CUDA runtime, cuBLAS and NCCL are left out too (a GPU
+# host has its own, and cuBLAS and NCCL alone are over 800 MB).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${LOCKSTEP_BUILD_DIR:-$root/build}"
@@ -15,13 +17,16 @@ names=("$@")
 # Provided by the target system: glibc's libraries and the loader, and the NVIDIA driver's
 # user-space libraries, which must match the host's kernel module.
 system_lib='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libresolv|libutil|libcuda|libnvidia-)[.-]'
+if [[ "${LOCKSTEP_BUNDLE_SYSTEM_CUDA:-0}" == 1 ]]; then
+  system_lib='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libresolv|libutil|libcuda|libnvidia-|libcudart|libcublas|libcublasLt|libnccl)[.-]'
+fi
 
 mkdir -p "$out/bin" "$out/libexec" "$out/lib"
 for name in "${names[@]}"; do
   binary="$(find "$build" -type f -name "$name" -perm -u+x | head -n1)"
   [[ -n "$binary" ]] || { echo "bundle.sh: $name not found under $build (build it first)" >&2; exit 1; }
   install -m 0755 "$binary" "$out/libexec/$name"
-  missing="$(ldd "$binary" | awk '/not found/ {print $1}')"
+  missing="$(ldd "$binary" | awk '/not found/ {print $1}' | grep -Ev "$system_lib" || true)"
   [[ -z "$missing" ]] || { echo "bundle.sh: $name needs missing libraries: $missing" >&2; exit 1; }
   ldd "$binary" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' | while read -r soname path; do
     [[ "$soname" =~ $system_lib ]] && continue

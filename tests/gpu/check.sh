@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU check, for a host with NVIDIA GPUs and no network (scripts/gpu_bundle.sh makes the
+# bundle it runs from): the GPU tests, then the GPU training-step benchmark next to PyTorch
+# eager on the same GPU, as a table. Exit status: 0 when every GPU test passed (none skipped).
+#   check.sh [BUNDLE_DIR]   (default: the folder holding this script, i.e. gpu-bundle/)
+# Writes gpu-check.json and gpu-check.log to $OUT (default: the current directory).
+set -uo pipefail
+bundle="${1:-$(dirname "$(readlink -f "$0")")}"
+out="${OUT:-$PWD}"
+mkdir -p "$out"
+log="$out/gpu-check.log"
+: >"$log"
+
+# CUDA, cuBLAS and NCCL come from the host: its CUDA install, else PyTorch's nvidia wheels.
+dirs=()
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
+  [[ -d "$d" ]] && dirs+=("$d")
+done
+while read -r d; do [[ -n "$d" ]] && dirs+=("$d"); done < <(python3 -c '
+import glob, os
+try:
+    import nvidia
+    for p in nvidia.__path__:
+        print("\n".join(glob.glob(os.path.join(p, "*", "lib"))))
+except Exception:
+    pass' 2>/dev/null)
+export LD_LIBRARY_PATH="$(IFS=:; echo "${dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+echo "== GPUs" | tee -a "$log"
+(nvidia-smi -L || echo "nvidia-smi not found") 2>&1 | tee -a "$log"
+
+echo "== GPU tests" | tee -a "$log"
+failed=0
+for t in cuda_kernels_test gpu_mlp_test; do
+  if ! "$bundle/bin/$t" >>"$log" 2>&1; then
+    echo "FAILED: $t (see $log)" | tee -a "$log"
+    failed=1
+  elif grep -q "SKIPPED" <(tail -n 20 "$log"); then
+    echo "SKIPPED on a GPU host: $t (see $log)" | tee -a "$log"
+    failed=1
+  else
+    echo "passed: $t" | tee -a "$log"
+  fi
+done
+
+echo "== step benchmark: MLP 784-8192-8192-10, batch 8192, SGD momentum" | tee -a "$log"
+for precision in fp32 tf32; do
+  flag=""
+  [[ "$precision" == tf32 ]] && flag="--tf32"
+  "$bundle/bin/mlp_step_bench" $flag --json="$out/lockstep-$precision.json" 2>&1 | tee -a "$log"
+  python3 "$bundle/gpu_mlp_step.py" $flag >"$out/torch-$precision.json" 2>>"$log" ||
+    echo "PyTorch baseline failed ($precision; see $log)" | tee -a "$log"
+done
+
+python3 - "$out" <<'PY' | tee -a "$log"
+import json, os, sys
+out = sys.argv[1]
+rows = []
+print("\n| precision | Lockstep step ms | Lockstep samples/s | PyTorch step ms | PyTorch samples/s "
+      "| speed-up | model TFLOP/s | cuBLAS GEMM TFLOP/s | fraction of GEMM rate |")
+print("|---|---|---|---|---|---|---|---|---|")
+for p in ("fp32", "tf32"):
+    def load(name):
+        try:
+            with open(os.path.join(out, f"{name}-{p}.json")) as f:
+                return json.loads(f.read().strip().splitlines()[-1])
+        except Exception:
+            return None
+    ls, pt = load("lockstep"), load("torch")
+    if ls is None:
+        print(f"| {p} | failed | | | | | | | |")
+        continue
+    ratio = pt["step_ms"] / ls["step_ms"] if pt else float("nan")
+    print(f"| {p} | {ls['step_ms']:.2f} | {ls['samples_per_second']:,.0f} | "
+          f"{pt['step_ms'] if pt else float('nan'):.2f} | "
+          f"{pt['samples_per_second'] if pt else float('nan'):,.0f} | {ratio:.2f}x | "
+          f"{ls['model_tflops']:.1f} | {ls['gemm_tflops']:.1f} | "
+          f"{ls['model_tflops'] / ls['gemm_tflops']:.2f} |")
+    rows.append({"precision": p, "lockstep": ls, "torch": pt, "speedup": ratio})
+with open(os.path.join(out, "gpu-check.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+PY
+exit "$failed"
