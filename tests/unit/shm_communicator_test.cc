@@ -24,6 +24,36 @@ void RunGroup(int world, size_t max_bytes, std::chrono::milliseconds timeout,
   });
 }
 
+// Staged sums: each rank writes into the segment itself and sums it in pieces; the result is
+// the exact integer sum, read in place, and ordinary sums still work in between steps.
+TEST(ShmCommunicatorTest, StagedInt64SumsInPieces) {
+  for (int world : {2, 3}) {
+    const size_t n = 1000;
+    RunGroup(
+        world, n * sizeof(int64_t), std::chrono::milliseconds(20000),
+        [&](int r, Communicator& comm) {
+          EXPECT_EQ(comm.StagingInt64(n + 1), nullptr) << "beyond the segment";
+          for (int step = 0; step < 5; ++step) {
+            int64_t* staged = comm.StagingInt64(n);
+            ASSERT_NE(staged, nullptr);
+            for (size_t i = 0; i < n; ++i) staged[i] = (r + 1) * int64_t(i) + step;
+            for (size_t offset : {size_t{0}, size_t{300}, size_t{301}, size_t{700}}) {
+              const size_t end = offset == 0 ? 300 : offset == 300 ? 301 : offset == 301 ? 700 : n;
+              ASSERT_TRUE(comm.SumStagedInt64(offset, end - offset).ok());
+            }
+            const int64_t* sum = comm.StagedResultInt64();
+            for (size_t i = 0; i < n; ++i) {
+              ASSERT_EQ(sum[i], world * (world + 1) / 2 * int64_t(i) + world * step)
+                  << "world " << world << " step " << step << " i " << i;
+            }
+            float f[3] = {1, 2, 3};
+            ASSERT_TRUE(comm.AllreduceSum(f, 3).ok());
+            EXPECT_EQ(f[2], 3.0f * world);
+          }
+        });
+  }
+}
+
 TEST(ShmCommunicatorTest, SumsMatchAndAreIdenticalOnEveryRank) {
   for (int world : {2, 3, 4}) {
     const size_t max_bytes = 1000 * sizeof(float);

@@ -24,6 +24,18 @@ class Communicator {
   // Copies `bytes` from `root` to every rank.
   virtual absl::Status Broadcast(void* data, size_t bytes, int root) = 0;
   virtual absl::Status Barrier() = 0;
+  // Optional zero-copy sums of one int64 buffer in pieces (deterministic mode's gradient):
+  // StagingInt64(count) returns memory for `count` values that this rank fills with its
+  // contribution, or nullptr when the transport has no such memory (then use AllreduceSum).
+  // SumStagedInt64(offset, n) sums [offset, offset + n) over every rank's staging memory into
+  // StagedResultInt64()[offset, offset + n). The staging memory may be rewritten, and the
+  // result read, until the next call of any collective on this communicator: every rank
+  // must issue the same sequence of sums. Other collectives may reuse both memories.
+  virtual int64_t* StagingInt64(size_t count) { return nullptr; }
+  virtual absl::Status SumStagedInt64(size_t offset, size_t count) {
+    return absl::UnimplementedError("no staged sums on this transport");
+  }
+  virtual const int64_t* StagedResultInt64() const { return nullptr; }
   // Makes operations blocked on peers return ABORTED as soon as the transport allows (Gloo
   // cannot be interrupted: its operations end at their timeout). Any thread may call it.
   virtual void Abort() {}

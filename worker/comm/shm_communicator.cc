@@ -56,7 +56,6 @@ struct ShmCommunicator::Header {
   alignas(64) std::atomic<uint32_t> reduced;
 };
 
-
 absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
     std::unique_ptr<Communicator> base, size_t max_bytes, std::chrono::milliseconds timeout) {
   static_assert(sizeof(Header) <= kHeaderBytes);
@@ -109,7 +108,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
     }
   }
   absl::Status agreed = base->AllreduceSum(&ok, 1);
-  if (agreed.ok()) agreed = base->Barrier();  // everyone has mapped (or given up)
+  if (agreed.ok()) agreed = base->Barrier();                 // everyone has mapped (or given up)
   if (base->rank() == 0 && hs.ok != 0) shm_unlink(hs.name);  // mappings outlive the name
   if (!agreed.ok() || ok != world) {
     if (mapping != MAP_FAILED) munmap(mapping, bytes);
@@ -159,8 +158,8 @@ absl::Status ShmCommunicator::WaitFor(std::atomic<uint32_t>& counter, uint32_t t
     }
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(
-          absl::StrCat("shared-memory allreduce: peers did not arrive within ",
-                       timeout_.count(), " ms while ", phase));
+          absl::StrCat("shared-memory allreduce: peers did not arrive within ", timeout_.count(),
+                       " ms while ", phase));
     }
     // Re-check every 50 ms even without a wake-up, for the abort flag and the deadline.
     const timespec wait{0, 50'000'000};
@@ -169,20 +168,18 @@ absl::Status ShmCommunicator::WaitFor(std::atomic<uint32_t>& counter, uint32_t t
 }
 
 template <typename T>
-absl::Status ShmCommunicator::Sum(T* data, size_t count) {
-  if (count == 0) return absl::OkStatus();
+absl::Status ShmCommunicator::ReduceSlots(size_t offset, size_t count) {
   const uint32_t world = static_cast<uint32_t>(size());
   const size_t r = static_cast<size_t>(rank());
   const uint32_t target = world * ++ops_;
-  T* const result = reinterpret_cast<T*>(result_);
-  std::memcpy(slots_ + r * max_bytes_, data, count * sizeof(T));
   if (header_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
     Futex(&header_->arrived, FUTEX_WAKE, INT_MAX, nullptr);
   }
   if (absl::Status s = WaitFor(header_->arrived, target, "gathering"); !s.ok()) return s;
-  const size_t begin = count * r / world, end = count * (r + 1) / world;
-  T* out = result + begin;
-  std::memcpy(out, slots_ + begin * sizeof(T), (end - begin) * sizeof(T));
+  // Each rank sums its share of the range, adding the slots in rank order.
+  const size_t begin = offset + count * r / world, end = offset + count * (r + 1) / world;
+  T* out = reinterpret_cast<T*>(result_) + begin;
+  std::memcpy(out, reinterpret_cast<const T*>(slots_) + begin, (end - begin) * sizeof(T));
   for (uint32_t j = 1; j < world; ++j) {
     const T* in = reinterpret_cast<const T*>(slots_ + j * max_bytes_) + begin;
     for (size_t i = 0; i < end - begin; ++i) out[i] += in[i];
@@ -190,9 +187,33 @@ absl::Status ShmCommunicator::Sum(T* data, size_t count) {
   if (header_->reduced.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
     Futex(&header_->reduced, FUTEX_WAKE, INT_MAX, nullptr);
   }
-  if (absl::Status s = WaitFor(header_->reduced, target, "reducing"); !s.ok()) return s;
-  std::memcpy(data, result, count * sizeof(T));
+  return WaitFor(header_->reduced, target, "reducing");
+}
+
+template <typename T>
+absl::Status ShmCommunicator::Sum(T* data, size_t count) {
+  if (count == 0) return absl::OkStatus();
+  std::memcpy(slots_ + static_cast<size_t>(rank()) * max_bytes_, data, count * sizeof(T));
+  if (absl::Status s = ReduceSlots<T>(0, count); !s.ok()) return s;
+  std::memcpy(data, result_, count * sizeof(T));
   return absl::OkStatus();
+}
+
+int64_t* ShmCommunicator::StagingInt64(size_t count) {
+  if (count * sizeof(int64_t) > max_bytes_) return nullptr;
+  return reinterpret_cast<int64_t*>(slots_ + static_cast<size_t>(rank()) * max_bytes_);
+}
+
+absl::Status ShmCommunicator::SumStagedInt64(size_t offset, size_t count) {
+  if ((offset + count) * sizeof(int64_t) > max_bytes_) {
+    return absl::InvalidArgumentError("staged sum beyond the shared-memory segment");
+  }
+  if (count == 0) return absl::OkStatus();
+  return ReduceSlots<int64_t>(offset, count);
+}
+
+const int64_t* ShmCommunicator::StagedResultInt64() const {
+  return reinterpret_cast<const int64_t*>(result_);
 }
 
 absl::Status ShmCommunicator::AllreduceSum(float* data, size_t count) {

@@ -3,8 +3,7 @@
 
 namespace lockstep::worker {
 
-GradientReducer::GradientReducer(Communicator* comm)
-    : comm_(comm), thread_([this] { Loop(); }) {}
+GradientReducer::GradientReducer(Communicator* comm) : comm_(comm), thread_([this] { Loop(); }) {}
 
 GradientReducer::~GradientReducer() {
   {
@@ -17,6 +16,9 @@ GradientReducer::~GradientReducer() {
 
 void GradientReducer::Enqueue(float* data, size_t count) { Push({data, nullptr, count}); }
 void GradientReducer::Enqueue(int64_t* data, size_t count) { Push({nullptr, data, count}); }
+void GradientReducer::EnqueueStaged(size_t offset, size_t count) {
+  Push({nullptr, nullptr, count, /*staged=*/true, offset});
+}
 
 void GradientReducer::Push(Op op) {
   {
@@ -42,7 +44,8 @@ void GradientReducer::Loop() {
     queue_.pop_front();
     const bool skip = !error_.ok();
     lock.unlock();
-    absl::Status status = skip                    ? absl::OkStatus()
+    absl::Status status = skip                   ? absl::OkStatus()
+                          : op.staged            ? comm_->SumStagedInt64(op.offset, op.count)
                           : op.floats != nullptr ? comm_->AllreduceSum(op.floats, op.count)
                                                  : comm_->AllreduceSum(op.ints, op.count);
     lock.lock();

@@ -23,6 +23,8 @@ class GradientReducer {
   // Wait returns.
   void Enqueue(float* data, size_t count);
   void Enqueue(int64_t* data, size_t count);
+  // Starts Communicator::SumStagedInt64(offset, count).
+  void EnqueueStaged(size_t offset, size_t count);
   // Blocks until every enqueued bucket is reduced; returns the first error (later buckets are
   // skipped once one fails).
   absl::Status Wait();
@@ -37,6 +39,8 @@ class GradientReducer {
     float* floats = nullptr;
     int64_t* ints = nullptr;
     size_t count = 0;
+    bool staged = false;
+    size_t offset = 0;
   };
   void Push(Op op);
   std::deque<Op> queue_;

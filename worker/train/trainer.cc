@@ -99,12 +99,22 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   const size_t n = model_.num_params();
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
   const double scale = std::ldexp(1.0, kFixedPointFracBits);
-  // Every entry is written before it is read: the first shard stores, later ones add.
-  fixed_sum_.resize(n + 2);
-  fixed_sum_[n] = 0;
+  // This rank's integer sum goes straight into the communicator's shared memory when it has
+  // some (ranks on one host), else into fixed_sum_ and through AllreduceSum. Every entry is
+  // written before it is read: the first shard stores, later ones add.
+  int64_t* const staged = comm_->StagingInt64(n + 2);
+  if (staged == nullptr) fixed_sum_.resize(n + 2);
+  int64_t* const sum = staged != nullptr ? staged : fixed_sum_.data();
+  sum[n] = 0;
   int64_t out_of_range = 0;
+  auto send = [&](size_t offset, size_t count) {
+    if (staged != nullptr) {
+      reducer_->EnqueueStaged(offset, count);
+    } else {
+      reducer_->Enqueue(sum + offset, count);
+    }
+  };
   const absl::Time t0 = absl::Now();
-  GradientReducer* reducer = reducer_.get();
   // One micro-shard at a time, so every shard's gradient is computed by the same code on the
   // same shapes whichever rank holds it: the integer sum is then the same bits for any W.
   // The last shard's gradient is accumulated piece by piece as backward produces it, and each
@@ -120,10 +130,10 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
     auto to_fixed = k == 0 ? kernels::StoreFixedPoint : kernels::AccumulateFixedPoint;
     auto on_ready = [&](size_t ready) {
       out_of_range += to_fixed(model_.grads() + accumulated, ready - accumulated,
-                               kFixedPointFracBits, fixed_sum_.data() + accumulated);
+                               kFixedPointFracBits, sum + accumulated);
       accumulated = ready;
       if (ready - sent >= chunk_floats_ && ready < n) {
-        reducer->Enqueue(fixed_sum_.data() + sent, ready - sent);
+        send(sent, ready - sent);
         sent = ready;
       }
     };
@@ -133,30 +143,31 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
         batch_x_.data(), batch_y_.data(), shard, inv_batch, chunk_floats_, nullptr,
         last_shard ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>());
     if (!last_shard) {
-      out_of_range += to_fixed(model_.grads(), n, kFixedPointFracBits, fixed_sum_.data());
+      out_of_range += to_fixed(model_.grads(), n, kFixedPointFracBits, sum);
     }
     const double scaled_loss = loss * inv_batch * scale;
     if (std::isfinite(scaled_loss) && std::abs(scaled_loss) < 0x1p51) {
-      fixed_sum_[n] += std::llround(scaled_loss);
+      sum[n] += std::llround(scaled_loss);
     } else {
       ++out_of_range;
     }
     if (last_shard) {
-      fixed_sum_[n + 1] = out_of_range;
-      reducer->Enqueue(fixed_sum_.data() + sent, n + 2 - sent);
+      sum[n + 1] = out_of_range;
+      send(sent, n + 2 - sent);
     }
   }
   const absl::Time t1 = absl::Now();
-  if (absl::Status s = reducer->Wait(); !s.ok()) return s;
+  if (absl::Status s = reducer_->Wait(); !s.ok()) return s;
   const absl::Time t2 = absl::Now();
-  if (fixed_sum_[n + 1] != 0) {
+  const int64_t* reduced = staged != nullptr ? comm_->StagedResultInt64() : fixed_sum_.data();
+  if (reduced[n + 1] != 0) {
     return absl::OutOfRangeError(absl::StrFormat(
         "deterministic mode: %d gradient values at step %d are not finite or outside the "
         "fixed-point range |g| < %g; lower the learning rate or turn deterministic off",
-        fixed_sum_[n + 1], step, std::ldexp(1.0, 51 - kFixedPointFracBits)));
+        reduced[n + 1], step, std::ldexp(1.0, 51 - kFixedPointFracBits)));
   }
-  last_loss_ = static_cast<double>(fixed_sum_[n]) / scale;
-  optimizer_->StepFixedPoint(model_.params(), fixed_sum_.data(), kFixedPointFracBits, step);
+  last_loss_ = static_cast<double>(reduced[n]) / scale;
+  optimizer_->StepFixedPoint(model_.params(), reduced, kFixedPointFracBits, step);
   completed_step_ = step;
   timing_.compute += t1 - t0;
   timing_.exposed_comm += t2 - t1;
