@@ -34,6 +34,12 @@ class ShmCommunicator final : public Communicator {
   // The staging memory is this rank's slot of the segment and the result its result area: a
   // staged sum skips Sum's copy in and copy out (2 x 8 bytes per value, which is what made
   // deterministic mode's int64 gradient cost twice the float one).
+  // Why reuse is safe without more synchronization: a sum's reduce starts only when every
+  // rank has arrived, and a rank leaves it only when every rank has reduced. So (1) a rank that
+  // rewrites its slot for the next step has seen every peer finish reading it (its own last
+  // sum of this step returned), and (2) a peer overwrites the result of this step only in the
+  // next sum, which no rank enters before it has finished reading the result (it arrives
+  // there after its update). Pieces of one step use disjoint ranges.
   int64_t* StagingInt64(size_t count) override;
   absl::Status SumStagedInt64(size_t offset, size_t count) override;
   const int64_t* StagedResultInt64() const override;
