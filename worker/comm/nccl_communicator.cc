@@ -1,0 +1,164 @@
+#include "worker/comm/nccl_communicator.h"
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gloo/common/error.h"
+#include "kernels/gpu_check.h"
+
+namespace lockstep::worker {
+namespace {
+
+// How often the watchdog looks: short against any timeout, long enough not to burn a core.
+constexpr auto kPoll = std::chrono::microseconds(100);
+
+}  // namespace
+
+absl::StatusOr<ncclUniqueId> ExchangeNcclId(gloo::rendezvous::Store& store, int rank,
+                                            absl::Duration timeout) {
+  ncclUniqueId id;
+  try {
+    if (rank == 0) {
+      LOCKSTEP_GPU_RETURN_IF_ERROR(ncclGetUniqueId(&id));
+      store.set(kNcclIdKey, std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
+      return id;
+    }
+    store.wait({kNcclIdKey}, std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+    const std::vector<char> bytes = store.get(kNcclIdKey);
+    if (bytes.size() != sizeof(id.internal)) {
+      return absl::InternalError(absl::StrCat("store key ", kNcclIdKey, " holds ", bytes.size(),
+                                              " bytes, not an NCCL id (", sizeof(id.internal),
+                                              ")"));
+    }
+    std::memcpy(id.internal, bytes.data(), bytes.size());
+    return id;
+  } catch (const gloo::IoException& e) {
+    const std::string what = e.what();
+    if (what.find("imeout") != std::string::npos || what.find("ait") != std::string::npos) {
+      return absl::DeadlineExceededError(absl::StrCat("rank 0 did not publish ", kNcclIdKey,
+                                                      " within ", absl::FormatDuration(timeout),
+                                                      ": ", what));
+    }
+    return absl::UnavailableError(absl::StrCat("store: ", what));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("store: ", e.what()));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
+    gloo::rendezvous::Store& store, int rank, int size, Options options) {
+  absl::StatusOr<ncclUniqueId> id = ExchangeNcclId(store, rank, options.init_timeout);
+  if (!id.ok()) return id.status();
+  std::unique_ptr<NcclCommunicator> comm(new NcclCommunicator());
+  comm->rank_ = rank;
+  comm->size_ = size;
+  comm->options_ = options;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&comm->stream_, cudaStreamNonBlocking));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // init and collectives return at once; we poll (and can abort)
+  LOCKSTEP_GPU_RETURN_IF_ERROR(ncclCommInitRankConfig(&comm->comm_, size, *id, rank, &config));
+  const absl::Time deadline = absl::Now() + options.init_timeout;
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    LOCKSTEP_GPU_RETURN_IF_ERROR(ncclCommGetAsyncError(comm->comm_, &state));
+    if (state == ncclSuccess) break;
+    if (state != ncclInProgress) {
+      return comm->Fail(kernels::GpuStatus(state, "ncclCommInitRankConfig", __FILE__, __LINE__));
+    }
+    if (comm->abort_requested_) return comm->Fail(absl::AbortedError("aborted during NCCL init"));
+    if (absl::Now() > deadline) {
+      return comm->Fail(absl::DeadlineExceededError(absl::StrCat(
+          "NCCL init of rank ", rank, "/", size, " did not finish within ",
+          absl::FormatDuration(options.init_timeout), " (a rank missing or unreachable?)")));
+    }
+    std::this_thread::sleep_for(kPoll);
+  }
+  return comm;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_ != nullptr) {
+    // A healthy communicator is finalized (flushes NCCL's pending work); a failed one was
+    // aborted already and only needs destroying.
+    if (!failed_) {
+      ncclCommFinalize(comm_);
+      ncclResult_t state = ncclInProgress;
+      const absl::Time deadline = absl::Now() + absl::Seconds(5);
+      while (state == ncclInProgress && absl::Now() < deadline) {
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
+        std::this_thread::sleep_for(kPoll);
+      }
+      if (state != ncclSuccess) {
+        ncclCommAbort(comm_);
+      } else {
+        ncclCommDestroy(comm_);
+      }
+    } else {
+      ncclCommDestroy(comm_);
+    }
+  }
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+absl::Status NcclCommunicator::Fail(absl::Status why) {
+  if (!failed_ && comm_ != nullptr) {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;  // abort frees it
+  }
+  failed_ = true;
+  return why;
+}
+
+absl::Status NcclCommunicator::AllreduceSum(float* device_data, size_t count) {
+  if (failed_) return absl::AbortedError("NCCL communicator already failed");
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      ncclAllReduce(device_data, device_data, count, ncclFloat32, ncclSum, comm_, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::AllreduceSum(int64_t* device_data, size_t count) {
+  if (failed_) return absl::AbortedError("NCCL communicator already failed");
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      ncclAllReduce(device_data, device_data, count, ncclInt64, ncclSum, comm_, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Broadcast(void* device_data, size_t bytes, int root) {
+  if (failed_) return absl::AbortedError("NCCL communicator already failed");
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      ncclBroadcast(device_data, device_data, bytes, ncclUint8, root, comm_, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Wait() {
+  if (failed_) return absl::AbortedError("NCCL communicator already failed");
+  const absl::Time deadline = absl::Now() + options_.collective_timeout;
+  while (true) {
+    // An abort wins even over work that happens to be finished: the generation is over.
+    if (abort_requested_) return Fail(absl::AbortedError("collective aborted by the coordinator"));
+    const cudaError_t done = cudaStreamQuery(stream_);
+    if (done == cudaSuccess) return absl::OkStatus();
+    if (done != cudaErrorNotReady) {
+      return Fail(kernels::GpuStatus(done, "cudaStreamQuery(nccl stream)", __FILE__, __LINE__));
+    }
+    ncclResult_t state = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess ||
+        (state != ncclSuccess && state != ncclInProgress)) {
+      return Fail(absl::UnavailableError(absl::StrCat(
+          "NCCL reported an error (a peer died or the network failed): ", ncclGetErrorString(state),
+          " ", ncclGetLastError(comm_))));
+    }
+    if (absl::Now() > deadline) {
+      return Fail(absl::DeadlineExceededError(
+          absl::StrCat("NCCL collective did not finish within ",
+                       absl::FormatDuration(options_.collective_timeout), " (a peer hung?)")));
+    }
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+}  // namespace lockstep::worker
