@@ -19,6 +19,11 @@
 #include "worker/comm/shm_communicator.h"
 #include "worker/train/dataset.h"
 #include "worker/train/trainer.h"
+#ifdef LOCKSTEP_HAVE_CUDA
+#include "kernels/gpu_check.h"
+#include "worker/comm/nccl_communicator.h"
+#include "worker/train/gpu_step.h"
+#endif
 
 namespace lockstep::worker {
 
@@ -214,6 +219,7 @@ void Agent::AbortJobs(const std::string& job_id, int64_t generation, const std::
       LOG(INFO) << "aborting " << a.job_id() << " generation " << a.generation() << ": " << reason;
       std::lock_guard<std::mutex> comm_lock(run->comm_mu);
       if (run->comm != nullptr) run->comm->Abort();
+      if (run->device_abort) run->device_abort();
     }
   }
 }
@@ -332,6 +338,48 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
     }
   } clear_comm{&run};
 
+#ifdef LOCKSTEP_HAVE_CUDA
+  // GPU workers: the steps run on the GPU with NCCL (formed through the same store, under its
+  // own key); Gloo stays for healing, evaluation and the small agreements.
+  std::unique_ptr<NcclCommunicator> nccl;
+  std::unique_ptr<GpuStep> gpu_step;
+  if (options_.cuda_device >= 0) {
+    // The current device is per host thread: this job thread must select it itself, or its
+    // first CUDA call would create a context on GPU 0.
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaSetDevice(options_.cuda_device));
+    if (a.world_size() > 1) {
+      NcclCommunicator::Options nccl_options;
+      nccl_options.init_timeout = absl::FromChrono(collective_timeout);
+      nccl_options.collective_timeout = absl::FromChrono(collective_timeout);
+      absl::StatusOr<std::unique_ptr<NcclCommunicator>> created =
+          NcclCommunicator::Create(store, a.rank(), a.world_size(), nccl_options);
+      if (!created.ok()) return created.status();
+      nccl = *std::move(created);
+    }
+    absl::StatusOr<std::unique_ptr<GpuStep>> step =
+        GpuStep::Create(spec, trainer->model().dims(), trainer->model().activation(), nccl.get());
+    if (!step.ok()) return step.status();
+    gpu_step = *std::move(step);
+    trainer->set_device_step(gpu_step.get());
+    std::lock_guard<std::mutex> lock(run.comm_mu);
+    NcclCommunicator* raw = nccl.get();
+    run.device_abort = [raw] {
+      if (raw != nullptr) raw->Abort();
+    };
+    if (run.abort && raw != nullptr) raw->Abort();
+  }
+  // Declared after them, so it runs before the step and the communicator go.
+  struct ClearDevice {
+    JobRun* run;
+    std::unique_ptr<Trainer>* trainer;
+    ~ClearDevice() {
+      if (*trainer != nullptr) (*trainer)->set_device_step(nullptr);
+      std::lock_guard<std::mutex> lock(run->comm_mu);
+      run->device_abort = nullptr;
+    }
+  } clear_device{&run, &trainer};
+#endif
+
   absl::StatusOr<Trainer::HealInfo> heal = trainer->Heal();
   if (!heal.ok()) return heal.status();
   if (heal->source_rank >= 0) {
@@ -359,8 +407,9 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
                                           Send(m);
                                         });
   if (!trained.ok()) {
-    // A deterministic-mode range error recurs in any group: fail the job.
-    if (absl::IsOutOfRange(trained)) *fatal = true;
+    // A deterministic-mode range error recurs in any group, and so does a mode this device
+    // does not implement: fail the job.
+    if (absl::IsOutOfRange(trained) || absl::IsUnimplemented(trained)) *fatal = true;
     return trained;
   }
   if (const Trainer::Timing& t = trainer->timing(); t.steps > 0) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,6 +26,8 @@ struct AgentOptions {
   std::string name;
   std::string host;
   std::string device = "cpu";
+  // N for --device=cuda:N (already selected by the caller), -1 for CPU workers.
+  int cuda_device = -1;
   std::string comm_address;  // where peers reach this worker's collectives
   int64_t free_memory_bytes = 0;
   // Shared token sent on every call; empty sends none.
@@ -64,9 +67,11 @@ class Agent {
     // that one has stopped and handed over its state.
     std::shared_ptr<JobRun> previous;
     absl::Notification finished;
-    // The generation's communicator while it exists, so an abort can interrupt collectives.
+    // The generation's communicator while it exists, so an abort can interrupt collectives;
+    // GPU workers also get their NCCL communicator aborted through device_abort.
     std::mutex comm_mu;
     Communicator* comm = nullptr;
+    std::function<void()> device_abort;
   };
 
   // Serves one session; returns why it ended. Sets *registered once the coordinator took us.

@@ -105,12 +105,11 @@ int main(int argc, char** argv) {
     LOG(ERROR) << device.status().message();
     return 2;
   }
+  options.cuda_device = device->cuda_index;
   if (device->cuda_index >= 0) {
-    // The device is real and selected; what is missing is the GPU training step.
-    LOG(ERROR) << "--device=" << options.device << " (" << device->name << ", "
-               << device->free_memory_bytes / (1 << 20) << " MiB free) is usable, but this "
-               << "build cannot train on GPUs yet; use --device=cpu";
-    return 2;
+    LOG(INFO) << "--device=" << options.device << ": " << device->name << ", "
+              << device->free_memory_bytes / (1 << 20) << " MiB free of "
+              << device->total_memory_bytes / (1 << 20) << " MiB";
   }
   options.host = absl::GetFlag(FLAGS_host).empty() ? HostName() : absl::GetFlag(FLAGS_host);
   options.name = absl::GetFlag(FLAGS_name).empty() ? absl::StrCat(options.host, "-", getpid())

@@ -31,7 +31,7 @@ echo "== GPUs" | tee -a "$log"
 
 echo "== GPU tests" | tee -a "$log"
 failed=0
-for t in cuda_kernels_test gpu_mlp_test nccl_communicator_test; do
+for t in cuda_kernels_test gpu_mlp_test gpu_trainer_test nccl_communicator_test; do
   if ! "$bundle/bin/$t" >>"$log" 2>&1; then
     echo "FAILED: $t (see $log)" | tee -a "$log"
     failed=1
@@ -42,6 +42,49 @@ for t in cuda_kernels_test gpu_mlp_test nccl_communicator_test; do
     echo "passed: $t" | tee -a "$log"
   fi
 done
+
+echo "== a job on a GPU worker: coordinator, lockstep-worker --device=cuda:0, lockstepctl" | tee -a "$log"
+job_dir="$(mktemp -d)"
+"$bundle/bin/lockstep-coordinator" --listen=127.0.0.1:0 --port_file="$job_dir/port" \
+  --state_dir="$job_dir/state" >"$job_dir/coordinator.log" 2>&1 &
+coordinator_pid=$!
+for _ in $(seq 1 100); do [[ -s "$job_dir/port" ]] && break; sleep 0.1; done
+address="127.0.0.1:$(cat "$job_dir/port" 2>/dev/null)"
+"$bundle/bin/lockstep-worker" --coordinator="$address" --device=cuda:0 --name=gpu0 \
+  --give_up_after=30s >"$job_dir/worker.log" 2>&1 &
+worker_pid=$!
+cat >"$job_dir/job.json" <<'JOB'
+{"name": "gpu-check", "model": {"type": "mlp", "hiddenWidths": [2048, 2048]},
+ "dataset": {"type": "synthetic", "synthetic": {"trainSamples": 65536, "testSamples": 4096,
+             "inputDim": 784, "numClasses": 10, "seed": 1}},
+ "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
+ "globalBatchSize": 1024, "maxSteps": 300, "minWorkers": 1, "maxWorkers": 1}
+JOB
+registered=0
+for _ in $(seq 1 60); do
+  kill -0 "$worker_pid" 2>/dev/null || break
+  if "$bundle/bin/lockstepctl" --coordinator="$address" workers 2>/dev/null | grep -q " gpu0 "; then
+    registered=1
+    break
+  fi
+  sleep 0.5
+done
+if ((registered == 0)); then
+  echo "FAILED: the GPU worker did not register:" | tee -a "$log"
+  tail -n 5 "$job_dir/worker.log" | tee -a "$log"
+  failed=1
+elif timeout 300 "$bundle/bin/lockstepctl" --coordinator="$address" submit "$job_dir/job.json" \
+    --watch >"$job_dir/watch.log" 2>&1; then
+  tail -n 3 "$job_dir/watch.log" | tee -a "$log"
+  "$bundle/bin/lockstepctl" --coordinator="$address" status job-1 | tee -a "$log"
+  echo "passed: GPU worker job" | tee -a "$log"
+else
+  echo "FAILED: GPU worker job" | tee -a "$log"
+  tail -n 20 "$job_dir/watch.log" "$job_dir/worker.log" "$job_dir/coordinator.log" | tee -a "$log"
+  failed=1
+fi
+kill "$worker_pid" "$coordinator_pid" 2>/dev/null
+wait 2>/dev/null
 
 echo "== step benchmark: MLP 784-8192-8192-10, batch 8192, SGD momentum" | tee -a "$log"
 for precision in fp32 tf32; do

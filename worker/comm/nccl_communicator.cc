@@ -127,6 +127,13 @@ absl::Status NcclCommunicator::AllreduceSum(int64_t* device_data, size_t count) 
   return absl::OkStatus();
 }
 
+absl::Status NcclCommunicator::AllreduceSum(double* device_data, size_t count) {
+  if (failed_) return absl::AbortedError("NCCL communicator already failed");
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      ncclAllReduce(device_data, device_data, count, ncclFloat64, ncclSum, comm_, stream_));
+  return absl::OkStatus();
+}
+
 absl::Status NcclCommunicator::Broadcast(void* device_data, size_t bytes, int root) {
   if (failed_) return absl::AbortedError("NCCL communicator already failed");
   LOCKSTEP_GPU_RETURN_IF_ERROR(

@@ -58,6 +58,7 @@ class NcclCommunicator {
   // caller did on another stream must be made visible first (an event the stream waits on).
   absl::Status AllreduceSum(float* device_data, size_t count);
   absl::Status AllreduceSum(int64_t* device_data, size_t count);
+  absl::Status AllreduceSum(double* device_data, size_t count);
   absl::Status Broadcast(void* device_data, size_t bytes, int root);
 
   // Waits until everything enqueued has finished. ABORTED after Abort(), DEADLINE_EXCEEDED

@@ -50,6 +50,8 @@ class GpuMlp {
                                size_t chunk_floats, const std::function<void(size_t)>& on_ready);
   // The loss sum of the last ForwardBackward (waits for the stream).
   absl::StatusOr<double> LossSum();
+  // Where ForwardBackward leaves that sum on the device (one double), e.g. to sum it over ranks.
+  double* loss_sum_device() { return loss_sum_; }
 
  private:
   GpuMlp() = default;

@@ -33,6 +33,7 @@ class Mlp {
   const LayerSlice& layer(int l) const { return layers_[l]; }
   size_t num_params() const { return num_params_; }
   const std::vector<int>& dims() const { return dims_; }
+  kernels::Activation activation() const { return activation_; }
 
   float* params() { return params_.data(); }
   const float* params() const { return params_.data(); }

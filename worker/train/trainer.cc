@@ -176,7 +176,39 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   return absl::OkStatus();
 }
 
+absl::Status Trainer::TrainStepOnDevice(int64_t step) {
+  if (spec_.deterministic()) {
+    return absl::UnimplementedError(
+        "deterministic mode is not implemented on GPU workers yet; use CPU workers");
+  }
+  sampler_.Indices(step - 1, shards_, &indices_);
+  const int n = static_cast<int>(indices_.size());
+  LoadBatch(indices_.data(), n);
+  const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<double> loss =
+      device_step_->Step(batch_x_.data(), batch_y_.data(), n, inv_batch,
+                         static_cast<float>(optimizer_->LearningRate(step)), step);
+  if (!loss.ok()) return loss.status();
+  host_stale_ = true;
+  last_loss_ = *loss;
+  completed_step_ = step;
+  timing_.compute += absl::Now() - t0;  // the device step is one unit (no breakdown yet)
+  ++timing_.steps;
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::SyncFromDevice() {
+  if (device_step_ == nullptr || !host_stale_) return absl::OkStatus();
+  if (absl::Status s = device_step_->Download(model_.params(), &optimizer_->state()); !s.ok()) {
+    return s;
+  }
+  host_stale_ = false;
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::TrainStep(int64_t step) {
+  if (device_step_ != nullptr) return TrainStepOnDevice(step);
   if (spec_.deterministic()) return TrainStepDeterministic(step);
   sampler_.Indices(step - 1, shards_, &indices_);
   const int n = static_cast<int>(indices_.size());
@@ -225,6 +257,10 @@ uint64_t Trainer::StateFingerprint() const {
 void Trainer::MaybeCheckpoint(int64_t step) {
   const int64_t every = spec_.checkpoint_every_steps();
   if (every <= 0 || comm_->rank() != 0 || step % every != 0) return;
+  if (absl::Status s = SyncFromDevice(); !s.ok()) {
+    LOG(WARNING) << "checkpoint at step " << step << " not written: " << s;
+    return;
+  }
   CheckpointData data;
   data.step = step;
   data.fingerprint = StateFingerprint();
@@ -286,11 +322,24 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
   timing_ = Timing{};
   reducer_ = std::make_unique<GradientReducer>(comm_);
   // The reducer uses this generation's communicator: it must be gone (its thread joined)
-  // before Train returns, whatever the outcome.
+  // before Train returns, whatever the outcome. A device's state comes back to the host
+  // mirror on the way out too, so that healing, evaluation and checksums see the last
+  // completed step (a failed step updates nothing: the update follows the sum).
   struct ResetReducer {
-    std::unique_ptr<GradientReducer>& reducer;
-    ~ResetReducer() { reducer.reset(); }
-  } reset_reducer{reducer_};
+    Trainer* trainer;
+    ~ResetReducer() {
+      trainer->reducer_.reset();
+      if (absl::Status s = trainer->SyncFromDevice(); !s.ok()) {
+        LOG(WARNING) << "reading the device's state back: " << s;
+      }
+    }
+  } reset_reducer{this};
+  if (device_step_ != nullptr) {
+    if (absl::Status s = device_step_->Upload(model_.params(), optimizer_->state()); !s.ok()) {
+      return s;
+    }
+    host_stale_ = false;
+  }
   absl::Time window_start = absl::Now();
   int64_t window_steps = 0;
   double samples_per_second = 0;

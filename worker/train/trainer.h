@@ -22,6 +22,23 @@
 
 namespace lockstep::worker {
 
+// Where a GPU worker's training step runs (worker/train/gpu_step.h). The trainer keeps its
+// host model and optimizer state as the mirror that healing, checkpoints, evaluation and the
+// parameter checksum use; it uploads them before training and downloads them when it needs
+// them (a checkpoint is due, Train ends).
+class DeviceStep {
+ public:
+  virtual ~DeviceStep() = default;
+  // Parameters and optimizer state in the layouts of Mlp and Optimizer.
+  virtual absl::Status Upload(const float* params, const std::vector<float>& optimizer_state) = 0;
+  virtual absl::Status Download(float* params, std::vector<float>* optimizer_state) = 0;
+  // One step for the n samples x (n x input), y (host memory): forward, backward, the sum of
+  // the gradients over the group, the optimizer update with learning rate `lr`. Returns the
+  // group's mean loss.
+  virtual absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, float grad_scale,
+                                      float lr, int64_t step) = 0;
+};
+
 // Not thread-safe: one training thread drives it. `abort` may be set from any thread; the
 // loop checks it between steps.
 class Trainer {
@@ -42,6 +59,10 @@ class Trainer {
   // |g| < 2^(51-40) = 2048 per micro-shard gradient value, resolution 2^-40 (9.1e-13); a value
   // outside it (or not finite) fails the step with OUT_OF_RANGE instead of being clipped.
   static constexpr int kFixedPointFracBits = 40;
+  // Runs the steps on a device (GPU workers); nullptr: on the CPU. Not owned; set per
+  // generation, like the communicator, and not during Train. Deterministic mode has no device
+  // path yet: Train then fails with UNIMPLEMENTED.
+  void set_device_step(DeviceStep* device_step) { device_step_ = device_step; }
   // Swaps in another communicator, e.g. a faster transport formed after the model size is
   // known, or the group of a new generation (rank and size may differ: the micro-shards are
   // re-divided). Not during Train.
@@ -95,6 +116,9 @@ class Trainer {
   void LoadBatch(const int64_t* indices, int n);
   absl::Status TrainStep(int64_t step);
   absl::Status TrainStepDeterministic(int64_t step);
+  absl::Status TrainStepOnDevice(int64_t step);
+  // Copies the device's parameters and optimizer state into the host mirror if it is stale.
+  absl::Status SyncFromDevice();
 
   // Writes a checkpoint (rank 0) when `step` is due; problems are logged, training goes on.
   void MaybeCheckpoint(int64_t step);
@@ -103,6 +127,8 @@ class Trainer {
   const v1::JobSpec spec_;
   std::shared_ptr<const Dataset> data_;
   Communicator* comm_;
+  DeviceStep* device_step_ = nullptr;
+  bool host_stale_ = false;  // the device holds newer parameters than model_
   Mlp model_;
   Sampler sampler_;
   int64_t total_steps_ = 0;

@@ -1,0 +1,105 @@
+#include "worker/train/gpu_step.h"
+
+#include "kernels/gpu_check.h"
+
+namespace lockstep::worker {
+
+absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec,
+                                                         std::vector<int> dims,
+                                                         kernels::Activation activation,
+                                                         NcclCommunicator* comm) {
+  std::unique_ptr<GpuStep> step(new GpuStep());
+  step->optimizer_ = spec.optimizer();
+  step->comm_ = comm;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&step->stream_, cudaStreamNonBlocking));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&step->grads_ready_, cudaEventDisableTiming));
+  auto mlp = GpuMlp::Create(std::move(dims), activation, step->stream_);
+  if (!mlp.ok()) return mlp.status();
+  step->mlp_ = *std::move(mlp);
+  const size_t params = step->mlp_->num_params();
+  step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->state_, step->state_floats_ * sizeof(float)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemset(step->state_, 0, step->state_floats_ * sizeof(float)));
+  return step;
+}
+
+GpuStep::~GpuStep() {
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  mlp_.reset();
+  cudaFree(state_);
+  cudaFree(x_);
+  cudaFree(y_);
+  if (grads_ready_ != nullptr) cudaEventDestroy(grads_ready_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+absl::Status GpuStep::Upload(const float* params, const std::vector<float>& optimizer_state) {
+  if (optimizer_state.size() != state_floats_) {
+    return absl::InternalError("optimizer state size differs between host and device");
+  }
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(state_, optimizer_state.data(),
+                                               state_floats_ * sizeof(float),
+                                               cudaMemcpyHostToDevice, stream_));
+  return mlp_->UploadParams(params);  // synchronizes the stream
+}
+
+absl::Status GpuStep::Download(float* params, std::vector<float>* optimizer_state) {
+  optimizer_state->resize(state_floats_);
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(optimizer_state->data(), state_,
+                                               state_floats_ * sizeof(float),
+                                               cudaMemcpyDeviceToHost, stream_));
+  return mlp_->DownloadParams(params);  // synchronizes the stream
+}
+
+absl::Status GpuStep::Reserve(int n, int input) {
+  if (n <= capacity_) return absl::OkStatus();
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  cudaFree(x_);
+  cudaFree(y_);
+  x_ = nullptr;
+  y_ = nullptr;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&x_, static_cast<size_t>(n) * input * sizeof(float)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&y_, static_cast<size_t>(n) * sizeof(int32_t)));
+  capacity_ = n;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, float grad_scale,
+                                     float lr, int64_t step) {
+  const int input = mlp_->layers().front().in;
+  if (absl::Status s = Reserve(n, input); !s.ok()) return s;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
+      x_, x, static_cast<size_t>(n) * input * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_, y, static_cast<size_t>(n) * sizeof(int32_t),
+                                               cudaMemcpyHostToDevice, stream_));
+  // One piece: the whole gradient is summed after backward (see the header).
+  if (absl::Status s = mlp_->ForwardBackward(x_, y_, n, grad_scale, SIZE_MAX, nullptr); !s.ok()) {
+    return s;
+  }
+  const size_t params = mlp_->num_params();
+  if (comm_ != nullptr && comm_->size() > 1) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(grads_ready_, stream_));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_->stream(), grads_ready_, 0));
+    if (absl::Status s = comm_->AllreduceSum(mlp_->grads(), params); !s.ok()) return s;
+    if (absl::Status s = comm_->AllreduceSum(mlp_->loss_sum_device(), 1); !s.ok()) return s;
+    // The watchdog: a dead or hung peer ends here with the communicator aborted.
+    if (absl::Status s = comm_->Wait(); !s.ok()) return s;
+  }
+  const float weight_decay = static_cast<float>(optimizer_.weight_decay());
+  absl::Status updated =
+      optimizer_.type() == "adamw"
+          ? kernels::cuda::AdamWUpdate(
+                mlp_->params(), mlp_->grads(), state_, state_ + params, params, lr,
+                static_cast<float>(optimizer_.beta1()), static_cast<float>(optimizer_.beta2()),
+                static_cast<float>(optimizer_.epsilon()), weight_decay, step, stream_)
+          : kernels::cuda::SgdMomentumUpdate(mlp_->params(), mlp_->grads(), state_, params, lr,
+                                             static_cast<float>(optimizer_.momentum()),
+                                             weight_decay, stream_);
+  if (!updated.ok()) return updated;
+  absl::StatusOr<double> loss_sum = mlp_->LossSum();  // waits for the update too
+  if (!loss_sum.ok()) return loss_sum.status();
+  return *loss_sum * grad_scale;
+}
+
+}  // namespace lockstep::worker

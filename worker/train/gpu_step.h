@@ -1,0 +1,51 @@
+// A GPU worker's training step (DeviceStep of trainer.h): the batch goes to the GPU, GpuMlp
+// runs forward and backward on the compute stream, NCCL sums the gradients (and the loss) on
+// its own stream once the compute stream's event says they are ready, and the optimizer update
+// runs on the GPU over all parameters at once. This first version sums the whole gradient after
+// backward; buckets overlapped with backward come next (GpuMlp already reports the pieces).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lockstep/v1/job.pb.h"
+#include "worker/comm/nccl_communicator.h"
+#include "worker/train/gpu_mlp.h"
+#include "worker/train/trainer.h"
+
+namespace lockstep::worker {
+
+class GpuStep final : public DeviceStep {
+ public:
+  // `comm` may be null for a group of one (nothing to sum). Allocates on the current device.
+  static absl::StatusOr<std::unique_ptr<GpuStep>> Create(const v1::JobSpec& spec,
+                                                         std::vector<int> dims,
+                                                         kernels::Activation activation,
+                                                         NcclCommunicator* comm);
+  ~GpuStep() override;
+
+  absl::Status Upload(const float* params, const std::vector<float>& optimizer_state) override;
+  absl::Status Download(float* params, std::vector<float>* optimizer_state) override;
+  absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, float grad_scale, float lr,
+                              int64_t step) override;
+
+ private:
+  GpuStep() = default;
+  absl::Status Reserve(int n, int input);
+
+  v1::OptimizerSpec optimizer_;
+  NcclCommunicator* comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t grads_ready_ = nullptr;
+  std::unique_ptr<GpuMlp> mlp_;
+  size_t state_floats_ = 0;
+  float* state_ = nullptr;  // momentum, or AdamW's m then v (Optimizer's layout)
+  int capacity_ = 0;
+  float* x_ = nullptr;
+  int32_t* y_ = nullptr;
+};
+
+}  // namespace lockstep::worker
