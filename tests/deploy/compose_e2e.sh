@@ -6,6 +6,8 @@
 #   - one worker is stopped with `docker kill` (the job shrinks to 2 and goes on);
 #   - another worker's process is killed from the host, as a crash would (the restart policy
 #     brings the container back, it registers again and rejoins the running job).
+# The workers share one /dev/shm volume, so their sums take the shared-memory path; the test
+# checks that in their logs.
 # The job must succeed with exactly maxSteps steps and identical parameters on every rank.
 # Bad input: a worker with a wrong token exits 3 and the coordinator lists it as rejected; a
 # wrong coordinator address exits 4 after --give_up_after; a GPU device on a host without one
@@ -197,7 +199,7 @@ cat >"$work/job.json" <<'JOB'
                             "numClasses": 10, "seed": 3}},
   "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
   "globalBatchSize": 120,
-  "maxSteps": 6000,
+  "maxSteps": 20000,
   "minWorkers": 2,
   "maxWorkers": 3
 }
@@ -224,9 +226,14 @@ wait_for 120 "$host back among the members" bash -c "$(declare -f job_field); ct
 log "rejoined: members $(job_field "' '.join(m['host'] for m in j['members'])"), generation $(job_field "j.get('generation')")"
 
 "$ctl" watch "$job" >"$work/watch.log" 2>&1 || { cat "$work/watch.log"; fail "$job did not succeed"; }
+"${compose[@]}" logs --no-color worker >"$work/workers.log" 2>&1
+grep -q "no shared-memory fast path" "$work/workers.log" &&
+  fail "the workers fell back to Gloo: $(grep -m1 'no shared-memory fast path' "$work/workers.log")"
+waits="$(grep -o '[0-9.]* ms waiting for allreduce' "$work/workers.log" | head -n 3 | tr '\n' ' ')"
+log "per-step wait for the gradient sum (shared /dev/shm): $waits"
 "$ctl" status "$job"
 [[ "$(job_field "j['state']")" == JOB_STATE_SUCCEEDED ]] || fail "$job not SUCCEEDED"
-[[ "$(job_field "j['step']")" == 6000 ]] || fail "$job did not run exactly 6000 steps"
+[[ "$(job_field "j['step']")" == 20000 ]] || fail "$job did not run exactly 20000 steps"
 checksums="$(job_field "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))")"
 [[ -n "$checksums" && "$checksums" != *" "* ]] || fail "ranks ended with different parameters: $checksums"
 recoveries="$(job_field "int(j.get('recoveries', 0))")"
@@ -235,7 +242,7 @@ redone="$(job_field "sum(int(r.get('stepsRedone', 0)) for r in j.get('recoveryHi
 ((redone == 0)) || fail "$redone committed steps were trained again"
 [[ "$(job_field "'$host' in [m['host'] for m in j['members']]")" == True ]] ||
   fail "the restarted worker is not among the final members"
-log "$job SUCCEEDED: 6000 steps, $recoveries recoveries, 0 redone, parameters $checksums"
+log "$job SUCCEEDED: 20000 steps, $recoveries recoveries, 0 redone, parameters $checksums"
 [[ "$(docker inspect -f '{{.State.Status}}' "$victim")" == exited ]] || fail "docker kill'ed worker was restarted"
 
 # ---- bad input: each container exits with a clear line and a distinct code ----

@@ -5,7 +5,7 @@
 # Usage: tests/deploy/config_test.sh BUILD_DIR   Exit 77 (skipped) when a tool is missing.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-build="${1:?usage: config_test.sh BUILD_DIR}"
+build="$(realpath "${1:?usage: config_test.sh BUILD_DIR}")"
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
 skipped=0
