@@ -1,5 +1,8 @@
 #include "worker/train/gpu_step.h"
 
+#include <algorithm>
+#include <functional>
+
 #include "kernels/gpu_check.h"
 
 namespace lockstep::worker {
@@ -10,6 +13,10 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
                                                          NcclCommunicator* comm) {
   std::unique_ptr<GpuStep> step(new GpuStep());
   step->optimizer_ = spec.optimizer();
+  // NCCL wants large messages: at least 16 MiB per bucket (the CPU's 256 KiB default would be
+  // hundreds of tiny allreduces for a large model), or the job's bucket size if larger.
+  step->bucket_floats_ =
+      std::max<size_t>(size_t{4} << 20, static_cast<size_t>(spec.bucket_size_kib()) * 256);
   step->comm_ = comm;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&step->stream_, cudaStreamNonBlocking));
   LOCKSTEP_GPU_RETURN_IF_ERROR(
@@ -73,15 +80,33 @@ absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, fl
       x_, x, static_cast<size_t>(n) * input * sizeof(float), cudaMemcpyHostToDevice, stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_, y, static_cast<size_t>(n) * sizeof(int32_t),
                                                cudaMemcpyHostToDevice, stream_));
-  // One piece: the whole gradient is summed after backward (see the header).
-  if (absl::Status s = mlp_->ForwardBackward(x_, y_, n, grad_scale, SIZE_MAX, nullptr); !s.ok()) {
+  const size_t params = mlp_->num_params();
+  const bool group = comm_ != nullptr && comm_->size() > 1;
+  // Buckets: each finished piece of the gradient is summed on the NCCL stream, after an event
+  // that orders it behind the GEMM that wrote it, while backward goes on with the next piece.
+  size_t sent = 0;
+  absl::Status bucket_status;
+  auto send = [&](size_t end) {
+    if (!bucket_status.ok() || end <= sent) return;
+    bucket_status = [&]() -> absl::Status {
+      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(grads_ready_, stream_));
+      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_->stream(), grads_ready_, 0));
+      return comm_->AllreduceSum(mlp_->grads() + sent, end - sent);
+    }();
+    sent = end;
+  };
+  auto on_ready = [&](size_t ready) {
+    if (ready - sent >= bucket_floats_) send(ready);
+  };
+  if (absl::Status s = mlp_->ForwardBackward(
+          x_, y_, n, grad_scale, bucket_floats_,
+          group ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>());
+      !s.ok()) {
     return s;
   }
-  const size_t params = mlp_->num_params();
-  if (comm_ != nullptr && comm_->size() > 1) {
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(grads_ready_, stream_));
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_->stream(), grads_ready_, 0));
-    if (absl::Status s = comm_->AllreduceSum(mlp_->grads(), params); !s.ok()) return s;
+  if (group) {
+    send(params);  // the rest, then the loss (ready with the forward pass, sent last)
+    if (!bucket_status.ok()) return bucket_status;
     if (absl::Status s = comm_->AllreduceSum(mlp_->loss_sum_device(), 1); !s.ok()) return s;
     // The watchdog: a dead or hung peer ends here with the communicator aborted.
     if (absl::Status s = comm_->Wait(); !s.ok()) return s;

@@ -1,8 +1,7 @@
 // A GPU worker's training step (DeviceStep of trainer.h): the batch goes to the GPU, GpuMlp
-// runs forward and backward on the compute stream, NCCL sums the gradients (and the loss) on
-// its own stream once the compute stream's event says they are ready, and the optimizer update
-// runs on the GPU over all parameters at once. This first version sums the whole gradient after
-// backward; buckets overlapped with backward come next (GpuMlp already reports the pieces).
+// runs forward and backward on the compute stream, NCCL sums each bucket of the gradient on its
+// own stream as soon as an event says backward has written it (overlapping the rest of
+// backward), then the loss; the optimizer update runs on the GPU over all parameters at once.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -37,6 +36,7 @@ class GpuStep final : public DeviceStep {
   absl::Status Reserve(int n, int input);
 
   v1::OptimizerSpec optimizer_;
+  size_t bucket_floats_ = 0;
   NcclCommunicator* comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t grads_ready_ = nullptr;
