@@ -115,29 +115,51 @@ absl::Status NcclCommunicator::Fail(absl::Status why) {
 
 absl::Status NcclCommunicator::AllreduceSum(float* device_data, size_t count) {
   if (failed_) return absl::AbortedError("NCCL communicator already failed");
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      ncclAllReduce(device_data, device_data, count, ncclFloat32, ncclSum, comm_, stream_));
-  return absl::OkStatus();
+  return Settle(
+      ncclAllReduce(device_data, device_data, count, ncclFloat32, ncclSum, comm_, stream_),
+      "ncclAllReduce");
 }
 
 absl::Status NcclCommunicator::AllreduceSum(int64_t* device_data, size_t count) {
   if (failed_) return absl::AbortedError("NCCL communicator already failed");
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      ncclAllReduce(device_data, device_data, count, ncclInt64, ncclSum, comm_, stream_));
-  return absl::OkStatus();
+  return Settle(ncclAllReduce(device_data, device_data, count, ncclInt64, ncclSum, comm_, stream_),
+                "ncclAllReduce");
 }
 
 absl::Status NcclCommunicator::AllreduceSum(double* device_data, size_t count) {
   if (failed_) return absl::AbortedError("NCCL communicator already failed");
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      ncclAllReduce(device_data, device_data, count, ncclFloat64, ncclSum, comm_, stream_));
-  return absl::OkStatus();
+  return Settle(
+      ncclAllReduce(device_data, device_data, count, ncclFloat64, ncclSum, comm_, stream_),
+      "ncclAllReduce");
 }
 
 absl::Status NcclCommunicator::Broadcast(void* device_data, size_t bytes, int root) {
   if (failed_) return absl::AbortedError("NCCL communicator already failed");
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      ncclBroadcast(device_data, device_data, bytes, ncclUint8, root, comm_, stream_));
+  return Settle(ncclBroadcast(device_data, device_data, bytes, ncclUint8, root, comm_, stream_),
+                "ncclBroadcast");
+}
+
+absl::Status NcclCommunicator::Settle(ncclResult_t enqueued, const char* call) {
+  if (enqueued != ncclSuccess && enqueued != ncclInProgress) {
+    return Fail(kernels::GpuStatus(enqueued, call, __FILE__, __LINE__));
+  }
+  // A nonblocking communicator may return before the call is fully enqueued; the next NCCL
+  // call may only follow once the communicator's state is no longer ncclInProgress.
+  const absl::Time deadline = absl::Now() + options_.collective_timeout;
+  ncclResult_t state = enqueued;
+  while (state == ncclInProgress) {
+    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
+    if (state == ncclSuccess) break;
+    if (state != ncclInProgress) {
+      return Fail(kernels::GpuStatus(state, call, __FILE__, __LINE__));
+    }
+    if (abort_requested_) return Fail(absl::AbortedError("collective aborted by the coordinator"));
+    if (absl::Now() > deadline) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat(
+          call, " was not enqueued within ", absl::FormatDuration(options_.collective_timeout))));
+    }
+    std::this_thread::sleep_for(kPoll);
+  }
   return absl::OkStatus();
 }
 

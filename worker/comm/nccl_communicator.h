@@ -72,6 +72,9 @@ class NcclCommunicator {
   NcclCommunicator() = default;
   // Aborts the NCCL communicator once; returns `why`.
   absl::Status Fail(absl::Status why);
+  // After a collective was called: waits (bounded, abortable) until a nonblocking communicator
+  // has finished enqueuing it; fails the communicator on an error.
+  absl::Status Settle(ncclResult_t enqueued, const char* call);
 
   int rank_ = 0;
   int size_ = 0;
