@@ -1,14 +1,13 @@
 // CUDA twins of the CPU kernels; see cuda_kernels.h. Elementwise kernels use grid-stride loops
 // of 256 threads; none of them needs shared memory. Reductions that feed the training state
 // (bias gradients, the loss sum) run in a fixed order, so a rank gets the same bits every run.
-#include "kernels/cuda_kernels.h"
-
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_kernels.h"
 #include "kernels/gpu_check.h"
 
 namespace lockstep::kernels::cuda {
@@ -39,7 +38,8 @@ __global__ void BiasActivationKernel(const float* bias, int rows, int cols, Acti
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const float v = z[i] + bias[i % cols];
     z[i] = v;
-    a[i] = act == Activation::kRelu   ? (v > 0.0f ? v : 0.0f)
+    // The CPU's forms: NaN passes through ReLU (and its gradient), as in PyTorch.
+    a[i] = act == Activation::kRelu   ? (v < 0.0f ? 0.0f : v)
            : act == Activation::kGelu ? Gelu(v)
                                       : v;
   }
@@ -52,12 +52,12 @@ __global__ void GeluKernel(const float* z, float* a, size_t n) {
   }
 }
 
-__global__ void ActivationBackwardKernel(Activation act, const float* z, const float* da,
-                                         float* dz, size_t n) {
+__global__ void ActivationBackwardKernel(Activation act, const float* z, const float* da, float* dz,
+                                         size_t n) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const float d = da[i];
-    dz[i] = act == Activation::kRelu   ? (z[i] > 0.0f ? d : 0.0f)
+    dz[i] = act == Activation::kRelu   ? (z[i] <= 0.0f ? 0.0f : d)
             : act == Activation::kGelu ? d * GeluDerivative(z[i])
                                        : d;
   }
@@ -114,8 +114,8 @@ __global__ void SumInOrderKernel(const double* values, int n, double* out) {
   *out = sum;
 }
 
-__global__ void SgdKernel(float* p, const float* g, float* buf, size_t n, float lr,
-                          float momentum, float weight_decay) {
+__global__ void SgdKernel(float* p, const float* g, float* buf, size_t n, float lr, float momentum,
+                          float weight_decay) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const float gi = g[i] + weight_decay * p[i];
@@ -239,9 +239,9 @@ absl::Status Blas::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float a
   if (m == 0 || n == 0) return absl::OkStatus();
   // Row-major C (m x n) is column-major C^T (n x m) = op(B)^T * op(A)^T: swap the operands
   // and keep each one's transpose flag.
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSgemm(
-      BlasHandle(blas_), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-      n, m, k, &alpha, b, ldb, a, lda, &beta, c, ldc));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSgemm(BlasHandle(blas_), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                           trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b,
+                                           ldb, a, lda, &beta, c, ldc));
   return absl::OkStatus();
 }
 
@@ -257,16 +257,23 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescCreate(
       &desc.op, tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-      desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                              &transpose, sizeof(transpose)));
   LOCKSTEP_GPU_RETURN_IF_ERROR(
       cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)));
-  const cublasLtEpilogue_t epilogue =
-      act == Activation::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
+  // The bias epilogue wants a 16-byte aligned bias, which layers packed back to back in one
+  // flat buffer do not always have (and there is no preference attribute to say so): then the
+  // matmul runs plain and a kernel adds bias and activation.
+  const bool fused = Alignment(bias) >= 16;
+  const cublasLtEpilogue_t epilogue = !fused                     ? CUBLASLT_EPILOGUE_DEFAULT
+                                      : act == Activation::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS
+                                                                 : CUBLASLT_EPILOGUE_BIAS;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
       desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-      desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  if (fused) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_32F, in, out, in));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_32F, in, rows, in));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_32F, out, rows, out));
@@ -289,19 +296,18 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
       desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a,
-                                                              desc.b, desc.d, desc.d,
-                                                              desc.preference, 1, &heuristic,
-                                                              &found));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a, desc.b, desc.d, desc.d,
+                                     desc.preference, 1, &heuristic, &found));
   if (found == 0) {
     return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for a ", rows, "x", in,
                                             " by ", in, "x", out, " product with bias epilogue"));
   }
   const float alpha = 1.0f, beta = 0.0f;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, w, desc.a, x,
-                                              desc.b, &beta, d, desc.d, d, desc.d,
-                                              &heuristic.algo, workspace_, workspace_bytes_,
-                                              stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, w, desc.a, x, desc.b,
+                                              &beta, d, desc.d, d, desc.d, &heuristic.algo,
+                                              workspace_, workspace_bytes_, stream_));
+  if (!fused) return BiasActivationForward(bias, rows, out, act, d, a, stream_);
   if (act == Activation::kGelu) {
     const size_t n = static_cast<size_t>(rows) * out;
     GeluKernel<<<Blocks(n), kThreads, 0, stream_>>>(z, a, n);
@@ -310,8 +316,8 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
   return absl::OkStatus();
 }
 
-absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activation act,
-                                   float* z, float* a, cudaStream_t stream) {
+absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activation act, float* z,
+                                   float* a, cudaStream_t stream) {
   const size_t n = static_cast<size_t>(rows) * cols;
   if (n == 0) return absl::OkStatus();
   BiasActivationKernel<<<Blocks(n), kThreads, 0, stream>>>(bias, rows, cols, act, z, a);
@@ -327,13 +333,12 @@ absl::Status ActivationBackward(Activation act, const float* z, const float* da,
 
 absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, cudaStream_t stream) {
   if (cols == 0) return absl::OkStatus();
-  BiasGradientKernel<<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream>>>(dz, rows, cols,
-                                                                                db);
+  BiasGradientKernel<<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream>>>(dz, rows, cols, db);
   return LaunchStatus("BiasGradientKernel");
 }
 
-absl::Status SoftmaxCrossEntropy(const float* logits, const int32_t* labels, int rows,
-                                 int classes, float grad_scale, float* dlogits, double* row_loss,
+absl::Status SoftmaxCrossEntropy(const float* logits, const int32_t* labels, int rows, int classes,
+                                 float grad_scale, float* dlogits, double* row_loss,
                                  int32_t* row_correct, double* loss_sum, cudaStream_t stream) {
   if (classes < 1) return absl::InvalidArgumentError("SoftmaxCrossEntropy: classes must be >= 1");
   if (rows > 0) {
@@ -374,8 +379,8 @@ absl::Status StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* o
                              unsigned long long* rejected, cudaStream_t stream) {
   if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
   if (n == 0) return absl::OkStatus();
-  FixedPointKernel<false><<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits),
-                                                              out, rejected);
+  FixedPointKernel<false>
+      <<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits), out, rejected);
   return LaunchStatus("FixedPointKernel<store>");
 }
 
@@ -383,8 +388,8 @@ absl::Status AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64
                                   unsigned long long* rejected, cudaStream_t stream) {
   if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
   if (n == 0) return absl::OkStatus();
-  FixedPointKernel<true><<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits),
-                                                             acc, rejected);
+  FixedPointKernel<true>
+      <<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits), acc, rejected);
   return LaunchStatus("FixedPointKernel<accumulate>");
 }
 
@@ -392,8 +397,7 @@ absl::Status FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* o
                             cudaStream_t stream) {
   if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
   if (n == 0) return absl::OkStatus();
-  FromFixedPointKernel<<<Blocks(n), kThreads, 0, stream>>>(in, n, std::ldexp(1.0, -frac_bits),
-                                                           out);
+  FromFixedPointKernel<<<Blocks(n), kThreads, 0, stream>>>(in, n, std::ldexp(1.0, -frac_bits), out);
   return LaunchStatus("FromFixedPointKernel");
 }
 

@@ -341,8 +341,10 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
 #ifdef LOCKSTEP_HAVE_CUDA
   // GPU workers: the steps run on the GPU with NCCL (formed through the same store, under its
   // own key); Gloo stays for healing, evaluation and the small agreements.
-  std::unique_ptr<NcclCommunicator> nccl;
+  // Declared in this order so that NCCL is torn down (finalized, or aborted if it failed) before
+  // the step frees device memory that its kernels might still use.
   std::unique_ptr<GpuStep> gpu_step;
+  std::unique_ptr<NcclCommunicator> nccl;
   if (options_.cuda_device >= 0) {
     // The current device is per host thread: this job thread must select it itself, or its
     // first CUDA call would create a context on GPU 0.
@@ -351,6 +353,7 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
       NcclCommunicator::Options nccl_options;
       nccl_options.init_timeout = absl::FromChrono(collective_timeout);
       nccl_options.collective_timeout = absl::FromChrono(collective_timeout);
+      nccl_options.cancel = &run.abort;
       absl::StatusOr<std::unique_ptr<NcclCommunicator>> created =
           NcclCommunicator::Create(store, a.rank(), a.world_size(), nccl_options);
       if (!created.ok()) return created.status();

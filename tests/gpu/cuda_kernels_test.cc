@@ -93,24 +93,33 @@ TEST(CudaKernelsTest, LinearForwardMatchesCpuForEachActivation) {
   LOCKSTEP_REQUIRE_GPU();
   auto blas = cuda::Blas::Create(nullptr);
   ASSERT_TRUE(blas.ok()) << blas.status();
-  const int rows = 96, in = 80, out = 33;
-  const std::vector<float> x = Random(size_t{rows} * in, 4), w = Random(size_t{out} * in, 5, 0.1f);
-  const std::vector<float> bias = Random(out, 6);
-  for (Activation act : {Activation::kIdentity, Activation::kRelu, Activation::kGelu}) {
-    std::vector<float> z(size_t{rows} * out), want(z.size());
-    Gemm(false, true, rows, out, in, 1.0f, x.data(), in, w.data(), in, 0.0f, z.data(), out);
-    BiasActivationForward(bias.data(), rows, out, act, z.data(), want.data());
-    DeviceBuffer<float> dx(x), dw(w), dbias(bias), dz(z.size()), da(z.size());
-    float* z_out = act == Activation::kGelu ? dz.get() : da.get();
-    ASSERT_TRUE(
-        (*blas)
-            ->LinearForward(dx.get(), dw.get(), dbias.get(), rows, in, out, act, z_out, da.get())
-            .ok());
-    EXPECT_LT(RelativeError(da.Read(), want), 1e-5) << static_cast<int>(act);
-    if (act == Activation::kGelu) {
-      EXPECT_LT(RelativeError(dz.Read(), z), 1e-5);  // z holds the pre-activation, bias added
-    }
-  }
+  // One row (cuBLASLt's epilogues have had bugs there), and a bias both 16-byte aligned (the
+  // fused epilogue) and not (the plain matmul plus a bias kernel).
+  const int in = 80, out = 33;
+  const std::vector<float> w = Random(size_t{out} * in, 5, 0.1f);
+  const std::vector<float> bias_storage = Random(out + 1, 6);
+  for (int rows : {96, 1})
+    for (int shift : {0, 1})
+      for (Activation act : {Activation::kIdentity, Activation::kRelu, Activation::kGelu}) {
+        const std::vector<float> x = Random(static_cast<size_t>(rows) * in, 4);
+        const std::vector<float> bias(bias_storage.begin() + shift,
+                                      bias_storage.begin() + shift + out);
+        std::vector<float> z(static_cast<size_t>(rows) * out), want(z.size());
+        Gemm(false, true, rows, out, in, 1.0f, x.data(), in, w.data(), in, 0.0f, z.data(), out);
+        BiasActivationForward(bias.data(), rows, out, act, z.data(), want.data());
+        // The device bias sits `shift` floats into its allocation: misaligned when shift is 1.
+        DeviceBuffer<float> dx(x), dw(w), dbias(bias_storage), dz(z.size()), da(z.size());
+        float* z_out = act == Activation::kGelu ? dz.get() : da.get();
+        ASSERT_TRUE((*blas)
+                        ->LinearForward(dx.get(), dw.get(), dbias.get() + shift, rows, in, out, act,
+                                        z_out, da.get())
+                        .ok());
+        EXPECT_LT(RelativeError(da.Read(), want), 1e-5)
+            << "activation " << static_cast<int>(act) << " rows " << rows << " shift " << shift;
+        if (act == Activation::kGelu) {
+          EXPECT_LT(RelativeError(dz.Read(), z), 1e-5);  // z holds the pre-activation, bias added
+        }
+      }
 }
 
 TEST(CudaKernelsTest, ActivationBackwardAndBiasGradientMatchCpu) {

@@ -84,7 +84,7 @@ NcclCommunicator::~NcclCommunicator() {
   if (comm_ != nullptr) {
     // A healthy communicator is finalized (flushes NCCL's pending work); a failed one was
     // aborted already and only needs destroying.
-    if (!failed_) {
+    if (!failed_ && !abort_requested_) {
       ncclCommFinalize(comm_);
       ncclResult_t state = ncclInProgress;
       const absl::Time deadline = absl::Now() + absl::Seconds(5);
@@ -98,7 +98,7 @@ NcclCommunicator::~NcclCommunicator() {
         ncclCommDestroy(comm_);
       }
     } else {
-      ncclCommDestroy(comm_);
+      ncclCommAbort(comm_);  // after an abort request, or a failure that left it allocated
     }
   }
   if (stream_ != nullptr) cudaStreamDestroy(stream_);

@@ -40,6 +40,8 @@ class NcclCommunicator {
   struct Options {
     absl::Duration init_timeout = absl::Seconds(60);
     absl::Duration collective_timeout = absl::Seconds(30);
+    // Set by the agent when the coordinator aborts the generation: ends a pending init early.
+    const std::atomic<bool>* cancel = nullptr;
   };
   // Exchanges the id, then initializes rank `rank` of `size` on the current device (the worker
   // selected it at start) with a nonblocking communicator, polled until ready or the deadline.

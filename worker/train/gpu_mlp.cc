@@ -70,12 +70,15 @@ absl::Status GpuMlp::DownloadGrads(float* host) const {
 
 absl::Status GpuMlp::Reserve(int n) {
   if (n <= capacity_) return absl::OkStatus();
-  // Growing frees the old buffers first: the stream must be idle before they go.
+  // Growing frees the old buffers first: the stream must be idle before they go. Every freed
+  // pointer is cleared at once, so a failed allocation leaves nothing dangling.
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  capacity_ = 0;
   int widest = 0;
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (a_[l] != nullptr && a_[l] != z_[l]) cudaFree(a_[l]);
     cudaFree(z_[l]);
+    a_[l] = z_[l] = nullptr;
     const size_t size = static_cast<size_t>(n) * layers_[l].out;
     if (absl::Status s = Allocate(&z_[l], size); !s.ok()) return s;
     a_[l] = z_[l];
@@ -87,6 +90,8 @@ absl::Status GpuMlp::Reserve(int n) {
   cudaFree(dz_);
   cudaFree(da_);
   cudaFree(row_loss_);
+  dz_ = da_ = nullptr;
+  row_loss_ = nullptr;
   if (absl::Status s = Allocate(&dz_, static_cast<size_t>(n) * widest); !s.ok()) return s;
   if (absl::Status s = Allocate(&da_, static_cast<size_t>(n) * widest); !s.ok()) return s;
   if (absl::Status s = Allocate(&row_loss_, static_cast<size_t>(n)); !s.ok()) return s;

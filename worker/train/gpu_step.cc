@@ -27,7 +27,10 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   const size_t params = step->mlp_->num_params();
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->state_, step->state_floats_ * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemset(step->state_, 0, step->state_floats_ * sizeof(float)));
+  // On the step's stream (non-blocking, so a plain cudaMemset on the legacy stream could land
+  // after an Upload and wipe the healed state).
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cudaMemsetAsync(step->state_, 0, step->state_floats_ * sizeof(float), step->stream_));
   return step;
 }
 
@@ -62,6 +65,7 @@ absl::Status GpuStep::Download(float* params, std::vector<float>* optimizer_stat
 absl::Status GpuStep::Reserve(int n, int input) {
   if (n <= capacity_) return absl::OkStatus();
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  capacity_ = 0;  // nothing usable until both buffers exist again
   cudaFree(x_);
   cudaFree(y_);
   x_ = nullptr;
@@ -74,6 +78,18 @@ absl::Status GpuStep::Reserve(int n, int input) {
 
 absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, float grad_scale,
                                      float lr, int64_t step) {
+  absl::StatusOr<double> result = RunStep(x, y, n, grad_scale, lr, step);
+  if (!result.ok() && comm_ != nullptr && comm_->size() > 1) {
+    // Buckets may be in flight, and NCCL kernels never time out: abort the communicator so
+    // that nothing on the device waits for peers that gave up (freeing memory would hang).
+    comm_->Abort();
+    (void)comm_->Wait();
+  }
+  return result;
+}
+
+absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n, float grad_scale,
+                                        float lr, int64_t step) {
   const int input = mlp_->layers().front().in;
   if (absl::Status s = Reserve(n, input); !s.ok()) return s;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(

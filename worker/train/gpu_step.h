@@ -34,6 +34,8 @@ class GpuStep final : public DeviceStep {
  private:
   GpuStep() = default;
   absl::Status Reserve(int n, int input);
+  absl::StatusOr<double> RunStep(const float* x, const int32_t* y, int n, float grad_scale,
+                                 float lr, int64_t step);
 
   v1::OptimizerSpec optimizer_;
   size_t bucket_floats_ = 0;

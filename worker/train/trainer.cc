@@ -204,6 +204,7 @@ absl::Status Trainer::SyncFromDevice() {
     return s;
   }
   host_stale_ = false;
+  host_step_ = completed_step_;
   return absl::OkStatus();
 }
 
@@ -330,7 +331,12 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
     ~ResetReducer() {
       trainer->reducer_.reset();
       if (absl::Status s = trainer->SyncFromDevice(); !s.ok()) {
-        LOG(WARNING) << "reading the device's state back: " << s;
+        // The host keeps the state it last had: claim only that step, so that healing sends
+        // this member the newer state instead of trusting parameters that do not match.
+        LOG(WARNING) << "reading the device's state back: " << s << "; back to step "
+                     << trainer->host_step_;
+        trainer->completed_step_ = trainer->host_step_;
+        trainer->host_stale_ = false;
       }
     }
   } reset_reducer{this};
@@ -339,6 +345,7 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
       return s;
     }
     host_stale_ = false;
+    host_step_ = completed_step_;
   }
   absl::Time window_start = absl::Now();
   int64_t window_steps = 0;

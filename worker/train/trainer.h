@@ -70,9 +70,10 @@ class Trainer {
 
   // Brings every member of a (new) group to the same state. With checkpoints configured,
   // rank 0 first loads the newest valid checkpoint if it is newer than its own state. Then
-  // members exchange the step of the state they hold; when they differ, the most advanced member (lowest rank among equals)
-  // broadcasts its parameters and optimizer state. Members at the same step hold identical
-  // state (they applied the same reduced gradients), so nothing is sent when all agree.
+  // members exchange the step of the state they hold; when they differ, the most advanced member
+  // (lowest rank among equals) broadcasts its parameters and optimizer state. Members at the same
+  // step hold identical state (they applied the same reduced gradients), so nothing is sent when
+  // all agree.
   struct HealInfo {
     int64_t resumed_from_step = 0;  // training continues at this step + 1
     int source_rank = -1;           // -1: nobody held state (all start from the seed)
@@ -129,6 +130,7 @@ class Trainer {
   Communicator* comm_;
   DeviceStep* device_step_ = nullptr;
   bool host_stale_ = false;  // the device holds newer parameters than model_
+  int64_t host_step_ = 0;    // the step model_ and the optimizer state belong to
   Mlp model_;
   Sampler sampler_;
   int64_t total_steps_ = 0;
