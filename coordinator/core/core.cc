@@ -17,6 +17,9 @@
 namespace lockstep::coordinator {
 namespace {
 
+// "cuda:3" -> "cuda"; "cpu" -> "cpu".
+std::string DeviceKind(const std::string& device) { return device.substr(0, device.find(':')); }
+
 int64_t UnixMs(absl::Time t) { return t == absl::InfinitePast() ? 0 : absl::ToUnixMillis(t); }
 
 std::string Seconds1(absl::Duration d) {
@@ -254,12 +257,12 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
   return absl::OkStatus();
 }
 
-absl::Status Core::CheckMemoryFits(const MemoryEstimate& memory) const {
+absl::Status Core::CheckMemoryFits(const MemoryEstimate& memory, const std::string& device) const {
   // Refuse only what no registered worker can hold; with no workers yet, or one that reports
   // no figure, the job waits (and the scheduler still skips workers that are too small).
   const Worker* roomiest = nullptr;
   for (const auto& [id, w] : workers_) {
-    if (w.state == WorkerState::kLost) continue;
+    if (w.state == WorkerState::kLost || DeviceKind(w.info.device()) != device) continue;
     if (w.info.free_memory_bytes() == 0) return absl::OkStatus();
     if (roomiest == nullptr || w.info.free_memory_bytes() > roomiest->info.free_memory_bytes()) {
       roomiest = &w;
@@ -280,7 +283,7 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   ApplyJobSpecDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) return s;
   const MemoryEstimate memory = EstimateWorkerMemory(spec, spec.min_workers());
-  if (absl::Status s = CheckMemoryFits(memory); !s.ok()) return s;
+  if (absl::Status s = CheckMemoryFits(memory, spec.device()); !s.ok()) return s;
   JobRecord record;
   record.memory_needed = memory.total();
   const std::string id = absl::StrCat("job-", next_job_seq_++);
@@ -314,6 +317,7 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     next_job_seq_ = std::max(next_job_seq_, seq_of(saved) + 1);
     JobRecord record;
     record.job = std::move(saved);
+    ApplyJobSpecDefaults(record.job.mutable_spec());  // fields added since it was saved
     record.submitted = absl::FromUnixMillis(record.job.submit_time_unix_ms());
     if (record.job.start_time_unix_ms() > 0) {
       record.started = absl::FromUnixMillis(record.job.start_time_unix_ms());
@@ -457,11 +461,14 @@ void Core::Tick(absl::Time now, Decisions* out) {
   Schedule(now, out);
 }
 
-std::vector<RankCandidate> Core::IdleWorkers(int64_t memory_needed) const {
+std::vector<RankCandidate> Core::IdleWorkers(const std::string& device,
+                                             int64_t memory_needed) const {
   std::vector<RankCandidate> idle;
   for (const auto& [id, w] : workers_) {
     const int64_t free = w.info.free_memory_bytes();
-    if (w.state == WorkerState::kIdle && (free == 0 || free >= memory_needed)) {
+    if (w.state == WorkerState::kIdle &&
+        (device.empty() || DeviceKind(w.info.device()) == device) &&
+        (free == 0 || free >= memory_needed)) {
       idle.push_back({w.id, w.info.host(), w.registration_seq});
     }
   }
@@ -486,12 +493,12 @@ void Core::Schedule(absl::Time now, Decisions* out) {
                  pending_.end());
   while (!pending_.empty()) {
     JobRecord& job = jobs_.at(pending_.front());
-    std::vector<RankCandidate> idle = IdleWorkers(job.memory_needed);
     const v1::JobSpec& spec = job.job.spec();
+    std::vector<RankCandidate> idle = IdleWorkers(spec.device(), job.memory_needed);
     if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
-      const size_t all_idle = IdleWorkers().size();
+      const size_t all_idle = IdleWorkers(spec.device()).size();
       std::string reason =
-          absl::StrCat("waiting for ", spec.min_workers(), " idle worker",
+          absl::StrCat("waiting for ", spec.min_workers(), " idle ", spec.device(), " worker",
                        spec.min_workers() == 1 ? "" : "s", " (", all_idle, " idle");
       if (all_idle > idle.size()) {
         absl::StrAppend(&reason, ", ", idle.size(), " with the ", HumanBytes(job.memory_needed),
@@ -516,7 +523,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers()) {
       continue;
     }
-    std::vector<RankCandidate> idle = IdleWorkers(job.memory_needed);
+    std::vector<RankCandidate> idle = IdleWorkers(job.job.spec().device(), job.memory_needed);
     if (idle.empty()) continue;
     std::vector<std::string> names;
     for (size_t i = 0; i < idle.size() &&
@@ -663,7 +670,7 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
       survivors.push_back({w->id, w->info.host(), w->registration_seq});
     }
   }
-  std::vector<RankCandidate> idle = IdleWorkers(job.memory_needed);
+  std::vector<RankCandidate> idle = IdleWorkers(spec.device(), job.memory_needed);
   const size_t room = static_cast<size_t>(spec.max_workers()) -
                       std::min<size_t>(survivors.size(), spec.max_workers());
   idle.resize(std::min(idle.size(), room));

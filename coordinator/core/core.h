@@ -142,7 +142,7 @@ class Core {
 
   // RESOURCE_EXHAUSTED with the numbers when every registered worker reports less free memory
   // than the estimate.
-  absl::Status CheckMemoryFits(const MemoryEstimate& memory) const;
+  absl::Status CheckMemoryFits(const MemoryEstimate& memory, const std::string& device) const;
   Worker* FindWorker(const std::string& worker_id);
   JobRecord* FindJob(const std::string& job_id);
   // The worker's job record when (job, generation) is its current assignment, else ABORTED.
@@ -162,9 +162,11 @@ class Core {
                             absl::Time reform_after, absl::Time now, Decisions* out);
   // Forms the next generation when enough workers are available.
   void TryReform(JobRecord& job, absl::Time now, Decisions* out);
-  // Idle workers in registration order; with `memory_needed`, only those that report at least
-  // that much free memory (or report none: 0 means unknown).
-  std::vector<RankCandidate> IdleWorkers(int64_t memory_needed = 0) const;
+  // Idle workers of `device` ("cpu", "cuda"; empty: any) in registration order; with
+  // `memory_needed`, only those that report at least that much free memory (or report none:
+  // 0 means unknown).
+  std::vector<RankCandidate> IdleWorkers(const std::string& device = "",
+                                         int64_t memory_needed = 0) const;
   int64_t MaxRestarts(const JobRecord& job) const;
   // Ends the job: aborts the current generation's members that are still connected, frees them.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,

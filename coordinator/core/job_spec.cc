@@ -51,18 +51,23 @@ void ApplyJobSpecDefaults(v1::JobSpec* spec) {
     // Deterministic mode computes every micro-shard's gradient on its own, so the fewest
     // shards that still let max_workers ranks each take one are the fastest: at full size
     // every rank does one shard (64 shards of 4 samples ran at 0.17x of the default mode).
-    spec->set_micro_shards(spec->deterministic()
-                               ? SmallestDivisorAtLeast(spec->global_batch_size(),
-                                                        spec->max_workers())
-                               : DefaultMicroShards(spec->global_batch_size(), 64));
+    spec->set_micro_shards(
+        spec->deterministic()
+            ? SmallestDivisorAtLeast(spec->global_batch_size(), spec->max_workers())
+            : DefaultMicroShards(spec->global_batch_size(), 64));
   }
   if (spec->bucket_size_kib() == 0) spec->set_bucket_size_kib(256);
   if (spec->step_timeout_ms() == 0) spec->set_step_timeout_ms(60000);
   if (spec->collective_timeout_ms() == 0) spec->set_collective_timeout_ms(30000);
   if (spec->threads_per_worker() == 0) spec->set_threads_per_worker(1);
+  if (spec->device().empty()) spec->set_device("cpu");
 }
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  if (spec.device() != "cpu" && spec.device() != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device: must be \"cpu\" or \"cuda\", got \"", spec.device(), "\""));
+  }
   const v1::ModelSpec& model = spec.model();
   if (model.type().empty()) return Invalid("model.type", "required (one of: mlp)");
   if (model.type() != "mlp") {

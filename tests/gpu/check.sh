@@ -58,7 +58,7 @@ cat >"$job_dir/job.json" <<'JOB'
  "dataset": {"type": "synthetic", "synthetic": {"trainSamples": 65536, "testSamples": 4096,
              "inputDim": 784, "numClasses": 10, "seed": 1}},
  "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
- "globalBatchSize": 1024, "maxSteps": 300, "minWorkers": 1, "maxWorkers": 1}
+ "globalBatchSize": 1024, "maxSteps": 300, "minWorkers": 1, "maxWorkers": 1, "device": "cuda"}
 JOB
 registered=0
 for _ in $(seq 1 60); do

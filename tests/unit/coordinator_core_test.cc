@@ -146,7 +146,7 @@ TEST_F(CoreTest, JobWaitsForMinWorkersThenGangStartsUpToMax) {
   const std::string w0 = Register("w0");
   const std::string job = Submit(Spec(2, 3));
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_PENDING);
-  EXPECT_NE(Job(job).reason().find("waiting for 2 idle workers"), std::string::npos)
+  EXPECT_NE(Job(job).reason().find("waiting for 2 idle cpu workers"), std::string::npos)
       << Job(job).reason();
   EXPECT_TRUE(TakeAssignments().empty());
   const std::string w1 = Register("w1");
@@ -784,6 +784,7 @@ TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
   };
   const std::string small = register_with("small", int64_t{64} << 20);
   v1::JobSpec huge = Spec(1, 1);
+  huge.set_device("cuda");
   huge.mutable_dataset()->mutable_synthetic()->set_input_dim(8192);
   for (int i = 0; i < 3; ++i) huge.mutable_model()->add_hidden_widths(8192);
   Decisions d;
@@ -795,6 +796,7 @@ TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
 
   // 2 workers needed, ~900 MiB each: only "big" has the memory, so the job waits and says why.
   v1::JobSpec medium = Spec(2, 2);
+  medium.set_device("cuda");
   medium.mutable_dataset()->mutable_synthetic()->set_input_dim(4096);
   medium.mutable_model()->add_hidden_widths(4096);
   medium.mutable_model()->add_hidden_widths(4096);
@@ -809,6 +811,36 @@ TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
   EXPECT_EQ(assigned.count(small), 0u);
   EXPECT_EQ(assigned.count(big), 1u);
   EXPECT_EQ(assigned.count(big2), 1u);
+}
+
+// A job runs on one kind of device: GPU workers never join a CPU job's group and vice versa
+// (their collectives could not meet), and an unknown kind is refused.
+TEST_F(CoreTest, JobsUseOnlyWorkersOfTheirDevice) {
+  v1::RegisterRequest r;
+  r.set_name("g0");
+  r.set_host("h1");
+  r.set_device("cuda:0");
+  Decisions d;
+  const std::string gpu = core_.RegisterWorker(r, now_, &d).value();
+  const std::string cpu = Register("c0");
+  v1::JobSpec on_cpu = Spec(1, 2);
+  const std::string cpu_job = Submit(on_cpu);
+  std::map<std::string, v1::Assignment> assigned = TakeAssignments();
+  ASSERT_EQ(assigned.size(), 1u);
+  EXPECT_EQ(assigned.count(cpu), 1u);
+  v1::JobSpec on_gpu = Spec(1, 1);
+  on_gpu.set_device("cuda");
+  const std::string gpu_job = Submit(on_gpu);
+  assigned = TakeAssignments();
+  ASSERT_EQ(assigned.size(), 1u);
+  EXPECT_EQ(assigned.at(gpu).job_id(), gpu_job);
+  EXPECT_EQ(Job(cpu_job).members_size(), 1);
+  v1::JobSpec bad = Spec(1, 1);
+  bad.set_device("tpu");
+  Decisions bd;
+  absl::StatusOr<v1::Job> refused = core_.SubmitJob(bad, now_, &bd);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("device"), std::string::npos);
 }
 
 }  // namespace
