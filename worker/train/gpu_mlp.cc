@@ -1,6 +1,7 @@
 #include "worker/train/gpu_mlp.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "kernels/gpu_check.h"
 
@@ -40,9 +41,9 @@ GpuMlp::~GpuMlp() {
     if (a_[l] != nullptr && a_[l] != z_[l]) cudaFree(a_[l]);
     cudaFree(z_[l]);
   }
-  for (void* p :
-       {static_cast<void*>(params_), static_cast<void*>(grads_), static_cast<void*>(dz_),
-        static_cast<void*>(da_), static_cast<void*>(row_loss_), static_cast<void*>(loss_sum_)}) {
+  for (void* p : {static_cast<void*>(params_), static_cast<void*>(grads_), static_cast<void*>(dz_),
+                  static_cast<void*>(da_), static_cast<void*>(row_loss_),
+                  static_cast<void*>(row_correct_), static_cast<void*>(loss_sum_)}) {
     cudaFree(p);
   }
 }
@@ -90,18 +91,19 @@ absl::Status GpuMlp::Reserve(int n) {
   cudaFree(dz_);
   cudaFree(da_);
   cudaFree(row_loss_);
+  cudaFree(row_correct_);
   dz_ = da_ = nullptr;
   row_loss_ = nullptr;
+  row_correct_ = nullptr;
   if (absl::Status s = Allocate(&dz_, static_cast<size_t>(n) * widest); !s.ok()) return s;
   if (absl::Status s = Allocate(&da_, static_cast<size_t>(n) * widest); !s.ok()) return s;
   if (absl::Status s = Allocate(&row_loss_, static_cast<size_t>(n)); !s.ok()) return s;
+  if (absl::Status s = Allocate(&row_correct_, static_cast<size_t>(n)); !s.ok()) return s;
   capacity_ = n;
   return absl::OkStatus();
 }
 
-absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
-                                     size_t chunk_floats,
-                                     const std::function<void(size_t)>& on_ready) {
+absl::Status GpuMlp::Forward(const float* x, int n) {
   if (absl::Status s = Reserve(n); !s.ok()) return s;
   const int last = static_cast<int>(layers_.size()) - 1;
   const float* in = x;
@@ -116,6 +118,32 @@ absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, fl
     }
     in = a_[l];
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> GpuMlp::Evaluate(const float* x, const int32_t* y, int n, int64_t* correct) {
+  if (n == 0) return 0.0;
+  if (absl::Status s = Forward(x, n); !s.ok()) return s;
+  if (absl::Status s =
+          kernels::cuda::SoftmaxCrossEntropy(z_.back(), y, n, layers_.back().out, 0.0f, nullptr,
+                                             row_loss_, row_correct_, loss_sum_, stream_);
+      !s.ok()) {
+    return s;
+  }
+  std::vector<int32_t> flags(static_cast<size_t>(n));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
+      flags.data(), row_correct_, flags.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  absl::StatusOr<double> loss = LossSum();  // synchronizes the stream
+  if (!loss.ok()) return loss;
+  for (int32_t f : flags) *correct += f;
+  return loss;
+}
+
+absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
+                                     size_t chunk_floats,
+                                     const std::function<void(size_t)>& on_ready) {
+  if (absl::Status s = Forward(x, n); !s.ok()) return s;
+  const int last = static_cast<int>(layers_.size()) - 1;
   if (absl::Status s =
           kernels::cuda::SoftmaxCrossEntropy(z_[last], y, n, layers_[last].out, grad_scale, dz_,
                                              row_loss_, nullptr, loss_sum_, stream_);

@@ -48,6 +48,9 @@ class GpuMlp {
   // stream records an event then and makes that stream wait on it. Same pieces as Mlp.
   absl::Status ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
                                size_t chunk_floats, const std::function<void(size_t)>& on_ready);
+  // Forward only (evaluation): returns the loss sum over the n samples and adds the number of
+  // correct predictions to *correct. Waits for the stream.
+  absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
   // The loss sum of the last ForwardBackward (waits for the stream).
   absl::StatusOr<double> LossSum();
   // Where ForwardBackward leaves that sum on the device (one double), e.g. to sum it over ranks.
@@ -56,6 +59,8 @@ class GpuMlp {
  private:
   GpuMlp() = default;
   absl::Status Reserve(int n);
+  // Forward through every layer; the logits end in z_.back().
+  absl::Status Forward(const float* x, int n);
 
   std::vector<int> dims_;
   kernels::Activation activation_ = kernels::Activation::kRelu;
@@ -71,6 +76,7 @@ class GpuMlp {
   float* dz_ = nullptr;
   float* da_ = nullptr;
   double* row_loss_ = nullptr;
+  int32_t* row_correct_ = nullptr;
   double* loss_sum_ = nullptr;
 };
 

@@ -76,6 +76,17 @@ absl::Status GpuStep::Reserve(int n, int input) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n,
+                                         int64_t* correct) {
+  const int input = mlp_->layers().front().in;
+  if (absl::Status s = Reserve(n, input); !s.ok()) return s;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
+      x_, x, static_cast<size_t>(n) * input * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_, y, static_cast<size_t>(n) * sizeof(int32_t),
+                                               cudaMemcpyHostToDevice, stream_));
+  return mlp_->Evaluate(x_, y_, n, correct);
+}
+
 absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, float grad_scale,
                                      float lr, int64_t step) {
   absl::StatusOr<double> result = RunStep(x, y, n, grad_scale, lr, step);

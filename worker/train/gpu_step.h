@@ -30,6 +30,8 @@ class GpuStep final : public DeviceStep {
   absl::Status Download(float* params, std::vector<float>* optimizer_state) override;
   absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, float grad_scale, float lr,
                               int64_t step) override;
+  absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n,
+                                  int64_t* correct) override;
 
  private:
   GpuStep() = default;

@@ -397,7 +397,13 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
     const int n = static_cast<int>(std::min(kChunk, end - i));
     int64_t correct = 0;
     test.Range(i, n, data_->dim, x.data());
-    sums[0] += model_.Evaluate(x.data(), &test.y[i], n, &correct);
+    if (device_step_ != nullptr) {
+      absl::StatusOr<double> loss = device_step_->Evaluate(x.data(), &test.y[i], n, &correct);
+      if (!loss.ok()) return loss.status();
+      sums[0] += *loss;
+    } else {
+      sums[0] += model_.Evaluate(x.data(), &test.y[i], n, &correct);
+    }
     sums[1] += static_cast<double>(correct);
   }
   if (absl::Status s = comm_->AllreduceSum(sums, 3); !s.ok()) {

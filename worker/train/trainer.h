@@ -37,6 +37,10 @@ class DeviceStep {
   // group's mean loss.
   virtual absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, float grad_scale,
                                       float lr, int64_t step) = 0;
+  // Forward only on the device's parameters: the loss sum over the n samples; adds the number
+  // of correct predictions to *correct.
+  virtual absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n,
+                                          int64_t* correct) = 0;
 };
 
 // Not thread-safe: one training thread drives it. `abort` may be set from any thread; the
