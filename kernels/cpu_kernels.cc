@@ -312,20 +312,23 @@ void SgdMomentumUpdate(float* p, const float* g, float* buf, size_t n, float lr,
   SgdLoop(p, g, buf, n, lr, momentum, weight_decay);
 }
 
+AdamWScalars ComputeAdamWScalars(float lr, float beta1, float beta2, float weight_decay,
+                                 int64_t step) {
+  const double t = static_cast<double>(step);
+  const double lr_d = lr;
+  return {static_cast<float>(1.0 - lr_d * weight_decay),
+          static_cast<float>(1.0 - static_cast<double>(beta1)),
+          static_cast<float>(1.0 - static_cast<double>(beta2)),
+          static_cast<float>(lr_d / (1.0 - std::pow(double{beta1}, t))),
+          static_cast<float>(std::sqrt(1.0 - std::pow(double{beta2}, t)))};
+}
+
 void AdamWUpdate(float* p, const float* g, float* m, float* v, size_t n, float lr, float beta1,
                  float beta2, float eps, float weight_decay, int64_t step) {
   assert(step >= 1);
-  // Scalars in double, rounded once to float, as PyTorch does with its Python-float step size
-  // and bias corrections; 1 - beta2^t in float would keep few digits for beta2 = 0.999, small t.
-  const double t = static_cast<double>(step);
-  const double lr_d = lr;
-  const float decay = static_cast<float>(1.0 - lr_d * weight_decay);
-  const float one_minus_b1 = static_cast<float>(1.0 - static_cast<double>(beta1));
-  const float one_minus_b2 = static_cast<float>(1.0 - static_cast<double>(beta2));
-  const float step_size = static_cast<float>(lr_d / (1.0 - std::pow(double{beta1}, t)));
-  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{beta2}, t)));
-  AdamWLoop(p, g, m, v, n, beta1, beta2, one_minus_b1, one_minus_b2, decay, step_size, bc2_sqrt,
-            eps);
+  const AdamWScalars k = ComputeAdamWScalars(lr, beta1, beta2, weight_decay, step);
+  AdamWLoop(p, g, m, v, n, beta1, beta2, k.one_minus_b1, k.one_minus_b2, k.decay, k.step_size,
+            k.bc2_sqrt, eps);
 }
 
 int64_t ToFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out) {

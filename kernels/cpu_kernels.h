@@ -87,6 +87,19 @@ void SgdMomentumUpdate(float* p, const float* g, float* buf, size_t n, float lr,
 void AdamWUpdate(float* p, const float* g, float* m, float* v, size_t n, float lr, float beta1,
                  float beta2, float eps, float weight_decay, int64_t step);
 
+// The per-step scalars of that update, computed in double and rounded once to float, as
+// PyTorch does with its Python floats (1 - beta2^t in float would keep few digits for
+// beta2 = 0.999 and small t). Shared with the CUDA twin so both use the same numbers.
+struct AdamWScalars {
+  float decay;         // 1 - lr * weight_decay
+  float one_minus_b1;  // 1 - beta1
+  float one_minus_b2;  // 1 - beta2
+  float step_size;     // lr / (1 - beta1^t)
+  float bc2_sqrt;      // sqrt(1 - beta2^t)
+};
+AdamWScalars ComputeAdamWScalars(float lr, float beta1, float beta2, float weight_decay,
+                                 int64_t step);
+
 // Number of fixed-point values that can be summed without overflowing int64: ToFixedPoint
 // keeps every |out[i]| <= 2^53 - 1, and 1024 * (2^53 - 1) < 2^63 - 1.
 inline constexpr int kMaxFixedPointAddends = 1024;

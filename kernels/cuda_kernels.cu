@@ -362,16 +362,11 @@ absl::Status AdamWUpdate(float* p, const float* g, float* m, float* v, size_t n,
                          cudaStream_t stream) {
   if (step < 1) return absl::InvalidArgumentError("AdamWUpdate: step is 1-based");
   if (n == 0) return absl::OkStatus();
-  // The scalars exactly as the CPU twin computes them (double, rounded once to float).
-  const double t = static_cast<double>(step);
-  const double lr_d = lr;
-  const float decay = static_cast<float>(1.0 - lr_d * weight_decay);
-  const float one_minus_b1 = static_cast<float>(1.0 - static_cast<double>(beta1));
-  const float one_minus_b2 = static_cast<float>(1.0 - static_cast<double>(beta2));
-  const float step_size = static_cast<float>(lr_d / (1.0 - std::pow(double{beta1}, t)));
-  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{beta2}, t)));
-  AdamWKernel<<<Blocks(n), kThreads, 0, stream>>>(p, g, m, v, n, beta1, beta2, one_minus_b1,
-                                                  one_minus_b2, decay, step_size, bc2_sqrt, eps);
+  // The scalars exactly as the CPU twin computes them.
+  const AdamWScalars k = ComputeAdamWScalars(lr, beta1, beta2, weight_decay, step);
+  AdamWKernel<<<Blocks(n), kThreads, 0, stream>>>(p, g, m, v, n, beta1, beta2, k.one_minus_b1,
+                                                  k.one_minus_b2, k.decay, k.step_size, k.bc2_sqrt,
+                                                  eps);
   return LaunchStatus("AdamWKernel");
 }
 
@@ -401,26 +396,32 @@ absl::Status FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* o
   return LaunchStatus("FromFixedPointKernel");
 }
 
-absl::Status PackBucket(const float* flat, const Segments& segments, float* bucket,
-                        cudaStream_t stream) {
+namespace {
+
+// Copies each segment between the flat buffer and its place in the packed bucket.
+absl::Status CopySegments(float* flat, const Segments& segments, float* bucket, bool pack,
+                          cudaStream_t stream) {
   size_t at = 0;
   for (const auto& [offset, count] : segments) {
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(bucket + at, flat + offset, count * sizeof(float),
-                                                 cudaMemcpyDeviceToDevice, stream));
+    float* dst = pack ? bucket + at : flat + offset;
+    const float* src = pack ? flat + offset : bucket + at;
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDeviceToDevice, stream));
     at += count;
   }
   return absl::OkStatus();
 }
 
+}  // namespace
+
+absl::Status PackBucket(const float* flat, const Segments& segments, float* bucket,
+                        cudaStream_t stream) {
+  return CopySegments(const_cast<float*>(flat), segments, bucket, /*pack=*/true, stream);
+}
+
 absl::Status UnpackBucket(const float* bucket, const Segments& segments, float* flat,
                           cudaStream_t stream) {
-  size_t at = 0;
-  for (const auto& [offset, count] : segments) {
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(flat + offset, bucket + at, count * sizeof(float),
-                                                 cudaMemcpyDeviceToDevice, stream));
-    at += count;
-  }
-  return absl::OkStatus();
+  return CopySegments(flat, segments, const_cast<float*>(bucket), /*pack=*/false, stream);
 }
 
 }  // namespace lockstep::kernels::cuda

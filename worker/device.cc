@@ -13,22 +13,13 @@
 namespace lockstep::worker {
 namespace {
 
-int64_t AvailableMemoryBytes() {
+// A /proc/meminfo field ("MemAvailable:", "MemTotal:") in bytes; 0 when absent.
+int64_t MeminfoBytes(const std::string& field) {
   std::ifstream meminfo("/proc/meminfo");
   std::string key, unit;
   int64_t kib = 0;
   while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return 0;
-}
-
-int64_t TotalMemoryBytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key, unit;
-  int64_t kib = 0;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemTotal:") return kib * 1024;
+    if (key == field) return kib * 1024;
   }
   return 0;
 }
@@ -40,8 +31,8 @@ absl::StatusOr<DeviceInfo> OpenDevice(const std::string& device) {
   info.device = device;
   if (device == "cpu") {
     info.name = "cpu";
-    info.free_memory_bytes = AvailableMemoryBytes();
-    info.total_memory_bytes = TotalMemoryBytes();
+    info.free_memory_bytes = MeminfoBytes("MemAvailable:");
+    info.total_memory_bytes = MeminfoBytes("MemTotal:");
     return info;
   }
   int index = -1;

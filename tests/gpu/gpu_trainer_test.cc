@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "gtest/gtest.h"
+#include "tests/testing/solo_communicator.h"
 #include "worker/train/dataset.h"
 #include "worker/train/gpu_step.h"
 #include "worker/train/trainer.h"
@@ -15,16 +16,7 @@
 namespace lockstep::worker {
 namespace {
 
-class SoloCommunicator final : public Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  absl::Status AllreduceSum(float*, size_t) override { return absl::OkStatus(); }
-  absl::Status AllreduceSum(double*, size_t) override { return absl::OkStatus(); }
-  absl::Status AllreduceSum(int64_t*, size_t) override { return absl::OkStatus(); }
-  absl::Status Broadcast(void*, size_t, int) override { return absl::OkStatus(); }
-  absl::Status Barrier() override { return absl::OkStatus(); }
-};
+using testing::SoloCommunicator;
 
 v1::JobSpec Spec(const std::string& optimizer) {
   v1::JobSpec spec;

@@ -249,6 +249,26 @@ CommandOptions TestOptions(FakeClock* clock, std::vector<absl::Duration>* sleeps
   return o;
 }
 
+// What `lockstepctl watch job-1` did against a fake stub, with a fake clock and recorded
+// sleeps instead of real waits.
+struct WatchRun {
+  int rc = -1;
+  std::string out, err;
+  std::vector<absl::Duration> sleeps;
+};
+WatchRun RunWatch(FakeStub& stub) {
+  FakeClock clock;
+  WatchRun run;
+  std::ostringstream out, err;
+  Invocation inv;
+  inv.command = Command::kWatch;
+  inv.job_id = "job-1";
+  run.rc = RunCommand(inv, stub, TestOptions(&clock, &run.sleeps), out, err);
+  run.out = out.str();
+  run.err = err.str();
+  return run;
+}
+
 TEST(Watch, ResumesAfterUnavailableAndSucceeds) {
   FakeStub stub;
   std::vector<v1::JobEvent> all = {
@@ -265,49 +285,33 @@ TEST(Watch, ResumesAfterUnavailableAndSucceeds) {
       {{all[0], all[1], all[2]}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")});
   stub.streams.push_back({{}, grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")});
   stub.streams.push_back({all, grpc::Status::OK});
-  FakeClock clock;
-  std::vector<absl::Duration> sleeps;
-  std::ostringstream out, err;
-  Invocation inv;
-  inv.command = Command::kWatch;
-  inv.job_id = "job-1";
-  int rc = RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err);
-  std::cout << out.str() << "--err--\n" << err.str();
-  EXPECT_EQ(rc, 0);
+  WatchRun run = RunWatch(stub);
+  std::cout << run.out << "--err--\n" << run.err;
+  EXPECT_EQ(run.rc, 0);
   EXPECT_THAT(stub.from_sequences, ::testing::ElementsAre(0, 3, 3));
-  EXPECT_THAT(sleeps, ::testing::ElementsAre(absl::Milliseconds(500), absl::Seconds(1)));
-  EXPECT_THAT(out.str(), HasSubstr("test accuracy 0.8731 (10000 samples), test loss 0.3512"));
-  EXPECT_THAT(out.str(), HasSubstr("step 468/468 (100.0%)"));
-  EXPECT_THAT(out.str(), HasSubstr("job-1 SUCCEEDED in 1m02s"));
+  EXPECT_THAT(run.sleeps, ::testing::ElementsAre(absl::Milliseconds(500), absl::Seconds(1)));
+  EXPECT_THAT(run.out, HasSubstr("test accuracy 0.8731 (10000 samples), test loss 0.3512"));
+  EXPECT_THAT(run.out, HasSubstr("step 468/468 (100.0%)"));
+  EXPECT_THAT(run.out, HasSubstr("job-1 SUCCEEDED in 1m02s"));
 }
 
 TEST(Watch, GivesUpAfterRetries) {
   FakeStub stub;
-  FakeClock clock;
-  std::vector<absl::Duration> sleeps;
-  std::ostringstream out, err;
-  Invocation inv;
-  inv.command = Command::kWatch;
-  inv.job_id = "job-1";
-  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
-  EXPECT_EQ(sleeps.size(), 5u);
-  EXPECT_EQ(sleeps.back(), absl::Seconds(8));
-  EXPECT_THAT(err.str(), HasSubstr("lockstepctl: UNAVAILABLE: down\n"));
+  WatchRun run = RunWatch(stub);
+  EXPECT_EQ(run.rc, 3);
+  EXPECT_EQ(run.sleeps.size(), 5u);
+  EXPECT_EQ(run.sleeps.back(), absl::Seconds(8));
+  EXPECT_THAT(run.err, HasSubstr("lockstepctl: UNAVAILABLE: down\n"));
 }
 
 TEST(Watch, NotFoundIsNotRetried) {
   FakeStub stub;
   stub.streams.push_back(
       {{}, grpc::Status(grpc::StatusCode::NOT_FOUND, "job job-1 does not exist")});
-  FakeClock clock;
-  std::vector<absl::Duration> sleeps;
-  std::ostringstream out, err;
-  Invocation inv;
-  inv.command = Command::kWatch;
-  inv.job_id = "job-1";
-  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
-  EXPECT_TRUE(sleeps.empty());
-  EXPECT_EQ(err.str(), "lockstepctl: NOT_FOUND: job job-1 does not exist\n");
+  WatchRun run = RunWatch(stub);
+  EXPECT_EQ(run.rc, 3);
+  EXPECT_TRUE(run.sleeps.empty());
+  EXPECT_EQ(run.err, "lockstepctl: NOT_FOUND: job job-1 does not exist\n");
 }
 
 TEST(Watch, FailedExitsOneWithReason) {
@@ -315,14 +319,9 @@ TEST(Watch, FailedExitsOneWithReason) {
   v1::JobEvent e = Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_FAILED, 10, "worker w1 lost");
   e.mutable_job()->set_reason("worker w1 lost");
   stub.streams.push_back({{e}, grpc::Status::OK});
-  FakeClock clock;
-  std::vector<absl::Duration> sleeps;
-  std::ostringstream out, err;
-  Invocation inv;
-  inv.command = Command::kWatch;
-  inv.job_id = "job-1";
-  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 1);
-  EXPECT_THAT(out.str(), HasSubstr("job-1 FAILED after 1m02s: worker w1 lost"));
+  WatchRun run = RunWatch(stub);
+  EXPECT_EQ(run.rc, 1);
+  EXPECT_THAT(run.out, HasSubstr("job-1 FAILED after 1m02s: worker w1 lost"));
 }
 
 TEST(Watch, StreamEndsEarlyFallsBackToGetJob) {
@@ -330,14 +329,9 @@ TEST(Watch, StreamEndsEarlyFallsBackToGetJob) {
   stub.streams.push_back(
       {{Ev(0, v1::JobEvent::STATE, v1::JOB_STATE_RUNNING, 0, "running")}, grpc::Status::OK});
   stub.get_job = Ev(9, v1::JobEvent::STATE, v1::JOB_STATE_CANCELLED, 5).job();
-  FakeClock clock;
-  std::vector<absl::Duration> sleeps;
-  std::ostringstream out, err;
-  Invocation inv;
-  inv.command = Command::kWatch;
-  inv.job_id = "job-1";
-  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 1);
-  EXPECT_THAT(out.str(), HasSubstr("job-1 CANCELLED after"));
+  WatchRun run = RunWatch(stub);
+  EXPECT_EQ(run.rc, 1);
+  EXPECT_THAT(run.out, HasSubstr("job-1 CANCELLED after"));
 }
 
 TEST(Watch, ReplacedJobIsNotFollowed) {
@@ -347,15 +341,10 @@ TEST(Watch, ReplacedJobIsNotFollowed) {
   v1::JobEvent other = Ev(1, v1::JobEvent::STATE, v1::JOB_STATE_SUCCEEDED, 5, "done");
   other.mutable_job()->set_submit_time_unix_ms(1'800'000'000'000);
   stub.streams.push_back({{other}, grpc::Status::OK});
-  FakeClock clock;
-  std::vector<absl::Duration> sleeps;
-  std::ostringstream out, err;
-  Invocation inv;
-  inv.command = Command::kWatch;
-  inv.job_id = "job-1";
-  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
-  EXPECT_THAT(err.str(), HasSubstr("NOT_FOUND: job job-1 no longer exists"));
-  EXPECT_THAT(out.str(), ::testing::Not(HasSubstr("SUCCEEDED")));
+  WatchRun run = RunWatch(stub);
+  EXPECT_EQ(run.rc, 3);
+  EXPECT_THAT(run.err, HasSubstr("NOT_FOUND: job job-1 no longer exists"));
+  EXPECT_THAT(run.out, ::testing::Not(HasSubstr("SUCCEEDED")));
 }
 
 TEST(WatchPrinter, ThrottlesProgressAndAlwaysPrintsLast) {

@@ -41,11 +41,13 @@ class CoreTest : public ::testing::Test {
     return o;
   }
 
-  std::string Register(const std::string& name, const std::string& host = "h1") {
+  std::string Register(const std::string& name, const std::string& host = "h1",
+                       const std::string& device = "cpu", int64_t free_memory_bytes = 0) {
     v1::RegisterRequest r;
     r.set_name(name);
     r.set_host(host);
-    r.set_device("cpu");
+    r.set_device(device);
+    r.set_free_memory_bytes(free_memory_bytes);
     Decisions d;
     absl::StatusOr<std::string> id = core_.RegisterWorker(r, now_, &d);
     EXPECT_TRUE(id.ok()) << id.status();
@@ -771,16 +773,7 @@ TEST(MemoryEstimateTest, ReferenceModel) {
 // some runs there and never on the others.
 TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
   auto register_with = [&](const std::string& name, int64_t free_bytes) {
-    v1::RegisterRequest r;
-    r.set_name(name);
-    r.set_host("h1");
-    r.set_device("cuda:0");
-    r.set_free_memory_bytes(free_bytes);
-    Decisions d;
-    absl::StatusOr<std::string> id = core_.RegisterWorker(r, now_, &d);
-    EXPECT_TRUE(id.ok()) << id.status();
-    Collect(d);
-    return id.value_or("");
+    return Register(name, "h1", "cuda:0", free_bytes);
   };
   const std::string small = register_with("small", int64_t{64} << 20);
   v1::JobSpec huge = Spec(1, 1);
@@ -816,12 +809,7 @@ TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
 // A job runs on one kind of device: GPU workers never join a CPU job's group and vice versa
 // (their collectives could not meet), and an unknown kind is refused.
 TEST_F(CoreTest, JobsUseOnlyWorkersOfTheirDevice) {
-  v1::RegisterRequest r;
-  r.set_name("g0");
-  r.set_host("h1");
-  r.set_device("cuda:0");
-  Decisions d;
-  const std::string gpu = core_.RegisterWorker(r, now_, &d).value();
+  const std::string gpu = Register("g0", "h1", "cuda:0");
   const std::string cpu = Register("c0");
   v1::JobSpec on_cpu = Spec(1, 2);
   const std::string cpu_job = Submit(on_cpu);

@@ -8,28 +8,19 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu_kernels.h"
 #include "tests/testing/gloo_group.h"
+#include "tests/testing/solo_communicator.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/train/dataset.h"
-#include "kernels/cpu_kernels.h"
 #include "worker/train/mlp.h"
 #include "worker/train/optimizer.h"
 
 namespace lockstep::worker {
 namespace {
 
-// A one-rank communicator (sums over one rank are the identity).
-class SoloCommunicator final : public Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  absl::Status AllreduceSum(float*, size_t) override { return absl::OkStatus(); }
-  absl::Status AllreduceSum(double*, size_t) override { return absl::OkStatus(); }
-  absl::Status AllreduceSum(int64_t*, size_t) override { return absl::OkStatus(); }
-  absl::Status Broadcast(void*, size_t, int) override { return absl::OkStatus(); }
-  absl::Status Barrier() override { return absl::OkStatus(); }
-};
+using testing::SoloCommunicator;
 
 v1::JobSpec SyntheticSpec() {
   v1::JobSpec spec;

@@ -76,14 +76,19 @@ absl::Status GpuStep::Reserve(int n, int input) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n,
-                                         int64_t* correct) {
+absl::Status GpuStep::UploadBatch(const float* x, const int32_t* y, int n) {
   const int input = mlp_->layers().front().in;
   if (absl::Status s = Reserve(n, input); !s.ok()) return s;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
       x_, x, static_cast<size_t>(n) * input * sizeof(float), cudaMemcpyHostToDevice, stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_, y, static_cast<size_t>(n) * sizeof(int32_t),
                                                cudaMemcpyHostToDevice, stream_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n,
+                                         int64_t* correct) {
+  if (absl::Status s = UploadBatch(x, y, n); !s.ok()) return s;
   return mlp_->Evaluate(x_, y_, n, correct);
 }
 
@@ -101,12 +106,7 @@ absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, fl
 
 absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n, float grad_scale,
                                         float lr, int64_t step) {
-  const int input = mlp_->layers().front().in;
-  if (absl::Status s = Reserve(n, input); !s.ok()) return s;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
-      x_, x, static_cast<size_t>(n) * input * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_, y, static_cast<size_t>(n) * sizeof(int32_t),
-                                               cudaMemcpyHostToDevice, stream_));
+  if (absl::Status s = UploadBatch(x, y, n); !s.ok()) return s;
   const size_t params = mlp_->num_params();
   const bool group = comm_ != nullptr && comm_->size() > 1;
   // Buckets: each finished piece of the gradient is summed on the NCCL stream, after an event

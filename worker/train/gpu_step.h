@@ -36,6 +36,8 @@ class GpuStep final : public DeviceStep {
  private:
   GpuStep() = default;
   absl::Status Reserve(int n, int input);
+  // Copies n samples and labels to the device buffers (growing them as needed).
+  absl::Status UploadBatch(const float* x, const int32_t* y, int n);
   absl::StatusOr<double> RunStep(const float* x, const int32_t* y, int n, float grad_scale,
                                  float lr, int64_t step);
 
