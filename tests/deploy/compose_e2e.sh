@@ -270,15 +270,60 @@ expect_exit 2 "device=cuda:0" --network "$network" -e LOCKSTEP_TOKEN="$LOCKSTEP_
 grep -q "$job" "$work/cli.txt" || fail "the cli service does not list $job: $(cat "$work/cli.txt")"
 log "cli service lists $job"
 
-# The CUDA worker target: the relocatable bundle on a base without Lockstep's runtime
-# packages (here the plain Debian base stands in for the NVIDIA image, which no registry
-# provides here). Without a GPU it must refuse --device=cuda:0 with a clear line.
-cuda_image="$LOCKSTEP_IMAGE_PREFIX/worker-cuda:$LOCKSTEP_TAG"
-docker build -q -f "$root/deploy/docker/Dockerfile" --target worker-cuda \
-  --build-arg BUILD_IMAGE="$base_tag" --build-arg RUNTIME_IMAGE="$base_tag" \
-  --build-arg CUDA_RUNTIME_IMAGE="$base_tag" \
-  -t "$cuda_image" "$root" >"$work/cuda-build.log" 2>&1 || { tail -n 30 "$work/cuda-build.log"; fail "worker-cuda build"; }
-expect_exit 2 "device=cuda:0" -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$cuda_image" \
-  --coordinator=127.0.0.1:1 --device=cuda:0
-docker rmi "$cuda_image" >/dev/null
+# The CUDA worker target: a CUDA build of the worker, bundled onto a base without Lockstep's
+# runtime packages. NVIDIA's devel and runtime images are not reachable here, so a stand-in
+# made from this host's CUDA toolkit plays both, laid out as NVIDIA's are (/usr/local/cuda
+# through /etc/alternatives, NCCL in the system directories). Without a GPU the CUDA build must
+# get as far as the driver and refuse --device=cuda:0 saying so (a CPU build would say it has no
+# CUDA support).
+cuda_root="$(readlink -f /usr/local/cuda 2>/dev/null || true)"
+if [[ -x "$cuda_root/bin/nvcc" ]]; then
+  ctx="$work/cuda-standin"
+  dest="$ctx/usr/local/$(basename "$cuda_root")"
+  mkdir -p "$dest/lib" "$ctx/usr/include" "$ctx/usr/lib/x86_64-linux-gnu" "$ctx/etc/alternatives"
+  # Hard links: the stand-in's ~1 GB costs no copy (same file system; cp falls back otherwise).
+  for part in bin nvvm include targets; do cp -a --link "$cuda_root/$part" "$dest/" 2>/dev/null ||
+    cp -a "$cuda_root/$part" "$dest/"; done
+  ln -s lib "$dest/lib64"
+  for lib in "$cuda_root"/lib/{libcudart.so,libcublas.so,libcublasLt.so}* \
+             "$cuda_root"/lib/{libcudart_static,libcudadevrt,libculibos}.a; do
+    [[ -e "$lib" ]] && { cp -a --link "$lib" "$dest/lib/" 2>/dev/null || cp -a "$lib" "$dest/lib/"; }
+  done
+  [[ -d "$cuda_root/lib/cmake" ]] && cp -a "$cuda_root/lib/cmake" "$dest/lib/"
+  rm -f "$dest"/include/nccl*.h
+  nccl_h="" nccl_so=""
+  for f in "$cuda_root/include/nccl.h" /usr/include/nccl.h; do [[ -e "$f" ]] && { nccl_h="$f"; break; }; done
+  for d in "$cuda_root/lib" /usr/lib/x86_64-linux-gnu; do [[ -e "$d/libnccl.so.2" ]] && { nccl_so="$d"; break; }; done
+  [[ -n "$nccl_h" && -n "$nccl_so" ]] || fail "nvcc is here but NCCL is not (nccl.h, libnccl.so.2)"
+  cp "$nccl_h" "$ctx/usr/include/"
+  cp -a "$nccl_so"/libnccl.so* "$ctx/usr/lib/x86_64-linux-gnu/"
+  ln -s "/usr/local/$(basename "$cuda_root")" "$ctx/etc/alternatives/cuda"
+  ln -s /etc/alternatives/cuda "$ctx/usr/local/cuda"
+  cat >"$ctx/Dockerfile" <<STANDIN
+FROM $base_tag
+COPY etc/ /etc/
+COPY usr/ /usr/
+RUN echo /usr/local/cuda/lib64 >/etc/ld.so.conf.d/000_cuda.conf && ldconfig
+STANDIN
+  standin="lockstep-e2e/cuda-standin:$LOCKSTEP_TAG"
+  log "CUDA stand-in image from $cuda_root ($(du -sh "$ctx" | cut -f1))"
+  docker build -q -t "$standin" "$ctx" >"$work/standin.log" 2>&1 || { tail -n 20 "$work/standin.log"; fail "CUDA stand-in image"; }
+  rm -rf "$ctx"
+  cuda_image="$LOCKSTEP_IMAGE_PREFIX/worker-cuda:$LOCKSTEP_TAG"
+  SECONDS_BUILD=$SECONDS
+  docker build -f "$root/deploy/docker/Dockerfile" --target worker-cuda \
+    --build-arg BUILD_IMAGE="$base_tag" --build-arg RUNTIME_IMAGE="$base_tag" \
+    --build-arg CUDA_DEVEL_IMAGE="$standin" --build-arg CUDA_RUNTIME_IMAGE="$standin" \
+    -t "$cuda_image" "$root" >"$work/cuda-build.log" 2>&1 || { tail -n 40 "$work/cuda-build.log"; fail "worker-cuda build"; }
+  grep -q "Lockstep: CUDA" "$work/cuda-build.log" || fail "the worker-cuda build did not enable CUDA: $(grep 'Lockstep:' "$work/cuda-build.log")"
+  log "worker-cuda image built in $((SECONDS - SECONDS_BUILD))s: $(grep -o 'Lockstep: CUDA.*' "$work/cuda-build.log" | head -n1)"
+  expect_exit 2 "no usable CUDA driver" -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" "$cuda_image" \
+    --coordinator=127.0.0.1:1 --device=cuda:0
+  # The CPU device still works in the CUDA build: it starts and gives up on the bad address.
+  expect_exit 4 "no session with coordinator 127.0.0.1:1" -e LOCKSTEP_TOKEN="$LOCKSTEP_TOKEN" \
+    "$cuda_image" --coordinator=127.0.0.1:1 --device=cpu --give_up_after=2s
+  docker rmi "$cuda_image" "$standin" >/dev/null
+else
+  log "SKIP the worker-cuda image: no CUDA toolkit at /usr/local/cuda on this host"
+fi
 log "PASS"
