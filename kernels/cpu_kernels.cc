@@ -244,7 +244,7 @@ void ActivationBackward(Activation act, const float* z, const float* da, float* 
   }
 }
 
-void BiasGradient(const float* dz, int rows, int cols, float* db) {
+void BiasGradient(const float* dz, int rows, int cols, float* db, bool accumulate) {
   // float64 accumulation instead of pairwise float: the sum runs over the batch, the loop stays
   // a contiguous row-by-row sweep that vectorizes (cvtps2pd + addpd), the cost is hidden behind
   // the memory traffic of reading dz once, and the error (~rows * 1e-16 relative) is far below
@@ -256,7 +256,12 @@ void BiasGradient(const float* dz, int rows, int cols, float* db) {
     for (int r = 0; r < rows; ++r) {
       AccumulateRow(dz + static_cast<size_t>(r) * cols + c0, acc, width);
     }
-    for (size_t j = 0; j < width; ++j) db[c0 + j] = static_cast<float>(acc[j]);
+    float* out = db + c0;
+    if (accumulate) {
+      for (size_t j = 0; j < width; ++j) out[j] += static_cast<float>(acc[j]);
+    } else {
+      for (size_t j = 0; j < width; ++j) out[j] = static_cast<float>(acc[j]);
+    }
   }
 }
 
@@ -391,6 +396,13 @@ __attribute__((always_inline)) inline int64_t FixedPointLoop(const float* g, siz
 LOCKSTEP_EXACT_CLONES
 int64_t AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc) {
   return FixedPointLoop<true>(g, n, frac_bits, acc);
+}
+
+int64_t AccumulateLossFixedPoint(double loss_sum, float grad_scale, int frac_bits, int64_t* acc) {
+  const double scaled = loss_sum * static_cast<double>(grad_scale) * std::ldexp(1.0, frac_bits);
+  if (!std::isfinite(scaled) || std::abs(scaled) >= 0x1p51) return 1;
+  *acc += std::llround(scaled);
+  return 0;
 }
 
 LOCKSTEP_EXACT_CLONES

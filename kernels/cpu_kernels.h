@@ -54,10 +54,11 @@ void BiasActivationForward(const float* bias, int rows, int cols, Activation act
 // pointer), not partially overlap it; z must not overlap dz.
 void ActivationBackward(Activation act, const float* z, const float* da, float* dz, size_t n);
 
-// db[c] = sum over r of dz[r][c] for a rows x cols matrix; overwrites db. Accumulates in
-// float64, so the result is the correctly rounded float of a sum whose error is far below one
-// float ulp for any realistic batch size.
-void BiasGradient(const float* dz, int rows, int cols, float* db);
+// db[c] = sum over r of dz[r][c] for a rows x cols matrix; overwrites db, or with `accumulate`
+// adds the (float) sum to it (gradient accumulation over micro-batches). Accumulates in float64,
+// so the result is the correctly rounded float of a sum whose error is far below one float ulp
+// for any realistic batch size.
+void BiasGradient(const float* dz, int rows, int cols, float* db, bool accumulate = false);
 
 // Fused softmax cross-entropy over `rows` samples of `classes` logits each (row-major).
 // Returns the SUM over rows of -log softmax(logits[r])[labels[r]], in double; 0 for rows == 0.
@@ -131,6 +132,11 @@ int64_t AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* a
 // (same rounding, same rejections, same count), without reading out first: a micro-shard's
 // first gradient needs no zeroed buffer.
 int64_t StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out);
+
+// A micro-shard's loss in deterministic mode: adds llround(loss_sum * grad_scale * 2^frac_bits)
+// (ties away from zero) to *acc; a result that is not finite or not below 2^51 in magnitude adds
+// nothing and returns 1 (else 0), like a rejected gradient value.
+int64_t AccumulateLossFixedPoint(double loss_sum, float grad_scale, int frac_bits, int64_t* acc);
 
 // Inverse of ToFixedPoint: out[i] = float(double(in[i]) * 2^-frac_bits). Exact for any sum of
 // up to kMaxFixedPointAddends ToFixedPoint outputs up to the final rounding to float (and the

@@ -64,12 +64,13 @@ __global__ void ActivationBackwardKernel(Activation act, const float* z, const f
 }
 
 // One thread per column; consecutive threads read consecutive addresses of each row.
-__global__ void BiasGradientKernel(const float* dz, int rows, int cols, float* db) {
+__global__ void BiasGradientKernel(const float* dz, int rows, int cols, float* db,
+                                   bool accumulate) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   double sum = 0.0;
   for (int r = 0; r < rows; ++r) sum += dz[static_cast<size_t>(r) * cols + c];
-  db[c] = static_cast<float>(sum);
+  db[c] = accumulate ? db[c] + static_cast<float>(sum) : static_cast<float>(sum);
 }
 
 // One thread per row: the classifier has few classes (10 for the MLPs here), so a row is a
@@ -108,10 +109,10 @@ __global__ void SoftmaxCrossEntropyKernel(const float* logits, const int32_t* la
 
 // A single thread adds the rows in order: deterministic, and a few microseconds for the batch
 // sizes a worker sees (thousands of rows), which is not worth a tree.
-__global__ void SumInOrderKernel(const double* values, int n, double* out) {
+__global__ void SumInOrderKernel(const double* values, int n, double* out, bool accumulate) {
   double sum = 0.0;
   for (int i = 0; i < n; ++i) sum += values[i];
-  *out = sum;
+  *out = accumulate ? *out + sum : sum;
 }
 
 __global__ void SgdKernel(float* p, const float* g, float* buf, size_t n, float lr, float momentum,
@@ -160,6 +161,16 @@ __global__ void FixedPointKernel(const float* g, size_t n, double scale, int64_t
   }
   // Rejections are rare (they fail the step), so one atomic per thread that saw any is cheap.
   if (local != 0) atomicAdd(rejected, local);
+}
+
+__global__ void LossFixedPointKernel(const double* loss_sum, double grad_scale, double scale,
+                                     int64_t* acc, unsigned long long* rejected) {
+  const double scaled = *loss_sum * grad_scale * scale;  // the CPU's order of operations
+  if (isfinite(scaled) && fabs(scaled) < 2251799813685248.0) {
+    *acc += llround(scaled);
+  } else {
+    atomicAdd(rejected, 1ULL);
+  }
 }
 
 __global__ void FromFixedPointKernel(const int64_t* in, size_t n, double scale, float* out) {
@@ -331,22 +342,25 @@ absl::Status ActivationBackward(Activation act, const float* z, const float* da,
   return LaunchStatus("ActivationBackwardKernel");
 }
 
-absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, cudaStream_t stream) {
+absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, bool accumulate,
+                          cudaStream_t stream) {
   if (cols == 0) return absl::OkStatus();
-  BiasGradientKernel<<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream>>>(dz, rows, cols, db);
+  BiasGradientKernel<<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream>>>(dz, rows, cols, db,
+                                                                                accumulate);
   return LaunchStatus("BiasGradientKernel");
 }
 
 absl::Status SoftmaxCrossEntropy(const float* logits, const int32_t* labels, int rows, int classes,
                                  float grad_scale, float* dlogits, double* row_loss,
-                                 int32_t* row_correct, double* loss_sum, cudaStream_t stream) {
+                                 int32_t* row_correct, double* loss_sum, bool accumulate_loss,
+                                 cudaStream_t stream) {
   if (classes < 1) return absl::InvalidArgumentError("SoftmaxCrossEntropy: classes must be >= 1");
   if (rows > 0) {
     SoftmaxCrossEntropyKernel<<<(rows + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
         logits, labels, rows, classes, grad_scale, dlogits, row_loss, row_correct);
     if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyKernel"); !s.ok()) return s;
   }
-  SumInOrderKernel<<<1, 1, 0, stream>>>(row_loss, rows, loss_sum);
+  SumInOrderKernel<<<1, 1, 0, stream>>>(row_loss, rows, loss_sum, accumulate_loss);
   return LaunchStatus("SumInOrderKernel");
 }
 
@@ -386,6 +400,15 @@ absl::Status AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64
   FixedPointKernel<true>
       <<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits), acc, rejected);
   return LaunchStatus("FixedPointKernel<accumulate>");
+}
+
+absl::Status AccumulateLossFixedPoint(const double* loss_sum, float grad_scale, int frac_bits,
+                                      int64_t* acc, unsigned long long* rejected,
+                                      cudaStream_t stream) {
+  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
+  LossFixedPointKernel<<<1, 1, 0, stream>>>(loss_sum, static_cast<double>(grad_scale),
+                                           std::ldexp(1.0, frac_bits), acc, rejected);
+  return LaunchStatus("LossFixedPointKernel");
 }
 
 absl::Status FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out,

@@ -65,16 +65,20 @@ absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activa
                                    float* a, cudaStream_t stream);
 absl::Status ActivationBackward(Activation act, const float* z, const float* da, float* dz,
                                 size_t n, cudaStream_t stream);
-// db[c] = sum over r of dz[r][c], accumulated in double in row order (deterministic).
-absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, cudaStream_t stream);
+// db[c] = sum over r of dz[r][c], accumulated in double in row order (deterministic); with
+// `accumulate` the float sum is added to db (as the CPU twin does).
+absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, bool accumulate,
+                          cudaStream_t stream);
 
 // Twin of kernels::SoftmaxCrossEntropy. Per-row results go to device arrays: row_loss[r]
 // (double), and if row_correct != nullptr, row_correct[r] = 1 when the first argmax equals the
 // label, else 0. *loss_sum (device double) receives the sum of row_loss in row order, the same
-// every run. dlogits may be null (forward only).
+// every run; with `accumulate_loss` that sum is added to it instead (micro-batches). dlogits may
+// be null (forward only).
 absl::Status SoftmaxCrossEntropy(const float* logits, const int32_t* labels, int rows, int classes,
                                  float grad_scale, float* dlogits, double* row_loss,
-                                 int32_t* row_correct, double* loss_sum, cudaStream_t stream);
+                                 int32_t* row_correct, double* loss_sum, bool accumulate_loss,
+                                 cudaStream_t stream);
 
 absl::Status SgdMomentumUpdate(float* p, const float* g, float* buf, size_t n, float lr,
                                float momentum, float weight_decay, cudaStream_t stream);
@@ -89,6 +93,11 @@ absl::Status StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* o
                              unsigned long long* rejected, cudaStream_t stream);
 absl::Status AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc,
                                   unsigned long long* rejected, cudaStream_t stream);
+// Twin of AccumulateLossFixedPoint for a loss sum on the device; a rejection is added to
+// *rejected instead of returned.
+absl::Status AccumulateLossFixedPoint(const double* loss_sum, float grad_scale, int frac_bits,
+                                      int64_t* acc, unsigned long long* rejected,
+                                      cudaStream_t stream);
 absl::Status FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out,
                             cudaStream_t stream);
 

@@ -11,12 +11,14 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/grpc_options.h"
+#include "common/job_memory.h"
 #include "common/grpc_status.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
+#include "worker/device.h"
 #include "worker/train/dataset.h"
 #include "worker/train/trainer.h"
 #ifdef LOCKSTEP_HAVE_CUDA
@@ -26,6 +28,25 @@
 #endif
 
 namespace lockstep::worker {
+namespace {
+
+// Lets the trainer plan with 90% of the memory free now (the rest covers what the estimate
+// leaves out: the CUDA and NCCL runtimes' own buffers, allocator slack) and says so when its
+// share goes through in micro-batches (gradient accumulation).
+void SetMemoryBudget(Trainer& trainer, const v1::JobSpec& spec, const v1::Assignment& a,
+                     int64_t free_bytes) {
+  trainer.set_memory_budget(free_bytes / 10 * 9);
+  const int64_t share = ShareSamples(spec, a.world_size());
+  if (!spec.deterministic() && trainer.micro_batch() < share) {
+    LOG(INFO) << a.job_id() << " generation " << a.generation() << ": micro-batches of "
+              << trainer.micro_batch() << " samples with gradient accumulation (the share of "
+              << share << " would need about "
+              << HumanBytes(EstimateWorkerMemory(spec, share).total()) << ", "
+              << HumanBytes(free_bytes) << " is free)";
+  }
+}
+
+}  // namespace
 
 Agent::Agent(AgentOptions options)
     : options_(std::move(options)),
@@ -338,6 +359,12 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
     }
   } clear_comm{&run};
 
+  if (options_.cuda_device < 0) {
+    absl::StatusOr<DeviceInfo> host = OpenDevice("cpu");
+    // The model is allocated by now, so this counts it twice: a margin, on the safe side.
+    if (host.ok()) SetMemoryBudget(*trainer, spec, a, host->free_memory_bytes);
+  }
+
 #ifdef LOCKSTEP_HAVE_CUDA
   // GPU workers: the steps run on the GPU with NCCL (formed through the same store, under its
   // own key); Gloo stays for healing, evaluation and the small agreements.
@@ -349,6 +376,10 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
     // The current device is per host thread: this job thread must select it itself, or its
     // first CUDA call would create a context on GPU 0.
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaSetDevice(options_.cuda_device));
+    // Measured before this generation allocates anything: the estimate counts it all.
+    size_t free_bytes = 0, total_bytes = 0;
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    SetMemoryBudget(*trainer, spec, a, static_cast<int64_t>(free_bytes));
     if (a.world_size() > 1) {
       NcclCommunicator::Options nccl_options;
       nccl_options.init_timeout = absl::FromChrono(collective_timeout);

@@ -67,7 +67,7 @@ absl::Status Run() {
       cudaMemcpy(dy, y.data(), y.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
 
   auto step = [&]() -> absl::Status {
-    if (absl::Status s = (*mlp)->ForwardBackward(dx, dy, n, 1.0f / n, size_t{1} << 30, nullptr);
+    if (absl::Status s = (*mlp)->ForwardBackward(dx, dy, n, 1.0f / n, size_t{1} << 30, nullptr, false);
         !s.ok()) {
       return s;
     }

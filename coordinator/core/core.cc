@@ -12,7 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/core/job_spec.h"
-#include "coordinator/core/memory.h"
+#include "common/job_memory.h"
 
 namespace lockstep::coordinator {
 namespace {
@@ -275,14 +275,15 @@ absl::Status Core::CheckMemoryFits(const MemoryEstimate& memory, const std::stri
       "each worker would need about ", memory.ToString(), ", but the most free memory any ",
       "registered worker reports is ", HumanBytes(roomiest->info.free_memory_bytes()), " (",
       roomiest->info.name(), " on ", roomiest->info.device(),
-      "); lower global_batch_size, raise min_workers, or use deterministic mode with more "
-      "micro_shards (one micro-shard in memory at a time)"));
+      "); use more micro_shards (a worker needs room for one at a time), a smaller "
+      "micro_batch_size, or a smaller model"));
 }
 
 absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out) {
   ApplyJobSpecDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) return s;
-  const MemoryEstimate memory = EstimateWorkerMemory(spec, spec.min_workers());
+  // With gradient accumulation a worker needs room for one micro-batch, not its whole share.
+  const MemoryEstimate memory = EstimateWorkerMemory(spec, MinMicroBatch(spec));
   if (absl::Status s = CheckMemoryFits(memory, spec.device()); !s.ok()) return s;
   JobRecord record;
   record.memory_needed = memory.total();
@@ -325,7 +326,7 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     record.submit_seq = seq_of(record.job);
     record.last_advance = now;
     record.memory_needed =
-        EstimateWorkerMemory(record.job.spec(), record.job.spec().min_workers()).total();
+        EstimateWorkerMemory(record.job.spec(), MinMicroBatch(record.job.spec())).total();
     JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
     order_.push_back(id);
     if (IsTerminal(job.job.state())) continue;

@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "coordinator/core/memory.h"
+#include "common/job_memory.h"
 #include "coordinator/core/ranks.h"
 #include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/worker.pb.h"
@@ -135,7 +135,7 @@ class Core {
     // Index in job.recovery_history() of the re-formation whose first step is awaited.
     int open_recovery = -1;
     bool first_report_of_generation_seen = false;
-    // Estimated peak memory of one worker (EstimateWorkerMemory at min_workers): workers that
+    // Estimated peak memory of one worker (EstimateWorkerMemory at MinMicroBatch): workers that
     // report less free memory are never given this job.
     int64_t memory_needed = 0;
   };

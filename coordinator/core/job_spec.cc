@@ -171,6 +171,22 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
                    absl::StrCat("global_batch_size ", spec.global_batch_size(),
                                 " is not divisible into ", spec.micro_shards(), " micro-shards"));
   }
+  if (spec.micro_batch_size() != 0) {
+    const int64_t shard = spec.global_batch_size() / spec.micro_shards();
+    if (spec.micro_batch_size() < 0 || spec.micro_batch_size() % shard != 0) {
+      return Invalid("micro_batch_size",
+                     absl::StrCat("must be a positive multiple of the micro-shard size ", shard,
+                                  " (global_batch_size ", spec.global_batch_size(), " / ",
+                                  spec.micro_shards(), " micro_shards), or 0; got ",
+                                  spec.micro_batch_size()));
+    }
+    if (spec.deterministic() && spec.micro_batch_size() != shard) {
+      return Invalid("micro_batch_size",
+                     absl::StrCat("deterministic mode computes one micro-shard (", shard,
+                                  " samples) at a time; set 0 or ", shard, ", got ",
+                                  spec.micro_batch_size()));
+    }
+  }
   if (spec.epochs() < 0) {
     return Invalid("epochs", absl::StrCat("must be >= 0, got ", spec.epochs()));
   }

@@ -137,8 +137,13 @@ TEST(CudaKernelsTest, ActivationBackwardAndBiasGradientMatchCpu) {
   std::vector<float> want_db(cols);
   BiasGradient(da.data(), rows, cols, want_db.data());
   DeviceBuffer<float> dda(da), ddb(cols);
-  ASSERT_TRUE(cuda::BiasGradient(dda.get(), rows, cols, ddb.get(), nullptr).ok());
+  ASSERT_TRUE(cuda::BiasGradient(dda.get(), rows, cols, ddb.get(), false, nullptr).ok());
   EXPECT_EQ(ddb.Read(), want_db);  // both sum in double in row order: the same float
+  // Accumulating a second micro-batch adds its float sum, as on the CPU.
+  BiasGradient(z.data(), rows, cols, want_db.data(), /*accumulate=*/true);
+  DeviceBuffer<float> dz2(z);
+  ASSERT_TRUE(cuda::BiasGradient(dz2.get(), rows, cols, ddb.get(), true, nullptr).ok());
+  EXPECT_EQ(ddb.Read(), want_db);
 }
 
 TEST(CudaKernelsTest, SoftmaxCrossEntropyMatchesCpu) {
@@ -155,9 +160,18 @@ TEST(CudaKernelsTest, SoftmaxCrossEntropyMatchesCpu) {
   DeviceBuffer<int32_t> dlab(labels), dcorrect(rows);
   DeviceBuffer<double> drow(rows), dsum(1);
   ASSERT_TRUE(cuda::SoftmaxCrossEntropy(dl.get(), dlab.get(), rows, classes, 1.0f / rows, dd.get(),
-                                        drow.get(), dcorrect.get(), dsum.get(), nullptr)
+                                        drow.get(), dcorrect.get(), dsum.get(), false, nullptr)
                   .ok());
   EXPECT_NEAR(dsum.Read()[0], want_loss, 1e-6 * std::abs(want_loss));
+  // accumulate_loss adds the sum: twice the loss after a second pass over the same rows.
+  DeviceBuffer<double> dsum2(1);
+  for (int pass = 0; pass < 2; ++pass) {
+    ASSERT_TRUE(cuda::SoftmaxCrossEntropy(dl.get(), dlab.get(), rows, classes, 1.0f / rows,
+                                          dd.get(), drow.get(), nullptr, dsum2.get(), pass > 0,
+                                          nullptr)
+                    .ok());
+  }
+  EXPECT_EQ(dsum2.Read()[0], dsum.Read()[0] + dsum.Read()[0]);
   EXPECT_LT(RelativeError(dd.Read(), want_d), 1e-5);
   int64_t correct = 0;
   for (int32_t c : dcorrect.Read()) correct += c;
@@ -214,6 +228,27 @@ TEST(CudaKernelsTest, FixedPointConversionsAreBitIdenticalToCpu) {
   ASSERT_TRUE(cuda::FromFixedPoint(din.get(), n, 32, dout.get(), nullptr).ok());
   const std::vector<float> got = dout.Read();
   EXPECT_EQ(0, std::memcmp(got.data(), want_f.data(), n * sizeof(float)));
+}
+
+TEST(CudaKernelsTest, LossFixedPointIsBitIdenticalToCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  // Ordinary losses, a tie (x.5 after scaling rounds away from zero), and two rejections.
+  const std::vector<double> losses = {2.302585092994046, 123.456, 0.75 * 0x1p-40, 1e300,
+                                      std::nan("")};
+  int64_t want = 11;
+  int64_t want_rejected = 0;
+  for (double loss : losses) want_rejected += AccumulateLossFixedPoint(loss, 0.5f, 40, &want);
+  DeviceBuffer<double> dloss(losses);
+  DeviceBuffer<int64_t> dacc(std::vector<int64_t>{11});
+  DeviceBuffer<unsigned long long> drejected(1);
+  for (size_t i = 0; i < losses.size(); ++i) {
+    ASSERT_TRUE(cuda::AccumulateLossFixedPoint(dloss.get() + i, 0.5f, 40, dacc.get(),
+                                               drejected.get(), nullptr)
+                    .ok());
+  }
+  EXPECT_EQ(dacc.Read()[0], want);
+  EXPECT_EQ(static_cast<int64_t>(drejected.Read()[0]), want_rejected);
+  EXPECT_EQ(want_rejected, 2);
 }
 
 TEST(CudaKernelsTest, BucketPackingRoundTrips) {

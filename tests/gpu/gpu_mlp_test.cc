@@ -46,7 +46,8 @@ TEST(GpuMlpTest, MatchesCpuMlpForwardBackward) {
     cudaMemcpy(dy, y.data(), y.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
     ASSERT_TRUE((*gpu)
                     ->ForwardBackward(dx, dy, n, 1.0f / n, 500,
-                                      [&](size_t end) { gpu_points.push_back(end); })
+                                      [&](size_t end) { gpu_points.push_back(end); },
+                                      /*accumulate=*/false)
                     .ok());
     auto gpu_loss = (*gpu)->LossSum();
     ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
@@ -60,6 +61,24 @@ TEST(GpuMlpTest, MatchesCpuMlpForwardBackward) {
       norm += double{cpu.grads()[i]} * cpu.grads()[i];
     }
     EXPECT_LT(std::sqrt(diff / norm), 1e-5) << "activation " << static_cast<int>(act);
+
+    // Gradient accumulation: a second micro-batch (the first 20 samples) adds its gradient and
+    // its loss, on both.
+    const int m = 20;
+    const double cpu_loss2 =
+        cpu.ForwardBackward(x.data(), y.data(), m, 1.0f / n, 500, nullptr, nullptr, true);
+    ASSERT_TRUE((*gpu)->ForwardBackward(dx, dy, m, 1.0f / n, 500, nullptr, true).ok());
+    gpu_loss = (*gpu)->LossSum();
+    ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
+    EXPECT_NEAR(*gpu_loss, cpu_loss + cpu_loss2, 1e-5 * std::abs(cpu_loss + cpu_loss2));
+    ASSERT_TRUE((*gpu)->DownloadGrads(grads.data()).ok());
+    diff = 0;
+    norm = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      diff += (double{grads[i]} - cpu.grads()[i]) * (double{grads[i]} - cpu.grads()[i]);
+      norm += double{cpu.grads()[i]} * cpu.grads()[i];
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 1e-5) << "accumulated, activation " << static_cast<int>(act);
     cudaFree(dx);
     cudaFree(dy);
   }

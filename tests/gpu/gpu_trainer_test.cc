@@ -1,11 +1,16 @@
 // The trainer with its steps on the GPU (label gpu; skipped without a device): one rank trains
 // the same job on the CPU and on the GPU and must end with the same parameters to FP32
-// rounding, for SGD and AdamW; the host mirror (what healing, checkpoints, evaluation and the
-// checksum read) is current after Train; deterministic mode is refused with UNIMPLEMENTED.
+// rounding, for SGD and AdamW, with and without gradient accumulation; the host mirror (what
+// healing, checkpoints, evaluation and the checksum read) is current after Train. Deterministic
+// mode on the GPU: reproducible to the bit, close to the CPU's, and its fixed-point sums are
+// independent of how the micro-shards are split between ranks (what makes it the same bits for
+// every world size).
 #include <cuda_runtime_api.h>
 
 #include <cmath>
 #include <memory>
+
+#include <random>
 
 #include "gtest/gtest.h"
 #include "tests/testing/solo_communicator.h"
@@ -43,9 +48,50 @@ v1::JobSpec Spec(const std::string& optimizer) {
   return spec;
 }
 
-TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
+bool HaveGpu() {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+// Trains `spec` on one rank, on the GPU when `gpu`; returns the trainer (host mirror current).
+std::unique_ptr<Trainer> TrainOne(const v1::JobSpec& spec, bool gpu, absl::Status* status,
+                                  bool* pinned = nullptr) {
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  static SoloCommunicator comm;
+  std::atomic<bool> abort{false};
+  auto trainer = Trainer::Create(spec, data, &comm);
+  if (!trainer.ok()) {
+    *status = trainer.status();
+    return nullptr;
+  }
+  std::unique_ptr<GpuStep> step;
+  if (gpu) {
+    auto created = GpuStep::Create(spec, (*trainer)->model().dims(),
+                                   (*trainer)->model().activation(), nullptr);
+    if (!created.ok()) {
+      *status = created.status();
+      return nullptr;
+    }
+    step = *std::move(created);
+    (*trainer)->set_device_step(step.get());
+  }
+  *status = (*trainer)->Train(1, abort, [](const v1::ProgressReport&) {});
+  if (pinned != nullptr && step != nullptr) *pinned = step->pinned();
+  (*trainer)->set_device_step(nullptr);
+  return *std::move(trainer);
+}
+
+double RelativeDistance(const Mlp& a, const Mlp& b) {
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < a.num_params(); ++i) {
+    err += (double{a.params()[i]} - b.params()[i]) * (double{a.params()[i]} - b.params()[i]);
+    norm += double{a.params()[i]} * a.params()[i];
+  }
+  return std::sqrt(err / norm);
+}
+
+TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
+  if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
   for (const char* optimizer : {"sgd", "adamw"}) {
     const v1::JobSpec spec = Spec(optimizer);
     auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
@@ -64,6 +110,7 @@ TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
     absl::Status trained = (*gpu)->Train(1, abort, [](const v1::ProgressReport&) {});
     ASSERT_TRUE(trained.ok()) << trained;
     EXPECT_EQ((*gpu)->completed_step(), 40);
+    EXPECT_TRUE((*step)->pinned()) << "the batch was not in pinned memory";
     // Evaluated on the GPU (the step is still attached), against the CPU trainer's evaluation.
     auto gpu_eval = (*gpu)->Evaluate();
     ASSERT_TRUE(gpu_eval.ok()) << gpu_eval.status();
@@ -75,34 +122,97 @@ TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
     (*gpu)->set_device_step(nullptr);
 
     // The host mirror was read back when Train ended.
-    const Mlp& a = (*cpu)->model();
-    const Mlp& b = (*gpu)->model();
-    double err = 0, norm = 0;
-    for (size_t i = 0; i < a.num_params(); ++i) {
-      err += (double{a.params()[i]} - b.params()[i]) * (double{a.params()[i]} - b.params()[i]);
-      norm += double{a.params()[i]} * a.params()[i];
-    }
-    EXPECT_LT(std::sqrt(err / norm), 1e-4) << optimizer;
+    EXPECT_LT(RelativeDistance((*cpu)->model(), (*gpu)->model()), 1e-4) << optimizer;
   }
 }
 
-TEST(GpuTrainerTest, DeterministicModeIsRefusedOnGpu) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
+// Gradient accumulation on the GPU (4 micro-batches of 32, through both upload slots) trains the
+// same model as the CPU with the whole batch at once.
+TEST(GpuTrainerTest, GradientAccumulationMatchesCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
+  const v1::JobSpec spec = Spec("sgd");
+  v1::JobSpec accumulated = spec;
+  accumulated.set_micro_batch_size(32);
+  absl::Status cpu_status, gpu_status;
+  std::unique_ptr<Trainer> cpu = TrainOne(spec, false, &cpu_status);
+  ASSERT_TRUE(cpu_status.ok()) << cpu_status;
+  std::unique_ptr<Trainer> gpu = TrainOne(accumulated, true, &gpu_status);
+  ASSERT_TRUE(gpu_status.ok()) << gpu_status;
+  EXPECT_EQ(gpu->micro_batch(), 32);
+  EXPECT_LT(RelativeDistance(cpu->model(), gpu->model()), 1e-4);
+}
+
+// Deterministic mode on the GPU: the same bits on every run, the CPU's result to float
+// rounding (GPU products sum in another order), and a refusal of out-of-range gradients.
+TEST(GpuTrainerTest, DeterministicModeIsReproducibleAndCloseToCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
+  v1::JobSpec spec = Spec("adamw");
+  spec.set_deterministic(true);
+  absl::Status s1, s2, s3;
+  std::unique_ptr<Trainer> first = TrainOne(spec, true, &s1);
+  ASSERT_TRUE(s1.ok()) << s1;
+  std::unique_ptr<Trainer> second = TrainOne(spec, true, &s2);
+  ASSERT_TRUE(s2.ok()) << s2;
+  EXPECT_EQ(first->ParameterChecksum(), second->ParameterChecksum());
+  std::unique_ptr<Trainer> cpu = TrainOne(spec, false, &s3);
+  ASSERT_TRUE(s3.ok()) << s3;
+  EXPECT_LT(RelativeDistance(cpu->model(), first->model()), 1e-4);
+
+  v1::JobSpec diverging = Spec("sgd");
+  diverging.set_deterministic(true);
+  diverging.mutable_optimizer()->set_learning_rate(1e3);
+  diverging.mutable_optimizer()->set_momentum(0.99);
+  absl::Status s4;
+  TrainOne(diverging, true, &s4);
+  EXPECT_EQ(s4.code(), absl::StatusCode::kOutOfRange) << s4;
+  EXPECT_NE(s4.message().find("fixed-point range"), std::string::npos) << s4;
+}
+
+// Why deterministic mode gives the same bits for any world size: a rank's fixed-point sum
+// depends only on which micro-shards it holds, not on where they sit in its share, so the
+// integer sum over ranks (what NCCL computes, exactly) equals one rank's sum of all shards.
+// Here two GpuSteps stand in for the ranks of a 2-worker group: shards 0-2 and 3-7 of 8.
+TEST(GpuTrainerTest, DeterministicFixedPointSumIsIndependentOfTheSplit) {
+  if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
   v1::JobSpec spec = Spec("sgd");
   spec.set_deterministic(true);
-  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
-  SoloCommunicator comm;
-  auto trainer = Trainer::Create(spec, data, &comm);
-  ASSERT_TRUE(trainer.ok()) << trainer.status();
-  auto step =
-      GpuStep::Create(spec, (*trainer)->model().dims(), (*trainer)->model().activation(), nullptr);
-  ASSERT_TRUE(step.ok()) << step.status();
-  (*trainer)->set_device_step(step->get());
-  std::atomic<bool> abort{false};
-  const absl::Status s = (*trainer)->Train(1, abort, [](const v1::ProgressReport&) {});
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
-  (*trainer)->set_device_step(nullptr);
+  const std::vector<int> dims = {20, 64, 48, 5};
+  Mlp model(dims, kernels::Activation::kRelu);
+  model.Initialize(7);
+  const int shard = 16, shards = 8, n = shard * shards;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(static_cast<size_t>(n) * dims.front());
+  for (float& v : x) v = normal(rng);
+  std::vector<int32_t> y(n);
+  for (int i = 0; i < n; ++i) y[i] = (i * 3) % dims.back();
+  const float scale = 1.0f / n;
+  auto fixed_sum = [&](int first_shard, int count) -> std::vector<int64_t> {
+    auto step = GpuStep::Create(spec, dims, kernels::Activation::kRelu, nullptr);
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (!step.ok()) return {};
+    std::vector<float> state(model.num_params());
+    EXPECT_TRUE((*step)->Upload(model.params(), state).ok());
+    const size_t at = static_cast<size_t>(first_shard) * shard;
+    auto sum = (*step)->FixedPointGradient(x.data() + at * dims.front(), y.data() + at,
+                                           count * shard, shard, scale,
+                                           Trainer::kFixedPointFracBits);
+    EXPECT_TRUE(sum.ok()) << sum.status();
+    return sum.value_or(std::vector<int64_t>{});
+  };
+  const std::vector<int64_t> all = fixed_sum(0, 8);
+  const std::vector<int64_t> rank0 = fixed_sum(0, 3);
+  const std::vector<int64_t> rank1 = fixed_sum(3, 5);
+  ASSERT_EQ(all.size(), model.num_params() + 2);
+  ASSERT_EQ(rank0.size(), all.size());
+  ASSERT_EQ(rank1.size(), all.size());
+  size_t nonzero = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    ASSERT_EQ(rank0[i] + rank1[i], all[i]) << "value " << i << " of " << all.size();
+    nonzero += all[i] != 0;
+  }
+  EXPECT_EQ(all.back(), 0) << "rejected values";
+  EXPECT_GT(nonzero, all.size() / 2);
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 
 #include "coordinator/core/core.h"
 #include "coordinator/core/job_spec.h"
-#include "coordinator/core/memory.h"
+#include "common/job_memory.h"
 #include "coordinator/core/ranks.h"
 #include "coordinator/store/job_store.h"
 #include "gtest/gtest.h"
@@ -749,24 +749,88 @@ TEST(MemoryEstimateTest, ReferenceModel) {
   spec.set_epochs(1);
   ApplyJobSpecDefaults(&spec);
   const int64_t params = 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10;
-  const MemoryEstimate two = EstimateWorkerMemory(spec, 2);
+  EXPECT_EQ(ShareSamples(spec, 2), 128);
+  EXPECT_EQ(ShareSamples(spec, 1), 256);
+  const MemoryEstimate two = EstimateWorkerMemory(spec, ShareSamples(spec, 2));
   EXPECT_EQ(two.parameters, 4 * params);
   EXPECT_EQ(two.gradients, 4 * params);
   EXPECT_EQ(two.optimizer, 4 * params);
   EXPECT_EQ(two.communication, 4 * params);
   EXPECT_EQ(two.micro_batch, 128);
   EXPECT_EQ(two.activations, 4 * 128 * (784 + 2 * (512 + 512 + 10) + 2 * 512));
-  // One worker holds the whole batch; AdamW keeps two moments.
-  EXPECT_EQ(EstimateWorkerMemory(spec, 1).micro_batch, 256);
+  // AdamW keeps two moments.
   spec.mutable_optimizer()->set_type("adamw");
-  EXPECT_EQ(EstimateWorkerMemory(spec, 2).optimizer, 8 * params);
+  EXPECT_EQ(EstimateWorkerMemory(spec, 128).optimizer, 8 * params);
   // Deterministic mode holds one micro-shard at a time, and int64 sums.
   spec.set_deterministic(true);
   spec.set_micro_shards(8);
-  const MemoryEstimate det = EstimateWorkerMemory(spec, 2);
+  EXPECT_EQ(ChooseMicroBatch(spec, 2, 0), 32);
+  EXPECT_EQ(MinMicroBatch(spec), 32);
+  const MemoryEstimate det = EstimateWorkerMemory(spec, 32);
   EXPECT_EQ(det.micro_batch, 32);
   EXPECT_EQ(det.communication, 16 * (params + 2));
   EXPECT_NE(det.ToString().find("32 samples at once"), std::string::npos) << det.ToString();
+}
+
+// Gradient accumulation: the whole share when it fits (or no budget is known), else the most
+// whole micro-shards that fit, at least one; micro_batch_size when set.
+TEST(MemoryEstimateTest, ChooseMicroBatchFitsTheBudget) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_type("mlp");
+  spec.mutable_model()->add_hidden_widths(1000);
+  spec.mutable_dataset()->set_type("synthetic");
+  spec.mutable_dataset()->mutable_synthetic()->set_input_dim(100);
+  spec.mutable_dataset()->mutable_synthetic()->set_num_classes(10);
+  spec.mutable_optimizer()->set_learning_rate(0.05);
+  spec.set_global_batch_size(1200);
+  spec.set_micro_shards(12);  // micro-shards of 100 samples
+  spec.set_epochs(1);
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_EQ(ShareSamples(spec, 2), 600);
+  EXPECT_EQ(ShareSamples(spec, 5), 300);  // 12 shards over 5: the largest share is 3 shards
+  EXPECT_EQ(ChooseMicroBatch(spec, 2, 0), 600);
+  const int64_t whole = EstimateWorkerMemory(spec, 600).total();
+  EXPECT_EQ(ChooseMicroBatch(spec, 2, whole), 600);
+  // Room for 2.5 micro-shards of activations: 2 of them at a time.
+  const int64_t fixed = EstimateWorkerMemory(spec, 0).total();
+  const int64_t per_shard = EstimateWorkerMemory(spec, 100).total() - fixed;
+  EXPECT_EQ(ChooseMicroBatch(spec, 2, fixed + per_shard * 5 / 2), 200);
+  EXPECT_LE(EstimateWorkerMemory(spec, 200).total(), fixed + per_shard * 5 / 2);
+  // Not even one fits: one anyway (admission decides whether the worker may run the job).
+  EXPECT_EQ(ChooseMicroBatch(spec, 2, fixed / 2), 100);
+  spec.set_micro_batch_size(300);
+  EXPECT_EQ(ChooseMicroBatch(spec, 2, whole), 300);
+  EXPECT_EQ(ChooseMicroBatch(spec, 6, whole), 200);  // capped at the share
+  EXPECT_EQ(MinMicroBatch(spec), 300);
+}
+
+// A job whose share fits on no worker but whose micro-shards do is admitted (the workers
+// accumulate gradients over micro-batches); the estimate it is admitted with is one micro-batch.
+TEST_F(CoreTest, MemoryPreflightAdmitsWhatFitsWithGradientAccumulation) {
+  v1::JobSpec spec = Spec(1, 1);
+  spec.set_device("cuda");
+  spec.mutable_dataset()->mutable_synthetic()->set_input_dim(4096);
+  spec.mutable_model()->add_hidden_widths(4096);
+  spec.mutable_dataset()->mutable_synthetic()->set_train_samples(65536);
+  spec.set_global_batch_size(65536);
+  spec.set_micro_shards(64);
+  ApplyJobSpecDefaults(&spec);
+  const int64_t share = EstimateWorkerMemory(spec, ShareSamples(spec, 1)).total();
+  const int64_t one = EstimateWorkerMemory(spec, MinMicroBatch(spec)).total();
+  ASSERT_GT(share, 2 * one);
+  const std::string w = Register("g", "h1", "cuda:0", (share + one) / 2);
+  const std::string job = Submit(spec);
+  std::map<std::string, v1::Assignment> assigned = TakeAssignments();
+  ASSERT_EQ(assigned.size(), 1u) << Job(job).reason();
+  EXPECT_EQ(assigned.at(w).job_id(), job);
+  // micro_batch_size larger than what fits is the user's choice, and is refused up front.
+  v1::JobSpec forced = spec;
+  forced.set_micro_batch_size(65536);
+  Decisions d;
+  absl::StatusOr<v1::Job> refused = core_.SubmitJob(forced, now_, &d);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("65536 samples at once"), std::string::npos)
+      << refused.status();
 }
 
 // A job that fits on no registered worker is refused with the numbers; one that fits only on

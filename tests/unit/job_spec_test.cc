@@ -35,6 +35,17 @@ TEST(JobSpecTest, ValidSpecWithDefaultsPasses) {
   EXPECT_EQ(spec.model().activation(), "relu");
 }
 
+TEST(JobSpecTest, MicroBatchOfWholeMicroShardsPasses) {
+  v1::JobSpec spec = ValidSpec();
+  spec.set_micro_shards(8);
+  spec.set_micro_batch_size(16);
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.set_deterministic(true);
+  spec.set_micro_batch_size(8);  // one micro-shard: what deterministic mode does anyway
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+}
+
 TEST(JobSpecTest, DeterministicModeDefaultsToFewerLargerMicroShards) {
   v1::JobSpec spec = ValidSpec();
   spec.set_deterministic(true);
@@ -122,6 +133,21 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
          s->set_micro_shards(2048);
        },
        "micro_shards"},
+      {"micro-batch not a multiple of the micro-shard",
+       [](v1::JobSpec* s) {
+         s->set_micro_shards(8);  // shards of 8 samples
+         s->set_micro_batch_size(12);
+       },
+       "micro_batch_size"},
+      {"negative micro-batch", [](v1::JobSpec* s) { s->set_micro_batch_size(-8); },
+       "micro_batch_size"},
+      {"deterministic micro-batch of two micro-shards",
+       [](v1::JobSpec* s) {
+         s->set_deterministic(true);
+         s->set_micro_shards(8);
+         s->set_micro_batch_size(16);
+       },
+       "micro_batch_size"},
       {"checkpoints without a directory",
        [](v1::JobSpec* s) { s->set_checkpoint_every_steps(10); }, "checkpoint_dir"},
   };

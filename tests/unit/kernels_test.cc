@@ -378,6 +378,17 @@ TEST(BiasGradientTest, MatchesFloat64SumToFloatRounding) {
   EXPECT_LT(RelL2(db, ref), 1e-7);
 }
 
+TEST(BiasGradientTest, AccumulateAddsTheFloatSum) {
+  const int rows = 37, cols = 300;
+  TestRng rng(51);
+  std::vector<float> dz = RandomFloats(rng, static_cast<size_t>(rows) * cols, -1.0, 1.0);
+  std::vector<float> earlier = RandomFloats(rng, cols, -1.0, 1.0);
+  std::vector<float> sum(cols), db = earlier;
+  BiasGradient(dz.data(), rows, cols, sum.data());
+  BiasGradient(dz.data(), rows, cols, db.data(), /*accumulate=*/true);
+  for (int c = 0; c < cols; ++c) EXPECT_EQ(db[c], earlier[c] + sum[c]) << c;
+}
+
 TEST(BiasGradientTest, ZeroRowsGivesZero) {
   std::vector<float> db = {1.0f, -2.0f, 3.0f};
   const float unused = 1.0f;
@@ -685,6 +696,21 @@ TEST(FixedPointTest, MaxAddendsOfLargestAcceptedValueDoNotOverflow) {
     FromFixedPoint(&sum, 1, frac_bits, &back);
     EXPECT_EQ(back, sign * largest * kMaxFixedPointAddends);
   }
+}
+
+TEST(FixedPointTest, LossRoundsHalfAwayFromZeroAndRejectsOutOfRange) {
+  int64_t acc = 5;
+  EXPECT_EQ(AccumulateLossFixedPoint(2.5, 1.0f, 0, &acc), 0);  // 2.5 -> 3
+  EXPECT_EQ(acc, 8);
+  EXPECT_EQ(AccumulateLossFixedPoint(-2.5, 1.0f, 0, &acc), 0);  // -2.5 -> -3
+  EXPECT_EQ(acc, 5);
+  EXPECT_EQ(AccumulateLossFixedPoint(3.0, 0.25f, 40, &acc), 0);  // 0.75 * 2^40, exact
+  EXPECT_EQ(acc, 5 + (int64_t{3} << 38));
+  acc = 7;
+  EXPECT_EQ(AccumulateLossFixedPoint(0x1p51, 1.0f, 0, &acc), 1);
+  EXPECT_EQ(AccumulateLossFixedPoint(std::nan(""), 1.0f, 40, &acc), 1);
+  EXPECT_EQ(AccumulateLossFixedPoint(1.0, std::numeric_limits<float>::infinity(), 40, &acc), 1);
+  EXPECT_EQ(acc, 7);  // rejections add nothing
 }
 
 TEST(FixedPointTest, FromFixedPointScales) {

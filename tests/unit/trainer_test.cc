@@ -7,6 +7,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/job_memory.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
 #include "tests/testing/gloo_group.h"
@@ -80,6 +81,37 @@ TEST(MlpTest, GradientMatchesFiniteDifferences) {
     // loss difference; 1e-2 relative is far below what a wrong gradient gives (~1).
     EXPECT_LT(std::sqrt(err / norm), 1e-2) << "activation " << static_cast<int>(act);
   }
+}
+
+// Gradient accumulation: two micro-batches, the second with `accumulate`, give the gradient of
+// the whole batch (to float rounding of the split sums) and the same ready points.
+TEST(MlpTest, AccumulatedMicroBatchesMatchOneBatch) {
+  Mlp whole({5, 7, 3}, kernels::Activation::kGelu), split({5, 7, 3}, kernels::Activation::kGelu);
+  whole.Initialize(9);
+  split.Initialize(9);
+  const int n = 10, first = 4;
+  std::vector<float> x(n * 5);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.9 * i + 0.1);
+  std::vector<int32_t> y(n);
+  for (int i = 0; i < n; ++i) y[i] = (i * 5) % 3;
+  const double loss = whole.ForwardBackward(x.data(), y.data(), n, 0.1f, 10, nullptr, nullptr);
+  // Stale values must be overwritten by the first pass.
+  std::fill(split.grads(), split.grads() + split.num_params(), 123.0f);
+  double split_loss = split.ForwardBackward(x.data(), y.data(), first, 0.1f, 10, nullptr, nullptr);
+  std::vector<size_t> ready;
+  split_loss += split.ForwardBackward(
+      x.data() + first * 5, y.data() + first, n - first, 0.1f, 10, nullptr,
+      [&](size_t end) { ready.push_back(end); }, /*accumulate=*/true);
+  EXPECT_EQ(ready, split.ReadyPoints(10));
+  EXPECT_NEAR(split_loss, loss, 1e-12 * loss);
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < whole.num_params(); ++i) {
+    const double d = split.grads()[i] - whole.grads()[i];
+    err += d * d;
+    norm += static_cast<double>(whole.grads()[i]) * whole.grads()[i];
+  }
+  EXPECT_LT(std::sqrt(err / norm), 1e-6);
+  EXPECT_GT(norm, 0);
 }
 
 // The fused fixed-point update gives the bits of FromFixedPoint followed by Step, for both
@@ -239,6 +271,49 @@ TEST(TrainerTest, DataParallelMatchesSingleWorker) {
     // over 60 steps of SGD with momentum stays at float rounding scale.
     EXPECT_LT(std::sqrt(err / norm), 1e-4) << "world " << world << " shm " << shm;
   }
+}
+
+// Gradient accumulation: micro-batches of one micro-shard train the same model as the whole
+// share at once (to float rounding), for one and for two workers.
+TEST(TrainerTest, GradientAccumulationMatchesWholeShare) {
+  const v1::JobSpec spec = SyntheticSpec();  // batch 64 in 8 micro-shards of 8
+  auto [whole, whole_sums] = TrainOnGloo(spec, 1, false);
+  v1::JobSpec accumulated = spec;
+  accumulated.set_micro_batch_size(8);
+  for (int world : {1, 2}) {
+    auto [params, sums] = TrainOnGloo(accumulated, world, false);
+    ASSERT_EQ(params.size(), whole.size());
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < whole.size(); ++i) {
+      err += (params[i] - whole[i]) * (params[i] - whole[i]);
+      norm += whole[i] * whole[i];
+    }
+    EXPECT_LT(std::sqrt(err / norm), 1e-4) << "world " << world;
+    if (world == 2) {
+      EXPECT_EQ(sums[0], sums[1]);
+    }
+  }
+}
+
+// The memory budget decides the micro-batch: the whole share when it fits, else whole
+// micro-shards; micro_batch_size overrides it.
+TEST(TrainerTest, MemoryBudgetChoosesTheMicroBatch) {
+  v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator comm;
+  auto trainer = Trainer::Create(spec, data, &comm).value();
+  EXPECT_EQ(trainer->micro_batch(), 64);
+  const int64_t fixed = EstimateWorkerMemory(spec, 0).total();
+  const int64_t per_shard = EstimateWorkerMemory(spec, 8).total() - fixed;
+  trainer->set_memory_budget(fixed + 3 * per_shard);
+  EXPECT_EQ(trainer->micro_batch(), 24);
+  trainer->set_memory_budget(int64_t{1} << 40);
+  EXPECT_EQ(trainer->micro_batch(), 64);
+  std::atomic<bool> abort{false};
+  trainer->set_memory_budget(fixed + per_shard);
+  ASSERT_EQ(trainer->micro_batch(), 8);
+  ASSERT_TRUE(trainer->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
+  EXPECT_EQ(trainer->completed_step(), 60);
 }
 
 // Deterministic mode: the same bits for any world size and either transport.

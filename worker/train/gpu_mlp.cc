@@ -126,7 +126,8 @@ absl::StatusOr<double> GpuMlp::Evaluate(const float* x, const int32_t* y, int n,
   if (absl::Status s = Forward(x, n); !s.ok()) return s;
   if (absl::Status s =
           kernels::cuda::SoftmaxCrossEntropy(z_.back(), y, n, layers_.back().out, 0.0f, nullptr,
-                                             row_loss_, row_correct_, loss_sum_, stream_);
+                                             row_loss_, row_correct_, loss_sum_,
+                                             /*accumulate_loss=*/false, stream_);
       !s.ok()) {
     return s;
   }
@@ -141,12 +142,12 @@ absl::StatusOr<double> GpuMlp::Evaluate(const float* x, const int32_t* y, int n,
 
 absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
                                      size_t chunk_floats,
-                                     const std::function<void(size_t)>& on_ready) {
+                                     const std::function<void(size_t)>& on_ready, bool accumulate) {
   if (absl::Status s = Forward(x, n); !s.ok()) return s;
   const int last = static_cast<int>(layers_.size()) - 1;
   if (absl::Status s =
           kernels::cuda::SoftmaxCrossEntropy(z_[last], y, n, layers_[last].out, grad_scale, dz_,
-                                             row_loss_, nullptr, loss_sum_, stream_);
+                                             row_loss_, nullptr, loss_sum_, accumulate, stream_);
       !s.ok()) {
     return s;
   }
@@ -158,14 +159,15 @@ absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, fl
     const int rows = Mlp::RowsPerChunk(s, chunk_floats);
     for (int r = 0; r < s.out; r += rows) {
       const int m = std::min(rows, s.out - r);
-      if (absl::Status st = blas_->Gemm(true, false, m, s.in, n, 1.0f, dz_ + r, s.out, layer_in,
-                                        s.in, 0.0f, dw + static_cast<size_t>(r) * s.in, s.in);
+      if (absl::Status st =
+              blas_->Gemm(true, false, m, s.in, n, 1.0f, dz_ + r, s.out, layer_in, s.in,
+                          accumulate ? 1.0f : 0.0f, dw + static_cast<size_t>(r) * s.in, s.in);
           !st.ok()) {
         return st;
       }
       if (on_ready) on_ready(s.offset + static_cast<size_t>(r + m) * s.in);
     }
-    if (absl::Status st = kernels::cuda::BiasGradient(dz_, n, s.out, db, stream_); !st.ok()) {
+    if (absl::Status st = kernels::cuda::BiasGradient(dz_, n, s.out, db, accumulate, stream_); !st.ok()) {
       return st;
     }
     if (on_ready) on_ready(s.offset + s.count);

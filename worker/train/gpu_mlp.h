@@ -42,12 +42,13 @@ class GpuMlp {
   absl::Status DownloadGrads(float* host) const;
 
   // Forward and backward on n samples already on the device (x: n x input, y: n labels).
-  // Overwrites grads() with grad_scale * d(sum of losses)/d(params); the loss sum lands in a
-  // device double (LossSum). on_ready(end) is called on the host after the work that finishes
+  // Overwrites grads() with grad_scale * d(sum of losses)/d(params), or with `accumulate` adds
+  // to it (micro-batches); the loss sum lands in (or is added to) a device double (LossSum). on_ready(end) is called on the host after the work that finishes
   // grads()[0, end) has been ENQUEUED (not run): a caller that reduces gradients on another
   // stream records an event then and makes that stream wait on it. Same pieces as Mlp.
   absl::Status ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
-                               size_t chunk_floats, const std::function<void(size_t)>& on_ready);
+                               size_t chunk_floats, const std::function<void(size_t)>& on_ready,
+                               bool accumulate);
   // Forward only (evaluation): returns the loss sum over the n samples and adds the number of
   // correct predictions to *correct. Waits for the stream.
   absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);

@@ -1,8 +1,10 @@
 #include "worker/train/gpu_step.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 
+#include "glog/logging.h"
 #include "kernels/gpu_check.h"
 
 namespace lockstep::worker {
@@ -20,7 +22,15 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   step->comm_ = comm;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&step->stream_, cudaStreamNonBlocking));
   LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cudaStreamCreateWithFlags(&step->copy_stream_, cudaStreamNonBlocking));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
       cudaEventCreateWithFlags(&step->grads_ready_, cudaEventDisableTiming));
+  for (int slot = 0; slot < 2; ++slot) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&step->uploaded_[slot], cudaEventDisableTiming));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&step->consumed_[slot], cudaEventDisableTiming));
+  }
   auto mlp = GpuMlp::Create(std::move(dims), activation, step->stream_);
   if (!mlp.ok()) return mlp.status();
   step->mlp_ = *std::move(mlp);
@@ -31,16 +41,30 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   // after an Upload and wipe the healed state).
   LOCKSTEP_GPU_RETURN_IF_ERROR(
       cudaMemsetAsync(step->state_, 0, step->state_floats_ * sizeof(float), step->stream_));
+  if (spec.deterministic()) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->fixed_, (params + 2) * sizeof(int64_t)));
+  }
   return step;
 }
 
 GpuStep::~GpuStep() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
   mlp_.reset();
   cudaFree(state_);
-  cudaFree(x_);
-  cudaFree(y_);
+  cudaFree(fixed_);
+  for (int slot = 0; slot < 2; ++slot) {
+    cudaFree(x_[slot]);
+    cudaFree(y_[slot]);
+    if (uploaded_[slot] != nullptr) cudaEventDestroy(uploaded_[slot]);
+    if (consumed_[slot] != nullptr) cudaEventDestroy(consumed_[slot]);
+  }
+  if (pinned_) {
+    cudaFreeHost(host_x_);
+    cudaFreeHost(host_y_);
+  }
   if (grads_ready_ != nullptr) cudaEventDestroy(grads_ready_);
+  if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -62,53 +86,126 @@ absl::Status GpuStep::Download(float* params, std::vector<float>* optimizer_stat
   return mlp_->DownloadParams(params);  // synchronizes the stream
 }
 
-absl::Status GpuStep::Reserve(int n, int input) {
+absl::StatusOr<DeviceStep::HostBatch> GpuStep::HostBuffers(int n) {
+  const int input = mlp_->layers().front().in;
+  if (n > host_capacity_) {
+    // Steps end with both streams idle, but be sure no copy still reads the old buffers.
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(copy_stream_));
+    if (pinned_) {
+      cudaFreeHost(host_x_);
+      cudaFreeHost(host_y_);
+    }
+    host_x_ = nullptr;
+    host_y_ = nullptr;
+    pinned_ = false;
+    host_capacity_ = 0;
+    const size_t x_bytes = static_cast<size_t>(n) * input * sizeof(float);
+    const size_t y_bytes = static_cast<size_t>(n) * sizeof(int32_t);
+    if (cudaHostAlloc(&host_x_, x_bytes, cudaHostAllocDefault) == cudaSuccess &&
+        cudaHostAlloc(&host_y_, y_bytes, cudaHostAllocDefault) == cudaSuccess) {
+      pinned_ = true;
+    } else {
+      // Locked memory can be limited (RLIMIT_MEMLOCK in containers): ordinary memory works,
+      // only the copies are no longer asynchronous.
+      cudaGetLastError();
+      cudaFreeHost(host_x_);
+      host_x_ = nullptr;
+      host_y_ = nullptr;
+      LOG(WARNING) << "no pinned host memory for " << n << " samples; copying batches from "
+                   << "ordinary memory";
+      pageable_x_.resize(static_cast<size_t>(n) * input);
+      pageable_y_.resize(n);
+    }
+    host_capacity_ = n;
+  }
+  if (pinned_) return HostBatch{host_x_, host_y_};
+  return HostBatch{pageable_x_.data(), pageable_y_.data()};
+}
+
+absl::Status GpuStep::Reserve(int n) {
   if (n <= capacity_) return absl::OkStatus();
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  capacity_ = 0;  // nothing usable until both buffers exist again
-  cudaFree(x_);
-  cudaFree(y_);
-  x_ = nullptr;
-  y_ = nullptr;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&x_, static_cast<size_t>(n) * input * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&y_, static_cast<size_t>(n) * sizeof(int32_t)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(copy_stream_));
+  capacity_ = 0;  // nothing usable until every buffer exists again
+  const int input = mlp_->layers().front().in;
+  for (int slot = 0; slot < 2; ++slot) {
+    cudaFree(x_[slot]);
+    cudaFree(y_[slot]);
+    x_[slot] = nullptr;
+    y_[slot] = nullptr;
+  }
+  for (int slot = 0; slot < 2; ++slot) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cudaMalloc(&x_[slot], static_cast<size_t>(n) * input * sizeof(float)));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&y_[slot], static_cast<size_t>(n) * sizeof(int32_t)));
+  }
   capacity_ = n;
   return absl::OkStatus();
 }
 
-absl::Status GpuStep::UploadBatch(const float* x, const int32_t* y, int n) {
+absl::StatusOr<int> GpuStep::UploadPass(int pass, const float* x, const int32_t* y, int n) {
+  if (absl::Status s = Reserve(n); !s.ok()) return s;
+  const int slot = pass % 2;
   const int input = mlp_->layers().front().in;
-  if (absl::Status s = Reserve(n, input); !s.ok()) return s;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
-      x_, x, static_cast<size_t>(n) * input * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_, y, static_cast<size_t>(n) * sizeof(int32_t),
-                                               cudaMemcpyHostToDevice, stream_));
+  // The copy may not overwrite the slot before the compute that reads it (two passes ago) ran.
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_stream_, consumed_[slot], 0));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(x_[slot], x,
+                                               static_cast<size_t>(n) * input * sizeof(float),
+                                               cudaMemcpyHostToDevice, copy_stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_[slot], y, static_cast<size_t>(n) * sizeof(int32_t),
+                                               cudaMemcpyHostToDevice, copy_stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(uploaded_[slot], copy_stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, uploaded_[slot], 0));
+  return slot;
+}
+
+absl::Status GpuStep::ReleaseSlot(int slot) {
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(consumed_[slot], stream_));
   return absl::OkStatus();
 }
 
 absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n,
                                          int64_t* correct) {
-  if (absl::Status s = UploadBatch(x, y, n); !s.ok()) return s;
-  return mlp_->Evaluate(x_, y_, n, correct);
+  absl::StatusOr<int> slot = UploadPass(0, x, y, n);
+  if (!slot.ok()) return slot.status();
+  absl::StatusOr<double> loss = mlp_->Evaluate(x_[*slot], y_[*slot], n, correct);
+  if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
+  return loss;
 }
 
-absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, float grad_scale,
-                                     float lr, int64_t step) {
-  absl::StatusOr<double> result = RunStep(x, y, n, grad_scale, lr, step);
-  if (!result.ok() && comm_ != nullptr && comm_->size() > 1) {
-    // Buckets may be in flight, and NCCL kernels never time out: abort the communicator so
-    // that nothing on the device waits for peers that gave up (freeing memory would hang).
+void GpuStep::AbortAfterFailure() {
+  if (comm_ != nullptr && comm_->size() > 1) {
     comm_->Abort();
     (void)comm_->Wait();
   }
+}
+
+absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, int micro_batch,
+                                     float grad_scale, float lr, int64_t step) {
+  absl::StatusOr<double> result = RunStep(x, y, n, micro_batch, grad_scale, lr, step);
+  if (!result.ok()) AbortAfterFailure();
   return result;
 }
 
-absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n, float grad_scale,
-                                        float lr, int64_t step) {
-  if (absl::Status s = UploadBatch(x, y, n); !s.ok()) return s;
+absl::Status GpuStep::Update(float lr, int64_t step) {
+  const size_t params = mlp_->num_params();
+  const float weight_decay = static_cast<float>(optimizer_.weight_decay());
+  return optimizer_.type() == "adamw"
+             ? kernels::cuda::AdamWUpdate(
+                   mlp_->params(), mlp_->grads(), state_, state_ + params, params, lr,
+                   static_cast<float>(optimizer_.beta1()), static_cast<float>(optimizer_.beta2()),
+                   static_cast<float>(optimizer_.epsilon()), weight_decay, step, stream_)
+             : kernels::cuda::SgdMomentumUpdate(mlp_->params(), mlp_->grads(), state_, params, lr,
+                                                static_cast<float>(optimizer_.momentum()),
+                                                weight_decay, stream_);
+}
+
+absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n, int micro_batch,
+                                        float grad_scale, float lr, int64_t step) {
   const size_t params = mlp_->num_params();
   const bool group = comm_ != nullptr && comm_->size() > 1;
+  const int input = mlp_->layers().front().in;
+  const int micro = std::clamp(micro_batch, 1, std::max(n, 1));
   // Buckets: each finished piece of the gradient is summed on the NCCL stream, after an event
   // that orders it behind the GEMM that wrote it, while backward goes on with the next piece.
   size_t sent = 0;
@@ -125,11 +222,22 @@ absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n,
   auto on_ready = [&](size_t ready) {
     if (ready - sent >= bucket_floats_) send(ready);
   };
-  if (absl::Status s = mlp_->ForwardBackward(
-          x_, y_, n, grad_scale, bucket_floats_,
-          group ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>());
-      !s.ok()) {
-    return s;
+  // Micro-batches with gradient accumulation; only the last one's backward hands buckets to
+  // NCCL (the sums are final only then).
+  for (int pass = 0, first = 0; first < n; ++pass, first += micro) {
+    const int m = std::min(micro, n - first);
+    const bool last = first + m >= n;
+    absl::StatusOr<int> slot =
+        UploadPass(pass, x + static_cast<size_t>(first) * input, y + first, m);
+    if (!slot.ok()) return slot.status();
+    if (absl::Status s = mlp_->ForwardBackward(
+            x_[*slot], y_[*slot], m, grad_scale, bucket_floats_,
+            group && last ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>(),
+            /*accumulate=*/pass > 0);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
   }
   if (group) {
     send(params);  // the rest, then the loss (ready with the forward pass, sent last)
@@ -138,20 +246,138 @@ absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n,
     // The watchdog: a dead or hung peer ends here with the communicator aborted.
     if (absl::Status s = comm_->Wait(); !s.ok()) return s;
   }
-  const float weight_decay = static_cast<float>(optimizer_.weight_decay());
-  absl::Status updated =
-      optimizer_.type() == "adamw"
-          ? kernels::cuda::AdamWUpdate(
-                mlp_->params(), mlp_->grads(), state_, state_ + params, params, lr,
-                static_cast<float>(optimizer_.beta1()), static_cast<float>(optimizer_.beta2()),
-                static_cast<float>(optimizer_.epsilon()), weight_decay, step, stream_)
-          : kernels::cuda::SgdMomentumUpdate(mlp_->params(), mlp_->grads(), state_, params, lr,
-                                             static_cast<float>(optimizer_.momentum()),
-                                             weight_decay, stream_);
-  if (!updated.ok()) return updated;
+  if (absl::Status s = Update(lr, step); !s.ok()) return s;
   absl::StatusOr<double> loss_sum = mlp_->LossSum();  // waits for the update too
   if (!loss_sum.ok()) return loss_sum.status();
   return *loss_sum * grad_scale;
+}
+
+absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int n, int shard,
+                                           float grad_scale, int frac_bits, bool group) {
+  if (fixed_ == nullptr) {
+    return absl::FailedPreconditionError("this GPU step was not created for deterministic mode");
+  }
+  if (shard <= 0 || n % shard != 0) {
+    return absl::InvalidArgumentError("deterministic step: n must be whole micro-shards");
+  }
+  const size_t params = mlp_->num_params();
+  const int input = mlp_->layers().front().in;
+  int64_t* const loss = fixed_ + params;
+  auto* const rejected = reinterpret_cast<unsigned long long*>(fixed_ + params + 1);
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(loss, 0, 2 * sizeof(int64_t), stream_));
+  size_t sent = 0;
+  absl::Status bucket_status;
+  auto send = [&](size_t end) {
+    if (!bucket_status.ok() || end <= sent) return;
+    bucket_status = [&]() -> absl::Status {
+      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(grads_ready_, stream_));
+      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_->stream(), grads_ready_, 0));
+      return comm_->AllreduceSum(fixed_ + sent, end - sent);
+    }();
+    sent = end;
+  };
+  const int shards = n / shard;
+  for (int k = 0; k < shards; ++k) {
+    const bool last = k + 1 == shards;
+    auto to_fixed = [&](size_t begin, size_t end) {
+      return k == 0 ? kernels::cuda::StoreFixedPoint(mlp_->grads() + begin, end - begin,
+                                                     frac_bits, fixed_ + begin, rejected, stream_)
+                    : kernels::cuda::AccumulateFixedPoint(mlp_->grads() + begin, end - begin,
+                                                          frac_bits, fixed_ + begin, rejected,
+                                                          stream_);
+    };
+    // In the last shard each finished piece is converted and, once a bucket's worth is, summed
+    // over the group while backward goes on. Conversion is elementwise: the same bits in pieces.
+    size_t converted = 0;
+    absl::Status convert_status;
+    auto on_ready = [&](size_t ready) {
+      if (!convert_status.ok()) return;
+      convert_status = to_fixed(converted, ready);
+      converted = ready;
+      if (ready - sent >= bucket_floats_ && ready < params) send(ready);
+    };
+    absl::StatusOr<int> slot =
+        UploadPass(k, x + static_cast<size_t>(k) * shard * input, y + k * shard, shard);
+    if (!slot.ok()) return slot.status();
+    // Always the slot-0 buffers' twin in slot 1: both come from cudaMalloc (256-byte aligned),
+    // so every shard's products see the same shapes and alignments on every rank.
+    if (absl::Status s = mlp_->ForwardBackward(
+            x_[*slot], y_[*slot], shard, grad_scale, bucket_floats_,
+            group && last ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>(),
+            /*accumulate=*/false);
+        !s.ok()) {
+      return s;
+    }
+    if (!convert_status.ok()) return convert_status;
+    if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
+    if (converted < params) {
+      if (absl::Status s = to_fixed(converted, params); !s.ok()) return s;
+    }
+    if (absl::Status s = kernels::cuda::AccumulateLossFixedPoint(
+            mlp_->loss_sum_device(), grad_scale, frac_bits, loss, rejected, stream_);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (group) {
+    send(params + 2);  // the rest, with the loss and the rejection count
+    return bucket_status;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const float* x, const int32_t* y,
+                                                                 int n, int shard,
+                                                                 float grad_scale,
+                                                                 int frac_bits) {
+  if (absl::Status s = AccumulateFixedPoint(x, y, n, shard, grad_scale, frac_bits, false);
+      !s.ok()) {
+    return s;
+  }
+  std::vector<int64_t> sum(mlp_->num_params() + 2);
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(sum.data(), fixed_, sum.size() * sizeof(int64_t),
+                                               cudaMemcpyDeviceToHost, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return sum;
+}
+
+absl::StatusOr<DeviceStep::DeterministicResult> GpuStep::StepDeterministic(
+    const float* x, const int32_t* y, int n, int shard, float grad_scale, int frac_bits, float lr,
+    int64_t step) {
+  absl::StatusOr<DeterministicResult> result =
+      RunDeterministic(x, y, n, shard, grad_scale, frac_bits, lr, step);
+  if (!result.ok()) AbortAfterFailure();
+  return result;
+}
+
+absl::StatusOr<DeviceStep::DeterministicResult> GpuStep::RunDeterministic(
+    const float* x, const int32_t* y, int n, int shard, float grad_scale, int frac_bits, float lr,
+    int64_t step) {
+  const size_t params = mlp_->num_params();
+  const bool group = comm_ != nullptr && comm_->size() > 1;
+  if (absl::Status s = AccumulateFixedPoint(x, y, n, shard, grad_scale, frac_bits, group);
+      !s.ok()) {
+    return s;
+  }
+  if (group) {
+    if (absl::Status s = comm_->Wait(); !s.ok()) return s;  // the watchdog
+  }
+  int64_t tail[2] = {0, 0};  // the group's loss and rejection count
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(tail, fixed_ + params, sizeof(tail),
+                                               cudaMemcpyDeviceToHost, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  DeterministicResult result;
+  result.loss = static_cast<double>(tail[0]) / std::ldexp(1.0, frac_bits);
+  result.rejected = tail[1];
+  if (result.rejected != 0) return result;  // no update: the trainer fails the step
+  if (absl::Status s = kernels::cuda::FromFixedPoint(fixed_, params, frac_bits, mlp_->grads(),
+                                                     stream_);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Update(lr, step); !s.ok()) return s;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return result;
 }
 
 }  // namespace lockstep::worker

@@ -98,7 +98,7 @@ std::vector<size_t> Mlp::ReadyPoints(size_t chunk_floats) const {
 
 double Mlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
                             size_t chunk_floats, const std::function<void(double)>& on_loss,
-                            const std::function<void(size_t)>& on_ready) {
+                            const std::function<void(size_t)>& on_ready, bool accumulate) {
   Forward(x, n);
   const int last = num_layers() - 1;
   float* dz = dz_.data();
@@ -115,11 +115,11 @@ double Mlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_
     const int rows = RowsPerChunk(l, chunk_floats);
     for (int r = 0; r < s.out; r += rows) {
       const int m = std::min(rows, s.out - r);
-      kernels::Gemm(true, false, m, s.in, n, 1.0f, dz + r, s.out, in, s.in, 0.0f,
+      kernels::Gemm(true, false, m, s.in, n, 1.0f, dz + r, s.out, in, s.in, accumulate ? 1.0f : 0.0f,
                     dw + static_cast<size_t>(r) * s.in, s.in);
       if (on_ready) on_ready(s.offset + static_cast<size_t>(r + m) * s.in);
     }
-    kernels::BiasGradient(dz, n, s.out, db);
+    kernels::BiasGradient(dz, n, s.out, db, accumulate);
     if (on_ready) on_ready(s.offset + s.count);
     if (l == 0) break;
     // da = dz * W (n x in), then through the activation of layer l-1.

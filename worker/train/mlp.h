@@ -46,14 +46,15 @@ class Mlp {
   void Initialize(uint64_t seed);
 
   // Forward and backward on n samples. Writes grad_scale * d(sum of sample losses)/d(params)
-  // into grads() (overwriting) and returns the sum of the sample losses. on_loss(loss_sum) is
+  // into grads() (overwriting, or with `accumulate` adding to what is there: gradient
+  // accumulation over micro-batches) and returns the sum of the sample losses. on_loss(loss_sum) is
   // called after the forward pass. Gradients are produced as a growing prefix of grads(): a
   // layer's weight rows in chunks of about `chunk_floats` values, then its bias, last layer
   // first; after each piece on_ready(end) reports that grads()[0, end) is final. The sequence
   // of `end` values is ReadyPoints(chunk_floats).
   double ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
                          size_t chunk_floats, const std::function<void(double)>& on_loss,
-                         const std::function<void(size_t)>& on_ready);
+                         const std::function<void(size_t)>& on_ready, bool accumulate = false);
   std::vector<size_t> ReadyPoints(size_t chunk_floats) const;
 
   // Forward only: returns the loss sum and adds the number of correct predictions.

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/job_memory.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 #include "worker/train/checkpoint.h"
@@ -69,7 +70,7 @@ Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, C
   if (spec.max_steps() > 0) total_steps_ = std::min(total_steps_, spec.max_steps());
   model_.Initialize(spec.model().init_seed() != 0 ? spec.model().init_seed() : spec.seed());
   optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_.num_params(), total_steps_);
-  shards_ = RankShards(spec.micro_shards(), comm->rank(), comm->size());
+  set_communicator(comm);
 
   // Buckets: consecutive pieces of the gradient prefix, closed once they hold bucket_size_kib
   // (large layers are produced in row chunks of that size, so they span several buckets and
@@ -86,11 +87,32 @@ Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, C
   }
 }
 
-void Trainer::LoadBatch(const int64_t* indices, int n) {
-  batch_x_.resize(static_cast<size_t>(n) * data_->dim);
-  batch_y_.resize(n);
-  data_->train.Gather(indices, n, data_->dim, batch_x_.data());
-  for (int i = 0; i < n; ++i) batch_y_[i] = data_->train.y[indices[i]];
+absl::StatusOr<DeviceStep::HostBatch> Trainer::LoadBatch(const int64_t* indices, int n) {
+  DeviceStep::HostBatch batch;
+  if (device_step_ != nullptr) {
+    absl::StatusOr<DeviceStep::HostBatch> pinned = device_step_->HostBuffers(n);
+    if (!pinned.ok()) return pinned.status();
+    batch = *pinned;
+  } else {
+    batch_x_.resize(static_cast<size_t>(n) * data_->dim);
+    batch_y_.resize(n);
+    batch = {batch_x_.data(), batch_y_.data()};
+  }
+  data_->train.Gather(indices, n, data_->dim, batch.x);
+  for (int i = 0; i < n; ++i) batch.y[i] = data_->train.y[indices[i]];
+  return batch;
+}
+
+absl::Status Trainer::FixedPointOutOfRange(int64_t rejected, int64_t step) {
+  return absl::OutOfRangeError(absl::StrFormat(
+      "deterministic mode: %d gradient values at step %d are not finite or outside the "
+      "fixed-point range |g| < %g; lower the learning rate or turn deterministic off",
+      rejected, step, std::ldexp(1.0, 51 - kFixedPointFracBits)));
+}
+
+void Trainer::set_memory_budget(int64_t bytes) {
+  memory_budget_ = bytes;
+  micro_batch_ = ChooseMicroBatch(spec_, comm_->size(), memory_budget_);
 }
 
 absl::Status Trainer::TrainStepDeterministic(int64_t step) {
@@ -124,7 +146,7 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   for (size_t k = 0; k < shards; ++k) {
     const size_t first = k * static_cast<size_t>(shard);
     const bool last_shard = k + 1 == shards;
-    LoadBatch(&indices_[first], shard);
+    (void)LoadBatch(&indices_[first], shard);  // host buffers: cannot fail
     size_t accumulated = 0, sent = 0;
     double loss = 0;
     auto to_fixed = k == 0 ? kernels::StoreFixedPoint : kernels::AccumulateFixedPoint;
@@ -145,12 +167,7 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
     if (!last_shard) {
       out_of_range += to_fixed(model_.grads(), n, kFixedPointFracBits, sum);
     }
-    const double scaled_loss = loss * inv_batch * scale;
-    if (std::isfinite(scaled_loss) && std::abs(scaled_loss) < 0x1p51) {
-      sum[n] += std::llround(scaled_loss);
-    } else {
-      ++out_of_range;
-    }
+    out_of_range += kernels::AccumulateLossFixedPoint(loss, inv_batch, kFixedPointFracBits, &sum[n]);
     if (last_shard) {
       sum[n + 1] = out_of_range;
       send(sent, n + 2 - sent);
@@ -160,12 +177,7 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
   if (absl::Status s = reducer_->Wait(); !s.ok()) return s;
   const absl::Time t2 = absl::Now();
   const int64_t* reduced = staged != nullptr ? comm_->StagedResultInt64() : fixed_sum_.data();
-  if (reduced[n + 1] != 0) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "deterministic mode: %d gradient values at step %d are not finite or outside the "
-        "fixed-point range |g| < %g; lower the learning rate or turn deterministic off",
-        reduced[n + 1], step, std::ldexp(1.0, 51 - kFixedPointFracBits)));
-  }
+  if (reduced[n + 1] != 0) return FixedPointOutOfRange(reduced[n + 1], step);
   last_loss_ = static_cast<double>(reduced[n]) / scale;
   optimizer_->StepFixedPoint(model_.params(), reduced, kFixedPointFracBits, step);
   completed_step_ = step;
@@ -177,21 +189,28 @@ absl::Status Trainer::TrainStepDeterministic(int64_t step) {
 }
 
 absl::Status Trainer::TrainStepOnDevice(int64_t step) {
-  if (spec_.deterministic()) {
-    return absl::UnimplementedError(
-        "deterministic mode is not implemented on GPU workers yet; use CPU workers");
-  }
   sampler_.Indices(step - 1, shards_, &indices_);
   const int n = static_cast<int>(indices_.size());
-  LoadBatch(indices_.data(), n);
+  absl::StatusOr<DeviceStep::HostBatch> batch = LoadBatch(indices_.data(), n);
+  if (!batch.ok()) return batch.status();
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
+  const float lr = static_cast<float>(optimizer_->LearningRate(step));
   const absl::Time t0 = absl::Now();
-  absl::StatusOr<double> loss =
-      device_step_->Step(batch_x_.data(), batch_y_.data(), n, inv_batch,
-                         static_cast<float>(optimizer_->LearningRate(step)), step);
-  if (!loss.ok()) return loss.status();
+  if (spec_.deterministic()) {
+    absl::StatusOr<DeviceStep::DeterministicResult> result = device_step_->StepDeterministic(
+        batch->x, batch->y, n, static_cast<int>(sampler_.micro_shard_size()), inv_batch,
+        kFixedPointFracBits, lr, step);
+    if (!result.ok()) return result.status();
+    if (result->rejected != 0) return FixedPointOutOfRange(result->rejected, step);
+    last_loss_ = result->loss;
+  } else {
+    absl::StatusOr<double> loss = device_step_->Step(batch->x, batch->y, n,
+                                                     static_cast<int>(micro_batch_), inv_batch,
+                                                     lr, step);
+    if (!loss.ok()) return loss.status();
+    last_loss_ = *loss;
+  }
   host_stale_ = true;
-  last_loss_ = *loss;
   completed_step_ = step;
   timing_.compute += absl::Now() - t0;  // the device step is one unit (no breakdown yet)
   ++timing_.steps;
@@ -213,24 +232,38 @@ absl::Status Trainer::TrainStep(int64_t step) {
   if (spec_.deterministic()) return TrainStepDeterministic(step);
   sampler_.Indices(step - 1, shards_, &indices_);
   const int n = static_cast<int>(indices_.size());
-  LoadBatch(indices_.data(), n);
+  (void)LoadBatch(indices_.data(), n);  // host buffers: cannot fail
   const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
   GradientReducer* reducer = reducer_.get();
   size_t next_bucket = 0;
   const absl::Time t0 = absl::Now();
   const size_t num_params = model_.num_params();
-  model_.ForwardBackward(
-      batch_x_.data(), batch_y_.data(), n, inv_batch, chunk_floats_,
-      [&](double loss_sum) { model_.loss_slot() = static_cast<float>(loss_sum) * inv_batch; },
-      [&](size_t ready) {
-        // The last bucket also holds the loss slot, which is ready once all gradients are.
-        while (next_bucket < buckets_.size() &&
-               std::min(buckets_[next_bucket].offset + buckets_[next_bucket].count, num_params) <=
-                   ready) {
-          const Bucket& b = buckets_[next_bucket++];
-          reducer->Enqueue(model_.grads() + b.offset, b.count);
-        }
-      });
+  // Micro-batches of the share with gradient accumulation; only the last one's backward
+  // hands buckets to the reducer (their sums are final only then).
+  const int micro = static_cast<int>(std::clamp<int64_t>(micro_batch_, 1, std::max(n, 1)));
+  double loss_sum = 0;
+  for (int first = 0; first < n; first += micro) {
+    const int m = std::min(micro, n - first);
+    const bool last = first + m >= n;
+    const double pass_loss = model_.ForwardBackward(
+        batch_x_.data() + static_cast<size_t>(first) * data_->dim, batch_y_.data() + first, m,
+        inv_batch, chunk_floats_,
+        [&](double pass) {
+          if (last) model_.loss_slot() = static_cast<float>(loss_sum + pass) * inv_batch;
+        },
+        last ? std::function<void(size_t)>([&](size_t ready) {
+          // The last bucket also holds the loss slot, which is ready once all gradients are.
+          while (next_bucket < buckets_.size() &&
+                 std::min(buckets_[next_bucket].offset + buckets_[next_bucket].count,
+                          num_params) <= ready) {
+            const Bucket& b = buckets_[next_bucket++];
+            reducer->Enqueue(model_.grads() + b.offset, b.count);
+          }
+        })
+             : std::function<void(size_t)>(),
+        /*accumulate=*/first > 0);
+    loss_sum += pass_loss;
+  }
   const absl::Time t1 = absl::Now();
   if (absl::Status s = reducer->Wait(); !s.ok()) return s;
   const absl::Time t2 = absl::Now();
@@ -247,6 +280,7 @@ absl::Status Trainer::TrainStep(int64_t step) {
 void Trainer::set_communicator(Communicator* comm) {
   comm_ = comm;
   shards_ = RankShards(spec_.micro_shards(), comm->rank(), comm->size());
+  micro_batch_ = ChooseMicroBatch(spec_, comm->size(), memory_budget_);
 }
 
 uint64_t Trainer::StateFingerprint() const {

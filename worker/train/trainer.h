@@ -32,11 +32,32 @@ class DeviceStep {
   // Parameters and optimizer state in the layouts of Mlp and Optimizer.
   virtual absl::Status Upload(const float* params, const std::vector<float>& optimizer_state) = 0;
   virtual absl::Status Download(float* params, std::vector<float>* optimizer_state) = 0;
-  // One step for the n samples x (n x input), y (host memory): forward, backward, the sum of
-  // the gradients over the group, the optimizer update with learning rate `lr`. Returns the
-  // group's mean loss.
-  virtual absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, float grad_scale,
-                                      float lr, int64_t step) = 0;
+  // Host buffers for n samples and labels that the trainer fills for the next Step (pinned
+  // memory on a GPU, so the copies run asynchronously). Valid until the next call.
+  struct HostBatch {
+    float* x = nullptr;
+    int32_t* y = nullptr;
+  };
+  virtual absl::StatusOr<HostBatch> HostBuffers(int n) = 0;
+  // One step for the n samples x (n x input), y (host memory): forward and backward in
+  // micro-batches of at most `micro_batch` samples (gradients accumulated), the sum of the
+  // gradients over the group, the optimizer update with learning rate `lr`. Returns the group's
+  // mean loss.
+  virtual absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, int micro_batch,
+                                      float grad_scale, float lr, int64_t step) = 0;
+  // Deterministic mode (Trainer::TrainStepDeterministic on the device): n = shards * shard
+  // samples; each shard's gradient (scaled by grad_scale) and loss go to 64-bit fixed point with
+  // `frac_bits` fraction bits and are summed as integers, over the shards and then over the
+  // group; the update uses the float of the sum. Returns the group's mean loss and the number
+  // of values that were not finite or out of range (the update is skipped then).
+  struct DeterministicResult {
+    double loss = 0;
+    int64_t rejected = 0;
+  };
+  virtual absl::StatusOr<DeterministicResult> StepDeterministic(const float* x, const int32_t* y,
+                                                                int n, int shard,
+                                                                float grad_scale, int frac_bits,
+                                                                float lr, int64_t step) = 0;
   // Forward only on the device's parameters: the loss sum over the n samples; adds the number
   // of correct predictions to *correct.
   virtual absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n,
@@ -64,9 +85,14 @@ class Trainer {
   // outside it (or not finite) fails the step with OUT_OF_RANGE instead of being clipped.
   static constexpr int kFixedPointFracBits = 40;
   // Runs the steps on a device (GPU workers); nullptr: on the CPU. Not owned; set per
-  // generation, like the communicator, and not during Train. Deterministic mode has no device
-  // path yet: Train then fails with UNIMPLEMENTED.
+  // generation, like the communicator, and not during Train.
   void set_device_step(DeviceStep* device_step) { device_step_ = device_step; }
+  // Memory this worker may use for the job (0: no limit), which decides how many samples go
+  // through forward and backward at once (ChooseMicroBatch of common/job_memory.h). Not during
+  // Train.
+  void set_memory_budget(int64_t bytes);
+  // Samples per forward/backward pass: the whole share, or less with gradient accumulation.
+  int64_t micro_batch() const { return micro_batch_; }
   // Swaps in another communicator, e.g. a faster transport formed after the model size is
   // known, or the group of a new generation (rank and size may differ: the micro-shards are
   // re-divided). Not during Train.
@@ -117,8 +143,11 @@ class Trainer {
  private:
   Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, Communicator* comm,
           std::vector<int> dims, kernels::Activation activation);
-  // Fills batch_x_ / batch_y_ with the training samples indices[0, n).
-  void LoadBatch(const int64_t* indices, int n);
+  // Fills batch_x_ / batch_y_ with the training samples indices[0, n), or with a device step
+  // its host buffers; returns where they are.
+  absl::StatusOr<DeviceStep::HostBatch> LoadBatch(const int64_t* indices, int n);
+  // The error of a deterministic step with `rejected` values out of the fixed-point range.
+  static absl::Status FixedPointOutOfRange(int64_t rejected, int64_t step);
   absl::Status TrainStep(int64_t step);
   absl::Status TrainStepDeterministic(int64_t step);
   absl::Status TrainStepOnDevice(int64_t step);
@@ -140,6 +169,8 @@ class Trainer {
   int64_t total_steps_ = 0;
   std::unique_ptr<Optimizer> optimizer_;
   ShardRange shards_;
+  int64_t memory_budget_ = 0;
+  int64_t micro_batch_ = 0;
   // Gradient buckets in backward order, each a contiguous range of the flat buffer; a
   // bucket is sent once backward has produced gradients up to its end.
   struct Bucket {
