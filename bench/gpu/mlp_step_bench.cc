@@ -1,10 +1,14 @@
-// GPU training-step benchmark of Lockstep's GPU model (worker/train/gpu_mlp.h): one GPU, the
-// MLP family of the reference workload at a size that fills an H200, SGD with momentum. Prints
-// a table and writes JSON; bench/torch/gpu_mlp_step.py measures PyTorch eager on the same model
-// and tests/gpu/check.sh puts the two side by side.
-//   mlp_step_bench [--dims=784,8192,8192,10] [--batch=8192] [--steps=50] [--tf32] [--json=F]
+// GPU training-step benchmark of the GPU worker's step (worker/train/gpu_step.h): one GPU, the
+// MLP family of the reference workload at a size that fills an H200, SGD with momentum; each
+// step copies its batch from pinned host memory, as in training. Modes: the default step, or
+// deterministic mode (fixed-point sums per micro-shard). Prints a table and writes JSON;
+// bench/torch/gpu_mlp_step.py measures PyTorch eager on the same model and tests/gpu/check.sh
+// puts the two side by side.
+//   mlp_step_bench [--dims=784,8192,8192,10] [--batch=8192] [--steps=50] [--tf32]
+//                  [--deterministic --micro_shards=8] [--micro_batch=N] [--json=F]
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <random>
@@ -16,17 +20,21 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/gpu_check.h"
-#include "worker/train/gpu_mlp.h"
+#include "worker/train/gpu_step.h"
+#include "worker/train/mlp.h"
 
 ABSL_FLAG(std::string, dims, "784,8192,8192,10", "layer widths, input first");
 ABSL_FLAG(int, batch, 8192, "samples per step");
 ABSL_FLAG(int, steps, 50, "timed steps (after 5 warm-up steps)");
 ABSL_FLAG(bool, tf32, false, "TF32 tensor cores for the FP32 products");
+ABSL_FLAG(bool, deterministic, false, "deterministic mode (fixed-point sums per micro-shard)");
+ABSL_FLAG(int, micro_shards, 8, "micro-shards of the batch (deterministic mode)");
+ABSL_FLAG(int, micro_batch, 0, "samples per forward/backward (gradient accumulation); 0: all");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
 
 namespace {
 
-using lockstep::worker::GpuMlp;
+using lockstep::worker::GpuStep;
 namespace cuda = lockstep::kernels::cuda;
 
 absl::Status Run() {
@@ -38,59 +46,65 @@ absl::Status Run() {
   }
   const int n = absl::GetFlag(FLAGS_batch), steps = absl::GetFlag(FLAGS_steps);
   const bool tf32 = absl::GetFlag(FLAGS_tf32);
-  cudaStream_t stream;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreate(&stream));
-  auto mlp = GpuMlp::Create(dims, lockstep::kernels::Activation::kRelu, stream);
-  if (!mlp.ok()) return mlp.status();
-  if (absl::Status s = (*mlp)->blas().SetTf32(tf32); !s.ok()) return s;
+  const bool deterministic = absl::GetFlag(FLAGS_deterministic);
+  const int shards = absl::GetFlag(FLAGS_micro_shards);
+  const int micro_batch = absl::GetFlag(FLAGS_micro_batch) > 0 ? absl::GetFlag(FLAGS_micro_batch) : n;
+  if (deterministic && (shards <= 0 || n % shards != 0)) {
+    return absl::InvalidArgumentError("--micro_shards must divide --batch");
+  }
+  lockstep::v1::JobSpec spec;
+  spec.mutable_optimizer()->set_type("sgd");
+  spec.mutable_optimizer()->set_learning_rate(0.01);
+  spec.mutable_optimizer()->set_momentum(0.9);
+  spec.set_global_batch_size(n);
+  spec.set_micro_shards(shards);
+  spec.set_deterministic(deterministic);
+  spec.set_precision(tf32 ? "tf32" : "fp32");
+  auto step = GpuStep::Create(spec, dims, lockstep::kernels::Activation::kRelu, nullptr);
+  if (!step.ok()) return step.status();
   {
     lockstep::worker::Mlp init(dims, lockstep::kernels::Activation::kRelu);
     init.Initialize(1);
-    if (absl::Status s = (*mlp)->UploadParams(init.params()); !s.ok()) return s;
-  }
-  std::mt19937 rng(2);
-  std::normal_distribution<float> normal;
-  std::vector<float> x(static_cast<size_t>(n) * dims.front());
-  for (float& v : x) v = normal(rng);
-  std::vector<int32_t> y(n);
-  for (int i = 0; i < n; ++i) y[i] = static_cast<int32_t>(rng() % dims.back());
-  float *dx, *momentum;
-  int32_t* dy;
-  const size_t params = (*mlp)->num_params();
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&dx, x.size() * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&dy, y.size() * sizeof(int32_t)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&momentum, params * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemset(momentum, 0, params * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpy(dy, y.data(), y.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-
-  auto step = [&]() -> absl::Status {
-    if (absl::Status s = (*mlp)->ForwardBackward(dx, dy, n, 1.0f / n, size_t{1} << 30, nullptr, false);
+    if (absl::Status s = (*step)->Upload(init.params(), std::vector<float>(init.num_params()));
         !s.ok()) {
       return s;
     }
-    return cuda::SgdMomentumUpdate((*mlp)->params(), (*mlp)->grads(), momentum, params, 0.01f, 0.9f,
-                                   0.0f, stream);
+  }
+  auto batch = (*step)->HostBuffers(n);
+  if (!batch.ok()) return batch.status();
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal;
+  for (size_t i = 0; i < static_cast<size_t>(n) * dims.front(); ++i) batch->x[i] = normal(rng);
+  for (int i = 0; i < n; ++i) batch->y[i] = static_cast<int32_t>(rng() % dims.back());
+
+  double loss = 0;
+  int64_t step_number = 0;
+  auto one_step = [&]() -> absl::Status {
+    ++step_number;
+    if (deterministic) {
+      auto r = (*step)->StepDeterministic(batch->x, batch->y, n, n / shards, 1.0f / n, 40, 0.01f,
+                                          step_number);
+      if (!r.ok()) return r.status();
+      if (r->rejected != 0) return absl::OutOfRangeError("fixed-point range exceeded");
+      loss = r->loss;
+      return absl::OkStatus();
+    }
+    auto r = (*step)->Step(batch->x, batch->y, n, micro_batch, 1.0f / n, 0.01f, step_number);
+    if (!r.ok()) return r.status();
+    loss = *r;
+    return absl::OkStatus();
   };
   for (int i = 0; i < 5; ++i) {
-    if (absl::Status s = step(); !s.ok()) return s;
+    if (absl::Status s = one_step(); !s.ok()) return s;
   }
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(start, stream));
+  // Each step ends with the loss read back (the worker reports it), so wall time is GPU time.
+  const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) {
-    if (absl::Status s = step(); !s.ok()) return s;
+    if (absl::Status s = one_step(); !s.ok()) return s;
   }
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventSynchronize(stop));
-  float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  const double step_ms = ms / steps;
-  auto loss = (*mlp)->LossSum();
-  if (!loss.ok()) return loss.status();
+  const double step_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+      steps;
 
   // FLOPs of a step: forward, weight gradient and input gradient (none for the first layer).
   double flops = 0;
@@ -100,6 +114,14 @@ absl::Status Run() {
   }
   // The GEMM rate this GPU reaches on one large product of the same precision.
   const int g = 8192;
+  cudaStream_t stream;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreate(&stream));
+  auto blas = cuda::Blas::Create(stream);
+  if (!blas.ok()) return blas.status();
+  if (absl::Status s = (*blas)->SetTf32(tf32); !s.ok()) return s;
+  cudaEvent_t start, stop;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventCreate(&start));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventCreate(&stop));
   float *a, *b, *c;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&a, size_t{g} * g * sizeof(float)));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&b, size_t{g} * g * sizeof(float)));
@@ -114,14 +136,14 @@ absl::Status Run() {
         cudaMemcpy(b, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
   }
   for (int i = 0; i < 3; ++i) {
-    if (absl::Status s = (*mlp)->blas().Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g);
+    if (absl::Status s = (*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g);
         !s.ok()) {
       return s;
     }
   }
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(start, stream));
   for (int i = 0; i < 10; ++i) {
-    if (absl::Status s = (*mlp)->blas().Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g);
+    if (absl::Status s = (*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g);
         !s.ok()) {
       return s;
     }
@@ -135,16 +157,19 @@ absl::Status Run() {
 
   cudaDeviceProp props{};
   cudaGetDeviceProperties(&props, 0);
+  const char* mode = deterministic ? "deterministic" : micro_batch < n ? "accumulate" : "default";
   std::printf(
-      "| GPU | precision | step ms | samples/s | model TFLOP/s | cuBLAS GEMM TFLOP/s | "
-      "fraction |\n|---|---|---|---|---|---|---|\n");
-  std::printf("| %s | %s | %.2f | %.0f | %.1f | %.1f | %.2f |\n", props.name,
-              tf32 ? "tf32" : "fp32", step_ms, n / (step_ms * 1e-3), step_tflops, gemm_tflops,
-              step_tflops / gemm_tflops);
-  std::printf("final loss %.4f\n", *loss / n);
+      "| GPU | precision | mode | step ms | samples/s | model TFLOP/s | cuBLAS GEMM TFLOP/s | "
+      "fraction |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf("| %s | %s | %s | %.2f | %.0f | %.1f | %.1f | %.2f |\n", props.name,
+              tf32 ? "tf32" : "fp32", mode, step_ms, n / (step_ms * 1e-3), step_tflops,
+              gemm_tflops, step_tflops / gemm_tflops);
+  std::printf("final loss %.4f, batch in %s host memory\n", loss,
+              (*step)->pinned() ? "pinned" : "ordinary");
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream(path) << "{\"gpu\": \"" << props.name << "\", \"precision\": \""
-                        << (tf32 ? "tf32" : "fp32") << "\", \"dims\": \""
+                        << (tf32 ? "tf32" : "fp32") << "\", \"mode\": \"" << mode
+                        << "\", \"micro_batch\": " << micro_batch << ", \"dims\": \""
                         << absl::GetFlag(FLAGS_dims) << "\", \"batch\": " << n
                         << ", \"step_ms\": " << step_ms
                         << ", \"samples_per_second\": " << n / (step_ms * 1e-3)

@@ -61,12 +61,20 @@ void ApplyJobSpecDefaults(v1::JobSpec* spec) {
   if (spec->collective_timeout_ms() == 0) spec->set_collective_timeout_ms(30000);
   if (spec->threads_per_worker() == 0) spec->set_threads_per_worker(1);
   if (spec->device().empty()) spec->set_device("cpu");
+  if (spec->precision().empty()) spec->set_precision("fp32");
 }
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   if (spec.device() != "cpu" && spec.device() != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("device: must be \"cpu\" or \"cuda\", got \"", spec.device(), "\""));
+  }
+  if (spec.precision() != "fp32" && spec.precision() != "tf32") {
+    return Invalid("precision",
+                   absl::StrCat("must be \"fp32\" or \"tf32\", got \"", spec.precision(), "\""));
+  }
+  if (spec.precision() == "tf32" && spec.device() != "cuda") {
+    return Invalid("precision", "tf32 needs GPU workers (\"device\": \"cuda\")");
   }
   const v1::ModelSpec& model = spec.model();
   if (model.type().empty()) return Invalid("model.type", "required (one of: mlp)");

@@ -53,13 +53,18 @@ address="127.0.0.1:$(cat "$job_dir/port" 2>/dev/null)"
 "$bundle/bin/lockstep-worker" --coordinator="$address" --device=cuda:0 --name=gpu0 \
   --give_up_after=30s >"$job_dir/worker.log" 2>&1 &
 worker_pid=$!
-cat >"$job_dir/job.json" <<'JOB'
+# job-1: the default mode with gradient accumulation (micro-batches of 256); job-2:
+# deterministic mode with TF32 products.
+cat >"$job_dir/job-1.json" <<'JOB'
 {"name": "gpu-check", "model": {"type": "mlp", "hiddenWidths": [2048, 2048]},
  "dataset": {"type": "synthetic", "synthetic": {"trainSamples": 65536, "testSamples": 4096,
              "inputDim": 784, "numClasses": 10, "seed": 1}},
  "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
- "globalBatchSize": 1024, "maxSteps": 300, "minWorkers": 1, "maxWorkers": 1, "device": "cuda"}
+ "globalBatchSize": 1024, "microShards": 8, "microBatchSize": 256, "maxSteps": 300,
+ "minWorkers": 1, "maxWorkers": 1, "device": "cuda"}
 JOB
+sed -e 's/"gpu-check"/"gpu-check-deterministic"/' -e 's/"microBatchSize": 256/"deterministic": true/' \
+  -e 's/"device": "cuda"/"device": "cuda", "precision": "tf32"/' "$job_dir/job-1.json" >"$job_dir/job-2.json"
 registered=0
 for _ in $(seq 1 60); do
   kill -0 "$worker_pid" 2>/dev/null || break
@@ -73,53 +78,70 @@ if ((registered == 0)); then
   echo "FAILED: the GPU worker did not register:" | tee -a "$log"
   tail -n 5 "$job_dir/worker.log" | tee -a "$log"
   failed=1
-elif timeout 300 "$bundle/bin/lockstepctl" --coordinator="$address" submit "$job_dir/job.json" \
-    --watch >"$job_dir/watch.log" 2>&1; then
-  tail -n 3 "$job_dir/watch.log" | tee -a "$log"
-  "$bundle/bin/lockstepctl" --coordinator="$address" status job-1 | tee -a "$log"
-  echo "passed: GPU worker job" | tee -a "$log"
 else
-  echo "FAILED: GPU worker job" | tee -a "$log"
-  tail -n 20 "$job_dir/watch.log" "$job_dir/worker.log" "$job_dir/coordinator.log" | tee -a "$log"
-  failed=1
+  for job in job-1 job-2; do
+    if timeout 300 "$bundle/bin/lockstepctl" --coordinator="$address" submit "$job_dir/$job.json" \
+        --watch >"$job_dir/watch-$job.log" 2>&1; then
+      tail -n 3 "$job_dir/watch-$job.log" | tee -a "$log"
+      "$bundle/bin/lockstepctl" --coordinator="$address" status "$job" | tee -a "$log"
+      echo "passed: GPU worker $job" | tee -a "$log"
+    else
+      echo "FAILED: GPU worker $job" | tee -a "$log"
+      tail -n 20 "$job_dir/watch-$job.log" "$job_dir/worker.log" "$job_dir/coordinator.log" | tee -a "$log"
+      failed=1
+    fi
+  done
+  grep -E "micro-batches|finished at step|per step" "$job_dir/worker.log" | tee -a "$log"
 fi
 kill "$worker_pid" "$coordinator_pid" 2>/dev/null
 wait 2>/dev/null
 
 echo "== step benchmark: MLP 784-8192-8192-10, batch 8192, SGD momentum" | tee -a "$log"
+# name, Lockstep flags, the PyTorch run it is compared with
+configs=(
+  "fp32|--micro_batch=0|fp32"
+  "tf32|--tf32|tf32"
+  "fp32-accumulate|--micro_batch=2048|fp32"
+  "fp32-deterministic|--deterministic --micro_shards=8|fp32"
+  "tf32-deterministic|--tf32 --deterministic --micro_shards=8|tf32"
+)
 for precision in fp32 tf32; do
   flag=""
   [[ "$precision" == tf32 ]] && flag="--tf32"
-  "$bundle/bin/mlp_step_bench" $flag --json="$out/lockstep-$precision.json" 2>&1 | tee -a "$log"
   python3 "$bundle/gpu_mlp_step.py" $flag >"$out/torch-$precision.json" 2>>"$log" ||
     echo "PyTorch baseline failed ($precision; see $log)" | tee -a "$log"
 done
+for config in "${configs[@]}"; do
+  IFS='|' read -r name flags _ <<<"$config"
+  # shellcheck disable=SC2086
+  "$bundle/bin/mlp_step_bench" $flags --json="$out/lockstep-$name.json" 2>&1 | tee -a "$log"
+done
 
-python3 - "$out" <<'PY' | tee -a "$log"
+python3 - "$out" "${configs[@]}" <<'PY' | tee -a "$log"
 import json, os, sys
-out = sys.argv[1]
+out, configs = sys.argv[1], [c.split("|") for c in sys.argv[2:]]
+def load(name):
+    try:
+        with open(os.path.join(out, f"{name}.json")) as f:
+            return json.loads(f.read().strip().splitlines()[-1])
+    except Exception:
+        return None
 rows = []
-print("\n| precision | Lockstep step ms | Lockstep samples/s | PyTorch step ms | PyTorch samples/s "
+print("\n| run | Lockstep step ms | Lockstep samples/s | PyTorch step ms | PyTorch samples/s "
       "| speed-up | model TFLOP/s | cuBLAS GEMM TFLOP/s | fraction of GEMM rate |")
 print("|---|---|---|---|---|---|---|---|---|")
-for p in ("fp32", "tf32"):
-    def load(name):
-        try:
-            with open(os.path.join(out, f"{name}-{p}.json")) as f:
-                return json.loads(f.read().strip().splitlines()[-1])
-        except Exception:
-            return None
-    ls, pt = load("lockstep"), load("torch")
+for name, _, torch_run in configs:
+    ls, pt = load(f"lockstep-{name}"), load(f"torch-{torch_run}")
     if ls is None:
-        print(f"| {p} | failed | | | | | | | |")
+        print(f"| {name} | failed | | | | | | | |")
         continue
     ratio = pt["step_ms"] / ls["step_ms"] if pt else float("nan")
-    print(f"| {p} | {ls['step_ms']:.2f} | {ls['samples_per_second']:,.0f} | "
+    print(f"| {name} | {ls['step_ms']:.2f} | {ls['samples_per_second']:,.0f} | "
           f"{pt['step_ms'] if pt else float('nan'):.2f} | "
           f"{pt['samples_per_second'] if pt else float('nan'):,.0f} | {ratio:.2f}x | "
           f"{ls['model_tflops']:.1f} | {ls['gemm_tflops']:.1f} | "
           f"{ls['model_tflops'] / ls['gemm_tflops']:.2f} |")
-    rows.append({"precision": p, "lockstep": ls, "torch": pt, "speedup": ratio})
+    rows.append({"run": name, "lockstep": ls, "torch": pt, "speedup": ratio})
 with open(os.path.join(out, "gpu-check.json"), "w") as f:
     json.dump(rows, f, indent=1)
 PY

@@ -887,6 +887,16 @@ TEST_F(CoreTest, JobsUseOnlyWorkersOfTheirDevice) {
   ASSERT_EQ(assigned.size(), 1u);
   EXPECT_EQ(assigned.at(gpu).job_id(), gpu_job);
   EXPECT_EQ(Job(cpu_job).members_size(), 1);
+  // More GPUs than this cluster has: pending, and the reason says what it waits for (the idle
+  // CPU worker does not count).
+  Register("c1");
+  v1::JobSpec two_gpus = Spec(2, 2);
+  two_gpus.set_device("cuda");
+  const std::string waiting = Submit(two_gpus);
+  EXPECT_EQ(Job(waiting).state(), v1::JOB_STATE_PENDING);
+  EXPECT_NE(Job(waiting).reason().find("waiting for 2 idle cuda workers (0 idle)"),
+            std::string::npos)
+      << Job(waiting).reason();
   v1::JobSpec bad = Spec(1, 1);
   bad.set_device("tpu");
   Decisions bd;

@@ -46,6 +46,15 @@ TEST(JobSpecTest, MicroBatchOfWholeMicroShardsPasses) {
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
 }
 
+TEST(JobSpecTest, PrecisionDefaultsToFp32AndTf32NeedsGpus) {
+  v1::JobSpec spec = ValidSpec();
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_EQ(spec.precision(), "fp32");
+  spec.set_device("cuda");
+  spec.set_precision("tf32");
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+}
+
 TEST(JobSpecTest, DeterministicModeDefaultsToFewerLargerMicroShards) {
   v1::JobSpec spec = ValidSpec();
   spec.set_deterministic(true);
@@ -148,6 +157,8 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
          s->set_micro_batch_size(16);
        },
        "micro_batch_size"},
+      {"unknown precision", [](v1::JobSpec* s) { s->set_precision("fp8"); }, "precision"},
+      {"tf32 on CPU workers", [](v1::JobSpec* s) { s->set_precision("tf32"); }, "precision"},
       {"checkpoints without a directory",
        [](v1::JobSpec* s) { s->set_checkpoint_every_steps(10); }, "checkpoint_dir"},
   };

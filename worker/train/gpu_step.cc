@@ -34,6 +34,7 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   auto mlp = GpuMlp::Create(std::move(dims), activation, step->stream_);
   if (!mlp.ok()) return mlp.status();
   step->mlp_ = *std::move(mlp);
+  if (absl::Status s = step->mlp_->blas().SetTf32(spec.precision() == "tf32"); !s.ok()) return s;
   const size_t params = step->mlp_->num_params();
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->state_, step->state_floats_ * sizeof(float)));
