@@ -13,6 +13,10 @@ std::string Where(const char* expr, const char* file, int line) {
 
 absl::Status GpuStatus(cudaError_t result, const char* expr, const char* file, int line) {
   if (result == cudaSuccess) return absl::OkStatus();
+  // The runtime also keeps the error as the thread's last error, where the next kernel launch
+  // check would find it and blame that kernel. Reported here, so cleared (a sticky error, one
+  // that broke the context, comes back from every later call anyway).
+  cudaGetLastError();
   const std::string message = absl::StrCat(Where(expr, file, line), cudaGetErrorName(result), ": ",
                                            cudaGetErrorString(result));
   switch (result) {

@@ -233,8 +233,9 @@ TEST(CudaKernelsTest, FixedPointConversionsAreBitIdenticalToCpu) {
 TEST(CudaKernelsTest, LossFixedPointIsBitIdenticalToCpu) {
   LOCKSTEP_REQUIRE_GPU();
   // Ordinary losses, a tie (x.5 after scaling rounds away from zero), and two rejections.
-  const std::vector<double> losses = {2.302585092994046, 123.456, 0.75 * 0x1p-40, 1e300,
-                                      std::nan("")};
+  // 0x1p-40 * 0.5 * 2^40 = 0.5: a tie, which llround takes away from zero (to 1), unlike the
+  // gradients' round-half-even.
+  const std::vector<double> losses = {2.302585092994046, 123.456, 0x1p-40, 1e300, std::nan("")};
   int64_t want = 11;
   int64_t want_rejected = 0;
   for (double loss : losses) want_rejected += AccumulateLossFixedPoint(loss, 0.5f, 40, &want);
@@ -249,6 +250,9 @@ TEST(CudaKernelsTest, LossFixedPointIsBitIdenticalToCpu) {
   EXPECT_EQ(dacc.Read()[0], want);
   EXPECT_EQ(static_cast<int64_t>(drejected.Read()[0]), want_rejected);
   EXPECT_EQ(want_rejected, 2);
+  int64_t tie = 0;
+  AccumulateLossFixedPoint(0x1p-40, 0.5f, 40, &tie);
+  EXPECT_EQ(tie, 1);
 }
 
 TEST(CudaKernelsTest, BucketPackingRoundTrips) {

@@ -171,6 +171,8 @@ absl::Status NcclCommunicator::Wait() {
     if (abort_requested_) return Fail(absl::AbortedError("collective aborted by the coordinator"));
     const cudaError_t done = cudaStreamQuery(stream_);
     if (done == cudaSuccess) return absl::OkStatus();
+    // "Not ready" may be left as the thread's last error; the next launch check must not see it.
+    if (done == cudaErrorNotReady) cudaGetLastError();
     if (done != cudaErrorNotReady) {
       return Fail(kernels::GpuStatus(done, "cudaStreamQuery(nccl stream)", __FILE__, __LINE__));
     }

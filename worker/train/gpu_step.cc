@@ -102,16 +102,19 @@ absl::StatusOr<DeviceStep::HostBatch> GpuStep::HostBuffers(int n) {
     host_capacity_ = 0;
     const size_t x_bytes = static_cast<size_t>(n) * input * sizeof(float);
     const size_t y_bytes = static_cast<size_t>(n) * sizeof(int32_t);
-    if (cudaHostAlloc(&host_x_, x_bytes, cudaHostAllocDefault) == cudaSuccess &&
-        cudaHostAlloc(&host_y_, y_bytes, cudaHostAllocDefault) == cudaSuccess) {
+    void* x = nullptr;
+    void* y = nullptr;
+    const bool have_x = cudaHostAlloc(&x, x_bytes, cudaHostAllocDefault) == cudaSuccess;
+    const bool have_y = have_x && cudaHostAlloc(&y, y_bytes, cudaHostAllocDefault) == cudaSuccess;
+    if (have_y) {
+      host_x_ = static_cast<float*>(x);
+      host_y_ = static_cast<int32_t*>(y);
       pinned_ = true;
     } else {
       // Locked memory can be limited (RLIMIT_MEMLOCK in containers): ordinary memory works,
       // only the copies are no longer asynchronous.
       cudaGetLastError();
-      cudaFreeHost(host_x_);
-      host_x_ = nullptr;
-      host_y_ = nullptr;
+      if (have_x) cudaFreeHost(x);
       LOG(WARNING) << "no pinned host memory for " << n << " samples; copying batches from "
                    << "ordinary memory";
       pageable_x_.resize(static_cast<size_t>(n) * input);
@@ -167,10 +170,20 @@ absl::Status GpuStep::ReleaseSlot(int slot) {
 
 absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n,
                                          int64_t* correct) {
-  absl::StatusOr<int> slot = UploadPass(0, x, y, n);
-  if (!slot.ok()) return slot.status();
-  absl::StatusOr<double> loss = mlp_->Evaluate(x_[*slot], y_[*slot], n, correct);
-  if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
+  // In pieces no larger than the training micro-batch: the memory was planned for that.
+  const int input = mlp_->layers().front().in;
+  const int piece = capacity_ > 0 ? std::min(n, capacity_) : n;
+  double loss = 0;
+  for (int pass = 0, first = 0; first < n; ++pass, first += piece) {
+    const int m = std::min(piece, n - first);
+    absl::StatusOr<int> slot =
+        UploadPass(pass, x + static_cast<size_t>(first) * input, y + first, m);
+    if (!slot.ok()) return slot.status();
+    absl::StatusOr<double> part = mlp_->Evaluate(x_[*slot], y_[*slot], m, correct);
+    if (!part.ok()) return part.status();
+    loss += *part;
+    if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
+  }
   return loss;
 }
 
