@@ -48,7 +48,8 @@ absl::Status Run() {
   const bool tf32 = absl::GetFlag(FLAGS_tf32);
   const bool deterministic = absl::GetFlag(FLAGS_deterministic);
   const int shards = absl::GetFlag(FLAGS_micro_shards);
-  const int micro_batch = absl::GetFlag(FLAGS_micro_batch) > 0 ? absl::GetFlag(FLAGS_micro_batch) : n;
+  const int micro_batch =
+      absl::GetFlag(FLAGS_micro_batch) > 0 ? absl::GetFlag(FLAGS_micro_batch) : n;
   if (deterministic && (shards <= 0 || n % shards != 0)) {
     return absl::InvalidArgumentError("--micro_shards must divide --batch");
   }
@@ -136,15 +137,13 @@ absl::Status Run() {
         cudaMemcpy(b, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
   }
   for (int i = 0; i < 3; ++i) {
-    if (absl::Status s = (*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g);
-        !s.ok()) {
+    if (absl::Status s = (*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g); !s.ok()) {
       return s;
     }
   }
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(start, stream));
   for (int i = 0; i < 10; ++i) {
-    if (absl::Status s = (*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g);
-        !s.ok()) {
+    if (absl::Status s = (*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g); !s.ok()) {
       return s;
     }
   }
@@ -162,8 +161,8 @@ absl::Status Run() {
       "| GPU | precision | mode | step ms | samples/s | model TFLOP/s | cuBLAS GEMM TFLOP/s | "
       "fraction |\n|---|---|---|---|---|---|---|---|\n");
   std::printf("| %s | %s | %s | %.2f | %.0f | %.1f | %.1f | %.2f |\n", props.name,
-              tf32 ? "tf32" : "fp32", mode, step_ms, n / (step_ms * 1e-3), step_tflops,
-              gemm_tflops, step_tflops / gemm_tflops);
+              tf32 ? "tf32" : "fp32", mode, step_ms, n / (step_ms * 1e-3), step_tflops, gemm_tflops,
+              step_tflops / gemm_tflops);
   std::printf("final loss %.4f, batch in %s host memory\n", loss,
               (*step)->pinned() ? "pinned" : "ordinary");
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {

@@ -9,7 +9,6 @@
 
 #include <cmath>
 #include <memory>
-
 #include <random>
 
 #include "gtest/gtest.h"
@@ -194,9 +193,9 @@ TEST(GpuTrainerTest, DeterministicFixedPointSumIsIndependentOfTheSplit) {
     std::vector<float> state(model.num_params());
     EXPECT_TRUE((*step)->Upload(model.params(), state).ok());
     const size_t at = static_cast<size_t>(first_shard) * shard;
-    auto sum = (*step)->FixedPointGradient(x.data() + at * dims.front(), y.data() + at,
-                                           count * shard, shard, scale,
-                                           Trainer::kFixedPointFracBits);
+    auto sum =
+        (*step)->FixedPointGradient(x.data() + at * dims.front(), y.data() + at, count * shard,
+                                    shard, scale, Trainer::kFixedPointFracBits);
     EXPECT_TRUE(sum.ok()) << sum.status();
     return sum.value_or(std::vector<int64_t>{});
   };

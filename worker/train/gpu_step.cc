@@ -8,6 +8,40 @@
 #include "kernels/gpu_check.h"
 
 namespace lockstep::worker {
+namespace {
+
+// Hands a growing prefix of a device buffer to NCCL in buckets: each is summed on the NCCL
+// stream after an event that orders it behind the compute-stream work that wrote it, while that
+// stream goes on. The first error sticks and stops further sends.
+template <typename T>
+class BucketSender {
+ public:
+  BucketSender(T* data, cudaStream_t compute, cudaEvent_t ready, NcclCommunicator* comm)
+      : data_(data), compute_(compute), ready_(ready), comm_(comm) {}
+
+  // Sends [sent(), end).
+  void SendUpTo(size_t end) {
+    if (!status_.ok() || end <= sent_) return;
+    status_ = [&]() -> absl::Status {
+      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(ready_, compute_));
+      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_->stream(), ready_, 0));
+      return comm_->AllreduceSum(data_ + sent_, end - sent_);
+    }();
+    sent_ = end;
+  }
+  size_t sent() const { return sent_; }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  T* const data_;
+  const cudaStream_t compute_;
+  const cudaEvent_t ready_;
+  NcclCommunicator* const comm_;
+  size_t sent_ = 0;
+  absl::Status status_;
+};
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec,
                                                          std::vector<int> dims,
@@ -156,8 +190,8 @@ absl::StatusOr<int> GpuStep::UploadPass(int pass, const float* x, const int32_t*
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(x_[slot], x,
                                                static_cast<size_t>(n) * input * sizeof(float),
                                                cudaMemcpyHostToDevice, copy_stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_[slot], y, static_cast<size_t>(n) * sizeof(int32_t),
-                                               cudaMemcpyHostToDevice, copy_stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
+      y_[slot], y, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice, copy_stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(uploaded_[slot], copy_stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, uploaded_[slot], 0));
   return slot;
@@ -166,6 +200,18 @@ absl::StatusOr<int> GpuStep::UploadPass(int pass, const float* x, const int32_t*
 absl::Status GpuStep::ReleaseSlot(int slot) {
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(consumed_[slot], stream_));
   return absl::OkStatus();
+}
+
+absl::Status GpuStep::RunPass(int pass, const float* x, const int32_t* y, int n, float grad_scale,
+                              const std::function<void(size_t)>& on_ready, bool accumulate) {
+  absl::StatusOr<int> slot = UploadPass(pass, x, y, n);
+  if (!slot.ok()) return slot.status();
+  if (absl::Status s = mlp_->ForwardBackward(x_[*slot], y_[*slot], n, grad_scale, bucket_floats_,
+                                             on_ready, accumulate);
+      !s.ok()) {
+    return s;
+  }
+  return ReleaseSlot(*slot);
 }
 
 absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n,
@@ -220,42 +266,26 @@ absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n,
   const bool group = comm_ != nullptr && comm_->size() > 1;
   const int input = mlp_->layers().front().in;
   const int micro = std::clamp(micro_batch, 1, std::max(n, 1));
-  // Buckets: each finished piece of the gradient is summed on the NCCL stream, after an event
-  // that orders it behind the GEMM that wrote it, while backward goes on with the next piece.
-  size_t sent = 0;
-  absl::Status bucket_status;
-  auto send = [&](size_t end) {
-    if (!bucket_status.ok() || end <= sent) return;
-    bucket_status = [&]() -> absl::Status {
-      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(grads_ready_, stream_));
-      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_->stream(), grads_ready_, 0));
-      return comm_->AllreduceSum(mlp_->grads() + sent, end - sent);
-    }();
-    sent = end;
-  };
-  auto on_ready = [&](size_t ready) {
-    if (ready - sent >= bucket_floats_) send(ready);
+  // Buckets: each finished piece of the gradient is summed while backward goes on.
+  BucketSender<float> buckets(mlp_->grads(), stream_, grads_ready_, comm_);
+  const std::function<void(size_t)> on_ready = [&](size_t ready) {
+    if (ready - buckets.sent() >= bucket_floats_) buckets.SendUpTo(ready);
   };
   // Micro-batches with gradient accumulation; only the last one's backward hands buckets to
   // NCCL (the sums are final only then).
   for (int pass = 0, first = 0; first < n; ++pass, first += micro) {
     const int m = std::min(micro, n - first);
     const bool last = first + m >= n;
-    absl::StatusOr<int> slot =
-        UploadPass(pass, x + static_cast<size_t>(first) * input, y + first, m);
-    if (!slot.ok()) return slot.status();
-    if (absl::Status s = mlp_->ForwardBackward(
-            x_[*slot], y_[*slot], m, grad_scale, bucket_floats_,
-            group && last ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>(),
-            /*accumulate=*/pass > 0);
+    if (absl::Status s = RunPass(pass, x + static_cast<size_t>(first) * input, y + first, m,
+                                 grad_scale, group && last ? on_ready : nullptr,
+                                 /*accumulate=*/pass > 0);
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
   }
   if (group) {
-    send(params);  // the rest, then the loss (ready with the forward pass, sent last)
-    if (!bucket_status.ok()) return bucket_status;
+    buckets.SendUpTo(params);  // the rest, then the loss (ready with the forward pass, sent last)
+    if (!buckets.status().ok()) return buckets.status();
     if (absl::Status s = comm_->AllreduceSum(mlp_->loss_sum_device(), 1); !s.ok()) return s;
     // The watchdog: a dead or hung peer ends here with the communicator aborted.
     if (absl::Status s = comm_->Wait(); !s.ok()) return s;
@@ -279,23 +309,13 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
   int64_t* const loss = fixed_ + params;
   auto* const rejected = reinterpret_cast<unsigned long long*>(fixed_ + params + 1);
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(loss, 0, 2 * sizeof(int64_t), stream_));
-  size_t sent = 0;
-  absl::Status bucket_status;
-  auto send = [&](size_t end) {
-    if (!bucket_status.ok() || end <= sent) return;
-    bucket_status = [&]() -> absl::Status {
-      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(grads_ready_, stream_));
-      LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_->stream(), grads_ready_, 0));
-      return comm_->AllreduceSum(fixed_ + sent, end - sent);
-    }();
-    sent = end;
-  };
+  BucketSender<int64_t> buckets(fixed_, stream_, grads_ready_, comm_);
   const int shards = n / shard;
   for (int k = 0; k < shards; ++k) {
     const bool last = k + 1 == shards;
     auto to_fixed = [&](size_t begin, size_t end) {
-      return k == 0 ? kernels::cuda::StoreFixedPoint(mlp_->grads() + begin, end - begin,
-                                                     frac_bits, fixed_ + begin, rejected, stream_)
+      return k == 0 ? kernels::cuda::StoreFixedPoint(mlp_->grads() + begin, end - begin, frac_bits,
+                                                     fixed_ + begin, rejected, stream_)
                     : kernels::cuda::AccumulateFixedPoint(mlp_->grads() + begin, end - begin,
                                                           frac_bits, fixed_ + begin, rejected,
                                                           stream_);
@@ -304,26 +324,21 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
     // over the group while backward goes on. Conversion is elementwise: the same bits in pieces.
     size_t converted = 0;
     absl::Status convert_status;
-    auto on_ready = [&](size_t ready) {
+    const std::function<void(size_t)> on_ready = [&](size_t ready) {
       if (!convert_status.ok()) return;
       convert_status = to_fixed(converted, ready);
       converted = ready;
-      if (ready - sent >= bucket_floats_ && ready < params) send(ready);
+      if (ready - buckets.sent() >= bucket_floats_ && ready < params) buckets.SendUpTo(ready);
     };
-    absl::StatusOr<int> slot =
-        UploadPass(k, x + static_cast<size_t>(k) * shard * input, y + k * shard, shard);
-    if (!slot.ok()) return slot.status();
-    // Always the slot-0 buffers' twin in slot 1: both come from cudaMalloc (256-byte aligned),
-    // so every shard's products see the same shapes and alignments on every rank.
-    if (absl::Status s = mlp_->ForwardBackward(
-            x_[*slot], y_[*slot], shard, grad_scale, bucket_floats_,
-            group && last ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>(),
-            /*accumulate=*/false);
+    // Slot 0 or its twin, slot 1: both come from cudaMalloc (256-byte aligned), so every
+    // shard's products see the same shapes and alignments on every rank.
+    if (absl::Status s =
+            RunPass(k, x + static_cast<size_t>(k) * shard * input, y + k * shard, shard, grad_scale,
+                    group && last ? on_ready : nullptr, /*accumulate=*/false);
         !s.ok()) {
       return s;
     }
     if (!convert_status.ok()) return convert_status;
-    if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
     if (converted < params) {
       if (absl::Status s = to_fixed(converted, params); !s.ok()) return s;
     }
@@ -334,15 +349,14 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
     }
   }
   if (group) {
-    send(params + 2);  // the rest, with the loss and the rejection count
-    return bucket_status;
+    buckets.SendUpTo(params + 2);  // the rest, with the loss and the rejection count
+    return buckets.status();
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const float* x, const int32_t* y,
-                                                                 int n, int shard,
-                                                                 float grad_scale,
+                                                                 int n, int shard, float grad_scale,
                                                                  int frac_bits) {
   if (absl::Status s = AccumulateFixedPoint(x, y, n, shard, grad_scale, frac_bits, false);
       !s.ok()) {
@@ -377,15 +391,15 @@ absl::StatusOr<DeviceStep::DeterministicResult> GpuStep::RunDeterministic(
     if (absl::Status s = comm_->Wait(); !s.ok()) return s;  // the watchdog
   }
   int64_t tail[2] = {0, 0};  // the group's loss and rejection count
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(tail, fixed_ + params, sizeof(tail),
-                                               cudaMemcpyDeviceToHost, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cudaMemcpyAsync(tail, fixed_ + params, sizeof(tail), cudaMemcpyDeviceToHost, stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   DeterministicResult result;
   result.loss = static_cast<double>(tail[0]) / std::ldexp(1.0, frac_bits);
   result.rejected = tail[1];
   if (result.rejected != 0) return result;  // no update: the trainer fails the step
-  if (absl::Status s = kernels::cuda::FromFixedPoint(fixed_, params, frac_bits, mlp_->grads(),
-                                                     stream_);
+  if (absl::Status s =
+          kernels::cuda::FromFixedPoint(fixed_, params, frac_bits, mlp_->grads(), stream_);
       !s.ok()) {
     return s;
   }

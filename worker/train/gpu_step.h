@@ -15,6 +15,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -66,6 +67,9 @@ class GpuStep final : public DeviceStep {
   absl::StatusOr<int> UploadPass(int pass, const float* x, const int32_t* y, int n);
   // Marks the slot's data as used by everything queued on the compute stream so far.
   absl::Status ReleaseSlot(int slot);
+  // One micro-batch: upload, forward and backward (see GpuMlp::ForwardBackward), release.
+  absl::Status RunPass(int pass, const float* x, const int32_t* y, int n, float grad_scale,
+                       const std::function<void(size_t)>& on_ready, bool accumulate);
   // Aborts the communicator after a failed step (buckets may be in flight, and NCCL kernels never
   // time out: nothing on the device may wait for peers that gave up, or freeing memory hangs).
   void AbortAfterFailure();
