@@ -264,14 +264,24 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
 std::string FormatWorkerList(const v1::ListWorkersResponse& response, absl::Time now) {
   std::string out = response.workers().empty() ? "No workers.\n" : "";
   if (!response.workers().empty()) {
-    Table table({"WORKER", "NAME", "HOST", "DEVICE", "STATE", "JOB", "LAST HEARTBEAT"});
+    Table table({"WORKER", "NAME", "HOST", "DEVICE", "MEMORY FREE", "STATE", "JOB",
+                 "LAST HEARTBEAT"});
     for (const v1::WorkerInfo& w : response.workers()) {
       const std::string heartbeat =
           w.last_heartbeat_unix_ms() > 0
               ? absl::StrCat(ShortDuration(now - absl::FromUnixMillis(w.last_heartbeat_unix_ms())),
                              " ago")
               : kNone;
-      table.AddRow({w.worker_id(), OrNone(w.name()), OrNone(w.host()), OrNone(w.device()),
+      // "cuda:0 NVIDIA H200"; memory "139.5 GiB / 140.0 GiB" (free at registration / total).
+      std::string device = OrNone(w.device());
+      if (!w.device_name().empty() && w.device_name() != w.device()) {
+        absl::StrAppend(&device, " ", w.device_name());
+      }
+      std::string memory = w.free_memory_bytes() > 0 ? FormatBytes(w.free_memory_bytes()) : kNone;
+      if (w.total_memory_bytes() > 0) {
+        absl::StrAppend(&memory, " / ", FormatBytes(w.total_memory_bytes()));
+      }
+      table.AddRow({w.worker_id(), OrNone(w.name()), OrNone(w.host()), device, memory,
                     OrNone(w.state()), OrNone(w.job_id()), heartbeat});
     }
     out += table.Render();

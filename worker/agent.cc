@@ -39,10 +39,13 @@ void SetMemoryBudget(Trainer& trainer, const v1::JobSpec& spec, const v1::Assign
   const int64_t share = ShareSamples(spec, a.world_size());
   if (!spec.deterministic() && trainer.micro_batch() < share) {
     LOG(INFO) << a.job_id() << " generation " << a.generation() << ": micro-batches of "
-              << trainer.micro_batch() << " samples with gradient accumulation (the share of "
-              << share << " would need about "
-              << HumanBytes(EstimateWorkerMemory(spec, share).total()) << ", "
-              << HumanBytes(free_bytes) << " is free)";
+              << trainer.micro_batch() << " samples with gradient accumulation ("
+              << (spec.micro_batch_size() > 0
+                      ? std::string("micro_batch_size")
+                      : absl::StrCat("the share of ", share, " would need about ",
+                                     HumanBytes(EstimateWorkerMemory(spec, share).total()), ", ",
+                                     HumanBytes(free_bytes), " is free"))
+              << ")";
   }
 }
 
@@ -134,6 +137,8 @@ absl::Status Agent::RunSession(bool* registered) {
   reg->set_host(options_.host);
   reg->set_device(options_.device);
   reg->set_free_memory_bytes(options_.free_memory_bytes);
+  reg->set_total_memory_bytes(options_.total_memory_bytes);
+  reg->set_device_name(options_.device_name);
   reg->add_capabilities("gloo");
   reg->set_incarnation(incarnation_);
   reg->set_comm_address(options_.comm_address);

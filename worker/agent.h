@@ -30,6 +30,8 @@ struct AgentOptions {
   int cuda_device = -1;
   std::string comm_address;  // where peers reach this worker's collectives
   int64_t free_memory_bytes = 0;
+  int64_t total_memory_bytes = 0;
+  std::string device_name;  // "NVIDIA H200", or "cpu"
   // Shared token sent on every call; empty sends none.
   std::string token;
   absl::Duration max_backoff = absl::Seconds(5);

@@ -115,6 +115,8 @@ int main(int argc, char** argv) {
                              ? LocalAddressTowards(options.coordinator)
                              : absl::GetFlag(FLAGS_comm_address);
   options.free_memory_bytes = device->free_memory_bytes;
+  options.total_memory_bytes = device->total_memory_bytes;
+  options.device_name = device->name;
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {

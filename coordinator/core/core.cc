@@ -389,6 +389,8 @@ std::vector<v1::WorkerInfo> Core::ListWorkers() const {
     info.set_host(w->info.host());
     info.set_device(w->info.device());
     info.set_free_memory_bytes(w->info.free_memory_bytes());
+    info.set_device_name(w->info.device_name());
+    info.set_total_memory_bytes(w->info.total_memory_bytes());
     info.set_state(w->state == WorkerState::kIdle   ? "idle"
                    : w->state == WorkerState::kBusy ? "busy"
                                                     : "lost");

@@ -203,6 +203,21 @@ TEST(Format, Tables) {
   std::cout << FormatWorkerList(w, absl::FromUnixMillis(1'700'000'200'000));
 }
 
+TEST(Format, WorkerListShowsTheDeviceAndItsMemory) {
+  v1::ListWorkersResponse w;
+  auto* wi = w.add_workers();
+  wi->set_worker_id("w-1");
+  wi->set_device("cuda:1");
+  wi->set_device_name("NVIDIA H200");
+  wi->set_free_memory_bytes(int64_t{139} << 30);
+  wi->set_total_memory_bytes(int64_t{140} << 30);
+  wi->set_state("idle");
+  const std::string out = FormatWorkerList(w, absl::FromUnixMillis(1'700'000'200'000));
+  EXPECT_THAT(out, HasSubstr("MEMORY FREE"));
+  EXPECT_THAT(out, HasSubstr("cuda:1 NVIDIA H200"));
+  EXPECT_THAT(out, HasSubstr("139.0 GiB / 140.0 GiB"));
+}
+
 TEST(Format, WorkerListShowsRejectedClients) {
   v1::ListWorkersResponse w;
   auto* r = w.add_rejected_clients();

@@ -15,11 +15,20 @@ namespace {
 
 // How often the watchdog looks: short against any timeout, long enough not to burn a core.
 constexpr auto kPoll = std::chrono::microseconds(100);
+// The longest single wait for the id between looks at the cancel flag.
+constexpr absl::Duration kIdWaitSlice = absl::Milliseconds(250);
+
+// Whether a store's wait failed only because its time ran out: gloo's own stores say
+// "timeout"; CoordinatorStore carries the gRPC code (4: DEADLINE_EXCEEDED) after the key.
+bool IsStoreTimeout(const std::string& what) {
+  return what.find("imeout") != std::string::npos || what.find("\": 4 ") != std::string::npos;
+}
 
 }  // namespace
 
 absl::StatusOr<ncclUniqueId> ExchangeNcclId(gloo::rendezvous::Store& store, int rank,
-                                            absl::Duration timeout) {
+                                            absl::Duration timeout,
+                                            const std::atomic<bool>* cancel) {
   ncclUniqueId id;
   try {
     if (rank == 0) {
@@ -27,7 +36,27 @@ absl::StatusOr<ncclUniqueId> ExchangeNcclId(gloo::rendezvous::Store& store, int 
       store.set(kNcclIdKey, std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
       return id;
     }
-    store.wait({kNcclIdKey}, std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+    // In slices, so that an abort is noticed while rank 0 is missing.
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      if (cancel != nullptr && cancel->load()) {
+        return absl::AbortedError(
+            absl::StrCat("aborted while waiting for rank 0 to publish ", kNcclIdKey));
+      }
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "rank 0 did not publish ", kNcclIdKey, " within ", absl::FormatDuration(timeout)));
+      }
+      const int64_t slice_ms =
+          std::max<int64_t>(1, absl::ToInt64Milliseconds(std::min(left, kIdWaitSlice)));
+      try {
+        store.wait({kNcclIdKey}, std::chrono::milliseconds(slice_ms));
+        break;
+      } catch (const gloo::IoException& e) {
+        if (!IsStoreTimeout(e.what())) throw;
+      }
+    }
     const std::vector<char> bytes = store.get(kNcclIdKey);
     if (bytes.size() != sizeof(id.internal)) {
       return absl::InternalError(absl::StrCat("store key ", kNcclIdKey, " holds ", bytes.size(),
@@ -37,13 +66,7 @@ absl::StatusOr<ncclUniqueId> ExchangeNcclId(gloo::rendezvous::Store& store, int 
     std::memcpy(id.internal, bytes.data(), bytes.size());
     return id;
   } catch (const gloo::IoException& e) {
-    const std::string what = e.what();
-    if (what.find("imeout") != std::string::npos || what.find("ait") != std::string::npos) {
-      return absl::DeadlineExceededError(absl::StrCat("rank 0 did not publish ", kNcclIdKey,
-                                                      " within ", absl::FormatDuration(timeout),
-                                                      ": ", what));
-    }
-    return absl::UnavailableError(absl::StrCat("store: ", what));
+    return absl::UnavailableError(absl::StrCat("store: ", e.what()));
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("store: ", e.what()));
   }
@@ -51,7 +74,8 @@ absl::StatusOr<ncclUniqueId> ExchangeNcclId(gloo::rendezvous::Store& store, int 
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     gloo::rendezvous::Store& store, int rank, int size, Options options) {
-  absl::StatusOr<ncclUniqueId> id = ExchangeNcclId(store, rank, options.init_timeout);
+  absl::StatusOr<ncclUniqueId> id =
+      ExchangeNcclId(store, rank, options.init_timeout, options.cancel);
   if (!id.ok()) return id.status();
   std::unique_ptr<NcclCommunicator> comm(new NcclCommunicator());
   comm->rank_ = rank;
@@ -69,7 +93,9 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     if (state != ncclInProgress) {
       return comm->Fail(kernels::GpuStatus(state, "ncclCommInitRankConfig", __FILE__, __LINE__));
     }
-    if (comm->abort_requested_) return comm->Fail(absl::AbortedError("aborted during NCCL init"));
+    if (comm->abort_requested_ || (options.cancel != nullptr && options.cancel->load())) {
+      return comm->Fail(absl::AbortedError("aborted during NCCL init"));
+    }
     if (absl::Now() > deadline) {
       return comm->Fail(absl::DeadlineExceededError(absl::StrCat(
           "NCCL init of rank ", rank, "/", size, " did not finish within ",

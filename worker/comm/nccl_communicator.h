@@ -31,9 +31,11 @@ inline constexpr char kNcclIdKey[] = "nccl-id";
 // Rank 0: creates an id (ncclGetUniqueId needs no GPU; it starts NCCL's bootstrap listener in
 // this process, which must live until every rank has joined) and stores it. Other ranks: wait
 // up to `timeout` for it. DEADLINE_EXCEEDED names the key when rank 0 never published it;
-// UNAVAILABLE when the store fails (coordinator gone, generation over).
+// UNAVAILABLE when the store fails (coordinator gone, generation over); ABORTED as soon as
+// `cancel` (if given) is set, e.g. because the coordinator aborted the generation.
 absl::StatusOr<ncclUniqueId> ExchangeNcclId(gloo::rendezvous::Store& store, int rank,
-                                            absl::Duration timeout);
+                                            absl::Duration timeout,
+                                            const std::atomic<bool>* cancel = nullptr);
 
 class NcclCommunicator {
  public:
