@@ -186,6 +186,22 @@ absl::Status LaunchStatus(const char* kernel) {
   return GpuStatus(error, kernel, __FILE__, __LINE__);
 }
 
+absl::Status CheckFracBits(int frac_bits) {
+  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
+  return absl::OkStatus();
+}
+
+// StoreFixedPoint (kAccumulate false) and AccumulateFixedPoint (true).
+template <bool kAccumulate>
+absl::Status LaunchFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out,
+                              unsigned long long* rejected, cudaStream_t stream) {
+  if (absl::Status s = CheckFracBits(frac_bits); !s.ok()) return s;
+  if (n == 0) return absl::OkStatus();
+  FixedPointKernel<kAccumulate>
+      <<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits), out, rejected);
+  return LaunchStatus(kAccumulate ? "FixedPointKernel<accumulate>" : "FixedPointKernel<store>");
+}
+
 // The largest power of two (up to 256) that divides the address.
 uint32_t Alignment(const void* p) {
   const uintptr_t address = reinterpret_cast<uintptr_t>(p);
@@ -386,26 +402,18 @@ absl::Status AdamWUpdate(float* p, const float* g, float* m, float* v, size_t n,
 
 absl::Status StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out,
                              unsigned long long* rejected, cudaStream_t stream) {
-  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
-  if (n == 0) return absl::OkStatus();
-  FixedPointKernel<false>
-      <<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits), out, rejected);
-  return LaunchStatus("FixedPointKernel<store>");
+  return LaunchFixedPoint<false>(g, n, frac_bits, out, rejected, stream);
 }
 
 absl::Status AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64_t* acc,
                                   unsigned long long* rejected, cudaStream_t stream) {
-  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
-  if (n == 0) return absl::OkStatus();
-  FixedPointKernel<true>
-      <<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits), acc, rejected);
-  return LaunchStatus("FixedPointKernel<accumulate>");
+  return LaunchFixedPoint<true>(g, n, frac_bits, acc, rejected, stream);
 }
 
 absl::Status AccumulateLossFixedPoint(const double* loss_sum, float grad_scale, int frac_bits,
                                       int64_t* acc, unsigned long long* rejected,
                                       cudaStream_t stream) {
-  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
+  if (absl::Status s = CheckFracBits(frac_bits); !s.ok()) return s;
   LossFixedPointKernel<<<1, 1, 0, stream>>>(loss_sum, static_cast<double>(grad_scale),
                                            std::ldexp(1.0, frac_bits), acc, rejected);
   return LaunchStatus("LossFixedPointKernel");
@@ -413,7 +421,7 @@ absl::Status AccumulateLossFixedPoint(const double* loss_sum, float grad_scale, 
 
 absl::Status FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out,
                             cudaStream_t stream) {
-  if (frac_bits < 0 || frac_bits > 62) return absl::InvalidArgumentError("frac_bits: 0..62");
+  if (absl::Status s = CheckFracBits(frac_bits); !s.ok()) return s;
   if (n == 0) return absl::OkStatus();
   FromFixedPointKernel<<<Blocks(n), kThreads, 0, stream>>>(in, n, std::ldexp(1.0, -frac_bits), out);
   return LaunchStatus("FromFixedPointKernel");
