@@ -239,14 +239,32 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
       const bool trained = r.first_step_unix_ms() > 0;
       changes.AddRow({absl::StrCat(r.from_generation(), "->",
                                    r.to_generation() > 0 ? absl::StrCat(r.to_generation()) : "?"),
-                      r.scale_up() ? "scale-up" : "recovery",
+                      r.scale_up()             ? "scale-up"
+                      : r.coordinator_caused() ? "coordinator"
+                                               : "recovery",
                       reformed ? ShortMillis(r.reformed_unix_ms() - r.detect_unix_ms()) : kNone,
                       trained ? ShortMillis(r.heal_ms()) : kNone,
                       trained ? ShortMillis(r.first_step_unix_ms() - r.detect_unix_ms()) : kNone,
                       trained ? absl::StrCat("step ", r.resumed_from_step()) : kNone,
-                      trained ? absl::StrCat(r.steps_redone()) : kNone, r.reason()});
+                      trained ? absl::StrCat(r.steps_redone_lower_bound() ? ">=" : "",
+                                             r.steps_redone())
+                              : kNone,
+                      r.reason()});
     }
     out += changes.Render("  ");
+  }
+  if (job.spec().checkpoint_every_steps() > 0 || job.has_checkpoints()) {
+    const v1::CheckpointStatus& c = job.checkpoints();
+    std::string text =
+        c.last_good_step() > 0
+            ? absl::StrCat("last good at step ", c.last_good_step(), " (", c.last_good_path(),
+                           ", ", FormatTimestamp(c.last_good_unix_ms(), now, tz), ")")
+            : std::string("none written yet");
+    if (c.failed_writes() > 0) {
+      absl::StrAppend(&text, "; ", c.failed_writes(), " write", c.failed_writes() == 1 ? "" : "s",
+                      " failed, the last at step ", c.last_failed_step(), ": ", c.last_error());
+    }
+    AddField(out, "Checkpoints", text);
   }
   AddField(out, "Submitted", FormatTimestamp(job.submit_time_unix_ms(), now, tz));
   if (job.start_time_unix_ms() > 0) {

@@ -54,9 +54,11 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Clie
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, kMaxMessageBytes);
   args.SetInt(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, kMaxMessageBytes);
-  // Reconnect quickly after a coordinator restart; the worker adds its own backoff on top.
+  // Reconnect within a quarter second of a coordinator serving again, however long it was
+  // away: a connection attempt to a closed port costs next to nothing, and workers wait for
+  // this reconnection rather than adding a backoff of their own.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 250);
   if (auth.token.empty() && auth.client.empty()) {
     return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   }

@@ -8,6 +8,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/auth.h"
 #include "common/grpc_options.h"
 #include "coordinator/service/services.h"
@@ -33,6 +35,10 @@ ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
 namespace {
 
 // Set by SIGINT/SIGTERM; the main loop polls it (nothing else is async-signal-safe).
+// How often the core's timers run (heartbeat silence, step stalls, rendezvous); the core also
+// uses it to notice that the coordinator itself was away.
+constexpr absl::Duration kTickInterval = absl::Milliseconds(100);
+
 volatile std::sig_atomic_t g_stop_requested = 0;
 void RequestStop(int) { g_stop_requested = 1; }
 
@@ -71,6 +77,13 @@ int main(int argc, char** argv) {
 
   lockstep::coordinator::CoreOptions options;
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
+  options.tick_interval = kTickInterval;
+  absl::StatusOr<std::string> cluster_id = lockstep::coordinator::ClusterId(state_dir);
+  if (!cluster_id.ok()) {
+    LOG(ERROR) << "--state_dir: " << cluster_id.status().message();
+    return 1;
+  }
+  options.job_id_suffix = *cluster_id;
   // Jobs survive a restart when there is a state directory.
   std::unique_ptr<lockstep::coordinator::JobStore> job_store;
   if (state_dir.empty()) {
@@ -116,9 +129,12 @@ int main(int argc, char** argv) {
   }
   LOG(INFO) << "lockstep-coordinator serving on port " << port;
   if (const std::string file = absl::GetFlag(FLAGS_port_file); !file.empty()) {
-    const std::string tmp = file + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    std::filesystem::rename(tmp, file);
+    if (absl::Status s = lockstep::WriteFileAtomically(file, absl::StrCat(port, "\n"),
+                                                        lockstep::Durability::kVisible);
+        !s.ok()) {
+      LOG(ERROR) << "--port_file: " << s.message();
+      return 1;
+    }
   }
 
   std::signal(SIGINT, RequestStop);
@@ -126,7 +142,7 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   while (!g_stop_requested) {
     coordinator.Tick();
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    absl::SleepFor(kTickInterval);
   }
   LOG(INFO) << "shutting down";
   coordinator.Shutdown();

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Lockstep builds, tests and demos with. Idempotent: it only
 # calls apt-get when something is missing. Usage: scripts/install_deps.sh [--bench] [--test]
-# --test adds what the deploy tests need: a Docker engine, docker-compose, debootstrap, iptables.
+# --test adds what the tests need beyond the build: a Docker engine, docker-compose, debootstrap
+# and iptables for the deploy tests, clang for the thread-safety check.
 set -euo pipefail
 
 pkgs=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libgoogle-glog-dev libgflags-dev libabsl-dev libgtest-dev libgmock-dev
-  libgloo-dev libsqlite3-dev libopenblas-dev zlib1g-dev
+  libgloo-dev libsqlite3-dev libopenblas-dev zlib1g-dev libxxhash-dev
   dataset-fashion-mnist
 )
 for arg in "$@"; do
   case "$arg" in
     --bench) pkgs+=(python3-torch libopenblas0-openmp) ;;
-    --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd) ;;
+    --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang) ;;
     *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

@@ -1,26 +1,25 @@
-// Worker agent. The session thread reads coordinator messages; a heartbeat thread and the job
-// threads write through Send(), which serializes writes on the stream.
+// Worker agent: session I/O and threads. Every decision about runs and state is the
+// lifecycle's (worker/lifecycle.h); this file only carries them out.
 #include "worker/agent.h"
 
-#include <cstdio>
-#include <fstream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/grpc_options.h"
-#include "common/job_memory.h"
 #include "common/grpc_status.h"
+#include "common/job_memory.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
-#include "worker/comm/coordinator_store.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
+#include "worker/comm/store_client.h"
 #include "worker/device.h"
+#include "worker/test_hooks.h"
 #include "worker/train/dataset.h"
-#include "worker/train/trainer.h"
 #ifdef LOCKSTEP_HAVE_CUDA
 #include "kernels/gpu_check.h"
 #include "worker/comm/nccl_communicator.h"
@@ -29,6 +28,10 @@
 
 namespace lockstep::worker {
 namespace {
+
+// How long one wait for the channel to (re)connect lasts; gRPC itself retries connecting
+// every 250 ms at most (MakeChannel), so a coordinator that serves again is found within that.
+constexpr absl::Duration kConnectWait = absl::Milliseconds(250);
 
 // Lets the trainer plan with 90% of the memory free now (the rest covers what the estimate
 // leaves out: the CUDA and NCCL runtimes' own buffers, allocator slack) and says so when its
@@ -53,7 +56,8 @@ void SetMemoryBudget(Trainer& trainer, const v1::JobSpec& spec, const v1::Assign
 
 Agent::Agent(AgentOptions options)
     : options_(std::move(options)),
-      incarnation_(std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32)) {
+      incarnation_(std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32)),
+      lifecycle_(options_.handover_timeout) {
   channel_ = MakeChannel(options_.coordinator,
                          {options_.token, absl::StrCat("lockstep-worker ", options_.name)});
   store_stub_ = v1::StoreService::NewStub(channel_);
@@ -61,33 +65,80 @@ Agent::Agent(AgentOptions options)
 
 Agent::~Agent() {
   Stop();
-  ReapJobs(/*wait=*/true);
+  Decide([](WorkerLifecycle& l, absl::Time now) { return l.OnSessionEnded("stopping", now); });
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](std::map<RunId, std::unique_ptr<RunHandle>>* runs) { return runs->empty(); },
+        &runs_));
+  }
+  JoinEnded();
 }
 
 void Agent::Stop() {
   stop_ = true;
-  std::lock_guard<std::mutex> lock(session_mu_);
+  absl::MutexLock lock(&session_mu_);
   if (context_ != nullptr) context_->TryCancel();
 }
 
+template <typename Fn>
+void Agent::Decide(Fn&& fn) {
+  std::vector<v1::WorkerMessage> sends;
+  std::vector<std::unique_ptr<Trainer>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    LifecycleActions actions = fn(lifecycle_, absl::Now());
+    Apply(actions, &sends, &dropped);
+  }
+  for (const v1::WorkerMessage& m : sends) Send(m);
+  dropped.clear();  // a large model's state is freed outside the lock
+}
+
+void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sends,
+                  std::vector<std::unique_ptr<Trainer>>* dropped) {
+  for (const std::string& line : actions.log) LOG(INFO) << line;
+  for (const LifecycleActions::Abort& a : actions.abort) {
+    auto it = runs_.find(a.run);
+    if (it == runs_.end()) continue;
+    LOG(INFO) << "aborting " << it->second->assignment.job_id() << " generation "
+              << it->second->assignment.generation() << ": " << a.reason;
+    // Wakes every wait of the run at once: store calls, Gloo, shared memory, NCCL.
+    it->second->abort->Raise();
+  }
+  if (actions.drop_kept_state && kept_ != nullptr) dropped->push_back(std::move(kept_));
+  if (actions.keep_state_of.has_value()) {
+    auto it = runs_.find(*actions.keep_state_of);
+    if (it != runs_.end()) kept_ = std::move(it->second->state);
+  }
+  for (LifecycleActions::Start& start : actions.start) {
+    auto run = std::make_unique<RunHandle>();
+    run->id = start.run;
+    run->assignment = std::move(start.assignment);
+    std::unique_ptr<Trainer> state;
+    if (start.with_kept_state) state = std::move(kept_);
+    const v1::Assignment& a = run->assignment;
+    LOG(INFO) << "assigned " << a.job_id() << " generation " << a.generation() << " rank "
+              << a.rank() << "/" << a.world_size() << " ("
+              << absl::StrJoin(a.member_names(), ", ") << ")"
+              << (state != nullptr ? absl::StrCat(", with its state of step ",
+                                                  state->completed_step())
+                                   : std::string());
+    RunHandle* raw = run.get();
+    run->thread = std::thread([this, raw, s = std::move(state)]() mutable {
+      RunJob(raw, std::move(s));
+    });
+    runs_.emplace(start.run, std::move(run));
+  }
+  for (v1::WorkerMessage& m : actions.send) sends->push_back(std::move(m));
+}
+
 absl::Status Agent::Run() {
-  absl::Duration backoff = absl::Milliseconds(100);
+  absl::Duration backoff = absl::Milliseconds(50);
   absl::Time last_session = absl::Now();  // start of the outage we are in
   WriteStatus("connecting", options_.coordinator);
+  absl::Status status = absl::UnavailableError("not connected yet");
   while (!stop_) {
-    const absl::Time started = absl::Now();
-    bool registered = false;
-    absl::Status status = RunSession(&registered);
-    AbortJobs("", 0, "session with the coordinator ended");
-    ReapJobs(/*wait=*/false);
-    if (stop_) break;
-    if (registered) last_session = absl::Now();
-    if (absl::IsUnauthenticated(status)) {
-      const std::string why = absl::StrCat("coordinator ", options_.coordinator,
-                                           " rejected this worker: ", status.message());
-      WriteStatus("rejected", why);
-      return absl::UnauthenticatedError(why);
-    }
+    JoinEnded();
     if (options_.give_up_after > absl::ZeroDuration() &&
         absl::Now() - last_session >= options_.give_up_after) {
       const std::string why = absl::StrCat("no session with coordinator ", options_.coordinator,
@@ -96,14 +147,33 @@ absl::Status Agent::Run() {
       WriteStatus("unreachable", why);
       return absl::UnavailableError(why);
     }
-    // A session that lasted a while was healthy: start the backoff over.
-    if (absl::Now() - started > absl::Seconds(10)) backoff = absl::Milliseconds(100);
+    // Waits for gRPC's own reconnection (at most 250 ms apart), so a coordinator that serves
+    // again is found at once, however long it was away.
+    if (!channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + kConnectWait))) continue;
+    const absl::Time started = absl::Now();
+    bool registered = false;
+    status = RunSession(&registered);
+    Decide([&](WorkerLifecycle& l, absl::Time now) {
+      return l.OnSessionEnded(absl::StrCat("session with the coordinator ended: ",
+                                           StatusLine(status)),
+                              now);
+    });
+    if (stop_) break;
+    if (registered) last_session = absl::Now();
+    if (absl::IsUnauthenticated(status)) {
+      const std::string why = absl::StrCat("coordinator ", options_.coordinator,
+                                           " rejected this worker: ", status.message());
+      WriteStatus("rejected", why);
+      return absl::UnauthenticatedError(why);
+    }
+    // A session that lasted was healthy: its end is no reason to wait. One refused at once
+    // (e.g. the name is still held by our previous session) backs off a little.
+    if (absl::Now() - started > absl::Seconds(2)) backoff = absl::Milliseconds(50);
     WriteStatus("connecting", absl::StrCat(options_.coordinator, ": ", StatusLine(status)));
     LOG(WARNING) << "session with coordinator " << options_.coordinator
-                 << " ended: " << StatusLine(status) << "; reconnecting in "
-                 << absl::FormatDuration(backoff);
+                 << " ended: " << StatusLine(status) << "; reconnecting";
     const absl::Time until = absl::Now() + backoff;
-    while (!stop_ && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+    while (!stop_ && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
   WriteStatus("stopped", "");
@@ -112,13 +182,10 @@ absl::Status Agent::Run() {
 
 void Agent::WriteStatus(const std::string& state, const std::string& detail) {
   if (options_.status_file.empty()) return;
-  const std::string tmp = options_.status_file + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << state << (detail.empty() ? "" : " ") << detail << "\n";
-    if (!out) return;  // best effort: a health check then sees the previous state
-  }
-  std::rename(tmp.c_str(), options_.status_file.c_str());
+  // Best effort: a health check then sees the previous state.
+  (void)WriteFileAtomically(options_.status_file,
+                            absl::StrCat(state, detail.empty() ? "" : " ", detail, "\n"),
+                            Durability::kVisible);
 }
 
 absl::Status Agent::RunSession(bool* registered) {
@@ -127,7 +194,7 @@ absl::Status Agent::RunSession(bool* registered) {
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream =
       stub->Session(&context);
   {
-    std::lock_guard<std::mutex> lock(session_mu_);
+    absl::MutexLock lock(&session_mu_);
     if (stop_) return absl::CancelledError("stopping");
     context_ = &context;
   }
@@ -148,7 +215,7 @@ absl::Status Agent::RunSession(bool* registered) {
   if (!stream->Write(hello) || !stream->Read(&message) || !message.has_registered()) {
     result = ToAbslStatus(stream->Finish());
     if (result.ok()) result = absl::UnavailableError("coordinator closed the session");
-    std::lock_guard<std::mutex> lock(session_mu_);
+    absl::MutexLock lock(&session_mu_);
     context_ = nullptr;
     return result;
   }
@@ -160,7 +227,7 @@ absl::Status Agent::RunSession(bool* registered) {
   LOG(INFO) << "registered with " << options_.coordinator << " as " << worker_id << " ("
             << options_.name << ", " << options_.device << ")";
   {
-    std::lock_guard<std::mutex> lock(session_mu_);
+    absl::MutexLock lock(&session_mu_);
     stream_ = stream.get();
   }
 
@@ -170,6 +237,8 @@ absl::Status Agent::RunSession(bool* registered) {
     beat.mutable_heartbeat();
     while (!session_over) {
       Send(beat);
+      Decide([](WorkerLifecycle& l, absl::Time now) { return l.Tick(now); });
+      JoinEnded();
       const absl::Time until = absl::Now() + interval;
       while (!session_over && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
     }
@@ -178,20 +247,25 @@ absl::Status Agent::RunSession(bool* registered) {
   while (stream->Read(&message)) {
     switch (message.kind_case()) {
       case v1::CoordinatorMessage::kAssignment:
-        StartJob(message.assignment());
+        Decide([&](WorkerLifecycle& l, absl::Time now) {
+          return l.OnAssignment(message.assignment(), now);
+        });
         break;
-      case v1::CoordinatorMessage::kAbort:
-        AbortJobs(message.abort().job_id(), message.abort().generation(), message.abort().reason());
+      case v1::CoordinatorMessage::kAbort: {
+        const v1::Abort& a = message.abort();
+        Decide([&](WorkerLifecycle& l, absl::Time now) {
+          return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now);
+        });
         break;
+      }
       default:
         LOG(WARNING) << "ignoring unexpected coordinator message " << message.kind_case();
     }
-    ReapJobs(/*wait=*/false);
   }
   session_over = true;
   heartbeats.join();
   {
-    std::lock_guard<std::mutex> lock(session_mu_);
+    absl::MutexLock lock(&session_mu_);
     stream_ = nullptr;
     context_ = nullptr;
   }
@@ -201,117 +275,62 @@ absl::Status Agent::RunSession(bool* registered) {
 }
 
 void Agent::Send(const v1::WorkerMessage& message) {
-  std::lock_guard<std::mutex> lock(session_mu_);
+  absl::MutexLock lock(&session_mu_);
   if (stream_ != nullptr) stream_->Write(message);
 }
 
-void Agent::StartJob(const v1::Assignment& assignment) {
+void Agent::JoinEnded() {
+  std::vector<std::thread> ended;
   {
-    std::lock_guard<std::mutex> lock(jobs_mu_);
-    for (const auto& run : jobs_) {
-      if (run->assignment.job_id() == assignment.job_id() &&
-          run->assignment.generation() >= assignment.generation()) {
-        LOG(WARNING) << "ignoring assignment to " << assignment.job_id() << " generation "
-                     << assignment.generation() << ": generation " << run->assignment.generation()
-                     << " was already assigned";
-        return;
-      }
-    }
+    absl::MutexLock lock(&mu_);
+    ended.swap(ended_);
   }
-  // One job at a time: a new assignment supersedes whatever ran before.
-  AbortJobs("", 0, "superseded by a new assignment");
-  auto run = std::make_shared<JobRun>();
-  run->assignment = assignment;
-  LOG(INFO) << "assigned " << assignment.job_id() << " generation " << assignment.generation()
-            << " rank " << assignment.rank() << "/" << assignment.world_size() << " ("
-            << absl::StrJoin(assignment.member_names(), ", ") << ")";
-  std::lock_guard<std::mutex> lock(jobs_mu_);
-  for (auto it = jobs_.rbegin(); it != jobs_.rend(); ++it) {
-    if ((*it)->assignment.job_id() == assignment.job_id()) {
-      run->previous = *it;
-      break;
-    }
-  }
-  run->thread = std::thread([this, run] { RunJob(run); });
-  jobs_.push_back(run);
+  for (std::thread& t : ended) t.join();
 }
 
-void Agent::AbortJobs(const std::string& job_id, int64_t generation, const std::string& reason) {
-  std::lock_guard<std::mutex> lock(jobs_mu_);
-  for (auto& run : jobs_) {
-    const v1::Assignment& a = run->assignment;
-    const bool match = job_id.empty() || (a.job_id() == job_id && a.generation() == generation);
-    if (match && !run->done && !run->abort.exchange(true)) {
-      LOG(INFO) << "aborting " << a.job_id() << " generation " << a.generation() << ": " << reason;
-      std::lock_guard<std::mutex> comm_lock(run->comm_mu);
-      if (run->comm != nullptr) run->comm->Abort();
-      if (run->device_abort) run->device_abort();
-    }
-  }
-}
-
-void Agent::ReapJobs(bool wait) {
-  std::vector<std::shared_ptr<JobRun>> finished;
-  {
-    std::lock_guard<std::mutex> lock(jobs_mu_);
-    for (auto it = jobs_.begin(); it != jobs_.end();) {
-      if (wait || (*it)->done) {
-        finished.push_back(*it);
-        it = jobs_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (auto& run : finished) {
-    if (run->thread.joinable()) run->thread.join();
-  }
-}
-
-void Agent::RunJob(std::shared_ptr<JobRun> run) {
+void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
   const v1::Assignment& a = run->assignment;
-  // The previous generation's thread stops promptly once aborted (a blocked Gloo operation
-  // only at its collective timeout); its state is handed over through retained_.
-  if (run->previous != nullptr) {
-    run->previous->finished.WaitForNotification();
-    run->previous.reset();
-  }
-  std::unique_ptr<Trainer> trainer;
-  {
-    std::lock_guard<std::mutex> lock(jobs_mu_);
-    if (retained_job_ == a.job_id()) trainer = std::move(retained_);
-    retained_.reset();
-    retained_job_.clear();
-  }
   bool fatal = false;
-  absl::Status status = TrainGeneration(*run, trainer, &fatal);
-  if (!status.ok()) {
-    if (run->abort) {
-      LOG(INFO) << a.job_id() << " generation " << a.generation() << " stopped: " << status;
-    } else {
-      LOG(WARNING) << a.job_id() << " generation " << a.generation() << " failed: " << status;
-      v1::WorkerMessage m;
-      v1::FailureReport* f = m.mutable_failure();
-      f->set_job_id(a.job_id());
-      f->set_generation(a.generation());
-      f->set_message(std::string(status.message()));
-      f->set_fatal(fatal);
-      if (trainer != nullptr) f->set_step(trainer->completed_step());
-      Send(m);
-    }
-    if (!fatal && trainer != nullptr) {
-      std::lock_guard<std::mutex> lock(jobs_mu_);
-      retained_job_ = a.job_id();
-      retained_ = std::move(trainer);
+  const absl::Status status = TrainGeneration(*run, trainer, &fatal);
+  RunResult result;
+  result.kind = status.ok()             ? RunResult::kFinished
+                : run->abort->raised()  ? RunResult::kStopped
+                : fatal                 ? RunResult::kFatal
+                                        : RunResult::kFailed;
+  result.holds_state = trainer != nullptr;
+  result.step = trainer != nullptr ? trainer->completed_step() : 0;
+  result.message = std::string(status.message());
+  if (result.kind == RunResult::kStopped) {
+    LOG(INFO) << a.job_id() << " generation " << a.generation() << " stopped: " << status;
+  } else if (!status.ok()) {
+    LOG(WARNING) << a.job_id() << " generation " << a.generation()
+                 << (fatal ? " failed (fatal): " : " failed: ") << status;
+  }
+  const RunId id = run->id;
+  std::vector<v1::WorkerMessage> sends;
+  std::vector<std::unique_ptr<Trainer>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    run->state = std::move(trainer);
+    LifecycleActions actions = lifecycle_.OnRunEnded(id, result, absl::Now());
+    Apply(actions, &sends, &dropped);
+    // Whatever the lifecycle did not keep goes; the handle goes, its thread is joined later.
+    auto it = runs_.find(id);
+    if (it != runs_.end()) {
+      if (it->second->state != nullptr) dropped.push_back(std::move(it->second->state));
+      ended_.push_back(std::move(it->second->thread));
+      runs_.erase(it);
     }
   }
-  run->done = true;
-  run->finished.Notify();
+  for (const v1::WorkerMessage& m : sends) Send(m);
+  dropped.clear();
 }
 
-absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& trainer, bool* fatal) {
+absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& trainer,
+                                    bool* fatal) {
   const v1::Assignment& a = run.assignment;
   const v1::JobSpec& spec = a.spec();
+  const std::shared_ptr<AbortSignal>& abort = run.abort;
   kernels::SetBlasThreads(std::max(1, spec.threads_per_worker()));
   std::shared_ptr<const Dataset> data;
   if (trainer == nullptr) {
@@ -327,15 +346,18 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
     data = *std::move(loaded);
   }
 
-  CoordinatorStore store(store_stub_, a.job_id(), a.generation(),
-                         std::chrono::milliseconds(spec.collective_timeout_ms()));
+  // Every wait below on the generation's peers watches `abort`: the store client cancels its
+  // call, Gloo's calls are abandoned, shared-memory waits woken, NCCL aborted.
+  auto store = std::make_shared<CoordinatorStoreClient>(store_stub_, a.job_id(), a.generation(),
+                                                        abort);
   const auto collective_timeout = std::chrono::milliseconds(spec.collective_timeout_ms());
   absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(
-      a.rank(), a.world_size(), store, options_.comm_address, collective_timeout);
+      a.rank(), a.world_size(), store, options_.comm_address, collective_timeout, abort);
   if (!gloo.ok()) return gloo.status();
 
   if (trainer == nullptr) {
-    absl::StatusOr<std::unique_ptr<Trainer>> created = Trainer::Create(spec, data, gloo->get());
+    absl::StatusOr<std::unique_ptr<Trainer>> created =
+        Trainer::Create(a.job_id(), spec, data, gloo->get());
     if (!created.ok()) {
       *fatal = true;
       return created.status();
@@ -347,22 +369,10 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
   absl::StatusOr<std::unique_ptr<Communicator>> comm =
       options_.shared_memory_collectives
           ? ShmCommunicator::Wrap(*std::move(gloo), trainer->largest_collective_bytes(),
-                                  collective_timeout)
+                                  collective_timeout, abort)
           : absl::StatusOr<std::unique_ptr<Communicator>>(*std::move(gloo));
   if (!comm.ok()) return comm.status();
   trainer->set_communicator(comm->get());
-  {
-    std::lock_guard<std::mutex> lock(run.comm_mu);
-    run.comm = comm->get();
-    if (run.abort) run.comm->Abort();
-  }
-  struct ClearComm {
-    JobRun* run;
-    ~ClearComm() {
-      std::lock_guard<std::mutex> lock(run->comm_mu);
-      run->comm = nullptr;
-    }
-  } clear_comm{&run};
 
   if (options_.cuda_device < 0) {
     absl::StatusOr<DeviceInfo> host = OpenDevice("cpu");
@@ -389,9 +399,9 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
       NcclCommunicator::Options nccl_options;
       nccl_options.init_timeout = absl::FromChrono(collective_timeout);
       nccl_options.collective_timeout = absl::FromChrono(collective_timeout);
-      nccl_options.cancel = &run.abort;
+      nccl_options.abort = abort;
       absl::StatusOr<std::unique_ptr<NcclCommunicator>> created =
-          NcclCommunicator::Create(store, a.rank(), a.world_size(), nccl_options);
+          NcclCommunicator::Create(*store, a.rank(), a.world_size(), nccl_options);
       if (!created.ok()) return created.status();
       nccl = *std::move(created);
     }
@@ -400,55 +410,57 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
     if (!step.ok()) return step.status();
     gpu_step = *std::move(step);
     trainer->set_device_step(gpu_step.get());
-    std::lock_guard<std::mutex> lock(run.comm_mu);
-    NcclCommunicator* raw = nccl.get();
-    run.device_abort = [raw] {
-      if (raw != nullptr) raw->Abort();
-    };
-    if (run.abort && raw != nullptr) raw->Abort();
   }
   // Declared after them, so it runs before the step and the communicator go.
   struct ClearDevice {
-    JobRun* run;
     std::unique_ptr<Trainer>* trainer;
     ~ClearDevice() {
       if (*trainer != nullptr) (*trainer)->set_device_step(nullptr);
-      std::lock_guard<std::mutex> lock(run->comm_mu);
-      run->device_abort = nullptr;
     }
-  } clear_device{&run, &trainer};
+  } clear_device{&trainer};
 #endif
 
-  absl::StatusOr<Trainer::HealInfo> heal = trainer->Heal();
-  if (!heal.ok()) return heal.status();
+  std::vector<std::string> members(a.member_names().begin(), a.member_names().end());
+  absl::StatusOr<Trainer::HealInfo> heal = trainer->Heal(members);
+  if (!heal.ok()) {
+    *fatal = Trainer::IsFatal(heal.status());
+    return heal.status();
+  }
   if (heal->source_rank >= 0) {
     LOG(INFO) << a.job_id() << " generation " << a.generation() << " resumes after step "
               << heal->resumed_from_step << " (state of rank " << heal->source_rank
               << (heal->from_checkpoint ? ", read from a disk checkpoint" : "") << ", "
               << absl::FormatDuration(heal->took) << ")";
   }
+  v1::ResumedReport resumed;
+  resumed.set_resumed_from_step(heal->resumed_from_step);
+  resumed.set_source_rank(heal->source_rank);
+  resumed.set_heal_ms(absl::ToInt64Milliseconds(heal->took));
+  resumed.set_from_checkpoint(heal->from_checkpoint);
+  Decide([&](WorkerLifecycle& l, absl::Time now) { return l.OnHealed(run.id, resumed, now); });
 
   bool first = true;
-  absl::Status trained = trainer->Train(trainer->completed_step() + 1, run.abort,
-                                        [&](const v1::ProgressReport& progress) {
-                                          v1::WorkerMessage m;
-                                          v1::ProgressReport* p = m.mutable_progress();
-                                          *p = progress;
-                                          p->set_job_id(a.job_id());
-                                          p->set_generation(a.generation());
-                                          if (first) {
-                                            first = false;
-                                            p->set_first_of_generation(true);
-                                            p->set_resumed_from_step(heal->resumed_from_step);
-                                            p->set_heal_source_rank(heal->source_rank);
-                                            p->set_heal_ms(absl::ToInt64Milliseconds(heal->took));
-                                          }
-                                          Send(m);
-                                        });
+  absl::Status trained = trainer->Train(
+      trainer->completed_step() + 1, abort->flag(),
+      [&](const v1::ProgressReport& progress) {
+        v1::WorkerMessage m;
+        v1::ProgressReport* p = m.mutable_progress();
+        *p = progress;
+        p->set_job_id(a.job_id());
+        p->set_generation(a.generation());
+        p->set_first_of_generation(first);
+        first = false;
+        Send(m);
+      },
+      [&](const v1::CheckpointReport& checkpoint) {
+        v1::WorkerMessage m;
+        *m.mutable_checkpoint() = checkpoint;
+        m.mutable_checkpoint()->set_job_id(a.job_id());
+        m.mutable_checkpoint()->set_generation(a.generation());
+        Send(m);
+      });
   if (!trained.ok()) {
-    // A deterministic-mode range error recurs in any group, and so does a mode this device
-    // does not implement: fail the job.
-    if (absl::IsOutOfRange(trained) || absl::IsUnimplemented(trained)) *fatal = true;
+    *fatal = Trainer::IsFatal(trained);
     return trained;
   }
   if (const Trainer::Timing& t = trainer->timing(); t.steps > 0) {
@@ -463,6 +475,8 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
   v1::WorkerMessage m;
   v1::FinishedReport* f = m.mutable_finished();
   if (!spec.skip_evaluation()) {
+    test_hooks::Reach("before_evaluation", -1, &abort->flag());
+    if (abort->raised()) return absl::AbortedError("aborted before the evaluation");
     absl::StatusOr<v1::EvalResult> eval = trainer->Evaluate();
     if (!eval.ok()) return eval.status();
     *f->mutable_eval() = *eval;
@@ -476,7 +490,6 @@ absl::Status Agent::TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& train
             << f->parameter_checksum()
             << (f->has_eval() ? absl::StrCat(" test accuracy ", f->eval().test_accuracy()) : "");
   Send(m);
-  trainer.reset();
   return absl::OkStatus();
 }
 

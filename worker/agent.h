@@ -1,22 +1,27 @@
 // The worker daemon's session with the coordinator: registers, sends heartbeats, receives
-// assignments and aborts, runs each assignment on a job thread, and reconnects with backoff
-// whenever the session breaks.
+// assignments and aborts, and reconnects as soon as the coordinator serves again. What to do
+// with each message is decided by the pure WorkerLifecycle (worker/lifecycle.h); the agent
+// carries out its decisions: it runs each generation on a thread of its own, raises a run's
+// abort signal, moves the job's state between runs, and sends reports.
 #pragma once
 
 #include <atomic>
-#include <functional>
+#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
-#include "worker/comm/communicator.h"
+#include "worker/comm/abort_signal.h"
+#include "worker/lifecycle.h"
 #include "worker/train/trainer.h"
 
 namespace lockstep::worker {
@@ -34,7 +39,10 @@ struct AgentOptions {
   std::string device_name;  // "NVIDIA H200", or "cpu"
   // Shared token sent on every call; empty sends none.
   std::string token;
-  absl::Duration max_backoff = absl::Seconds(5);
+  // Longest pause between attempts to register while the coordinator is reachable but refuses
+  // (e.g. the old session of this name is not yet known to be gone). An unreachable
+  // coordinator is retried as fast as gRPC reconnects (every 250 ms at most).
+  absl::Duration max_backoff = absl::Seconds(1);
   // Run() returns UNAVAILABLE once the coordinator has been unreachable this long (zero: retry
   // forever). Lets a service manager see, log and back off a misconfigured address.
   absl::Duration give_up_after = absl::ZeroDuration();
@@ -43,9 +51,14 @@ struct AgentOptions {
   std::string status_file;
   // Sum gradients through shared memory when every rank of a group is on this host.
   bool shared_memory_collectives = true;
+  // How long a new generation waits for the previous run to stop and hand over its state.
+  absl::Duration handover_timeout = absl::Seconds(10);
 };
 
 // Run() is called by one thread; Stop() may be called from any thread (e.g. a signal watcher).
+// Threads: the session thread (Run) reads the coordinator's messages; a heartbeat thread; one
+// thread per run. All of them decide through lifecycle_ under mu_; the gRPC writes happen under
+// session_mu_, never under mu_.
 class Agent {
  public:
   explicit Agent(AgentOptions options);
@@ -58,36 +71,37 @@ class Agent {
   void Stop();
 
  private:
-  // One training assignment, owned by its job thread and the agent together. Buffers live as
-  // long as either holds it, so an abandoned thread never touches freed memory.
-  struct JobRun {
+  // One generation of one job, trained on its own thread.
+  struct RunHandle {
+    RunId id = 0;
     v1::Assignment assignment;
-    std::atomic<bool> abort{false};
-    std::atomic<bool> done{false};
+    // Shared with whatever may outlive the thread (an abandoned Gloo call's store client).
+    std::shared_ptr<AbortSignal> abort = std::make_shared<AbortSignal>();
+    // The job's state, handed back by the thread when it ends (under mu_).
+    std::unique_ptr<Trainer> state;
     std::thread thread;
-    // The run of the previous generation of the same job, if any: this run starts only once
-    // that one has stopped and handed over its state.
-    std::shared_ptr<JobRun> previous;
-    absl::Notification finished;
-    // The generation's communicator while it exists, so an abort can interrupt collectives;
-    // GPU workers also get their NCCL communicator aborted through device_abort.
-    std::mutex comm_mu;
-    Communicator* comm = nullptr;
-    std::function<void()> device_abort;
   };
 
+  // Feeds one event to the lifecycle (fn(lifecycle, now) -> LifecycleActions) and carries out
+  // the decision: under mu_ for the runs and the kept state, then the reports and the
+  // destruction of dropped state after unlocking.
+  template <typename Fn>
+  void Decide(Fn&& fn) ABSL_LOCKS_EXCLUDED(mu_, session_mu_);
+  void Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sends,
+             std::vector<std::unique_ptr<Trainer>>* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Serves one session; returns why it ended. Sets *registered once the coordinator took us.
-  absl::Status RunSession(bool* registered);
+  absl::Status RunSession(bool* registered) ABSL_LOCKS_EXCLUDED(mu_, session_mu_);
   // Writes options_.status_file (if set): "STATE detail".
   void WriteStatus(const std::string& state, const std::string& detail);
   // Thread-safe; drops the message when no session is open.
-  void Send(const v1::WorkerMessage& message);
-  void StartJob(const v1::Assignment& assignment);
-  void AbortJobs(const std::string& job_id, int64_t generation, const std::string& reason);
-  void RunJob(std::shared_ptr<JobRun> run);
+  void Send(const v1::WorkerMessage& message) ABSL_LOCKS_EXCLUDED(session_mu_);
+  // The body of a run's thread.
+  void RunJob(RunHandle* run, std::unique_ptr<Trainer> state) ABSL_LOCKS_EXCLUDED(mu_);
   // Trains one generation; `trainer` holds the job's state across generations.
-  absl::Status TrainGeneration(JobRun& run, std::unique_ptr<Trainer>& trainer, bool* fatal);
-  void ReapJobs(bool wait);
+  absl::Status TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& trainer, bool* fatal);
+  // Joins the threads of runs that ended.
+  void JoinEnded() ABSL_LOCKS_EXCLUDED(mu_);
 
   const AgentOptions options_;
   const uint64_t incarnation_;
@@ -95,16 +109,17 @@ class Agent {
   std::shared_ptr<v1::StoreService::StubInterface> store_stub_;
 
   std::atomic<bool> stop_{false};
-  std::mutex session_mu_;  // guards stream_, context_ and writes to the stream
-  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_ = nullptr;
-  grpc::ClientContext* context_ = nullptr;
+  absl::Mutex session_mu_ ABSL_ACQUIRED_AFTER(mu_);  // the stream and writes to it
+  grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_
+      ABSL_GUARDED_BY(session_mu_) = nullptr;
+  grpc::ClientContext* context_ ABSL_GUARDED_BY(session_mu_) = nullptr;
 
-  std::mutex jobs_mu_;
-  std::vector<std::shared_ptr<JobRun>> jobs_;  // current and abandoned job threads
-  // State kept after an aborted generation (parameters, optimizer, step) so the next
-  // generation of the same job heals from memory. At most one job's state is kept.
-  std::string retained_job_;
-  std::unique_ptr<Trainer> retained_;
+  absl::Mutex mu_;
+  WorkerLifecycle lifecycle_ ABSL_GUARDED_BY(mu_);
+  std::map<RunId, std::unique_ptr<RunHandle>> runs_ ABSL_GUARDED_BY(mu_);
+  // The state kept between runs of one job (lifecycle_.kept() says whose).
+  std::unique_ptr<Trainer> kept_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> ended_ ABSL_GUARDED_BY(mu_);  // threads of ended runs, to join
 };
 
 }  // namespace lockstep::worker

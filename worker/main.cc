@@ -15,7 +15,9 @@
 #include "common/auth.h"
 #include "glog/logging.h"
 #include "worker/agent.h"
+#include "worker/comm/shm_communicator.h"
 #include "worker/device.h"
+#include "worker/test_hooks.h"
 #include "worker/train/dataset.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
@@ -39,6 +41,11 @@ ABSL_FLAG(std::string, status_file, "",
 ABSL_FLAG(std::string, comm_address, "",
           "Address peers use for collectives (default: the local address that routes to the "
           "coordinator).");
+
+ABSL_FLAG(std::string, test_hooks, "",
+          "For tests only: hook points where the worker holds until a test releases it "
+          "(NAME or NAME@N, comma-separated; see worker/test_hooks.h).");
+ABSL_FLAG(std::string, test_hooks_dir, "", "For tests only: where --test_hooks' files go.");
 
 namespace {
 
@@ -130,6 +137,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.status_file = absl::GetFlag(FLAGS_status_file);
+  if (absl::Status s = lockstep::worker::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
+                                                        absl::GetFlag(FLAGS_test_hooks_dir));
+      !s.ok()) {
+    LOG(ERROR) << s.message();
+    return 2;
+  }
+  // Segment names left in /dev/shm by workers killed while setting one up.
+  lockstep::worker::ShmCommunicator::SweepStaleSegments();
   lockstep::worker::SetDatasetCacheDir(absl::GetFlag(FLAGS_data_cache_dir));
   LOG(INFO) << "lockstep-worker " << options.name << " on " << options.host << " device "
             << options.device << ", collectives on " << options.comm_address;

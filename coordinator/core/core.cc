@@ -47,6 +47,7 @@ Core::JobRecord* Core::FindJob(const std::string& job_id) {
 
 absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& request, absl::Time now,
                                                  Decisions* out) {
+  ObserveTime(now);
   if (request.name().empty()) return absl::InvalidArgumentError("register.name: required");
   if (request.device().empty()) return absl::InvalidArgumentError("register.device: required");
   for (const auto& [id, w] : workers_) {
@@ -83,6 +84,7 @@ void Core::MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time 
 
 void Core::WorkerDisconnected(const std::string& worker_id, const std::string& reason,
                               absl::Time now, Decisions* out) {
+  ObserveTime(now);
   Worker* worker = FindWorker(worker_id);
   if (worker == nullptr) return;
   MarkWorkerLost(*worker,
@@ -92,6 +94,7 @@ void Core::WorkerDisconnected(const std::string& worker_id, const std::string& r
 }
 
 absl::Status Core::Heartbeat(const std::string& worker_id, absl::Time now) {
+  ObserveTime(now);
   Worker* worker = FindWorker(worker_id);
   if (worker == nullptr || worker->state == WorkerState::kLost) {
     return absl::NotFoundError(absl::StrCat("worker ", worker_id, " is not registered"));
@@ -100,49 +103,108 @@ absl::Status Core::Heartbeat(const std::string& worker_id, absl::Time now) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
-                                                 const std::string& job_id, int64_t generation) {
-  Worker* worker = FindWorker(worker_id);
-  if (worker == nullptr || worker->state == WorkerState::kLost) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker_id, " is not registered"));
+const Core::JobRecord* Core::FencedJob(const std::string& job_id, int64_t generation,
+                                       const std::string& worker_id, absl::Status* status) const {
+  const Worker* worker = nullptr;
+  if (!worker_id.empty()) {
+    auto w = workers_.find(worker_id);
+    if (w == workers_.end() || w->second.state == WorkerState::kLost) {
+      *status = absl::NotFoundError(absl::StrCat("worker ", worker_id, " is not registered"));
+      return nullptr;
+    }
+    worker = &w->second;
   }
-  JobRecord* job = FindJob(job_id);
-  if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
-  if (IsTerminal(job->job.state())) {
-    return absl::AbortedError(
-        absl::StrCat("job ", job_id, " has ended (", v1::JobState_Name(job->job.state()), ")"));
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    *status = absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+    return nullptr;
   }
-  if (job->job.state() != v1::JOB_STATE_RUNNING) {
-    return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
-                                           " was aborted; the job is re-forming"));
+  const JobRecord& job = it->second;
+  if (IsTerminal(job.job.state())) {
+    *status = absl::AbortedError(
+        absl::StrCat("job ", job_id, " has ended (", v1::JobState_Name(job.job.state()), ")"));
+    return nullptr;
   }
-  if (generation != job->job.generation() || worker->state != WorkerState::kBusy ||
-      worker->job_id != job_id || worker->generation != generation) {
-    return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
-                                           " is stale (current generation ", job->job.generation(),
-                                           ")"));
+  if (generation != job.job.generation() || job.job.state() != v1::JOB_STATE_RUNNING) {
+    *status = absl::AbortedError(
+        absl::StrCat("generation ", generation, " of job ", job_id, " is not live (current ",
+                     job.job.generation(),
+                     job.job.state() == v1::JOB_STATE_RUNNING ? "" : ", being re-formed", ")"));
+    return nullptr;
   }
-  return job;
+  if (worker != nullptr && (worker->state != WorkerState::kBusy || worker->job_id != job_id ||
+                            worker->generation != generation)) {
+    *status = absl::AbortedError(absl::StrCat("worker ", worker_id, " is not a member of generation ",
+                                              generation, " of job ", job_id));
+    return nullptr;
+  }
+  *status = absl::OkStatus();
+  return &job;
 }
 
-absl::Status Core::CheckGeneration(const std::string& job_id, int64_t generation) const {
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end())
-    return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
-  const v1::Job& job = it->second.job;
-  if (IsTerminal(job.state())) {
-    return absl::AbortedError(absl::StrCat("job ", job_id, " has ended"));
-  }
-  if (generation != job.generation() || job.state() != v1::JOB_STATE_RUNNING) {
-    return absl::AbortedError(absl::StrCat("generation ", generation, " of job ", job_id,
-                                           " is not current (current generation ", job.generation(),
-                                           ")"));
-  }
-  return absl::OkStatus();
+absl::Status Core::Fence(const std::string& job_id, int64_t generation,
+                         const std::string& worker_id) const {
+  absl::Status status;
+  FencedJob(job_id, generation, worker_id, &status);
+  return status;
 }
+
+absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
+                                                 const std::string& job_id, int64_t generation) {
+  absl::Status status;
+  const JobRecord* job = FencedJob(job_id, generation, worker_id, &status);
+  if (job == nullptr) return status;
+  return const_cast<JobRecord*>(job);
+}
+
+v1::CoordinatorMessage Core::AbortMessage(const std::string& job_id, int64_t generation,
+                                          const std::string& reason, bool job_ended) {
+  v1::CoordinatorMessage message;
+  v1::Abort* abort = message.mutable_abort();
+  abort->set_job_id(job_id);
+  abort->set_generation(generation);
+  abort->set_reason(reason);
+  abort->set_job_ended(job_ended);
+  return message;
+}
+
+void Core::ObserveTime(absl::Time now) {
+  if (options_.tick_interval <= absl::ZeroDuration()) return;
+  const absl::Time last = last_input_;
+  last_input_ = std::max(last_input_, now);
+  // Ticks come every tick_interval and heartbeats every half second per worker: a gap of a
+  // second without any input means the whole coordinator was stopped or starved, not just one
+  // of its threads.
+  if (last == absl::InfinitePast() ||
+      now - last <= std::max(options_.tick_interval * 10, absl::Seconds(1))) {
+    return;
+  }
+  const absl::Duration gap = now - last;
+  // Nobody could reach the coordinator during the gap, and it could not hear anyone: shift
+  // every clock that measures a worker's or a job's silence by it.
+  const absl::Duration credit = gap - options_.tick_interval;
+  for (auto& [id, w] : workers_) {
+    if (w.state != WorkerState::kLost) w.last_heartbeat = std::min(now, w.last_heartbeat + credit);
+  }
+  for (auto& [id, job] : jobs_) {
+    if (job.last_advance != absl::InfinitePast()) {
+      job.last_advance = std::min(now, job.last_advance + credit);
+    }
+    if (job.reconfigure_since != absl::InfinitePast()) {
+      job.reconfigure_since = std::min(now, job.reconfigure_since + credit);
+    }
+  }
+  last_absence_ = gap;
+  // Sessions that broke during the absence (their keepalives went unanswered) are heard of
+  // within moments of its end; losses until then are the coordinator's doing.
+  away_grace_until_ = now + absl::Seconds(2);
+}
+
+bool Core::CoordinatorWasAway(absl::Time now) const { return now < away_grace_until_; }
 
 absl::Status Core::ReportProgress(const std::string& worker_id, const v1::ProgressReport& report,
                                   absl::Time now, Decisions* out) {
+  ObserveTime(now);
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
   if (!job_or.ok()) return job_or.status();
   JobRecord& job = **job_or;
@@ -157,28 +219,10 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
         std::max<int64_t>(1, absl::ToInt64Milliseconds(now - job.submitted)));
   }
   if (report.first_of_generation() && !job.first_report_of_generation_seen) {
-    // The first step of a new generation: the group may have resumed from an older state
-    // than the coordinator last saw (nobody held the newest), so the job's step follows it.
+    // The first step of a new generation: detection-to-first-step ends here.
     job.first_report_of_generation_seen = true;
-    job.job.set_step(report.step());
     job.last_advance = now;
-    if (job.open_recovery >= 0) {
-      v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
-      r->set_first_step_unix_ms(UnixMs(now));
-      r->set_resumed_from_step(report.resumed_from_step());
-      r->set_source_rank(report.heal_source_rank());
-      r->set_heal_ms(report.heal_ms());
-      r->set_steps_redone(
-          std::max<int64_t>(0, r->step_at_detection() - report.resumed_from_step()));
-      AddEvent(job, v1::JobEvent::MEMBERSHIP,
-               absl::StrFormat("generation %d resumed after step %d (source rank %d, heal %d ms, "
-                               "%d ms after detection, %d steps redone)",
-                               r->to_generation(), r->resumed_from_step(), r->source_rank(),
-                               r->heal_ms(), r->first_step_unix_ms() - r->detect_unix_ms(),
-                               r->steps_redone()),
-               now, out);
-      job.open_recovery = -1;
-    }
+    CloseRecovery(job, now, "", out);
   }
   if (report.step() > job.job.step()) {
     job.job.set_step(report.step());
@@ -209,6 +253,7 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
 
 absl::Status Core::ReportFailure(const std::string& worker_id, const v1::FailureReport& report,
                                  absl::Time now, Decisions* out) {
+  ObserveTime(now);
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
   if (!job_or.ok()) return job_or.status();
   Worker* worker = FindWorker(worker_id);
@@ -223,6 +268,7 @@ absl::Status Core::ReportFailure(const std::string& worker_id, const v1::Failure
 
 absl::Status Core::ReportFinished(const std::string& worker_id, const v1::FinishedReport& report,
                                   absl::Time now, Decisions* out) {
+  ObserveTime(now);
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
   if (!job_or.ok()) return job_or.status();
   JobRecord& job = **job_or;
@@ -257,6 +303,78 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
   return absl::OkStatus();
 }
 
+absl::Status Core::ReportResumed(const std::string& worker_id, const v1::ResumedReport& report,
+                                 absl::Time now, Decisions* out) {
+  ObserveTime(now);
+  auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
+  if (!job_or.ok()) return job_or.status();
+  JobRecord& job = **job_or;
+  // Every member reports the same agreement; the first one speaks for the group.
+  if (job.resumed_report_seen) return absl::OkStatus();
+  job.resumed_report_seen = true;
+  // The group may have resumed from an older state than the coordinator last saw (nobody
+  // held the newest): the job's step follows it.
+  job.job.set_step(report.resumed_from_step());
+  job.last_advance = now;
+  if (job.open_recovery >= 0) {
+    v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
+    r->set_resumed_from_step(report.resumed_from_step());
+    r->set_source_rank(report.source_rank());
+    r->set_heal_ms(report.heal_ms());
+    r->set_steps_redone(std::max<int64_t>(0, r->step_at_detection() - report.resumed_from_step()));
+    // State from a member's memory is that member's last committed step; state from a disk
+    // checkpoint (or none) means every member that held later steps is gone, and what they
+    // completed after their last report is unknown.
+    r->set_steps_redone_lower_bound(report.from_checkpoint() || report.source_rank() < 0);
+    if (job.job.total_steps() > 0 && report.resumed_from_step() >= job.job.total_steps()) {
+      CloseRecovery(job, now, "; no step was left to train", out);
+    }
+  }
+  RefreshMembers(job);
+  out->changed_jobs.insert(job.job.job_id());
+  return absl::OkStatus();
+}
+
+absl::Status Core::ReportCheckpoint(const std::string& worker_id,
+                                    const v1::CheckpointReport& report, absl::Time now,
+                                    Decisions* out) {
+  ObserveTime(now);
+  auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
+  if (!job_or.ok()) return job_or.status();
+  JobRecord& job = **job_or;
+  v1::CheckpointStatus* c = job.job.mutable_checkpoints();
+  if (report.error().empty()) {
+    c->set_last_good_step(report.step());
+    c->set_last_good_path(report.path());
+    c->set_last_good_unix_ms(UnixMs(now));
+    out->changed_jobs.insert(job.job.job_id());
+  } else {
+    c->set_failed_writes(c->failed_writes() + 1);
+    c->set_last_failed_step(report.step());
+    c->set_last_error(report.error());
+    AddEvent(job, v1::JobEvent::CHECKPOINT,
+             absl::StrCat("checkpoint at step ", report.step(), " not written: ", report.error()),
+             now, out);
+  }
+  return absl::OkStatus();
+}
+
+void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note,
+                         Decisions* out) {
+  if (job.open_recovery < 0) return;
+  v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
+  r->set_first_step_unix_ms(UnixMs(now));
+  AddEvent(job, v1::JobEvent::MEMBERSHIP,
+           absl::StrFormat("generation %d resumed after step %d (source rank %d, heal %d ms, %d ms "
+                           "after detection, %s%d steps redone)%s",
+                           r->to_generation(), r->resumed_from_step(), r->source_rank(),
+                           r->heal_ms(), r->first_step_unix_ms() - r->detect_unix_ms(),
+                           r->steps_redone_lower_bound() ? "at least " : "", r->steps_redone(),
+                           note),
+           now, out);
+  job.open_recovery = -1;
+}
+
 absl::Status Core::CheckMemoryFits(const MemoryEstimate& memory, const std::string& device) const {
   // Refuse only what no registered worker can hold; with no workers yet, or one that reports
   // no figure, the job waits (and the scheduler still skips workers that are too small).
@@ -280,6 +398,7 @@ absl::Status Core::CheckMemoryFits(const MemoryEstimate& memory, const std::stri
 }
 
 absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out) {
+  ObserveTime(now);
   ApplyJobSpecDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) return s;
   // With gradient accumulation a worker needs room for one micro-batch, not its whole share.
@@ -287,7 +406,9 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   if (absl::Status s = CheckMemoryFits(memory, spec.device()); !s.ok()) return s;
   JobRecord record;
   record.memory_needed = memory.total();
-  const std::string id = absl::StrCat("job-", next_job_seq_++);
+  const std::string id =
+      absl::StrCat("job-", next_job_seq_++,
+                   options_.job_id_suffix.empty() ? "" : "-", options_.job_id_suffix);
   record.job.set_job_id(id);
   *record.job.mutable_spec() = std::move(spec);
   record.job.set_state(v1::JOB_STATE_PENDING);
@@ -303,11 +424,12 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
 }
 
 int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out) {
+  // "job-N" or "job-N-SUFFIX".
   auto seq_of = [](const v1::Job& job) {
     uint64_t seq = 0;
-    return absl::StartsWith(job.job_id(), "job-") && absl::SimpleAtoi(job.job_id().substr(4), &seq)
-               ? seq
-               : 0;
+    if (!absl::StartsWith(job.job_id(), "job-")) return uint64_t{0};
+    const std::string rest = job.job_id().substr(4);
+    return absl::SimpleAtoi(rest.substr(0, rest.find('-')), &seq) ? seq : uint64_t{0};
   };
   std::sort(jobs.begin(), jobs.end(),
             [&](const v1::Job& a, const v1::Job& b) { return seq_of(a) < seq_of(b); });
@@ -338,13 +460,15 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     }
     // Its members are unknown to this coordinator until they register again.
     job.members.clear();
-    BeginReconfiguration(job, "coordinator restarted", /*scale_up=*/false, now, now, out);
+    BeginReconfiguration(job, "coordinator restarted", /*scale_up=*/false,
+                         /*coordinator_caused=*/true, now, now, out);
   }
   Schedule(now, out);
   return resuming;
 }
 
 absl::StatusOr<v1::Job> Core::CancelJob(const std::string& job_id, absl::Time now, Decisions* out) {
+  ObserveTime(now);
   JobRecord* job = FindJob(job_id);
   if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
   if (IsTerminal(job->job.state())) {
@@ -415,6 +539,7 @@ absl::StatusOr<std::vector<v1::JobEvent>> Core::EventsSince(const std::string& j
 }
 
 void Core::Tick(absl::Time now, Decisions* out) {
+  ObserveTime(now);
   // Heartbeat silence: the job's own timeout applies to its members.
   for (auto& [id, w] : workers_) {
     if (w.state == WorkerState::kLost) continue;
@@ -535,7 +660,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
       names.push_back(workers_.at(idle[i].worker_id).info.name());
     }
     BeginReconfiguration(job, absl::StrCat("scale-up: ", absl::StrJoin(names, ", "), " joined"),
-                         /*scale_up=*/true, now, now, out);
+                         /*scale_up=*/true, /*coordinator_caused=*/false, now, now, out);
     TryReform(job, now, out);
   }
 }
@@ -556,6 +681,8 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
   }
   job.last_advance = now;
   job.first_report_of_generation_seen = false;
+  job.resumed_report_seen = false;
+  out->started_generations.emplace_back(job.job.job_id(), generation);
   job.job.set_state(v1::JOB_STATE_RUNNING);
   job.job.set_reason(absl::StrCat("generation ", generation, " training on ", worker_ids.size(),
                                   " worker", worker_ids.size() == 1 ? "" : "s"));
@@ -612,7 +739,9 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
     RefreshMembers(job);
     return TryReform(job, now, out);
   }
-  if (job.job.recoveries() >= MaxRestarts(job)) {
+  // Losses the coordinator's own absence caused are recovered, but not charged to the job.
+  const bool coordinator_caused = CoordinatorWasAway(now);
+  if (!coordinator_caused && job.job.recoveries() >= MaxRestarts(job)) {
     return FinishJob(job, v1::JOB_STATE_FAILED,
                      absl::StrCat(reason, " (max_restarts ", MaxRestarts(job),
                                   job.job.recoveries() > 0 ? " used up)" : ": recovery disabled)"),
@@ -621,26 +750,28 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
                                    [&](const MemberState& m) { return m.worker_id == worker_id; }),
                     job.members.end());
-  job.job.set_recoveries(job.job.recoveries() + 1);
+  if (!coordinator_caused) job.job.set_recoveries(job.job.recoveries() + 1);
   // After a reported collective error give the culprit a moment to be detected (its stream
   // closes within milliseconds when it died), so the next generation does not include it.
   const absl::Time reform_after = worker_id.empty() ? now + absl::Milliseconds(300) : now;
-  BeginReconfiguration(job, reason, /*scale_up=*/false, reform_after, now, out);
+  BeginReconfiguration(job,
+                       coordinator_caused
+                           ? absl::StrCat(reason, " (the coordinator had been unresponsive for ",
+                                          Seconds1(last_absence_), "; not counted)")
+                           : reason,
+                       /*scale_up=*/false, coordinator_caused, reform_after, now, out);
   TryReform(job, now, out);
 }
 
 void Core::PushAbort(const JobRecord& job, const std::string& worker_id, const std::string& reason,
-                     Decisions* out) {
-  Decisions::Outgoing msg{worker_id, {}};
-  v1::Abort* abort = msg.message.mutable_abort();
-  abort->set_job_id(job.job.job_id());
-  abort->set_generation(job.job.generation());
-  abort->set_reason(reason);
-  out->messages.push_back(std::move(msg));
+                     Decisions* out, bool job_ended) {
+  out->messages.push_back(
+      {worker_id, AbortMessage(job.job.job_id(), job.job.generation(), reason, job_ended)});
 }
 
 void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,
-                                absl::Time reform_after, absl::Time now, Decisions* out) {
+                                bool coordinator_caused, absl::Time reform_after, absl::Time now,
+                                Decisions* out) {
   for (const MemberState& m : job.members) {
     Worker* w = FindWorker(m.worker_id);
     if (w == nullptr || w->state != WorkerState::kBusy) continue;
@@ -651,6 +782,7 @@ void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool 
   r->set_from_generation(job.job.generation());
   r->set_reason(reason);
   r->set_scale_up(scale_up);
+  r->set_coordinator_caused(coordinator_caused);
   r->set_detect_unix_ms(UnixMs(now));
   r->set_step_at_detection(job.job.step());
   r->set_source_rank(-1);
@@ -701,7 +833,9 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
     Worker* w = FindWorker(m.worker_id);
     if (w == nullptr || w->job_id != job.job.job_id()) continue;
     if (w->state == WorkerState::kBusy) {
-      if (state != v1::JOB_STATE_SUCCEEDED) PushAbort(job, w->id, reason, out);
+      // A member that has not finished (still evaluating, or the job failed or was cancelled)
+      // stops, and may drop what it keeps for the job.
+      if (!m.finished) PushAbort(job, w->id, reason, out, /*job_ended=*/true);
       w->state = WorkerState::kIdle;
     }
     w->job_id.clear();

@@ -32,6 +32,17 @@ struct CoreOptions {
   size_t max_events_per_job = 5000;
   // Progress events are recorded at most this often per job.
   absl::Duration progress_event_interval = absl::Milliseconds(200);
+  // Appended to every new job id ("job-7-3fa9c1"), so ids never repeat across coordinator
+  // incarnations, even one that lost its state: a worker's kept state, and a checkpoint, belong
+  // to exactly one job. The shell passes its cluster's id (kept in --state_dir) or a random one.
+  std::string job_id_suffix;
+  // How often the shell calls Tick (zero: the core does not watch its own liveness). When no
+  // input at all (ticks, heartbeats, reports) arrived for ten intervals (at least a second),
+  // the coordinator itself was away (frozen, starved, paused by a debugger): the silence it
+  // caused is not held against the workers (their heartbeats and the jobs' step timers are
+  // credited), and member losses reported in the two seconds after it (the sessions that broke
+  // meanwhile) are recovered without counting against max_restarts.
+  absl::Duration tick_interval = absl::ZeroDuration();
 };
 
 // What the shell must do after an input: messages to push to workers, sessions to close
@@ -43,7 +54,9 @@ struct Decisions {
   };
   std::vector<Outgoing> messages;
   std::vector<std::string> close_sessions;
-  // (job_id, generation) pairs that ended.
+  // (job_id, generation) pairs that started and ended: the shell opens and closes their
+  // bootstrap-store scopes, under its lock, before the decisions' messages can be read.
+  std::vector<std::pair<std::string, int64_t>> started_generations;
   std::vector<std::pair<std::string, int64_t>> ended_generations;
   std::set<std::string> changed_jobs;
 };
@@ -63,14 +76,22 @@ class Core {
                           Decisions* out);
   // NOT_FOUND for an unknown or lost worker (its session must end).
   absl::Status Heartbeat(const std::string& worker_id, absl::Time now);
-  // Member reports. ABORTED when (job, generation) is not the worker's current assignment:
-  // the shell answers with an Abort and the report changes nothing.
+  // Member reports. ABORTED when (job, generation) is not the worker's current assignment (the
+  // generation fence, Fence below): the shell answers with AbortMessage and the report changes
+  // nothing.
   absl::Status ReportProgress(const std::string& worker_id, const v1::ProgressReport& report,
                               absl::Time now, Decisions* out);
   absl::Status ReportFailure(const std::string& worker_id, const v1::FailureReport& report,
                              absl::Time now, Decisions* out);
   absl::Status ReportFinished(const std::string& worker_id, const v1::FinishedReport& report,
                               absl::Time now, Decisions* out);
+  // The group agreed on its state: records where the open recovery resumed (and closes it at
+  // once when no step is left to train).
+  absl::Status ReportResumed(const std::string& worker_id, const v1::ResumedReport& report,
+                             absl::Time now, Decisions* out);
+  // Rank 0 wrote (or failed to write) a checkpoint; a failure is an event of the job.
+  absl::Status ReportCheckpoint(const std::string& worker_id, const v1::CheckpointReport& report,
+                                absl::Time now, Decisions* out);
 
   // --- Jobs ---
   // Jobs saved by a previous coordinator, before any worker registers. Ended jobs are listed as
@@ -90,9 +111,17 @@ class Core {
   // Events of the job with sequence >= from_sequence (older ones may have been dropped).
   absl::StatusOr<std::vector<v1::JobEvent>> EventsSince(const std::string& job_id,
                                                         int64_t from_sequence) const;
-  // OK when (job_id, generation) is the job's current, live generation; ABORTED when it is an
-  // older one or the job has ended; NOT_FOUND for an unknown job.
-  absl::Status CheckGeneration(const std::string& job_id, int64_t generation) const;
+  // The generation fence, the one place that decides whether (job_id, generation) is live: OK
+  // when it is the job's current generation and the job is RUNNING, and (with a worker id) the
+  // worker is a member of it; ABORTED when it is older, being re-formed or the job has ended;
+  // NOT_FOUND for an unknown job (or an unknown or lost worker).
+  absl::Status Fence(const std::string& job_id, int64_t generation,
+                     const std::string& worker_id = "") const;
+
+  // The message that tells a worker to stop (job, generation), with the reason; `job_ended`
+  // lets it drop what it kept for the job.
+  static v1::CoordinatorMessage AbortMessage(const std::string& job_id, int64_t generation,
+                                             const std::string& reason, bool job_ended = false);
 
   // Timeouts (heartbeat, step, rendezvous) and scheduling. Call periodically.
   void Tick(absl::Time now, Decisions* out);
@@ -135,6 +164,7 @@ class Core {
     // Index in job.recovery_history() of the re-formation whose first step is awaited.
     int open_recovery = -1;
     bool first_report_of_generation_seen = false;
+    bool resumed_report_seen = false;
     // Estimated peak memory of one worker (EstimateWorkerMemory at MinMicroBatch): workers that
     // report less free memory are never given this job.
     int64_t memory_needed = 0;
@@ -145,9 +175,16 @@ class Core {
   absl::Status CheckMemoryFits(const MemoryEstimate& memory, const std::string& device) const;
   Worker* FindWorker(const std::string& worker_id);
   JobRecord* FindJob(const std::string& job_id);
-  // The worker's job record when (job, generation) is its current assignment, else ABORTED.
+  // The job record behind Fence (which says when there is none).
+  const JobRecord* FencedJob(const std::string& job_id, int64_t generation,
+                             const std::string& worker_id, absl::Status* status) const;
   absl::StatusOr<JobRecord*> MemberJob(const std::string& worker_id, const std::string& job_id,
                                        int64_t generation);
+  // Notices that the coordinator itself was away (see CoreOptions::tick_interval) and credits
+  // the silence it caused. Called first by every input that carries `now`.
+  void ObserveTime(absl::Time now);
+  // Whether a member loss at `now` may have been caused by the coordinator's own absence.
+  bool CoordinatorWasAway(absl::Time now) const;
   void Schedule(absl::Time now, Decisions* out);
   void StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
                        Decisions* out);
@@ -159,7 +196,8 @@ class Core {
   // Aborts the current generation's members (they stay reserved for the job) and records a
   // re-formation; the job is RECONFIGURING until TryReform succeeds.
   void BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,
-                            absl::Time reform_after, absl::Time now, Decisions* out);
+                            bool coordinator_caused, absl::Time reform_after, absl::Time now,
+                            Decisions* out);
   // Forms the next generation when enough workers are available.
   void TryReform(JobRecord& job, absl::Time now, Decisions* out);
   // Idle workers of `device` ("cpu", "cuda"; empty: any) in registration order; with
@@ -171,9 +209,11 @@ class Core {
   // Ends the job: aborts the current generation's members that are still connected, frees them.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,
                  Decisions* out);
+  // Ends the open recovery: the new generation completed its first step (or has none left).
+  void CloseRecovery(JobRecord& job, absl::Time now, const std::string& note, Decisions* out);
   // Tells one member to stop the job's current generation.
   void PushAbort(const JobRecord& job, const std::string& worker_id, const std::string& reason,
-                 Decisions* out);
+                 Decisions* out, bool job_ended = false);
   void MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time now, Decisions* out);
   void RefreshMembers(JobRecord& job);
   void AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& message, absl::Time now,
@@ -181,6 +221,11 @@ class Core {
   void PruneLostWorkers();
 
   const CoreOptions options_;
+  // Liveness of the coordinator itself (tick_interval): the last input, until when member
+  // losses are blamed on an absence that just ended, and how long it was.
+  absl::Time last_input_ = absl::InfinitePast();
+  absl::Time away_grace_until_ = absl::InfinitePast();
+  absl::Duration last_absence_;
   uint64_t next_worker_seq_ = 1;
   uint64_t next_job_seq_ = 1;
   std::map<std::string, Worker> workers_;  // by worker id

@@ -62,6 +62,7 @@ void ApplyJobSpecDefaults(v1::JobSpec* spec) {
   if (spec->threads_per_worker() == 0) spec->set_threads_per_worker(1);
   if (spec->device().empty()) spec->set_device("cpu");
   if (spec->precision().empty()) spec->set_precision("fp32");
+  if (spec->checkpoint_failure_policy().empty()) spec->set_checkpoint_failure_policy("warn");
 }
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
@@ -248,6 +249,14 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   }
   if (spec.keep_checkpoints() < 0) {
     return Invalid("keep_checkpoints", absl::StrCat("must be >= 0, got ", spec.keep_checkpoints()));
+  }
+  if (spec.checkpoint_failure_policy() != "warn" && spec.checkpoint_failure_policy() != "fail") {
+    return Invalid("checkpoint_failure_policy",
+                   absl::StrCat("must be \"warn\" or \"fail\", got \"",
+                                spec.checkpoint_failure_policy(), "\""));
+  }
+  if (spec.has_init_from_checkpoint() && spec.init_from_checkpoint().path().empty()) {
+    return Invalid("init_from_checkpoint.path", "required (a checkpoint file or a directory)");
   }
   return absl::OkStatus();
 }

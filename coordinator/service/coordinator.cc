@@ -82,6 +82,10 @@ void Coordinator::SendTo(const std::string& worker_id, v1::CoordinatorMessage me
 }
 
 void Coordinator::QueueMessages(const Decisions& decisions) {
+  for (const auto& [job, generation] : decisions.ended_generations) store_.Close({job, generation});
+  for (const auto& [job, generation] : decisions.started_generations) {
+    store_.Open({job, generation});
+  }
   for (const auto& m : decisions.messages) {
     auto it = sessions_.find(m.worker_id);
     if (it != sessions_.end()) it->second->Push(m.message);
@@ -90,7 +94,7 @@ void Coordinator::QueueMessages(const Decisions& decisions) {
 
 void Coordinator::Apply(const Decisions& decisions) {
   std::vector<std::shared_ptr<SessionOutbox>> closes;
-  std::vector<v1::Job> changed;
+  std::vector<std::pair<uint64_t, v1::Job>> changed;  // (snapshot version, job)
   {
     absl::MutexLock lock(&mu_);
     for (const std::string& id : decisions.close_sessions) {
@@ -100,23 +104,26 @@ void Coordinator::Apply(const Decisions& decisions) {
         sessions_.erase(it);
       }
     }
-    for (const auto& key : decisions.ended_generations) kv_.erase(key);
     for (const std::string& id : decisions.changed_jobs) {
-      if (auto job = core_.GetJob(id); job.ok()) changed.push_back(*std::move(job));
+      if (auto job = core_.GetJob(id); job.ok()) {
+        changed.emplace_back(++snapshot_version_, *std::move(job));
+      }
     }
     if (!decisions.changed_jobs.empty() || !decisions.ended_generations.empty()) {
       changed_.SignalAll();
     }
   }
   for (auto& outbox : closes) outbox->Close();
-  for (const v1::Job& job : changed) {
+  // Snapshots are taken in decision order under mu_ but saved after it, by whichever threads
+  // decided: a slower thread must never overwrite a job's newer snapshot with its older one
+  // (a restarted coordinator would then resume from stale state).
+  absl::MutexLock lock(&save_mu_);
+  for (const auto& [version, job] : changed) {
+    uint64_t& saved = saved_versions_[job.job_id()];
+    if (version < saved) continue;
+    saved = version;
     if (absl::Status s = job_store_->Save(job); !s.ok()) {
       LOG(ERROR) << "saving job " << job.job_id() << ": " << s;
-    }
-  }
-  for (const v1::Job& job : changed) {
-    if (Core::IsTerminal(job.state()) && job.end_time_unix_ms() != 0) {
-      VLOG(1) << "job " << job.job_id() << " " << v1::JobState_Name(job.state());
     }
   }
 }
@@ -124,40 +131,22 @@ void Coordinator::Apply(const Decisions& decisions) {
 absl::Status Coordinator::StoreSet(const std::string& job_id, int64_t generation,
                                    const std::string& key, std::string value) {
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = core_.CheckGeneration(job_id, generation); !s.ok()) return s;
-  kv_[{job_id, generation}][key] = std::move(value);
-  changed_.SignalAll();
-  return absl::OkStatus();
+  if (absl::Status s = core_.Fence(job_id, generation); !s.ok()) return s;
+  return store_.Set({job_id, generation}, key, std::move(value));
 }
 
 absl::StatusOr<std::string> Coordinator::StoreWait(const std::string& job_id, int64_t generation,
                                                    const std::vector<std::string>& keys,
                                                    absl::Duration timeout,
                                                    grpc::ServerContext* context) {
-  if (keys.empty()) return absl::InvalidArgumentError("keys: at least one key is required");
-  const absl::Time deadline = clock_->Now() + timeout;
-  absl::MutexLock lock(&mu_);
-  while (true) {
-    if (absl::Status s = core_.CheckGeneration(job_id, generation); !s.ok()) return s;
-    auto it = kv_.find({job_id, generation});
-    if (it != kv_.end()) {
-      bool all = true;
-      for (const std::string& k : keys) all = all && it->second.count(k) > 0;
-      if (all) return it->second.at(keys.front());
-    }
-    if (shutdown_) return absl::UnavailableError("coordinator is shutting down");
-    if (context != nullptr && context->IsCancelled()) {
-      return absl::CancelledError("request cancelled");
-    }
-    const absl::Time now = clock_->Now();
-    if (now >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("store key \"", keys.front(), "\" of job ", job_id, " generation ",
-                       generation, " not set within ", absl::FormatDuration(timeout)));
-    }
-    // Wake at least every 200 ms to notice cancelled calls.
-    changed_.WaitWithTimeout(&mu_, std::min(deadline - now, absl::Milliseconds(200)));
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = core_.Fence(job_id, generation); !s.ok()) return s;
   }
+  // The scope was open under mu_ just now; if the generation ends from here on, the store
+  // closes the scope and the wait ends with ABORTED.
+  return store_.Wait({job_id, generation}, keys, absl::Now() + timeout,
+                     [context] { return context != nullptr && context->IsCancelled(); });
 }
 
 absl::StatusOr<std::vector<v1::JobEvent>> Coordinator::WaitEvents(const std::string& job_id,
@@ -187,6 +176,7 @@ void Coordinator::Tick() {
 
 void Coordinator::Shutdown() {
   std::vector<std::shared_ptr<SessionOutbox>> sessions;
+  store_.Shutdown();
   {
     absl::MutexLock lock(&mu_);
     shutdown_ = true;

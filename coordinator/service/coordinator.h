@@ -1,6 +1,6 @@
 // The coordinator's shell state: the pure Core under one mutex, the live worker sessions, and
-// the bootstrap key-value store. The three gRPC services (jobs, workers, store) are thin
-// wrappers over this class.
+// the bootstrap store whose scopes follow the core's generations. The three gRPC services
+// (jobs, workers, store) are thin wrappers over this class.
 //
 // Thread safety: every public method may be called from any thread. Core calls run under mu_;
 // their messages are queued on the sessions' outboxes before mu_ is released (so each worker
@@ -20,6 +20,7 @@
 #include "common/clock.h"
 #include "coordinator/core/core.h"
 #include "coordinator/service/client_gate.h"
+#include "coordinator/store/bootstrap_store.h"
 #include "coordinator/store/job_store.h"
 #include "grpcpp/server_context.h"
 #include "lockstep/v1/worker.pb.h"
@@ -80,7 +81,7 @@ class Coordinator {
   void Disconnect(const std::string& worker_id, const std::string& reason);
   void SendTo(const std::string& worker_id, v1::CoordinatorMessage message);
 
-  // Bootstrap store, scoped by the core's live generations.
+  // Bootstrap store, behind the core's generation fence (Core::Fence).
   absl::Status StoreSet(const std::string& job_id, int64_t generation, const std::string& key,
                         std::string value);
   // Waits until every key exists; returns the value of the first one.
@@ -98,8 +99,10 @@ class Coordinator {
   void Shutdown();
 
  private:
-  // Queues the decisions' messages on the sessions' outboxes. Runs under mu_ so that messages
-  // to one worker keep the order in which the core decided them, whichever threads decided.
+  // Opens and closes the store scopes of the generations that started and ended, then queues
+  // the decisions' messages on the sessions' outboxes. Runs under mu_ so that messages to one
+  // worker keep the order in which the core decided them, whichever threads decided, and a
+  // scope is open before any member can read its assignment.
   void QueueMessages(const Decisions& decisions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Everything else (closing sessions, saving jobs), after mu_ is released.
   void Apply(const Decisions& decisions) ABSL_LOCKS_EXCLUDED(mu_);
@@ -111,9 +114,11 @@ class Coordinator {
   absl::CondVar changed_;  // signalled on every store write and job change
   Core core_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<SessionOutbox>> sessions_ ABSL_GUARDED_BY(mu_);
-  // (job, generation) -> key -> value.
-  std::map<std::pair<std::string, int64_t>, std::map<std::string, std::string>> kv_
-      ABSL_GUARDED_BY(mu_);
+  BootstrapStore store_;  // has its own lock; taken after mu_, never before
+  uint64_t snapshot_version_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex save_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  // Per job, the version of the snapshot saved last.
+  std::map<std::string, uint64_t> saved_versions_ ABSL_GUARDED_BY(save_mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -9,19 +9,6 @@
 #include "glog/logging.h"
 
 namespace lockstep::coordinator {
-namespace {
-
-v1::CoordinatorMessage AbortMessage(const std::string& job_id, int64_t generation,
-                                    const absl::Status& status) {
-  v1::CoordinatorMessage message;
-  v1::Abort* abort = message.mutable_abort();
-  abort->set_job_id(job_id);
-  abort->set_generation(generation);
-  abort->set_reason(std::string(status.message()));
-  return message;
-}
-
-}  // namespace
 
 grpc::Status WorkerServiceImpl::Session(
     grpc::ServerContext* context,
@@ -70,6 +57,25 @@ grpc::Status WorkerServiceImpl::Session(
             return core.ReportFailure(worker_id, message.failure(), now, d);
           });
           break;
+        case v1::WorkerMessage::kResumed:
+          job_id = message.resumed().job_id();
+          generation = message.resumed().generation();
+          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
+            return core.ReportResumed(worker_id, message.resumed(), now, d);
+          });
+          break;
+        case v1::WorkerMessage::kCheckpoint:
+          job_id = message.checkpoint().job_id();
+          generation = message.checkpoint().generation();
+          if (!message.checkpoint().error().empty()) {
+            LOG(WARNING) << "worker " << worker_id << ": checkpoint of " << job_id << " at step "
+                         << message.checkpoint().step()
+                         << " not written: " << message.checkpoint().error();
+          }
+          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
+            return core.ReportCheckpoint(worker_id, message.checkpoint(), now, d);
+          });
+          break;
         case v1::WorkerMessage::kFinished:
           job_id = message.finished().job_id();
           generation = message.finished().generation();
@@ -82,7 +88,7 @@ grpc::Status WorkerServiceImpl::Session(
       }
       if (absl::IsAborted(status)) {
         // Stale generation: fence the sender; its report changed nothing.
-        outbox->Push(AbortMessage(job_id, generation, status));
+        outbox->Push(Core::AbortMessage(job_id, generation, std::string(status.message())));
       } else if (absl::IsNotFound(status) && job_id.empty()) {
         reason = absl::StrCat("session ended: ", status.message());
         break;

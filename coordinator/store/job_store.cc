@@ -9,50 +9,26 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/atomic_file.h"
 #include "glog/logging.h"
 
 namespace lockstep::coordinator {
 namespace {
 
 absl::Status ErrnoError(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+  return ErrnoStatus(errno, what, path);
 }
 
-// Writes `bytes` to `path` through a temporary file, so a reader sees the old or the new
-// contents, never a mix, even across a crash.
-absl::Status WriteAtomically(const std::string& dir, const std::string& path,
-                             const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return ErrnoError("cannot create", tmp);
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      absl::Status s = ErrnoError("cannot write", tmp);
-      ::close(fd);
-      return s;
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    absl::Status s = ErrnoError("cannot fsync", tmp);
-    ::close(fd);
-    return s;
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError("cannot rename to", path);
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
-  return absl::OkStatus();
+std::string RandomClusterId() {
+  std::random_device rd;
+  return absl::StrFormat("%06x", rd() & 0xffffff);
 }
 
 }  // namespace
@@ -90,7 +66,8 @@ absl::Status FileJobStore::Save(const v1::Job& job) {
     return absl::InternalError(absl::StrCat("cannot serialize ", job.job_id()));
   }
   absl::MutexLock lock(&mu_);
-  return WriteAtomically(jobs_dir_, absl::StrCat(jobs_dir_, "/", job.job_id(), ".pb"), bytes);
+  return WriteFileAtomically(absl::StrCat(jobs_dir_, "/", job.job_id(), ".pb"), bytes,
+                             Durability::kDurable);
 }
 
 absl::StatusOr<std::vector<v1::Job>> FileJobStore::LoadAll() {
@@ -115,6 +92,26 @@ absl::StatusOr<std::vector<v1::Job>> FileJobStore::LoadAll() {
   }
   if (ec) return absl::InternalError(absl::StrCat("cannot list ", jobs_dir_, ": ", ec.message()));
   return jobs;
+}
+
+absl::StatusOr<std::string> ClusterId(const std::string& dir) {
+  if (dir.empty()) return RandomClusterId();
+  const std::string path = dir + "/cluster_id";
+  std::ifstream in(path);
+  std::string id;
+  if (in >> id) {
+    if (id.size() == 6 && std::all_of(id.begin(), id.end(), [](char c) {
+          return absl::ascii_isxdigit(static_cast<unsigned char>(c));
+        })) {
+      return id;
+    }
+    return absl::DataLossError(absl::StrCat(path, ": not a cluster id (six hex digits): ", id));
+  }
+  id = RandomClusterId();
+  if (absl::Status s = WriteFileAtomically(path, id + "\n", Durability::kDurable); !s.ok()) {
+    return s;
+  }
+  return id;
 }
 
 }  // namespace lockstep::coordinator

@@ -49,4 +49,10 @@ class FileJobStore final : public JobStore {
   absl::Mutex mu_;  // one writer at a time per store (saves of one job must not interleave)
 };
 
+// The cluster's id, six hex digits appended to every job id (CoreOptions::job_id_suffix):
+// read from DIR/cluster_id, or created there at random on first use, so a coordinator that
+// keeps its --state_dir keeps its ids; with no directory (`dir` empty) a new random id, so a
+// coordinator without state never hands out the ids of an earlier one. Errors name the file.
+absl::StatusOr<std::string> ClusterId(const std::string& dir);
+
 }  // namespace lockstep::coordinator

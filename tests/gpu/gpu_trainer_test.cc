@@ -58,7 +58,7 @@ std::unique_ptr<Trainer> TrainOne(const v1::JobSpec& spec, bool gpu, absl::Statu
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
   static SoloCommunicator comm;
   std::atomic<bool> abort{false};
-  auto trainer = Trainer::Create(spec, data, &comm);
+  auto trainer = Trainer::Create("test-job", spec, data, &comm);
   if (!trainer.ok()) {
     *status = trainer.status();
     return nullptr;
@@ -96,11 +96,11 @@ TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
     auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
     SoloCommunicator comm;
     std::atomic<bool> abort{false};
-    auto cpu = Trainer::Create(spec, data, &comm);
+    auto cpu = Trainer::Create("test-job", spec, data, &comm);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     ASSERT_TRUE((*cpu)->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
 
-    auto gpu = Trainer::Create(spec, data, &comm);
+    auto gpu = Trainer::Create("test-job", spec, data, &comm);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     auto step =
         GpuStep::Create(spec, (*gpu)->model().dims(), (*gpu)->model().activation(), nullptr);

@@ -8,8 +8,8 @@
 
 #include <vector>
 
-#include "gloo/rendezvous/hash_store.h"
 #include "gtest/gtest.h"
+#include "tests/testing/local_store.h"
 
 namespace lockstep::worker {
 namespace {
@@ -17,8 +17,11 @@ namespace {
 TEST(NcclCommunicatorTest, OneRankGroupSumsAndAborts) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
-  gloo::rendezvous::HashStore store;
-  auto comm = NcclCommunicator::Create(store, 0, 1, {});
+  coordinator::BootstrapStore store;
+  const coordinator::StoreScope scope{"job-1", 1};
+  store.Open(scope);
+  testing::LocalStoreClient client(&store, scope);
+  auto comm = NcclCommunicator::Create(client, 0, 1, {});
   ASSERT_TRUE(comm.ok()) << comm.status();
   std::vector<float> host = {1.5f, -2.0f, 3.25f};
   float* device = nullptr;

@@ -198,11 +198,12 @@ absl::Status Cluster::StartCoordinator(const std::string& listen) {
   return absl::OkStatus();
 }
 
-absl::Status Cluster::RestartCoordinator() {
+absl::Status Cluster::RestartCoordinator(bool keep_state) {
   coordinator_->Signal(SIGKILL);
   if (absl::StatusOr<int> code = coordinator_->Wait(absl::Seconds(10)); !code.ok()) {
     return code.status();
   }
+  if (!keep_state) std::filesystem::remove_all(dir_ + "/state");
   // The same port, so the workers (which know only this address) find the new coordinator.
   return StartCoordinator(address_);
 }
@@ -232,8 +233,11 @@ Cluster::~Cluster() {
 }
 
 absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std::string>& flags) {
+  const std::string hooks = absl::StrCat(dir_, "/hooks/", name);
+  std::filesystem::remove_all(hooks);
   std::vector<std::string> argv = {LOCKSTEP_WORKER_BIN, "--coordinator=" + address_, "--device=cpu",
-                                   "--name=" + name};
+                                   "--name=" + name, "--test_hooks_dir=" + hooks,
+                                   "--data_cache_dir=" + dir_ + "/cache"};
   if (!token_file_.empty()) argv.push_back("--token_file=" + token_file_);
   argv.insert(argv.end(), flags.begin(), flags.end());
   auto process = Process::Spawn(argv, absl::StrCat(dir_, "/", name, ".log"));
@@ -251,6 +255,25 @@ absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std
     absl::SleepFor(absl::Milliseconds(10));
   }
   return absl::DeadlineExceededError(absl::StrCat("worker ", name, " did not register:\n", Logs()));
+}
+
+absl::Status Cluster::WaitForHook(const std::string& worker, const std::string& hook,
+                                  absl::Duration timeout) {
+  const std::string path = absl::StrCat(dir_, "/hooks/", worker, "/", hook, ".reached");
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!std::filesystem::exists(path)) {
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(worker, " did not reach test hook ", hook,
+                                                      " within ", absl::FormatDuration(timeout),
+                                                      ":\n", Logs()));
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return absl::OkStatus();
+}
+
+void Cluster::ReleaseHook(const std::string& worker, const std::string& hook) {
+  std::ofstream(absl::StrCat(dir_, "/hooks/", worker, "/", hook, ".release")) << "go\n";
 }
 
 absl::Status Cluster::StartWorkers(int n) {

@@ -65,14 +65,24 @@ class Cluster {
   v1::JobService::Stub& jobs() { return *jobs_; }
 
   // Starts lockstep-worker --name=NAME (plus `flags`) and waits until the coordinator lists
-  // it as registered (idle, or busy if a running job took it at once).
+  // it as registered (idle, or busy if a running job took it at once). Every worker gets
+  // --test_hooks_dir=DIR/hooks/NAME (emptied first) and the cluster's own data cache
+  // (--data_cache_dir=DIR/cache, shared by its workers as a host's are).
   absl::Status StartWorker(const std::string& name, const std::vector<std::string>& flags = {});
   // Waits until a worker named `name` is listed in `state` ("idle", "busy", "lost").
   absl::Status WaitForWorker(const std::string& name, const std::string& state,
                              absl::Duration timeout);
-  // Kills the coordinator (SIGKILL) and starts a new one on the same port.
-  absl::Status RestartCoordinator();
+  // Kills the coordinator (SIGKILL) and starts a new one on the same port, with the same
+  // --state_dir (keep_state) or with that directory wiped first (a coordinator that lost its
+  // state, or runs without one).
+  absl::Status RestartCoordinator(bool keep_state = true);
+  Process* coordinator() { return coordinator_.get(); }
   absl::Status StartWorkers(int n);  // w0 .. w{n-1}
+  // Test hooks (worker/test_hooks.h) of a worker started with --test_hooks=...: waits until it
+  // holds at `hook`, and lets it go on.
+  absl::Status WaitForHook(const std::string& worker, const std::string& hook,
+                           absl::Duration timeout);
+  void ReleaseHook(const std::string& worker, const std::string& hook);
   Process* worker(const std::string& name) { return workers_.at(name).get(); }
 
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);

@@ -203,6 +203,36 @@ TEST(Format, Tables) {
   std::cout << FormatWorkerList(w, absl::FromUnixMillis(1'700'000'200'000));
 }
 
+// Status shows the job's checkpoints (the last good one, the failed writes with the system's
+// reason) and marks recoveries the coordinator caused and redone counts that are lower bounds.
+TEST(Format, JobDetailShowsCheckpointsAndRecoveryKinds) {
+  v1::Job j;
+  j.set_job_id("job-3-a1b2c3");
+  j.set_state(v1::JOB_STATE_RUNNING);
+  j.mutable_spec()->set_checkpoint_every_steps(100);
+  v1::CheckpointStatus* c = j.mutable_checkpoints();
+  c->set_last_good_step(400);
+  c->set_last_good_path("/ckpt/job-3-a1b2c3.step-000000000400.ckpt");
+  c->set_last_good_unix_ms(1'700'000'190'000);
+  c->set_failed_writes(2);
+  c->set_last_failed_step(600);
+  c->set_last_error("writing /ckpt/x.tmp: No space left on device");
+  v1::Recovery* r = j.add_recovery_history();
+  r->set_from_generation(1);
+  r->set_to_generation(2);
+  r->set_coordinator_caused(true);
+  r->set_first_step_unix_ms(1'700'000'100'000);
+  r->set_steps_redone(12);
+  r->set_steps_redone_lower_bound(true);
+  const std::string out =
+      FormatJobDetail(j, absl::FromUnixMillis(1'700'000'200'000), absl::UTCTimeZone());
+  EXPECT_THAT(out, HasSubstr("last good at step 400 (/ckpt/job-3-a1b2c3.step-000000000400.ckpt"));
+  EXPECT_THAT(out, HasSubstr("2 writes failed, the last at step 600: writing /ckpt/x.tmp: No "
+                             "space left on device"));
+  EXPECT_THAT(out, HasSubstr("coordinator"));
+  EXPECT_THAT(out, HasSubstr(">=12"));
+}
+
 TEST(Format, WorkerListShowsTheDeviceAndItsMemory) {
   v1::ListWorkersResponse w;
   auto* wi = w.add_workers();

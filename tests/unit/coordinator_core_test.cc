@@ -214,13 +214,13 @@ TEST_F(CoreTest, StaleGenerationIsRejectedWithAborted) {
   EXPECT_EQ(Progress(w0, job, 2, 1).code(), absl::StatusCode::kAborted);
   EXPECT_EQ(Progress(w0, job, 0, 1).code(), absl::StatusCode::kAborted);
   EXPECT_EQ(Job(job).step(), 0) << "a rejected report changes nothing";
-  EXPECT_TRUE(core_.CheckGeneration(job, 1).ok());
-  EXPECT_EQ(core_.CheckGeneration(job, 2).code(), absl::StatusCode::kAborted);
-  EXPECT_EQ(core_.CheckGeneration("job-404", 1).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(core_.Fence(job, 1).ok());
+  EXPECT_EQ(core_.Fence(job, 2).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(core_.Fence("job-404", 1).code(), absl::StatusCode::kNotFound);
   Decisions d;
   ASSERT_TRUE(core_.CancelJob(job, now_, &d).ok());
   EXPECT_EQ(Progress(w0, job, 1, 2).code(), absl::StatusCode::kAborted);
-  EXPECT_EQ(core_.CheckGeneration(job, 1).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(core_.Fence(job, 1).code(), absl::StatusCode::kAborted);
   ASSERT_EQ(d.ended_generations.size(), 1u);
   EXPECT_EQ(d.ended_generations[0], std::make_pair(job, int64_t{1}));
 }
@@ -455,20 +455,27 @@ TEST_F(CoreTest, LostMemberReformsFromSurvivorsWithoutTheLostOne) {
   EXPECT_NE(j.recovery_history(0).reason().find("w1"), std::string::npos);
   // The fenced generation is rejected; the new one is accepted.
   EXPECT_EQ(Progress(w0, job, 1, 41).code(), absl::StatusCode::kAborted);
-  EXPECT_EQ(core_.CheckGeneration(job, 1).code(), absl::StatusCode::kAborted);
-  EXPECT_TRUE(core_.CheckGeneration(job, 2).ok());
-  // First step of generation 2, healed from step 40: nothing redone.
+  EXPECT_EQ(core_.Fence(job, 1).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(core_.Fence(job, 2).ok());
+  // Generation 2 healed from step 40 (the group agreed on it), then its first step: nothing
+  // redone, and the recovery took detection to first step.
+  v1::ResumedReport resumed;
+  resumed.set_job_id(job);
+  resumed.set_generation(2);
+  resumed.set_resumed_from_step(40);
+  resumed.set_source_rank(0);
+  resumed.set_heal_ms(3);
+  ASSERT_TRUE(core_.ReportResumed(w0, resumed, now_, &d).ok());
+  EXPECT_EQ(Job(job).recovery_history(0).first_step_unix_ms(), 0) << "no step yet";
   now_ += absl::Milliseconds(100);
   v1::ProgressReport p;
   p.set_job_id(job);
   p.set_generation(2);
   p.set_step(41);
   p.set_first_of_generation(true);
-  p.set_resumed_from_step(40);
-  p.set_heal_source_rank(0);
-  p.set_heal_ms(3);
   ASSERT_TRUE(core_.ReportProgress(w0, p, now_, &d).ok());
   j = Job(job);
+  EXPECT_FALSE(j.recovery_history(0).steps_redone_lower_bound());
   EXPECT_EQ(j.step(), 41);
   EXPECT_EQ(j.recovery_history(0).steps_redone(), 0);
   EXPECT_EQ(j.recovery_history(0).resumed_from_step(), 40);
@@ -903,6 +910,180 @@ TEST_F(CoreTest, JobsUseOnlyWorkersOfTheirDevice) {
   absl::StatusOr<v1::Job> refused = core_.SubmitJob(bad, now_, &bd);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("device"), std::string::npos);
+}
+
+
+// Job ids carry the cluster's suffix, so a coordinator that lost its state never hands out
+// an earlier one's ids; restored ids ("job-N-SUFFIX") are continued after.
+TEST(CoreIdsTest, JobIdsCarryTheClusterSuffixAndContinueAfterRestore) {
+  CoreOptions options;
+  options.job_id_suffix = "a1b2c3";
+  Core core(options);
+  const absl::Time now = absl::FromUnixSeconds(1'700'000'000);
+  Decisions d;
+  absl::StatusOr<v1::Job> first = core.SubmitJob(Spec(1, 1), now, &d);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->job_id(), "job-1-a1b2c3");
+  Core restarted(options);
+  v1::Job saved = *first;
+  saved.set_job_id("job-7-ffffff");
+  saved.set_state(v1::JOB_STATE_SUCCEEDED);
+  restarted.RestoreJobs({saved}, now, &d);
+  absl::StatusOr<v1::Job> next = restarted.SubmitJob(Spec(1, 1), now, &d);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->job_id(), "job-8-a1b2c3");
+}
+
+// A coordinator that was away (no Tick for seconds: frozen, descheduled) does not blame the
+// workers for the silence it caused: their heartbeats are credited, and the member losses its
+// absence caused re-form the job without counting against max_restarts (0 here: any counted
+// recovery would fail the job).
+TEST(CorePauseTest, SilenceTheCoordinatorCausedIsNotChargedToTheJob) {
+  CoreOptions options;
+  options.heartbeat_timeout = absl::Seconds(2);
+  options.tick_interval = absl::Milliseconds(100);
+  Core core(options);
+  absl::Time now = absl::FromUnixSeconds(1'700'000'000);
+  Decisions d;
+  auto reg = [&](const std::string& name) {
+    v1::RegisterRequest r;
+    r.set_name(name);
+    r.set_host("h1");
+    r.set_device("cpu");
+    return core.RegisterWorker(r, now, &d).value();
+  };
+  const std::string w0 = reg("w0"), w1 = reg("w1");
+  v1::JobSpec spec = Spec(2, 2);
+  spec.set_max_restarts(0);
+  const std::string job = core.SubmitJob(spec, now, &d)->job_id();
+  core.Tick(now, &d);
+  now += absl::Seconds(6);  // frozen: no ticks, no heartbeats heard
+  Decisions after;
+  core.Tick(now, &after);
+  EXPECT_TRUE(after.close_sessions.empty()) << "no worker is declared lost for our silence";
+  EXPECT_EQ(core.GetJob(job)->state(), v1::JOB_STATE_RUNNING);
+  // The workers' sessions broke meanwhile (their keepalives went unanswered).
+  core.WorkerDisconnected(w0, "connection lost", now, &after);
+  v1::Job j = core.GetJob(job).value();
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RECONFIGURING) << j.reason();
+  EXPECT_EQ(j.recoveries(), 0);
+  ASSERT_EQ(j.recovery_history_size(), 1);
+  EXPECT_TRUE(j.recovery_history(0).coordinator_caused());
+  EXPECT_NE(j.recovery_history(0).reason().find("unresponsive for 6.0s"), std::string::npos)
+      << j.recovery_history(0).reason();
+  // The job re-forms; once the grace after the absence is over (ticks and heartbeats as
+  // usual), a loss is the worker's again, and max_restarts 0 fails the job.
+  const std::string w2 = reg("w2");
+  ASSERT_EQ(core.GetJob(job)->state(), v1::JOB_STATE_RUNNING);
+  for (int i = 0; i < 60; ++i) {
+    now += absl::Milliseconds(100);
+    ASSERT_TRUE(core.Heartbeat(w1, now).ok());
+    ASSERT_TRUE(core.Heartbeat(w2, now).ok());
+    core.Tick(now, &after);
+  }
+  core.WorkerDisconnected(w2, "connection lost", now, &after);
+  EXPECT_EQ(core.GetJob(job)->state(), v1::JOB_STATE_FAILED) << core.GetJob(job)->reason();
+}
+
+TEST_F(CoreTest, ResumedReportsRecordTheHealAndCloseARecoveryWithNothingLeft) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(1, 2));
+  TakeAssignments();
+  ASSERT_TRUE(Progress(w0, job, 1, 100).ok());  // total_steps 100: the last step is done
+  // w1 is lost during the final evaluation.
+  Decisions d;
+  core_.WorkerDisconnected(w1, "connection lost", now_, &d);
+  Collect(d);
+  ASSERT_EQ(Job(job).generation(), 2);
+  EXPECT_EQ(Job(job).recoveries(), 1);
+  v1::ResumedReport r;
+  r.set_job_id(job);
+  r.set_generation(2);
+  r.set_resumed_from_step(100);
+  r.set_source_rank(0);
+  now_ += absl::Milliseconds(20);
+  ASSERT_TRUE(core_.ReportResumed(w0, r, now_, &d).ok());
+  v1::Recovery rec = Job(job).recovery_history(0);
+  EXPECT_EQ(rec.resumed_from_step(), 100);
+  EXPECT_EQ(rec.source_rank(), 0);
+  EXPECT_EQ(rec.steps_redone(), 0);
+  EXPECT_FALSE(rec.steps_redone_lower_bound());
+  EXPECT_GT(rec.first_step_unix_ms(), 0) << "no step left: the recovery ends at the heal";
+  EXPECT_EQ(Finished(w0, job, 2, "abc").code(), absl::StatusCode::kOk);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+// After every member died, the new group resumes from a disk checkpoint: what the dead members
+// did after their last report is unknown, so steps_redone is marked as a lower bound.
+TEST_F(CoreTest, StepsRedoneAfterLosingEveryMemberIsALowerBound) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(1, 1));
+  TakeAssignments();
+  ASSERT_TRUE(Progress(w0, job, 1, 60).ok());
+  Decisions d;
+  core_.WorkerDisconnected(w0, "connection lost", now_, &d);
+  const std::string w1 = Register("w1");
+  ASSERT_EQ(Job(job).generation(), 2);
+  v1::ResumedReport r;
+  r.set_job_id(job);
+  r.set_generation(2);
+  r.set_resumed_from_step(50);
+  r.set_source_rank(0);
+  r.set_from_checkpoint(true);
+  ASSERT_TRUE(core_.ReportResumed(w1, r, now_, &d).ok());
+  v1::Recovery rec = Job(job).recovery_history(0);
+  EXPECT_EQ(rec.steps_redone(), 10);
+  EXPECT_TRUE(rec.steps_redone_lower_bound());
+  EXPECT_EQ(Job(job).step(), 50) << "the job's step follows the state it resumed from";
+}
+
+TEST_F(CoreTest, CheckpointReportsAreRecordedAndFailuresAreEvents) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(1, 1));
+  TakeAssignments();
+  v1::CheckpointReport c;
+  c.set_job_id(job);
+  c.set_generation(1);
+  c.set_step(20);
+  c.set_path("/ckpt/job.step-20.ckpt");
+  Decisions d;
+  ASSERT_TRUE(core_.ReportCheckpoint(w0, c, now_, &d).ok());
+  c.set_step(40);
+  c.set_path("");
+  c.set_error("writing /ckpt/x.tmp: No space left on device");
+  ASSERT_TRUE(core_.ReportCheckpoint(w0, c, now_, &d).ok());
+  c.set_generation(7);
+  EXPECT_EQ(core_.ReportCheckpoint(w0, c, now_, &d).code(), absl::StatusCode::kAborted);
+  const v1::CheckpointStatus s = Job(job).checkpoints();
+  EXPECT_EQ(s.last_good_step(), 20);
+  EXPECT_EQ(s.last_good_path(), "/ckpt/job.step-20.ckpt");
+  EXPECT_EQ(s.failed_writes(), 1);
+  EXPECT_EQ(s.last_failed_step(), 40);
+  EXPECT_NE(s.last_error().find("No space left"), std::string::npos);
+  auto events = core_.EventsSince(job, 0).value();
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().kind(), v1::JobEvent::CHECKPOINT);
+  EXPECT_NE(events.back().message().find("step 40"), std::string::npos);
+}
+
+// A job that ends tells its unfinished members so (they drop what they kept), and every
+// generation's start and end is listed for the store's scopes.
+TEST_F(CoreTest, EndedJobsTellTheirMembersAndGenerationsAreListed) {
+  const std::string w0 = Register("w0");
+  Decisions d;
+  absl::StatusOr<v1::Job> job = core_.SubmitJob(Spec(1, 1), now_, &d);
+  ASSERT_TRUE(job.ok());
+  ASSERT_EQ(d.started_generations.size(), 1u);
+  EXPECT_EQ(d.started_generations[0], std::make_pair(job->job_id(), int64_t{1}));
+  Decisions c;
+  ASSERT_TRUE(core_.CancelJob(job->job_id(), now_, &c).ok());
+  bool told = false;
+  for (const auto& m : c.messages) {
+    if (m.worker_id == w0 && m.message.has_abort()) told = m.message.abort().job_ended();
+  }
+  EXPECT_TRUE(told);
+  ASSERT_EQ(c.ended_generations.size(), 1u);
+  EXPECT_EQ(core_.Fence(job->job_id(), 1, w0).code(), absl::StatusCode::kAborted);
 }
 
 }  // namespace

@@ -110,6 +110,35 @@ TEST_F(DatasetTest, CacheIsWrittenOnceAndSharedAndSurvivesCorruption) {
   ExpectContents(*first, 40, 10);  // the old mapping stays valid
 }
 
+// Defect 8: a long-lived worker served a data set whose files had been replaced. A file
+// rewritten with the same size and modification time (cp -p, touch -r) is a new identity: the
+// process's copy and the host cache are both rebuilt, and the parts' hashes tell them apart.
+TEST_F(DatasetTest, ReplacedFilesAreReloadedEvenWithTheSameSizeAndMtime) {
+  const std::string dir = MakeIdx(40, 10, false);
+  v1::DatasetSpec spec;
+  spec.set_type("idx");
+  spec.set_path(dir);
+  absl::StatusOr<std::shared_ptr<const Dataset>> first = LoadDataset(spec);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(LoadDataset(spec).value(), *first) << "unchanged files: the same copy";
+  ASSERT_EQ((*first)->parts.size(), 4u);
+  EXPECT_EQ((*first)->source, dir);
+  const std::string labels = dir + "/train-labels-idx1-ubyte";
+  const auto mtime = std::filesystem::last_write_time(labels);
+  {
+    std::fstream f(labels, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);  // the first label
+    f.put('\x03');
+  }
+  std::filesystem::last_write_time(labels, mtime);
+  absl::StatusOr<std::shared_ptr<const Dataset>> second = LoadDataset(spec);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(*second, *first);
+  EXPECT_EQ((*second)->train.y[0], 3);
+  EXPECT_NE((*second)->parts[1].hash, (*first)->parts[1].hash) << "train labels changed";
+  EXPECT_EQ((*second)->parts[0].hash, (*first)->parts[0].hash) << "train images did not";
+}
+
 TEST_F(DatasetTest, MissingDirectoryAndFilesAreNamed) {
   absl::StatusOr<Dataset> ds = LoadIdxDataset("/nonexistent/lockstep");
   EXPECT_EQ(ds.status().code(), absl::StatusCode::kNotFound);

@@ -2,8 +2,17 @@
 // rank stuck waiting for a peer is released by Abort or by its deadline.
 #include "worker/comm/shm_communicator.h"
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <thread>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/gloo_group.h"
@@ -131,6 +140,64 @@ TEST(ShmCommunicatorTest, MissingPeerHitsTheDeadline) {
     absl::Status s = comm.AllreduceSum(v.data(), v.size());
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   });
+}
+
+// Segments of this process in /dev/shm ("lockstep-PID-...").
+int OwnSegments() {
+  int n = 0;
+  const std::string prefix = "lockstep-" + std::to_string(getpid()) + "-";
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
+  }
+  return n;
+}
+
+// A communicator of rank 0 in a group of 2 whose peer is gone: every collective fails.
+class PeerGone final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  absl::Status AllreduceSum(float*, size_t) override { return Gone(); }
+  absl::Status AllreduceSum(double*, size_t) override { return Gone(); }
+  absl::Status AllreduceSum(int64_t*, size_t) override { return Gone(); }
+  absl::Status Broadcast(void*, size_t, int) override { return Gone(); }
+  absl::Status Barrier() override { return Gone(); }
+
+ private:
+  static absl::Status Gone() { return absl::UnavailableError("peer gone"); }
+};
+
+// Defect 7: a peer that dies during the segment's setup must not leave its name behind.
+TEST(ShmCommunicatorTest, ASetupThatFailsUnlinksTheSegment) {
+  const int before = OwnSegments();
+  auto comm = ShmCommunicator::Wrap(std::make_unique<PeerGone>(), 4096,
+                                    std::chrono::milliseconds(1000));
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();
+  EXPECT_EQ(OwnSegments(), before);
+}
+
+// What a process killed inside that window leaves is swept: a name of a dead pid of this pid
+// namespace goes; a live process's name stays.
+TEST(ShmCommunicatorTest, SweepRemovesOnlyDeadProcessesSegments) {
+  struct stat st {};
+  ASSERT_EQ(stat("/proc/self/ns/pid", &st), 0);
+  const pid_t dead = [] {
+    const pid_t child = fork();
+    if (child == 0) _exit(0);
+    waitpid(child, nullptr, 0);
+    return child;
+  }();
+  const std::string stale = absl::StrFormat("/lockstep-%d-%d-%016x", dead, st.st_ino, 42);
+  const std::string live = absl::StrFormat("/lockstep-%d-%d-%016x", getpid(), st.st_ino, 43);
+  for (const std::string& name : {stale, live}) {
+    const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    close(fd);
+  }
+  EXPECT_GE(ShmCommunicator::SweepStaleSegments(), 1);
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + stale));
+  EXPECT_TRUE(std::filesystem::exists("/dev/shm" + live));
+  shm_unlink(live.c_str());
 }
 
 }  // namespace

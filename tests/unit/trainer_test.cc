@@ -147,7 +147,7 @@ TEST(TrainerTest, SoloTrainingReducesLossAndCountsSteps) {
   v1::JobSpec spec = SyntheticSpec();
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
   SoloCommunicator comm;
-  auto trainer = Trainer::Create(spec, data, &comm);
+  auto trainer = Trainer::Create("test-job", spec, data, &comm);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   EXPECT_EQ((*trainer)->total_steps(), 60);
   std::vector<v1::ProgressReport> reports;
@@ -155,7 +155,7 @@ TEST(TrainerTest, SoloTrainingReducesLossAndCountsSteps) {
   ASSERT_TRUE((*trainer)
                   ->Train(
                       1, abort, [&](const v1::ProgressReport& r) { reports.push_back(r); },
-                      absl::ZeroDuration())
+                      nullptr, absl::ZeroDuration())
                   .ok());
   ASSERT_EQ(reports.size(), 60u);
   EXPECT_EQ(reports.back().step(), 60);
@@ -179,13 +179,13 @@ TEST(TrainerTest, AdamWWithWarmupAndCosineDecayTrains) {
   spec.mutable_optimizer()->set_cosine_decay(true);
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
   SoloCommunicator comm;
-  auto trainer = Trainer::Create(spec, data, &comm).value();
+  auto trainer = Trainer::Create("test-job", spec, data, &comm).value();
   std::vector<double> losses;
   std::atomic<bool> abort{false};
   ASSERT_TRUE(trainer
                   ->Train(
                       1, abort, [&](const v1::ProgressReport& r) { losses.push_back(r.loss()); },
-                      absl::ZeroDuration())
+                      nullptr, absl::ZeroDuration())
                   .ok());
   ASSERT_EQ(losses.size(), 60u);
   EXPECT_LT(losses.back(), 0.7 * losses.front());
@@ -200,14 +200,14 @@ TEST(TrainerTest, AbortStopsBetweenSteps) {
   v1::JobSpec spec = SyntheticSpec();
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
   SoloCommunicator comm;
-  auto trainer = Trainer::Create(spec, data, &comm).value();
+  auto trainer = Trainer::Create("test-job", spec, data, &comm).value();
   std::atomic<bool> abort{false};
   absl::Status s = trainer->Train(
       1, abort,
       [&](const v1::ProgressReport& r) {
         if (r.step() == 5) abort = true;
       },
-      absl::ZeroDuration());
+      nullptr, absl::ZeroDuration());
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted);
   EXPECT_EQ(trainer->completed_step(), 5);
 }
@@ -218,7 +218,7 @@ TEST(TrainerTest, BatchLargerThanDataIsAPreconditionFailure) {
   spec.set_micro_shards(8);
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
   SoloCommunicator comm;
-  auto trainer = Trainer::Create(spec, data, &comm);
+  auto trainer = Trainer::Create("test-job", spec, data, &comm);
   EXPECT_EQ(trainer.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(trainer.status().message().find("4096"), std::string::npos);
 }
@@ -231,7 +231,7 @@ std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::Jo
   std::vector<std::vector<float>> params(world);
   std::vector<std::string> checksums(world);
   testing::RunInGlooGroup(world, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
-    auto trainer = Trainer::Create(spec, data, gloo.get());
+    auto trainer = Trainer::Create("test-job", spec, data, gloo.get());
     ASSERT_TRUE(trainer.ok()) << trainer.status();
     std::unique_ptr<Communicator> comm = std::move(gloo);
     if (shm) {
@@ -301,7 +301,7 @@ TEST(TrainerTest, MemoryBudgetChoosesTheMicroBatch) {
   v1::JobSpec spec = SyntheticSpec();
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
   SoloCommunicator comm;
-  auto trainer = Trainer::Create(spec, data, &comm).value();
+  auto trainer = Trainer::Create("test-job", spec, data, &comm).value();
   EXPECT_EQ(trainer->micro_batch(), 64);
   const int64_t fixed = EstimateWorkerMemory(spec, 0).total();
   const int64_t per_shard = EstimateWorkerMemory(spec, 8).total() - fixed;
@@ -339,11 +339,121 @@ TEST(TrainerTest, DeterministicModeReportsOutOfRangeGradients) {
   spec.mutable_optimizer()->set_momentum(0.99);
   auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
   SoloCommunicator comm;
-  auto trainer = Trainer::Create(spec, data, &comm).value();
+  auto trainer = Trainer::Create("test-job", spec, data, &comm).value();
   std::atomic<bool> abort{false};
   absl::Status s = trainer->Train(1, abort, [](const v1::ProgressReport&) {});
   EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
   EXPECT_NE(s.message().find("fixed-point range"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace lockstep::worker
+
+namespace lockstep::worker {
+namespace {
+
+// A communicator whose broadcasts fail from the `fail_at`-th on, after aborting the real one:
+// a heal source that dies part-way through sending its state.
+class DiesMidBroadcast final : public Communicator {
+ public:
+  DiesMidBroadcast(std::unique_ptr<GlooCommunicator> base, int fail_at)
+      : base_(std::move(base)), fail_at_(fail_at) {}
+  int rank() const override { return base_->rank(); }
+  int size() const override { return base_->size(); }
+  absl::Status AllreduceSum(float* d, size_t n) override { return base_->AllreduceSum(d, n); }
+  absl::Status AllreduceSum(double* d, size_t n) override { return base_->AllreduceSum(d, n); }
+  absl::Status AllreduceSum(int64_t* d, size_t n) override { return base_->AllreduceSum(d, n); }
+  absl::Status Broadcast(void* data, size_t bytes, int root) override {
+    if (++broadcasts_ >= fail_at_) {
+      base_.reset();  // its sockets close, as a killed process's do
+      return absl::UnavailableError("the source died");
+    }
+    return base_->Broadcast(data, bytes, root);
+  }
+  absl::Status Barrier() override { return base_->Barrier(); }
+
+ private:
+  std::unique_ptr<GlooCommunicator> base_;
+  const int fail_at_;
+  int broadcasts_ = 0;
+};
+
+// Defect 2: the heal source dies after sending part of its state (the header and the
+// parameters, not the optimizer state). The receiver must keep exactly its previous state.
+TEST(HealTest, ASourceLostMidBroadcastLeavesTheReceiversStateUntouched) {
+  const v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  std::string receiver_before, receiver_after;
+  int64_t receiver_step = -1;
+  absl::Status receiver_heal;
+  testing::RunInGlooGroup(2, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
+    SoloCommunicator solo;
+    auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+    std::atomic<bool> abort{false};
+    if (r == 0) {  // the source: 10 steps ahead
+      ASSERT_TRUE(trainer->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
+      DiesMidBroadcast dying(std::move(gloo), /*fail_at=*/3);
+      trainer->set_communicator(&dying);
+      EXPECT_FALSE(trainer->Heal({"w0", "w1"}).ok());
+    } else {
+      receiver_before = trainer->ParameterChecksum();
+      trainer->set_communicator(gloo.get());
+      receiver_heal = trainer->Heal({"w0", "w1"}).status();
+      receiver_after = trainer->ParameterChecksum();
+      receiver_step = trainer->completed_step();
+    }
+  });
+  EXPECT_FALSE(receiver_heal.ok());
+  EXPECT_EQ(receiver_after, receiver_before) << "a half-received state must not be committed";
+  EXPECT_EQ(receiver_step, 0);
+}
+
+// A complete heal commits the source's state: same checksum, same step, on every member.
+TEST(HealTest, ACompleteHealCommitsTheSourcesState) {
+  const v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  std::vector<std::string> sums(3);
+  std::vector<Trainer::HealInfo> infos(3);
+  testing::RunInGlooGroup(3, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
+    SoloCommunicator solo;
+    auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+    std::atomic<bool> abort{false};
+    if (r == 1) {
+      ASSERT_TRUE(trainer->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
+    }
+    trainer->set_communicator(gloo.get());
+    auto info = trainer->Heal({"w0", "w1", "w2"});
+    ASSERT_TRUE(info.ok()) << info.status();
+    infos[r] = *info;
+    sums[r] = trainer->ParameterChecksum();
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(sums[r], sums[1]) << "rank " << r;
+    EXPECT_EQ(infos[r].source_rank, 1);
+    EXPECT_EQ(infos[r].resumed_from_step, 60);
+  }
+}
+
+// Defect 8's safety net: members that hold different data (another file behind the same path
+// on another host) fail the job, naming the members, the data and the part that differs.
+TEST(HealTest, MembersWithDifferentDataFailNamingThem) {
+  v1::JobSpec spec = SyntheticSpec();
+  auto mine = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  auto other = std::make_shared<Dataset>(*mine);
+  other->train.y[7] = (other->train.y[7] + 1) % 4;
+  other->parts[0].hash ^= 1;  // what hashing the changed labels gives: another value
+  std::vector<absl::Status> heals(2);
+  testing::RunInGlooGroup(2, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
+    auto trainer = Trainer::Create("test-job", spec, r == 0 ? mine : other, gloo.get()).value();
+    heals[r] = trainer->Heal({"w0", "w1"}).status();
+  });
+  for (const absl::Status& s : heals) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(Trainer::IsFatal(s));
+    EXPECT_NE(s.message().find("different data"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("w1 (rank 1)"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("synthetic data set"), std::string::npos) << s;
+  }
 }
 
 }  // namespace

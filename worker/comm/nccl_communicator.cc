@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "gloo/common/error.h"
+#include "common/status_macros.h"
 #include "kernels/gpu_check.h"
 
 namespace lockstep::worker {
@@ -15,72 +15,43 @@ namespace {
 
 // How often the watchdog looks: short against any timeout, long enough not to burn a core.
 constexpr auto kPoll = std::chrono::microseconds(100);
-// The longest single wait for the id between looks at the cancel flag.
-constexpr absl::Duration kIdWaitSlice = absl::Milliseconds(250);
-
-// Whether a store's wait failed only because its time ran out: gloo's own stores say
-// "timeout"; CoordinatorStore carries the gRPC code (4: DEADLINE_EXCEEDED) after the key.
-bool IsStoreTimeout(const std::string& what) {
-  return what.find("imeout") != std::string::npos || what.find("\": 4 ") != std::string::npos;
-}
 
 }  // namespace
 
-absl::StatusOr<ncclUniqueId> ExchangeNcclId(gloo::rendezvous::Store& store, int rank,
-                                            absl::Duration timeout,
-                                            const std::atomic<bool>* cancel) {
+absl::StatusOr<ncclUniqueId> ExchangeNcclId(StoreClient& store, int rank, absl::Duration timeout) {
   ncclUniqueId id;
-  try {
-    if (rank == 0) {
-      LOCKSTEP_GPU_RETURN_IF_ERROR(ncclGetUniqueId(&id));
-      store.set(kNcclIdKey, std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
-      return id;
-    }
-    // In slices, so that an abort is noticed while rank 0 is missing.
-    const absl::Time deadline = absl::Now() + timeout;
-    while (true) {
-      if (cancel != nullptr && cancel->load()) {
-        return absl::AbortedError(
-            absl::StrCat("aborted while waiting for rank 0 to publish ", kNcclIdKey));
-      }
-      const absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "rank 0 did not publish ", kNcclIdKey, " within ", absl::FormatDuration(timeout)));
-      }
-      const int64_t slice_ms =
-          std::max<int64_t>(1, absl::ToInt64Milliseconds(std::min(left, kIdWaitSlice)));
-      try {
-        store.wait({kNcclIdKey}, std::chrono::milliseconds(slice_ms));
-        break;
-      } catch (const gloo::IoException& e) {
-        if (!IsStoreTimeout(e.what())) throw;
-      }
-    }
-    const std::vector<char> bytes = store.get(kNcclIdKey);
-    if (bytes.size() != sizeof(id.internal)) {
-      return absl::InternalError(absl::StrCat("store key ", kNcclIdKey, " holds ", bytes.size(),
-                                              " bytes, not an NCCL id (", sizeof(id.internal),
-                                              ")"));
-    }
-    std::memcpy(id.internal, bytes.data(), bytes.size());
+  if (rank == 0) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(ncclGetUniqueId(&id));
+    LOCKSTEP_RETURN_IF_ERROR(
+        store.Set(kNcclIdKey, std::string(id.internal, id.internal + sizeof(id.internal))));
     return id;
-  } catch (const gloo::IoException& e) {
-    return absl::UnavailableError(absl::StrCat("store: ", e.what()));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("store: ", e.what()));
   }
+  absl::StatusOr<std::string> bytes = store.Get(kNcclIdKey, timeout);
+  if (!bytes.ok()) {
+    return absl::Status(bytes.status().code(),
+                        absl::StrCat("waiting for rank 0's NCCL id: ", bytes.status().message()));
+  }
+  if (bytes->size() != sizeof(id.internal)) {
+    return absl::InternalError(absl::StrCat("store key ", kNcclIdKey, " holds ", bytes->size(),
+                                            " bytes, not an NCCL id (", sizeof(id.internal), ")"));
+  }
+  std::memcpy(id.internal, bytes->data(), bytes->size());
+  return id;
 }
 
-absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
-    gloo::rendezvous::Store& store, int rank, int size, Options options) {
-  absl::StatusOr<ncclUniqueId> id =
-      ExchangeNcclId(store, rank, options.init_timeout, options.cancel);
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(StoreClient& store,
+                                                                         int rank, int size,
+                                                                         Options options) {
+  absl::StatusOr<ncclUniqueId> id = ExchangeNcclId(store, rank, options.init_timeout);
   if (!id.ok()) return id.status();
   std::unique_ptr<NcclCommunicator> comm(new NcclCommunicator());
   comm->rank_ = rank;
   comm->size_ = size;
   comm->options_ = options;
+  if (options.abort != nullptr) {
+    NcclCommunicator* raw = comm.get();
+    comm->on_abort_ = options.abort->OnRaise([raw] { raw->Abort(); });
+  }
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&comm->stream_, cudaStreamNonBlocking));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // init and collectives return at once; we poll (and can abort)
@@ -93,7 +64,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     if (state != ncclInProgress) {
       return comm->Fail(kernels::GpuStatus(state, "ncclCommInitRankConfig", __FILE__, __LINE__));
     }
-    if (comm->abort_requested_ || (options.cancel != nullptr && options.cancel->load())) {
+    if (comm->abort_requested_) {
       return comm->Fail(absl::AbortedError("aborted during NCCL init"));
     }
     if (absl::Now() > deadline) {
@@ -107,6 +78,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  on_abort_.Reset();
   if (comm_ != nullptr) {
     // A healthy communicator is finalized (flushes NCCL's pending work); a failed one was
     // aborted already and only needs destroying.

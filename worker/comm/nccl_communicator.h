@@ -21,7 +21,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "gloo/rendezvous/store.h"
+#include "worker/comm/abort_signal.h"
+#include "worker/comm/store_client.h"
 
 namespace lockstep::worker {
 
@@ -30,26 +31,24 @@ inline constexpr char kNcclIdKey[] = "nccl-id";
 
 // Rank 0: creates an id (ncclGetUniqueId needs no GPU; it starts NCCL's bootstrap listener in
 // this process, which must live until every rank has joined) and stores it. Other ranks: wait
-// up to `timeout` for it. DEADLINE_EXCEEDED names the key when rank 0 never published it;
-// UNAVAILABLE when the store fails (coordinator gone, generation over); ABORTED as soon as
-// `cancel` (if given) is set, e.g. because the coordinator aborted the generation.
-absl::StatusOr<ncclUniqueId> ExchangeNcclId(gloo::rendezvous::Store& store, int rank,
-                                            absl::Duration timeout,
-                                            const std::atomic<bool>* cancel = nullptr);
+// up to `timeout` for it. The store's status comes back with its code: DEADLINE_EXCEEDED names
+// the key when rank 0 never published it, ABORTED when the generation ended or the store
+// client's abort signal was raised, UNAVAILABLE when the coordinator is unreachable.
+absl::StatusOr<ncclUniqueId> ExchangeNcclId(StoreClient& store, int rank, absl::Duration timeout);
 
 class NcclCommunicator {
  public:
   struct Options {
     absl::Duration init_timeout = absl::Seconds(60);
     absl::Duration collective_timeout = absl::Seconds(30);
-    // Set by the agent when the coordinator aborts the generation: ends a pending init early.
-    const std::atomic<bool>* cancel = nullptr;
+    // Raised by the agent when the coordinator aborts the generation: ends a pending init
+    // early and makes Wait() abort the communicator.
+    std::shared_ptr<AbortSignal> abort;
   };
   // Exchanges the id, then initializes rank `rank` of `size` on the current device (the worker
   // selected it at start) with a nonblocking communicator, polled until ready or the deadline.
-  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(gloo::rendezvous::Store& store,
-                                                                  int rank, int size,
-                                                                  Options options);
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Create(StoreClient& store, int rank,
+                                                                  int size, Options options);
   ~NcclCommunicator();
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -87,6 +86,7 @@ class NcclCommunicator {
   cudaStream_t stream_ = nullptr;
   std::atomic<bool> abort_requested_{false};
   bool failed_ = false;
+  AbortSignal::Subscription on_abort_;
 };
 
 }  // namespace lockstep::worker

@@ -14,14 +14,23 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <signal.h>
+
+#include <cerrno>
 #include <climits>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
+#include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
+#include "worker/test_hooks.h"
 
 namespace lockstep::worker {
 namespace {
@@ -45,6 +54,36 @@ struct Handshake {
   int64_t ok;
 };
 
+// Names live only for the seconds a setup takes; one this old was left by a killed process.
+constexpr auto kStaleAge = std::chrono::minutes(10);
+
+// This process's pid namespace (the inode of /proc/self/ns/pid), so that a sweep tells its own
+// namespace's dead pids from live processes of another container sharing /dev/shm.
+uint64_t PidNamespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// Whether `pid` (of this pid namespace) is gone: no such process, or a zombie whose parent has
+// not reaped it yet (it will never run again).
+bool ProcessGone(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  // "PID (COMM) STATE ...": COMM may hold spaces and parentheses; STATE follows the last ')'.
+  const size_t close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
+}
+
+// Unlinks rank 0's segment name when it goes out of scope (every path out of Wrap).
+struct UnlinkName {
+  const char* name = nullptr;
+  ~UnlinkName() {
+    if (name != nullptr) shm_unlink(name);
+  }
+};
+
 }  // namespace
 
 struct ShmCommunicator::Header {
@@ -56,8 +95,35 @@ struct ShmCommunicator::Header {
   alignas(64) std::atomic<uint32_t> reduced;
 };
 
+int ShmCommunicator::SweepStaleSegments() {
+  const uint64_t own_ns = PidNamespace();
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = entry.path().filename().string();
+    // lockstep-PID-NS-TOKEN (the data set cache, /dev/shm/lockstep-cache, does not match).
+    std::vector<std::string> parts = absl::StrSplit(name, '-');
+    int64_t pid = 0;
+    uint64_t ns = 0;
+    if (parts.size() != 4 || parts[0] != "lockstep" || !absl::SimpleAtoi(parts[1], &pid) ||
+        !absl::SimpleAtoi(parts[2], &ns) || parts[3].size() != 16 || !entry.is_regular_file(ec)) {
+      continue;
+    }
+    const bool dead = ns == own_ns && pid > 0 && ProcessGone(static_cast<pid_t>(pid));
+    const auto age = std::filesystem::file_time_type::clock::now() -
+                     std::filesystem::last_write_time(entry.path(), ec);
+    if (!dead && (ec || age < kStaleAge)) continue;
+    if (shm_unlink(("/" + name).c_str()) == 0) {
+      LOG(INFO) << "removed /dev/shm/" << name << ", left by a process that died setting it up";
+      ++removed;
+    }
+  }
+  return removed;
+}
+
 absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
-    std::unique_ptr<Communicator> base, size_t max_bytes, std::chrono::milliseconds timeout) {
+    std::unique_ptr<Communicator> base, size_t max_bytes, std::chrono::milliseconds timeout,
+    std::shared_ptr<AbortSignal> abort) {
   static_assert(sizeof(Header) <= kHeaderBytes);
   const int world = base->size();
   if (world == 1 || max_bytes == 0) return base;
@@ -66,11 +132,14 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
 
   Handshake hs{};
   void* mapping = MAP_FAILED;
+  UnlinkName unlink_name;
   if (base->rank() == 0 && bytes <= kMaxMappingBytes) {
     std::random_device rd;
     hs.token = (uint64_t{rd()} << 32) ^ rd();
-    absl::SNPrintF(hs.name, sizeof(hs.name), "/lockstep-%d-%016x", getpid(), hs.token);
+    absl::SNPrintF(hs.name, sizeof(hs.name), "/lockstep-%d-%d-%016x", getpid(), PidNamespace(),
+                   hs.token);
     const int fd = shm_open(hs.name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd >= 0) unlink_name.name = hs.name;
     // posix_fallocate reserves the pages now: a full /dev/shm fails here, not as SIGBUS later.
     if (fd >= 0 && posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0) {
       mapping = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -85,10 +154,21 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
       hs.ok = 1;
     } else {
       LOG(WARNING) << "no shared-memory fast path (" << strerror(errno) << "); using Gloo";
-      shm_unlink(hs.name);
     }
   }
+  // From here on, every return path of rank 0 unlinks the name (unlink_name).
+  struct UnmapOnError {
+    void** mapping;
+    size_t bytes;
+    bool keep = false;
+    ~UnmapOnError() {
+      if (!keep && *mapping != MAP_FAILED) munmap(*mapping, bytes);
+    }
+  } unmap{&mapping, bytes};
+  const std::atomic<bool>* aborted = abort != nullptr ? &abort->flag() : nullptr;
+  if (base->rank() == 0) test_hooks::Reach("shm_setup", -1, aborted);
   if (absl::Status s = base->Broadcast(&hs, sizeof(hs), 0); !s.ok()) return s;
+  if (base->rank() != 0) test_hooks::Reach("shm_setup", -1, aborted);
   int64_t ok = 0;
   if (hs.ok != 0) {
     if (base->rank() == 0) {
@@ -107,21 +187,24 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
       }
     }
   }
+  // Every rank contributes only after it tried to map, so once the sum is done on rank 0 nobody
+  // needs the name any more; rank 0 unlinks it right here (mappings outlive the name).
   absl::Status agreed = base->AllreduceSum(&ok, 1);
-  if (agreed.ok()) agreed = base->Barrier();                 // everyone has mapped (or given up)
-  if (base->rank() == 0 && hs.ok != 0) shm_unlink(hs.name);  // mappings outlive the name
-  if (!agreed.ok() || ok != world) {
-    if (mapping != MAP_FAILED) munmap(mapping, bytes);
-    if (!agreed.ok()) return agreed;
-    return base;
+  if (unlink_name.name != nullptr) {
+    shm_unlink(unlink_name.name);
+    unlink_name.name = nullptr;
   }
-  return std::unique_ptr<Communicator>(
-      new ShmCommunicator(std::move(base), mapping, bytes, max_bytes, timeout));
+  if (!agreed.ok()) return agreed;
+  if (ok != world) return base;
+  unmap.keep = true;
+  return std::unique_ptr<Communicator>(new ShmCommunicator(std::move(base), mapping, bytes,
+                                                           max_bytes, timeout, std::move(abort)));
 }
 
 ShmCommunicator::ShmCommunicator(std::unique_ptr<Communicator> base, void* mapping,
                                  size_t mapping_bytes, size_t max_bytes,
-                                 std::chrono::milliseconds timeout)
+                                 std::chrono::milliseconds timeout,
+                                 std::shared_ptr<AbortSignal> abort)
     : base_(std::move(base)),
       mapping_(mapping),
       mapping_bytes_(mapping_bytes),
@@ -129,9 +212,15 @@ ShmCommunicator::ShmCommunicator(std::unique_ptr<Communicator> base, void* mappi
       slots_(static_cast<char*>(mapping) + kHeaderBytes),
       result_(slots_ + static_cast<size_t>(base_->size()) * max_bytes),
       max_bytes_(max_bytes),
-      timeout_(timeout) {}
+      timeout_(timeout),
+      abort_(std::move(abort)) {
+  if (abort_ != nullptr) on_abort_ = abort_->OnRaise([this] { Abort(); });
+}
 
-ShmCommunicator::~ShmCommunicator() { munmap(mapping_, mapping_bytes_); }
+ShmCommunicator::~ShmCommunicator() {
+  on_abort_.Reset();
+  munmap(mapping_, mapping_bytes_);
+}
 
 void ShmCommunicator::Abort() {
   aborted_ = true;

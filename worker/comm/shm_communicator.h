@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "worker/comm/abort_signal.h"
 #include "worker/comm/communicator.h"
 
 namespace lockstep::worker {
@@ -17,10 +18,19 @@ class ShmCommunicator final : public Communicator {
  public:
   // Tries to map one segment shared by all ranks of `base` for float and int64 sums of up to
   // `max_bytes` per call. Every rank must call it (it uses `base` collectively). Returns `base`
-  // itself when the ranks do not share a host (or /dev/shm), so callers need not care.
-  static absl::StatusOr<std::unique_ptr<Communicator>> Wrap(std::unique_ptr<Communicator> base,
-                                                            size_t max_bytes,
-                                                            std::chrono::milliseconds timeout);
+  // itself when the ranks do not share a host (or /dev/shm), so callers need not care. A raised
+  // `abort` (may be null) wakes every shared-memory wait (Abort()).
+  //
+  // The segment's name exists only while the ranks map it: rank 0 unlinks it as soon as every
+  // rank has tried (the mappings outlive the name), and on every failure path. A name left by a
+  // process killed inside that window is removed by SweepStaleSegments.
+  static absl::StatusOr<std::unique_ptr<Communicator>> Wrap(
+      std::unique_ptr<Communicator> base, size_t max_bytes, std::chrono::milliseconds timeout,
+      std::shared_ptr<AbortSignal> abort = nullptr);
+  // Unlinks /dev/shm/lockstep-PID-NS-* segments whose process is gone: PID is dead in this pid
+  // namespace (NS, so a container sharing /dev/shm is never mistaken for dead), or the name is
+  // older than any setup can take. Returns how many it removed. Called at worker start.
+  static int SweepStaleSegments();
   ~ShmCommunicator() override;
 
   int rank() const override { return base_->rank(); }
@@ -49,7 +59,8 @@ class ShmCommunicator final : public Communicator {
  private:
   struct Header;
   ShmCommunicator(std::unique_ptr<Communicator> base, void* mapping, size_t mapping_bytes,
-                  size_t max_bytes, std::chrono::milliseconds timeout);
+                  size_t max_bytes, std::chrono::milliseconds timeout,
+                  std::shared_ptr<AbortSignal> abort);
   template <typename T>
   absl::Status Sum(T* data, size_t count);
   // Sums elements [offset, offset + count) of every slot into result_, each rank its share.
@@ -68,6 +79,8 @@ class ShmCommunicator final : public Communicator {
   const std::chrono::milliseconds timeout_;
   uint32_t ops_ = 0;  // collectives issued so far (identical on every rank)
   std::atomic<bool> aborted_{false};
+  std::shared_ptr<AbortSignal> abort_;  // outlives on_abort_
+  AbortSignal::Subscription on_abort_;
 };
 
 }  // namespace lockstep::worker

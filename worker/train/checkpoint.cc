@@ -2,29 +2,34 @@
 // The header's checksum covers the header fields and the payload (FNV-1a 64).
 #include "worker/train/checkpoint.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/atomic_file.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 
 namespace lockstep::worker {
 namespace {
 
-constexpr char kMagic[8] = {'L', 'S', 'C', 'K', 'P', 'T', '1', '\0'};
+constexpr char kMagic[8] = {'L', 'S', 'C', 'K', 'P', 'T', '2', '\0'};
+constexpr char kOldMagic[8] = {'L', 'S', 'C', 'K', 'P', 'T', '1', '\0'};
+constexpr char kStepInfix[] = ".step-";
+constexpr char kSuffix[] = ".ckpt";
 
 struct Header {
   char magic[8];
   int64_t step;
-  uint64_t fingerprint;
+  char job_id[64];
+  uint64_t training_fingerprint;
+  uint64_t model_fingerprint;
   uint64_t num_params;
   uint64_t optimizer_floats;
   uint64_t checksum;  // of the header with checksum = 0, then the payload
@@ -38,30 +43,35 @@ uint64_t Checksum(Header header, const std::vector<float>& a, const std::vector<
   return kernels::Fnv1a64(bytes.data(), bytes.size());
 }
 
-// Checkpoints in `dir` by step, newest first.
-std::vector<std::pair<int64_t, std::string>> ListCheckpoints(const std::string& dir) {
-  std::vector<std::pair<int64_t, std::string>> out;
+struct Listed {
+  int64_t step;
+  std::string job_id;
+  std::string path;
+};
+
+// Checkpoint files in `dir` ("JOB.step-N.ckpt"), of `job_id` only unless it is empty, newest
+// step first.
+std::vector<Listed> ListCheckpoints(const std::string& dir, const std::string& job_id) {
+  std::vector<Listed> out;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
+    const size_t infix = name.rfind(kStepInfix);
+    if (infix == std::string::npos || infix == 0 || !absl::EndsWith(name, kSuffix)) continue;
+    const std::string owner = name.substr(0, infix);
+    const size_t digits = infix + sizeof(kStepInfix) - 1;
     int64_t step = 0;
-    if (name.rfind("step-", 0) == 0 && name.size() > 10 &&
-        name.compare(name.size() - 5, 5, ".ckpt") == 0 &&
-        absl::SimpleAtoi(name.substr(5, name.size() - 10), &step)) {
-      out.emplace_back(step, entry.path().string());
+    if (!absl::SimpleAtoi(name.substr(digits, name.size() - digits - (sizeof(kSuffix) - 1)),
+                          &step)) {
+      continue;
     }
+    if (!job_id.empty() && owner != job_id) continue;
+    out.push_back({step, owner, entry.path().string()});
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::sort(out.begin(), out.end(), [](const Listed& a, const Listed& b) {
+    return a.step != b.step ? a.step > b.step : a.path < b.path;
+  });
   return out;
-}
-
-absl::Status FsyncPath(const std::string& path, int flags) {
-  const int fd = open(path.c_str(), flags | O_CLOEXEC);
-  if (fd < 0) return absl::InternalError(absl::StrCat("open ", path, ": ", strerror(errno)));
-  const int rc = fsync(fd);
-  close(fd);
-  if (rc != 0) return absl::InternalError(absl::StrCat("fsync ", path, ": ", strerror(errno)));
-  return absl::OkStatus();
 }
 
 absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
@@ -71,15 +81,22 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
   if (!in.read(reinterpret_cast<char*>(&h), sizeof(h))) {
     return absl::DataLossError(absl::StrCat(path, ": truncated header"));
   }
+  if (std::memcmp(h.magic, kOldMagic, sizeof(kOldMagic)) == 0) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": written by an older Lockstep (no job identity); not loaded"));
+  }
   if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) {
     return absl::DataLossError(absl::StrCat(path, ": not a Lockstep checkpoint"));
   }
-  if (h.num_params > (uint64_t{1} << 34) || h.optimizer_floats > (uint64_t{1} << 35)) {
-    return absl::DataLossError(absl::StrCat(path, ": implausible sizes in header"));
+  if (h.num_params > (uint64_t{1} << 34) || h.optimizer_floats > (uint64_t{1} << 35) ||
+      h.job_id[sizeof(h.job_id) - 1] != '\0') {
+    return absl::DataLossError(absl::StrCat(path, ": implausible header"));
   }
   CheckpointData data;
   data.step = h.step;
-  data.fingerprint = h.fingerprint;
+  data.job_id = h.job_id;
+  data.training_fingerprint = h.training_fingerprint;
+  data.model_fingerprint = h.model_fingerprint;
   data.params.resize(h.num_params);
   data.optimizer_state.resize(h.optimizer_floats);
   if (!in.read(reinterpret_cast<char*>(data.params.data()), h.num_params * sizeof(float)) ||
@@ -98,67 +115,116 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
 
 }  // namespace
 
-absl::Status WriteCheckpoint(const std::string& dir, const CheckpointData& data, int keep) {
+absl::StatusOr<std::string> WriteCheckpoint(const std::string& dir, const CheckpointData& data,
+                                            int keep) {
+  if (data.job_id.empty() || data.job_id.size() >= sizeof(Header::job_id) ||
+      data.job_id.find_first_of("/\\") != std::string::npos || data.job_id[0] == '.') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job id \"", data.job_id, "\" cannot name a checkpoint file"));
+  }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat("checkpoint dir ", dir, ": ", ec.message()));
+  if (ec) return ErrnoStatus(ec.value(), "creating checkpoint directory", dir);
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.step = data.step;
-  h.fingerprint = data.fingerprint;
+  std::memcpy(h.job_id, data.job_id.data(), data.job_id.size());
+  h.training_fingerprint = data.training_fingerprint;
+  h.model_fingerprint = data.model_fingerprint;
   h.num_params = data.params.size();
   h.optimizer_floats = data.optimizer_state.size();
   h.checksum = Checksum(h, data.params, data.optimizer_state);
-  const std::string path = absl::StrFormat("%s/step-%012d.ckpt", dir, data.step);
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(&h), sizeof(h));
-    out.write(reinterpret_cast<const char*>(data.params.data()),
-              static_cast<std::streamsize>(data.params.size() * sizeof(float)));
-    out.write(reinterpret_cast<const char*>(data.optimizer_state.data()),
-              static_cast<std::streamsize>(data.optimizer_state.size() * sizeof(float)));
-    if (!out.flush()) {
-      std::filesystem::remove(tmp, ec);
-      return absl::InternalError(absl::StrCat("writing ", tmp, " failed"));
-    }
+  const std::string path =
+      absl::StrFormat("%s/%s%s%012d%s", dir, data.job_id, kStepInfix, data.step, kSuffix);
+  // Durable: the data are on disk before the name says the checkpoint exists, and the rename
+  // is on disk before older checkpoints are deleted.
+  LOCKSTEP_RETURN_IF_ERROR(WriteFileAtomically(
+      path,
+      {absl::string_view(reinterpret_cast<const char*>(&h), sizeof(h)),
+       absl::string_view(reinterpret_cast<const char*>(data.params.data()),
+                         data.params.size() * sizeof(float)),
+       absl::string_view(reinterpret_cast<const char*>(data.optimizer_state.data()),
+                         data.optimizer_state.size() * sizeof(float))},
+      Durability::kDurable));
+  const std::vector<Listed> mine = ListCheckpoints(dir, data.job_id);
+  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < mine.size(); ++i) {
+    std::filesystem::remove(mine[i].path, ec);
   }
-  // The data must be on disk before the name says the checkpoint exists, and the rename must
-  // be on disk before older checkpoints are deleted.
-  if (absl::Status s = FsyncPath(tmp, O_RDONLY); !s.ok()) return s;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return absl::InternalError(absl::StrCat("rename to ", path, ": ", ec.message()));
-  if (absl::Status s = FsyncPath(dir, O_RDONLY | O_DIRECTORY); !s.ok()) return s;
-  const auto all = ListCheckpoints(dir);
-  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < all.size(); ++i) {
-    std::filesystem::remove(all[i].second, ec);
-  }
-  return absl::OkStatus();
+  return path;
 }
 
-absl::StatusOr<CheckpointData> LoadLatestCheckpoint(const std::string& dir, uint64_t fingerprint,
+absl::StatusOr<CheckpointData> LoadLatestCheckpoint(const std::string& dir,
+                                                    const std::string& job_id,
+                                                    uint64_t training_fingerprint,
                                                     size_t num_params, size_t optimizer_floats,
-                                                    int64_t after_step,
+                                                    int64_t after_step, int64_t max_step,
                                                     std::vector<std::string>* skipped) {
-  for (const auto& [step, path] : ListCheckpoints(dir)) {
-    if (step <= after_step) break;
-    absl::StatusOr<CheckpointData> data = ReadCheckpoint(path);
+  for (const Listed& c : ListCheckpoints(dir, job_id)) {
+    if (c.step <= after_step) break;
     std::string problem;
-    if (!data.ok()) {
+    if (c.step > max_step) {
+      problem = absl::StrCat(c.path, ": step ", c.step, " is beyond the job's ", max_step,
+                             " steps");
+    } else if (absl::StatusOr<CheckpointData> data = ReadCheckpoint(c.path); !data.ok()) {
       problem = std::string(data.status().message());
-    } else if (data->fingerprint != fingerprint || data->params.size() != num_params ||
+    } else if (data->job_id != job_id) {
+      problem = absl::StrCat(c.path, ": written by job ", data->job_id);
+    } else if (data->training_fingerprint != training_fingerprint) {
+      problem = absl::StrCat(c.path, ": written for another spec of ", job_id);
+    } else if (data->params.size() != num_params ||
                data->optimizer_state.size() != optimizer_floats) {
-      problem = absl::StrCat(path, ": belongs to another model or optimizer");
-    } else if (data->step != step) {
-      problem = absl::StrCat(path, ": holds step ", data->step);
+      problem = absl::StrCat(c.path, ": holds another model or optimizer");
+    } else if (data->step != c.step) {
+      problem = absl::StrCat(c.path, ": holds step ", data->step);
     } else {
-      return data;
+      return *std::move(data);
     }
     LOG(WARNING) << "skipping checkpoint: " << problem;
     if (skipped != nullptr) skipped->push_back(problem);
   }
-  return absl::NotFoundError(absl::StrCat("no usable checkpoint after step ", after_step, " in ",
-                                          dir));
+  return absl::NotFoundError(
+      absl::StrCat("no usable checkpoint of ", job_id, " after step ", after_step, " in ", dir));
+}
+
+absl::StatusOr<CheckpointData> LoadCheckpointForInit(const std::string& path,
+                                                     uint64_t model_fingerprint, size_t num_params,
+                                                     size_t optimizer_floats) {
+  auto matches = [&](const CheckpointData& data) {
+    return data.model_fingerprint == model_fingerprint && data.params.size() == num_params &&
+           data.optimizer_state.size() == optimizer_floats;
+  };
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    for (const Listed& c : ListCheckpoints(path, "")) {
+      absl::StatusOr<CheckpointData> data = ReadCheckpoint(c.path);
+      if (!data.ok()) {
+        LOG(WARNING) << "init_from_checkpoint: skipping " << data.status().message();
+      } else if (!matches(*data)) {
+        LOG(WARNING) << "init_from_checkpoint: skipping " << c.path << ": another model";
+      } else {
+        LOG(INFO) << "init_from_checkpoint: " << c.path << " (job " << data->job_id << ", step "
+                  << data->step << ")";
+        return data;
+      }
+    }
+    return absl::NotFoundError(absl::StrCat("init_from_checkpoint.path: ", path,
+                                            " holds no valid checkpoint of this model"));
+  }
+  if (!std::filesystem::exists(path, ec)) {
+    return absl::NotFoundError(absl::StrCat("init_from_checkpoint.path: ", path, " does not exist"));
+  }
+  absl::StatusOr<CheckpointData> data = ReadCheckpoint(path);
+  if (!data.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("init_from_checkpoint.path: ", data.status().message()));
+  }
+  if (!matches(*data)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "init_from_checkpoint.path: ", path, " is a checkpoint of another model (",
+        data->params.size(), " parameters, ", data->optimizer_state.size(),
+        " optimizer values; this job's model has ", num_params, " and ", optimizer_floats, ")"));
+  }
+  return data;
 }
 
 }  // namespace lockstep::worker

@@ -20,7 +20,9 @@
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 #include "absl/synchronization/mutex.h"
+#include "common/atomic_file.h"
 #include "common/status_macros.h"
+#include "xxhash.h"
 #include "worker/train/random.h"
 
 namespace lockstep::worker {
@@ -165,8 +167,18 @@ Dataset FromLayout(const CacheHeader& h, const uint8_t* base,
     split.y.assign(p, p + n);
     p += n;
   };
+  const uint8_t* start = p;
   fill(ds.train, h.train_samples);
   fill(ds.test, h.test_samples);
+  // One hash per source file's content (pixels, labels of each split), in the cache's order.
+  const int64_t sizes[4] = {h.train_samples * h.dim, h.train_samples, h.test_samples * h.dim,
+                            h.test_samples};
+  const char* names[4] = {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                          "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"};
+  for (int i = 0; i < 4; ++i) {
+    ds.parts.push_back({names[i], XXH3_64bits(start, static_cast<size_t>(sizes[i]))});
+    start += sizes[i];
+  }
   int32_t max_label = 0;
   for (int32_t y : ds.train.y) max_label = std::max(max_label, y);
   for (int32_t y : ds.test.y) max_label = std::max(max_label, y);
@@ -217,7 +229,8 @@ absl::StatusOr<std::string> EncodeIdx(const std::string& dir, CacheHeader* h) {
   return out;
 }
 
-// Cache key: the four source files' paths, sizes and modification times.
+// Cache key: the four source files' identity (path, device, inode, size, modification and
+// change times). The change time cannot be set by a user: any rewrite or replacement moves it.
 absl::StatusOr<std::string> CacheKey(const std::string& dir) {
   std::string identity;
   for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -227,8 +240,9 @@ absl::StatusOr<std::string> CacheKey(const std::string& dir) {
     if (stat(path.c_str(), &st) != 0) {
       return absl::NotFoundError(absl::StrCat("cannot stat ", path));
     }
-    absl::StrAppend(&identity, std::filesystem::absolute(path).string(), ":", st.st_size, ":",
-                    st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ";");
+    absl::StrAppend(&identity, std::filesystem::absolute(path).string(), ":", st.st_dev, ":",
+                    st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec,
+                    ":", st.st_ctim.tv_sec, ".", st.st_ctim.tv_nsec, ";");
   }
   return absl::StrFormat("%016x", kernels::Fnv1a64(identity.data(), identity.size()));
 }
@@ -254,17 +268,9 @@ absl::StatusOr<Dataset> LoadThroughCache(const std::string& dir, const std::stri
     if (!encoded.ok()) {
       result = encoded.status();
     } else {
-      const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-      bool written = false;
-      {
-        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        out.write(encoded->data(), static_cast<std::streamsize>(encoded->size()));
-        written = static_cast<bool>(out.flush());
-      }
-      if (written) std::filesystem::rename(tmp, path, ec);
-      if (!written || ec) {
-        std::filesystem::remove(tmp, ec);
-        result = absl::UnavailableError(absl::StrCat("writing cache ", path));
+      // A cache is rebuilt when lost: visible atomically is enough, no fsync.
+      if (absl::Status w = WriteFileAtomically(path, *encoded, Durability::kVisible); !w.ok()) {
+        result = absl::UnavailableError(absl::StrCat("writing the data set cache: ", w.message()));
       } else {
         result = MapCache(path);
       }
@@ -300,6 +306,7 @@ absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir) {
     absl::StatusOr<Dataset> cached = LoadThroughCache(dir, cache_dir);
     // Data problems are final; cache problems (permissions, a full /dev/shm) fall back to
     // decoding privately.
+    if (cached.ok()) cached->source = dir;
     if (cached.ok() || absl::IsNotFound(cached.status()) || absl::IsDataLoss(cached.status())) {
       return cached;
     }
@@ -309,7 +316,9 @@ absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir) {
   LOCKSTEP_ASSIGN_OR_RETURN(std::string encoded, EncodeIdx(dir, &h));
   auto storage = std::make_shared<const std::string>(std::move(encoded));
   const auto* base = reinterpret_cast<const uint8_t*>(storage->data());
-  return FromLayout(h, base, storage);
+  Dataset ds = FromLayout(h, base, storage);
+  ds.source = dir;
+  return ds;
 }
 
 Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec) {
@@ -354,6 +363,15 @@ Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec) {
   ds.classes = classes;
   ds.train = make_split(spec.train_samples());
   ds.test = make_split(spec.test_samples());
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  for (const Split* split : {&ds.train, &ds.test}) {
+    XXH3_64bits_update(state, split->x.data(), split->x.size() * sizeof(float));
+    XXH3_64bits_update(state, split->y.data(), split->y.size() * sizeof(int32_t));
+  }
+  ds.parts.push_back({"synthetic", XXH3_64bits_digest(state)});
+  XXH3_freeState(state);
+  ds.source = absl::StrCat("synthetic data set (seed ", spec.seed(), ")");
   return ds;
 }
 
@@ -362,7 +380,12 @@ absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec
   // One entry: a worker trains one job at a time, usually on the same data again.
   static std::string* cached_key = new std::string;
   static std::shared_ptr<const Dataset>* cached = new std::shared_ptr<const Dataset>;
-  const std::string key = spec.SerializeAsString();
+  // The spec, and for files their identity: a worker never serves data whose files changed.
+  std::string key = spec.SerializeAsString();
+  if (spec.type() == "idx" || spec.type() == "fashion_mnist") {
+    absl::StatusOr<std::string> identity = CacheKey(spec.path());
+    if (identity.ok()) absl::StrAppend(&key, "@", *identity);
+  }
   absl::MutexLock lock(&mu);
   if (*cached != nullptr && *cached_key == key) return *cached;
   std::shared_ptr<Dataset> ds;

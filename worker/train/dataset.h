@@ -31,13 +31,24 @@ struct Dataset {
   int32_t classes = 0;
   Split train;
   Split test;
+  // What the data are, so that the members of a group can confirm they all hold the same:
+  // a content hash (XXH3 64) per part (IDX: one per file; synthetic: one for the whole set),
+  // and where the data came from ("/data/fashion-mnist", "synthetic data set (seed 5)").
+  struct Part {
+    std::string name;
+    uint64_t hash = 0;
+  };
+  std::vector<Part> parts;
+  std::string source;
   // Owns the memory `bytes` points into (a vector or a shared mapping).
   std::shared_ptr<const void> storage;
 };
 
 // Directory where decoded IDX data sets are cached as plain files that every worker of the
 // host maps (default /dev/shm/lockstep-cache; empty disables the cache). A cache entry is
-// keyed by the source files' paths, sizes and modification times.
+// keyed by the source files' identity: path, device, inode, size, modification and change
+// times (a file rewritten in place, or replaced by another with the same size and mtime, has
+// another change time).
 void SetDatasetCacheDir(const std::string& dir);
 
 // Reads train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and
@@ -51,7 +62,8 @@ absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir);
 Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec);
 
 // Loads the data set a job names, sharing one copy between jobs of this process that name the
-// same data (workers are long-lived and usually train the same data again). Thread-safe.
+// same data (workers are long-lived and usually train the same data again): the copy is reused
+// only while the files' identity is unchanged. Thread-safe.
 absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec& spec);
 
 }  // namespace lockstep::worker

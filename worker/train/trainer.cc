@@ -15,7 +15,11 @@
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 #include "worker/train/checkpoint.h"
+#include "common/status_macros.h"
+#include "worker/job_identity.h"
 #include "worker/train/gradient_reducer.h"
+#include "worker/test_hooks.h"
+#include "xxhash.h"
 
 namespace lockstep::worker {
 namespace {
@@ -28,7 +32,13 @@ int64_t PeakRssBytes() {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec,
+bool Trainer::IsFatal(const absl::Status& status) {
+  return absl::IsFailedPrecondition(status) || absl::IsOutOfRange(status) ||
+         absl::IsUnimplemented(status);
+}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const std::string& job_id,
+                                                         const v1::JobSpec& spec,
                                                          std::shared_ptr<const Dataset> data,
                                                          Communicator* comm) {
   if (spec.model().type() != "mlp") {
@@ -55,12 +65,15 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& spec
   for (int w : spec.model().hidden_widths()) dims.push_back(w);
   dims.push_back(data->classes);
   return std::unique_ptr<Trainer>(
-      new Trainer(spec, std::move(data), comm, std::move(dims), activation));
+      new Trainer(job_id, spec, std::move(data), comm, std::move(dims), activation));
 }
 
-Trainer::Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, Communicator* comm,
-                 std::vector<int> dims, kernels::Activation activation)
-    : spec_(spec),
+Trainer::Trainer(const std::string& job_id, const v1::JobSpec& spec,
+                 std::shared_ptr<const Dataset> data, Communicator* comm, std::vector<int> dims,
+                 kernels::Activation activation)
+    : job_id_(job_id),
+      spec_(spec),
+      training_fingerprint_(TrainingFingerprint(spec)),
       data_(std::move(data)),
       comm_(comm),
       model_(std::move(dims), activation),
@@ -283,77 +296,210 @@ void Trainer::set_communicator(Communicator* comm) {
   micro_batch_ = ChooseMicroBatch(spec_, comm->size(), memory_budget_);
 }
 
-uint64_t Trainer::StateFingerprint() const {
+uint64_t Trainer::ModelFingerprint() const {
   std::string id = absl::StrCat("mlp/", spec_.model().activation(), "/", spec_.optimizer().type());
   for (int d : model_.dims()) absl::StrAppend(&id, "/", d);
   return kernels::Fnv1a64(id.data(), id.size());
 }
 
-void Trainer::MaybeCheckpoint(int64_t step) {
+absl::Status Trainer::MaybeCheckpoint(int64_t step, const CheckpointFn& report) {
   const int64_t every = spec_.checkpoint_every_steps();
-  if (every <= 0 || comm_->rank() != 0 || step % every != 0) return;
-  if (absl::Status s = SyncFromDevice(); !s.ok()) {
-    LOG(WARNING) << "checkpoint at step " << step << " not written: " << s;
-    return;
+  if (every <= 0 || comm_->rank() != 0 || step % every != 0) return absl::OkStatus();
+  absl::StatusOr<std::string> path;
+  if (absl::Status synced = SyncFromDevice(); !synced.ok()) {
+    path = synced;
+  } else {
+    CheckpointData data;
+    data.step = step;
+    data.job_id = job_id_;
+    data.training_fingerprint = training_fingerprint_;
+    data.model_fingerprint = ModelFingerprint();
+    data.params.assign(model_.params(), model_.params() + model_.num_params());
+    data.optimizer_state = optimizer_->state();
+    const int keep = spec_.keep_checkpoints() > 0 ? spec_.keep_checkpoints() : 3;
+    path = WriteCheckpoint(spec_.checkpoint_dir(), data, keep);
   }
-  CheckpointData data;
-  data.step = step;
-  data.fingerprint = StateFingerprint();
-  data.params.assign(model_.params(), model_.params() + model_.num_params());
-  data.optimizer_state = optimizer_->state();
-  const int keep = spec_.keep_checkpoints() > 0 ? spec_.keep_checkpoints() : 3;
-  if (absl::Status s = WriteCheckpoint(spec_.checkpoint_dir(), data, keep); !s.ok()) {
-    LOG(WARNING) << "checkpoint at step " << step << " not written: " << s;
+  v1::CheckpointReport r;
+  r.set_step(step);
+  if (path.ok()) {
+    r.set_path(*path);
+  } else {
+    r.set_error(std::string(path.status().message()));
+    LOG(WARNING) << "checkpoint at step " << step << " not written: " << path.status();
   }
+  if (report) report(r);
+  if (!path.ok() && spec_.checkpoint_failure_policy() == "fail") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint at step ", step, " not written: ", path.status().message(),
+                     " (checkpoint_failure_policy \"fail\")"));
+  }
+  return absl::OkStatus();
 }
 
-absl::StatusOr<Trainer::HealInfo> Trainer::Heal() {
-  const absl::Time start = absl::Now();
-  bool from_checkpoint = false;
-  if (comm_->rank() == 0 && spec_.checkpoint_every_steps() > 0) {
+absl::StatusOr<bool> Trainer::LoadStateFromDisk() {
+  if (comm_->rank() != 0) return false;
+  std::vector<float>& opt = optimizer_->state();
+  if (spec_.checkpoint_every_steps() > 0 && !spec_.checkpoint_dir().empty()) {
     absl::StatusOr<CheckpointData> ckpt =
-        LoadLatestCheckpoint(spec_.checkpoint_dir(), StateFingerprint(), model_.num_params(),
-                             optimizer_->state().size(), completed_step_);
+        LoadLatestCheckpoint(spec_.checkpoint_dir(), job_id_, training_fingerprint_,
+                             model_.num_params(), opt.size(), completed_step_, total_steps_);
     if (ckpt.ok()) {
       std::copy(ckpt->params.begin(), ckpt->params.end(), model_.params());
-      optimizer_->state() = std::move(ckpt->optimizer_state);
-      LOG(INFO) << "loaded checkpoint of step " << ckpt->step << " from " << spec_.checkpoint_dir()
-                << " (held step " << completed_step_ << ")";
+      opt = std::move(ckpt->optimizer_state);
+      LOG(INFO) << "loaded " << job_id_ << "'s checkpoint of step " << ckpt->step << " from "
+                << spec_.checkpoint_dir() << " (held step " << completed_step_ << ")";
       completed_step_ = ckpt->step;
-      from_checkpoint = true;
+      return true;
     }
   }
-  std::vector<int64_t> steps(comm_->size(), 0);
-  steps[comm_->rank()] = completed_step_;
-  if (absl::Status s = comm_->AllreduceSum(steps.data(), steps.size()); !s.ok()) {
+  const v1::InitFromCheckpoint& init = spec_.init_from_checkpoint();
+  if (completed_step_ == 0 && !initialized_from_checkpoint_ && !init.path().empty()) {
+    absl::StatusOr<CheckpointData> ckpt =
+        LoadCheckpointForInit(init.path(), ModelFingerprint(), model_.num_params(), opt.size());
+    // The job cannot start as asked: that is final.
+    if (!ckpt.ok()) return absl::FailedPreconditionError(ckpt.status().message());
+    std::copy(ckpt->params.begin(), ckpt->params.end(), model_.params());
+    if (init.load_optimizer_state()) opt = std::move(ckpt->optimizer_state);
+    initialized_from_checkpoint_ = true;
+    LOG(INFO) << job_id_ << " starts from the parameters of " << ckpt->job_id << " at step "
+              << ckpt->step << (init.load_optimizer_state() ? " and its optimizer state" : "");
+  }
+  return false;
+}
+
+namespace {
+
+// What the heal source sends first: which state follows and how to check it.
+struct StateHeader {
+  int64_t step;
+  int64_t from_checkpoint_init;  // the state descends from init_from_checkpoint
+  int64_t from_disk;             // rank 0 read it from one of the job's checkpoints
+  uint64_t num_params;
+  uint64_t optimizer_floats;
+  uint64_t checksum;  // XXH3 64 of step, then the parameters, then the optimizer state
+};
+
+// Pieces of a heal broadcast: large enough to keep Gloo busy, small enough that a big model's
+// state never needs a second full copy in flight.
+constexpr size_t kHealPieceFloats = size_t{1} << 20;
+
+uint64_t StateChecksum(int64_t step, const float* params, size_t n, const float* opt, size_t m) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  XXH3_64bits_update(state, &step, sizeof(step));
+  XXH3_64bits_update(state, params, n * sizeof(float));
+  XXH3_64bits_update(state, opt, m * sizeof(float));
+  const uint64_t sum = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return sum;
+}
+
+}  // namespace
+
+absl::Status Trainer::ReceiveState(int source) {
+  const bool sending = comm_->rank() == source;
+  std::vector<float>& opt = optimizer_->state();
+  const size_t n = model_.num_params(), m = opt.size();
+  StateHeader header{};
+  if (sending) {
+    header = {completed_step_, initialized_from_checkpoint_ ? 1 : 0, heal_from_disk_ ? 1 : 0, n,
+              m, StateChecksum(completed_step_, model_.params(), n, opt.data(), m)};
+  }
+  LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(&header, sizeof(header), source));
+  if (header.num_params != n || header.optimizer_floats != m) {
+    return absl::InternalError(absl::StrCat("rank ", source, " sent ", header.num_params,
+                                            " parameters and ", header.optimizer_floats,
+                                            " optimizer values, not ", n, " and ", m));
+  }
+  heal_from_disk_ = header.from_disk != 0;
+  // Receivers stage everything and touch their own state only after the checksum holds.
+  std::vector<float> staged_params, staged_opt;
+  if (!sending) {
+    staged_params.resize(n);
+    staged_opt.resize(m);
+  }
+  int pieces = 0;
+  for (auto [mine, staged, count] : {std::tuple<float*, float*, size_t>{model_.params(),
+                                                                         staged_params.data(), n},
+                                     {opt.data(), staged_opt.data(), m}}) {
+    for (size_t offset = 0; offset < count; offset += kHealPieceFloats) {
+      const size_t len = std::min(kHealPieceFloats, count - offset);
+      float* buffer = sending ? mine + offset : staged + offset;
+      LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(buffer, len * sizeof(float), source));
+      // Tests hold the source here, with part of its state sent, and kill it.
+      if (sending && ++pieces == 1) test_hooks::Reach("heal_broadcast");
+    }
+  }
+  if (sending) return absl::OkStatus();
+  if (StateChecksum(header.step, staged_params.data(), n, staged_opt.data(), m) !=
+      header.checksum) {
+    return absl::DataLossError(absl::StrCat("the state of step ", header.step, " from rank ",
+                                            source, " failed its checksum; not taken"));
+  }
+  std::copy(staged_params.begin(), staged_params.end(), model_.params());
+  opt = std::move(staged_opt);
+  completed_step_ = header.step;
+  initialized_from_checkpoint_ = header.from_checkpoint_init != 0;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Trainer::HealInfo> Trainer::Heal(const std::vector<std::string>& member_names) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<bool> from_disk = LoadStateFromDisk();
+  if (!from_disk.ok()) return from_disk.status();
+  heal_from_disk_ = *from_disk;
+  // The exchange, in one sum: each rank fills its own slots. A state's rank: its step, and at
+  // step 0 whether it holds init_from_checkpoint's parameters rather than the seed's.
+  constexpr int kParts = 4;
+  const int world = comm_->size(), me = comm_->rank();
+  std::vector<int64_t> x(static_cast<size_t>(world) * (1 + kParts), 0);
+  x[me] = completed_step_ * 2 + (initialized_from_checkpoint_ ? 1 : 0);
+  for (size_t i = 0; i < data_->parts.size() && i < kParts; ++i) {
+    x[world + me * kParts + i] = static_cast<int64_t>(data_->parts[i].hash);
+  }
+  if (absl::Status s = comm_->AllreduceSum(x.data(), x.size()); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("healing: ", s.message()));
   }
+  auto name = [&](int r) {
+    return r < static_cast<int>(member_names.size())
+               ? absl::StrCat(member_names[r], " (rank ", r, ")")
+               : absl::StrCat("rank ", r);
+  };
+  for (int r = 1; r < world; ++r) {
+    for (size_t i = 0; i < data_->parts.size() && i < kParts; ++i) {
+      const int64_t theirs = x[world + r * kParts + i], first = x[world + i];
+      if (theirs == first) continue;
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the members hold different data: %s of %s is %016x on %s but %016x on %s; every "
+          "member must read the same files",
+          data_->parts[i].name, data_->source, static_cast<uint64_t>(theirs), name(r),
+          static_cast<uint64_t>(first), name(0)));
+    }
+  }
   int source = 0;
-  for (int r = 1; r < comm_->size(); ++r) {
-    if (steps[r] > steps[source]) source = r;
+  for (int r = 1; r < world; ++r) {
+    if (x[r] > x[source]) source = r;
   }
   HealInfo info;
-  info.resumed_from_step = steps[source];
-  info.from_checkpoint = from_checkpoint && source == 0;
-  if (steps[source] > 0) {
+  if (x[source] > 0) {
     info.source_rank = source;
-    const bool all_equal =
-        std::all_of(steps.begin(), steps.end(), [&](int64_t s) { return s == steps[source]; });
+    const bool all_equal = std::all_of(x.begin(), x.begin() + world,
+                                       [&](int64_t k) { return k == x[source]; });
     if (!all_equal) {
-      std::vector<float>& opt = optimizer_->state();
-      absl::Status s =
-          comm_->Broadcast(model_.params(), model_.num_params() * sizeof(float), source);
-      if (s.ok()) s = comm_->Broadcast(opt.data(), opt.size() * sizeof(float), source);
-      if (!s.ok()) return absl::Status(s.code(), absl::StrCat("healing: ", s.message()));
+      if (absl::Status s = ReceiveState(source); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("healing from rank ", source, ": ", s.message()));
+      }
     }
-    completed_step_ = steps[source];
   }
+  info.resumed_from_step = completed_step_;
+  info.from_checkpoint = heal_from_disk_;
   info.took = absl::Now() - start;
   return info;
 }
 
 absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
-                            const ProgressFn& progress, absl::Duration report_interval) {
+                            const ProgressFn& progress, const CheckpointFn& checkpoint,
+                            absl::Duration report_interval) {
   timing_ = Timing{};
   reducer_ = std::make_unique<GradientReducer>(comm_);
   // The reducer uses this generation's communicator: it must be gone (its thread joined)
@@ -390,10 +536,11 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
     if (abort.load(std::memory_order_relaxed)) {
       return absl::AbortedError(absl::StrCat("aborted before step ", step));
     }
+    test_hooks::Reach("before_step", step, &abort);
     if (absl::Status s = TrainStep(step); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
     }
-    MaybeCheckpoint(step);
+    if (absl::Status s = MaybeCheckpoint(step, checkpoint); !s.ok()) return s;
     ++window_steps;
     const absl::Time now = absl::Now();
     if (step == start_step) first_step_end = now;

@@ -66,13 +66,24 @@ class DeviceStep {
 
 // Not thread-safe: one training thread drives it. `abort` may be set from any thread; the
 // loop checks it between steps.
+//
+// Errors of Heal, Train and Evaluate: the communicator's (UNAVAILABLE, DEADLINE_EXCEEDED,
+// ABORTED: the generation is over, another may succeed); DATA_LOSS when healed state failed
+// its checksum (the member keeps its previous state); and errors no other group can avoid,
+// which fail the job (IsFatal): FAILED_PRECONDITION (the members hold different data, a
+// checkpoint write failed under checkpoint_failure_policy "fail", init_from_checkpoint cannot
+// be read), OUT_OF_RANGE (deterministic mode's range), UNIMPLEMENTED (a mode this device lacks).
 class Trainer {
  public:
   // FAILED_PRECONDITION when the data cannot serve the spec (batch larger than the data set,
-  // labels beyond the model's classes), INVALID_ARGUMENT for a bad model spec.
-  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const v1::JobSpec& spec,
+  // labels beyond the model's classes), INVALID_ARGUMENT for a bad model spec. `job_id` names
+  // the job's checkpoints.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const std::string& job_id,
+                                                         const v1::JobSpec& spec,
                                                          std::shared_ptr<const Dataset> data,
                                                          Communicator* comm);
+  // Whether an error of Heal, Train or Evaluate fails the job (see the class comment).
+  static bool IsFatal(const absl::Status& status);
 
   int64_t total_steps() const { return total_steps_; }
   // The largest sum this trainer asks of its communicator in one call, in bytes (a gradient
@@ -98,27 +109,35 @@ class Trainer {
   // re-divided). Not during Train.
   void set_communicator(Communicator* comm);
 
-  // Brings every member of a (new) group to the same state. With checkpoints configured,
-  // rank 0 first loads the newest valid checkpoint if it is newer than its own state. Then
-  // members exchange the step of the state they hold; when they differ, the most advanced member
-  // (lowest rank among equals) broadcasts its parameters and optimizer state. Members at the same
-  // step hold identical state (they applied the same reduced gradients), so nothing is sent when
-  // all agree.
+  // Brings every member of a (new) group to the same state, all or nothing:
+  //  1. With checkpoints configured, rank 0 loads the job's newest valid checkpoint if it is
+  //     newer than its own state; in a fresh job with init_from_checkpoint, rank 0 loads that.
+  //  2. Members exchange the step of the state they hold and a hash of each part of their data;
+  //     different data fail the job (FAILED_PRECONDITION naming the members and the file).
+  //  3. When the steps differ, the most advanced member (lowest rank among equals) broadcasts
+  //     its step, parameters and optimizer state with a checksum, in pieces. The others receive
+  //     into staging memory and commit only once everything arrived and the checksum holds: a
+  //     source lost midway leaves them with their previous state, never a mixture.
+  // Members at the same step hold identical state (they applied the same reduced gradients), so
+  // nothing is sent when all agree. `member_names` (rank order) name members in errors.
   struct HealInfo {
     int64_t resumed_from_step = 0;  // training continues at this step + 1
     int source_rank = -1;           // -1: nobody held state (all start from the seed)
-    bool from_checkpoint = false;   // rank 0 read the state from the newest disk checkpoint
+    bool from_checkpoint = false;   // rank 0 read the state from one of the job's checkpoints
     absl::Duration took;
   };
-  absl::StatusOr<HealInfo> Heal();
+  absl::StatusOr<HealInfo> Heal(const std::vector<std::string>& member_names = {});
   int64_t steps_per_epoch() const { return sampler_.steps_per_epoch(); }
   Mlp& model() { return model_; }
 
   using ProgressFn = std::function<void(const v1::ProgressReport&)>;
+  // Called after every checkpoint rank 0 tried to write (job_id and generation left empty).
+  using CheckpointFn = std::function<void(const v1::CheckpointReport&)>;
   // Trains 1-based steps [start_step, total_steps]. Reports progress at most every
   // `report_interval` (and always for the first and last step). ABORTED when `abort` was set;
   // the communicator's error when a collective failed.
   absl::Status Train(int64_t start_step, const std::atomic<bool>& abort, const ProgressFn& progress,
+                     const CheckpointFn& checkpoint = nullptr,
                      absl::Duration report_interval = absl::Milliseconds(100));
 
   // Loss and accuracy on the whole test set, each rank taking a contiguous share.
@@ -126,6 +145,8 @@ class Trainer {
 
   // FNV-1a 64 of the parameter bytes, as 16 hex digits.
   std::string ParameterChecksum() const;
+  // The model's and optimizer's shapes: what a checkpoint must match to initialize this one.
+  uint64_t ModelFingerprint() const;
   int64_t completed_step() const { return completed_step_; }
   // Samples per second from the end of the first step trained to the end of the last.
   double TrainSamplesPerSecond() const;
@@ -141,8 +162,8 @@ class Trainer {
   const Timing& timing() const { return timing_; }
 
  private:
-  Trainer(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data, Communicator* comm,
-          std::vector<int> dims, kernels::Activation activation);
+  Trainer(const std::string& job_id, const v1::JobSpec& spec, std::shared_ptr<const Dataset> data,
+          Communicator* comm, std::vector<int> dims, kernels::Activation activation);
   // Fills batch_x_ / batch_y_ with the training samples indices[0, n), or with a device step
   // its host buffers; returns where they are.
   absl::StatusOr<DeviceStep::HostBatch> LoadBatch(const int64_t* indices, int n);
@@ -154,11 +175,17 @@ class Trainer {
   // Copies the device's parameters and optimizer state into the host mirror if it is stale.
   absl::Status SyncFromDevice();
 
-  // Writes a checkpoint (rank 0) when `step` is due; problems are logged, training goes on.
-  void MaybeCheckpoint(int64_t step);
-  uint64_t StateFingerprint() const;
+  // Writes a checkpoint (rank 0) when `step` is due and reports it. A failed write is an error
+  // only under checkpoint_failure_policy "fail".
+  absl::Status MaybeCheckpoint(int64_t step, const CheckpointFn& report);
+  // Step 1 of Heal; returns whether rank 0 took a checkpoint of this job.
+  absl::StatusOr<bool> LoadStateFromDisk();
+  // Step 3 of Heal: receives (or, on `source`, sends) the state in pieces and commits it.
+  absl::Status ReceiveState(int source);
 
+  const std::string job_id_;
   const v1::JobSpec spec_;
+  const uint64_t training_fingerprint_;
   std::shared_ptr<const Dataset> data_;
   Communicator* comm_;
   DeviceStep* device_step_ = nullptr;
@@ -186,6 +213,10 @@ class Trainer {
   std::vector<int32_t> batch_y_;
   double last_loss_ = 0;
   int64_t completed_step_ = 0;
+  // The state descends from init_from_checkpoint's parameters rather than the seed (at step 0
+  // that tells the two apart).
+  bool initialized_from_checkpoint_ = false;
+  bool heal_from_disk_ = false;  // during Heal: the state came from the job's checkpoint
   Timing timing_;
 };
 

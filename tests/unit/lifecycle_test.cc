@@ -1,0 +1,215 @@
+// The worker's lifecycle rules (worker/lifecycle.h), one table case per rule and per defect
+// that was a lifecycle rule: each case is a sequence of events and the transcript of what the
+// lifecycle decided after each one.
+#include "worker/lifecycle.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gtest/gtest.h"
+
+namespace lockstep::worker {
+namespace {
+
+v1::JobSpec Spec(uint64_t seed) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_type("mlp");
+  spec.set_global_batch_size(64);
+  spec.set_seed(seed);
+  return spec;
+}
+
+// One event; `spec` distinguishes two specs under one job id.
+struct Event {
+  enum Kind { kAssign, kAbort, kJobEnded, kSessionEnded, kHealed, kEnded, kTick } kind;
+  std::string job = "job-1";
+  int64_t generation = 1;
+  RunId run = 0;
+  RunResult::Kind result = RunResult::kStopped;
+  bool holds_state = true;
+  uint64_t spec = 1;
+  absl::Duration after;  // kTick: time passed
+};
+Event Assign(const std::string& job, int64_t generation, uint64_t spec = 1) {
+  return {Event::kAssign, job, generation, 0, RunResult::kStopped, true, spec};
+}
+Event Abort(const std::string& job, int64_t generation) {
+  return {Event::kAbort, job, generation};
+}
+Event JobEnded(const std::string& job) { return {Event::kJobEnded, job, 0}; }
+Event SessionEnded() { return {Event::kSessionEnded}; }
+Event Healed(RunId run) { return {Event::kHealed, "", 0, run}; }
+Event Ended(RunId run, RunResult::Kind result, bool holds_state = true) {
+  return {Event::kEnded, "", 0, run, result, holds_state};
+}
+Event Tick(absl::Duration after) {
+  Event e{Event::kTick};
+  e.after = after;
+  return e;
+}
+
+std::string Describe(const LifecycleActions& a) {
+  std::vector<std::string> parts;
+  for (const auto& x : a.abort) parts.push_back(absl::StrCat("abort #", x.run));
+  if (a.drop_kept_state) parts.push_back("drop kept");
+  if (a.keep_state_of.has_value()) parts.push_back(absl::StrCat("keep #", *a.keep_state_of));
+  for (const auto& s : a.start) {
+    parts.push_back(absl::StrCat("start #", s.run, " ", s.assignment.job_id(), "/",
+                                 s.assignment.generation(),
+                                 s.with_kept_state ? " with state" : " fresh"));
+  }
+  for (const v1::WorkerMessage& m : a.send) {
+    if (m.has_failure()) {
+      parts.push_back(absl::StrCat("report failure", m.failure().fatal() ? " (fatal)" : "",
+                                   " at step ", m.failure().step()));
+    } else if (m.has_resumed()) {
+      parts.push_back(absl::StrCat("report resumed ", m.resumed().job_id(), "/",
+                                   m.resumed().generation()));
+    }
+  }
+  return parts.empty() ? "nothing" : absl::StrJoin(parts, ", ");
+}
+
+struct Case {
+  std::string name;
+  std::vector<Event> events;
+  std::vector<std::string> transcript;  // Describe() after each event
+};
+
+std::vector<std::string> Play(const std::vector<Event>& events) {
+  WorkerLifecycle lifecycle(absl::Seconds(10));
+  absl::Time now = absl::FromUnixSeconds(1'700'000'000);
+  std::vector<std::string> out;
+  for (const Event& e : events) {
+    LifecycleActions a;
+    switch (e.kind) {
+      case Event::kAssign: {
+        v1::Assignment assignment;
+        assignment.set_job_id(e.job);
+        assignment.set_generation(e.generation);
+        *assignment.mutable_spec() = Spec(e.spec);
+        a = lifecycle.OnAssignment(assignment, now);
+        break;
+      }
+      case Event::kAbort:
+        a = lifecycle.OnAbort(e.job, e.generation, "aborted", /*job_ended=*/false, now);
+        break;
+      case Event::kJobEnded:
+        a = lifecycle.OnAbort(e.job, e.generation, "the job ended", /*job_ended=*/true, now);
+        break;
+      case Event::kSessionEnded:
+        a = lifecycle.OnSessionEnded("session ended", now);
+        break;
+      case Event::kHealed:
+        a = lifecycle.OnHealed(e.run, v1::ResumedReport(), now);
+        break;
+      case Event::kEnded: {
+        RunResult r;
+        r.kind = e.result;
+        r.holds_state = e.holds_state;
+        r.step = 10;
+        r.message = "why";
+        a = lifecycle.OnRunEnded(e.run, r, now);
+        break;
+      }
+      case Event::kTick:
+        now += e.after;
+        a = lifecycle.Tick(now);
+        break;
+    }
+    out.push_back(Describe(a));
+  }
+  return out;
+}
+
+class LifecycleTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LifecycleTest, Transcript) {
+  const Case& c = GetParam();
+  EXPECT_EQ(Play(c.events), c.transcript);
+}
+
+using K = RunResult::Kind;
+
+INSTANTIATE_TEST_SUITE_P(
+    Rules, LifecycleTest,
+    ::testing::Values(
+        Case{"FreshAssignmentStartsWithoutState", {Assign("job-1", 1)}, {"start #1 job-1/1 fresh"}},
+        // Rules 1 and 4: the next generation takes over the state of the one before it.
+        Case{"NextGenerationWaitsForThePreviousAndTakesItsState",
+             {Assign("job-1", 1), Assign("job-1", 2), Ended(1, K::kStopped)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1, start #2 job-1/2 with state"}},
+        Case{"StateKeptBetweenAnAbortAndTheNextGeneration",
+             {Assign("job-1", 1), Abort("job-1", 1), Ended(1, K::kStopped), Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "start #2 job-1/2 with state"}},
+        // Rule 2.
+        Case{"StaleAssignmentsAreIgnored",
+             {Assign("job-1", 2), Assign("job-1", 1), Assign("job-1", 2)},
+             {"start #1 job-1/2 fresh", "nothing", "nothing"}},
+        // Rule 1's timeout: a run that does not stop in time loses the race for the state, and
+        // its state is stale once it stops.
+        Case{"HandoverTimeoutStartsWithoutTheStateAndDropsItLater",
+             {Assign("job-1", 1), Assign("job-1", 2), Tick(absl::Seconds(5)),
+              Tick(absl::Seconds(6)), Ended(1, K::kStopped), Assign("job-1", 3)},
+             {"start #1 job-1/1 fresh", "abort #1", "nothing", "start #2 job-1/2 fresh", "nothing",
+              "abort #2"}},
+        // Rule 3, defect 1: a new coordinator's job (another id) never gets an old job's state.
+        Case{"AnotherJobDropsTheKeptState",
+             {Assign("job-1-aaaaaa", 1), SessionEnded(), Ended(1, K::kStopped),
+              Assign("job-1-bbbbbb", 1)},
+             {"start #1 job-1-aaaaaa/1 fresh", "abort #1", "keep #1",
+              "drop kept, start #2 job-1-bbbbbb/1 fresh"}},
+        Case{"TheSameIdWithAnotherSpecDropsTheKeptState",
+             {Assign("job-1", 1, 1), Abort("job-1", 1), Ended(1, K::kStopped),
+              Assign("job-1", 2, 2)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "drop kept, start #2 job-1/2 fresh"}},
+        // Rules 4 and 5.
+        Case{"AFailureIsReportedAndItsStateKept",
+             {Assign("job-1", 1), Ended(1, K::kFailed)},
+             {"start #1 job-1/1 fresh", "keep #1, report failure at step 10"}},
+        Case{"AFatalFailureIsReportedAndItsStateDropped",
+             {Assign("job-1", 1), Ended(1, K::kFatal), Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "report failure (fatal) at step 10",
+              "start #2 job-1/2 fresh"}},
+        Case{"AnAbortedRunIsNotReported",
+             {Assign("job-1", 1), Abort("job-1", 1), Ended(1, K::kFailed)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1"}},
+        Case{"AFailureWithoutStateKeepsNothing",
+             {Assign("job-1", 1), Ended(1, K::kFailed, /*holds_state=*/false)},
+             {"start #1 job-1/1 fresh", "report failure at step 0"}},
+        Case{"AFinishedJobDropsItsState",
+             {Assign("job-1", 1), Ended(1, K::kFinished), Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "nothing", "start #2 job-1/2 fresh"}},
+        Case{"AnEndedJobDropsWhatIsKept",
+             {Assign("job-1", 1), Abort("job-1", 1), Ended(1, K::kStopped), JobEnded("job-1")},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "drop kept"}},
+        Case{"AJobThatEndsWhileRunningKeepsNothing",
+             {Assign("job-1", 1), JobEnded("job-1"), Ended(1, K::kStopped)},
+             {"start #1 job-1/1 fresh", "abort #1", "nothing"}},
+        // Rule 6.
+        Case{"TheSessionEndingAbortsEveryRunAndKeepsTheirState",
+             {Assign("job-1", 1), SessionEnded(), Ended(1, K::kStopped), Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "start #2 job-1/2 with state"}},
+        // Rule 5 for heals.
+        Case{"AHealIsReportedUnlessTheRunWasAborted",
+             {Assign("job-1", 1), Healed(1), Assign("job-1", 2), Healed(1)},
+             {"start #1 job-1/1 fresh", "report resumed job-1/1", "abort #1", "nothing"}},
+        // Rule 1 across jobs: one job at a time, even while the other's run stops.
+        Case{"AnotherJobWaitsForTheStoppingRunButNotForItsState",
+             {Assign("job-1", 1), Assign("job-2", 1), Ended(1, K::kStopped)},
+             {"start #1 job-1/1 fresh", "abort #1", "start #2 job-2/1 fresh"}},
+        Case{"AnAssignmentAbortedBeforeItStartedNeverStarts",
+             {Assign("job-1", 1), Assign("job-1", 2), Abort("job-1", 2), Ended(1, K::kStopped),
+              Assign("job-1", 3)},
+             {"start #1 job-1/1 fresh", "abort #1", "nothing", "keep #1",
+              "start #3 job-1/3 with state"}},
+        Case{"AnAbortOfAnOlderGenerationLeavesTheCurrentRunAlone",
+             {Assign("job-1", 1), Assign("job-1", 2), Ended(1, K::kStopped), Abort("job-1", 1)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1, start #2 job-1/2 with state",
+              "nothing"}}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace lockstep::worker

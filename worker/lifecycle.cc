@@ -1,0 +1,231 @@
+// The worker lifecycle's rules (numbered as in the header).
+#include "worker/lifecycle.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace lockstep::worker {
+namespace {
+
+constexpr size_t kRecentJobs = 16;
+
+void Remember(std::deque<std::string>& list, const std::string& id) {
+  if (std::find(list.begin(), list.end(), id) != list.end()) return;
+  list.push_back(id);
+  while (list.size() > kRecentJobs) list.pop_front();
+}
+
+}  // namespace
+
+bool WorkerLifecycle::JobEnded(const std::string& job_id) const {
+  return std::find(ended_jobs_.begin(), ended_jobs_.end(), job_id) != ended_jobs_.end();
+}
+
+void WorkerLifecycle::AbortRun(RunId id, Run& run, const std::string& reason,
+                               LifecycleActions* out) {
+  if (run.phase == Phase::kRunning) {
+    run.phase = Phase::kStopping;
+    out->abort.push_back({id, reason});
+  }
+}
+
+void WorkerLifecycle::AbortOthers(RunId except, const std::string& reason,
+                                  LifecycleActions* out) {
+  for (auto it = runs_.begin(); it != runs_.end();) {
+    if (it->first == except) {
+      ++it;
+      continue;
+    }
+    if (it->second.phase == Phase::kWaiting) {
+      out->log.push_back(absl::StrCat(it->second.assignment.job_id(), " generation ",
+                                      it->second.assignment.generation(),
+                                      " never started: ", reason));
+      it = runs_.erase(it);
+      continue;
+    }
+    AbortRun(it->first, it->second, reason, out);
+    ++it;
+  }
+}
+
+LifecycleActions WorkerLifecycle::OnAssignment(const v1::Assignment& a, absl::Time now) {
+  LifecycleActions out;
+  // Rule 2: stale assignments change nothing.
+  auto newest = newest_generation_.find(a.job_id());
+  if (newest != newest_generation_.end() && newest->second >= a.generation()) {
+    out.log.push_back(absl::StrCat("ignoring assignment to ", a.job_id(), " generation ",
+                                   a.generation(), ": generation ", newest->second,
+                                   " was already assigned"));
+    return out;
+  }
+  newest_generation_[a.job_id()] = a.generation();
+  Remember(recent_jobs_, a.job_id());
+  for (auto it = newest_generation_.begin(); it != newest_generation_.end();) {
+    it = std::find(recent_jobs_.begin(), recent_jobs_.end(), it->first) == recent_jobs_.end()
+             ? newest_generation_.erase(it)
+             : std::next(it);
+  }
+
+  const RunId id = next_run_++;
+  Run run;
+  run.assignment = a;
+  run.key = JobKey::Of(a.job_id(), a.spec());
+  run.assigned = now;
+  // Rule 1: this assignment supersedes everything else.
+  AbortOthers(id, absl::StrCat("superseded by ", a.job_id(), " generation ", a.generation()),
+              &out);
+  // Rule 3: state of another job (or of this id with another spec) is never used.
+  if (kept_.has_value() && *kept_ != run.key) {
+    out.log.push_back(absl::StrCat("dropping the state kept for ", kept_->job_id, ": ",
+                                   kept_->job_id == a.job_id() ? "the job's spec differs"
+                                                               : "another job was assigned"));
+    kept_.reset();
+    out.drop_kept_state = true;
+  }
+  runs_.emplace(id, std::move(run));
+  StartReady(now, &out);
+  return out;
+}
+
+void WorkerLifecycle::StartReady(absl::Time now, LifecycleActions* out) {
+  for (auto& [id, run] : runs_) {
+    if (run.phase != Phase::kWaiting) continue;
+    bool others_active = false;
+    bool same_job_active = false;
+    for (const auto& [other_id, other] : runs_) {
+      if (other_id == id || other.phase == Phase::kWaiting) continue;
+      others_active = true;
+      same_job_active = same_job_active || other.key == run.key;
+    }
+    const bool timed_out = now - run.assigned >= handover_timeout_;
+    if (others_active && !timed_out) continue;
+    if (others_active) {
+      out->log.push_back(absl::StrCat(
+          run.assignment.job_id(), " generation ", run.assignment.generation(),
+          ": the previous run did not stop within ", absl::FormatDuration(handover_timeout_),
+          same_job_active ? "; starting without its state" : "; starting anyway"));
+      run.superseded_state = same_job_active;
+    }
+    run.phase = Phase::kRunning;
+    const bool with_state = kept_.has_value() && *kept_ == run.key && !same_job_active;
+    if (with_state) kept_.reset();
+    out->start.push_back({id, run.assignment, with_state});
+  }
+}
+
+LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t generation,
+                                          const std::string& reason, bool job_ended,
+                                          absl::Time now) {
+  LifecycleActions out;
+  for (auto it = runs_.begin(); it != runs_.end();) {
+    const v1::Assignment& a = it->second.assignment;
+    if (a.job_id() != job_id || (a.generation() != generation && !job_ended)) {
+      ++it;
+      continue;
+    }
+    if (it->second.phase == Phase::kWaiting) {
+      out.log.push_back(absl::StrCat(job_id, " generation ", a.generation(),
+                                     " never started: ", reason));
+      it = runs_.erase(it);
+      continue;
+    }
+    AbortRun(it->first, it->second, reason, &out);
+    ++it;
+  }
+  if (job_ended) {
+    Remember(ended_jobs_, job_id);
+    if (kept_.has_value() && kept_->job_id == job_id) {
+      kept_.reset();
+      out.drop_kept_state = true;
+    }
+  }
+  StartReady(now, &out);
+  return out;
+}
+
+LifecycleActions WorkerLifecycle::OnSessionEnded(const std::string& reason, absl::Time now) {
+  LifecycleActions out;
+  AbortOthers(/*except=*/0, reason, &out);
+  return out;
+}
+
+LifecycleActions WorkerLifecycle::OnHealed(RunId id, const v1::ResumedReport& report,
+                                           absl::Time now) {
+  LifecycleActions out;
+  auto it = runs_.find(id);
+  if (it == runs_.end() || it->second.phase != Phase::kRunning) return out;  // rule 5
+  v1::WorkerMessage m;
+  *m.mutable_resumed() = report;
+  m.mutable_resumed()->set_job_id(it->second.assignment.job_id());
+  m.mutable_resumed()->set_generation(it->second.assignment.generation());
+  out.send.push_back(std::move(m));
+  return out;
+}
+
+LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, absl::Time now) {
+  LifecycleActions out;
+  auto it = runs_.find(id);
+  if (it == runs_.end()) return out;
+  const Run run = std::move(it->second);
+  runs_.erase(it);
+  const v1::Assignment& a = run.assignment;
+
+  // Rule 5: a failure the coordinator does not know of yet is reported.
+  if ((result.kind == RunResult::kFailed || result.kind == RunResult::kFatal) &&
+      run.phase != Phase::kStopping) {
+    v1::WorkerMessage m;
+    v1::FailureReport* f = m.mutable_failure();
+    f->set_job_id(a.job_id());
+    f->set_generation(a.generation());
+    f->set_message(result.message);
+    f->set_fatal(result.kind == RunResult::kFatal);
+    if (result.holds_state) f->set_step(result.step);
+    out.send.push_back(std::move(m));
+  }
+
+  // Rule 4: where the run's state goes.
+  std::string drop_why;
+  if (!result.holds_state) {
+    drop_why = "";
+  } else if (result.kind == RunResult::kFinished) {
+    drop_why = "the job finished";
+  } else if (result.kind == RunResult::kFatal) {
+    drop_why = "the failure is fatal";
+  } else if (JobEnded(a.job_id())) {
+    drop_why = "the job ended";
+  } else {
+    for (const auto& [other_id, other] : runs_) {
+      if (other.key != run.key) {
+        drop_why = absl::StrCat(other.assignment.job_id(), " was assigned since");
+        break;
+      }
+      if (other.phase != Phase::kWaiting && other.superseded_state) {
+        drop_why = absl::StrCat("generation ", other.assignment.generation(),
+                                " started without it");
+        break;
+      }
+    }
+  }
+  if (result.holds_state && drop_why.empty()) {
+    if (kept_.has_value()) out.drop_kept_state = true;
+    kept_ = run.key;
+    out.keep_state_of = id;
+    out.log.push_back(absl::StrCat("keeping the state of ", a.job_id(), " at step ", result.step,
+                                   " for its next generation"));
+  } else if (result.holds_state) {
+    out.log.push_back(
+        absl::StrCat("dropping the state of ", a.job_id(), " generation ", a.generation(), ": ",
+                     drop_why));
+  }
+  StartReady(now, &out);
+  return out;
+}
+
+LifecycleActions WorkerLifecycle::Tick(absl::Time now) {
+  LifecycleActions out;
+  StartReady(now, &out);
+  return out;
+}
+
+}  // namespace lockstep::worker

@@ -1,0 +1,131 @@
+// The worker's lifecycle rules as a pure object, like the coordinator's core: no threads, no
+// sockets, no clock reads. The agent feeds it what happens (assignments and aborts from the
+// coordinator, the session ending, its runs healing and ending, time passing) and carries out
+// the actions it returns (start or abort a run, keep or drop state, report to the coordinator).
+//
+// A "run" is one generation of one job on this worker, trained on a thread of its own. The
+// "state" is what a run trains (parameters, optimizer state, step): the agent holds at most one
+// job's state between runs (the kept state) so that the next generation heals from memory.
+//
+// Rules (each one a case of tests/unit/lifecycle_test.cc):
+//  1. One job at a time: an assignment aborts every other run. A new run starts once no other
+//     run is active, or `handover_timeout` after it was assigned, whichever comes first.
+//  2. An assignment whose generation is not newer than one already assigned for that job is
+//     stale and ignored.
+//  3. State is only ever used by the job it belongs to: same job id (unique across coordinator
+//     incarnations) and same training fingerprint (JobKey). A run starts with the kept state
+//     when the keys match; state of another job is dropped when an assignment arrives.
+//  4. A run that ends without a fatal error (aborted, or failed, e.g. a peer died) hands its
+//     state on: to the run of the same job that waits for it, else to the kept slot. A fatal
+//     failure, a finished job, or an abort saying the job ended drops it; so does a newer run of
+//     the same job that had to start without it (rule 1's timeout): then it is stale.
+//  5. A run's failure is reported to the coordinator unless the run was aborted (the
+//     coordinator already knows why it stopped). Its heal result is reported unless aborted.
+//  6. The session ending aborts every run; their state is kept as rule 4 says.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "lockstep/v1/worker.pb.h"
+#include "worker/job_identity.h"
+
+namespace lockstep::worker {
+
+using RunId = uint64_t;
+
+// How a run ended, as its thread saw it.
+struct RunResult {
+  enum Kind {
+    kFinished,  // trained every step and reported Finished
+    kStopped,   // returned because it was aborted
+    kFailed,    // failed on its own; another group may succeed (a peer died, a heal failed)
+    kFatal,     // failed in a way no group can avoid (the data do not load, a bad spec)
+  };
+  Kind kind = kStopped;
+  // The run still holds consistent state (parameters and optimizer state of one step).
+  bool holds_state = false;
+  int64_t step = 0;     // the step that state belongs to
+  std::string message;  // why it failed
+};
+
+struct LifecycleActions {
+  struct Start {
+    RunId run = 0;
+    v1::Assignment assignment;
+    bool with_kept_state = false;  // the run takes the kept state
+  };
+  struct Abort {
+    RunId run = 0;
+    std::string reason;
+  };
+  std::vector<Abort> abort;
+  // Applied in this order: drop the kept state, keep the ended run's state, start runs.
+  bool drop_kept_state = false;
+  std::optional<RunId> keep_state_of;  // the run that just ended (its state becomes the kept one)
+  std::vector<Start> start;
+  std::vector<v1::WorkerMessage> send;  // failure and heal reports
+  std::vector<std::string> log;         // decisions worth a log line (ignored assignments, ...)
+};
+
+// Not thread-safe: the agent calls it under its mutex.
+class WorkerLifecycle {
+ public:
+  explicit WorkerLifecycle(absl::Duration handover_timeout = absl::Seconds(10))
+      : handover_timeout_(handover_timeout) {}
+
+  LifecycleActions OnAssignment(const v1::Assignment& assignment, absl::Time now);
+  // The coordinator aborted (job, generation); `job_ended`: the job is over, its state can go.
+  LifecycleActions OnAbort(const std::string& job_id, int64_t generation, const std::string& reason,
+                           bool job_ended, absl::Time now);
+  LifecycleActions OnSessionEnded(const std::string& reason, absl::Time now);
+  // The run's group agreed on its state (report: its resumed report, without job and generation).
+  LifecycleActions OnHealed(RunId run, const v1::ResumedReport& report, absl::Time now);
+  LifecycleActions OnRunEnded(RunId run, const RunResult& result, absl::Time now);
+  // Starts runs whose predecessor did not stop within handover_timeout.
+  LifecycleActions Tick(absl::Time now);
+
+  // Introspection for the agent's status and for tests.
+  size_t active_runs() const { return runs_.size(); }
+  std::optional<JobKey> kept() const { return kept_; }
+
+ private:
+  enum class Phase {
+    kWaiting,   // assigned, waiting for the runs before it to stop
+    kRunning,   // its thread trains
+    kStopping,  // aborted; its thread has not returned yet
+  };
+  struct Run {
+    v1::Assignment assignment;
+    JobKey key;
+    Phase phase = Phase::kWaiting;
+    absl::Time assigned;
+    // Started without the state of an earlier run of its job (the handover timed out): that
+    // run's state, when it ends, is stale.
+    bool superseded_state = false;
+  };
+
+  // Aborts every run but `except` that is not already stopping; forgets waiting ones.
+  void AbortOthers(RunId except, const std::string& reason, LifecycleActions* out);
+  void AbortRun(RunId id, Run& run, const std::string& reason, LifecycleActions* out);
+  // Starts waiting runs that may start now (nobody else active, or timed out).
+  void StartReady(absl::Time now, LifecycleActions* out);
+  bool JobEnded(const std::string& job_id) const;
+
+  const absl::Duration handover_timeout_;
+  RunId next_run_ = 1;
+  std::map<RunId, Run> runs_;
+  std::optional<JobKey> kept_;
+  // Highest generation assigned per job, for the stale-assignment rule; and jobs that ended.
+  // Both bounded: a worker serves one job at a time, so only recent jobs matter.
+  std::map<std::string, int64_t> newest_generation_;
+  std::deque<std::string> recent_jobs_;
+  std::deque<std::string> ended_jobs_;
+};
+
+}  // namespace lockstep::worker
