@@ -32,22 +32,23 @@ using worker::GlooCommunicator;
 constexpr std::chrono::milliseconds kTimeout(60000);
 
 // Raises `abort` 20 ms after `blocked` started waiting (it calls `waiting()` just before its
-// blocking call); returns the time from the raise to the call's return, or -1 if it returned
-// anything but ABORTED.
+// blocking call and `returned()` right after it); returns the time from the raise to the
+// call's return, or -1 if it returned anything but ABORTED. Teardown is not timed.
 using Blocked = std::function<absl::Status(std::shared_ptr<AbortSignal>,
-                                           const std::function<void()>& waiting)>;
+                                           const std::function<void()>& waiting,
+                                           const std::function<void()>& returned)>;
 double MeasureOnce(const Blocked& blocked) {
   auto abort = std::make_shared<AbortSignal>();
   absl::Notification started;
-  absl::Time raised;
+  absl::Time raised, returned;
   std::thread raiser([&] {
     started.WaitForNotification();
     absl::SleepFor(absl::Milliseconds(20));
     raised = absl::Now();
     abort->Raise();
   });
-  const absl::Status s = blocked(abort, [&] { started.Notify(); });
-  const absl::Time returned = absl::Now();
+  const absl::Status s =
+      blocked(abort, [&] { started.Notify(); }, [&] { returned = absl::Now(); });
   if (!started.HasBeenNotified()) started.Notify();
   raiser.join();
   if (!absl::IsAborted(s)) return -1;
@@ -58,6 +59,7 @@ double MeasureOnce(const Blocked& blocked) {
 // call(rank 0's communicator) after `waiting()`.
 absl::Status WithFrozenPeer(bool shm, std::shared_ptr<AbortSignal> abort,
                             const std::function<void()>& waiting,
+                            const std::function<void()>& returned,
                             const std::function<absl::Status(Communicator&)>& call) {
   coordinator::BootstrapStore store;
   static int generation = 0;
@@ -84,6 +86,7 @@ absl::Status WithFrozenPeer(bool shm, std::shared_ptr<AbortSignal> abort,
       if (shm) comm = *worker::ShmCommunicator::Wrap(std::move(comm), 1 << 20, kTimeout, abort);
       waiting();
       s = call(*comm);
+      returned();
     }
   }
   release.Notify();
@@ -110,25 +113,30 @@ int main(int argc, char** argv) {
     rows.push_back(std::move(row));
   };
   std::vector<float> data(1 << 16, 1.0f);
-  run("Gloo allreduce, peer frozen", [&](auto abort, const auto& waiting) {
-    return WithFrozenPeer(false, abort, waiting, [&](Communicator& c) {
+  run("Gloo allreduce, peer frozen", [&](auto abort, const auto& waiting, const auto& returned) {
+    return WithFrozenPeer(false, abort, waiting, returned, [&](Communicator& c) {
       return c.AllreduceSum(data.data(), data.size());
     });
   });
-  run("shared-memory sum, peer frozen", [&](auto abort, const auto& waiting) {
-    return WithFrozenPeer(true, abort, waiting,
-                          [&](Communicator& c) { return c.AllreduceSum(data.data(), 1024); });
-  });
-  run("Gloo group formation, peer missing", [&](auto abort, const auto& waiting) {
+  run("shared-memory sum, peer frozen",
+      [&](auto abort, const auto& waiting, const auto& returned) {
+        return WithFrozenPeer(true, abort, waiting, returned, [&](Communicator& c) {
+          return c.AllreduceSum(data.data(), 1024);
+        });
+      });
+  run("Gloo group formation, peer missing",
+      [&](auto abort, const auto& waiting, const auto& returned) {
     coordinator::BootstrapStore store;
     static int generation = 0;
     const coordinator::StoreScope scope{"bench-form", ++generation};
     store.Open(scope);
     waiting();
-    return GlooCommunicator::Create(
-               0, 2, std::make_shared<testing::LocalStoreClient>(&store, scope, abort),
-               "127.0.0.1", kTimeout, abort)
-        .status();
+    absl::Status s = GlooCommunicator::Create(
+                         0, 2, std::make_shared<testing::LocalStoreClient>(&store, scope, abort),
+                         "127.0.0.1", kTimeout, abort)
+                         .status();
+    returned();
+    return s;
   });
 
   std::cout << "Abort latency: AbortSignal::Raise to the blocked call's return (collective "

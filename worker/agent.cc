@@ -293,10 +293,12 @@ void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
   bool fatal = false;
   const absl::Status status = TrainGeneration(*run, trainer, &fatal);
   RunResult result;
-  result.kind = status.ok()             ? RunResult::kFinished
-                : run->abort->raised()  ? RunResult::kStopped
-                : fatal                 ? RunResult::kFatal
-                                        : RunResult::kFailed;
+  // A fatal error is fatal even when an abort came meanwhile (the next generation would only
+  // meet it again); the lifecycle does not report it for an aborted run.
+  result.kind = status.ok()            ? RunResult::kFinished
+                : fatal                ? RunResult::kFatal
+                : run->abort->raised() ? RunResult::kStopped
+                                       : RunResult::kFailed;
   result.holds_state = trainer != nullptr;
   result.step = trainer != nullptr ? trainer->completed_step() : 0;
   result.message = std::string(status.message());

@@ -105,7 +105,11 @@ void WorkerLifecycle::StartReady(absl::Time now, LifecycleActions* out) {
           run.assignment.job_id(), " generation ", run.assignment.generation(),
           ": the previous run did not stop within ", absl::FormatDuration(handover_timeout_),
           same_job_active ? "; starting without its state" : "; starting anyway"));
-      run.superseded_state = same_job_active;
+      for (auto& [other_id, other] : runs_) {
+        if (other_id != id && other.phase != Phase::kWaiting && other.key == run.key) {
+          other.stale = true;
+        }
+      }
     }
     run.phase = Phase::kRunning;
     const bool with_state = kept_.has_value() && *kept_ == run.key && !same_job_active;
@@ -147,6 +151,7 @@ LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t gen
 LifecycleActions WorkerLifecycle::OnSessionEnded(const std::string& reason, absl::Time now) {
   LifecycleActions out;
   AbortOthers(/*except=*/0, reason, &out);
+  newest_generation_.clear();
   return out;
 }
 
@@ -194,15 +199,14 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
     drop_why = "the failure is fatal";
   } else if (JobEnded(a.job_id())) {
     drop_why = "the job ended";
+  } else if (run.stale) {
+    drop_why = "a newer generation started without it";
   } else {
     for (const auto& [other_id, other] : runs_) {
-      if (other.key != run.key) {
+      // Another job's run that is itself stopping is on its way out; one that waits or runs
+      // was assigned after this one.
+      if (other.key != run.key && other.phase != Phase::kStopping) {
         drop_why = absl::StrCat(other.assignment.job_id(), " was assigned since");
-        break;
-      }
-      if (other.phase != Phase::kWaiting && other.superseded_state) {
-        drop_why = absl::StrCat("generation ", other.assignment.generation(),
-                                " started without it");
         break;
       }
     }

@@ -21,7 +21,9 @@
 //     the same job that had to start without it (rule 1's timeout): then it is stale.
 //  5. A run's failure is reported to the coordinator unless the run was aborted (the
 //     coordinator already knows why it stopped). Its heal result is reported unless aborted.
-//  6. The session ending aborts every run; their state is kept as rule 4 says.
+//  6. The session ending aborts every run; their state is kept as rule 4 says. A new session
+//     is a new registration: the coordinator (perhaps restarted, perhaps from older saved
+//     state) may assign a generation number again, so the stale-assignment memory is cleared.
 #pragma once
 
 #include <cstdint>
@@ -105,9 +107,9 @@ class WorkerLifecycle {
     JobKey key;
     Phase phase = Phase::kWaiting;
     absl::Time assigned;
-    // Started without the state of an earlier run of its job (the handover timed out): that
+    // A newer run of its job started without this run's state (the handover timed out): this
     // run's state, when it ends, is stale.
-    bool superseded_state = false;
+    bool stale = false;
   };
 
   // Aborts every run but `except` that is not already stopping; forgets waiting ones.

@@ -193,6 +193,7 @@ void Core::ObserveTime(absl::Time now) {
     if (job.reconfigure_since != absl::InfinitePast()) {
       job.reconfigure_since = std::min(now, job.reconfigure_since + credit);
     }
+    job.pending_since = std::min(now, job.pending_since + credit);
   }
   last_absence_ = gap;
   // Sessions that broke during the absence (their keepalives went unanswered) are heard of
@@ -414,6 +415,7 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   record.job.set_state(v1::JOB_STATE_PENDING);
   record.job.set_submit_time_unix_ms(UnixMs(now));
   record.submitted = now;
+  record.pending_since = now;
   record.submit_seq = next_job_seq_ - 1;
   JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
   pending_.push_back(id);
@@ -442,6 +444,7 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     record.job = std::move(saved);
     ApplyJobSpecDefaults(record.job.mutable_spec());  // fields added since it was saved
     record.submitted = absl::FromUnixMillis(record.job.submit_time_unix_ms());
+    record.pending_since = now;  // the time the coordinator was down is not the job's wait
     if (record.job.start_time_unix_ms() > 0) {
       record.started = absl::FromUnixMillis(record.job.start_time_unix_ms());
     }
@@ -577,9 +580,10 @@ void Core::Tick(absl::Time now, Decisions* out) {
                              spec.rendezvous_timeout_ms(), "); ", job.job.reason()),
                 now, out);
     } else if (job.job.state() == v1::JOB_STATE_PENDING && spec.rendezvous_timeout_ms() > 0 &&
-               now - job.submitted > absl::Milliseconds(spec.rendezvous_timeout_ms())) {
+               now - job.pending_since > absl::Milliseconds(spec.rendezvous_timeout_ms())) {
       FinishJob(job, v1::JOB_STATE_FAILED,
-                absl::StrCat("waited ", Seconds1(now - job.submitted), " for ", spec.min_workers(),
+                absl::StrCat("waited ", Seconds1(now - job.pending_since), " for ",
+                             spec.min_workers(),
                              " workers (rendezvous_timeout_ms ", spec.rendezvous_timeout_ms(),
                              "); ", job.job.reason()),
                 now, out);

@@ -151,6 +151,9 @@ class Core {
     v1::Job job;                       // state, reason, spec and the reported metrics
     std::vector<MemberState> members;  // rank order, current generation
     absl::Time submitted;
+    // What a pending job's rendezvous_timeout counts from: the submission, moved on by any
+    // time the coordinator itself was away.
+    absl::Time pending_since;
     absl::Time started = absl::InfinitePast();
     absl::Time last_advance = absl::InfinitePast();
     absl::Time last_progress_event = absl::InfinitePast();

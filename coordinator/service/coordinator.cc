@@ -82,10 +82,12 @@ void Coordinator::SendTo(const std::string& worker_id, v1::CoordinatorMessage me
 }
 
 void Coordinator::QueueMessages(const Decisions& decisions) {
-  for (const auto& [job, generation] : decisions.ended_generations) store_.Close({job, generation});
+  // Opened first: one decision may start a generation and end it again (a second loss while
+  // re-forming), and its scope must not stay open.
   for (const auto& [job, generation] : decisions.started_generations) {
     store_.Open({job, generation});
   }
+  for (const auto& [job, generation] : decisions.ended_generations) store_.Close({job, generation});
   for (const auto& m : decisions.messages) {
     auto it = sessions_.find(m.worker_id);
     if (it != sessions_.end()) it->second->Push(m.message);

@@ -205,6 +205,24 @@ INSTANTIATE_TEST_SUITE_P(
               Assign("job-1", 3)},
              {"start #1 job-1/1 fresh", "abort #1", "nothing", "keep #1",
               "start #3 job-1/3 with state"}},
+        // The run that timed out is stale for good: even after the run that replaced it has
+        // ended, its late state never replaces the newer kept state.
+        Case{"ALateRunsStateNeverReplacesANewerOne",
+             {Assign("job-1", 5), Assign("job-1", 6), Tick(absl::Seconds(11)),
+              Assign("job-1", 7), Ended(2, K::kStopped), Ended(1, K::kStopped)},
+             {"start #1 job-1/5 fresh", "abort #1", "start #2 job-1/6 fresh", "abort #2",
+              "keep #2", "start #3 job-1/7 with state"}},
+        // Rule 6: a coordinator restarted from older saved state assigns generation 3 again.
+        Case{"ANewSessionForgetsWhichGenerationsWereAssigned",
+             {Assign("job-1", 3), SessionEnded(), Assign("job-1", 3), Ended(1, K::kStopped)},
+             {"start #1 job-1/3 fresh", "abort #1", "nothing",
+              "keep #1, start #2 job-1/3 with state"}},
+        // A run of another job still stopping does not make a handover within this job stale.
+        Case{"AnotherJobsStoppingRunDoesNotCostTheHandover",
+             {Assign("job-2", 1), Assign("job-1", 5), Tick(absl::Seconds(11)),
+              Assign("job-1", 6), Ended(2, K::kStopped), Ended(1, K::kStopped)},
+             {"start #1 job-2/1 fresh", "abort #1", "start #2 job-1/5 fresh", "abort #2",
+              "keep #2", "start #3 job-1/6 with state"}},
         Case{"AnAbortOfAnOlderGenerationLeavesTheCurrentRunAlone",
              {Assign("job-1", 1), Assign("job-1", 2), Ended(1, K::kStopped), Abort("job-1", 1)},
              {"start #1 job-1/1 fresh", "abort #1", "keep #1, start #2 job-1/2 with state",

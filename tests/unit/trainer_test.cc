@@ -434,6 +434,30 @@ TEST(HealTest, ACompleteHealCommitsTheSourcesState) {
   }
 }
 
+// Two members at the same step with other bits (a step trained again after a rollback, in
+// another world size): the lower rank's state wins, and both end identical.
+TEST(HealTest, MembersAtTheSameStepWithOtherBitsAreHealed) {
+  const v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  std::vector<std::string> sums(2);
+  std::vector<Trainer::HealInfo> infos(2);
+  testing::RunInGlooGroup(2, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
+    SoloCommunicator solo;
+    auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+    std::atomic<bool> abort{false};
+    ASSERT_TRUE(trainer->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
+    if (r == 1) trainer->model().params()[3] += 0.5f;
+    trainer->set_communicator(gloo.get());
+    auto info = trainer->Heal({"w0", "w1"});
+    ASSERT_TRUE(info.ok()) << info.status();
+    infos[r] = *info;
+    sums[r] = trainer->ParameterChecksum();
+  });
+  EXPECT_EQ(sums[0], sums[1]);
+  EXPECT_EQ(infos[1].source_rank, 0);
+  EXPECT_EQ(infos[1].resumed_from_step, 60);
+}
+
 // Defect 8's safety net: members that hold different data (another file behind the same path
 // on another host) fail the job, naming the members, the data and the part that differs.
 TEST(HealTest, MembersWithDifferentDataFailNamingThem) {

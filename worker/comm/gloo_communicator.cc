@@ -200,17 +200,28 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(
   return comm;
 }
 
+std::shared_ptr<std::vector<uint8_t>> GlooCommunicator::Buffer(size_t bytes) {
+  // One buffer serves every call (they run one at a time); it grows to the largest call and
+  // stays, so a step's buckets cost a copy each way and no allocation. An abandoned call keeps
+  // it, and its communicator takes no further call.
+  if (buffer_ == nullptr) buffer_ = std::make_shared<std::vector<uint8_t>>();
+  if (buffer_->size() < bytes) buffer_->resize(bytes);
+  return buffer_;
+}
+
 template <typename T>
 absl::Status GlooCommunicator::Allreduce(T* data, size_t count) {
   if (size_ == 1 || count == 0) return absl::OkStatus();
-  auto buffer = std::make_shared<std::vector<T>>(data, data + count);
+  std::shared_ptr<std::vector<uint8_t>> buffer = Buffer(count * sizeof(T));
+  T* const staged = reinterpret_cast<T*>(buffer->data());
+  std::memcpy(staged, data, count * sizeof(T));
   std::shared_ptr<gloo::Context> context = context_;
   const auto timeout = timeout_;
-  absl::Status s = Run("allreduce", [buffer, context, timeout]() -> absl::Status {
+  absl::Status s = Run("allreduce", [buffer, staged, count, context, timeout]() -> absl::Status {
     const absl::Time start = absl::Now();
     try {
       gloo::AllreduceOptions opts(context);
-      opts.setOutput(buffer->data(), buffer->size());
+      opts.setOutput(staged, count);
       opts.setReduceFunction(
           static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<T>));
       // Ring is the fastest on loopback and TCP here; never BCUBE (wrong sums with 3 ranks).
@@ -222,7 +233,7 @@ absl::Status GlooCommunicator::Allreduce(T* data, size_t count) {
       return FromException("allreduce", e, absl::Now() - start, timeout);
     }
   });
-  if (s.ok()) std::copy(buffer->begin(), buffer->end(), data);
+  if (s.ok()) std::memcpy(data, staged, count * sizeof(T));
   return s;
 }
 
@@ -238,15 +249,15 @@ absl::Status GlooCommunicator::AllreduceSum(int64_t* data, size_t count) {
 
 absl::Status GlooCommunicator::Broadcast(void* data, size_t bytes, int root) {
   if (size_ == 1 || bytes == 0) return absl::OkStatus();
-  auto buffer = std::make_shared<std::vector<uint8_t>>(bytes);
+  std::shared_ptr<std::vector<uint8_t>> buffer = Buffer(bytes);
   if (rank_ == root) std::memcpy(buffer->data(), data, bytes);
   std::shared_ptr<gloo::Context> context = context_;
   const auto timeout = timeout_;
-  absl::Status s = Run("broadcast", [buffer, context, timeout, root]() -> absl::Status {
+  absl::Status s = Run("broadcast", [buffer, bytes, context, timeout, root]() -> absl::Status {
     const absl::Time start = absl::Now();
     try {
       gloo::BroadcastOptions opts(context);
-      opts.setOutput(buffer->data(), buffer->size());
+      opts.setOutput(buffer->data(), bytes);
       opts.setRoot(root);
       opts.setTimeout(timeout);
       gloo::broadcast(opts);

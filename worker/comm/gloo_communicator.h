@@ -13,6 +13,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "worker/comm/abort_signal.h"
@@ -59,12 +60,15 @@ class GlooCommunicator final : public Communicator {
   absl::Status Run(const char* what, std::function<absl::Status()> op);
   template <typename T>
   absl::Status Allreduce(T* data, size_t count);
+  // The private copy of the caller's memory a call works on, at least `bytes` large.
+  std::shared_ptr<std::vector<uint8_t>> Buffer(size_t bytes);
 
   const int rank_;
   const int size_;
   const std::chrono::milliseconds timeout_;
   std::shared_ptr<Thread> thread_;
   std::shared_ptr<gloo::Context> context_;  // used on thread_ only
+  std::shared_ptr<std::vector<uint8_t>> buffer_;
   // Keeps the signal alive for the subscription's lifetime.
   std::shared_ptr<AbortSignal> abort_;
   AbortSignal::Subscription on_abort_;

@@ -373,10 +373,9 @@ namespace {
 struct StateHeader {
   int64_t step;
   int64_t from_checkpoint_init;  // the state descends from init_from_checkpoint
-  int64_t from_disk;             // rank 0 read it from one of the job's checkpoints
   uint64_t num_params;
   uint64_t optimizer_floats;
-  uint64_t checksum;  // XXH3 64 of step, then the parameters, then the optimizer state
+  uint64_t checksum;  // StateChecksum of step, parameters, optimizer state
 };
 
 // Pieces of a heal broadcast: large enough to keep Gloo busy, small enough that a big model's
@@ -396,14 +395,14 @@ uint64_t StateChecksum(int64_t step, const float* params, size_t n, const float*
 
 }  // namespace
 
-absl::Status Trainer::ReceiveState(int source) {
+absl::Status Trainer::ReceiveState(int source, bool take) {
   const bool sending = comm_->rank() == source;
   std::vector<float>& opt = optimizer_->state();
   const size_t n = model_.num_params(), m = opt.size();
   StateHeader header{};
   if (sending) {
-    header = {completed_step_, initialized_from_checkpoint_ ? 1 : 0, heal_from_disk_ ? 1 : 0, n,
-              m, StateChecksum(completed_step_, model_.params(), n, opt.data(), m)};
+    header = {completed_step_, initialized_from_checkpoint_ ? 1 : 0, n, m,
+              StateChecksum(completed_step_, model_.params(), n, opt.data(), m)};
   }
   LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(&header, sizeof(header), source));
   if (header.num_params != n || header.optimizer_floats != m) {
@@ -411,7 +410,6 @@ absl::Status Trainer::ReceiveState(int source) {
                                             " parameters and ", header.optimizer_floats,
                                             " optimizer values, not ", n, " and ", m));
   }
-  heal_from_disk_ = header.from_disk != 0;
   // Receivers stage everything and touch their own state only after the checksum holds.
   std::vector<float> staged_params, staged_opt;
   if (!sending) {
@@ -430,7 +428,7 @@ absl::Status Trainer::ReceiveState(int source) {
       if (sending && ++pieces == 1) test_hooks::Reach("heal_broadcast");
     }
   }
-  if (sending) return absl::OkStatus();
+  if (sending || !take) return absl::OkStatus();
   if (StateChecksum(header.step, staged_params.data(), n, staged_opt.data(), m) !=
       header.checksum) {
     return absl::DataLossError(absl::StrCat("the state of step ", header.step, " from rank ",
@@ -447,15 +445,26 @@ absl::StatusOr<Trainer::HealInfo> Trainer::Heal(const std::vector<std::string>& 
   const absl::Time start = absl::Now();
   absl::StatusOr<bool> from_disk = LoadStateFromDisk();
   if (!from_disk.ok()) return from_disk.status();
-  heal_from_disk_ = *from_disk;
-  // The exchange, in one sum: each rank fills its own slots. A state's rank: its step, and at
-  // step 0 whether it holds init_from_checkpoint's parameters rather than the seed's.
+  // The exchange, in one sum; each rank fills its own slots: the rank of its state (its step,
+  // and at step 0 whether it holds init_from_checkpoint's parameters rather than the seed's), a
+  // hash of the state itself (two members at one step may still differ: a step trained again
+  // after a rollback, in another world size, has other bits), whether it was read from the
+  // job's checkpoint (rank 0 only), and a hash of each part of the data.
   constexpr int kParts = 4;
   const int world = comm_->size(), me = comm_->rank();
-  std::vector<int64_t> x(static_cast<size_t>(world) * (1 + kParts), 0);
-  x[me] = completed_step_ * 2 + (initialized_from_checkpoint_ ? 1 : 0);
+  const std::vector<float>& opt = optimizer_->state();
+  const size_t data_slots = static_cast<size_t>(world) * kParts;
+  std::vector<int64_t> x(3 * static_cast<size_t>(world) + data_slots, 0);
+  int64_t* const key = x.data();
+  int64_t* const hash = key + world;
+  int64_t* const disk = hash + world;
+  int64_t* const data = disk + world;
+  key[me] = completed_step_ * 2 + (initialized_from_checkpoint_ ? 1 : 0);
+  hash[me] = static_cast<int64_t>(
+      StateChecksum(completed_step_, model_.params(), model_.num_params(), opt.data(), opt.size()));
+  disk[me] = *from_disk ? 1 : 0;
   for (size_t i = 0; i < data_->parts.size() && i < kParts; ++i) {
-    x[world + me * kParts + i] = static_cast<int64_t>(data_->parts[i].hash);
+    data[me * kParts + i] = static_cast<int64_t>(data_->parts[i].hash);
   }
   if (absl::Status s = comm_->AllreduceSum(x.data(), x.size()); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("healing: ", s.message()));
@@ -467,7 +476,7 @@ absl::StatusOr<Trainer::HealInfo> Trainer::Heal(const std::vector<std::string>& 
   };
   for (int r = 1; r < world; ++r) {
     for (size_t i = 0; i < data_->parts.size() && i < kParts; ++i) {
-      const int64_t theirs = x[world + r * kParts + i], first = x[world + i];
+      const int64_t theirs = data[r * kParts + i], first = data[i];
       if (theirs == first) continue;
       return absl::FailedPreconditionError(absl::StrFormat(
           "the members hold different data: %s of %s is %016x on %s but %016x on %s; every "
@@ -478,21 +487,31 @@ absl::StatusOr<Trainer::HealInfo> Trainer::Heal(const std::vector<std::string>& 
   }
   int source = 0;
   for (int r = 1; r < world; ++r) {
-    if (x[r] > x[source]) source = r;
+    if (key[r] > key[source]) source = r;
   }
   HealInfo info;
-  if (x[source] > 0) {
+  if (key[source] > 0) {
     info.source_rank = source;
-    const bool all_equal = std::all_of(x.begin(), x.begin() + world,
-                                       [&](int64_t k) { return k == x[source]; });
-    if (!all_equal) {
-      if (absl::Status s = ReceiveState(source); !s.ok()) {
+    // Whoever is behind the source, or at its step with other bits, takes its state.
+    bool anyone_takes = false;
+    for (int r = 0; r < world; ++r) {
+      anyone_takes = anyone_takes || key[r] != key[source] || hash[r] != hash[source];
+    }
+    if (anyone_takes) {
+      const bool take = key[me] != key[source] || hash[me] != hash[source];
+      if (absl::Status s = ReceiveState(source, take); !s.ok()) {
         return absl::Status(s.code(), absl::StrCat("healing from rank ", source, ": ", s.message()));
       }
     }
+    // The state came from disk when the source read it there and nobody else held it.
+    bool in_memory_elsewhere = false;
+    for (int r = 0; r < world; ++r) {
+      in_memory_elsewhere = in_memory_elsewhere || (r != source && key[r] == key[source] &&
+                                                    hash[r] == hash[source] && disk[r] == 0);
+    }
+    info.from_checkpoint = disk[source] != 0 && !in_memory_elsewhere;
   }
   info.resumed_from_step = completed_step_;
-  info.from_checkpoint = heal_from_disk_;
   info.took = absl::Now() - start;
   return info;
 }

@@ -114,12 +114,14 @@ class Trainer {
   //     newer than its own state; in a fresh job with init_from_checkpoint, rank 0 loads that.
   //  2. Members exchange the step of the state they hold and a hash of each part of their data;
   //     different data fail the job (FAILED_PRECONDITION naming the members and the file).
-  //  3. When the steps differ, the most advanced member (lowest rank among equals) broadcasts
-  //     its step, parameters and optimizer state with a checksum, in pieces. The others receive
-  //     into staging memory and commit only once everything arrived and the checksum holds: a
-  //     source lost midway leaves them with their previous state, never a mixture.
-  // Members at the same step hold identical state (they applied the same reduced gradients), so
-  // nothing is sent when all agree. `member_names` (rank order) name members in errors.
+  //  3. When the steps differ, or members at the top step hold other bits (a step trained
+  //     again after a rollback, in another world size), the most advanced member (lowest rank
+  //     among equals) broadcasts its step, parameters and optimizer state with a checksum, in
+  //     pieces. The others receive into staging memory and commit only once everything arrived
+  //     and the checksum holds: a source lost midway leaves them with their previous state,
+  //     never a mixture.
+  // Nothing is sent when all members hold the same state (same step, same hash), the usual case
+  // after a loss. `member_names` (rank order) name members in errors.
   struct HealInfo {
     int64_t resumed_from_step = 0;  // training continues at this step + 1
     int source_rank = -1;           // -1: nobody held state (all start from the seed)
@@ -180,8 +182,9 @@ class Trainer {
   absl::Status MaybeCheckpoint(int64_t step, const CheckpointFn& report);
   // Step 1 of Heal; returns whether rank 0 took a checkpoint of this job.
   absl::StatusOr<bool> LoadStateFromDisk();
-  // Step 3 of Heal: receives (or, on `source`, sends) the state in pieces and commits it.
-  absl::Status ReceiveState(int source);
+  // Step 3 of Heal: `source` sends its state in pieces; the others receive it, and those that
+  // `take` it commit it once it is complete and its checksum holds.
+  absl::Status ReceiveState(int source, bool take);
 
   const std::string job_id_;
   const v1::JobSpec spec_;
@@ -216,7 +219,6 @@ class Trainer {
   // The state descends from init_from_checkpoint's parameters rather than the seed (at step 0
   // that tells the two apart).
   bool initialized_from_checkpoint_ = false;
-  bool heal_from_disk_ = false;  // during Heal: the state came from the job's checkpoint
   Timing timing_;
 };
 
