@@ -101,14 +101,16 @@ int ShmCommunicator::SweepStaleSegments() {
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
     const std::string name = entry.path().filename().string();
-    // lockstep-PID-NS-TOKEN (the data set cache, /dev/shm/lockstep-cache, does not match).
+    // lockstep-PID-NS-TOKEN, or lockstep-PID-TOKEN as earlier versions named them (those only
+    // by age). The data set cache, /dev/shm/lockstep-cache, does not match.
     std::vector<std::string> parts = absl::StrSplit(name, '-');
     int64_t pid = 0;
     uint64_t ns = 0;
-    if (parts.size() != 4 || parts[0] != "lockstep" || !absl::SimpleAtoi(parts[1], &pid) ||
-        !absl::SimpleAtoi(parts[2], &ns) || parts[3].size() != 16 || !entry.is_regular_file(ec)) {
-      continue;
-    }
+    const bool named = parts.size() >= 3 && parts.size() <= 4 && parts[0] == "lockstep" &&
+                       absl::SimpleAtoi(parts[1], &pid) && parts.back().size() == 16 &&
+                       (parts.size() == 3 || absl::SimpleAtoi(parts[2], &ns));
+    if (!named || !entry.is_regular_file(ec)) continue;
+    if (parts.size() == 3) ns = ~own_ns;  // unknown namespace: never judged by its pid
     const bool dead = ns == own_ns && pid > 0 && ProcessGone(static_cast<pid_t>(pid));
     const auto age = std::filesystem::file_time_type::clock::now() -
                      std::filesystem::last_write_time(entry.path(), ec);
