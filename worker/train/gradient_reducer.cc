@@ -7,10 +7,9 @@ GradientReducer::GradientReducer(Communicator* comm) : comm_(comm), thread_([thi
 
 GradientReducer::~GradientReducer() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
   thread_.join();
 }
 
@@ -21,37 +20,42 @@ void GradientReducer::EnqueueStaged(size_t offset, size_t count) {
 }
 
 void GradientReducer::Push(Op op) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(op);
-    ++in_flight_;
-  }
-  cv_.notify_all();
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(op);
+  ++in_flight_;
 }
 
 absl::Status GradientReducer::Wait() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return in_flight_ == 0; });
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](GradientReducer* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu_) { return r->in_flight_ == 0; },
+      this));
   return error_;
 }
 
 void GradientReducer::Loop() {
-  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stop_ and drained
-    const Op op = queue_.front();
-    queue_.pop_front();
-    const bool skip = !error_.ok();
-    lock.unlock();
+    Op op;
+    bool skip = false;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](GradientReducer* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu_) {
+            return r->stop_ || !r->queue_.empty();
+          },
+          this));
+      if (queue_.empty()) return;  // stop_ and drained
+      op = queue_.front();
+      queue_.pop_front();
+      skip = !error_.ok();
+    }
     absl::Status status = skip                   ? absl::OkStatus()
                           : op.staged            ? comm_->SumStagedInt64(op.offset, op.count)
                           : op.floats != nullptr ? comm_->AllreduceSum(op.floats, op.count)
                                                  : comm_->AllreduceSum(op.ints, op.count);
-    lock.lock();
+    absl::MutexLock lock(&mu_);
     if (!status.ok() && error_.ok()) error_ = status;
     --in_flight_;
-    cv_.notify_all();
   }
 }
 

@@ -2,12 +2,12 @@
 // of one bucket overlaps the backward computation of the next.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
-#include <mutex>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "worker/comm/communicator.h"
 
 namespace lockstep::worker {
@@ -30,11 +30,10 @@ class GradientReducer {
   absl::Status Wait();
 
  private:
-  void Loop();
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
 
   Communicator* const comm_;
-  std::mutex mu_;
-  std::condition_variable cv_;
+  absl::Mutex mu_;
   struct Op {
     float* floats = nullptr;
     int64_t* ints = nullptr;
@@ -42,11 +41,11 @@ class GradientReducer {
     bool staged = false;
     size_t offset = 0;
   };
-  void Push(Op op);
-  std::deque<Op> queue_;
-  size_t in_flight_ = 0;
-  absl::Status error_;
-  bool stop_ = false;
+  void Push(Op op) ABSL_LOCKS_EXCLUDED(mu_);
+  std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
+  size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
