@@ -83,7 +83,9 @@ else
     if timeout 300 "$bundle/bin/lockstepctl" --coordinator="$address" submit "$job_dir/$job.json" \
         --watch >"$job_dir/watch-$job.log" 2>&1; then
       tail -n 3 "$job_dir/watch-$job.log" | tee -a "$log"
-      "$bundle/bin/lockstepctl" --coordinator="$address" status "$job" | tee -a "$log"
+      # submit prints the job's id (job-N-CLUSTER) on its first line.
+      job_id="$(head -n 1 "$job_dir/watch-$job.log")"
+      "$bundle/bin/lockstepctl" --coordinator="$address" status "$job_id" | tee -a "$log"
       echo "passed: GPU worker $job" | tee -a "$log"
     else
       echo "FAILED: GPU worker $job" | tee -a "$log"
