@@ -408,16 +408,19 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
       nccl = *std::move(created);
     }
     absl::StatusOr<std::unique_ptr<GpuStep>> step =
-        GpuStep::Create(spec, trainer->model().dims(), trainer->model().activation(), nccl.get());
-    if (!step.ok()) return step.status();
+        GpuStep::ForHost(spec, &trainer->model(), &trainer->optimizer(), nccl.get());
+    if (!step.ok()) {
+      *fatal = absl::IsUnimplemented(step.status());
+      return step.status();
+    }
     gpu_step = *std::move(step);
-    trainer->set_device_step(gpu_step.get());
+    trainer->set_step_engine(gpu_step.get());
   }
   // Declared after them, so it runs before the step and the communicator go.
   struct ClearDevice {
     std::unique_ptr<Trainer>* trainer;
     ~ClearDevice() {
-      if (*trainer != nullptr) (*trainer)->set_device_step(nullptr);
+      if (*trainer != nullptr) (*trainer)->set_step_engine(nullptr);
     }
   } clear_device{&trainer};
 #endif

@@ -75,22 +75,22 @@ absl::Status Run() {
   if (!batch.ok()) return batch.status();
   std::mt19937 rng(2);
   std::normal_distribution<float> normal;
-  for (size_t i = 0; i < static_cast<size_t>(n) * dims.front(); ++i) batch->x[i] = normal(rng);
-  for (int i = 0; i < n; ++i) batch->y[i] = static_cast<int32_t>(rng() % dims.back());
+  for (size_t i = 0; i < static_cast<size_t>(n) * dims.front(); ++i) batch->features[i] = normal(rng);
+  for (int i = 0; i < n; ++i) batch->labels[i] = static_cast<int32_t>(rng() % dims.back());
 
   double loss = 0;
   int64_t step_number = 0;
   auto one_step = [&]() -> absl::Status {
     ++step_number;
     if (deterministic) {
-      auto r = (*step)->StepDeterministic(batch->x, batch->y, n, n / shards, 1.0f / n, 40, 0.01f,
+      auto r = (*step)->StepDeterministic(batch->features, batch->labels, n, n / shards, 1.0f / n, 40, 0.01f,
                                           step_number);
       if (!r.ok()) return r.status();
       if (r->rejected != 0) return absl::OutOfRangeError("fixed-point range exceeded");
       loss = r->loss;
       return absl::OkStatus();
     }
-    auto r = (*step)->Step(batch->x, batch->y, n, micro_batch, 1.0f / n, 0.01f, step_number);
+    auto r = (*step)->Step(batch->features, batch->labels, n, micro_batch, 1.0f / n, 0.01f, step_number);
     if (!r.ok()) return r.status();
     loss = *r;
     return absl::OkStatus();

@@ -65,22 +65,22 @@ std::unique_ptr<Trainer> TrainOne(const v1::JobSpec& spec, bool gpu, absl::Statu
   }
   std::unique_ptr<GpuStep> step;
   if (gpu) {
-    auto created = GpuStep::Create(spec, (*trainer)->model().dims(),
-                                   (*trainer)->model().activation(), nullptr);
+    auto created =
+        GpuStep::ForHost(spec, &(*trainer)->model(), &(*trainer)->optimizer(), nullptr);
     if (!created.ok()) {
       *status = created.status();
       return nullptr;
     }
     step = *std::move(created);
-    (*trainer)->set_device_step(step.get());
+    (*trainer)->set_step_engine(step.get());
   }
   *status = (*trainer)->Train(1, abort, [](const v1::ProgressReport&) {});
   if (pinned != nullptr && step != nullptr) *pinned = step->pinned();
-  (*trainer)->set_device_step(nullptr);
+  (*trainer)->set_step_engine(nullptr);
   return *std::move(trainer);
 }
 
-double RelativeDistance(const Mlp& a, const Mlp& b) {
+double RelativeDistance(const Model& a, const Model& b) {
   double err = 0, norm = 0;
   for (size_t i = 0; i < a.num_params(); ++i) {
     err += (double{a.params()[i]} - b.params()[i]) * (double{a.params()[i]} - b.params()[i]);
@@ -103,9 +103,9 @@ TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
     auto gpu = Trainer::Create("test-job", spec, data, &comm);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     auto step =
-        GpuStep::Create(spec, (*gpu)->model().dims(), (*gpu)->model().activation(), nullptr);
+        GpuStep::ForHost(spec, &(*gpu)->model(), &(*gpu)->optimizer(), nullptr);
     ASSERT_TRUE(step.ok()) << step.status();
-    (*gpu)->set_device_step(step->get());
+    (*gpu)->set_step_engine(step->get());
     absl::Status trained = (*gpu)->Train(1, abort, [](const v1::ProgressReport&) {});
     ASSERT_TRUE(trained.ok()) << trained;
     EXPECT_EQ((*gpu)->completed_step(), 40);
@@ -118,7 +118,7 @@ TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
     EXPECT_NEAR(gpu_eval->test_loss(), cpu_eval->test_loss(), 1e-4 * cpu_eval->test_loss());
     EXPECT_NEAR(gpu_eval->test_accuracy(), cpu_eval->test_accuracy(), 2.0 / 512);
     EXPECT_GT(gpu_eval->test_accuracy(), 0.3) << optimizer;
-    (*gpu)->set_device_step(nullptr);
+    (*gpu)->set_step_engine(nullptr);
 
     // The host mirror was read back when Train ended.
     EXPECT_LT(RelativeDistance((*cpu)->model(), (*gpu)->model()), 1e-4) << optimizer;

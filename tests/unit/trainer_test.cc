@@ -245,7 +245,7 @@ std::pair<std::vector<float>, std::vector<std::string>> TrainOnGloo(const v1::Jo
     ASSERT_TRUE((*trainer)->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
     auto eval = (*trainer)->Evaluate();
     ASSERT_TRUE(eval.ok()) << eval.status();
-    Mlp& m = (*trainer)->model();
+    Model& m = (*trainer)->model();
     params[r].assign(m.params(), m.params() + m.num_params());
     checksums[r] = (*trainer)->ParameterChecksum();
   });

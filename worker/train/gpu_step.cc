@@ -4,6 +4,9 @@
 #include <cmath>
 #include <functional>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "kernels/gpu_check.h"
 
@@ -68,6 +71,9 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   auto mlp = GpuMlp::Create(std::move(dims), activation, step->stream_);
   if (!mlp.ok()) return mlp.status();
   step->mlp_ = *std::move(mlp);
+  step->plan_ = std::make_unique<BucketPlan>(
+      Mlp::LayoutReadyPoints(step->mlp_->layers(), step->bucket_floats_), step->bucket_floats_,
+      spec.deterministic() ? 2 : 0);
   if (absl::Status s = step->mlp_->blas().SetTf32(spec.precision() == "tf32"); !s.ok()) return s;
   const size_t params = step->mlp_->num_params();
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
@@ -79,6 +85,20 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   if (spec.deterministic()) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->fixed_, (params + 2) * sizeof(int64_t)));
   }
+  return step;
+}
+
+absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::ForHost(const v1::JobSpec& spec, Model* model,
+                                                          Optimizer* optimizer,
+                                                          NcclCommunicator* comm) {
+  auto* mlp = dynamic_cast<Mlp*>(model);
+  if (mlp == nullptr) {
+    return absl::UnimplementedError(absl::StrCat("model.type \"", spec.model().type(),
+                                                 "\" does not train on GPU workers yet"));
+  }
+  absl::StatusOr<std::unique_ptr<GpuStep>> step =
+      Create(spec, mlp->dims(), mlp->activation(), comm);
+  if (step.ok()) (*step)->AttachHost(model, optimizer);
   return step;
 }
 
@@ -121,7 +141,52 @@ absl::Status GpuStep::Download(float* params, std::vector<float>* optimizer_stat
   return mlp_->DownloadParams(params);  // synchronizes the stream
 }
 
-absl::StatusOr<DeviceStep::HostBatch> GpuStep::HostBuffers(int n) {
+absl::Status GpuStep::Begin(Communicator* comm) {
+  if (host_model_ == nullptr || host_optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("GpuStep: Begin before AttachHost");
+  }
+  // Whatever the device held is stale now: the host's state is the one to train.
+  device_newer_ = false;
+  return Upload(host_model_->params(), host_optimizer_->state());
+}
+
+absl::Status GpuStep::End() {
+  absl::Status s = Sync();
+  // After a failed download the trainer falls back to the host's older state; the device's
+  // must never be read back over what healing puts on the host next.
+  device_newer_ = false;
+  return s;
+}
+
+absl::Status GpuStep::Sync() {
+  if (!device_newer_) return absl::OkStatus();
+  LOCKSTEP_RETURN_IF_ERROR(Download(host_model_->params(), &host_optimizer_->state()));
+  device_newer_ = false;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> GpuStep::TakeStep(const StepArgs& args) {
+  const absl::Time start = absl::Now();
+  StepResult result;
+  if (args.deterministic) {
+    absl::StatusOr<DeterministicResult> r =
+        StepDeterministic(last_batch_.features, last_batch_.labels, args.n, args.micro_shard,
+                          args.grad_scale, args.frac_bits, args.lr, args.step);
+    if (!r.ok()) return r.status();
+    result.loss = r->loss;
+    result.rejected = r->rejected;
+  } else {
+    absl::StatusOr<double> loss = Step(last_batch_.features, last_batch_.labels, args.n,
+                                       args.micro_batch, args.grad_scale, args.lr, args.step);
+    if (!loss.ok()) return loss.status();
+    result.loss = *loss;
+  }
+  if (result.rejected == 0) device_newer_ = true;
+  result.compute = absl::Now() - start;  // the device step is one unit (no breakdown yet)
+  return result;
+}
+
+absl::StatusOr<HostBatch> GpuStep::HostBuffers(int n) {
   const int input = mlp_->layers().front().in;
   if (n > host_capacity_) {
     // Steps end with both streams idle, but be sure no copy still reads the old buffers.
@@ -156,8 +221,11 @@ absl::StatusOr<DeviceStep::HostBatch> GpuStep::HostBuffers(int n) {
     }
     host_capacity_ = n;
   }
-  if (pinned_) return HostBatch{host_x_, host_y_};
-  return HostBatch{pageable_x_.data(), pageable_y_.data()};
+  last_batch_ = HostBatch{};
+  last_batch_.feature_stride = input;
+  last_batch_.features = pinned_ ? host_x_ : pageable_x_.data();
+  last_batch_.labels = pinned_ ? host_y_ : pageable_y_.data();
+  return last_batch_;
 }
 
 absl::Status GpuStep::Reserve(int n) {
@@ -262,15 +330,15 @@ absl::Status GpuStep::Update(float lr, int64_t step) {
 
 absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n, int micro_batch,
                                         float grad_scale, float lr, int64_t step) {
-  const size_t params = mlp_->num_params();
   const bool group = comm_ != nullptr && comm_->size() > 1;
   const int input = mlp_->layers().front().in;
   const int micro = std::clamp(micro_batch, 1, std::max(n, 1));
   // Buckets: each finished piece of the gradient is summed while backward goes on.
   BucketSender<float> buckets(mlp_->grads(), stream_, grads_ready_, comm_);
-  const std::function<void(size_t)> on_ready = [&](size_t ready) {
-    if (ready - buckets.sent() >= bucket_floats_) buckets.SendUpTo(ready);
-  };
+  BucketPlan::Cursor cursor(*plan_, [&](const BucketPlan::Bucket& b) {
+    buckets.SendUpTo(b.offset + b.count);
+  });
+  const std::function<void(size_t)> on_ready = [&](size_t ready) { cursor.Ready(ready); };
   // Micro-batches with gradient accumulation; only the last one's backward hands buckets to
   // NCCL (the sums are final only then).
   for (int pass = 0, first = 0; first < n; ++pass, first += micro) {
@@ -284,7 +352,7 @@ absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n,
     }
   }
   if (group) {
-    buckets.SendUpTo(params);  // the rest, then the loss (ready with the forward pass, sent last)
+    cursor.Finish();  // the rest, then the loss (ready with the forward pass, sent last)
     if (!buckets.status().ok()) return buckets.status();
     if (absl::Status s = comm_->AllreduceSum(mlp_->loss_sum_device(), 1); !s.ok()) return s;
     // The watchdog: a dead or hung peer ends here with the communicator aborted.
@@ -310,6 +378,9 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
   auto* const rejected = reinterpret_cast<unsigned long long*>(fixed_ + params + 1);
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(loss, 0, 2 * sizeof(int64_t), stream_));
   BucketSender<int64_t> buckets(fixed_, stream_, grads_ready_, comm_);
+  BucketPlan::Cursor cursor(*plan_, [&](const BucketPlan::Bucket& b) {
+    buckets.SendUpTo(b.offset + b.count);
+  });
   const int shards = n / shard;
   for (int k = 0; k < shards; ++k) {
     const bool last = k + 1 == shards;
@@ -328,7 +399,7 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
       if (!convert_status.ok()) return;
       convert_status = to_fixed(converted, ready);
       converted = ready;
-      if (ready - buckets.sent() >= bucket_floats_ && ready < params) buckets.SendUpTo(ready);
+      cursor.Ready(ready);
     };
     // Slot 0 or its twin, slot 1: both come from cudaMalloc (256-byte aligned), so every
     // shard's products see the same shapes and alignments on every rank.
@@ -349,7 +420,7 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
     }
   }
   if (group) {
-    buckets.SendUpTo(params + 2);  // the rest, with the loss and the rejection count
+    cursor.Finish();  // the rest, with the loss and the rejection count
     return buckets.status();
   }
   return absl::OkStatus();
@@ -369,7 +440,7 @@ absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const float* x,
   return sum;
 }
 
-absl::StatusOr<DeviceStep::DeterministicResult> GpuStep::StepDeterministic(
+absl::StatusOr<GpuStep::DeterministicResult> GpuStep::StepDeterministic(
     const float* x, const int32_t* y, int n, int shard, float grad_scale, int frac_bits, float lr,
     int64_t step) {
   absl::StatusOr<DeterministicResult> result =
@@ -378,7 +449,7 @@ absl::StatusOr<DeviceStep::DeterministicResult> GpuStep::StepDeterministic(
   return result;
 }
 
-absl::StatusOr<DeviceStep::DeterministicResult> GpuStep::RunDeterministic(
+absl::StatusOr<GpuStep::DeterministicResult> GpuStep::RunDeterministic(
     const float* x, const int32_t* y, int n, int shard, float grad_scale, int frac_bits, float lr,
     int64_t step) {
   const size_t params = mlp_->num_params();

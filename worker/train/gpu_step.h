@@ -1,4 +1,4 @@
-// A GPU worker's training step (DeviceStep of trainer.h). The trainer gathers the batch into
+// A GPU worker's step engine (worker/train/step_engine.h). The trainer gathers the batch into
 // pinned host buffers; each micro-batch is copied to the GPU on a copy stream (the next one's
 // copy overlaps this one's compute, in two device slots), GpuMlp runs forward and backward on
 // the compute stream, accumulating gradients over micro-batches, and in the last micro-batch
@@ -22,31 +22,56 @@
 #include "absl/status/statusor.h"
 #include "lockstep/v1/job.pb.h"
 #include "worker/comm/nccl_communicator.h"
+#include "worker/train/bucket_plan.h"
 #include "worker/train/gpu_mlp.h"
-#include "worker/train/trainer.h"
+#include "worker/train/optimizer.h"
+#include "worker/train/step_engine.h"
 
 namespace lockstep::worker {
 
-class GpuStep final : public DeviceStep {
+class GpuStep final : public StepEngine {
  public:
   // `comm` may be null for a group of one (nothing to sum). Allocates on the current device.
   static absl::StatusOr<std::unique_ptr<GpuStep>> Create(const v1::JobSpec& spec,
                                                          std::vector<int> dims,
                                                          kernels::Activation activation,
                                                          NcclCommunicator* comm);
+  // The engine for a trainer's host model and optimizer, attached (see AttachHost).
+  // UNIMPLEMENTED for a model the GPU does not train yet (only the MLP so far).
+  static absl::StatusOr<std::unique_ptr<GpuStep>> ForHost(const v1::JobSpec& spec, Model* model,
+                                                          Optimizer* optimizer,
+                                                          NcclCommunicator* comm);
   ~GpuStep() override;
 
-  absl::Status Upload(const float* params, const std::vector<float>& optimizer_state) override;
-  absl::Status Download(float* params, std::vector<float>* optimizer_state) override;
+  // StepEngine, over the host model and optimizer it mirrors (AttachHost first; not owned).
+  // Begin uploads their state, Sync and End download it when the device's is newer; the
+  // group's sums go through the NCCL communicator given at Create, not `comm`.
+  void AttachHost(Model* model, Optimizer* optimizer) {
+    host_model_ = model;
+    host_optimizer_ = optimizer;
+  }
+  absl::Status Begin(Communicator* comm) override;
+  absl::Status Sync() override;
+  absl::Status End() override;
   absl::StatusOr<HostBatch> HostBuffers(int n) override;
+  absl::StatusOr<StepResult> TakeStep(const StepArgs& args) override;
+  absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) override {
+    return Evaluate(batch.features, batch.labels, batch.n, correct);
+  }
+
+  // The same steps on explicit buffers (the benchmark and the GPU tests drive these).
+  absl::Status Upload(const float* params, const std::vector<float>& optimizer_state);
+  absl::Status Download(float* params, std::vector<float>* optimizer_state);
   absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, int micro_batch,
-                              float grad_scale, float lr, int64_t step) override;
+                              float grad_scale, float lr, int64_t step);
+  struct DeterministicResult {
+    double loss = 0;
+    int64_t rejected = 0;
+  };
   absl::StatusOr<DeterministicResult> StepDeterministic(const float* x, const int32_t* y, int n,
                                                         int shard, float grad_scale,
-                                                        int frac_bits, float lr,
-                                                        int64_t step) override;
-  absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n,
-                                  int64_t* correct) override;
+                                                        int frac_bits, float lr, int64_t step);
+  absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
 
   // Deterministic mode's first half on this GPU alone: the fixed-point sum of the n / shard
   // micro-shards' gradients, then the loss, then the rejection count (num_params() + 2 values),
@@ -86,6 +111,13 @@ class GpuStep final : public DeviceStep {
 
   v1::OptimizerSpec optimizer_;
   size_t bucket_floats_ = 0;
+  // NCCL's buckets: at least bucket_floats_, the loss sent on its own (default mode) or with
+  // the rejection count in the last bucket (deterministic mode).
+  std::unique_ptr<BucketPlan> plan_;
+  Model* host_model_ = nullptr;
+  Optimizer* host_optimizer_ = nullptr;
+  bool device_newer_ = false;  // a step ran since the host was last synced
+  HostBatch last_batch_;
   NcclCommunicator* comm_ = nullptr;
   cudaStream_t stream_ = nullptr;       // compute
   cudaStream_t copy_stream_ = nullptr;  // host-to-device copies of micro-batches

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "worker/train/random.h"
 
 namespace lockstep::worker {
@@ -33,10 +34,27 @@ Mlp::Mlp(std::vector<int> dims, kernels::Activation activation)
     : dims_(std::move(dims)), activation_(activation) {
   const int n_layers = static_cast<int>(dims_.size()) - 1;
   layers_ = Layout(dims_, &num_params_);
+  for (int l = n_layers - 1; l >= 0; --l) {  // buffer order: the last layer first
+    const LayerSlice& s = layers_[l];
+    const std::string name = absl::StrCat("fc", l + 1);
+    tensors_.push_back({name + ".weight", {s.out, s.in}, s.offset,
+                        static_cast<size_t>(s.in) * s.out});
+    tensors_.push_back({name + ".bias", {s.out}, s.offset + static_cast<size_t>(s.in) * s.out,
+                        static_cast<size_t>(s.out)});
+  }
   params_.assign(num_params_, 0.0f);
   grads_.assign(num_params_ + 1, 0.0f);
   z_.resize(n_layers);
   a_.resize(n_layers);
+}
+
+std::string Mlp::Describe() const {
+  const char* act = activation_ == kernels::Activation::kRelu   ? "relu"
+                    : activation_ == kernels::Activation::kGelu ? "gelu"
+                                                                : "identity";
+  std::string id = absl::StrCat("mlp/", act);
+  for (int d : dims_) absl::StrAppend(&id, "/", d);
+  return id;
 }
 
 void Mlp::Initialize(uint64_t seed) {
@@ -84,10 +102,15 @@ void Mlp::Forward(const float* x, int n) {
 }
 
 std::vector<size_t> Mlp::ReadyPoints(size_t chunk_floats) const {
+  return LayoutReadyPoints(layers_, chunk_floats);
+}
+
+std::vector<size_t> Mlp::LayoutReadyPoints(const std::vector<LayerSlice>& layers,
+                                           size_t chunk_floats) {
   std::vector<size_t> points;
-  for (int l = num_layers() - 1; l >= 0; --l) {
-    const LayerSlice& s = layers_[l];
-    const int rows = RowsPerChunk(l, chunk_floats);
+  for (int l = static_cast<int>(layers.size()) - 1; l >= 0; --l) {
+    const LayerSlice& s = layers[l];
+    const int rows = RowsPerChunk(s, chunk_floats);
     for (int r = 0; r < s.out; r += rows) {
       points.push_back(s.offset + static_cast<size_t>(std::min(r + rows, s.out)) * s.in);
     }

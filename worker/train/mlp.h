@@ -7,11 +7,13 @@
 #include <vector>
 
 #include "kernels/cpu_kernels.h"
+#include "worker/train/model.h"
 
 namespace lockstep::worker {
 
-// Not thread-safe.
-class Mlp {
+// Not thread-safe. Tensors are named as PyTorch names a stack of nn.Linear layers fc1, fc2, ...
+// ("fc1.weight" of shape [out, in], "fc1.bias"), so an export loads into such a module.
+class Mlp final : public Model {
  public:
   // dims = {input, hidden..., classes}; at least {input, classes}.
   Mlp(std::vector<int> dims, kernels::Activation activation);
@@ -29,21 +31,22 @@ class Mlp {
   static std::vector<LayerSlice> Layout(const std::vector<int>& dims, size_t* num_params);
   // The sizes of ForwardBackward's gradient pieces, in order (see ForwardBackward).
   static int RowsPerChunk(const LayerSlice& layer, size_t chunk_floats);
+  // ReadyPoints of a model with this layout (the GPU model shares it).
+  static std::vector<size_t> LayoutReadyPoints(const std::vector<LayerSlice>& layers,
+                                               size_t chunk_floats);
   int num_layers() const { return static_cast<int>(layers_.size()); }
   const LayerSlice& layer(int l) const { return layers_[l]; }
-  size_t num_params() const { return num_params_; }
+  size_t num_params() const override { return num_params_; }
+  const std::vector<Tensor>& tensors() const override { return tensors_; }
   const std::vector<int>& dims() const { return dims_; }
   kernels::Activation activation() const { return activation_; }
 
-  float* params() { return params_.data(); }
-  const float* params() const { return params_.data(); }
-  // num_params() + 1 floats: the extra slot after the gradients carries the loss so that it
-  // is reduced together with the last bucket.
-  float* grads() { return grads_.data(); }
-  float& loss_slot() { return grads_[num_params_]; }
+  float* params() override { return params_.data(); }
+  const float* params() const override { return params_.data(); }
+  float* grads() override { return grads_.data(); }
 
   // PyTorch's nn.Linear default: weights and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-  void Initialize(uint64_t seed);
+  void Initialize(uint64_t seed) override;
 
   // Forward and backward on n samples. Writes grad_scale * d(sum of sample losses)/d(params)
   // into grads() (overwriting, or with `accumulate` adding to what is there: gradient
@@ -55,10 +58,23 @@ class Mlp {
   double ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
                          size_t chunk_floats, const std::function<void(double)>& on_loss,
                          const std::function<void(size_t)>& on_ready, bool accumulate = false);
-  std::vector<size_t> ReadyPoints(size_t chunk_floats) const;
+  std::vector<size_t> ReadyPoints(size_t chunk_floats) const override;
 
   // Forward only: returns the loss sum and adds the number of correct predictions.
   double Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
+
+  // Model, over a batch of features and labels.
+  double ForwardBackward(const Batch& batch, float grad_scale, size_t chunk_floats,
+                         const std::function<void(double)>& on_loss,
+                         const std::function<void(size_t)>& on_ready,
+                         bool accumulate = false) override {
+    return ForwardBackward(batch.features, batch.labels, batch.n, grad_scale, chunk_floats, on_loss,
+                           on_ready, accumulate);
+  }
+  double Evaluate(const Batch& batch, int64_t* correct) override {
+    return Evaluate(batch.features, batch.labels, batch.n, correct);
+  }
+  std::string Describe() const override;
 
  private:
   // Runs the forward pass, leaving pre-activations in z_ and activations in a_.
@@ -71,6 +87,7 @@ class Mlp {
   std::vector<int> dims_;
   kernels::Activation activation_;
   std::vector<LayerSlice> layers_;
+  std::vector<Tensor> tensors_;
   size_t num_params_ = 0;
   std::vector<float> params_;
   std::vector<float> grads_;

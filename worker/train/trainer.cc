@@ -15,9 +15,9 @@
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 #include "worker/train/checkpoint.h"
+#include "worker/train/cpu_step.h"
 #include "common/status_macros.h"
 #include "worker/job_identity.h"
-#include "worker/train/gradient_reducer.h"
 #include "worker/test_hooks.h"
 #include "xxhash.h"
 
@@ -41,15 +41,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const std::string& job_
                                                          const v1::JobSpec& spec,
                                                          std::shared_ptr<const Dataset> data,
                                                          Communicator* comm) {
-  if (spec.model().type() != "mlp") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.type: unknown model \"", spec.model().type(), "\""));
-  }
-  kernels::Activation activation;
-  if (!kernels::ParseActivation(spec.model().activation(), &activation)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.activation: unknown \"", spec.model().activation(), "\""));
-  }
+  absl::StatusOr<std::unique_ptr<Model>> model =
+      CreateModel(spec.model(), DataShape{data->dim, data->classes});
+  if (!model.ok()) return model.status();
   if (spec.global_batch_size() > data->train.samples) {
     return absl::FailedPreconditionError(
         absl::StrCat("global_batch_size ", spec.global_batch_size(), " exceeds the ",
@@ -61,58 +55,35 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const std::string& job_
         absl::StrCat("cannot split global batch ", spec.global_batch_size(), " into ",
                      spec.micro_shards(), " micro-shards over ", comm->size(), " workers"));
   }
-  std::vector<int> dims = {data->dim};
-  for (int w : spec.model().hidden_widths()) dims.push_back(w);
-  dims.push_back(data->classes);
   return std::unique_ptr<Trainer>(
-      new Trainer(job_id, spec, std::move(data), comm, std::move(dims), activation));
+      new Trainer(job_id, spec, std::move(data), comm, *std::move(model)));
 }
 
 Trainer::Trainer(const std::string& job_id, const v1::JobSpec& spec,
-                 std::shared_ptr<const Dataset> data, Communicator* comm, std::vector<int> dims,
-                 kernels::Activation activation)
+                 std::shared_ptr<const Dataset> data, Communicator* comm,
+                 std::unique_ptr<Model> model)
     : job_id_(job_id),
       spec_(spec),
       training_fingerprint_(TrainingFingerprint(spec)),
       data_(std::move(data)),
       comm_(comm),
-      model_(std::move(dims), activation),
+      model_(std::move(model)),
       sampler_(data_->train.samples, spec.global_batch_size(), spec.micro_shards(), spec.seed()) {
   const int64_t spe = sampler_.steps_per_epoch();
   total_steps_ = spec.epochs() > 0 ? spec.epochs() * spe : spec.max_steps();
   if (spec.max_steps() > 0) total_steps_ = std::min(total_steps_, spec.max_steps());
-  model_.Initialize(spec.model().init_seed() != 0 ? spec.model().init_seed() : spec.seed());
-  optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_.num_params(), total_steps_);
+  model_->Initialize(spec.model().init_seed() != 0 ? spec.model().init_seed() : spec.seed());
+  optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_->num_params(), total_steps_);
+  cpu_step_ = std::make_unique<CpuStep>(spec, model_.get(), optimizer_.get(), data_->dim);
+  engine_ = cpu_step_.get();
   set_communicator(comm);
-
-  // Buckets: consecutive pieces of the gradient prefix, closed once they hold bucket_size_kib
-  // (large layers are produced in row chunks of that size, so they span several buckets and
-  // their communication overlaps their own computation). The loss slot rides in the last one.
-  chunk_floats_ = static_cast<size_t>(std::max(1, spec.bucket_size_kib())) * 1024 / sizeof(float);
-  const std::vector<size_t> points = model_.ReadyPoints(chunk_floats_);
-  size_t start = 0;
-  for (size_t i = 0; i < points.size(); ++i) {
-    const bool last = i + 1 == points.size();
-    if (points[i] - start >= chunk_floats_ || last) {
-      buckets_.push_back({start, points[i] - start + (last ? 1 : 0)});
-      start = points[i];
-    }
-  }
 }
 
-absl::StatusOr<DeviceStep::HostBatch> Trainer::LoadBatch(const int64_t* indices, int n) {
-  DeviceStep::HostBatch batch;
-  if (device_step_ != nullptr) {
-    absl::StatusOr<DeviceStep::HostBatch> pinned = device_step_->HostBuffers(n);
-    if (!pinned.ok()) return pinned.status();
-    batch = *pinned;
-  } else {
-    batch_x_.resize(static_cast<size_t>(n) * data_->dim);
-    batch_y_.resize(n);
-    batch = {batch_x_.data(), batch_y_.data()};
-  }
-  data_->train.Gather(indices, n, data_->dim, batch.x);
-  for (int i = 0; i < n; ++i) batch.y[i] = data_->train.y[indices[i]];
+absl::StatusOr<HostBatch> Trainer::LoadBatch(const int64_t* indices, int n) {
+  absl::StatusOr<HostBatch> batch = engine_->HostBuffers(n);
+  if (!batch.ok()) return batch.status();
+  data_->train.Gather(indices, n, data_->dim, batch->features);
+  for (int i = 0; i < n; ++i) batch->labels[i] = data_->train.y[indices[i]];
   return batch;
 }
 
@@ -128,165 +99,42 @@ void Trainer::set_memory_budget(int64_t bytes) {
   micro_batch_ = ChooseMicroBatch(spec_, comm_->size(), memory_budget_);
 }
 
-absl::Status Trainer::TrainStepDeterministic(int64_t step) {
-  sampler_.Indices(step - 1, shards_, &indices_);
-  const int shard = static_cast<int>(sampler_.micro_shard_size());
-  const size_t n = model_.num_params();
-  const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
-  const double scale = std::ldexp(1.0, kFixedPointFracBits);
-  // This rank's integer sum goes straight into the communicator's shared memory when it has
-  // some (ranks on one host), else into fixed_sum_ and through AllreduceSum. Every entry is
-  // written before it is read: the first shard stores, later ones add.
-  int64_t* const staged = comm_->StagingInt64(n + 2);
-  if (staged == nullptr) fixed_sum_.resize(n + 2);
-  int64_t* const sum = staged != nullptr ? staged : fixed_sum_.data();
-  sum[n] = 0;
-  int64_t out_of_range = 0;
-  auto send = [&](size_t offset, size_t count) {
-    if (staged != nullptr) {
-      reducer_->EnqueueStaged(offset, count);
-    } else {
-      reducer_->Enqueue(sum + offset, count);
-    }
-  };
-  const absl::Time t0 = absl::Now();
-  // One micro-shard at a time, so every shard's gradient is computed by the same code on the
-  // same shapes whichever rank holds it: the integer sum is then the same bits for any W.
-  // The last shard's gradient is accumulated piece by piece as backward produces it, and each
-  // finished bucket of the integer sum goes to the reducer at once, overlapping the rest of
-  // backward (the loss and the out-of-range count ride in the last bucket).
-  const size_t shards = indices_.size() / static_cast<size_t>(shard);
-  for (size_t k = 0; k < shards; ++k) {
-    const size_t first = k * static_cast<size_t>(shard);
-    const bool last_shard = k + 1 == shards;
-    (void)LoadBatch(&indices_[first], shard);  // host buffers: cannot fail
-    size_t accumulated = 0, sent = 0;
-    double loss = 0;
-    auto to_fixed = k == 0 ? kernels::StoreFixedPoint : kernels::AccumulateFixedPoint;
-    auto on_ready = [&](size_t ready) {
-      out_of_range += to_fixed(model_.grads() + accumulated, ready - accumulated,
-                               kFixedPointFracBits, sum + accumulated);
-      accumulated = ready;
-      if (ready - sent >= chunk_floats_ && ready < n) {
-        send(sent, ready - sent);
-        sent = ready;
-      }
-    };
-    // Every shard is computed with the same row blocks, last or not, so its bits do not
-    // depend on its position in a rank's share.
-    loss = model_.ForwardBackward(
-        batch_x_.data(), batch_y_.data(), shard, inv_batch, chunk_floats_, nullptr,
-        last_shard ? std::function<void(size_t)>(on_ready) : std::function<void(size_t)>());
-    if (!last_shard) {
-      out_of_range += to_fixed(model_.grads(), n, kFixedPointFracBits, sum);
-    }
-    out_of_range += kernels::AccumulateLossFixedPoint(loss, inv_batch, kFixedPointFracBits, &sum[n]);
-    if (last_shard) {
-      sum[n + 1] = out_of_range;
-      send(sent, n + 2 - sent);
-    }
-  }
-  const absl::Time t1 = absl::Now();
-  if (absl::Status s = reducer_->Wait(); !s.ok()) return s;
-  const absl::Time t2 = absl::Now();
-  const int64_t* reduced = staged != nullptr ? comm_->StagedResultInt64() : fixed_sum_.data();
-  if (reduced[n + 1] != 0) return FixedPointOutOfRange(reduced[n + 1], step);
-  last_loss_ = static_cast<double>(reduced[n]) / scale;
-  optimizer_->StepFixedPoint(model_.params(), reduced, kFixedPointFracBits, step);
-  completed_step_ = step;
-  timing_.compute += t1 - t0;
-  timing_.exposed_comm += t2 - t1;
-  timing_.update += absl::Now() - t2;
-  ++timing_.steps;
-  return absl::OkStatus();
-}
+Trainer::~Trainer() = default;
 
-absl::Status Trainer::TrainStepOnDevice(int64_t step) {
-  sampler_.Indices(step - 1, shards_, &indices_);
-  const int n = static_cast<int>(indices_.size());
-  absl::StatusOr<DeviceStep::HostBatch> batch = LoadBatch(indices_.data(), n);
-  if (!batch.ok()) return batch.status();
-  const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
-  const float lr = static_cast<float>(optimizer_->LearningRate(step));
-  const absl::Time t0 = absl::Now();
-  if (spec_.deterministic()) {
-    absl::StatusOr<DeviceStep::DeterministicResult> result = device_step_->StepDeterministic(
-        batch->x, batch->y, n, static_cast<int>(sampler_.micro_shard_size()), inv_batch,
-        kFixedPointFracBits, lr, step);
-    if (!result.ok()) return result.status();
-    if (result->rejected != 0) return FixedPointOutOfRange(result->rejected, step);
-    last_loss_ = result->loss;
-  } else {
-    absl::StatusOr<double> loss = device_step_->Step(batch->x, batch->y, n,
-                                                     static_cast<int>(micro_batch_), inv_batch,
-                                                     lr, step);
-    if (!loss.ok()) return loss.status();
-    last_loss_ = *loss;
-  }
-  host_stale_ = true;
-  completed_step_ = step;
-  timing_.compute += absl::Now() - t0;  // the device step is one unit (no breakdown yet)
-  ++timing_.steps;
-  return absl::OkStatus();
-}
-
-absl::Status Trainer::SyncFromDevice() {
-  if (device_step_ == nullptr || !host_stale_) return absl::OkStatus();
-  if (absl::Status s = device_step_->Download(model_.params(), &optimizer_->state()); !s.ok()) {
-    return s;
-  }
-  host_stale_ = false;
-  host_step_ = completed_step_;
-  return absl::OkStatus();
+void Trainer::set_step_engine(StepEngine* engine) {
+  engine_ = engine != nullptr ? engine : cpu_step_.get();
 }
 
 absl::Status Trainer::TrainStep(int64_t step) {
-  if (device_step_ != nullptr) return TrainStepOnDevice(step);
-  if (spec_.deterministic()) return TrainStepDeterministic(step);
   sampler_.Indices(step - 1, shards_, &indices_);
   const int n = static_cast<int>(indices_.size());
-  (void)LoadBatch(indices_.data(), n);  // host buffers: cannot fail
-  const float inv_batch = 1.0f / static_cast<float>(spec_.global_batch_size());
-  GradientReducer* reducer = reducer_.get();
-  size_t next_bucket = 0;
-  const absl::Time t0 = absl::Now();
-  const size_t num_params = model_.num_params();
-  // Micro-batches of the share with gradient accumulation; only the last one's backward
-  // hands buckets to the reducer (their sums are final only then).
-  const int micro = static_cast<int>(std::clamp<int64_t>(micro_batch_, 1, std::max(n, 1)));
-  double loss_sum = 0;
-  for (int first = 0; first < n; first += micro) {
-    const int m = std::min(micro, n - first);
-    const bool last = first + m >= n;
-    const double pass_loss = model_.ForwardBackward(
-        batch_x_.data() + static_cast<size_t>(first) * data_->dim, batch_y_.data() + first, m,
-        inv_batch, chunk_floats_,
-        [&](double pass) {
-          if (last) model_.loss_slot() = static_cast<float>(loss_sum + pass) * inv_batch;
-        },
-        last ? std::function<void(size_t)>([&](size_t ready) {
-          // The last bucket also holds the loss slot, which is ready once all gradients are.
-          while (next_bucket < buckets_.size() &&
-                 std::min(buckets_[next_bucket].offset + buckets_[next_bucket].count,
-                          num_params) <= ready) {
-            const Bucket& b = buckets_[next_bucket++];
-            reducer->Enqueue(model_.grads() + b.offset, b.count);
-          }
-        })
-             : std::function<void(size_t)>(),
-        /*accumulate=*/first > 0);
-    loss_sum += pass_loss;
+  if (absl::StatusOr<HostBatch> batch = LoadBatch(indices_.data(), n); !batch.ok()) {
+    return batch.status();
   }
-  const absl::Time t1 = absl::Now();
-  if (absl::Status s = reducer->Wait(); !s.ok()) return s;
-  const absl::Time t2 = absl::Now();
-  last_loss_ = model_.loss_slot();
-  optimizer_->Step(model_.params(), model_.grads(), step);
-  timing_.compute += t1 - t0;
-  timing_.exposed_comm += t2 - t1;
-  timing_.update += absl::Now() - t2;
-  ++timing_.steps;
+  StepArgs args;
+  args.n = n;
+  args.micro_batch = static_cast<int>(std::clamp<int64_t>(micro_batch_, 1, std::max(n, 1)));
+  args.deterministic = spec_.deterministic();
+  args.micro_shard = static_cast<int>(sampler_.micro_shard_size());
+  args.frac_bits = kFixedPointFracBits;
+  args.grad_scale = 1.0f / static_cast<float>(spec_.global_batch_size());
+  args.lr = static_cast<float>(optimizer_->LearningRate(step));
+  args.step = step;
+  absl::StatusOr<StepResult> result = engine_->TakeStep(args);
+  if (!result.ok()) return result.status();
+  if (result->rejected != 0) return FixedPointOutOfRange(result->rejected, step);
+  last_loss_ = result->loss;
   completed_step_ = step;
+  timing_.compute += result->compute;
+  timing_.exposed_comm += result->exposed_comm;
+  timing_.update += result->update;
+  ++timing_.steps;
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::SyncHost() {
+  if (absl::Status s = engine_->Sync(); !s.ok()) return s;
+  host_step_ = completed_step_;
   return absl::OkStatus();
 }
 
@@ -297,8 +145,7 @@ void Trainer::set_communicator(Communicator* comm) {
 }
 
 uint64_t Trainer::ModelFingerprint() const {
-  std::string id = absl::StrCat("mlp/", spec_.model().activation(), "/", spec_.optimizer().type());
-  for (int d : model_.dims()) absl::StrAppend(&id, "/", d);
+  const std::string id = absl::StrCat(model_->Describe(), "/", spec_.optimizer().type());
   return kernels::Fnv1a64(id.data(), id.size());
 }
 
@@ -306,7 +153,7 @@ absl::Status Trainer::MaybeCheckpoint(int64_t step, const CheckpointFn& report) 
   const int64_t every = spec_.checkpoint_every_steps();
   if (every <= 0 || comm_->rank() != 0 || step % every != 0) return absl::OkStatus();
   absl::StatusOr<std::string> path;
-  if (absl::Status synced = SyncFromDevice(); !synced.ok()) {
+  if (absl::Status synced = SyncHost(); !synced.ok()) {
     path = synced;
   } else {
     CheckpointData data;
@@ -314,7 +161,7 @@ absl::Status Trainer::MaybeCheckpoint(int64_t step, const CheckpointFn& report) 
     data.job_id = job_id_;
     data.training_fingerprint = training_fingerprint_;
     data.model_fingerprint = ModelFingerprint();
-    data.params.assign(model_.params(), model_.params() + model_.num_params());
+    data.params.assign(model_->params(), model_->params() + model_->num_params());
     data.optimizer_state = optimizer_->state();
     const int keep = spec_.keep_checkpoints() > 0 ? spec_.keep_checkpoints() : 3;
     path = WriteCheckpoint(spec_.checkpoint_dir(), data, keep);
@@ -342,9 +189,9 @@ absl::StatusOr<bool> Trainer::LoadStateFromDisk() {
   if (spec_.checkpoint_every_steps() > 0 && !spec_.checkpoint_dir().empty()) {
     absl::StatusOr<CheckpointData> ckpt =
         LoadLatestCheckpoint(spec_.checkpoint_dir(), job_id_, training_fingerprint_,
-                             model_.num_params(), opt.size(), completed_step_, total_steps_);
+                             model_->num_params(), opt.size(), completed_step_, total_steps_);
     if (ckpt.ok()) {
-      std::copy(ckpt->params.begin(), ckpt->params.end(), model_.params());
+      std::copy(ckpt->params.begin(), ckpt->params.end(), model_->params());
       opt = std::move(ckpt->optimizer_state);
       LOG(INFO) << "loaded " << job_id_ << "'s checkpoint of step " << ckpt->step << " from "
                 << spec_.checkpoint_dir() << " (held step " << completed_step_ << ")";
@@ -355,10 +202,10 @@ absl::StatusOr<bool> Trainer::LoadStateFromDisk() {
   const v1::InitFromCheckpoint& init = spec_.init_from_checkpoint();
   if (completed_step_ == 0 && !initialized_from_checkpoint_ && !init.path().empty()) {
     absl::StatusOr<CheckpointData> ckpt =
-        LoadCheckpointForInit(init.path(), ModelFingerprint(), model_.num_params(), opt.size());
+        LoadCheckpointForInit(init.path(), ModelFingerprint(), model_->num_params(), opt.size());
     // The job cannot start as asked: that is final.
     if (!ckpt.ok()) return absl::FailedPreconditionError(ckpt.status().message());
-    std::copy(ckpt->params.begin(), ckpt->params.end(), model_.params());
+    std::copy(ckpt->params.begin(), ckpt->params.end(), model_->params());
     if (init.load_optimizer_state()) opt = std::move(ckpt->optimizer_state);
     initialized_from_checkpoint_ = true;
     LOG(INFO) << job_id_ << " starts from the parameters of " << ckpt->job_id << " at step "
@@ -398,11 +245,11 @@ uint64_t StateChecksum(int64_t step, const float* params, size_t n, const float*
 absl::Status Trainer::ReceiveState(int source, bool take) {
   const bool sending = comm_->rank() == source;
   std::vector<float>& opt = optimizer_->state();
-  const size_t n = model_.num_params(), m = opt.size();
+  const size_t n = model_->num_params(), m = opt.size();
   StateHeader header{};
   if (sending) {
     header = {completed_step_, initialized_from_checkpoint_ ? 1 : 0, n, m,
-              StateChecksum(completed_step_, model_.params(), n, opt.data(), m)};
+              StateChecksum(completed_step_, model_->params(), n, opt.data(), m)};
   }
   LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(&header, sizeof(header), source));
   if (header.num_params != n || header.optimizer_floats != m) {
@@ -417,7 +264,7 @@ absl::Status Trainer::ReceiveState(int source, bool take) {
     staged_opt.resize(m);
   }
   int pieces = 0;
-  for (auto [mine, staged, count] : {std::tuple<float*, float*, size_t>{model_.params(),
+  for (auto [mine, staged, count] : {std::tuple<float*, float*, size_t>{model_->params(),
                                                                          staged_params.data(), n},
                                      {opt.data(), staged_opt.data(), m}}) {
     for (size_t offset = 0; offset < count; offset += kHealPieceFloats) {
@@ -434,7 +281,7 @@ absl::Status Trainer::ReceiveState(int source, bool take) {
     return absl::DataLossError(absl::StrCat("the state of step ", header.step, " from rank ",
                                             source, " failed its checksum; not taken"));
   }
-  std::copy(staged_params.begin(), staged_params.end(), model_.params());
+  std::copy(staged_params.begin(), staged_params.end(), model_->params());
   opt = std::move(staged_opt);
   completed_step_ = header.step;
   initialized_from_checkpoint_ = header.from_checkpoint_init != 0;
@@ -461,7 +308,7 @@ absl::StatusOr<Trainer::HealInfo> Trainer::Heal(const std::vector<std::string>& 
   int64_t* const data = disk + world;
   key[me] = completed_step_ * 2 + (initialized_from_checkpoint_ ? 1 : 0);
   hash[me] = static_cast<int64_t>(
-      StateChecksum(completed_step_, model_.params(), model_.num_params(), opt.data(), opt.size()));
+      StateChecksum(completed_step_, model_->params(), model_->num_params(), opt.data(), opt.size()));
   disk[me] = *from_disk ? 1 : 0;
   for (size_t i = 0; i < data_->parts.size() && i < kParts; ++i) {
     data[me * kParts + i] = static_cast<int64_t>(data_->parts[i].hash);
@@ -520,32 +367,27 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
                             const ProgressFn& progress, const CheckpointFn& checkpoint,
                             absl::Duration report_interval) {
   timing_ = Timing{};
-  reducer_ = std::make_unique<GradientReducer>(comm_);
-  // The reducer uses this generation's communicator: it must be gone (its thread joined)
-  // before Train returns, whatever the outcome. A device's state comes back to the host
-  // mirror on the way out too, so that healing, evaluation and checksums see the last
+  // The engine sums over this generation's communicator: it must have let go of it (its
+  // threads joined) before Train returns, whatever the outcome. A device's state comes back to
+  // the host on the way out too, so that healing, evaluation and checksums see the last
   // completed step (a failed step updates nothing: the update follows the sum).
-  struct ResetReducer {
+  if (absl::Status s = engine_->Begin(comm_); !s.ok()) {
+    (void)engine_->End();
+    return s;
+  }
+  host_step_ = completed_step_;
+  struct EndEngine {
     Trainer* trainer;
-    ~ResetReducer() {
-      trainer->reducer_.reset();
-      if (absl::Status s = trainer->SyncFromDevice(); !s.ok()) {
+    ~EndEngine() {
+      if (absl::Status s = trainer->engine_->End(); !s.ok()) {
         // The host keeps the state it last had: claim only that step, so that healing sends
         // this member the newer state instead of trusting parameters that do not match.
         LOG(WARNING) << "reading the device's state back: " << s << "; back to step "
                      << trainer->host_step_;
         trainer->completed_step_ = trainer->host_step_;
-        trainer->host_stale_ = false;
       }
     }
-  } reset_reducer{this};
-  if (device_step_ != nullptr) {
-    if (absl::Status s = device_step_->Upload(model_.params(), optimizer_->state()); !s.ok()) {
-      return s;
-    }
-    host_stale_ = false;
-    host_step_ = completed_step_;
-  }
+  } end_engine{this};
   absl::Time window_start = absl::Now();
   int64_t window_steps = 0;
   double samples_per_second = 0;
@@ -597,13 +439,10 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
     const int n = static_cast<int>(std::min(kChunk, end - i));
     int64_t correct = 0;
     test.Range(i, n, data_->dim, x.data());
-    if (device_step_ != nullptr) {
-      absl::StatusOr<double> loss = device_step_->Evaluate(x.data(), &test.y[i], n, &correct);
-      if (!loss.ok()) return loss.status();
-      sums[0] += *loss;
-    } else {
-      sums[0] += model_.Evaluate(x.data(), &test.y[i], n, &correct);
-    }
+    const Batch batch{n, x.data(), data_->dim, &test.y[i], nullptr, 0};
+    absl::StatusOr<double> loss = engine_->Evaluate(batch, &correct);
+    if (!loss.ok()) return loss.status();
+    sums[0] += *loss;
     sums[1] += static_cast<double>(correct);
   }
   if (absl::Status s = comm_->AllreduceSum(sums, 3); !s.ok()) {
@@ -618,12 +457,7 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
   return result;
 }
 
-size_t Trainer::largest_collective_bytes() const {
-  if (spec_.deterministic()) return (model_.num_params() + 2) * sizeof(int64_t);
-  size_t largest = 0;
-  for (const Bucket& b : buckets_) largest = std::max(largest, b.count);
-  return largest * sizeof(float);
-}
+size_t Trainer::largest_collective_bytes() const { return cpu_step_->largest_collective_bytes(); }
 
 double Trainer::TrainSamplesPerSecond() const {
   const double seconds = absl::ToDoubleSeconds(timing_.after_first);
@@ -633,7 +467,7 @@ double Trainer::TrainSamplesPerSecond() const {
 
 std::string Trainer::ParameterChecksum() const {
   return absl::StrFormat("%016x",
-                         kernels::Fnv1a64(model_.params(), model_.num_params() * sizeof(float)));
+                         kernels::Fnv1a64(model_->params(), model_->num_params() * sizeof(float)));
 }
 
 }  // namespace lockstep::worker

@@ -1,6 +1,8 @@
-// One member's training of one job generation: the step loop of DESIGN.md sections 4-5
-// (fixed global batch, world-size-independent data order, bucketed gradient allreduce
-// overlapped with backward, optimizer update) and the sharded evaluation at the end.
+// One member's training of one job: the step loop (fixed global batch, world-size-independent
+// data order, each step handed to a step engine), healing, checkpoints, progress and the
+// sharded evaluation at the end. The model (worker/train/model.h) and the engine
+// (worker/train/step_engine.h) are behind interfaces: a new model or device touches neither
+// this class nor the communicators.
 #pragma once
 
 #include <atomic>
@@ -15,54 +17,14 @@
 #include "lockstep/v1/worker.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/train/dataset.h"
-#include "worker/train/gradient_reducer.h"
-#include "worker/train/mlp.h"
+#include "worker/train/model.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/sampler.h"
+#include "worker/train/step_engine.h"
 
 namespace lockstep::worker {
 
-// Where a GPU worker's training step runs (worker/train/gpu_step.h). The trainer keeps its
-// host model and optimizer state as the mirror that healing, checkpoints, evaluation and the
-// parameter checksum use; it uploads them before training and downloads them when it needs
-// them (a checkpoint is due, Train ends).
-class DeviceStep {
- public:
-  virtual ~DeviceStep() = default;
-  // Parameters and optimizer state in the layouts of Mlp and Optimizer.
-  virtual absl::Status Upload(const float* params, const std::vector<float>& optimizer_state) = 0;
-  virtual absl::Status Download(float* params, std::vector<float>* optimizer_state) = 0;
-  // Host buffers for n samples and labels that the trainer fills for the next Step (pinned
-  // memory on a GPU, so the copies run asynchronously). Valid until the next call.
-  struct HostBatch {
-    float* x = nullptr;
-    int32_t* y = nullptr;
-  };
-  virtual absl::StatusOr<HostBatch> HostBuffers(int n) = 0;
-  // One step for the n samples x (n x input), y (host memory): forward and backward in
-  // micro-batches of at most `micro_batch` samples (gradients accumulated), the sum of the
-  // gradients over the group, the optimizer update with learning rate `lr`. Returns the group's
-  // mean loss.
-  virtual absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, int micro_batch,
-                                      float grad_scale, float lr, int64_t step) = 0;
-  // Deterministic mode (Trainer::TrainStepDeterministic on the device): n = shards * shard
-  // samples; each shard's gradient (scaled by grad_scale) and loss go to 64-bit fixed point with
-  // `frac_bits` fraction bits and are summed as integers, over the shards and then over the
-  // group; the update uses the float of the sum. Returns the group's mean loss and the number
-  // of values that were not finite or out of range (the update is skipped then).
-  struct DeterministicResult {
-    double loss = 0;
-    int64_t rejected = 0;
-  };
-  virtual absl::StatusOr<DeterministicResult> StepDeterministic(const float* x, const int32_t* y,
-                                                                int n, int shard,
-                                                                float grad_scale, int frac_bits,
-                                                                float lr, int64_t step) = 0;
-  // Forward only on the device's parameters: the loss sum over the n samples; adds the number
-  // of correct predictions to *correct.
-  virtual absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n,
-                                          int64_t* correct) = 0;
-};
+class CpuStep;
 
 // Not thread-safe: one training thread drives it. `abort` may be set from any thread; the
 // loop checks it between steps.
@@ -95,9 +57,9 @@ class Trainer {
   // |g| < 2^(51-40) = 2048 per micro-shard gradient value, resolution 2^-40 (9.1e-13); a value
   // outside it (or not finite) fails the step with OUT_OF_RANGE instead of being clipped.
   static constexpr int kFixedPointFracBits = 40;
-  // Runs the steps on a device (GPU workers); nullptr: on the CPU. Not owned; set per
-  // generation, like the communicator, and not during Train.
-  void set_device_step(DeviceStep* device_step) { device_step_ = device_step; }
+  // Runs the steps on another engine (a GPU's); nullptr: the trainer's own CPU engine. Not
+  // owned; set per generation, like the communicator, and not during Train.
+  void set_step_engine(StepEngine* engine);
   // Memory this worker may use for the job (0: no limit), which decides how many samples go
   // through forward and backward at once (ChooseMicroBatch of common/job_memory.h). Not during
   // Train.
@@ -130,7 +92,8 @@ class Trainer {
   };
   absl::StatusOr<HealInfo> Heal(const std::vector<std::string>& member_names = {});
   int64_t steps_per_epoch() const { return sampler_.steps_per_epoch(); }
-  Mlp& model() { return model_; }
+  Model& model() { return *model_; }
+  Optimizer& optimizer() { return *optimizer_; }
 
   using ProgressFn = std::function<void(const v1::ProgressReport&)>;
   // Called after every checkpoint rank 0 tried to write (job_id and generation left empty).
@@ -142,6 +105,7 @@ class Trainer {
                      const CheckpointFn& checkpoint = nullptr,
                      absl::Duration report_interval = absl::Milliseconds(100));
 
+  ~Trainer();
   // Loss and accuracy on the whole test set, each rank taking a contiguous share.
   absl::StatusOr<v1::EvalResult> Evaluate();
 
@@ -165,17 +129,14 @@ class Trainer {
 
  private:
   Trainer(const std::string& job_id, const v1::JobSpec& spec, std::shared_ptr<const Dataset> data,
-          Communicator* comm, std::vector<int> dims, kernels::Activation activation);
-  // Fills batch_x_ / batch_y_ with the training samples indices[0, n), or with a device step
-  // its host buffers; returns where they are.
-  absl::StatusOr<DeviceStep::HostBatch> LoadBatch(const int64_t* indices, int n);
+          Communicator* comm, std::unique_ptr<Model> model);
+  // Fills the engine's host buffers with the training samples indices[0, n).
+  absl::StatusOr<HostBatch> LoadBatch(const int64_t* indices, int n);
   // The error of a deterministic step with `rejected` values out of the fixed-point range.
   static absl::Status FixedPointOutOfRange(int64_t rejected, int64_t step);
   absl::Status TrainStep(int64_t step);
-  absl::Status TrainStepDeterministic(int64_t step);
-  absl::Status TrainStepOnDevice(int64_t step);
-  // Copies the device's parameters and optimizer state into the host mirror if it is stale.
-  absl::Status SyncFromDevice();
+  // The host model and optimizer hold the last completed step (the engine's Sync).
+  absl::Status SyncHost();
 
   // Writes a checkpoint (rank 0) when `step` is due and reports it. A failed write is an error
   // only under checkpoint_failure_policy "fail".
@@ -191,29 +152,18 @@ class Trainer {
   const uint64_t training_fingerprint_;
   std::shared_ptr<const Dataset> data_;
   Communicator* comm_;
-  DeviceStep* device_step_ = nullptr;
-  bool host_stale_ = false;  // the device holds newer parameters than model_
-  int64_t host_step_ = 0;    // the step model_ and the optimizer state belong to
-  Mlp model_;
+  std::unique_ptr<Model> model_;
   Sampler sampler_;
   int64_t total_steps_ = 0;
   std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<CpuStep> cpu_step_;  // the default engine
+  StepEngine* engine_ = nullptr;          // cpu_step_, or a device's
+  // The step the host model and optimizer state belong to (a device's engine may be ahead).
+  int64_t host_step_ = 0;
   ShardRange shards_;
   int64_t memory_budget_ = 0;
   int64_t micro_batch_ = 0;
-  // Gradient buckets in backward order, each a contiguous range of the flat buffer; a
-  // bucket is sent once backward has produced gradients up to its end.
-  struct Bucket {
-    size_t offset;
-    size_t count;
-  };
-  size_t chunk_floats_ = 0;
-  std::vector<Bucket> buckets_;
-  std::unique_ptr<GradientReducer> reducer_;  // lives for one Train call
   std::vector<int64_t> indices_;
-  std::vector<int64_t> fixed_sum_;  // deterministic mode: gradients, loss, overflow count
-  std::vector<float> batch_x_;
-  std::vector<int32_t> batch_y_;
   double last_loss_ = 0;
   int64_t completed_step_ = 0;
   // The state descends from init_from_checkpoint's parameters rather than the seed (at step 0
