@@ -68,8 +68,8 @@ void LayerNormBackward(const float* dout, const float* x, const float* w, const 
     float* dxr = dx + static_cast<size_t>(r) * c;
     for (int i = 0; i < c; ++i) {
       const float xhat = (xr[i] - m) * s;
-      db[i] += d[i];
-      dw[i] += xhat * d[i];
+      if (db != nullptr) db[i] += d[i];
+      if (dw != nullptr) dw[i] += xhat * d[i];
       dxr[i] += (w[i] * d[i] - a - xhat * bterm) * s;
     }
   }

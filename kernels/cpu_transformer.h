@@ -16,7 +16,8 @@ namespace lockstep::kernels {
 // values loses nothing to cancellation.
 void LayerNormForward(const float* x, const float* w, const float* b, int rows, int c, float eps,
                       float* out, float* mean, float* rstd);
-// Given dout, ADDS to dx (rows x c, a residual stream's gradient), dw and db (c each).
+// Given dout, ADDS to dx (rows x c, a residual stream's gradient), dw and db (c each; null when
+// that gradient is not wanted).
 void LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
                        const float* rstd, int rows, int c, float* dx, float* dw, float* db);
 

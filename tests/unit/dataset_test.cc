@@ -165,6 +165,145 @@ TEST_F(DatasetTest, CorruptFilesAreDataLossNamingTheFile) {
   EXPECT_NE(ds.status().message().find("labels"), std::string::npos) << ds.status();
 }
 
+std::string TempDir(const std::string& what) {
+  static int counter = 0;
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/", what, "-", getpid(), "-", counter++);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string Tokens(const TokenSplit& split) {
+  std::string out;
+  for (int64_t i = 0; i < split.tokens; ++i) out.push_back(static_cast<char>(split.At(i)));
+  return out;
+}
+
+TEST_F(DatasetTest, TextFileIsSplitFromTheEndAndWindowsStrideByContext) {
+  const std::string dir = TempDir("text");
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += static_cast<char>('a' + i % 26);
+  WriteFile(dir + "/corpus.txt", text, false);
+  absl::StatusOr<Dataset> ds = LoadTextDataset(dir + "/corpus.txt", 0.2);
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_TRUE(ds->language);
+  EXPECT_TRUE(ds->text);
+  EXPECT_EQ(Tokens(ds->train_tokens), text.substr(0, 80));
+  EXPECT_EQ(Tokens(ds->valid_tokens), text.substr(80));
+  EXPECT_EQ(ds->max_token, 'z');
+  ASSERT_EQ(ds->parts.size(), 2u);
+  EXPECT_NE(ds->parts[0].hash, ds->parts[1].hash);
+  // 80 tokens, context 8: windows of 9 at a stride of 8 cover tokens 0..72 (9 windows: each
+  // token after the first predicted once).
+  EXPECT_EQ(ds->train_tokens.Windows(8), 9);
+  std::vector<int32_t> w(9);
+  ds->train_tokens.Window(1, 8, w.data());
+  for (int i = 0; i < 9; ++i) EXPECT_EQ(w[i], text[8 + i]);
+  EXPECT_EQ(ds->train_tokens.Windows(80), 0) << "a text shorter than one window";
+}
+
+TEST_F(DatasetTest, TextDirectoryReadsTextFilesInNameOrderAndSkipsTheRest) {
+  const std::string dir = TempDir("fortunes");
+  WriteFile(dir + "/b", "second file\n%\n", false);
+  WriteFile(dir + "/a", "first file \xc3\xa9\n", false);  // UTF-8 é
+  WriteFile(dir + "/a.dat", std::string("\x00\x00\x00\x02\x00\x00", 6), false);  // an index
+  WriteFile(dir + "/latin1", "caf\xe9\n", false);  // not UTF-8
+  std::filesystem::create_symlink(dir + "/b", dir + "/b.u8");
+  std::filesystem::create_directories(dir + "/off");
+  absl::StatusOr<Dataset> ds = LoadTextDataset(dir, 0.25);
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  const std::string all = Tokens(ds->train_tokens) + Tokens(ds->valid_tokens);
+  EXPECT_EQ(all, "first file \xc3\xa9\nsecond file\n%\n");
+  EXPECT_NE(ds->source.find("2 text files"), std::string::npos) << ds->source;
+  // Through the host cache: a second load maps the same concatenation.
+  absl::StatusOr<Dataset> again = LoadTextDataset(dir, 0.25);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(Tokens(again->train_tokens) + Tokens(again->valid_tokens), all);
+  EXPECT_EQ(again->parts[0].hash, ds->parts[0].hash);
+  // A glob picks files by name.
+  absl::StatusOr<Dataset> globbed = LoadTextDataset(dir + "/b*", 0.25);
+  ASSERT_TRUE(globbed.ok()) << globbed.status();
+  EXPECT_EQ(Tokens(globbed->train_tokens) + Tokens(globbed->valid_tokens), "second file\n%\n");
+}
+
+TEST_F(DatasetTest, TextErrorsNameThePathAndTheReason) {
+  absl::StatusOr<Dataset> missing = LoadTextDataset("/nonexistent/corpus", 0.05);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("/nonexistent/corpus"), std::string::npos);
+  const std::string dir = TempDir("binary");
+  WriteFile(dir + "/x.dat", std::string("\x01\x00\x02", 3), false);
+  absl::StatusOr<Dataset> none = LoadTextDataset(dir, 0.05);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition) << none.status();
+  EXPECT_NE(none.status().message().find("NUL"), std::string::npos) << none.status();
+  absl::StatusOr<Dataset> file = LoadTextDataset(dir + "/x.dat", 0.05);
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss) << file.status();
+  EXPECT_NE(file.status().message().find("x.dat"), std::string::npos) << file.status();
+}
+
+// llm.c's layout: 256 int32 of header (magic, version, count), then uint16 tokens.
+std::string LlmcFile(const std::vector<uint16_t>& tokens, int32_t magic = 20240520,
+                     int32_t version = 1, int32_t count = -1) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = magic;
+  header[1] = version;
+  header[2] = count >= 0 ? count : static_cast<int32_t>(tokens.size());
+  std::string out(reinterpret_cast<const char*>(header.data()), 1024);
+  out.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
+  return out;
+}
+
+TEST_F(DatasetTest, TokenFilesWithAndWithoutTheLlmcHeader) {
+  const std::string dir = TempDir("tokens");
+  std::vector<uint16_t> train(300), valid(50);
+  for (size_t i = 0; i < train.size(); ++i) train[i] = static_cast<uint16_t>(i * 7 % 50257);
+  for (size_t i = 0; i < valid.size(); ++i) valid[i] = static_cast<uint16_t>(60000 + i);
+  WriteFile(dir + "/train.bin", LlmcFile(train), false);
+  WriteFile(dir + "/val.bin",
+            std::string(reinterpret_cast<const char*>(valid.data()), valid.size() * 2), false);
+  absl::StatusOr<Dataset> ds = LoadTokenDataset(dir + "/train.bin", dir + "/val.bin");
+  ASSERT_TRUE(ds.ok()) << ds.status();
+  EXPECT_TRUE(ds->language);
+  EXPECT_FALSE(ds->text);
+  ASSERT_EQ(ds->train_tokens.tokens, 300);
+  ASSERT_EQ(ds->valid_tokens.tokens, 50);
+  EXPECT_EQ(ds->train_tokens.At(299), train[299]);
+  EXPECT_EQ(ds->valid_tokens.At(3), 60003);
+  EXPECT_EQ(ds->max_token, 60049);
+  ASSERT_EQ(ds->parts.size(), 2u);
+  EXPECT_EQ(ds->parts[0].name, "train.bin");
+}
+
+TEST_F(DatasetTest, BadTokenFilesAreDataLossNamingFileAndReason) {
+  const std::string dir = TempDir("badtokens");
+  const std::vector<uint16_t> t(100, 5);
+  WriteFile(dir + "/ok.bin", LlmcFile(t), false);
+  struct Case {
+    std::string name, contents, reason;
+  } cases[] = {
+      {"magic.bin", LlmcFile(t, 20240521), "magic 20240521"},
+      {"version.bin", LlmcFile(t, 20240520, 2), "version 2"},
+      {"count.bin", LlmcFile(t, 20240520, 1, 150), "counts 150 tokens"},
+      {"odd.bin", std::string(201, 'x'), "odd length"},
+      {"empty.bin", "", "no tokens"},
+  };
+  for (const Case& c : cases) {
+    WriteFile(dir + "/" + c.name, c.contents, false);
+    for (bool as_train : {true, false}) {
+      absl::StatusOr<Dataset> ds = as_train ? LoadTokenDataset(dir + "/" + c.name, dir + "/ok.bin")
+                                            : LoadTokenDataset(dir + "/ok.bin", dir + "/" + c.name);
+      EXPECT_EQ(ds.status().code(), absl::StatusCode::kDataLoss) << c.name << ": " << ds.status();
+      EXPECT_NE(ds.status().message().find(c.name), std::string::npos) << ds.status();
+      EXPECT_NE(ds.status().message().find(c.reason), std::string::npos) << ds.status();
+    }
+  }
+  absl::StatusOr<Dataset> missing = LoadTokenDataset(dir + "/ok.bin", dir + "/none.bin");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("none.bin"), std::string::npos);
+  absl::StatusOr<Dataset> no_valid = LoadTokenDataset(dir + "/ok.bin", "");
+  EXPECT_EQ(no_valid.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_valid.status().message().find("validation_path"), std::string::npos);
+}
+
 TEST(SyntheticDatasetTest, SameSeedSameDataAndAllClassesAppear) {
   v1::SyntheticDatasetSpec spec;
   spec.set_train_samples(2000);

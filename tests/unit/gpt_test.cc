@@ -156,11 +156,11 @@ TEST(GptTest, NextTokenLogitsArePredictionsAtThePrefixEnd) {
   Gpt gpt(c);
   gpt.Initialize(4);
   const std::vector<int32_t> tokens = {3, 1, 4, 1, 5};
-  std::vector<float> logits = gpt.NextTokenLogits(tokens);
+  std::vector<float> logits = gpt.NextTokenLogits(tokens).value();
   ASSERT_EQ(logits.size(), 11u);
   // Causal: what follows a prefix does not change the prediction after it.
-  std::vector<float> prefix = gpt.NextTokenLogits({3, 1, 4});
-  std::vector<float> prefix_again = gpt.NextTokenLogits({3, 1, 4});
+  std::vector<float> prefix = gpt.NextTokenLogits({3, 1, 4}).value();
+  std::vector<float> prefix_again = gpt.NextTokenLogits({3, 1, 4}).value();
   EXPECT_EQ(prefix, prefix_again);
   EXPECT_NE(prefix, logits);
 }

@@ -19,7 +19,10 @@
 namespace lockstep::worker {
 namespace {
 
-constexpr char kMagic[8] = {'L', 'S', 'C', 'K', 'P', 'T', '2', '\0'};
+// Version 3 adds the model manifest (tensor names, shapes, config) after the header; version 2
+// files are still read (without one).
+constexpr char kMagic[8] = {'L', 'S', 'C', 'K', 'P', 'T', '3', '\0'};
+constexpr char kMagicV2[8] = {'L', 'S', 'C', 'K', 'P', 'T', '2', '\0'};
 constexpr char kOldMagic[8] = {'L', 'S', 'C', 'K', 'P', 'T', '1', '\0'};
 constexpr char kStepInfix[] = ".step-";
 constexpr char kSuffix[] = ".ckpt";
@@ -34,10 +37,20 @@ struct Header {
   uint64_t optimizer_floats;
   uint64_t checksum;  // of the header with checksum = 0, then the payload
 };
+// Version 3: after the header, the manifest's length and bytes (a serialized ModelManifest).
+struct ManifestLength {
+  uint64_t bytes;
+};
 
-uint64_t Checksum(Header header, const std::vector<float>& a, const std::vector<float>& b) {
+uint64_t Checksum(Header header, const std::string& manifest, const std::vector<float>& a,
+                  const std::vector<float>& b) {
   header.checksum = 0;
   std::string bytes(reinterpret_cast<const char*>(&header), sizeof(header));
+  if (std::memcmp(header.magic, kMagic, sizeof(kMagic)) == 0) {
+    const ManifestLength length{manifest.size()};
+    bytes.append(reinterpret_cast<const char*>(&length), sizeof(length));
+    bytes += manifest;
+  }
   bytes.append(reinterpret_cast<const char*>(a.data()), a.size() * sizeof(float));
   bytes.append(reinterpret_cast<const char*>(b.data()), b.size() * sizeof(float));
   return kernels::Fnv1a64(bytes.data(), bytes.size());
@@ -74,6 +87,8 @@ std::vector<Listed> ListCheckpoints(const std::string& dir, const std::string& j
   return out;
 }
 
+}  // namespace
+
 absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
@@ -85,8 +100,20 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
     return absl::DataLossError(
         absl::StrCat(path, ": written by an older Lockstep (no job identity); not loaded"));
   }
-  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) {
+  const bool v3 = std::memcmp(h.magic, kMagic, sizeof(kMagic)) == 0;
+  if (!v3 && std::memcmp(h.magic, kMagicV2, sizeof(kMagicV2)) != 0) {
     return absl::DataLossError(absl::StrCat(path, ": not a Lockstep checkpoint"));
+  }
+  std::string manifest;
+  if (v3) {
+    ManifestLength length{};
+    if (!in.read(reinterpret_cast<char*>(&length), sizeof(length)) || length.bytes > (1u << 26)) {
+      return absl::DataLossError(absl::StrCat(path, ": truncated or implausible model manifest"));
+    }
+    manifest.resize(length.bytes);
+    if (!in.read(manifest.data(), static_cast<std::streamsize>(manifest.size()))) {
+      return absl::DataLossError(absl::StrCat(path, ": truncated model manifest"));
+    }
   }
   if (h.num_params > (uint64_t{1} << 34) || h.optimizer_floats > (uint64_t{1} << 35) ||
       h.job_id[sizeof(h.job_id) - 1] != '\0') {
@@ -97,6 +124,7 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
   data.job_id = h.job_id;
   data.training_fingerprint = h.training_fingerprint;
   data.model_fingerprint = h.model_fingerprint;
+  data.manifest = std::move(manifest);
   data.params.resize(h.num_params);
   data.optimizer_state.resize(h.optimizer_floats);
   if (!in.read(reinterpret_cast<char*>(data.params.data()), h.num_params * sizeof(float)) ||
@@ -107,13 +135,11 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
   if (in.peek() != std::char_traits<char>::eof()) {
     return absl::DataLossError(absl::StrCat(path, ": trailing bytes"));
   }
-  if (Checksum(h, data.params, data.optimizer_state) != h.checksum) {
+  if (Checksum(h, data.manifest, data.params, data.optimizer_state) != h.checksum) {
     return absl::DataLossError(absl::StrCat(path, ": checksum mismatch"));
   }
   return data;
 }
-
-}  // namespace
 
 absl::StatusOr<std::string> WriteCheckpoint(const std::string& dir, const CheckpointData& data,
                                             int keep) {
@@ -133,7 +159,8 @@ absl::StatusOr<std::string> WriteCheckpoint(const std::string& dir, const Checkp
   h.model_fingerprint = data.model_fingerprint;
   h.num_params = data.params.size();
   h.optimizer_floats = data.optimizer_state.size();
-  h.checksum = Checksum(h, data.params, data.optimizer_state);
+  h.checksum = Checksum(h, data.manifest, data.params, data.optimizer_state);
+  const ManifestLength length{data.manifest.size()};
   const std::string path =
       absl::StrFormat("%s/%s%s%012d%s", dir, data.job_id, kStepInfix, data.step, kSuffix);
   // Durable: the data are on disk before the name says the checkpoint exists, and the rename
@@ -141,6 +168,7 @@ absl::StatusOr<std::string> WriteCheckpoint(const std::string& dir, const Checkp
   LOCKSTEP_RETURN_IF_ERROR(WriteFileAtomically(
       path,
       {absl::string_view(reinterpret_cast<const char*>(&h), sizeof(h)),
+       absl::string_view(reinterpret_cast<const char*>(&length), sizeof(length)), data.manifest,
        absl::string_view(reinterpret_cast<const char*>(data.params.data()),
                          data.params.size() * sizeof(float)),
        absl::string_view(reinterpret_cast<const char*>(data.optimizer_state.data()),
@@ -191,7 +219,8 @@ absl::StatusOr<CheckpointData> LoadCheckpointForInit(const std::string& path,
                                                      size_t optimizer_floats) {
   auto matches = [&](const CheckpointData& data) {
     return data.model_fingerprint == model_fingerprint && data.params.size() == num_params &&
-           data.optimizer_state.size() == optimizer_floats;
+           (optimizer_floats == kAnyOptimizerState ||
+            data.optimizer_state.size() == optimizer_floats);
   };
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {

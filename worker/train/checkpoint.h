@@ -21,6 +21,10 @@ struct CheckpointData {
   // The model's and optimizer's shapes (Trainer::ModelFingerprint): what init_from_checkpoint
   // must match.
   uint64_t model_fingerprint = 0;
+  // A serialized lockstep.v1.ModelManifest: the tensors' names and shapes and the model's
+  // configuration, so that `lockstepctl export` converts the file alone (empty in files of
+  // the previous format).
+  std::string manifest;
   std::vector<float> params;
   std::vector<float> optimizer_state;
 };
@@ -40,6 +44,13 @@ absl::StatusOr<CheckpointData> LoadLatestCheckpoint(const std::string& dir,
                                                     size_t num_params, size_t optimizer_floats,
                                                     int64_t after_step, int64_t max_step,
                                                     std::vector<std::string>* skipped = nullptr);
+
+// Reads and verifies one checkpoint file: NOT_FOUND when it cannot be opened, DATA_LOSS naming
+// the file and what is wrong (not a checkpoint, truncated, checksum mismatch).
+absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path);
+
+// For LoadCheckpointForInit: any optimizer state will do (it is not loaded).
+inline constexpr size_t kAnyOptimizerState = ~size_t{0};
 
 // For init_from_checkpoint: the checkpoint file `path`, or the newest valid checkpoint of any
 // job in directory `path`, whose model fingerprint and sizes match. NOT_FOUND when there is

@@ -10,11 +10,12 @@
 
 namespace lockstep::worker {
 
-CpuStep::CpuStep(const v1::JobSpec& spec, Model* model, Optimizer* optimizer, int feature_stride)
+CpuStep::CpuStep(const v1::JobSpec& spec, Model* model, Optimizer* optimizer,
+                 const SampleLayout& layout)
     : deterministic_(spec.deterministic()),
       model_(model),
       optimizer_(optimizer),
-      feature_stride_(feature_stride),
+      layout_(layout),
       chunk_floats_(static_cast<size_t>(std::max(1, spec.bucket_size_kib())) * 1024 /
                     sizeof(float)),
       // Buckets close at the row blocks backward produces, once they hold bucket_size_kib:
@@ -34,17 +35,20 @@ absl::Status CpuStep::End() {
 }
 
 absl::StatusOr<HostBatch> CpuStep::HostBuffers(int n) {
-  features_.resize(static_cast<size_t>(n) * feature_stride_);
-  labels_.resize(n);
+  features_.resize(static_cast<size_t>(n) * layout_.feature_stride);
+  labels_.resize(layout_.labels() ? n : 0);
+  tokens_.resize(static_cast<size_t>(n) * layout_.token_stride);
   HostBatch batch;
-  batch.features = features_.data();
-  batch.feature_stride = feature_stride_;
-  batch.labels = labels_.data();
+  batch.features = layout_.feature_stride > 0 ? features_.data() : nullptr;
+  batch.feature_stride = layout_.feature_stride;
+  batch.labels = layout_.labels() ? labels_.data() : nullptr;
+  batch.tokens = layout_.token_stride > 0 ? tokens_.data() : nullptr;
+  batch.token_stride = layout_.token_stride;
   return batch;
 }
 
 size_t CpuStep::largest_collective_bytes() const {
-  if (deterministic_) return (model_->num_params() + 2) * sizeof(int64_t);
+  if (deterministic_) return (model_->num_grads() + 2) * sizeof(int64_t);
   return plan_.largest() * sizeof(float);
 }
 
@@ -55,7 +59,9 @@ absl::StatusOr<StepResult> CpuStep::TakeStep(const StepArgs& args) {
 
 absl::StatusOr<StepResult> CpuStep::Step(const StepArgs& args) {
   const int n = args.n;
-  const Batch batch{n, features_.data(), feature_stride_, labels_.data(), nullptr, 0};
+  const Batch batch = HostBatch{features_.data(), layout_.feature_stride, labels_.data(),
+                                tokens_.data(), layout_.token_stride}
+                          .View(n);
   GradientReducer* reducer = reducer_.get();
   BucketPlan::Cursor buckets(plan_, [&](const BucketPlan::Bucket& b) {
     reducer->Enqueue(model_->grads() + b.offset, b.count);
@@ -96,7 +102,7 @@ absl::StatusOr<StepResult> CpuStep::StepDeterministic(const StepArgs& args) {
   if (shard <= 0 || args.n % shard != 0) {
     return absl::InvalidArgumentError("deterministic step: the share must be whole micro-shards");
   }
-  const size_t n = model_->num_params();
+  const size_t n = model_->num_grads();
   const int bits = args.frac_bits;
   const double scale = std::ldexp(1.0, bits);
   // This rank's integer sum goes straight into the communicator's shared memory when it has
@@ -116,9 +122,12 @@ absl::StatusOr<StepResult> CpuStep::StepDeterministic(const StepArgs& args) {
   });
   // Every shard goes through the same buffers (one shard's worth, at one address), so its
   // computation is the same whichever rank holds it and wherever it sits in the share.
-  std::vector<float> shard_features(static_cast<size_t>(shard) * feature_stride_);
-  std::vector<int32_t> shard_labels(shard);
-  const Batch one{shard, shard_features.data(), feature_stride_, shard_labels.data(), nullptr, 0};
+  std::vector<float> shard_features(static_cast<size_t>(shard) * layout_.feature_stride);
+  std::vector<int32_t> shard_labels(layout_.labels() ? shard : 0);
+  std::vector<int32_t> shard_tokens(static_cast<size_t>(shard) * layout_.token_stride);
+  const Batch one = HostBatch{shard_features.data(), layout_.feature_stride, shard_labels.data(),
+                              shard_tokens.data(), layout_.token_stride}
+                        .View(shard);
   const absl::Time t0 = absl::Now();
   // One micro-shard at a time, so every shard's gradient is computed by the same code on the
   // same shapes whichever rank holds it: the integer sum is then the same bits for any W.
@@ -128,11 +137,12 @@ absl::StatusOr<StepResult> CpuStep::StepDeterministic(const StepArgs& args) {
   const int shards = args.n / shard;
   for (int k = 0; k < shards; ++k) {
     const bool last_shard = k + 1 == shards;
-    std::memcpy(shard_features.data(),
-                features_.data() + static_cast<size_t>(k) * shard * feature_stride_,
-                shard_features.size() * sizeof(float));
-    std::memcpy(shard_labels.data(), labels_.data() + static_cast<size_t>(k) * shard,
-                shard_labels.size() * sizeof(int32_t));
+    std::copy_n(features_.data() + static_cast<size_t>(k) * shard_features.size(),
+                shard_features.size(), shard_features.data());
+    std::copy_n(labels_.data() + static_cast<size_t>(k) * shard_labels.size(),
+                shard_labels.size(), shard_labels.data());
+    std::copy_n(tokens_.data() + static_cast<size_t>(k) * shard_tokens.size(),
+                shard_tokens.size(), shard_tokens.data());
     size_t accumulated = 0;
     auto to_fixed = k == 0 ? kernels::StoreFixedPoint : kernels::AccumulateFixedPoint;
     auto on_ready = [&](size_t ready) {

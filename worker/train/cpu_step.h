@@ -18,9 +18,9 @@ namespace lockstep::worker {
 
 class CpuStep final : public StepEngine {
  public:
-  // `model` and `optimizer` are the state it trains (not owned); `feature_stride`: values per
-  // sample of a classifier's input.
-  CpuStep(const v1::JobSpec& spec, Model* model, Optimizer* optimizer, int feature_stride);
+  // `model` and `optimizer` are the state it trains (not owned); `layout`: what a sample holds
+  // (a classifier's features and label, or a language model's tokens).
+  CpuStep(const v1::JobSpec& spec, Model* model, Optimizer* optimizer, const SampleLayout& layout);
 
   absl::Status Begin(Communicator* comm) override;
   absl::Status Sync() override { return absl::OkStatus(); }
@@ -42,7 +42,7 @@ class CpuStep final : public StepEngine {
   const bool deterministic_;
   Model* const model_;
   Optimizer* const optimizer_;
-  const int feature_stride_;
+  const SampleLayout layout_;
   // Backward produces weight gradients in row blocks of about this many values.
   const size_t chunk_floats_;
   // Default mode: the loss rides in the last bucket; deterministic mode: the loss and the
@@ -53,6 +53,7 @@ class CpuStep final : public StepEngine {
   std::vector<int64_t> fixed_sum_;  // deterministic mode without staging memory
   std::vector<float> features_;
   std::vector<int32_t> labels_;
+  std::vector<int32_t> tokens_;
 };
 
 }  // namespace lockstep::worker

@@ -2,6 +2,7 @@
 #include "worker/train/dataset.h"
 
 #include <fcntl.h>
+#include <fnmatch.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -13,14 +14,18 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 #include "absl/synchronization/mutex.h"
 #include "common/atomic_file.h"
+#include "common/utf8.h"
 #include "common/status_macros.h"
 #include "xxhash.h"
 #include "worker/train/random.h"
@@ -187,30 +192,6 @@ Dataset FromLayout(const CacheHeader& h, const uint8_t* base,
   return ds;
 }
 
-// Maps a complete cache file; NOT_FOUND when it is absent, DATA_LOSS when it is malformed.
-absl::StatusOr<Dataset> MapCache(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::NotFoundError(path);
-  struct stat st {};
-  CacheHeader h{};
-  const bool ok = fstat(fd, &st) == 0 && st.st_size >= static_cast<off_t>(sizeof(h)) &&
-                  pread(fd, &h, sizeof(h), 0) == static_cast<ssize_t>(sizeof(h)) &&
-                  std::memcmp(h.magic, kCacheMagic, sizeof(kCacheMagic)) == 0 &&
-                  h.train_samples > 0 && h.test_samples > 0 && h.dim > 0 &&
-                  static_cast<size_t>(st.st_size) == CacheBytes(h);
-  if (!ok) {
-    close(fd);
-    return absl::DataLossError(absl::StrCat("malformed cache file ", path));
-  }
-  void* mapping = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
-  close(fd);
-  if (mapping == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap ", path));
-  const size_t bytes = st.st_size;
-  std::shared_ptr<const void> storage(
-      mapping, [bytes](const void* m) { munmap(const_cast<void*>(m), bytes); });
-  return FromLayout(h, static_cast<const uint8_t*>(mapping), std::move(storage));
-}
-
 absl::StatusOr<std::string> EncodeIdx(const std::string& dir, CacheHeader* h) {
   int32_t dim = 0;
   LOCKSTEP_ASSIGN_OR_RETURN(std::string train_images, FindFile(dir, "train-images-idx3-ubyte"));
@@ -229,30 +210,82 @@ absl::StatusOr<std::string> EncodeIdx(const std::string& dir, CacheHeader* h) {
   return out;
 }
 
-// Cache key: the four source files' identity (path, device, inode, size, modification and
-// change times). The change time cannot be set by a user: any rewrite or replacement moves it.
+// What identifies a file's content without reading it: path, device, inode, size,
+// modification and change times. The change time cannot be set by a user: any rewrite or
+// replacement moves it.
+absl::StatusOr<std::string> FileIdentity(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) return absl::NotFoundError(absl::StrCat("cannot stat ", path));
+  return absl::StrCat(std::filesystem::absolute(path).string(), ":", st.st_dev, ":", st.st_ino,
+                      ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ":",
+                      st.st_ctim.tv_sec, ".", st.st_ctim.tv_nsec, ";");
+}
+
+std::string HexKey(const std::string& identity) {
+  return absl::StrFormat("%016x", kernels::Fnv1a64(identity.data(), identity.size()));
+}
+
+// Cache key of an IDX directory: its four files' identity.
 absl::StatusOr<std::string> CacheKey(const std::string& dir) {
   std::string identity;
   for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                            "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
     LOCKSTEP_ASSIGN_OR_RETURN(std::string path, FindFile(dir, name));
-    struct stat st {};
-    if (stat(path.c_str(), &st) != 0) {
-      return absl::NotFoundError(absl::StrCat("cannot stat ", path));
-    }
-    absl::StrAppend(&identity, std::filesystem::absolute(path).string(), ":", st.st_dev, ":",
-                    st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec,
-                    ":", st.st_ctim.tv_sec, ".", st.st_ctim.tv_nsec, ";");
+    LOCKSTEP_ASSIGN_OR_RETURN(std::string id, FileIdentity(path));
+    identity += id;
   }
-  return absl::StrFormat("%016x", kernels::Fnv1a64(identity.data(), identity.size()));
+  return HexKey(identity);
 }
 
-// Decodes through the host-wide cache: one process decodes under an exclusive lock while the
-// others wait for it, then everyone maps the same file.
-absl::StatusOr<Dataset> LoadThroughCache(const std::string& dir, const std::string& cache_dir) {
-  LOCKSTEP_ASSIGN_OR_RETURN(std::string key, CacheKey(dir));
-  const std::string path = absl::StrCat(cache_dir, "/", key, ".idx");
-  if (absl::StatusOr<Dataset> hit = MapCache(path); hit.ok()) return hit;
+// A read-only shared mapping of a whole file (what a Dataset's `storage` keeps alive).
+struct Mapping {
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  std::shared_ptr<const void> storage;
+};
+
+// NOT_FOUND when the file is absent; an empty file maps to size 0.
+absl::StatusOr<Mapping> MapReadOnly(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat(path, " does not exist"));
+    return absl::PermissionDeniedError(absl::StrCat("cannot open ", path, ": ", strerror(errno)));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    return absl::InternalError(absl::StrCat("cannot stat ", path));
+  }
+  Mapping m;
+  m.size = static_cast<size_t>(st.st_size);
+  if (m.size == 0) {
+    close(fd);
+    return m;
+  }
+  void* mapped = mmap(nullptr, m.size, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (mapped == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap ", path));
+  const size_t bytes = m.size;
+  m.data = static_cast<const uint8_t*>(mapped);
+  m.storage = std::shared_ptr<const void>(
+      mapped, [bytes](const void* p) { munmap(const_cast<void*>(p), bytes); });
+  return m;
+}
+
+// Decoded data shared by the processes of a host: maps cache_dir/name when it exists and
+// `valid` accepts it; otherwise one process builds it under an exclusive lock while the others
+// wait for it, and everyone maps the same file. UNAVAILABLE when the cache itself fails (the
+// caller may build privately); the builder's errors as they are.
+absl::StatusOr<Mapping> ThroughCache(const std::string& cache_dir, const std::string& name,
+                                     const std::function<bool(const Mapping&)>& valid,
+                                     const std::function<absl::StatusOr<std::string>()>& build) {
+  const std::string path = absl::StrCat(cache_dir, "/", name);
+  auto map_valid = [&]() -> absl::StatusOr<Mapping> {
+    absl::StatusOr<Mapping> m = MapReadOnly(path);
+    if (m.ok() && !valid(*m)) return absl::DataLossError(absl::StrCat("malformed cache file ", path));
+    return m;
+  };
+  if (absl::StatusOr<Mapping> hit = map_valid(); hit.ok()) return hit;
   std::error_code ec;
   std::filesystem::create_directories(cache_dir, ec);
   if (ec) {
@@ -261,24 +294,45 @@ absl::StatusOr<Dataset> LoadThroughCache(const std::string& dir, const std::stri
   const int lock = open(absl::StrCat(path, ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (lock < 0) return absl::UnavailableError(absl::StrCat("cannot lock ", path));
   flock(lock, LOCK_EX);
-  absl::StatusOr<Dataset> result = MapCache(path);
+  absl::StatusOr<Mapping> result = map_valid();
   if (!result.ok()) {
-    CacheHeader h{};
-    absl::StatusOr<std::string> encoded = EncodeIdx(dir, &h);
-    if (!encoded.ok()) {
-      result = encoded.status();
-    } else {
+    absl::StatusOr<std::string> built = build();
+    if (!built.ok()) {
+      result = built.status();
+    } else if (absl::Status w = WriteFileAtomically(path, *built, Durability::kVisible); !w.ok()) {
       // A cache is rebuilt when lost: visible atomically is enough, no fsync.
-      if (absl::Status w = WriteFileAtomically(path, *encoded, Durability::kVisible); !w.ok()) {
-        result = absl::UnavailableError(absl::StrCat("writing the data set cache: ", w.message()));
-      } else {
-        result = MapCache(path);
-      }
+      result = absl::UnavailableError(absl::StrCat("writing the data set cache: ", w.message()));
+    } else {
+      result = map_valid();
+      if (!result.ok()) result = absl::UnavailableError(result.status().message());
     }
   }
   flock(lock, LOCK_UN);
   close(lock);
   return result;
+}
+
+bool IdxCacheValid(const Mapping& m) {
+  CacheHeader h{};
+  if (m.size < sizeof(h)) return false;
+  std::memcpy(&h, m.data, sizeof(h));
+  return std::memcmp(h.magic, kCacheMagic, sizeof(kCacheMagic)) == 0 && h.train_samples > 0 &&
+         h.test_samples > 0 && h.dim > 0 && m.size == CacheBytes(h);
+}
+
+Dataset FromIdxMapping(Mapping m) {
+  CacheHeader h{};
+  std::memcpy(&h, m.data, sizeof(h));
+  return FromLayout(h, m.data, std::move(m.storage));
+}
+
+absl::StatusOr<Dataset> LoadThroughCache(const std::string& dir, const std::string& cache_dir) {
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string key, CacheKey(dir));
+  LOCKSTEP_ASSIGN_OR_RETURN(Mapping m, ThroughCache(cache_dir, key + ".idx", IdxCacheValid, [&] {
+                              CacheHeader h{};
+                              return EncodeIdx(dir, &h);
+                            }));
+  return FromIdxMapping(std::move(m));
 }
 
 }  // namespace
@@ -375,6 +429,276 @@ Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec) {
   return ds;
 }
 
+namespace {
+
+// Text read from a directory, concatenated: a header, then the bytes.
+struct TextCacheHeader {
+  char magic[8];
+  uint64_t bytes;
+  uint64_t files;
+};
+constexpr char kTextCacheMagic[8] = {'L', 'S', 'T', 'X', 'T', 'v', '1', '\0'};
+
+// Why `data` is not text we train on, or empty.
+std::string NotText(std::string_view data) {
+  if (const size_t nul = data.find('\0'); nul != std::string_view::npos) {
+    return absl::StrCat("a NUL byte at offset ", nul, " (binary data)");
+  }
+  if (const size_t bad = FirstInvalidUtf8(data); bad != std::string_view::npos) {
+    return absl::StrCat("not UTF-8 text (byte ", bad, ")");
+  }
+  return "";
+}
+
+bool HasGlob(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+// The files a text source names: `path` itself, the entries of a directory, or those of its
+// directory matching its last component's glob; regular files only, in name order.
+struct TextSource {
+  std::vector<std::string> files;
+  std::vector<std::string> skipped;  // "name: why"
+  bool single_file = false;
+};
+
+absl::StatusOr<TextSource> ListTextSource(const std::string& path) {
+  TextSource source;
+  std::error_code ec;
+  std::filesystem::path dir = path, pattern;
+  if (HasGlob(dir.filename().string())) {
+    pattern = dir.filename();
+    dir = dir.parent_path();
+  } else if (std::filesystem::is_regular_file(path, ec)) {
+    source.files.push_back(path);
+    source.single_file = true;
+    return source;
+  }
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return absl::NotFoundError(absl::StrCat("text data set ", path, " does not exist"));
+  }
+  std::vector<std::filesystem::directory_entry> entries;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) entries.push_back(entry);
+  if (ec) return absl::NotFoundError(absl::StrCat("cannot list ", dir.string(), ": ", ec.message()));
+  std::sort(entries.begin(), entries.end(),
+            [](const auto& a, const auto& b) { return a.path().filename() < b.path().filename(); });
+  for (const auto& entry : entries) {
+    const std::string name = entry.path().filename().string();
+    if (!pattern.empty() && fnmatch(pattern.c_str(), name.c_str(), 0) != 0) continue;
+    if (entry.is_symlink(ec)) {
+      source.skipped.push_back(name + ": a link");
+    } else if (!entry.is_regular_file(ec)) {
+      source.skipped.push_back(name + ": not a regular file");
+    } else {
+      source.files.push_back(entry.path().string());
+    }
+  }
+  return source;
+}
+
+// The source's text files concatenated behind a TextCacheHeader; the files that are not text
+// are left out and named in `skipped`.
+absl::StatusOr<std::string> ConcatenateText(TextSource* source) {
+  std::string out(sizeof(TextCacheHeader), '\0');
+  TextCacheHeader h{};
+  std::memcpy(h.magic, kTextCacheMagic, sizeof(h.magic));
+  for (const std::string& file : source->files) {
+    std::ifstream in(file, std::ios::binary);
+    std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in.good() && !in.eof()) return absl::DataLossError(absl::StrCat("cannot read ", file));
+    if (std::string why = NotText(data); !why.empty()) {
+      source->skipped.push_back(absl::StrCat(std::filesystem::path(file).filename().string(), ": ", why));
+      continue;
+    }
+    out += data;
+    ++h.files;
+  }
+  h.bytes = out.size() - sizeof(h);
+  std::memcpy(out.data(), &h, sizeof(h));
+  return out;
+}
+
+bool TextCacheValid(const Mapping& m) {
+  TextCacheHeader h{};
+  if (m.size < sizeof(h)) return false;
+  std::memcpy(&h, m.data, sizeof(h));
+  return std::memcmp(h.magic, kTextCacheMagic, sizeof(h.magic)) == 0 &&
+         m.size == sizeof(h) + h.bytes;
+}
+
+uint64_t HashTokens(const TokenSplit& split) {
+  return split.ids != nullptr ? XXH3_64bits(split.ids, split.tokens * sizeof(uint16_t))
+                              : XXH3_64bits(split.bytes, split.tokens);
+}
+
+int32_t MaxToken(const TokenSplit& split) {
+  int32_t best = -1;
+  if (split.ids != nullptr) {
+    uint16_t m = 0;
+    for (int64_t i = 0; i < split.tokens; ++i) m = std::max(m, split.ids[i]);
+    if (split.tokens > 0) best = m;
+  } else {
+    uint8_t m = 0;
+    for (int64_t i = 0; i < split.tokens; ++i) m = std::max(m, split.bytes[i]);
+    if (split.tokens > 0) best = m;
+  }
+  return best;
+}
+
+// llm.c's token files: 256 int32 (magic, version, token count, unused), then uint16 tokens.
+constexpr int32_t kLlmcMagic = 20240520;
+constexpr size_t kLlmcHeaderBytes = 256 * sizeof(int32_t);
+
+absl::StatusOr<TokenSplit> MapTokenFile(const std::string& path, std::shared_ptr<const void>* storage) {
+  absl::StatusOr<Mapping> m = MapReadOnly(path);
+  if (!m.ok()) {
+    return absl::IsNotFound(m.status())
+               ? absl::NotFoundError(absl::StrCat("token file ", path, " does not exist"))
+               : m.status();
+  }
+  TokenSplit split;
+  int32_t header[3] = {0, 0, 0};
+  if (m->size >= kLlmcHeaderBytes) std::memcpy(header, m->data, sizeof(header));
+  if (header[0] == kLlmcMagic) {
+    if (header[1] != 1) {
+      return absl::DataLossError(absl::StrCat(path, ": llm.c token file version ", header[1],
+                                              ", expected 1"));
+    }
+    const size_t payload = m->size - kLlmcHeaderBytes;
+    if (header[2] < 0 || payload != static_cast<size_t>(header[2]) * sizeof(uint16_t)) {
+      return absl::DataLossError(absl::StrCat(path, ": the header counts ", header[2],
+                                              " tokens but ", payload,
+                                              " bytes follow it (expected 2 per token)"));
+    }
+    split.ids = reinterpret_cast<const uint16_t*>(m->data + kLlmcHeaderBytes);
+    split.tokens = header[2];
+  } else {
+    // A header in llm.c's shape (version 1, a count that matches the size) with another magic
+    // is a damaged or foreign header, not tokens.
+    if (m->size >= kLlmcHeaderBytes && header[1] == 1 && header[2] > 0 &&
+        m->size - kLlmcHeaderBytes == static_cast<size_t>(header[2]) * sizeof(uint16_t)) {
+      return absl::DataLossError(absl::StrCat(path, ": header magic ", header[0],
+                                              ", expected 20240520 (llm.c token file)"));
+    }
+    if (m->size % sizeof(uint16_t) != 0) {
+      return absl::DataLossError(absl::StrCat(
+          path, ": odd length (", m->size,
+          " bytes): not uint16 tokens, and no llm.c header (magic 20240520)"));
+    }
+    split.ids = reinterpret_cast<const uint16_t*>(m->data);
+    split.tokens = static_cast<int64_t>(m->size / sizeof(uint16_t));
+  }
+  if (split.tokens == 0) return absl::DataLossError(absl::StrCat(path, ": holds no tokens"));
+  *storage = m->storage;
+  return split;
+}
+
+}  // namespace
+
+absl::StatusOr<Dataset> LoadTextDataset(const std::string& path, double validation_fraction) {
+  if (!(validation_fraction > 0 && validation_fraction < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dataset.validation_fraction must be in (0, 1), got ", validation_fraction));
+  }
+  LOCKSTEP_ASSIGN_OR_RETURN(TextSource source, ListTextSource(path));
+  Mapping text;
+  size_t files = source.files.size();
+  if (source.single_file) {
+    LOCKSTEP_ASSIGN_OR_RETURN(text, MapReadOnly(path));
+    const std::string_view data(reinterpret_cast<const char*>(text.data), text.size);
+    if (std::string why = NotText(data); !why.empty()) {
+      return absl::DataLossError(absl::StrCat(path, ": ", why));
+    }
+  } else {
+    // The directory's text is concatenated once per host, in the cache, and mapped by every
+    // worker; keyed by the identity of every file considered.
+    std::string identity = std::filesystem::absolute(path).string() + "|";
+    for (const std::string& f : source.files) {
+      LOCKSTEP_ASSIGN_OR_RETURN(std::string id, FileIdentity(f));
+      identity += id;
+    }
+    bool built_here = false;
+    auto build = [&]() {
+      built_here = true;
+      return ConcatenateText(&source);
+    };
+    absl::StatusOr<Mapping> mapped = absl::UnavailableError("no cache");
+    if (!CacheDir().empty()) {
+      mapped = ThroughCache(CacheDir(), HexKey(identity) + ".txt", TextCacheValid, build);
+      if (!mapped.ok() && !absl::IsUnavailable(mapped.status())) return mapped.status();
+    }
+    if (!mapped.ok()) {
+      if (!CacheDir().empty()) {
+        LOG(WARNING) << "dataset cache unavailable (" << mapped.status() << "); reading " << path;
+      }
+      LOCKSTEP_ASSIGN_OR_RETURN(std::string concatenated, build());
+      auto storage = std::make_shared<const std::string>(std::move(concatenated));
+      mapped = Mapping{reinterpret_cast<const uint8_t*>(storage->data()), storage->size(), storage};
+    }
+    TextCacheHeader h{};
+    std::memcpy(&h, mapped->data, sizeof(h));
+    files = h.files;
+    text = *std::move(mapped);
+    text.data += sizeof(h);
+    text.size -= sizeof(h);
+    // When another process of the host built the cache, it checked the files and logged what
+    // it left out; this one only knows how many.
+    if (!built_here && files < source.files.size()) {
+      source.skipped.push_back(absl::StrCat(source.files.size() - files,
+                                            " files that are not UTF-8 text"));
+    }
+    if (files == 0 || text.size == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "text data set ", path, " holds no UTF-8 text (", source.skipped.size(),
+          " entries skipped", source.skipped.empty() ? "" : ": " + source.skipped.front(), ")"));
+    }
+  }
+  if (!source.skipped.empty()) {
+    LOG(INFO) << path << ": read " << files << " text files; skipped " << source.skipped.size()
+              << " (" << absl::StrJoin(source.skipped.begin(),
+                                        source.skipped.begin() +
+                                            std::min<size_t>(5, source.skipped.size()),
+                                        "; ")
+              << (source.skipped.size() > 5 ? "; ..." : "") << ")";
+  }
+  Dataset ds;
+  ds.language = true;
+  ds.text = true;
+  const int64_t total = static_cast<int64_t>(text.size);
+  const int64_t held_out = static_cast<int64_t>(std::llround(total * validation_fraction));
+  ds.train_tokens.bytes = text.data;
+  ds.train_tokens.tokens = total - held_out;
+  ds.valid_tokens.bytes = text.data + (total - held_out);
+  ds.valid_tokens.tokens = held_out;
+  ds.max_token = std::max(MaxToken(ds.train_tokens), MaxToken(ds.valid_tokens));
+  ds.parts.push_back({"training text", HashTokens(ds.train_tokens)});
+  ds.parts.push_back({"validation text", HashTokens(ds.valid_tokens)});
+  ds.source = absl::StrCat(path, " (", files, files == 1 ? " text file, " : " text files, ",
+                           total, " bytes)");
+  ds.storage = std::move(text.storage);
+  return ds;
+}
+
+absl::StatusOr<Dataset> LoadTokenDataset(const std::string& train_path,
+                                         const std::string& validation_path) {
+  if (validation_path.empty()) {
+    return absl::InvalidArgumentError("dataset.validation_path is required for token files");
+  }
+  std::shared_ptr<const void> train_storage, valid_storage;
+  Dataset ds;
+  ds.language = true;
+  LOCKSTEP_ASSIGN_OR_RETURN(ds.train_tokens, MapTokenFile(train_path, &train_storage));
+  LOCKSTEP_ASSIGN_OR_RETURN(ds.valid_tokens, MapTokenFile(validation_path, &valid_storage));
+  ds.max_token = std::max(MaxToken(ds.train_tokens), MaxToken(ds.valid_tokens));
+  ds.parts.push_back({std::filesystem::path(train_path).filename().string(),
+                      HashTokens(ds.train_tokens)});
+  ds.parts.push_back({std::filesystem::path(validation_path).filename().string(),
+                      HashTokens(ds.valid_tokens)});
+  ds.source = absl::StrCat(train_path, " and ", validation_path);
+  // One owner keeping both mappings alive.
+  ds.storage = std::make_shared<std::pair<std::shared_ptr<const void>, std::shared_ptr<const void>>>(
+      std::move(train_storage), std::move(valid_storage));
+  return ds;
+}
+
 absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec& spec) {
   static absl::Mutex mu(absl::kConstInit);
   // One entry: a worker trains one job at a time, usually on the same data again.
@@ -385,6 +709,17 @@ absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec
   if (spec.type() == "idx" || spec.type() == "fashion_mnist") {
     absl::StatusOr<std::string> identity = CacheKey(spec.path());
     if (identity.ok()) absl::StrAppend(&key, "@", *identity);
+  } else if (spec.type() == "text") {
+    // The directory's listing and each file's identity.
+    if (absl::StatusOr<TextSource> source = ListTextSource(spec.path()); source.ok()) {
+      for (const std::string& f : source->files) {
+        if (absl::StatusOr<std::string> id = FileIdentity(f); id.ok()) absl::StrAppend(&key, "@", *id);
+      }
+    }
+  } else if (spec.type() == "tokens") {
+    for (const std::string& f : {spec.path(), spec.validation_path()}) {
+      if (absl::StatusOr<std::string> id = FileIdentity(f); id.ok()) absl::StrAppend(&key, "@", *id);
+    }
   }
   absl::MutexLock lock(&mu);
   if (*cached != nullptr && *cached_key == key) return *cached;
@@ -393,6 +728,15 @@ absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec
     ds = std::make_shared<Dataset>(MakeSyntheticDataset(spec.synthetic()));
   } else if (spec.type() == "idx" || spec.type() == "fashion_mnist") {
     absl::StatusOr<Dataset> loaded = LoadIdxDataset(spec.path());
+    if (!loaded.ok()) return loaded.status();
+    ds = std::make_shared<Dataset>(*std::move(loaded));
+  } else if (spec.type() == "text") {
+    absl::StatusOr<Dataset> loaded = LoadTextDataset(
+        spec.path(), spec.validation_fraction() > 0 ? spec.validation_fraction() : 0.05);
+    if (!loaded.ok()) return loaded.status();
+    ds = std::make_shared<Dataset>(*std::move(loaded));
+  } else if (spec.type() == "tokens") {
+    absl::StatusOr<Dataset> loaded = LoadTokenDataset(spec.path(), spec.validation_path());
     if (!loaded.ok()) return loaded.status();
     ds = std::make_shared<Dataset>(*std::move(loaded));
   } else {

@@ -26,11 +26,36 @@ struct Split {
   void Range(int64_t begin, int count, int dim, float* out) const;
 };
 
+// A sequence of tokens, for language models: the bytes of a text (tokens 0-255) or uint16 token
+// ids. Its samples are windows of context + 1 tokens at a stride of context, so every token
+// after the first is predicted exactly once per epoch.
+struct TokenSplit {
+  int64_t tokens = 0;
+  const uint8_t* bytes = nullptr;  // text
+  const uint16_t* ids = nullptr;   // token files
+  int32_t At(int64_t i) const { return ids != nullptr ? ids[i] : bytes[i]; }
+  int64_t Windows(int context) const {
+    return context > 0 && tokens > context ? (tokens - 1) / context : 0;
+  }
+  // Writes window w's context + 1 tokens to out.
+  void Window(int64_t w, int context, int32_t* out) const {
+    const int64_t first = w * context;
+    for (int i = 0; i <= context; ++i) out[i] = At(first + i);
+  }
+};
+
 struct Dataset {
+  // Classifiers (IDX, synthetic): dim, classes, train, test. Language models (text, token
+  // files): language, train_tokens, valid_tokens, max_token, bytes.
   int32_t dim = 0;
   int32_t classes = 0;
   Split train;
   Split test;
+  bool language = false;
+  TokenSplit train_tokens;
+  TokenSplit valid_tokens;
+  int32_t max_token = -1;  // the largest token id in either split
+  bool text = false;       // tokens are bytes of text (so a loss per token is a loss per byte)
   // What the data are, so that the members of a group can confirm they all hold the same:
   // a content hash (XXH3 64) per part (IDX: one per file; synthetic: one for the whole set),
   // and where the data came from ("/data/fashion-mnist", "synthetic data set (seed 5)").
@@ -60,6 +85,17 @@ absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir);
 // Samples x ~ N(0, 1) and labels them with a fixed random teacher network, so the task is
 // learnable and the same seed gives the same data on every worker.
 Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec);
+
+// Byte-level text: `path` is a file, or a directory of text files (read in name order; files
+// that are not UTF-8 text, or hold a NUL byte, are skipped with a logged reason); the last
+// `validation_fraction` of the bytes is held out. NOT_FOUND names a missing path;
+// FAILED_PRECONDITION a directory with no text in it.
+absl::StatusOr<Dataset> LoadTextDataset(const std::string& path, double validation_fraction);
+// Token files (see DatasetSpec.path): mapped, not copied, so the workers of a host share one copy
+// in the page cache. DATA_LOSS names the file and what is wrong (a bad magic or version, a
+// header whose token count disagrees with the size, an odd length).
+absl::StatusOr<Dataset> LoadTokenDataset(const std::string& train_path,
+                                         const std::string& validation_path);
 
 // Loads the data set a job names, sharing one copy between jobs of this process that name the
 // same data (workers are long-lived and usually train the same data again): the copy is reused

@@ -26,15 +26,29 @@ void BiasAdd(const float* bias, int rows, int cols, float* z) {
   kernels::BiasActivationForward(bias, rows, cols, kernels::Activation::kIdentity, z, z);
 }
 
+// A weight's gradient dW (beta 1: added) = a^T . d over `rows`, unless the weight is frozen
+// (dw null).
+void WeightGradient(const float* a, int in, const float* d, int out, int rows, float beta,
+                    float* dw) {
+  if (dw != nullptr) kernels::Gemm(true, false, in, out, rows, 1.0f, a, in, d, out, beta, dw, out);
+}
+
+void BiasGrad(const float* d, int rows, int cols, float* db, bool accumulate) {
+  if (db != nullptr) kernels::BiasGradient(d, rows, cols, db, accumulate);
+}
+
 }  // namespace
 
 Gpt::Gpt(const GptConfig& config) : config_(config) {
   const int64_t C = config.d_model;
   size_t offset = 0;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape) {
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool embedding = false) {
     size_t count = 1;
     for (int64_t d : shape) count *= static_cast<size_t>(d);
-    tensors_.push_back({name, std::move(shape), offset, count});
+    // GPT-2's convention: decay the matrices, not biases or LayerNorm (or, unless asked, the
+    // embeddings).
+    const bool decay = shape.size() >= 2 && !embedding;
+    tensors_.push_back({name, std::move(shape), offset, count, decay, embedding});
     offset += count;
     return offset - count;
   };
@@ -65,13 +79,13 @@ Gpt::Gpt(const GptConfig& config) : config_(config) {
     b.ln1_b = add(p + "ln_1.bias", {C});
     ready();
   }
-  wpe_ = add("wpe.weight", {config.context, C});
+  wpe_ = add("wpe.weight", {config.context, C}, /*embedding=*/true);
   ready();
-  wte_ = add("wte.weight", {config.vocab, C});
+  wte_ = add("wte.weight", {config.vocab, C}, /*embedding=*/true);
   ready();
   num_params_ = offset;
   params_.assign(num_params_, 0.0f);
-  grads_.assign(num_params_ + 1, 0.0f);
+  LayOutGradients();
   const size_t L = static_cast<size_t>(config.layers);
   resid_.resize(L + 1);
   for (auto* v : {&ln1_, &ln1_mean_, &ln1_rstd_, &qkv_, &atty_, &lse_, &mid_, &ln2_, &ln2_mean_,
@@ -85,7 +99,17 @@ std::string Gpt::Describe() const {
                       config_.heads, "/", config_.d_model);
 }
 
-std::vector<size_t> Gpt::ReadyPoints(size_t chunk_floats) const { return ready_points_; }
+std::string Gpt::ConfigJson() const {
+  return absl::StrCat(
+      "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n"
+      "  \"vocab_size\": ", config_.vocab, ",\n  \"n_positions\": ", config_.context,
+      ",\n  \"n_ctx\": ", config_.context, ",\n  \"n_embd\": ", config_.d_model,
+      ",\n  \"n_layer\": ", config_.layers, ",\n  \"n_head\": ", config_.heads,
+      ",\n  \"n_inner\": null,\n  \"activation_function\": \"gelu_new\",\n"
+      "  \"layer_norm_epsilon\": 1e-05,\n  \"initializer_range\": 0.02,\n"
+      "  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n"
+      "  \"tie_word_embeddings\": true,\n  \"torch_dtype\": \"float32\"\n}");
+}
 
 void Gpt::Initialize(uint64_t seed) {
   const double residual_std = 0.02 / std::sqrt(2.0 * config_.layers);
@@ -209,8 +233,9 @@ double Gpt::Head(const int32_t* tokens, int token_stride, int n, int t, float sc
     // output and into wte (added: the caller zeroed or kept wte's gradient before).
     kernels::Gemm(false, false, m, C, V, 1.0f, logits_.data(), V, P + wte_, C, 0.0f,
                   dlnf_.data() + static_cast<size_t>(r0) * C, C);
-    kernels::Gemm(true, false, V, C, m, 1.0f, logits_.data(), V, in, C, 1.0f,
-                  grads_.data() + wte_, C);
+    if (float* dwte = GradFor(wte_); dwte != nullptr) {
+      kernels::Gemm(true, false, V, C, m, 1.0f, logits_.data(), V, in, C, 1.0f, dwte, C);
+    }
   }
   return loss;
 }
@@ -221,16 +246,13 @@ double Gpt::ForwardBackward(const Batch& batch, float grad_scale, size_t chunk_f
   const int n = batch.n, t = config_.context, C = config_.d_model;
   const int rows = n * t;
   const size_t RC = static_cast<size_t>(rows) * C;
-  float* G = grads_.data();
   const float* P = params_.data();
   const float beta = accumulate ? 1.0f : 0.0f;
+  ReadyReporter report(*this, on_ready);
   size_t next_ready = 0;
-  auto ready = [&] {
-    if (on_ready) on_ready(ready_points_[next_ready]);
-    ++next_ready;
-  };
+  auto ready = [&] { report(ready_points_[next_ready++]); };
   // Without accumulation every gradient is overwritten; the ones only ever added to start at 0.
-  if (!accumulate) std::fill(grads_.begin(), grads_.begin() + num_params_, 0.0f);
+  if (!accumulate) std::fill(grads(), grads() + num_grads(), 0.0f);
   Forward(batch.tokens, batch.token_stride, n, t);
   // A sample's loss is the mean over its t predictions.
   const double loss =
@@ -239,45 +261,41 @@ double Gpt::ForwardBackward(const Batch& batch, float grad_scale, size_t chunk_f
   std::fill(dresid_.begin(), dresid_.begin() + RC, 0.0f);
   kernels::LayerNormBackward(dlnf_.data(), resid_[config_.layers].data(), P + lnf_w_,
                              lnf_mean_.data(), lnf_rstd_.data(), rows, C, dresid_.data(),
-                             G + lnf_w_, G + lnf_b_);
+                             GradFor(lnf_w_), GradFor(lnf_b_));
   ready();
   for (int l = config_.layers - 1; l >= 0; --l) {
     const Block& b = blocks_[l];
     // mlp.c_proj: out = fch_gelu . W + b (+ the residual, whose gradient passes through).
-    kernels::Gemm(true, false, 4 * C, C, rows, 1.0f, fch_gelu_[l].data(), 4 * C, dresid_.data(), C,
-                  beta, G + b.fcproj_w, C);
-    kernels::BiasGradient(dresid_.data(), rows, C, G + b.fcproj_b, accumulate);
+    WeightGradient(fch_gelu_[l].data(), 4 * C, dresid_.data(), C, rows, beta, GradFor(b.fcproj_w));
+    BiasGrad(dresid_.data(), rows, C, GradFor(b.fcproj_b), accumulate);
     kernels::Gemm(false, true, rows, 4 * C, C, 1.0f, dresid_.data(), C, P + b.fcproj_w, C, 0.0f,
                   scratch4_.data(), 4 * C);
     ready();
     // GELU, then mlp.c_fc.
     kernels::GeluTanhBackward(fch_[l].data(), scratch4_.data(), static_cast<size_t>(rows) * 4 * C,
                               scratch4_.data());
-    kernels::Gemm(true, false, C, 4 * C, rows, 1.0f, ln2_[l].data(), C, scratch4_.data(), 4 * C,
-                  beta, G + b.fc_w, 4 * C);
-    kernels::BiasGradient(scratch4_.data(), rows, 4 * C, G + b.fc_b, accumulate);
+    WeightGradient(ln2_[l].data(), C, scratch4_.data(), 4 * C, rows, beta, GradFor(b.fc_w));
+    BiasGrad(scratch4_.data(), rows, 4 * C, GradFor(b.fc_b), accumulate);
     kernels::Gemm(false, true, rows, C, 4 * C, 1.0f, scratch4_.data(), 4 * C, P + b.fc_w, 4 * C,
                   0.0f, scratch_.data(), C);
     ready();
     // ln_2: into the gradient of the stream after attention, which also gets the residual's.
     std::copy(dresid_.begin(), dresid_.begin() + RC, dmid_.begin());
     kernels::LayerNormBackward(scratch_.data(), mid_[l].data(), P + b.ln2_w, ln2_mean_[l].data(),
-                               ln2_rstd_[l].data(), rows, C, dmid_.data(), G + b.ln2_w,
-                               G + b.ln2_b);
+                               ln2_rstd_[l].data(), rows, C, dmid_.data(), GradFor(b.ln2_w),
+                               GradFor(b.ln2_b));
     ready();
     // attn.c_proj.
-    kernels::Gemm(true, false, C, C, rows, 1.0f, atty_[l].data(), C, dmid_.data(), C, beta,
-                  G + b.proj_w, C);
-    kernels::BiasGradient(dmid_.data(), rows, C, G + b.proj_b, accumulate);
+    WeightGradient(atty_[l].data(), C, dmid_.data(), C, rows, beta, GradFor(b.proj_w));
+    BiasGrad(dmid_.data(), rows, C, GradFor(b.proj_b), accumulate);
     kernels::Gemm(false, true, rows, C, C, 1.0f, dmid_.data(), C, P + b.proj_w, C, 0.0f,
                   scratch_.data(), C);
     ready();
     // Attention, then attn.c_attn.
     kernels::CausalAttentionBackward(scratch_.data(), qkv_[l].data(), atty_[l].data(),
                                      lse_[l].data(), n, t, C, config_.heads, dqkv_.data());
-    kernels::Gemm(true, false, C, 3 * C, rows, 1.0f, ln1_[l].data(), C, dqkv_.data(), 3 * C, beta,
-                  G + b.attn_w, 3 * C);
-    kernels::BiasGradient(dqkv_.data(), rows, 3 * C, G + b.attn_b, accumulate);
+    WeightGradient(ln1_[l].data(), C, dqkv_.data(), 3 * C, rows, beta, GradFor(b.attn_w));
+    BiasGrad(dqkv_.data(), rows, 3 * C, GradFor(b.attn_b), accumulate);
     kernels::Gemm(false, true, rows, C, 3 * C, 1.0f, dqkv_.data(), 3 * C, P + b.attn_w, 3 * C,
                   0.0f, scratch_.data(), C);
     ready();
@@ -285,21 +303,25 @@ double Gpt::ForwardBackward(const Batch& batch, float grad_scale, size_t chunk_f
     std::copy(dmid_.begin(), dmid_.begin() + RC, dresid_.begin());
     kernels::LayerNormBackward(scratch_.data(), resid_[l].data(), P + b.ln1_w,
                                ln1_mean_[l].data(), ln1_rstd_[l].data(), rows, C, dresid_.data(),
-                               G + b.ln1_w, G + b.ln1_b);
+                               GradFor(b.ln1_w), GradFor(b.ln1_b));
     ready();
   }
   // The embeddings, in row order (deterministic): positions, then tokens (wte's gradient also
   // holds the LM head's share by now).
-  for (int i = 0; i < n; ++i) {
-    for (int j = 0; j < t; ++j) {
-      Add(dresid_.data() + (static_cast<size_t>(i) * t + j) * C, G + wpe_ + static_cast<size_t>(j) * C,
-          C);
+  if (float* dwpe = GradFor(wpe_); dwpe != nullptr) {
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < t; ++j) {
+        Add(dresid_.data() + (static_cast<size_t>(i) * t + j) * C, dwpe + static_cast<size_t>(j) * C,
+            C);
+      }
     }
   }
   ready();
-  for (int i = 0; i < n; ++i) {
-    kernels::EmbeddingBackward(batch.tokens + static_cast<size_t>(i) * batch.token_stride,
-                               dresid_.data() + static_cast<size_t>(i) * t * C, t, C, G + wte_);
+  if (float* dwte = GradFor(wte_); dwte != nullptr) {
+    for (int i = 0; i < n; ++i) {
+      kernels::EmbeddingBackward(batch.tokens + static_cast<size_t>(i) * batch.token_stride,
+                                 dresid_.data() + static_cast<size_t>(i) * t * C, t, C, dwte);
+    }
   }
   ready();
   return loss;
@@ -311,7 +333,14 @@ double Gpt::Evaluate(const Batch& batch, int64_t* correct) {
   return Head(batch.tokens, batch.token_stride, batch.n, t, 0.0f, /*backward=*/false, correct) / t;
 }
 
-std::vector<float> Gpt::NextTokenLogits(const std::vector<int32_t>& tokens) {
+absl::StatusOr<std::vector<float>> Gpt::NextTokenLogits(const std::vector<int32_t>& tokens) {
+  if (tokens.empty()) return absl::InvalidArgumentError("NextTokenLogits: no tokens");
+  for (int32_t token : tokens) {
+    if (token < 0 || token >= config_.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token ", token, " is outside the vocabulary [0, ", config_.vocab, ")"));
+    }
+  }
   const int t = static_cast<int>(std::min<size_t>(tokens.size(), config_.context));
   const int32_t* window = tokens.data() + tokens.size() - t;
   Forward(window, t, 1, t);

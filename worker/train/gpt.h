@@ -38,7 +38,6 @@ class Gpt final : public Model {
   const std::vector<Tensor>& tensors() const override { return tensors_; }
   float* params() override { return params_.data(); }
   const float* params() const override { return params_.data(); }
-  float* grads() override { return grads_.data(); }
 
   // GPT-2's initialisation: weights ~ N(0, 0.02), the residual projections (attn.c_proj, mlp.c_proj)
   // ~ N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weights 1.
@@ -47,14 +46,18 @@ class Gpt final : public Model {
                          const std::function<void(double)>& on_loss,
                          const std::function<void(size_t)>& on_ready,
                          bool accumulate = false) override;
-  std::vector<size_t> ReadyPoints(size_t chunk_floats) const override;
   // The loss sum over samples (each the mean over its predictions); *correct counts the
   // predicted tokens that were the next token.
   double Evaluate(const Batch& batch, int64_t* correct) override;
   std::string Describe() const override;
+  // Hugging Face's GPT2Config for this model (gelu_new is the tanh GELU).
+  std::string ConfigJson() const override;
 
-  // The logits of the next token after `tokens` (at most `context` of them): vocab values.
-  std::vector<float> NextTokenLogits(const std::vector<int32_t>& tokens);
+  // The logits of the next token after the last `context` of `tokens` (at least one).
+  absl::StatusOr<std::vector<float>> NextTokenLogits(const std::vector<int32_t>& tokens) override;
+
+ protected:
+  std::vector<size_t> ParamReadyPoints(size_t) const override { return ready_points_; }
 
  private:
   struct Block {  // offsets (floats) of one block's tensors
@@ -78,7 +81,6 @@ class Gpt final : public Model {
   std::vector<Block> blocks_;
   std::vector<size_t> ready_points_;
   std::vector<float> params_;
-  std::vector<float> grads_;
 
   // Activations for backward, sized for `capacity_rows_` rows (n * t).
   int capacity_rows_ = 0;

@@ -43,7 +43,7 @@ Mlp::Mlp(std::vector<int> dims, kernels::Activation activation)
                         static_cast<size_t>(s.out)});
   }
   params_.assign(num_params_, 0.0f);
-  grads_.assign(num_params_ + 1, 0.0f);
+  LayOutGradients();
   z_.resize(n_layers);
   a_.resize(n_layers);
 }
@@ -55,6 +55,18 @@ std::string Mlp::Describe() const {
   std::string id = absl::StrCat("mlp/", act);
   for (int d : dims_) absl::StrAppend(&id, "/", d);
   return id;
+}
+
+std::string Mlp::ConfigJson() const {
+  const std::string id = Describe();
+  std::string dims;
+  for (size_t i = 0; i < dims_.size(); ++i) absl::StrAppend(&dims, i == 0 ? "" : ", ", dims_[i]);
+  // The activation is the second part of Describe ("mlp/relu/...").
+  const std::string act = id.substr(4, id.find('/', 4) - 4);
+  return absl::StrCat("{\n  \"model_type\": \"lockstep_mlp\",\n  \"dims\": [", dims,
+                      "],\n  \"activation\": \"", act,
+                      "\",\n  \"layers\": \"fc1..fc", dims_.size() - 1,
+                      ": torch.nn.Linear, weight [out, in]\"\n}");
 }
 
 void Mlp::Initialize(uint64_t seed) {
@@ -101,10 +113,6 @@ void Mlp::Forward(const float* x, int n) {
   }
 }
 
-std::vector<size_t> Mlp::ReadyPoints(size_t chunk_floats) const {
-  return LayoutReadyPoints(layers_, chunk_floats);
-}
-
 std::vector<size_t> Mlp::LayoutReadyPoints(const std::vector<LayerSlice>& layers,
                                            size_t chunk_floats) {
   std::vector<size_t> points;
@@ -128,22 +136,23 @@ double Mlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_
   const double loss = kernels::SoftmaxCrossEntropy(z_[last].data(), y, n, layers_[last].out,
                                                    grad_scale, dz, nullptr);
   if (on_loss) on_loss(loss);
+  ReadyReporter ready(*this, on_ready);
   for (int l = last; l >= 0; --l) {
     const LayerSlice& s = layers_[l];
     const float* in = l == 0 ? x : a_[l - 1].data();
-    float* dw = grads_.data() + s.offset;
-    float* db = dw + static_cast<size_t>(s.in) * s.out;
+    float* dw = GradFor(s.offset);  // null when frozen
+    float* db = GradFor(s.offset + static_cast<size_t>(s.in) * s.out);
     // dW = dz^T * in (out x in), in row blocks so that communication of the first rows starts
     // while later rows are computed; then db = column sums of dz.
     const int rows = RowsPerChunk(l, chunk_floats);
-    for (int r = 0; r < s.out; r += rows) {
+    for (int r = 0; r < s.out && dw != nullptr; r += rows) {
       const int m = std::min(rows, s.out - r);
       kernels::Gemm(true, false, m, s.in, n, 1.0f, dz + r, s.out, in, s.in, accumulate ? 1.0f : 0.0f,
                     dw + static_cast<size_t>(r) * s.in, s.in);
-      if (on_ready) on_ready(s.offset + static_cast<size_t>(r + m) * s.in);
+      ready(s.offset + static_cast<size_t>(r + m) * s.in);
     }
-    kernels::BiasGradient(dz, n, s.out, db, accumulate);
-    if (on_ready) on_ready(s.offset + s.count);
+    if (db != nullptr) kernels::BiasGradient(dz, n, s.out, db, accumulate);
+    ready(s.offset + s.count);
     if (l == 0) break;
     // da = dz * W (n x in), then through the activation of layer l-1.
     const float* w = params_.data() + s.offset;

@@ -43,7 +43,6 @@ class Mlp final : public Model {
 
   float* params() override { return params_.data(); }
   const float* params() const override { return params_.data(); }
-  float* grads() override { return grads_.data(); }
 
   // PyTorch's nn.Linear default: weights and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
   void Initialize(uint64_t seed) override;
@@ -53,12 +52,11 @@ class Mlp final : public Model {
   // accumulation over micro-batches) and returns the sum of the sample losses. on_loss(loss_sum) is
   // called after the forward pass. Gradients are produced as a growing prefix of grads(): a
   // layer's weight rows in chunks of about `chunk_floats` values, then its bias, last layer
-  // first; after each piece on_ready(end) reports that grads()[0, end) is final. The sequence
-  // of `end` values is ReadyPoints(chunk_floats).
+  // first; after each piece on_ready(end) reports that grads()[0, end) is final (frozen tensors
+  // are skipped). The sequence of `end` values is ReadyPoints(chunk_floats).
   double ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
                          size_t chunk_floats, const std::function<void(double)>& on_loss,
                          const std::function<void(size_t)>& on_ready, bool accumulate = false);
-  std::vector<size_t> ReadyPoints(size_t chunk_floats) const override;
 
   // Forward only: returns the loss sum and adds the number of correct predictions.
   double Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
@@ -75,6 +73,12 @@ class Mlp final : public Model {
     return Evaluate(batch.features, batch.labels, batch.n, correct);
   }
   std::string Describe() const override;
+  std::string ConfigJson() const override;
+
+ protected:
+  std::vector<size_t> ParamReadyPoints(size_t chunk_floats) const override {
+    return LayoutReadyPoints(layers_, chunk_floats);
+  }
 
  private:
   // Runs the forward pass, leaving pre-activations in z_ and activations in a_.
@@ -90,7 +94,6 @@ class Mlp final : public Model {
   std::vector<Tensor> tensors_;
   size_t num_params_ = 0;
   std::vector<float> params_;
-  std::vector<float> grads_;
   int capacity_ = 0;
   std::vector<std::vector<float>> z_;  // per layer: n x out, pre-activation
   std::vector<std::vector<float>> a_;  // per hidden layer: n x out, activation

@@ -15,6 +15,14 @@
 
 namespace lockstep::worker {
 
+// What one sample of a job holds: a classifier's `feature_stride` floats and a label, or a
+// language model's `token_stride` token ids (a window of context_length + 1).
+struct SampleLayout {
+  int feature_stride = 0;
+  int token_stride = 0;
+  bool labels() const { return token_stride == 0; }
+};
+
 // Host memory the trainer fills with the samples of the next step (pinned memory on a GPU, so
 // the copies run asynchronously). Valid until the next HostBuffers call.
 struct HostBatch {

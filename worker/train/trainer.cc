@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -16,6 +17,8 @@
 #include "kernels/cpu_kernels.h"
 #include "worker/train/checkpoint.h"
 #include "worker/train/cpu_step.h"
+#include "worker/train/generate.h"
+#include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "worker/job_identity.h"
 #include "worker/test_hooks.h"
@@ -37,17 +40,65 @@ bool Trainer::IsFatal(const absl::Status& status) {
          absl::IsUnimplemented(status);
 }
 
+namespace {
+
+// The samples of an epoch: a classifier's training samples, or a language model's windows.
+int64_t TrainSamples(const v1::JobSpec& spec, const Dataset& data) {
+  return data.language ? data.train_tokens.Windows(spec.model().context_length())
+                       : data.train.samples;
+}
+
+// What the data must offer a language model; INVALID_ARGUMENT naming the field.
+absl::Status CheckLanguageData(const v1::JobSpec& spec, const Dataset& data) {
+  const v1::ModelSpec& m = spec.model();
+  if (m.type() != "gpt") {
+    return absl::InvalidArgumentError(absl::StrCat("model.type: \"", m.type(), "\" cannot train on ",
+                                                   spec.dataset().type(), " data (use \"gpt\")"));
+  }
+  const int context = m.context_length();
+  if (data.train_tokens.Windows(context) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.context_length: ", context, " is beyond what the data set can fill: ",
+        data.source, " has ", data.train_tokens.tokens, " training tokens, fewer than one window of ",
+        context + 1));
+  }
+  if (!spec.skip_evaluation() || spec.eval_every_steps() > 0) {
+    if (data.valid_tokens.Windows(context) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model.context_length: ", context, " is beyond what the validation split can fill (",
+          data.valid_tokens.tokens, " tokens; a window takes ", context + 1,
+          "): raise dataset.validation_fraction, give a longer validation file, or set "
+          "skip_evaluation"));
+    }
+  }
+  if (data.max_token >= m.vocab_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.vocab_size: ", m.vocab_size(), " is smaller than the data's largest token + 1 (",
+        data.max_token + 1, ", in ", data.source, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const std::string& job_id,
                                                          const v1::JobSpec& spec,
                                                          std::shared_ptr<const Dataset> data,
                                                          Communicator* comm) {
+  if (data->language) {
+    if (absl::Status s = CheckLanguageData(spec, *data); !s.ok()) return s;
+  } else if (spec.model().type() == "gpt") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.type: \"gpt\" trains on \"text\" or \"tokens\" data, not ", spec.dataset().type()));
+  }
   absl::StatusOr<std::unique_ptr<Model>> model =
       CreateModel(spec.model(), DataShape{data->dim, data->classes});
   if (!model.ok()) return model.status();
-  if (spec.global_batch_size() > data->train.samples) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("global_batch_size ", spec.global_batch_size(), " exceeds the ",
-                     data->train.samples, " training samples of the data set"));
+  const int64_t samples = TrainSamples(spec, *data);
+  if (spec.global_batch_size() > samples) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "global_batch_size ", spec.global_batch_size(), " exceeds the ", samples,
+        data->language ? " training windows" : " training samples", " of the data set"));
   }
   if (spec.micro_shards() <= 0 || spec.global_batch_size() % spec.micro_shards() != 0 ||
       comm->size() > spec.micro_shards()) {
@@ -68,20 +119,35 @@ Trainer::Trainer(const std::string& job_id, const v1::JobSpec& spec,
       data_(std::move(data)),
       comm_(comm),
       model_(std::move(model)),
-      sampler_(data_->train.samples, spec.global_batch_size(), spec.micro_shards(), spec.seed()) {
+      sampler_(TrainSamples(spec, *data_), spec.global_batch_size(), spec.micro_shards(),
+               spec.seed()) {
   const int64_t spe = sampler_.steps_per_epoch();
   total_steps_ = spec.epochs() > 0 ? spec.epochs() * spe : spec.max_steps();
   if (spec.max_steps() > 0) total_steps_ = std::min(total_steps_, spec.max_steps());
   model_->Initialize(spec.model().init_seed() != 0 ? spec.model().init_seed() : spec.seed());
-  optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_->num_params(), total_steps_);
-  cpu_step_ = std::make_unique<CpuStep>(spec, model_.get(), optimizer_.get(), data_->dim);
+  optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_->segments(), total_steps_);
+  layout_ = data_->language ? SampleLayout{0, spec.model().context_length() + 1}
+                            : SampleLayout{data_->dim, 0};
+  cpu_step_ = std::make_unique<CpuStep>(spec, model_.get(), optimizer_.get(), layout_);
   engine_ = cpu_step_.get();
   set_communicator(comm);
+  if (model_->num_frozen_params() > 0) {
+    LOG(INFO) << job_id_ << ": " << model_->num_frozen_params() << " of " << model_->num_params()
+              << " parameters frozen; each step sums " << model_->num_grads() << " gradient values";
+  }
 }
 
 absl::StatusOr<HostBatch> Trainer::LoadBatch(const int64_t* indices, int n) {
   absl::StatusOr<HostBatch> batch = engine_->HostBuffers(n);
   if (!batch.ok()) return batch.status();
+  if (data_->language) {
+    const int context = spec_.model().context_length();
+    for (int i = 0; i < n; ++i) {
+      data_->train_tokens.Window(indices[i], context,
+                                 batch->tokens + static_cast<size_t>(i) * batch->token_stride);
+    }
+    return batch;
+  }
   data_->train.Gather(indices, n, data_->dim, batch->features);
   for (int i = 0; i < n; ++i) batch->labels[i] = data_->train.y[indices[i]];
   return batch;
@@ -161,6 +227,7 @@ absl::Status Trainer::MaybeCheckpoint(int64_t step, const CheckpointFn& report) 
     data.job_id = job_id_;
     data.training_fingerprint = training_fingerprint_;
     data.model_fingerprint = ModelFingerprint();
+    data.manifest = Manifest(*model_).SerializeAsString();
     data.params.assign(model_->params(), model_->params() + model_->num_params());
     data.optimizer_state = optimizer_->state();
     const int keep = spec_.keep_checkpoints() > 0 ? spec_.keep_checkpoints() : 3;
@@ -202,7 +269,8 @@ absl::StatusOr<bool> Trainer::LoadStateFromDisk() {
   const v1::InitFromCheckpoint& init = spec_.init_from_checkpoint();
   if (completed_step_ == 0 && !initialized_from_checkpoint_ && !init.path().empty()) {
     absl::StatusOr<CheckpointData> ckpt =
-        LoadCheckpointForInit(init.path(), ModelFingerprint(), model_->num_params(), opt.size());
+        LoadCheckpointForInit(init.path(), ModelFingerprint(), model_->num_params(),
+                              init.load_optimizer_state() ? opt.size() : kAnyOptimizerState);
     // The job cannot start as asked: that is final.
     if (!ckpt.ok()) return absl::FailedPreconditionError(ckpt.status().message());
     std::copy(ckpt->params.begin(), ckpt->params.end(), model_->params());
@@ -402,12 +470,30 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
       return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
     }
     if (absl::Status s = MaybeCheckpoint(step, checkpoint); !s.ok()) return s;
+    // Held-out loss every eval_every_steps (the last step's is the final evaluation's).
+    std::optional<v1::EvalResult> eval;
+    const int64_t eval_every = spec_.eval_every_steps();
+    if (eval_every > 0 && step % eval_every == 0 && step < total_steps_) {
+      const absl::Time eval_start = absl::Now();
+      if (absl::Status synced = SyncHost(); !synced.ok()) return synced;
+      absl::StatusOr<v1::EvalResult> result = Evaluate();
+      // Throughput is training's: the evaluation's time is left out of it.
+      const absl::Duration took = absl::Now() - eval_start;
+      timing_.evaluation += took;
+      window_start += took;
+      if (step > start_step) first_step_end += took;
+      if (!result.ok()) {
+        return absl::Status(result.status().code(),
+                            absl::StrCat("after step ", step, ": ", result.status().message()));
+      }
+      eval = *std::move(result);
+    }
     ++window_steps;
     const absl::Time now = absl::Now();
     if (step == start_step) first_step_end = now;
     timing_.after_first = now - first_step_end;
     const bool first = step == start_step, last = step == total_steps_;
-    if (first || last || now - last_report >= report_interval) {
+    if (first || last || eval.has_value() || now - last_report >= report_interval) {
       // The first step includes warm-up costs; throughput is measured from its end on.
       if (!first && now > window_start) {
         samples_per_second = static_cast<double>(window_steps * spec_.global_batch_size()) /
@@ -422,6 +508,10 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
       report.set_samples_per_second(samples_per_second);
       report.set_peak_memory_bytes(PeakRssBytes());
       report.set_total_steps(total_steps_);
+      if (data_->language) {
+        report.set_tokens_per_second(samples_per_second * spec_.model().context_length());
+      }
+      if (eval.has_value()) *report.mutable_eval() = *eval;
       progress(report);
     }
   }
@@ -429,17 +519,32 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
 }
 
 absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
-  const Split& test = data_->test;
-  const int64_t begin = test.samples * comm_->rank() / comm_->size();
-  const int64_t end = test.samples * (comm_->rank() + 1) / comm_->size();
-  constexpr int64_t kChunk = 1024;
+  // Classifiers: the test split's samples; language models: the validation windows. Each rank
+  // takes a contiguous share; the sums are reduced.
+  const bool language = data_->language;
+  const int context = spec_.model().context_length();
+  const int64_t total = language ? data_->valid_tokens.Windows(context) : data_->test.samples;
+  const int64_t begin = total * comm_->rank() / comm_->size();
+  const int64_t end = total * (comm_->rank() + 1) / comm_->size();
+  // Rows per forward pass: a classifier's 1024 samples, or a language model's windows worth
+  // about 32 Ki tokens (the activations of one pass stay modest).
+  const int64_t chunk = language ? std::max<int64_t>(1, 32768 / std::max(context, 1)) : 1024;
   double sums[3] = {0, 0, static_cast<double>(end - begin)};  // loss, correct, count
-  std::vector<float> x(static_cast<size_t>(kChunk) * data_->dim);
-  for (int64_t i = begin; i < end; i += kChunk) {
-    const int n = static_cast<int>(std::min(kChunk, end - i));
+  std::vector<float> x(language ? 0 : static_cast<size_t>(chunk) * data_->dim);
+  std::vector<int32_t> tokens(language ? static_cast<size_t>(chunk) * (context + 1) : 0);
+  for (int64_t i = begin; i < end; i += chunk) {
+    const int n = static_cast<int>(std::min(chunk, end - i));
     int64_t correct = 0;
-    test.Range(i, n, data_->dim, x.data());
-    const Batch batch{n, x.data(), data_->dim, &test.y[i], nullptr, 0};
+    Batch batch;
+    if (language) {
+      for (int k = 0; k < n; ++k) {
+        data_->valid_tokens.Window(i + k, context, tokens.data() + static_cast<size_t>(k) * (context + 1));
+      }
+      batch = Batch{n, nullptr, 0, nullptr, tokens.data(), context + 1};
+    } else {
+      data_->test.Range(i, n, data_->dim, x.data());
+      batch = Batch{n, x.data(), data_->dim, &data_->test.y[i], nullptr, 0};
+    }
     absl::StatusOr<double> loss = engine_->Evaluate(batch, &correct);
     if (!loss.ok()) return loss.status();
     sums[0] += *loss;
@@ -452,7 +557,9 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
   result.set_test_samples(static_cast<int64_t>(sums[2]));
   if (sums[2] > 0) {
     result.set_test_loss(sums[0] / sums[2]);
-    result.set_test_accuracy(sums[1] / sums[2]);
+    // A language model's accuracy is over predicted tokens, `context` per window.
+    result.set_test_accuracy(sums[1] / (sums[2] * (language ? context : 1)));
+    if (language && data_->text) result.set_bits_per_byte(result.test_loss() / std::log(2.0));
   }
   return result;
 }
@@ -463,6 +570,25 @@ double Trainer::TrainSamplesPerSecond() const {
   const double seconds = absl::ToDoubleSeconds(timing_.after_first);
   if (timing_.steps < 2 || seconds <= 0) return 0;
   return static_cast<double>((timing_.steps - 1) * spec_.global_batch_size()) / seconds;
+}
+
+double Trainer::TrainTokensPerSecond() const {
+  return data_->language ? TrainSamplesPerSecond() * spec_.model().context_length() : 0;
+}
+
+absl::StatusOr<v1::Sample> Trainer::GenerateSample() {
+  if (absl::Status s = SyncHost(); !s.ok()) return s;
+  return worker::GenerateSample(*model_, spec_.sample(), data_->text);
+}
+
+absl::StatusOr<std::string> Trainer::Export() {
+  if (absl::Status s = SyncHost(); !s.ok()) return s;
+  return WriteModelExport(spec_.output_dir(), Manifest(*model_), model_->params(),
+                          model_->num_params(),
+                          {{"format", "pt"},
+                           {"lockstep_job", job_id_},
+                           {"lockstep_step", absl::StrCat(completed_step_)},
+                           {"lockstep_architecture", model_->Describe()}});
 }
 
 std::string Trainer::ParameterChecksum() const {

@@ -114,8 +114,16 @@ class Trainer {
   // The model's and optimizer's shapes: what a checkpoint must match to initialize this one.
   uint64_t ModelFingerprint() const;
   int64_t completed_step() const { return completed_step_; }
-  // Samples per second from the end of the first step trained to the end of the last.
+  // Samples per second from the end of the first step trained to the end of the last
+  // (evaluations in between left out); language models also in tokens (samples x context).
   double TrainSamplesPerSecond() const;
+  double TrainTokensPerSecond() const;
+
+  // Language models: spec.sample()'s text, from this member's parameters (rank 0 calls it).
+  absl::StatusOr<v1::Sample> GenerateSample();
+  // Writes model.safetensors and config.json into spec.output_dir(); returns the safetensors
+  // path. Errors name the file and the system's reason.
+  absl::StatusOr<std::string> Export();
 
   // Where the step time went, summed over the steps trained so far.
   struct Timing {
@@ -123,7 +131,9 @@ class Trainer {
     absl::Duration compute;       // forward + backward (communication overlaps it)
     absl::Duration exposed_comm;  // waiting for the allreduce after backward
     absl::Duration update;        // optimizer
-    absl::Duration after_first;   // wall time from the end of the first step to the last
+    absl::Duration after_first;   // wall time from the end of the first step to the last,
+                                  // less the evaluations in between
+    absl::Duration evaluation;    // eval_every_steps' evaluations
   };
   const Timing& timing() const { return timing_; }
 
@@ -161,6 +171,7 @@ class Trainer {
   // The step the host model and optimizer state belong to (a device's engine may be ahead).
   int64_t host_step_ = 0;
   ShardRange shards_;
+  SampleLayout layout_;
   int64_t memory_budget_ = 0;
   int64_t micro_batch_ = 0;
   std::vector<int64_t> indices_;
