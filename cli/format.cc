@@ -11,6 +11,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -149,17 +151,42 @@ std::string FormatProgress(const v1::Job& job) {
   }
   if (job.step() > 0) {
     absl::StrAppendFormat(&out, "  loss %.4f", job.loss());
-    if (job.samples_per_second() > 0) {
+    if (job.tokens_per_second() > 0) {
+      absl::StrAppend(&out, "  ", FormatThousands(std::llround(job.tokens_per_second())),
+                      " tokens/s");
+    } else if (job.samples_per_second() > 0) {
       absl::StrAppend(&out, "  ", FormatThousands(std::llround(job.samples_per_second())),
                       " samples/s");
+    }
+    if (job.validation_history_size() > 0) {
+      const v1::EvalResult& e = job.validation_history().rbegin()->eval();
+      absl::StrAppendFormat(&out, "  val %.4f", e.test_loss());
+      if (e.bits_per_byte() > 0) absl::StrAppendFormat(&out, " (%.3f bpb)", e.bits_per_byte());
     }
   }
   if (job.eta_ms() > 0) absl::StrAppend(&out, "  ETA ", ShortMillis(job.eta_ms()));
   return out;
 }
 
+namespace {
+
+bool IsLanguageModel(const v1::Job& job) { return job.spec().model().type() == "gpt"; }
+
+std::string FormatValidation(const v1::EvalResult& e) {
+  std::string out = absl::StrFormat("%.4f", e.test_loss());
+  if (e.bits_per_byte() > 0) absl::StrAppendFormat(&out, " (%.3f bits per byte)", e.bits_per_byte());
+  return out;
+}
+
+}  // namespace
+
 std::string FormatEval(const v1::Job& job) {
   if (!job.has_eval() || job.eval().test_samples() <= 0) return "";
+  if (IsLanguageModel(job)) {
+    return absl::StrFormat("validation loss %s over %d windows, next-token accuracy %.4f",
+                           FormatValidation(job.eval()), job.eval().test_samples(),
+                           job.eval().test_accuracy());
+  }
   return absl::StrFormat("test accuracy %.4f (%d samples), test loss %.4f",
                          job.eval().test_accuracy(), job.eval().test_samples(),
                          job.eval().test_loss());
@@ -213,17 +240,50 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
   AddField(out, "Samples/s",
            job.samples_per_second() > 0 ? FormatThousands(std::llround(job.samples_per_second()))
                                         : kNone);
+  if (IsLanguageModel(job)) {
+    AddField(out, "Tokens/s",
+             job.tokens_per_second() > 0 ? FormatThousands(std::llround(job.tokens_per_second()))
+                                         : kNone);
+  }
   if (!IsTerminal(job.state())) {
     AddField(out, "ETA", job.eta_ms() > 0 ? ShortMillis(job.eta_ms()) : kNone);
   }
   AddField(out, "First-step latency",
            job.first_step_latency_ms() > 0 ? ShortMillis(job.first_step_latency_ms()) : kNone);
   const std::string eval = FormatEval(job);
-  if (!eval.empty()) {
+  if (!eval.empty() && IsLanguageModel(job)) {
+    AddField(out, "Validation loss",
+             absl::StrFormat("%s over %d windows", FormatValidation(job.eval()),
+                             job.eval().test_samples()));
+    AddField(out, "Next-token accuracy", absl::StrFormat("%.4f", job.eval().test_accuracy()));
+  } else if (!eval.empty()) {
     AddField(out, "Test accuracy",
              absl::StrFormat("%.4f (%d samples)", job.eval().test_accuracy(),
                              job.eval().test_samples()));
     AddField(out, "Test loss", absl::StrFormat("%.4f", job.eval().test_loss()));
+  }
+  if (job.validation_history_size() > 0) {
+    std::string history;
+    for (const v1::ValidationPoint& p : job.validation_history()) {
+      absl::StrAppend(&history, history.empty() ? "" : ", ", "step ", p.step(), " ",
+                      absl::StrFormat("%.4f", p.eval().test_loss()));
+    }
+    AddField(out, "Validation history", history);
+  }
+  if (job.train_tokens_per_second() > 0) {
+    AddField(out, "Training tokens/s", FormatThousands(std::llround(job.train_tokens_per_second())));
+  }
+  if (!job.export_path().empty()) AddField(out, "Exported", job.export_path());
+  if (!job.export_error().empty()) AddField(out, "Export failed", job.export_error());
+  if (job.has_sample()) {
+    if (!job.sample().text().empty()) {
+      out += "Sample:\n";
+      for (absl::string_view line : absl::StrSplit(job.sample().text(), '\n')) {
+        absl::StrAppend(&out, "  | ", line, "\n");
+      }
+    } else {
+      AddField(out, "Sample tokens", absl::StrJoin(job.sample().tokens(), " "));
+    }
   }
   AddField(out, "Recoveries",
            job.spec().has_max_restarts() ? absl::StrFormat("%d (max_restarts %d)", job.recoveries(),
@@ -342,6 +402,19 @@ std::string FormatFinalSummary(const v1::Job& job, absl::Time now) {
     out += "\n";
     const std::string eval = FormatEval(job);
     if (!eval.empty()) absl::StrAppend(&out, eval, "\n");
+    if (job.train_tokens_per_second() > 0) {
+      absl::StrAppend(&out, "training ", FormatThousands(std::llround(job.train_tokens_per_second())),
+                      " tokens/s\n");
+    }
+    if (job.has_sample() && !job.sample().text().empty()) {
+      absl::StrAppend(&out, "sample:\n", job.sample().text(), "\n");
+    } else if (job.has_sample()) {
+      absl::StrAppend(&out, "sample tokens: ", absl::StrJoin(job.sample().tokens(), " "), "\n");
+    }
+    if (!job.export_path().empty()) absl::StrAppend(&out, "exported ", job.export_path(), "\n");
+    if (!job.export_error().empty()) {
+      absl::StrAppend(&out, "export failed: ", job.export_error(), "\n");
+    }
     return out;
   }
   absl::StrAppend(&out, job.job_id(), " ", JobStateName(job.state()), " after ", duration);

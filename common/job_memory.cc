@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/model_layout.h"
 
 namespace lockstep {
 namespace {
@@ -54,22 +55,49 @@ int64_t ChooseMicroBatch(const v1::JobSpec& spec, int world, int64_t budget) {
 
 MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch) {
   MemoryEstimate e;
-  const std::vector<int64_t> dims = LayerWidths(spec);
-  int64_t params = 0, widest = 0, per_sample = dims.front();  // the input row
-  for (size_t i = 0; i + 1 < dims.size(); ++i) {
-    params += dims[i] * dims[i + 1] + dims[i + 1];
-    widest = std::max(widest, dims[i + 1]);
-    per_sample += 2 * dims[i + 1];  // pre-activation and activation (logits and their gradient)
+  const v1::ModelSpec& model = spec.model();
+  const bool gpt = model.type() == "gpt";
+  int64_t per_sample = 0;  // floats of activations and backward temporaries per sample
+  int64_t fixed = 0;       // floats of working memory whatever the micro-batch
+  int64_t params = 0, trainable = 0;
+  if (gpt) {
+    const std::vector<TensorSize> tensors = ModelTensors(model, 0, 0);
+    const std::vector<std::string> patterns(model.frozen_parameters().begin(),
+                                            model.frozen_parameters().end());
+    absl::StatusOr<std::vector<bool>> frozen = MatchFrozen(tensors, patterns);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      params += tensors[i].count;
+      if (!frozen.ok() || !(*frozen)[i]) trainable += tensors[i].count;
+    }
+    // Per token: each block keeps its input, both LayerNorms' outputs and statistics, q/k/v,
+    // the attention output and its log-sum-exps, the stream after attention, and the MLP's
+    // pre- and post-GELU activations (16 C + heads + 4); then the final LayerNorm and backward's
+    // temporaries (about 13 C). Attention keeps O(T) per row, never T x T.
+    const int64_t C = model.d_model(), T = model.context_length(), L = model.n_layer();
+    per_sample = T * (L * (16 * C + model.n_head() + 4) + 13 * C + 3) + T + 1;
+    // The LM head's logits, one chunk of rows at a time (at most 4 Mi values).
+    fixed = std::min<int64_t>(int64_t{1} << 22, T * std::max(1, model.vocab_size()));
+  } else {
+    const std::vector<int64_t> dims = LayerWidths(spec);
+    int64_t widest = 0;
+    per_sample = dims.front();  // the input row
+    for (size_t i = 0; i + 1 < dims.size(); ++i) {
+      params += dims[i] * dims[i + 1] + dims[i + 1];
+      widest = std::max(widest, dims[i + 1]);
+      per_sample += 2 * dims[i + 1];  // pre-activation and activation (logits and their gradient)
+    }
+    per_sample += 2 * widest;  // backward's two temporaries (upstream and local gradient)
+    trainable = params;
   }
-  per_sample += 2 * widest;  // backward's two temporaries (upstream and local gradient)
   e.micro_batch = micro_batch;
   e.parameters = 4 * params;
-  e.gradients = 4 * params;
-  e.optimizer = (spec.optimizer().type() == "adamw" ? 8 : 4) * params;
-  e.activations = 4 * per_sample * micro_batch;
+  // Frozen tensors have no gradient and no optimizer state.
+  e.gradients = 4 * trainable;
+  e.optimizer = (spec.optimizer().type() == "adamw" ? 8 : 4) * trainable;
+  e.activations = 4 * (per_sample * micro_batch + fixed);
   // Default: the reducer's bucket copies, about one gradient. Deterministic: the int64 sum,
   // and as much again in the communicator.
-  e.communication = spec.deterministic() ? 16 * (params + 2) : 4 * params;
+  e.communication = spec.deterministic() ? 16 * (trainable + 2) : 4 * trainable;
   return e;
 }
 

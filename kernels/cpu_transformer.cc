@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu_kernels.h"
+
 namespace lockstep::kernels {
 namespace {
 
@@ -25,6 +27,75 @@ void Axpy(float alpha, const float* x, float* y, int n) {
 
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;
+
+// tanh(x) as a rational function of x (Eigen's minimax fit, odd numerator of degree 13 over an
+// even denominator of degree 6), within a few float ulps of tanh on the clamped range and
+// exactly +-1 beyond it; plain arithmetic, so the loops around it vectorize (libm's tanhf
+// does not, and was a fifth of the step).
+inline float FastTanh(float x) {
+  constexpr float kClamp = 7.90531110763549805f;
+  x = x > kClamp ? kClamp : x;
+  x = x < -kClamp ? -kClamp : x;
+  const float x2 = x * x;
+  float p = -2.76076847742355e-16f;
+  p = p * x2 + 2.00018790482477e-13f;
+  p = p * x2 + -8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  p = p * x;
+  float q = 1.19825839466702e-06f;
+  q = q * x2 + 1.18534705686654e-04f;
+  q = q * x2 + 2.26843463243900e-03f;
+  q = q * x2 + 4.89352518554385e-03f;
+  return p / q;
+}
+
+
+// exp(x) as 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 (in two parts), exp(r) by Cephes'
+// degree-6 polynomial: within about 2 float ulps of exp on [-87, 88], and plain arithmetic that
+// vectorizes (libm's expf is a call per value).
+inline float FastExp(float x) {
+  x = x > 88.37f ? 88.37f : x;
+  x = x < -87.33f ? -87.33f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return e * scale;
+}
+
+// p[i] = exp(p[i] - shift) for i < n; returns their sum in double.
+__attribute__((target_clones("avx2", "default"))) double ExpShifted(float* p, int n, float shift) {
+  for (int i = 0; i < n; ++i) p[i] = FastExp(p[i] - shift);
+  double sum = 0.0;
+  for (int i = 0; i < n; ++i) sum += p[i];
+  return sum;
+}
+
+// The maximum of p[0, n) (n >= 1) in eight lanes, so it vectorizes; max is exact, so the
+// result is the sequential one.
+__attribute__((target_clones("avx2", "default"))) float MaxOf(const float* p, int n) {
+  float lane[8];
+  for (int k = 0; k < 8; ++k) lane[k] = p[0];
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) lane[k] = p[i + k] > lane[k] ? p[i + k] : lane[k];
+  }
+  float m = lane[0];
+  for (int k = 1; k < 8; ++k) m = lane[k] > m ? lane[k] : m;
+  for (; i < n; ++i) m = p[i] > m ? p[i] : m;
+  return m;
+}
 
 }  // namespace
 
@@ -75,17 +146,23 @@ void LayerNormBackward(const float* dout, const float* x, const float* w, const 
   }
 }
 
-void GeluTanhForward(const float* x, size_t n, float* out) {
+
+// Compiled for AVX2 and for the baseline; the clones compute the same IEEE operations per
+// element (no contraction into FMA), so their results are the same bits.
+__attribute__((target_clones("avx2", "default"))) void GeluTanhForward(const float* x, size_t n,
+                                                                         float* out) {
   for (size_t i = 0; i < n; ++i) {
     const float v = x[i];
-    out[i] = 0.5f * v * (1.0f + std::tanh(kGeluScale * (v + kGeluCubic * v * v * v)));
+    out[i] = 0.5f * v * (1.0f + FastTanh(kGeluScale * (v + kGeluCubic * v * v * v)));
   }
 }
 
-void GeluTanhBackward(const float* x, const float* dout, size_t n, float* dx) {
+__attribute__((target_clones("avx2", "default"))) void GeluTanhBackward(const float* x,
+                                                                          const float* dout,
+                                                                          size_t n, float* dx) {
   for (size_t i = 0; i < n; ++i) {
     const float v = x[i];
-    const float t = std::tanh(kGeluScale * (v + kGeluCubic * v * v * v));
+    const float t = FastTanh(kGeluScale * (v + kGeluCubic * v * v * v));
     const float sech2 = 1.0f - t * t;
     const float local = 0.5f * (1.0f + t) +
                         0.5f * v * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
@@ -93,36 +170,54 @@ void GeluTanhBackward(const float* x, const float* dout, size_t n, float* dx) {
   }
 }
 
+// Attention one (sequence, head) at a time, in blocks of query rows: block [r0, r1) attends to
+// keys [0, r1), so its scores come from one matrix product and its outputs from another, and
+// only that block's scores exist at once (at most T^2 floats, reused), never the whole
+// batch's. Within the diagonal part the upper triangle is computed and masked: the products
+// run at the SGEMM rate, and the blocks skip most of the masked half.
+namespace {
+
+constexpr int kQueryBlock = 32;
+
+// The scratch of one block: scores/probabilities and their gradient.
+std::vector<float>& Scratch(int which, size_t n) {
+  thread_local std::vector<float> buffers[2];
+  if (buffers[which].size() < n) buffers[which].resize(n);
+  return buffers[which];
+}
+
+}  // namespace
+
 void CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads, float* out,
                             float* lse) {
   const int hs = c / heads;
-  const size_t row = static_cast<size_t>(3) * c;
+  const int row = 3 * c;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  std::vector<float> p(T);
+  float* P = Scratch(0, static_cast<size_t>(T) * T).data();
   for (int b = 0; b < batch; ++b) {
     for (int h = 0; h < heads; ++h) {
-      for (int t = 0; t < T; ++t) {
-        const float* q = qkv + (static_cast<size_t>(b) * T + t) * row + h * hs;
-        float m = -INFINITY;
-        for (int j = 0; j <= t; ++j) {
-          const float* k = qkv + (static_cast<size_t>(b) * T + j) * row + c + h * hs;
-          p[j] = Dot(q, k, hs) * scale;
-          m = std::max(m, p[j]);
+      const float* Q = qkv + static_cast<size_t>(b) * T * row + h * hs;
+      const float* K = Q + c;
+      const float* V = Q + 2 * c;
+      float* O = out + static_cast<size_t>(b) * T * c + h * hs;
+      float* l = lse + (static_cast<size_t>(b) * heads + h) * T;
+      for (int r0 = 0; r0 < T; r0 += kQueryBlock) {
+        const int r1 = std::min(T, r0 + kQueryBlock), m = r1 - r0;
+        // Scores of rows [r0, r1) against keys [0, r1): m x r1, leading dimension r1.
+        Gemm(false, true, m, r1, hs, scale, Q + static_cast<size_t>(r0) * row, row, K, row, 0.0f,
+             P, r1);
+        for (int t = r0; t < r1; ++t) {
+          float* p = P + static_cast<size_t>(t - r0) * r1;
+          const float mx = MaxOf(p, t + 1);
+          // Subtracting the maximum keeps every exponent <= 0: no overflow, and the sum >= 1.
+          const double sum = ExpShifted(p, t + 1, mx);
+          const float inv = static_cast<float>(1.0 / sum);
+          for (int j = 0; j <= t; ++j) p[j] *= inv;
+          std::fill(p + t + 1, p + r1, 0.0f);
+          l[t] = mx + static_cast<float>(std::log(sum));
         }
-        // Subtracting the maximum keeps every exponent <= 0: no overflow, and the sum >= 1.
-        double sum = 0.0;
-        for (int j = 0; j <= t; ++j) {
-          p[j] = std::exp(p[j] - m);
-          sum += p[j];
-        }
-        const float inv = static_cast<float>(1.0 / sum);
-        float* o = out + (static_cast<size_t>(b) * T + t) * c + h * hs;
-        std::fill(o, o + hs, 0.0f);
-        for (int j = 0; j <= t; ++j) {
-          const float* v = qkv + (static_cast<size_t>(b) * T + j) * row + 2 * c + h * hs;
-          Axpy(p[j] * inv, v, o, hs);
-        }
-        lse[(static_cast<size_t>(b) * heads + h) * T + t] = m + static_cast<float>(std::log(sum));
+        Gemm(false, false, m, hs, r1, 1.0f, P, r1, V, row, 0.0f, O + static_cast<size_t>(r0) * c,
+             c);
       }
     }
   }
@@ -131,33 +226,50 @@ void CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads
 void CausalAttentionBackward(const float* dout, const float* qkv, const float* out,
                              const float* lse, int batch, int T, int c, int heads, float* dqkv) {
   const int hs = c / heads;
-  const size_t row = static_cast<size_t>(3) * c;
+  const int row = 3 * c;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  float* P = Scratch(0, static_cast<size_t>(T) * T).data();
+  float* dS = Scratch(1, static_cast<size_t>(T) * T).data();
+  // dK and dV gather contributions from every query block: they start at zero.
   std::memset(dqkv, 0, static_cast<size_t>(batch) * T * row * sizeof(float));
   for (int b = 0; b < batch; ++b) {
     for (int h = 0; h < heads; ++h) {
-      for (int t = 0; t < T; ++t) {
-        const size_t rt = (static_cast<size_t>(b) * T + t);
-        const float* q = qkv + rt * row + h * hs;
-        const float* dO = dout + rt * c + h * hs;
-        const float* O = out + rt * c + h * hs;
-        float* dq = dqkv + rt * row + h * hs;
-        const float l = lse[(static_cast<size_t>(b) * heads + h) * T + t];
-        // D = sum_j p_j (dO . v_j) = dO . O: the softmax's backward in one dot product.
-        const float D = Dot(dO, O, hs);
-        for (int j = 0; j <= t; ++j) {
-          const size_t rj = static_cast<size_t>(b) * T + j;
-          const float* k = qkv + rj * row + c + h * hs;
-          const float* v = qkv + rj * row + 2 * c + h * hs;
-          float* dk = dqkv + rj * row + c + h * hs;
-          float* dv = dqkv + rj * row + 2 * c + h * hs;
-          // The probability, recomputed from the saved log-sum-exp.
-          const float p = std::exp(Dot(q, k, hs) * scale - l);
-          Axpy(p, dO, dv, hs);
-          const float ds = p * (Dot(dO, v, hs) - D) * scale;
-          Axpy(ds, k, dq, hs);
-          Axpy(ds, q, dk, hs);
+      const size_t first = static_cast<size_t>(b) * T;
+      const float* Q = qkv + first * row + h * hs;
+      const float* K = Q + c;
+      const float* V = Q + 2 * c;
+      const float* dO = dout + first * c + h * hs;
+      const float* O = out + first * c + h * hs;
+      float* dQ = dqkv + first * row + h * hs;
+      float* dK = dQ + c;
+      float* dV = dQ + 2 * c;
+      const float* l = lse + (static_cast<size_t>(b) * heads + h) * T;
+      for (int r0 = 0; r0 < T; r0 += kQueryBlock) {
+        const int r1 = std::min(T, r0 + kQueryBlock), m = r1 - r0;
+        const float* Qb = Q + static_cast<size_t>(r0) * row;
+        const float* dOb = dO + static_cast<size_t>(r0) * c;
+        // The probabilities, recomputed from the saved log-sum-exps.
+        Gemm(false, true, m, r1, hs, scale, Qb, row, K, row, 0.0f, P, r1);
+        for (int t = r0; t < r1; ++t) {
+          float* p = P + static_cast<size_t>(t - r0) * r1;
+          ExpShifted(p, t + 1, l[t]);
+          std::fill(p + t + 1, p + r1, 0.0f);
         }
+        // dV[0, r1) += P^T dO; dP = dO V^T.
+        Gemm(true, false, r1, hs, m, 1.0f, P, r1, dOb, c, 1.0f, dV, row);
+        Gemm(false, true, m, r1, hs, 1.0f, dOb, c, V, row, 0.0f, dS, r1);
+        // dS = P * (dP - D) * scale, with D = dO . O = sum_j p_j (dO . v_j): the softmax's
+        // backward in one dot product per row.
+        for (int t = r0; t < r1; ++t) {
+          const float D = Dot(dO + static_cast<size_t>(t) * c, O + static_cast<size_t>(t) * c, hs);
+          const float* p = P + static_cast<size_t>(t - r0) * r1;
+          float* ds = dS + static_cast<size_t>(t - r0) * r1;
+          for (int j = 0; j < r1; ++j) ds[j] = p[j] * (ds[j] - D) * scale;
+        }
+        // dQ[r0, r1) = dS K; dK[0, r1) += dS^T Q.
+        Gemm(false, false, m, hs, r1, 1.0f, dS, r1, K, row, 0.0f,
+             dQ + static_cast<size_t>(r0) * row, row);
+        Gemm(true, false, r1, hs, m, 1.0f, dS, r1, Qb, row, 1.0f, dK, row);
       }
     }
   }
@@ -166,6 +278,16 @@ void CausalAttentionBackward(const float* dout, const float* qkv, const float* o
 void EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c, float* dtable) {
   for (int r = 0; r < rows; ++r) {
     Axpy(1.0f, dx + static_cast<size_t>(r) * c, dtable + static_cast<size_t>(ids[r]) * c, c);
+  }
+}
+
+__attribute__((target_clones("avx2", "default"))) void ColumnSums(const float* d, int rows,
+                                                                    int cols, float* out,
+                                                                    bool accumulate) {
+  if (!accumulate) std::fill(out, out + cols, 0.0f);
+  for (int r = 0; r < rows; ++r) {
+    const float* x = d + static_cast<size_t>(r) * cols;
+    for (int j = 0; j < cols; ++j) out[j] += x[j];
   }
 }
 
@@ -184,11 +306,7 @@ double SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, int row
     if (argmax == target) ++hits;
     const float max = x[argmax];
     const float at_target = x[target];
-    double sum = 0.0;
-    for (int i = 0; i < v; ++i) {
-      x[i] = std::exp(x[i] - max);
-      sum += x[i];
-    }
+    const double sum = ExpShifted(x, v, max);
     // -log softmax[target] = log(sum) - (x_target - max), the difference in double.
     loss += std::log(sum) - (static_cast<double>(at_target) - max);
     const float s = static_cast<float>(static_cast<double>(grad_scale) / sum);

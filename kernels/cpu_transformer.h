@@ -43,6 +43,10 @@ void CausalAttentionBackward(const float* dout, const float* qkv, const float* o
 // is the same bits on every run (no racing additions).
 void EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c, float* dtable);
 
+// out (cols) = (or += with `accumulate`) the column sums of d (rows x cols), row by row in
+// float: a bias's gradient, as PyTorch sums it (in float), at the memory rate.
+void ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate);
+
 // Fused softmax cross-entropy in place over `rows` rows of `v` logits: returns the sum over rows
 // of -log softmax(row)[target] (in double) and leaves grad_scale * (softmax - onehot(target)) in
 // the row, so the full-vocabulary gradient exists once, where the logits were. Adds to *correct

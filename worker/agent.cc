@@ -486,14 +486,40 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
     if (!eval.ok()) return eval.status();
     *f->mutable_eval() = *eval;
   }
+  // Rank 0 writes what the job asked for beyond the parameters: a sample of the language
+  // model's text, and the export. Neither fails the job: the trained state is what matters, and
+  // its checksum is reported either way.
+  if (a.rank() == 0 && spec.sample().max_tokens() > 0) {
+    test_hooks::Reach("before_sample", -1, &abort->flag());
+    if (abort->raised()) return absl::AbortedError("aborted before the sample");
+    absl::StatusOr<v1::Sample> sample = trainer->GenerateSample();
+    if (sample.ok()) {
+      *f->mutable_sample() = *std::move(sample);
+    } else {
+      LOG(WARNING) << a.job_id() << ": no sample: " << sample.status();
+    }
+  }
+  if (a.rank() == 0 && !spec.output_dir().empty()) {
+    absl::StatusOr<std::string> exported = trainer->Export();
+    if (exported.ok()) {
+      f->set_export_path(*exported);
+      LOG(INFO) << a.job_id() << ": wrote " << *exported;
+    } else {
+      f->set_export_error(std::string(exported.status().message()));
+      LOG(WARNING) << a.job_id() << ": export failed: " << exported.status();
+    }
+  }
   f->set_job_id(a.job_id());
   f->set_generation(a.generation());
   f->set_step(trainer->completed_step());
   f->set_parameter_checksum(trainer->ParameterChecksum());
   f->set_train_samples_per_second(trainer->TrainSamplesPerSecond());
+  f->set_train_tokens_per_second(trainer->TrainTokensPerSecond());
   LOG(INFO) << a.job_id() << " finished at step " << f->step() << " parameters "
             << f->parameter_checksum()
-            << (f->has_eval() ? absl::StrCat(" test accuracy ", f->eval().test_accuracy()) : "");
+            << (f->has_eval() ? absl::StrCat(" held-out loss ", f->eval().test_loss(), " accuracy ",
+                                             f->eval().test_accuracy())
+                              : "");
   Send(m);
   return absl::OkStatus();
 }

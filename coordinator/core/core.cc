@@ -26,6 +26,8 @@ std::string Seconds1(absl::Duration d) {
   return absl::StrFormat("%.1fs", absl::ToDoubleSeconds(d));
 }
 
+bool IsLanguageModel(const v1::JobSpec& spec) { return spec.model().type() == "gpt"; }
+
 }  // namespace
 
 Core::Core(CoreOptions options) : options_(options) {}
@@ -233,6 +235,20 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
   if (!job.members.empty() && job.members.front().worker_id == worker_id) {
     job.job.set_loss(report.loss());
     job.job.set_samples_per_second(report.samples_per_second());
+    job.job.set_tokens_per_second(report.tokens_per_second());
+    bool evaluated = false;
+    if (report.has_eval()) {
+      // A group that resumed from an older state evaluates those steps again: the newer
+      // evaluation replaces the old ones from that step on.
+      auto* history = job.job.mutable_validation_history();
+      while (!history->empty() && history->rbegin()->step() >= report.step()) {
+        history->RemoveLast();
+      }
+      v1::ValidationPoint* point = history->Add();
+      point->set_step(report.step());
+      *point->mutable_eval() = report.eval();
+      evaluated = true;
+    }
     const int64_t remaining = job.job.total_steps() - job.job.step();
     const double sps = report.samples_per_second();
     if (sps > 0 && remaining >= 0) {
@@ -240,11 +256,17 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
           1000.0 * static_cast<double>(remaining * job.job.spec().global_batch_size()) / sps));
     }
     RefreshMembers(job);
-    if (now - job.last_progress_event >= options_.progress_event_interval ||
+    if (evaluated || now - job.last_progress_event >= options_.progress_event_interval ||
         job.job.step() == job.job.total_steps()) {
       job.last_progress_event = now;
-      AddEvent(job, v1::JobEvent::PROGRESS,
-               absl::StrCat("step ", job.job.step(), "/", job.job.total_steps()), now, out);
+      std::string message = absl::StrCat("step ", job.job.step(), "/", job.job.total_steps());
+      if (evaluated) {
+        absl::StrAppend(&message, absl::StrFormat("; validation loss %.4f", report.eval().test_loss()));
+        if (report.eval().bits_per_byte() > 0) {
+          absl::StrAppend(&message, absl::StrFormat(" (%.3f bits per byte)", report.eval().bits_per_byte()));
+        }
+      }
+      AddEvent(job, v1::JobEvent::PROGRESS, message, now, out);
     }
   } else {
     RefreshMembers(job);
@@ -286,7 +308,12 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
       }
       if (&m == &job.members.front() || job.job.train_samples_per_second() == 0) {
         job.job.set_train_samples_per_second(report.train_samples_per_second());
+        job.job.set_train_tokens_per_second(report.train_tokens_per_second());
       }
+      // Rank 0 alone generates the sample and writes the export.
+      if (report.has_sample()) *job.job.mutable_sample() = report.sample();
+      if (!report.export_path().empty()) job.job.set_export_path(report.export_path());
+      if (!report.export_error().empty()) job.job.set_export_error(report.export_error());
     }
     all_finished = all_finished && m.finished;
   }
@@ -295,7 +322,14 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
   out->changed_jobs.insert(job.job.job_id());
   if (all_finished) {
     std::string reason = absl::StrCat("trained ", job.job.step(), " steps");
-    if (job.job.has_eval()) {
+    if (job.job.has_eval() && IsLanguageModel(job.job.spec())) {
+      absl::StrAppend(&reason,
+                      absl::StrFormat("; validation loss %.4f", job.job.eval().test_loss()));
+      if (job.job.eval().bits_per_byte() > 0) {
+        absl::StrAppend(&reason,
+                        absl::StrFormat(" (%.3f bits per byte)", job.job.eval().bits_per_byte()));
+      }
+    } else if (job.job.has_eval()) {
       absl::StrAppend(&reason,
                       absl::StrFormat("; test accuracy %.4f", job.job.eval().test_accuracy()));
     }

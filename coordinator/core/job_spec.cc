@@ -3,8 +3,11 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/model_layout.h"
 
 namespace lockstep::coordinator {
 namespace {
@@ -34,7 +37,13 @@ int32_t SmallestDivisorAtLeast(int64_t b, int64_t k) {
 
 void ApplyJobSpecDefaults(v1::JobSpec* spec) {
   v1::ModelSpec* model = spec->mutable_model();
-  if (model->activation().empty()) model->set_activation("relu");
+  if (model->type() == "mlp" && model->activation().empty()) model->set_activation("relu");
+  if (spec->dataset().type() == "text" && spec->dataset().validation_fraction() == 0) {
+    spec->mutable_dataset()->set_validation_fraction(0.05);
+  }
+  if (spec->sample().max_tokens() > 0 && spec->sample().temperature() == 0) {
+    spec->mutable_sample()->set_temperature(1.0);
+  }
   if (spec->dataset().type() == "fashion_mnist" && spec->dataset().path().empty()) {
     spec->mutable_dataset()->set_path(kDefaultFashionMnistPath);
   }
@@ -78,34 +87,74 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     return Invalid("precision", "tf32 needs GPU workers (\"device\": \"cuda\")");
   }
   const v1::ModelSpec& model = spec.model();
-  if (model.type().empty()) return Invalid("model.type", "required (one of: mlp)");
-  if (model.type() == "gpt") {
-    return absl::UnimplementedError(
-        "model.type \"gpt\": the GPT model exists in the worker, but jobs cannot train it yet "
-        "(its token data sets and job wiring are not built)");
-  }
-  if (model.type() != "mlp") {
-    return Invalid("model.type",
-                   absl::StrCat("unknown model \"", model.type(), "\" (one of: mlp)"));
-  }
-  for (int i = 0; i < model.hidden_widths_size(); ++i) {
-    if (model.hidden_widths(i) <= 0 || model.hidden_widths(i) > (1 << 20)) {
-      return Invalid(absl::StrCat("model.hidden_widths[", i, "]"),
-                     absl::StrCat("must be in [1, 1048576], got ", model.hidden_widths(i)));
+  if (model.type().empty()) return Invalid("model.type", "required (one of: mlp, gpt)");
+  if (model.type() == "mlp") {
+    for (int i = 0; i < model.hidden_widths_size(); ++i) {
+      if (model.hidden_widths(i) <= 0 || model.hidden_widths(i) > (1 << 20)) {
+        return Invalid(absl::StrCat("model.hidden_widths[", i, "]"),
+                       absl::StrCat("must be in [1, 1048576], got ", model.hidden_widths(i)));
+      }
     }
+    if (model.activation() != "relu" && model.activation() != "gelu") {
+      return Invalid("model.activation",
+                     absl::StrCat("unknown activation \"", model.activation(), "\" (relu, gelu)"));
+    }
+  } else if (model.type() == "gpt") {
+    for (const auto& [field, value, limit] :
+         {std::tuple<const char*, int32_t, int32_t>{"vocab_size", model.vocab_size(), 1 << 20},
+          {"context_length", model.context_length(), 1 << 16},
+          {"n_layer", model.n_layer(), 1024},
+          {"n_head", model.n_head(), 1024},
+          {"d_model", model.d_model(), 1 << 16}}) {
+      if (value <= 0 || value > limit) {
+        return Invalid(absl::StrCat("model.", field),
+                       absl::StrCat("must be in [1, ", limit, "], got ", value));
+      }
+    }
+    if (model.d_model() % model.n_head() != 0) {
+      return Invalid("model.d_model", absl::StrCat(model.d_model(), " is not divisible by n_head ",
+                                                   model.n_head()));
+    }
+    if (!model.hidden_widths().empty()) {
+      return Invalid("model.hidden_widths", "is an MLP field; the GPT's width is d_model");
+    }
+  } else {
+    return Invalid("model.type",
+                   absl::StrCat("unknown model \"", model.type(), "\" (one of: mlp, gpt)"));
   }
-  if (model.activation() != "relu" && model.activation() != "gelu") {
-    return Invalid("model.activation",
-                   absl::StrCat("unknown activation \"", model.activation(), "\" (relu, gelu)"));
+  // Frozen patterns are checked against the tensor names the spec implies (an MLP's names do
+  // not depend on its input and output widths).
+  if (!model.frozen_parameters().empty()) {
+    const std::vector<std::string> patterns(model.frozen_parameters().begin(),
+                                            model.frozen_parameters().end());
+    if (absl::StatusOr<std::vector<bool>> frozen =
+            MatchFrozen(ModelTensors(model, 1, 2), patterns);
+        !frozen.ok()) {
+      return frozen.status();
+    }
   }
 
   const v1::DatasetSpec& data = spec.dataset();
   if (data.type().empty()) {
-    return Invalid("dataset.type", "required (one of: fashion_mnist, idx, synthetic)");
+    return Invalid("dataset.type", "required (one of: fashion_mnist, idx, synthetic, text, tokens)");
   }
+  const bool language_data = data.type() == "text" || data.type() == "tokens";
   if (data.type() == "idx" || data.type() == "fashion_mnist") {
     if (data.path().empty()) {
       return Invalid("dataset.path", absl::StrCat("required for dataset type ", data.type()));
+    }
+  } else if (data.type() == "text") {
+    if (data.path().empty()) {
+      return Invalid("dataset.path", "required for dataset type text (a file or a directory)");
+    }
+    if (!(data.validation_fraction() > 0 && data.validation_fraction() < 1)) {
+      return Invalid("dataset.validation_fraction",
+                     absl::StrCat("must be in (0, 1), got ", data.validation_fraction()));
+    }
+  } else if (data.type() == "tokens") {
+    if (data.path().empty()) return Invalid("dataset.path", "required for dataset type tokens");
+    if (data.validation_path().empty()) {
+      return Invalid("dataset.validation_path", "required for dataset type tokens");
     }
   } else if (data.type() == "synthetic") {
     const v1::SyntheticDatasetSpec& s = data.synthetic();
@@ -133,8 +182,59 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
       return Invalid("dataset.synthetic", "train_samples * input_dim must be <= 2^31 values");
     }
   } else {
-    return Invalid("dataset.type", absl::StrCat("unknown dataset type \"", data.type(),
-                                                "\" (one of: fashion_mnist, idx, synthetic)"));
+    return Invalid("dataset.type",
+                   absl::StrCat("unknown dataset type \"", data.type(),
+                                "\" (one of: fashion_mnist, idx, synthetic, text, tokens)"));
+  }
+  if (language_data != (model.type() == "gpt")) {
+    return Invalid("dataset.type",
+                   absl::StrCat("model type ", model.type(), " cannot train on ", data.type(),
+                                " data (mlp: fashion_mnist, idx, synthetic; gpt: text, tokens)"));
+  }
+  if (model.type() == "gpt" && spec.device() == "cuda") {
+    return absl::UnimplementedError(
+        "model.type \"gpt\" on GPU workers (device \"cuda\") is not built yet; train it on CPU "
+        "workers");
+  }
+  if (spec.device() == "cuda" &&
+      (!model.frozen_parameters().empty() || spec.optimizer().grad_clip_norm() > 0)) {
+    return absl::UnimplementedError(
+        "model.frozen_parameters and optimizer.grad_clip_norm do not run on GPU workers yet");
+  }
+  const v1::SampleSpec& sample = spec.sample();
+  if (sample.max_tokens() < 0 || sample.max_tokens() > 4096) {
+    return Invalid("sample.max_tokens", absl::StrCat("must be in [0, 4096], got ", sample.max_tokens()));
+  }
+  if (sample.max_tokens() > 0) {
+    if (model.type() != "gpt") return Invalid("sample", "only language models (gpt) generate text");
+    if (!(sample.temperature() > 0) || sample.temperature() > 100) {
+      return Invalid("sample.temperature",
+                     absl::StrCat("must be in (0, 100], got ", sample.temperature()));
+    }
+    if (sample.top_k() < 0) {
+      return Invalid("sample.top_k", absl::StrCat("must be >= 0, got ", sample.top_k()));
+    }
+    if (data.type() == "tokens" && !sample.prompt().empty()) {
+      return Invalid("sample.prompt", "token data has no text; give sample.prompt_tokens");
+    }
+    for (int i = 0; i < sample.prompt_tokens_size(); ++i) {
+      if (sample.prompt_tokens(i) < 0 || sample.prompt_tokens(i) >= model.vocab_size()) {
+        return Invalid(absl::StrCat("sample.prompt_tokens[", i, "]"),
+                       absl::StrCat(sample.prompt_tokens(i), " is outside [0, vocab_size ",
+                                    model.vocab_size(), ")"));
+      }
+    }
+    if (data.type() == "text" && model.vocab_size() < 256) {
+      for (unsigned char c : sample.prompt()) {
+        if (c >= model.vocab_size()) {
+          return Invalid("sample.prompt", absl::StrCat("holds byte ", int{c},
+                                                       ", beyond vocab_size ", model.vocab_size()));
+        }
+      }
+    }
+  }
+  if (spec.eval_every_steps() < 0) {
+    return Invalid("eval_every_steps", absl::StrCat("must be >= 0, got ", spec.eval_every_steps()));
   }
 
   const v1::OptimizerSpec& opt = spec.optimizer();
@@ -163,6 +263,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     if (!(opt.epsilon() > 0)) {
       return Invalid("optimizer.epsilon", absl::StrCat("must be > 0, got ", opt.epsilon()));
     }
+  }
+  if (!(opt.grad_clip_norm() >= 0)) {
+    return Invalid("optimizer.grad_clip_norm",
+                   absl::StrCat("must be >= 0, got ", opt.grad_clip_norm()));
   }
   if (opt.warmup_steps() < 0) {
     return Invalid("optimizer.warmup_steps",

@@ -34,7 +34,7 @@ void WeightGradient(const float* a, int in, const float* d, int out, int rows, f
 }
 
 void BiasGrad(const float* d, int rows, int cols, float* db, bool accumulate) {
-  if (db != nullptr) kernels::BiasGradient(d, rows, cols, db, accumulate);
+  if (db != nullptr) kernels::ColumnSums(d, rows, cols, db, accumulate);
 }
 
 }  // namespace

@@ -96,6 +96,11 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::ForHost(const v1::JobSpec& spe
     return absl::UnimplementedError(absl::StrCat("model.type \"", spec.model().type(),
                                                  "\" does not train on GPU workers yet"));
   }
+  // The GPU's update runs over the whole flat buffer, unclipped.
+  if (model->num_frozen_params() > 0 || spec.optimizer().grad_clip_norm() > 0) {
+    return absl::UnimplementedError(
+        "model.frozen_parameters and optimizer.grad_clip_norm do not run on GPU workers yet");
+  }
   absl::StatusOr<std::unique_ptr<GpuStep>> step =
       Create(spec, mlp->dims(), mlp->activation(), comm);
   if (step.ok()) (*step)->AttachHost(model, optimizer);

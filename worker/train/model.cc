@@ -1,12 +1,10 @@
 // The models a job can name. A new model is one more branch here.
 #include "worker/train/model.h"
 
-#include <fnmatch.h>
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "common/model_layout.h"
 #include "kernels/cpu_kernels.h"
 #include "worker/train/gpt.h"
 #include "worker/train/mlp.h"
@@ -75,29 +73,11 @@ void Model::LayOutGradients() {
 }
 
 absl::Status Model::Freeze(const std::vector<std::string>& patterns) {
-  const std::vector<Tensor>& t = tensors();
-  std::vector<bool> frozen = frozen_;
-  for (const std::string& pattern : patterns) {
-    bool matched = false;
-    for (size_t i = 0; i < t.size(); ++i) {
-      if (fnmatch(pattern.c_str(), t[i].name.c_str(), 0) == 0) {
-        frozen[i] = true;
-        matched = true;
-      }
-    }
-    if (!matched) {
-      std::vector<std::string> names;
-      for (size_t i = 0; i < t.size() && i < 8; ++i) names.push_back(t[i].name);
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model.frozen_parameters: \"", pattern, "\" matches no tensor of ", Describe(),
-          " (tensors: ", absl::StrJoin(names, ", "), t.size() > 8 ? ", ..." : "", ")"));
-    }
-  }
-  if (std::all_of(frozen.begin(), frozen.end(), [](bool f) { return f; })) {
-    return absl::InvalidArgumentError(
-        "model.frozen_parameters: every tensor is frozen; nothing would train");
-  }
-  frozen_ = std::move(frozen);
+  std::vector<TensorSize> sizes;
+  for (const Tensor& t : tensors()) sizes.push_back({t.name, static_cast<int64_t>(t.count)});
+  absl::StatusOr<std::vector<bool>> frozen = MatchFrozen(sizes, patterns);
+  if (!frozen.ok()) return frozen.status();
+  frozen_ = *std::move(frozen);
   LayOutGradients();
   return absl::OkStatus();
 }
