@@ -3,13 +3,17 @@
 #include "cli/commands.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "cli/watch_printer.h"
+#include "common/atomic_file.h"
 #include "common/grpc_status.h"
+#include "common/safetensors.h"
+#include "worker/train/checkpoint.h"
 #include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 
@@ -212,6 +216,35 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
   return *std::move(last_job);
 }
 
+absl::Status ExportCheckpoint(const std::string& checkpoint, const std::string& output,
+                              std::ostream& out) {
+  absl::StatusOr<worker::CheckpointData> data = worker::ReadCheckpoint(checkpoint);
+  if (!data.ok()) return data.status();
+  v1::ModelManifest manifest;
+  if (data->manifest.empty() || !manifest.ParseFromString(data->manifest)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        checkpoint, " was written by an earlier Lockstep that did not record tensor names; "
+                    "export a checkpoint written by this version"));
+  }
+  if (const std::filesystem::path parent = std::filesystem::path(output).parent_path();
+      !parent.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(parent, ec);
+    if (ec) return ErrnoStatus(ec.value(), "creating directory", parent.string());
+  }
+  LOCKSTEP_RETURN_IF_ERROR(WriteSafetensors(
+      output, manifest, data->params.data(), data->params.size(),
+      {{"format", "pt"},
+       {"lockstep_job", data->job_id},
+       {"lockstep_step", absl::StrCat(data->step)},
+       {"lockstep_architecture", manifest.architecture()}},
+      /*with_config=*/true));
+  out << "wrote " << output << " (" << manifest.tensors_size() << " tensors, "
+      << data->params.size() << " parameters of " << manifest.architecture() << " at step "
+      << data->step << " of " << data->job_id << ") and config.json beside it\n";
+  return absl::OkStatus();
+}
+
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,
                const CommandOptions& options, std::ostream& out, std::ostream& err,
                grpc::health::v1::Health::StubInterface* health) {
@@ -249,6 +282,13 @@ int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub
       break;
     case Command::kWorkers:
       status = ListWorkers(stub, options, out);
+      break;
+    case Command::kExport:
+      status = ExportCheckpoint(invocation.checkpoint, invocation.export_output, out);
+      if (!status.ok()) {
+        err << "lockstepctl: " << StatusLine(status) << "\n" << std::flush;
+        return kExitFileError;
+      }
       break;
     case Command::kHealth:
       status = health != nullptr ? CheckHealth(*health, options, out)

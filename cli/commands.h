@@ -79,6 +79,12 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
 
 // Runs a checked invocation and returns the process exit code (see invocation.h): errors are
 // printed to `err` as "lockstepctl: CODE: message". `health` serves the health command.
+// export: the checkpoint file's parameters as safetensors at `output` (config.json beside it).
+// NOT_FOUND or DATA_LOSS for a missing or damaged checkpoint; FAILED_PRECONDITION for one
+// without tensor names; the system's error for the output.
+absl::Status ExportCheckpoint(const std::string& checkpoint, const std::string& output,
+                              std::ostream& out);
+
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,
                const CommandOptions& options, std::ostream& out, std::ostream& err,
                grpc::health::v1::Health::StubInterface* health = nullptr);

@@ -35,7 +35,10 @@ constexpr char kUsageBody[] =
     "  watch JOB              follow a job until it ends (exit 0 only if it succeeded)\n"
     "  cancel JOB             cancel a job\n"
     "  workers                list the registered workers and rejected clients\n"
-    "  health                 ask the coordinator's gRPC health service (exit 0 if SERVING)\n";
+    "  health                 ask the coordinator's gRPC health service (exit 0 if SERVING)\n"
+    "  export CHECKPOINT [-o FILE]\n"
+    "                         convert a checkpoint file to safetensors (default\n"
+    "                         model.safetensors; config.json is written beside it); offline\n";
 
 // Flags that absl handles itself without registering them (DeduceUsageFlags in parse.cc).
 constexpr absl::string_view kAbslUsageFlags[] = {"help",        "helpfull", "helpshort",
@@ -44,7 +47,7 @@ constexpr absl::string_view kAbslUsageFlags[] = {"help",        "helpfull", "hel
 
 // The global flags, in the order --help lists them. They are defined in main.cc.
 constexpr absl::string_view kOwnFlags[] = {"coordinator", "token_file", "output", "timeout_ms",
-                                           "watch"};
+                                           "watch", "o"};
 
 struct CommandInfo {
   Command command;
@@ -58,6 +61,7 @@ constexpr CommandInfo kCommands[] = {
     {Command::kStatus, "status", "JOB", 1},  {Command::kWatch, "watch", "JOB", 1},
     {Command::kCancel, "cancel", "JOB", 1},  {Command::kWorkers, "workers", "", 0},
     {Command::kHealth, "health", "", 0},     {Command::kHelp, "help", "", 0},
+    {Command::kExport, "export", "CHECKPOINT", 1},
 };
 
 // (name, value, has '=') of an argument whose leading dashes are already removed.
@@ -216,6 +220,9 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
     return absl::InvalidArgumentError("--watch only applies to submit");
   }
   inv.watch = flags.watch;
+  if (flags.export_output != "model.safetensors" && inv.command != Command::kExport) {
+    return absl::InvalidArgumentError("-o only applies to export");
+  }
 
   switch (inv.command) {
     case Command::kSubmit: {
@@ -229,6 +236,12 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
     case Command::kCancel:
       if (args[1].empty()) return absl::InvalidArgumentError("JOB must not be empty");
       inv.job_id = args[1];
+      break;
+    case Command::kExport:
+      if (args[1].empty()) return absl::InvalidArgumentError("CHECKPOINT must not be empty");
+      if (flags.export_output.empty()) return absl::InvalidArgumentError("-o must not be empty");
+      inv.checkpoint = args[1];
+      inv.export_output = flags.export_output;
       break;
     case Command::kHelp:
     case Command::kList:
@@ -308,7 +321,8 @@ std::string HelpText() {
       "  0  done; for watch and submit --watch: the job SUCCEEDED\n"
       "  1  the watched job FAILED or was CANCELLED\n"
       "  2  usage error: bad command line, unreadable or malformed job spec\n"
-      "  3  RPC error (coordinator unreachable, job not found, spec refused, stream broken)\n";
+      "  3  RPC error (coordinator unreachable, job not found, spec refused, stream broken)\n"
+      "  4  export: the checkpoint cannot be read, or the output cannot be written\n";
   return out;
 }
 

@@ -21,11 +21,12 @@ inline constexpr int kExitOk = 0;         // done; for watch: the job SUCCEEDED
 inline constexpr int kExitJobFailed = 1;  // watch: the job FAILED or was CANCELLED
 inline constexpr int kExitUsage = 2;      // bad command line or job spec file
 inline constexpr int kExitRpcError = 3;   // an RPC failed or the watch stream broke
+inline constexpr int kExitFileError = 4;  // export: the checkpoint or the output file failed
 
 inline constexpr char kDefaultCoordinator[] = "127.0.0.1:7070";
 inline constexpr char kCoordinatorEnv[] = "LOCKSTEP_COORDINATOR";
 
-enum class Command { kHelp, kSubmit, kList, kStatus, kWatch, kCancel, kWorkers, kHealth };
+enum class Command { kHelp, kSubmit, kList, kStatus, kWatch, kCancel, kWorkers, kHealth, kExport };
 
 // The values of the global flags, as absl parsed them.
 struct FlagValues {
@@ -34,6 +35,7 @@ struct FlagValues {
   std::string output = "table";
   int64_t timeout_ms = 10000;
   bool watch = false;
+  std::string export_output = "model.safetensors";  // export -o
 };
 
 // A command line that passed every check.
@@ -46,6 +48,8 @@ struct Invocation {
   std::string job_id;  // status, watch, cancel
   v1::JobSpec spec;    // submit
   bool watch = false;  // submit --watch
+  std::string checkpoint;     // export: the checkpoint file
+  std::string export_output;  // export: the safetensors file to write
 };
 
 // The target to dial: the flag when set, else the environment's value when set, else

@@ -24,6 +24,7 @@ ABSL_FLAG(std::string, token_file, "",
 ABSL_FLAG(std::string, output, "table", "output format: table or json");
 ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each request in milliseconds (not of watch)");
 ABSL_FLAG(bool, watch, false, "submit: keep following the job, as the watch command does");
+ABSL_FLAG(std::string, o, "model.safetensors", "export: the safetensors file to write");
 
 int main(int argc, char** argv) {
   namespace cli = lockstep::cli;
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
   flags.output = absl::GetFlag(FLAGS_output);
   flags.timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
   flags.watch = absl::GetFlag(FLAGS_watch);
+  flags.export_output = absl::GetFlag(FLAGS_o);
   absl::StatusOr<cli::Invocation> invocation =
       cli::ParseInvocation(args, flags, std::getenv(cli::kCoordinatorEnv), std::cin);
   if (!invocation.ok()) return usage_error(invocation.status());

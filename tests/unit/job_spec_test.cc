@@ -173,5 +173,105 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
   }
 }
 
+v1::JobSpec GptSpec() {
+  v1::JobSpec spec;
+  v1::ModelSpec* m = spec.mutable_model();
+  m->set_type("gpt");
+  m->set_vocab_size(256);
+  m->set_context_length(64);
+  m->set_n_layer(2);
+  m->set_n_head(4);
+  m->set_d_model(64);
+  spec.mutable_dataset()->set_type("text");
+  spec.mutable_dataset()->set_path("/usr/share/games/fortunes");
+  spec.mutable_optimizer()->set_type("adamw");
+  spec.mutable_optimizer()->set_learning_rate(0.001);
+  spec.set_global_batch_size(16);
+  spec.set_max_steps(10);
+  return spec;
+}
+
+TEST(JobSpecTest, GptSpecWithDefaultsPasses) {
+  v1::JobSpec spec = GptSpec();
+  spec.mutable_sample()->set_max_tokens(50);
+  spec.mutable_model()->add_frozen_parameters("wte.weight");
+  spec.mutable_model()->add_frozen_parameters("h.1.*");
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  EXPECT_DOUBLE_EQ(spec.dataset().validation_fraction(), 0.05);
+  EXPECT_DOUBLE_EQ(spec.sample().temperature(), 1.0);
+  EXPECT_TRUE(spec.model().activation().empty()) << "an MLP field stays unset";
+}
+
+TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {
+  const std::vector<BadCase> cases = {
+      {"d_model not divisible", [](v1::JobSpec* s) { s->mutable_model()->set_d_model(66); },
+       "model.d_model"},
+      {"zero heads", [](v1::JobSpec* s) { s->mutable_model()->set_n_head(0); }, "model.n_head"},
+      {"negative layers", [](v1::JobSpec* s) { s->mutable_model()->set_n_layer(-1); },
+       "model.n_layer"},
+      {"zero context", [](v1::JobSpec* s) { s->mutable_model()->set_context_length(0); },
+       "model.context_length"},
+      {"zero vocab", [](v1::JobSpec* s) { s->mutable_model()->set_vocab_size(0); },
+       "model.vocab_size"},
+      {"frozen pattern matching nothing",
+       [](v1::JobSpec* s) { s->mutable_model()->add_frozen_parameters("h.7.*"); },
+       "model.frozen_parameters[0]"},
+      {"everything frozen", [](v1::JobSpec* s) { s->mutable_model()->add_frozen_parameters("*"); },
+       "model.frozen_parameters"},
+      {"gpt on images",
+       [](v1::JobSpec* s) {
+         s->mutable_dataset()->set_type("fashion_mnist");
+       },
+       "dataset.type"},
+      {"tokens without validation file",
+       [](v1::JobSpec* s) {
+         s->mutable_dataset()->set_type("tokens");
+         s->mutable_dataset()->set_path("/data/train.bin");
+       },
+       "dataset.validation_path"},
+      {"validation fraction 1",
+       [](v1::JobSpec* s) { s->mutable_dataset()->set_validation_fraction(1.0); },
+       "dataset.validation_fraction"},
+      {"unknown dataset", [](v1::JobSpec* s) { s->mutable_dataset()->set_type("parquet"); },
+       "dataset.type"},
+      {"negative clip", [](v1::JobSpec* s) { s->mutable_optimizer()->set_grad_clip_norm(-1); },
+       "optimizer.grad_clip_norm"},
+      {"too long a sample", [](v1::JobSpec* s) { s->mutable_sample()->set_max_tokens(5000); },
+       "sample.max_tokens"},
+      {"prompt token beyond the vocabulary",
+       [](v1::JobSpec* s) {
+         s->mutable_sample()->set_max_tokens(5);
+         s->mutable_sample()->add_prompt_tokens(300);
+       },
+       "sample.prompt_tokens[0]"},
+      {"negative eval interval", [](v1::JobSpec* s) { s->set_eval_every_steps(-1); },
+       "eval_every_steps"},
+      {"mlp width field", [](v1::JobSpec* s) { s->mutable_model()->add_hidden_widths(8); },
+       "model.hidden_widths"},
+  };
+  for (const BadCase& c : cases) {
+    v1::JobSpec spec = GptSpec();
+    c.mutate(&spec);
+    ApplyJobSpecDefaults(&spec);
+    absl::Status status = ValidateJobSpec(spec);
+    EXPECT_EQ(status.code(), c.code) << c.name << ": " << status;
+    EXPECT_NE(status.message().find(c.field), std::string::npos)
+        << c.name << ": message \"" << status.message() << "\" does not name " << c.field;
+  }
+  // An MLP cannot train on text, nor freeze a tensor it lacks.
+  v1::JobSpec mlp = ValidSpec();
+  mlp.mutable_dataset()->set_type("text");
+  mlp.mutable_dataset()->set_path("/tmp/x.txt");
+  ApplyJobSpecDefaults(&mlp);
+  EXPECT_NE(ValidateJobSpec(mlp).message().find("dataset.type"), std::string::npos);
+  mlp = ValidSpec();
+  mlp.mutable_model()->add_frozen_parameters("fc3.*");  // fc1 and fc2 only
+  ApplyJobSpecDefaults(&mlp);
+  EXPECT_NE(ValidateJobSpec(mlp).message().find("fc3.*"), std::string::npos);
+  mlp.mutable_model()->set_frozen_parameters(0, "fc1.*");
+  EXPECT_TRUE(ValidateJobSpec(mlp).ok()) << ValidateJobSpec(mlp);
+}
+
 }  // namespace
 }  // namespace lockstep::coordinator

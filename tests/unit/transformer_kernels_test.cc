@@ -104,7 +104,10 @@ double GeluRef(double x) {
 }
 
 TEST(TransformerKernelsTest, GeluTanhMatchesFloat64) {
-  const auto x = Random(257, 5, 2.5f), dout = Random(257, 6);
+  auto x = Random(257, 5, 2.5f);
+  // Beyond the tanh approximation's clamp, and around zero.
+  for (float v : {-30.0f, -9.0f, -7.9f, -1e-4f, 0.0f, 3e-5f, 7.95f, 12.0f, 40.0f}) x.push_back(v);
+  const auto dout = Random(x.size(), 6);
   std::vector<float> y(x.size()), dx(x.size());
   GeluTanhForward(x.data(), x.size(), y.data());
   std::vector<double> want(x.size()), grad(x.size());
@@ -172,6 +175,40 @@ TEST(TransformerKernelsTest, CausalAttentionMatchesFloat64) {
   EXPECT_LT(RelativeError(dqkv, g), 1e-5) << "dqkv is overwritten, causal, per head";
   // The first position of each sequence attends only to itself: its output is its value.
   for (int i = 0; i < C; ++i) EXPECT_FLOAT_EQ(out[i], qkv[2 * C + i]);
+}
+
+// Sequences longer than one block of query rows (32), ending in a partial block.
+TEST(TransformerKernelsTest, CausalAttentionAcrossQueryBlocksMatchesFloat64) {
+  const int B = 1, T = 70, C = 4, H = 2;
+  const auto qkv = Random(static_cast<size_t>(B) * T * 3 * C, 17, 1.5f);
+  const auto dout = Random(static_cast<size_t>(B) * T * C, 18);
+  std::vector<float> out(B * T * C), lse(B * H * T), dqkv(qkv.size(), 5.0f);
+  CausalAttentionForward(qkv.data(), B, T, C, H, out.data(), lse.data());
+  EXPECT_LT(RelativeError(out, AttentionRef(ToDouble(qkv), B, T, C, H)), 1e-6);
+  CausalAttentionBackward(dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, H,
+                          dqkv.data());
+  const auto g = NumericGradient(ToDouble(qkv), [&](const std::vector<double>& v) {
+    const auto o = AttentionRef(v, B, T, C, H);
+    double l = 0;
+    for (size_t i = 0; i < o.size(); ++i) l += dout[i] * o[i];
+    return l;
+  });
+  EXPECT_LT(RelativeError(dqkv, g), 1e-5);
+}
+
+TEST(TransformerKernelsTest, ColumnSumsMatchFloat64) {
+  const int rows = 300, cols = 19;
+  const auto d = Random(static_cast<size_t>(rows) * cols, 21);
+  std::vector<double> want(cols, 0.0);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) want[c] += d[static_cast<size_t>(r) * cols + c];
+  }
+  std::vector<float> out(cols, 7.0f);
+  ColumnSums(d.data(), rows, cols, out.data(), /*accumulate=*/false);
+  EXPECT_LT(RelativeError(out, want), 1e-6);
+  ColumnSums(d.data(), rows, cols, out.data(), /*accumulate=*/true);
+  for (double& w : want) w *= 2;
+  EXPECT_LT(RelativeError(out, want), 1e-6);
 }
 
 // ---- Embedding gradient and the LM head
