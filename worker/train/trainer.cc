@@ -526,9 +526,10 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
   const int64_t total = language ? data_->valid_tokens.Windows(context) : data_->test.samples;
   const int64_t begin = total * comm_->rank() / comm_->size();
   const int64_t end = total * (comm_->rank() + 1) / comm_->size();
-  // Rows per forward pass: a classifier's 1024 samples, or a language model's windows worth
-  // about 32 Ki tokens (the activations of one pass stay modest).
-  const int64_t chunk = language ? std::max<int64_t>(1, 32768 / std::max(context, 1)) : 1024;
+  // Rows per forward pass: a classifier's 1024 samples, or as many windows as a training
+  // micro-batch (a language model's forward keeps every layer's activations: the memory
+  // preflight sized them for the micro-batch).
+  const int64_t chunk = language ? std::max<int64_t>(1, micro_batch_) : 1024;
   double sums[3] = {0, 0, static_cast<double>(end - begin)};  // loss, correct, count
   std::vector<float> x(language ? 0 : static_cast<size_t>(chunk) * data_->dim);
   std::vector<int32_t> tokens(language ? static_cast<size_t>(chunk) * (context + 1) : 0);
