@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The main job: installs what is missing, builds, starts a local cluster (one coordinator, two
 # CPU workers), trains an MLP on Fashion-MNIST with live progress, prints the test accuracy, and
-# stops the cluster. Usage: scripts/demo.sh [--synthetic] [--workers N]
+# stops the cluster. With --gpt it trains a byte-level GPT on Debian's fortunes instead and prints
+# the validation loss and a sample of its text. Usage: scripts/demo.sh [--gpt|--synthetic]
+# [--workers N]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 synthetic=0
+gpt=0
 workers=2
 while (($#)); do
   case "$1" in
     --synthetic) synthetic=1 ;;
+    --gpt) gpt=1 ;;
     --workers) workers="$2"; shift ;;
     --workers=*) workers="${1#*=}" ;;
-    -h|--help) sed -n '2,4p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown option $1 (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -23,7 +27,13 @@ echo "== building"
 bin="${LOCKSTEP_BUILD_DIR:-$root/build}"
 
 spec="$root/docs/examples/fashion_mnist.json"
-if ((synthetic)); then
+if ((gpt)); then
+  spec="$root/docs/examples/gpt_fortunes.json"
+  if [[ ! -d /usr/share/games/fortunes ]]; then
+    echo "demo.sh: the fortunes corpus (Debian package fortunes) is not installed" >&2
+    exit 1
+  fi
+elif ((synthetic)); then
   spec="$root/docs/examples/synthetic.json"
 elif [[ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]]; then
   echo "demo.sh: Fashion-MNIST is not installed (Debian package dataset-fashion-mnist) and" >&2

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages Lockstep builds, tests and demos with. Idempotent: it only
+# Installs the Debian packages Lockstep builds, tests and demos with (fortunes is the GPT demo's
+# text corpus, /usr/share/games/fortunes). Idempotent: it only
 # calls apt-get when something is missing. Usage: scripts/install_deps.sh [--bench] [--test]
 # --test adds what the tests need beyond the build: a Docker engine, docker-compose, debootstrap
 # and iptables for the deploy tests, clang for the thread-safety check.
@@ -10,7 +11,7 @@ pkgs=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libgoogle-glog-dev libgflags-dev libabsl-dev libgtest-dev libgmock-dev
   libgloo-dev libsqlite3-dev libopenblas-dev zlib1g-dev libxxhash-dev
-  dataset-fashion-mnist
+  dataset-fashion-mnist fortunes
 )
 for arg in "$@"; do
   case "$arg" in

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Usage: run_torchrun.sh NPROC [train_mlp.py args...]
 #
-# Launches bench/torch/train_mlp.py under Debian's torchrun (python3-torch 1.13)
+# Launches bench/torch/train_mlp.py (or the script $TORCH_SCRIPT names, e.g. train_gpt.py)
+# under Debian's torchrun (python3-torch 1.13)
 # on this host: --standalone, 1 node, NPROC CPU workers, OMP_NUM_THREADS=1.
 #
 # Extra torchrun options (underscore spelling only, e.g.
@@ -51,7 +52,7 @@ set +e
     --standalone --nnodes=1 --nproc_per_node="$NPROC" \
     --redirects=9:1 --tee=9:1 --log_dir="$LOG_DIR" \
     "${EXTRA[@]}" \
-    "$HERE/train_mlp.py" "$@" \
+    "$HERE/${TORCH_SCRIPT:-train_mlp.py}" "$@" \
     | sed -u -E 's/^\[[A-Za-z_]*[0-9]+\]:[[:space:]]?//'
 rc=${PIPESTATUS[0]}
 exit "$rc"

@@ -172,6 +172,30 @@ def load_safetensors(path):
     return out
 
 
+def apply_spec(args, path):
+    """Sets the job's arguments from a Lockstep JobSpec in protobuf's JSON mapping."""
+    spec = json.load(open(path))
+    model, data, opt = spec["model"], spec["dataset"], spec.get("optimizer", {})
+    if model.get("type") != "gpt" or data.get("type") != "text":
+        raise SystemExit(f"{path}: the twin trains model type gpt on text data")
+    args.vocab, args.context = model["vocabSize"], model["contextLength"]
+    args.layers, args.heads, args.d_model = model["nLayer"], model["nHead"], model["dModel"]
+    args.data = os.path.join(os.path.dirname(os.path.abspath(path)), data["path"])
+    args.validation_fraction = data.get("validationFraction", 0.05)
+    args.lr = opt["learningRate"]
+    args.beta2 = opt.get("beta2", 0.999)
+    args.weight_decay = opt.get("weightDecay", 0.0)
+    args.decay_embeddings = opt.get("decayEmbeddings", False)
+    args.warmup_steps = int(opt.get("warmupSteps", 0))
+    args.cosine = 1 if opt.get("cosineDecay") else 0
+    args.grad_clip = opt.get("gradClipNorm", 0.0)
+    if opt.get("beta1", 0.9) != 0.9 or opt.get("epsilon", 1e-8) != 1e-8:
+        raise SystemExit(f"{path}: the twin uses beta1 0.9 and epsilon 1e-8")
+    args.batch = int(spec["globalBatchSize"])
+    args.steps = int(spec["maxSteps"])
+    args.seed = int(spec.get("seed", 0))
+
+
 def learning_rate(args, step, total):
     if args.warmup_steps > 0 and step <= args.warmup_steps:
         return args.lr * step / args.warmup_steps
@@ -230,7 +254,13 @@ def main():
     p.add_argument("--init_safetensors", default="",
                    help="start from these weights (a Lockstep export) instead of torch's init")
     p.add_argument("--no_eval", action="store_true")
+    p.add_argument("--spec", default="",
+                   help="take the job from a Lockstep job spec (JSON) instead of the flags above; "
+                        "a relative dataset path is relative to the spec's directory")
+    p.add_argument("--losses_out", default="", help="write the per-step losses here (JSON)")
     args = p.parse_args()
+    if args.spec:
+        apply_spec(args, args.spec)
     torch.set_num_threads(1)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -298,6 +328,11 @@ def main():
             model, valid, args.context, rank, world)
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
+        if args.losses_out:
+            with open(args.losses_out, "w") as f:
+                json.dump({"losses": losses, "steps": args.steps, "world": world,
+                           "torch": torch.__version__}, f, indent=1)
+                f.write("\n")
     dist.destroy_process_group()
 
 
