@@ -763,6 +763,12 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   const bool some_finished = std::any_of(job.members.begin(), job.members.end(),
                                          [](const MemberState& m) { return m.finished; });
   if (some_finished && job.job.state() == v1::JOB_STATE_RUNNING) {
+    // Rank 0 writes the sample and the export after the evaluation: lost in between, they are
+    // missing, and the job says so (the trained state is complete on the members that finished).
+    if (!job.job.spec().output_dir().empty() && job.job.export_path().empty() &&
+        job.job.export_error().empty()) {
+      job.job.set_export_error(absl::StrCat("not written: ", reason, " before writing it"));
+    }
     return FinishJob(
         job, v1::JOB_STATE_SUCCEEDED,
         absl::StrCat("trained ", job.job.step(), " steps; ", reason, " after the last step"), now,

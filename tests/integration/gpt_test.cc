@@ -290,5 +290,55 @@ TEST(GptIntegrationTest, BadSpecsAndDataFailClearlyAndWorkersSurvive) {
   ExpectSucceeded(*cluster, *done, 5);
 }
 
+// The window after the final evaluation: the other ranks have reported their result while rank
+// 0 writes the sample and the export. Rank 0 killed there: the job still ends SUCCEEDED with the
+// exact steps and the bits of an undisturbed run (the survivors hold the final state), and says
+// the export was not written.
+TEST(GptIntegrationTest, RankZeroLostWhileWritingTheSampleKeepsTheTrainedResult) {
+  auto cluster = StartCluster(2);
+  ASSERT_NE(cluster, nullptr);
+  v1::JobSpec spec = FortunesJob(2, 2, 30);
+  spec.set_skip_evaluation(true);
+  spec.set_heartbeat_timeout_ms(1500);
+  auto reference = cluster->Submit(spec);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  auto undisturbed = cluster->WaitForEnd(reference->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(undisturbed.ok()) << undisturbed.status();
+  ExpectSucceeded(*cluster, *undisturbed, 30);
+
+  for (const char* name : {"w0", "w1"}) {
+    cluster->worker(name)->Signal(SIGKILL);
+    ASSERT_TRUE(cluster->WaitForWorker(name, "lost", absl::Seconds(10)).ok());
+    ASSERT_TRUE(cluster->StartWorker(name, {"--test_hooks=before_sample"}).ok());
+  }
+  spec.mutable_sample()->set_max_tokens(20);
+  spec.set_output_dir(cluster->dir() + "/export");
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto running = cluster->WaitFor(
+      job->job_id(), [](const v1::Job& j) { return j.members_size() == 2 && j.step() >= 30; },
+      absl::Seconds(120));
+  ASSERT_TRUE(running.ok()) << running.status();
+  const std::string rank0 = running->members(0).worker_name();
+  ASSERT_TRUE(cluster->WaitForHook(rank0, "before_sample", absl::Seconds(60)).ok());
+  // Rank 1 has reported its result; rank 0 is held before writing the sample.
+  ASSERT_TRUE(cluster
+                  ->WaitFor(
+                      job->job_id(),
+                      [](const v1::Job& j) { return !j.members(1).parameter_checksum().empty(); },
+                      absl::Seconds(30))
+                  .ok());
+  cluster->worker(rank0)->Signal(SIGKILL);
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(60));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(done->step(), 30);
+  EXPECT_EQ(done->members(1).parameter_checksum(), undisturbed->members(0).parameter_checksum());
+  EXPECT_FALSE(done->has_sample());
+  EXPECT_TRUE(done->export_path().empty());
+  EXPECT_NE(done->export_error().find("not written"), std::string::npos) << done->export_error();
+  EXPECT_FALSE(std::filesystem::exists(cluster->dir() + "/export/model.safetensors"));
+}
+
 }  // namespace
 }  // namespace lockstep

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/commands.h"
+#include "common/job_memory.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -305,6 +306,72 @@ TEST(GptTrainerTest, ExportAndCheckpointConversionWriteGpt2Safetensors) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/conv/config.json"));
   EXPECT_EQ(cli::ExportCheckpoint(dir + "/none.ckpt", dir + "/x.safetensors", out).code(),
             absl::StatusCode::kNotFound);
+}
+
+// The MLP exports the same way: fcN.weight [out, in] and fcN.bias, PyTorch's nn.Linear names.
+TEST(GptTrainerTest, TheMlpExportsUnderPyTorchNames) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_type("mlp");
+  spec.mutable_model()->add_hidden_widths(8);
+  spec.mutable_model()->set_activation("relu");
+  spec.mutable_dataset()->set_type("synthetic");
+  auto* s = spec.mutable_dataset()->mutable_synthetic();
+  s->set_train_samples(256);
+  s->set_test_samples(32);
+  s->set_input_dim(6);
+  s->set_num_classes(3);
+  spec.mutable_optimizer()->set_type("sgd");
+  spec.mutable_optimizer()->set_learning_rate(0.1);
+  spec.set_global_batch_size(32);
+  spec.set_micro_shards(4);
+  spec.set_max_steps(3);
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/mlp-export-", getpid());
+  std::filesystem::remove_all(dir);
+  spec.set_output_dir(dir);
+  SoloCommunicator comm;
+  auto trainer = Trainer::Create("mlp-job", spec, Data(spec), &comm).value();
+  std::atomic<bool> abort{false};
+  ASSERT_TRUE(trainer->Train(1, abort, [](const v1::ProgressReport&) {}).ok());
+  absl::StatusOr<std::string> exported = trainer->Export();
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ExpectSafetensors(*exported, trainer->model());
+  const Model& m = trainer->model();
+  EXPECT_EQ(m.tensors()[0].name, "fc2.weight");
+  EXPECT_EQ(m.tensors()[0].shape, (std::vector<int64_t>{3, 8}));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/config.json"));
+  // An unwritable directory is an error naming it, not a crash.
+  spec.set_output_dir("/proc/lockstep-no-such-dir");
+  auto other = Trainer::Create("mlp-job", spec, Data(spec), &comm).value();
+  absl::StatusOr<std::string> refused = other->Export();
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("/proc/lockstep-no-such-dir"), std::string::npos)
+      << refused.status();
+}
+
+// The memory preflight sizes the GPT: parameters, gradients and AdamW state shrink with frozen
+// tensors, and activations grow with the micro-batch (attention keeps O(T) per row).
+TEST(GptTrainerTest, MemoryEstimateCoversTheGpt) {
+  v1::JobSpec spec = GptSpec();
+  const MemoryEstimate one = EstimateWorkerMemory(spec, 1), eight = EstimateWorkerMemory(spec, 8);
+  auto model = CreateModel(spec.model(), {}).value();
+  EXPECT_EQ(one.parameters, static_cast<int64_t>(4 * model->num_params()));
+  EXPECT_EQ(one.gradients, one.parameters);
+  EXPECT_EQ(one.optimizer, 2 * one.parameters);
+  EXPECT_GT(eight.activations, 7 * (one.activations - 4 * (int64_t{16} * 256)));
+  spec.mutable_model()->add_frozen_parameters("wte.weight");
+  const MemoryEstimate frozen = EstimateWorkerMemory(spec, 1);
+  EXPECT_EQ(frozen.parameters, one.parameters);
+  EXPECT_EQ(one.gradients - frozen.gradients, 4 * 256 * 32);
+  EXPECT_EQ(one.optimizer - frozen.optimizer, 8 * 256 * 32);
+  // GPT-2 small with a batch of 64 x 1024 tokens at once needs tens of GiB: the preflight says so.
+  v1::JobSpec big = GptSpec();
+  big.mutable_model()->set_vocab_size(50257);
+  big.mutable_model()->set_context_length(1024);
+  big.mutable_model()->set_n_layer(12);
+  big.mutable_model()->set_n_head(12);
+  big.mutable_model()->set_d_model(768);
+  EXPECT_GT(EstimateWorkerMemory(big, 64).total(), int64_t{40} << 30);
+  EXPECT_LT(EstimateWorkerMemory(big, 1).total(), int64_t{4} << 30);
 }
 
 }  // namespace
