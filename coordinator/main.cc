@@ -12,6 +12,7 @@
 #include "common/atomic_file.h"
 #include "common/auth.h"
 #include "common/grpc_options.h"
+#include "common/metrics.h"
 #include "coordinator/service/services.h"
 #include "glog/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -29,6 +30,11 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(std::string, token_file, "",
           "File holding the shared token every client must send (default: $LOCKSTEP_TOKEN_FILE, "
           "else $LOCKSTEP_TOKEN, else none: every client that can connect is trusted).");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Serve Prometheus metrics (GET /metrics) on HOST:PORT, e.g. 0.0.0.0:9090; empty: off. "
+          "Port 0 lets the OS pick (see --metrics_port_file).");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "If set, the metrics port is written to this file once serving.");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
           "Silence after which a worker is declared lost (jobs may set their own).");
 
@@ -99,6 +105,25 @@ int main(int argc, char** argv) {
   }
   lockstep::coordinator::Coordinator coordinator(options, lockstep::RealClock::Get(),
                                                  job_store.get(), *token);
+  // Metrics before the jobs are restored: a restart's re-formations are counted.
+  std::unique_ptr<lockstep::MetricsEndpoint> metrics_endpoint;
+  std::unique_ptr<lockstep::coordinator::CoordinatorMetrics> metrics;
+  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
+    absl::StatusOr<std::unique_ptr<lockstep::MetricsEndpoint>> started =
+        lockstep::MetricsEndpoint::Start(address, absl::GetFlag(FLAGS_metrics_port_file));
+    if (!started.ok()) {
+      LOG(ERROR) << "--metrics_listen: " << started.status().message();
+      return 1;
+    }
+    metrics_endpoint = *std::move(started);
+    metrics = std::make_unique<lockstep::coordinator::CoordinatorMetrics>(
+        metrics_endpoint->registry(), absl::ToUnixMillis(absl::Now()));
+    coordinator.set_metrics(metrics.get());
+    metrics_endpoint->Add(std::make_shared<lockstep::ScrapeCollector>([&coordinator] {
+      return lockstep::coordinator::CoordinatorMetrics::StateFamilies(coordinator.Counts());
+    }));
+    LOG(INFO) << "metrics on port " << metrics_endpoint->port() << " (GET /metrics)";
+  }
   absl::StatusOr<int> restored = coordinator.Restore();
   if (!restored.ok()) {
     LOG(ERROR) << "cannot load the jobs in " << state_dir << ": " << restored.status();
@@ -121,6 +146,11 @@ int main(int argc, char** argv) {
   builder.RegisterService(&jobs);
   builder.RegisterService(&workers);
   builder.RegisterService(&store);
+  if (metrics != nullptr) {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(metrics->InterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     LOG(ERROR) << "cannot listen on " << absl::GetFlag(FLAGS_listen)

@@ -3,7 +3,8 @@
 # text corpus, /usr/share/games/fortunes). Idempotent: it only
 # calls apt-get when something is missing. Usage: scripts/install_deps.sh [--bench] [--test]
 # --test adds what the tests need beyond the build: a Docker engine, docker-compose, debootstrap
-# and iptables for the deploy tests, clang for the thread-safety check.
+# and iptables for the deploy tests, clang for the thread-safety check, a Prometheus server
+# that scrapes a test cluster.
 set -euo pipefail
 
 pkgs=(
@@ -11,12 +12,13 @@ pkgs=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libgoogle-glog-dev libgflags-dev libabsl-dev libgtest-dev libgmock-dev
   libgloo-dev libsqlite3-dev libopenblas-dev zlib1g-dev libxxhash-dev
+  prometheus-cpp-dev libcpp-httplib-dev
   dataset-fashion-mnist fortunes
 )
 for arg in "$@"; do
   case "$arg" in
     --bench) pkgs+=(python3-torch libopenblas0-openmp) ;;
-    --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang) ;;
+    --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang prometheus) ;;
     *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

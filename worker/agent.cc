@@ -444,6 +444,21 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
   resumed.set_from_checkpoint(heal->from_checkpoint);
   Decide([&](WorkerLifecycle& l, absl::Time now) { return l.OnHealed(run.id, resumed, now); });
 
+  WorkerMetrics* const metrics = options_.metrics;
+  if (metrics != nullptr) {
+    metrics->BeginRun(a.job_id(), a.rank(), a.world_size(), trainer->ReducedBytesPerStep());
+    trainer->set_step_observer([metrics](const StepResult& r) { metrics->ObserveStep(r); });
+  }
+  struct EndMetrics {
+    WorkerMetrics* metrics;
+    Trainer* trainer;
+    const AbortSignal* abort;
+    ~EndMetrics() {
+      if (metrics == nullptr) return;
+      trainer->set_step_observer(nullptr);
+      metrics->EndRun(abort->raised());
+    }
+  } end_metrics{metrics, trainer.get(), abort.get()};
   bool first = true;
   absl::Status trained = trainer->Train(
       trainer->completed_step() + 1, abort->flag(),
@@ -455,6 +470,7 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
         p->set_generation(a.generation());
         p->set_first_of_generation(first);
         first = false;
+        if (metrics != nullptr) metrics->ObserveProgress(progress);
         Send(m);
       },
       [&](const v1::CheckpointReport& checkpoint) {

@@ -22,6 +22,7 @@
 #include "lockstep/v1/worker.grpc.pb.h"
 #include "worker/comm/abort_signal.h"
 #include "worker/lifecycle.h"
+#include "worker/metrics.h"
 #include "worker/train/trainer.h"
 
 namespace lockstep::worker {
@@ -53,6 +54,8 @@ struct AgentOptions {
   bool shared_memory_collectives = true;
   // How long a new generation waits for the previous run to stop and hand over its state.
   absl::Duration handover_timeout = absl::Seconds(10);
+  // Prometheus metrics of the runs (not owned; null: none).
+  WorkerMetrics* metrics = nullptr;
 };
 
 // Run() is called by one thread; Stop() may be called from any thread (e.g. a signal watcher).

@@ -13,10 +13,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/auth.h"
+#include "common/metrics.h"
 #include "glog/logging.h"
 #include "worker/agent.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/device.h"
+#include "worker/metrics.h"
 #include "worker/test_hooks.h"
 #include "worker/train/dataset.h"
 
@@ -42,6 +44,11 @@ ABSL_FLAG(std::string, comm_address, "",
           "Address peers use for collectives (default: the local address that routes to the "
           "coordinator).");
 
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Serve Prometheus metrics (GET /metrics) on HOST:PORT, e.g. 0.0.0.0:9100; empty: off. "
+          "Port 0 lets the OS pick (see --metrics_port_file).");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "If set, the metrics port is written to this file once serving.");
 ABSL_FLAG(std::string, test_hooks, "",
           "For tests only: hook points where the worker holds until a test releases it "
           "(NAME or NAME@N, comma-separated; see worker/test_hooks.h).");
@@ -148,6 +155,24 @@ int main(int argc, char** argv) {
   lockstep::worker::SetDatasetCacheDir(absl::GetFlag(FLAGS_data_cache_dir));
   LOG(INFO) << "lockstep-worker " << options.name << " on " << options.host << " device "
             << options.device << ", collectives on " << options.comm_address;
+
+  std::unique_ptr<lockstep::MetricsEndpoint> metrics_endpoint;
+  std::unique_ptr<lockstep::worker::WorkerMetrics> metrics;
+  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
+    absl::StatusOr<std::unique_ptr<lockstep::MetricsEndpoint>> started =
+        lockstep::MetricsEndpoint::Start(address, absl::GetFlag(FLAGS_metrics_port_file));
+    if (!started.ok()) {
+      LOG(ERROR) << "--metrics_listen: " << started.status().message();
+      return 2;
+    }
+    metrics_endpoint = *std::move(started);
+    metrics = std::make_unique<lockstep::worker::WorkerMetrics>(metrics_endpoint->registry(),
+                                                                options.name, options.device);
+    metrics_endpoint->Add(
+        std::make_shared<lockstep::ScrapeCollector>(lockstep::worker::WorkerMetrics::MemoryFamilies));
+    options.metrics = metrics.get();
+    LOG(INFO) << "metrics on port " << metrics_endpoint->port() << " (GET /metrics)";
+  }
 
   std::signal(SIGPIPE, SIG_IGN);
   std::signal(SIGINT, RequestStop);

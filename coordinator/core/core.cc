@@ -536,6 +536,12 @@ std::vector<v1::Job> Core::ListJobs() const {
   return jobs;
 }
 
+std::map<v1::JobState, int64_t> Core::JobCounts() const {
+  std::map<v1::JobState, int64_t> counts;
+  for (const auto& [id, job] : jobs_) ++counts[job.job.state()];
+  return counts;
+}
+
 std::vector<v1::WorkerInfo> Core::ListWorkers() const {
   std::vector<const Worker*> sorted;
   for (const auto& [id, w] : workers_) sorted.push_back(&w);

@@ -108,6 +108,8 @@ class Core {
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id) const;
   std::vector<v1::Job> ListJobs() const;
   std::vector<v1::WorkerInfo> ListWorkers() const;
+  // How many jobs are in each state (for metrics: no job is copied).
+  std::map<v1::JobState, int64_t> JobCounts() const;
   // Events of the job with sequence >= from_sequence (older ones may have been dropped).
   absl::StatusOr<std::vector<v1::JobEvent>> EventsSince(const std::string& job_id,
                                                         int64_t from_sequence) const;

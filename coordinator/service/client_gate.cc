@@ -45,6 +45,7 @@ grpc::Status ClientGate::Admit(const grpc::ServerContext& context) {
     }
     entry.set_reason(std::string(status.message()));
     entry.set_count(entry.count() + 1);
+    ++rejected_calls_;
     entry.set_last_unix_ms(now_ms);
     count = entry.count();
     if (rejected_.size() > kMaxRemembered) {
@@ -60,6 +61,11 @@ grpc::Status ClientGate::Admit(const grpc::ServerContext& context) {
                  << count << (count == 1 ? " call" : " calls") << "): " << status.message();
   }
   return ToGrpcStatus(status);
+}
+
+std::pair<int64_t, int64_t> ClientGate::RejectedCounts() const {
+  absl::MutexLock lock(&mu_);
+  return {rejected_calls_, static_cast<int64_t>(rejected_.size())};
 }
 
 std::vector<v1::RejectedClient> ClientGate::Rejected() const {

@@ -29,12 +29,15 @@ class ClientGate {
   grpc::Status Admit(const grpc::ServerContext& context);
   // Most recently rejected first.
   std::vector<v1::RejectedClient> Rejected() const;
+  // Calls refused since start, and the distinct clients remembered now (for metrics).
+  std::pair<int64_t, int64_t> RejectedCounts() const;
 
  private:
   const TokenChecker checker_;
   Clock* const clock_;
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, v1::RejectedClient> rejected_ ABSL_GUARDED_BY(mu_);
+  int64_t rejected_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace lockstep::coordinator

@@ -1,6 +1,8 @@
 // Shell state of the coordinator: applies the core's decisions outside the lock.
 #include "coordinator/service/coordinator.h"
 
+#include <tuple>
+
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 
@@ -124,6 +126,7 @@ void Coordinator::Apply(const Decisions& decisions) {
     uint64_t& saved = saved_versions_[job.job_id()];
     if (version < saved) continue;
     saved = version;
+    if (metrics_ != nullptr) metrics_->ObserveJob(job);
     if (absl::Status s = job_store_->Save(job); !s.ok()) {
       LOG(ERROR) << "saving job " << job.job_id() << ": " << s;
     }
@@ -174,6 +177,15 @@ void Coordinator::Tick() {
     core.Tick(now, d);
     return 0;
   });
+}
+
+ClusterCounts Coordinator::Counts() {
+  ClusterCounts counts;
+  std::tie(counts.rejected_calls, counts.rejected_clients) = gate_.RejectedCounts();
+  absl::MutexLock lock(&mu_);
+  counts.jobs = core_.JobCounts();
+  for (const v1::WorkerInfo& w : core_.ListWorkers()) ++counts.workers[{w.state(), w.device()}];
+  return counts;
 }
 
 void Coordinator::Shutdown() {

@@ -20,6 +20,7 @@
 #include "common/clock.h"
 #include "coordinator/core/core.h"
 #include "coordinator/service/client_gate.h"
+#include "coordinator/service/metrics.h"
 #include "coordinator/store/bootstrap_store.h"
 #include "coordinator/store/job_store.h"
 #include "grpcpp/server_context.h"
@@ -95,6 +96,10 @@ class Coordinator {
                                                        absl::Duration timeout, bool* finished);
 
   void Tick();
+  // Counts every job snapshot the coordinator saves from now on (call before serving).
+  void set_metrics(CoordinatorMetrics* metrics) { metrics_ = metrics; }
+  // Jobs and workers by state, rejected clients: read when Prometheus scrapes.
+  ClusterCounts Counts();
   // Closes every session and wakes every waiter; later calls still work but nothing blocks.
   void Shutdown();
 
@@ -120,6 +125,7 @@ class Coordinator {
   // Per job, the version of the snapshot saved last.
   std::map<std::string, uint64_t> saved_versions_ ABSL_GUARDED_BY(save_mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  CoordinatorMetrics* metrics_ = nullptr;
 };
 
 }  // namespace lockstep::coordinator

@@ -1,7 +1,6 @@
 // The training step loop.
 #include "worker/train/trainer.h"
 
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/job_memory.h"
+#include "common/process_memory.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 #include "worker/train/checkpoint.h"
@@ -25,16 +25,6 @@
 #include "xxhash.h"
 
 namespace lockstep::worker {
-namespace {
-
-int64_t PeakRssBytes() {
-  struct rusage usage {};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
-}
-
-}  // namespace
-
 bool Trainer::IsFatal(const absl::Status& status) {
   return absl::IsFailedPrecondition(status) || absl::IsOutOfRange(status) ||
          absl::IsUnimplemented(status);
@@ -160,6 +150,13 @@ absl::Status Trainer::FixedPointOutOfRange(int64_t rejected, int64_t step) {
       rejected, step, std::ldexp(1.0, 51 - kFixedPointFracBits)));
 }
 
+int64_t Trainer::ReducedBytesPerStep() const {
+  if (comm_->size() <= 1) return 0;
+  const bool det = spec_.deterministic();
+  const int64_t values = static_cast<int64_t>(model_->num_grads()) + (det ? 2 : 1);
+  return values * static_cast<int64_t>(det ? sizeof(int64_t) : sizeof(float));
+}
+
 void Trainer::set_memory_budget(int64_t bytes) {
   memory_budget_ = bytes;
   micro_batch_ = ChooseMicroBatch(spec_, comm_->size(), memory_budget_);
@@ -195,6 +192,7 @@ absl::Status Trainer::TrainStep(int64_t step) {
   timing_.exposed_comm += result->exposed_comm;
   timing_.update += result->update;
   ++timing_.steps;
+  if (step_observer_) step_observer_(*result);
   return absl::OkStatus();
 }
 
@@ -506,7 +504,7 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
       report.set_step(step);
       report.set_loss(last_loss_);
       report.set_samples_per_second(samples_per_second);
-      report.set_peak_memory_bytes(PeakRssBytes());
+      report.set_peak_memory_bytes(ReadProcessMemory().peak_bytes);
       report.set_total_steps(total_steps_);
       if (data_->language) {
         report.set_tokens_per_second(samples_per_second * spec_.model().context_length());

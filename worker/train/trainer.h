@@ -64,6 +64,13 @@ class Trainer {
   // through forward and backward at once (ChooseMicroBatch of common/job_memory.h). Not during
   // Train.
   void set_memory_budget(int64_t bytes);
+  // Called after every step this trainer takes (for metrics), on the training thread. Not
+  // during Train.
+  using StepObserver = std::function<void(const StepResult&)>;
+  void set_step_observer(StepObserver observer) { step_observer_ = std::move(observer); }
+  // Bytes this rank hands to the group's sum each step: the trainable gradient and the loss
+  // (deterministic mode: as 64-bit integers, with the out-of-range count); 0 alone.
+  int64_t ReducedBytesPerStep() const;
   // Samples per forward/backward pass: the whole share, or less with gradient accumulation.
   int64_t micro_batch() const { return micro_batch_; }
   // Swaps in another communicator, e.g. a faster transport formed after the model size is
@@ -181,6 +188,7 @@ class Trainer {
   // that tells the two apart).
   bool initialized_from_checkpoint_ = false;
   Timing timing_;
+  StepObserver step_observer_;
 };
 
 }  // namespace lockstep::worker

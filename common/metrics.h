@@ -1,0 +1,77 @@
+// A daemon's Prometheus endpoint: GET /metrics in the text exposition format (prometheus-cpp's
+// registry and serializer, served by cpp-httplib), over one registry of counters, gauges and
+// histograms that the daemon updates as things happen, plus collectors that read state when
+// Prometheus scrapes (job and worker counts, memory), so nothing is kept current in between.
+// (prometheus-cpp's own exposer, civetweb, cannot start in a process that has loaded cuBLAS:
+// its server context comes back null, so the workers of a CUDA build could not serve.)
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace lockstep {
+
+class MetricsEndpoint {
+ public:
+  // Listens on `address` (HOST:PORT; port 0 lets the OS pick) and, when `port_file` is set,
+  // writes the port there once serving. INVALID_ARGUMENT for a malformed address, UNAVAILABLE
+  // when it cannot listen.
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& address,
+                                                                const std::string& port_file);
+  ~MetricsEndpoint();
+
+  int port() const { return port_; }
+  prometheus::Registry& registry() { return *registry_; }
+  // Served beside the registry for as long as the endpoint lives.
+  void Add(std::shared_ptr<prometheus::Collectable> collectable);
+
+  // The exposition text of everything registered (what GET /metrics answers).
+  std::string Scrape() const;
+
+ private:
+  MetricsEndpoint();
+  std::unique_ptr<httplib::Server> server_;
+  std::thread thread_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  mutable absl::Mutex mu_;
+  std::vector<std::shared_ptr<prometheus::Collectable>> collectables_ ABSL_GUARDED_BY(mu_);
+  int port_ = 0;
+};
+
+// Metric families computed at scrape time by `collect` (called on the exposer's thread).
+class ScrapeCollector : public prometheus::Collectable {
+ public:
+  explicit ScrapeCollector(std::function<std::vector<prometheus::MetricFamily>()> collect)
+      : collect_(std::move(collect)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override { return collect_(); }
+
+ private:
+  const std::function<std::vector<prometheus::MetricFamily>()> collect_;
+};
+
+// One gauge family with one sample per label set, for ScrapeCollector.
+using Labels = std::vector<std::pair<std::string, std::string>>;
+prometheus::MetricFamily GaugeFamily(std::string name, std::string help,
+                                     const std::vector<std::pair<Labels, double>>& samples);
+prometheus::MetricFamily CounterFamily(std::string name, std::string help,
+                                       const std::vector<std::pair<Labels, double>>& samples);
+
+// Buckets of a seconds histogram from 1 ms to about 2 minutes, doubling.
+std::vector<double> SecondsBuckets();
+
+}  // namespace lockstep
