@@ -12,11 +12,16 @@ out) with 1 and 2 workers for both, the ratio, the validation loss at the end fo
 Lockstep's deterministic mode against its default mode (2 workers), and the fraction of this
 machine's single-core SGEMM rate that one worker's step reaches (bench/gpt_step_bench).
 Prints a Markdown table and writes JSON (default bench/results/gpt_bench.json).
-Usage: bench/gpt_bench.py [--steps 300] [--workers 1,2] [--skip-torch] [--build build] [--out F]
+With --rounds N the two systems alternate N times per worker count (Lockstep, PyTorch,
+PyTorch, Lockstep, ...), so that a drift in the machine's speed falls on both alike; the table
+shows the medians and each round's ratio is kept in the JSON.
+Usage: bench/gpt_bench.py [--steps 300] [--workers 1,2] [--rounds 1] [--skip-torch]
+                          [--build build] [--out F]
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +82,7 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--workers", default="1,2")
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/gpt_bench.json"))
@@ -84,14 +90,33 @@ def main():
     subprocess.run(["cmake", "--build", args.build, "--target", "lockstep-coordinator",
                     "lockstep-worker", "lockstepctl", "gpt_step_bench"], check=True,
                    stdout=subprocess.DEVNULL)
-    results = {"steps": args.steps, "lockstep": {}, "torch": {}}
+    results = {"steps": args.steps, "rounds": args.rounds, "lockstep": {}, "torch": {},
+               "per_round": {}}
     results["step_bench"] = step_bench(args.build)
+
+    def median_run(runs):
+        # The run with the median throughput (its loss comes with it).
+        ordered = sorted(runs, key=lambda r: r["tokens_per_second"])
+        return dict(ordered[(len(ordered) - 1) // 2], runs=len(runs))
+
     for w in [int(x) for x in args.workers.split(",")]:
-        results["lockstep"][str(w)] = lockstep(args.build, w, args.steps)
-        print(f"lockstep {w}w: {results['lockstep'][str(w)]}", file=sys.stderr, flush=True)
-        if not args.skip_torch:
-            results["torch"][str(w)] = torch(w, args.steps)
-            print(f"torch {w}w: {results['torch'][str(w)]}", file=sys.stderr, flush=True)
+        ls_runs, torch_runs = [], []
+        for r in range(args.rounds):
+            order = ["lockstep", "torch"] if r % 2 == 0 else ["torch", "lockstep"]
+            for system in order:
+                if system == "lockstep":
+                    ls_runs.append(lockstep(args.build, w, args.steps))
+                    print(f"lockstep {w}w round {r + 1}: {ls_runs[-1]}", file=sys.stderr, flush=True)
+                elif not args.skip_torch:
+                    torch_runs.append(torch(w, args.steps))
+                    print(f"torch {w}w round {r + 1}: {torch_runs[-1]}", file=sys.stderr, flush=True)
+        results["lockstep"][str(w)] = median_run(ls_runs)
+        if torch_runs:
+            results["torch"][str(w)] = median_run(torch_runs)
+            results["per_round"][str(w)] = [
+                {"lockstep": a["tokens_per_second"], "torch": b["tokens_per_second"],
+                 "ratio": a["tokens_per_second"] / b["tokens_per_second"]}
+                for a, b in zip(ls_runs, torch_runs)]
     results["lockstep_deterministic_2"] = lockstep(args.build, 2, args.steps, deterministic=True)
 
     rows = ["| workers | Lockstep tokens/s | PyTorch tokens/s | ratio | Lockstep val loss "
@@ -111,6 +136,11 @@ def main():
     default2 = results["lockstep"].get("2")
     sb = results["step_bench"]
     print("\n".join(rows))
+    for w, rounds in results["per_round"].items():
+        if len(rounds) > 1:
+            ratios = [r["ratio"] for r in rounds]
+            print(f"{w} workers, ratio per round: " + ", ".join(f"{x:.2f}x" for x in ratios) +
+                  f" (median {statistics.median(ratios):.2f}x)")
     if default2:
         print(f"\ndeterministic mode, 2 workers: {det['tokens_per_second']:,.0f} tokens/s "
               f"({det['tokens_per_second'] / default2['tokens_per_second']:.2f}x the default mode), "

@@ -134,3 +134,13 @@ std::vector<double> SecondsBuckets() {
 }
 
 }  // namespace lockstep
+
+namespace lockstep {
+
+prometheus::Histogram& SecondsHistogram(prometheus::Registry& registry, const std::string& name,
+                                        const std::string& help) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add(
+      {}, SecondsBuckets());
+}
+
+}  // namespace lockstep

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "prometheus/collectable.h"
+#include "prometheus/histogram.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 
@@ -73,5 +74,8 @@ prometheus::MetricFamily CounterFamily(std::string name, std::string help,
 
 // Buckets of a seconds histogram from 1 ms to about 2 minutes, doubling.
 std::vector<double> SecondsBuckets();
+// An unlabelled histogram of seconds with those buckets, registered in `registry`.
+prometheus::Histogram& SecondsHistogram(prometheus::Registry& registry, const std::string& name,
+                                        const std::string& help);
 
 }  // namespace lockstep

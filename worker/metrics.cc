@@ -7,12 +7,6 @@
 namespace lockstep::worker {
 namespace {
 
-prometheus::Histogram& SecondsHistogram(prometheus::Registry& registry, const std::string& name,
-                                        const std::string& help) {
-  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add(
-      {}, SecondsBuckets());
-}
-
 prometheus::Counter& Counter(prometheus::Registry& registry, const std::string& name,
                              const std::string& help) {
   return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});

@@ -89,23 +89,14 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry, int64_t s
                             "lost or failed; scale_up: spare workers joined; coordinator: the "
                             "coordinator's restart or absence)")
                       .Register(registry)),
-      recovery_seconds_(prometheus::BuildHistogram()
-                            .Name("lockstep_coordinator_recovery_seconds")
-                            .Help("From the detection of a failure to the first step of the new "
-                                  "generation")
-                            .Register(registry)
-                            .Add({}, SecondsBuckets())),
-      formation_seconds_(prometheus::BuildHistogram()
-                             .Name("lockstep_coordinator_generation_formation_seconds")
-                             .Help("From the detection of a failure to the new generation's "
-                                   "assignment")
-                             .Register(registry)
-                             .Add({}, SecondsBuckets())),
-      queue_wait_seconds_(prometheus::BuildHistogram()
-                              .Name("lockstep_coordinator_queue_wait_seconds")
-                              .Help("From a job's submission to its first generation")
-                              .Register(registry)
-                              .Add({}, SecondsBuckets())),
+      recovery_seconds_(SecondsHistogram(
+          registry, "lockstep_coordinator_recovery_seconds",
+          "From the detection of a failure to the first step of the new generation")),
+      formation_seconds_(SecondsHistogram(
+          registry, "lockstep_coordinator_generation_formation_seconds",
+          "From the detection of a failure to the new generation's assignment")),
+      queue_wait_seconds_(SecondsHistogram(registry, "lockstep_coordinator_queue_wait_seconds",
+                                           "From a job's submission to its first generation")),
       steps_redone_(prometheus::BuildCounter()
                         .Name("lockstep_coordinator_steps_redone_total")
                         .Help("Committed steps trained again after recoveries")

@@ -6,6 +6,9 @@
 #   - one worker is stopped with `docker kill` (the job shrinks to 2 and goes on);
 #   - another worker's process is killed from the host, as a crash would (the restart policy
 #     brings the container back, it registers again and rejoins the running job).
+# The compose file's Prometheus server scrapes every service: its HTTP API must return a
+# Lockstep metric of the coordinator and of each worker, and the recovery counter must rise
+# after the docker kill.
 # The workers share one /dev/shm volume, so their sums take the shared-memory path; the test
 # checks that in their logs.
 # The job must succeed with exactly maxSteps steps and identical parameters on every rank.
@@ -33,6 +36,8 @@ export LOCKSTEP_TOKEN="e2e-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n'
 # A free host port for the coordinator (published on 127.0.0.1 only).
 LOCKSTEP_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 export LOCKSTEP_PORT
+LOCKSTEP_PROMETHEUS_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+export LOCKSTEP_PROMETHEUS_PORT
 work="$(mktemp -d /tmp/lockstep-e2e.XXXXXX)"
 export LOCKSTEP_DATASETS="$work/datasets"
 mkdir -p "$LOCKSTEP_DATASETS"
@@ -209,11 +214,29 @@ log "submitted $job"
 job_field() { "$ctl" --output=json status "$job" | python3 -c "import json,sys; j=json.load(sys.stdin); print($1)"; }
 wait_for 60 "$job at step 300" bash -c "(( \$($(declare -f job_field); ctl=$ctl job=$job; job_field \"int(j.get('step', 0))\") >= 300 ))"
 
+# The compose cluster's Prometheus server scrapes the coordinator and every worker: ask its
+# HTTP API for a Lockstep metric of each service. prom_value QUERY prints the first result's value.
+prom_value() {
+  python3 - "$1" <<'PY'
+import json, sys, urllib.parse, urllib.request, os
+url = "http://127.0.0.1:%s/api/v1/query?query=%s" % (os.environ["LOCKSTEP_PROMETHEUS_PORT"],
+                                                     urllib.parse.quote(sys.argv[1]))
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+result = json.load(opener.open(url, timeout=5))["data"]["result"]
+print(result[0]["value"][1] if result else "")
+PY
+}
+wait_for 90 "Prometheus scraping 3 workers" bash -c "[[ \$($(declare -f prom_value); prom_value 'count(lockstep_worker_steps_total > 0)') == 3 ]]"
+wait_for 30 "Prometheus scraping the coordinator" bash -c "[[ \$($(declare -f prom_value); prom_value 'lockstep_coordinator_jobs{state=\"running\"}') == 1 ]]"
+log "Prometheus: $(prom_value 'count(up == 1)') targets up, $(prom_value 'sum(lockstep_worker_steps_total)') steps counted"
+
 mapfile -t workers < <("${compose[@]}" ps -q worker)
 victim="${workers[0]}"
 log "docker kill $(docker inspect -f '{{.Name}}' "$victim") at step $(job_field "j.get('step')")"
 docker kill "$victim" >/dev/null
 wait_for 60 "a recovery after the docker kill" bash -c "(( \$($(declare -f job_field); ctl=$ctl job=$job; job_field \"int(j.get('recoveries', 0))\") >= 1 ))"
+wait_for 60 "Prometheus seeing the recovery" bash -c "[[ \$($(declare -f prom_value); prom_value 'lockstep_coordinator_recoveries_total{kind=\"failure\"}') -ge 1 ]]"
+log "Prometheus: lockstep_coordinator_recoveries_total{kind=\"failure\"} = $(prom_value 'lockstep_coordinator_recoveries_total{kind="failure"}')"
 
 crashed="${workers[1]}"
 pid="$(docker inspect -f '{{.State.Pid}}' "$crashed")"
