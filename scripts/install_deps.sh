@@ -4,7 +4,7 @@
 # calls apt-get when something is missing. Usage: scripts/install_deps.sh [--bench] [--test]
 # --test adds what the tests need beyond the build: a Docker engine, docker-compose, debootstrap
 # and iptables for the deploy tests, clang for the thread-safety check, a Prometheus server
-# that scrapes a test cluster.
+# that scrapes a test cluster, and what the Python client is installed and tested with.
 set -euo pipefail
 
 pkgs=(
@@ -18,7 +18,8 @@ pkgs=(
 for arg in "$@"; do
   case "$arg" in
     --bench) pkgs+=(python3-torch libopenblas0-openmp) ;;
-    --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang prometheus) ;;
+    --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang prometheus
+                   python3-grpcio python3-protobuf python3-venv python3-pip) ;;
     *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

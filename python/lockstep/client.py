@@ -1,0 +1,123 @@
+"""The client: one gRPC channel to the coordinator's JobService."""
+import os
+import platform
+
+import grpc
+from google.protobuf import json_format
+
+from lockstep.v1 import job_pb2, job_pb2_grpc
+
+# The metadata the coordinator reads: the shared token, and who is calling (shown by
+# `lockstepctl workers` when a call is refused).
+_AUTHORIZATION = "authorization"
+_CLIENT = "x-lockstep-client"
+
+
+class LockstepError(Exception):
+    """A call that failed: `code` is the grpc.StatusCode, `message` the coordinator's words."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def to_dict(message):
+    """A protobuf message as the JSON mapping (camelCase names), e.g. for json.dumps."""
+    return json_format.MessageToDict(message)
+
+
+def _read(path, what):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"tls {what} {path}: {e.strerror}") from None
+
+
+class Client:
+    """A connection to a coordinator.
+
+    address: HOST:PORT. token: the cluster's shared token (default $LOCKSTEP_TOKEN; None sends
+    none). tls: None (plaintext), True (TLS with the system's roots), or a dict with "ca" (the
+    CA file that signed the coordinator's certificate) and, for mutual TLS, "cert" and "key".
+    timeout: seconds for each call (watch streams are not limited).
+    """
+
+    def __init__(self, address, token=None, tls=None, timeout=30.0):
+        if not isinstance(address, str) or ":" not in address:
+            raise ValueError(f"address {address!r} is not HOST:PORT")
+        if token is None:
+            token = os.environ.get("LOCKSTEP_TOKEN") or None
+        self._timeout = timeout
+        self._metadata = [(_CLIENT, f"python {platform.node()}-{os.getpid()}")]
+        if token:
+            self._metadata.append((_AUTHORIZATION, f"Bearer {token}"))
+        if tls is None or tls is False:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            options = {} if tls is True else dict(tls)
+            unknown = set(options) - {"ca", "cert", "key"}
+            if unknown:
+                raise ValueError(f"tls: unknown keys {sorted(unknown)} (ca, cert, key)")
+            if ("cert" in options) != ("key" in options):
+                raise ValueError("tls: cert and key go together (mutual TLS)")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(options["ca"], "ca") if "ca" in options else None,
+                private_key=_read(options["key"], "key") if "key" in options else None,
+                certificate_chain=_read(options["cert"], "cert") if "cert" in options else None)
+            self._channel = grpc.secure_channel(address, credentials)
+        self._stub = job_pb2_grpc.JobServiceStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise LockstepError(e.code(), e.details() or "") from None
+
+    def submit(self, spec):
+        """Submits a job: a JobSpec, or a dict in the JSON form of docs/job_spec_example.md
+        (camelCase or snake_case names). Returns the Job as the coordinator accepted it."""
+        if isinstance(spec, dict):
+            try:
+                spec = json_format.ParseDict(spec, job_pb2.JobSpec())
+            except json_format.ParseError as e:
+                raise LockstepError(grpc.StatusCode.INVALID_ARGUMENT, f"job spec: {e}") from None
+        elif not isinstance(spec, job_pb2.JobSpec):
+            raise TypeError(f"submit takes a dict or a lockstep.v1 JobSpec, not {type(spec).__name__}")
+        return self._call(self._stub.SubmitJob, job_pb2.SubmitJobRequest(spec=spec))
+
+    def get(self, job_id):
+        return self._call(self._stub.GetJob, job_pb2.GetJobRequest(job_id=job_id))
+
+    def list(self):
+        return list(self._call(self._stub.ListJobs, job_pb2.ListJobsRequest()).jobs)
+
+    def cancel(self, job_id):
+        return self._call(self._stub.CancelJob, job_pb2.CancelJobRequest(job_id=job_id))
+
+    def workers(self):
+        """The registered workers (WorkerInfo messages)."""
+        return list(self._call(self._stub.ListWorkers, job_pb2.ListWorkersRequest()).workers)
+
+    def watch(self, job_id, from_sequence=0):
+        """The job's events (JobEvent), from its history on, live until the job has ended."""
+        stream = self._stub.WatchJob(
+            job_pb2.WatchJobRequest(job_id=job_id, from_sequence=from_sequence),
+            metadata=self._metadata)
+        try:
+            for event in stream:
+                yield event
+        except grpc.RpcError as e:
+            raise LockstepError(e.code(), e.details() or "") from None
+        finally:
+            stream.cancel()
