@@ -248,8 +248,17 @@ absl::Status ExportCheckpoint(const std::string& checkpoint, const std::string& 
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,
                const CommandOptions& options, std::ostream& out, std::ostream& err,
                grpc::health::v1::Health::StubInterface* health) {
-  auto fail = [&err](const absl::Status& status) {
-    err << "lockstepctl: " << StatusLine(status) << "\n" << std::flush;
+  auto fail = [&err, &options](const absl::Status& status) {
+    err << "lockstepctl: " << StatusLine(status) << "\n";
+    // A refused TLS handshake reaches a gRPC client only as UNAVAILABLE with a low-level text.
+    if (absl::IsUnavailable(status)) {
+      err << (options.tls ? "lockstepctl: (TLS: --tls_ca must be the CA that signed the "
+                            "coordinator's certificate, and a coordinator with a client CA "
+                            "needs --tls_cert/--tls_key signed by it and not expired)\n"
+                          : "lockstepctl: (if the coordinator serves TLS, pass --tls_ca, and "
+                            "--tls_cert/--tls_key when it requires client certificates)\n");
+    }
+    err << std::flush;
     return kExitRpcError;
   };
   auto watch = [&](const std::string& job_id) {

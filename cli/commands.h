@@ -20,6 +20,9 @@ namespace lockstep::cli {
 // How the commands talk and print. The defaults are the real process's.
 struct CommandOptions {
   OutputFormat output = OutputFormat::kTable;
+  // The channel speaks TLS (--tls_ca): an unreachable coordinator's message then says what to
+  // check, and a plaintext client's says that the coordinator may require TLS.
+  bool tls = false;
   // Deadline of each unary RPC. The watch stream has none: it lasts as long as the job.
   absl::Duration rpc_timeout = absl::Seconds(10);
   // watch: rewrite a single progress line with '\r' (stdout is a terminal). Otherwise progress

@@ -26,7 +26,8 @@ namespace lockstep::cli {
 namespace {
 
 constexpr char kUsageBody[] =
-    "usage: lockstepctl [--coordinator=HOST:PORT] [--token_file=FILE] [--output=table|json]\n"
+    "usage: lockstepctl [--coordinator=HOST:PORT] [--token_file=FILE] [--tls_ca=FILE]\n"
+    "                   [--tls_cert=FILE --tls_key=FILE] [--output=table|json]\n"
     "                   [--timeout_ms=N] COMMAND [ARGS]\n"
     "commands:\n"
     "  submit FILE [--watch]  submit a JSON job spec ('-' reads stdin), print the job id\n"
@@ -46,8 +47,9 @@ constexpr absl::string_view kAbslUsageFlags[] = {"help",        "helpfull", "hel
                                                  "helpon",      "helpmatch"};
 
 // The global flags, in the order --help lists them. They are defined in main.cc.
-constexpr absl::string_view kOwnFlags[] = {"coordinator", "token_file", "output", "timeout_ms",
-                                           "watch", "o"};
+constexpr absl::string_view kOwnFlags[] = {"coordinator", "token_file", "tls_ca",  "tls_cert",
+                                           "tls_key",     "tls_server_name", "output", "timeout_ms",
+                                           "watch",       "o"};
 
 struct CommandInfo {
   Command command;

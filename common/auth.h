@@ -8,10 +8,12 @@
 //   $LOCKSTEP_TOKEN (the token itself, e.g. from an env file). None: no token.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/server_context.h"
 
 namespace lockstep {
@@ -30,6 +32,10 @@ absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag);
 struct ClientAuth {
   std::string token;   // empty: send no authorization header
   std::string client;  // e.g. "lockstep-worker w-3"; shown by the coordinator on rejection
+  // TLS (common/tls.h, MakeChannelCredentials); null: plaintext. `server_name` overrides the
+  // name the server's certificate is checked against.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string server_name;
 };
 
 // Server side. An empty expected token accepts everything.

@@ -59,13 +59,16 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Clie
   // this reconnection rather than adding a backoff of their own.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 250);
+  if (!auth.server_name.empty()) args.SetSslTargetNameOverride(auth.server_name);
+  const std::shared_ptr<grpc::ChannelCredentials> credentials =
+      auth.credentials != nullptr ? auth.credentials : grpc::InsecureChannelCredentials();
   if (auth.token.empty() && auth.client.empty()) {
-    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+    return grpc::CreateCustomChannel(target, credentials, args);
   }
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
   factories.push_back(std::make_unique<AuthInterceptorFactory>(auth));
-  return grpc::experimental::CreateCustomChannelWithInterceptors(
-      target, grpc::InsecureChannelCredentials(), args, std::move(factories));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(target, credentials, args,
+                                                                std::move(factories));
 }
 
 void ConfigureServer(grpc::ServerBuilder& builder) {

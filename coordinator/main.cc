@@ -13,6 +13,7 @@
 #include "common/auth.h"
 #include "common/grpc_options.h"
 #include "common/metrics.h"
+#include "common/tls.h"
 #include "coordinator/service/services.h"
 #include "glog/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -30,6 +31,13 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(std::string, token_file, "",
           "File holding the shared token every client must send (default: $LOCKSTEP_TOKEN_FILE, "
           "else $LOCKSTEP_TOKEN, else none: every client that can connect is trusted).");
+ABSL_FLAG(std::string, tls_cert, "",
+          "TLS: the coordinator's certificate chain (PEM; default $LOCKSTEP_TLS_CERT). Without "
+          "it the API is plaintext.");
+ABSL_FLAG(std::string, tls_key, "", "TLS: the private key of --tls_cert (default $LOCKSTEP_TLS_KEY).");
+ABSL_FLAG(std::string, tls_ca, "",
+          "Mutual TLS: require every client (workers, lockstepctl) to present a certificate "
+          "signed by this CA (PEM; default $LOCKSTEP_TLS_CA).");
 ABSL_FLAG(std::string, metrics_listen, "",
           "Serve Prometheus metrics (GET /metrics) on HOST:PORT, e.g. 0.0.0.0:9090; empty: off. "
           "Port 0 lets the OS pick (see --metrics_port_file).");
@@ -79,6 +87,22 @@ int main(int argc, char** argv) {
   if (token->empty()) {
     LOG(WARNING) << "no token configured: any client that can reach " << absl::GetFlag(FLAGS_listen)
                  << " may submit jobs and join as a worker";
+  }
+
+  const lockstep::TlsFiles tls = lockstep::ServerTlsFiles(
+      absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca));
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials =
+      lockstep::MakeServerCredentials(tls);
+  if (!server_credentials.ok()) {
+    LOG(ERROR) << server_credentials.status().message();
+    return 1;
+  }
+  if (tls.any()) {
+    LOG(INFO) << "TLS on the API" << (tls.ca.empty() ? "" : ", client certificates required");
+  } else if (!lockstep::IsLoopbackAddress(absl::GetFlag(FLAGS_listen))) {
+    LOG(WARNING) << "serving " << absl::GetFlag(FLAGS_listen)
+                 << " beyond loopback without TLS: tokens and jobs cross the network in the "
+                    "clear (--tls_cert, --tls_key, --tls_ca)";
   }
 
   lockstep::coordinator::CoreOptions options;
@@ -142,7 +166,7 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   lockstep::ConfigureServer(builder);
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *server_credentials, &port);
   builder.RegisterService(&jobs);
   builder.RegisterService(&workers);
   builder.RegisterService(&store);

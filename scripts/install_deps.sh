@@ -19,7 +19,7 @@ for arg in "$@"; do
   case "$arg" in
     --bench) pkgs+=(python3-torch libopenblas0-openmp) ;;
     --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang prometheus
-                   python3-grpcio python3-protobuf python3-venv python3-pip) ;;
+                   python3-grpcio python3-protobuf python3-venv python3-pip openssl) ;;
     *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

@@ -59,7 +59,8 @@ Agent::Agent(AgentOptions options)
       incarnation_(std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32)),
       lifecycle_(options_.handover_timeout) {
   channel_ = MakeChannel(options_.coordinator,
-                         {options_.token, absl::StrCat("lockstep-worker ", options_.name)});
+                         {options_.token, absl::StrCat("lockstep-worker ", options_.name),
+                          options_.credentials, options_.tls_server_name});
   store_stub_ = v1::StoreService::NewStub(channel_);
 }
 

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/client_context.h"
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
@@ -40,6 +41,9 @@ struct AgentOptions {
   std::string device_name;  // "NVIDIA H200", or "cpu"
   // Shared token sent on every call; empty sends none.
   std::string token;
+  // TLS to the coordinator (common/tls.h); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string tls_server_name;
   // Longest pause between attempts to register while the coordinator is reachable but refuses
   // (e.g. the old session of this name is not yet known to be gone). An unreachable
   // coordinator is retried as fast as gRPC reconnects (every 250 ms at most).

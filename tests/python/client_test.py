@@ -3,7 +3,7 @@
 (offline: --no-index; grpcio and protobuf from Debian's packages), then a real Python process
 drives a local cluster (deploy/local/cluster.sh, 2 workers, a token) through the installed
 package: submit a dict spec, watch it to the end, get, list, workers, cancel; and the errors:
-a bad spec names its field, an unknown job is NOT_FOUND, cancelling a finished job is
+mutual TLS against a second cluster; a bad spec names its field, an unknown job is NOT_FOUND, cancelling a finished job is
 FAILED_PRECONDITION, a wrong token is UNAUTHENTICATED, a spec with an unknown key never leaves
 the client. Exit 77 (skipped) where Debian's python3-grpcio or python3-venv is missing.
 
@@ -20,7 +20,7 @@ import unittest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def inner(address, token):
+def inner(address, token, tls_address, pki):
     """Runs in the virtual environment's Python, against the installed package."""
     import grpc
     import lockstep
@@ -112,6 +112,18 @@ def inner(address, token):
                     self.assertEqual(e.exception.code, grpc.StatusCode.UNAUTHENTICATED)
                     self.assertIn("token", e.exception.message)
 
+        def test_mutual_tls(self):
+            files = {"ca": os.path.join(pki, "ca.crt"), "cert": os.path.join(pki, "client.crt"),
+                     "key": os.path.join(pki, "client.key")}
+            with lockstep.Client(tls_address, token=token, tls=files) as client:
+                self.assertEqual(len(client.workers()), 1)
+            # Without a client certificate, or in plaintext: refused.
+            for tls in [{"ca": files["ca"]}, None]:
+                with lockstep.Client(tls_address, token=token, tls=tls, timeout=5) as client:
+                    with self.assertRaises(lockstep.LockstepError) as e:
+                        client.list()
+                    self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
+
         def test_bad_client_arguments(self):
             with self.assertRaises(ValueError):
                 lockstep.Client("no-port")
@@ -129,7 +141,7 @@ def inner(address, token):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
-    p.add_argument("--inner", nargs=2, metavar=("ADDRESS", "TOKEN"))
+    p.add_argument("--inner", nargs=4, metavar=("ADDRESS", "TOKEN", "TLS_ADDRESS", "PKI"))
     args = p.parse_args()
     if args.inner:
         return inner(*args.inner)
@@ -143,6 +155,7 @@ def main():
         return 77
     work = tempfile.mkdtemp(prefix="lockstep-python.")
     cluster = os.path.join(work, "cluster")
+    tls_cluster = os.path.join(work, "tls-cluster")
     try:
         # A copy of what a user has: the package and the protos it is built from.
         for d in ["python", "proto"]:
@@ -161,13 +174,35 @@ def main():
                        check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(cluster, "address")) as f:
             address = f.read().strip()
+        # A second cluster with mutual TLS: every daemon reads $LOCKSTEP_TLS_* (one certificate
+        # for 127.0.0.1, signed by the test's CA, serves as the coordinator's and the worker's).
+        pki = os.path.join(work, "pki")
+        os.makedirs(pki)
+        script = """set -e
+openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -subj /CN=ca -days 2 -out ca.crt
+for who in node client; do
+  openssl req -newkey rsa:2048 -nodes -keyout $who.key -subj /CN=$who -out $who.csr
+  echo subjectAltName=IP:127.0.0.1 > san.ext
+  openssl x509 -req -in $who.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 \\
+    -extfile san.ext -out $who.crt
+done"""
+        subprocess.run(["/bin/bash", "-c", script], cwd=pki, check=True, capture_output=True)
+        tls_env = dict(os.environ, LOCKSTEP_TLS_CERT=os.path.join(pki, "node.crt"),
+                       LOCKSTEP_TLS_KEY=os.path.join(pki, "node.key"),
+                       LOCKSTEP_TLS_CA=os.path.join(pki, "ca.crt"))
+        subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "start", "--dir", tls_cluster,
+                        "--workers", "1", "--bin", args.build, "--token_file", token_file],
+                       check=True, stdout=subprocess.DEVNULL, env=tls_env)
+        with open(os.path.join(tls_cluster, "address")) as f:
+            tls_address = f.read().strip()
         # The installed package, not the source tree: run from the work directory.
-        return subprocess.run([py, os.path.abspath(__file__), "--inner", address, token],
-                              cwd=work, timeout=600).returncode
+        return subprocess.run([py, os.path.abspath(__file__), "--inner", address, token,
+                               tls_address, pki], cwd=work, timeout=600).returncode
     finally:
-        if os.path.exists(os.path.join(cluster, "address")):
-            subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "stop", "--dir", cluster],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for d in [cluster, tls_cluster]:
+            if os.path.exists(os.path.join(d, "address")):
+                subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "stop", "--dir", d],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         shutil.rmtree(work, ignore_errors=True)
 
 

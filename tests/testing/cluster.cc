@@ -158,7 +158,11 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
 }
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
-    const std::vector<std::string>& coordinator_flags, const std::string& token) {
+    const std::vector<std::string>& coordinator_flags, const std::string& token,
+    const TlsFiles& client_tls) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      MakeChannelCredentials(client_tls);
+  if (!credentials.ok()) return credentials.status();
   std::unique_ptr<Cluster> cluster(new Cluster());
   static int counter = 0;
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
@@ -173,8 +177,8 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
     cluster->coordinator_flags_.push_back("--token_file=" + cluster->token_file_);
   }
   if (absl::Status s = cluster->StartCoordinator("127.0.0.1:0"); !s.ok()) return s;
-  cluster->jobs_ =
-      v1::JobService::NewStub(MakeChannel(cluster->address_, {token, "integration test"}));
+  cluster->jobs_ = v1::JobService::NewStub(MakeChannel(
+      cluster->address_, {token, "integration test", *credentials, client_tls.server_name}));
   return cluster;
 }
 

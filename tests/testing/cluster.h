@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
 namespace lockstep::testing {
@@ -54,8 +55,10 @@ class Cluster {
  public:
   // Starts the coordinator (extra flags appended) and waits until it serves. With a `token`,
   // the coordinator requires it, and the cluster's own stub and StartWorker send it.
+  // `client_tls`: the credentials the cluster's own stub uses (a coordinator with TLS).
   static absl::StatusOr<std::unique_ptr<Cluster>> Start(
-      const std::vector<std::string>& coordinator_flags = {}, const std::string& token = "");
+      const std::vector<std::string>& coordinator_flags = {}, const std::string& token = "",
+      const TlsFiles& client_tls = {});
   ~Cluster();
 
   const std::string& address() const { return address_; }

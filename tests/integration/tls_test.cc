@@ -1,0 +1,212 @@
+// TLS on the API with certificates the test makes with openssl: a coordinator with mutual TLS
+// trains a job with two workers that present their certificates, and lockstepctl works with
+// its own; a client without a certificate, with one from another CA, with an expired one, or
+// speaking plaintext is refused with a message that says so; the token is still checked over
+// TLS; bad TLS flags stop the daemons naming the flag.
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
+
+namespace lockstep {
+namespace {
+
+using testing::Cluster;
+using testing::CommandResult;
+using testing::RunCommand;
+
+// A CA, a server certificate for 127.0.0.1/localhost and client certificates, made once.
+class Pki {
+ public:
+  static const Pki& Get() {
+    static const Pki* pki = new Pki();
+    return *pki;
+  }
+  std::string dir;
+  bool ok = false;
+  std::string error;
+  std::string Path(const std::string& name) const { return dir + "/" + name; }
+
+ private:
+  Pki() {
+    dir = std::filesystem::temp_directory_path() / absl::StrCat("lockstep-pki-", getpid());
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir + "/san.ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+    std::ofstream(dir + "/ca.cnf")
+        << "[ca]\ndefault_ca=ca\n[ca]\ndir=" << dir << "\ndatabase=" << dir
+        << "/index.txt\nserial=" << dir << "/serial\nnew_certs_dir=" << dir
+        << "\ndefault_md=sha256\npolicy=any\nunique_subject=no\n[any]\ncommonName=supplied\n";
+    std::ofstream(dir + "/index.txt");
+    std::ofstream(dir + "/serial") << "1000\n";
+    const std::vector<std::string> lines = {
+            "set -e",
+            "cd " + dir,
+            "gen() { openssl req -newkey rsa:2048 -nodes -keyout $1.key -subj /CN=$2 -out $1.csr "
+            "2>/dev/null; }",
+            "sign() { openssl x509 -req -in $1.csr -CA $2.crt -CAkey $2.key -CAcreateserial "
+            "-days 30 -out $1.crt $3 2>/dev/null; }",
+            "for ca in ca other-ca; do openssl req -x509 -newkey rsa:2048 -nodes -keyout $ca.key "
+            "-subj /CN=$ca -days 30 -out $ca.crt 2>/dev/null; done",
+            "gen server localhost && sign server ca '-extfile san.ext'",
+            "gen worker lockstep-worker && sign worker ca",
+            "gen ctl lockstepctl && sign ctl ca",
+            "gen stranger stranger && sign stranger other-ca",
+            "gen expired expired",
+            "openssl ca -batch -config ca.cnf -cert ca.crt -keyfile ca.key -in expired.csr "
+            "-out expired.crt -startdate 20200101000000Z -enddate 20200102000000Z 2>/dev/null",
+    };
+    const std::string script = absl::StrJoin(lines, "\n");
+    absl::StatusOr<CommandResult> made = RunCommand({"/bin/bash", "-c", script}, absl::Seconds(120));
+    ok = made.ok() && made->exit_code == 0;
+    error = made.ok() ? made->output : std::string(made.status().message());
+  }
+};
+
+std::vector<std::string> ServerFlags(const Pki& pki) {
+  return {"--tls_cert=" + pki.Path("server.crt"), "--tls_key=" + pki.Path("server.key"),
+          "--tls_ca=" + pki.Path("ca.crt")};
+}
+
+std::vector<std::string> ClientFlags(const Pki& pki, const std::string& who,
+                                     const std::string& ca = "ca") {
+  return {"--tls_ca=" + pki.Path(ca + ".crt"), "--tls_cert=" + pki.Path(who + ".crt"),
+          "--tls_key=" + pki.Path(who + ".key")};
+}
+
+TlsFiles ClientFiles(const Pki& pki, const std::string& who) {
+  TlsFiles files;
+  files.ca = pki.Path("ca.crt");
+  files.cert = pki.Path(who + ".crt");
+  files.key = pki.Path(who + ".key");
+  return files;
+}
+
+CommandResult Ctl(const Cluster& cluster, std::vector<std::string> flags,
+                  const std::string& token_file) {
+  std::vector<std::string> argv = {LOCKSTEP_CTL_BIN, "--coordinator=" + cluster.address(),
+                                   "--timeout_ms=5000"};
+  if (!token_file.empty()) argv.push_back("--token_file=" + token_file);
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back("list");
+  absl::StatusOr<CommandResult> result = RunCommand(argv, absl::Seconds(30));
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *result : CommandResult{};
+}
+
+class TlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!Pki::Get().ok) GTEST_FAIL() << "openssl could not make the certificates:\n" << Pki::Get().error;
+  }
+};
+
+TEST_F(TlsTest, MutualTlsTrainsAndRefusesEveryoneWithoutAValidCertificate) {
+  const Pki& pki = Pki::Get();
+  auto started = Cluster::Start(ServerFlags(pki), "tls-token", ClientFiles(pki, "ctl"));
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  for (const std::string name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster.StartWorker(name, ClientFlags(pki, "worker")).ok()) << cluster.Logs();
+  }
+  absl::StatusOr<v1::Job> job = cluster.Submit(testing::SyntheticJob(2, 2, 300));
+  ASSERT_TRUE(job.ok()) << job.status();
+  absl::StatusOr<v1::Job> ended = cluster.WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->state(), v1::JOB_STATE_SUCCEEDED) << ended->reason() << cluster.Logs();
+  EXPECT_EQ(ended->step(), 300);
+  ASSERT_EQ(ended->members_size(), 2);
+  EXPECT_EQ(ended->members(0).parameter_checksum(), ended->members(1).parameter_checksum());
+
+  // lockstepctl with its certificate and the token.
+  CommandResult ok = Ctl(cluster, ClientFlags(pki, "ctl"), cluster.token_file());
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find(job->job_id()), std::string::npos) << ok.output;
+
+  // The token is still checked over TLS.
+  const std::string wrong_token = cluster.dir() + "/wrong-token";
+  std::ofstream(wrong_token) << "not-the-token\n";
+  CommandResult wrong = Ctl(cluster, ClientFlags(pki, "ctl"), wrong_token);
+  EXPECT_EQ(wrong.exit_code, 3);
+  EXPECT_NE(wrong.output.find("UNAUTHENTICATED"), std::string::npos) << wrong.output;
+  EXPECT_NE(wrong.output.find("wrong token"), std::string::npos) << wrong.output;
+
+  struct Refused {
+    std::string what;
+    std::vector<std::string> flags;
+  };
+  const std::vector<Refused> refused = {
+      {"plaintext", {}},
+      {"no client certificate", {"--tls_ca=" + pki.Path("ca.crt")}},
+      {"a certificate from another CA", ClientFlags(pki, "stranger")},
+      {"an expired certificate", ClientFlags(pki, "expired")},
+      {"a coordinator certificate from a CA it does not trust",
+       ClientFlags(pki, "ctl", "other-ca")},
+  };
+  for (const Refused& r : refused) {
+    CommandResult result = Ctl(cluster, r.flags, cluster.token_file());
+    EXPECT_EQ(result.exit_code, 3) << r.what << ": " << result.output;
+    EXPECT_NE(result.output.find("UNAVAILABLE"), std::string::npos) << r.what << ": " << result.output;
+    EXPECT_NE(result.output.find("TLS"), std::string::npos)
+        << r.what << ": the message should point at TLS: " << result.output;
+  }
+
+  // A worker without a valid certificate never registers, and exits saying why.
+  absl::StatusOr<CommandResult> stranger = RunCommand(
+      {LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster.address(), "--name=stranger",
+       "--token_file=" + cluster.token_file(), "--give_up_after=3s",
+       "--tls_ca=" + pki.Path("ca.crt"), "--tls_cert=" + pki.Path("stranger.crt"),
+       "--tls_key=" + pki.Path("stranger.key")},
+      absl::Seconds(30));
+  ASSERT_TRUE(stranger.ok()) << stranger.status();
+  EXPECT_EQ(stranger->exit_code, 4) << stranger->output;
+  absl::StatusOr<std::vector<v1::WorkerInfo>> workers = cluster.Workers();
+  ASSERT_TRUE(workers.ok());
+  for (const v1::WorkerInfo& w : *workers) EXPECT_NE(w.name(), "stranger");
+}
+
+TEST_F(TlsTest, BadTlsFlagsStopTheDaemonsNamingTheFlag) {
+  const Pki& pki = Pki::Get();
+  struct Case {
+    std::vector<std::string> argv;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--tls_cert=" + pki.Path("server.crt")},
+       "--tls_cert and --tls_key go together"},
+      {{LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--tls_cert=/nonexistent.crt",
+        "--tls_key=" + pki.Path("server.key")},
+       "--tls_cert: cannot read /nonexistent.crt"},
+      {{LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--tls_ca=" + pki.Path("ca.crt")},
+       "the server needs its own certificate"},
+      {{LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--tls_cert=" + pki.Path("san.ext"),
+        "--tls_key=" + pki.Path("server.key")},
+       "is not a PEM file"},
+      {{LOCKSTEP_WORKER_BIN, "--coordinator=127.0.0.1:1", "--tls_cert=" + pki.Path("worker.crt"),
+        "--tls_key=" + pki.Path("worker.key")},
+       "TLS needs --tls_ca"},
+      {{LOCKSTEP_CTL_BIN, "--coordinator=127.0.0.1:1", "--tls_ca=/nonexistent-ca.crt", "list"},
+       "--tls_ca: cannot read /nonexistent-ca.crt"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<CommandResult> result = RunCommand(c.argv, absl::Seconds(20));
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_NE(result->exit_code, 0) << absl::StrJoin(c.argv, " ");
+    EXPECT_NE(result->output.find(c.expected), std::string::npos)
+        << absl::StrJoin(c.argv, " ") << "\n" << result->output;
+  }
+}
+
+TEST_F(TlsTest, PlaintextBeyondLoopbackIsWarnedAbout) {
+  auto started = Cluster::Start({"--listen=0.0.0.0:0"});
+  // Cluster::Start listens on 127.0.0.1:0 itself; a second --listen overrides it.
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::ifstream log((*started)->dir() + "/coordinator.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), {});
+  EXPECT_NE(text.find("beyond loopback without TLS"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace lockstep
