@@ -13,7 +13,7 @@
 #include "cli/commands.h"
 #include "cli/invocation.h"
 #include "common/grpc_options.h"
-#include "common/tls.h"
+#include "common/tls_flags.h"
 #include "common/grpc_status.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
@@ -22,15 +22,6 @@ ABSL_FLAG(std::string, coordinator, "",
 ABSL_FLAG(std::string, token_file, "",
           "file holding the coordinator's token (default: $LOCKSTEP_TOKEN_FILE, else "
           "$LOCKSTEP_TOKEN, else none)");
-ABSL_FLAG(std::string, tls_ca, "",
-          "TLS to the coordinator: the CA certificate (PEM) that signed its certificate "
-          "(default $LOCKSTEP_TLS_CA; none: plaintext).");
-ABSL_FLAG(std::string, tls_cert, "",
-          "Mutual TLS: this client's certificate (PEM), signed by a CA the coordinator trusts "
-          "(default $LOCKSTEP_TLS_CERT).");
-ABSL_FLAG(std::string, tls_key, "", "Mutual TLS: the private key of --tls_cert (default $LOCKSTEP_TLS_KEY).");
-ABSL_FLAG(std::string, tls_server_name, "",
-          "The name to check the coordinator's certificate against when the address is not in it.");
 ABSL_FLAG(std::string, output, "table", "output format: table or json");
 ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each request in milliseconds (not of watch)");
 ABSL_FLAG(bool, watch, false, "submit: keep following the job, as the watch command does");
@@ -66,17 +57,14 @@ int main(int argc, char** argv) {
   options.output = invocation->output;
   options.rpc_timeout = invocation->rpc_timeout;
   options.live_progress = isatty(STDOUT_FILENO) == 1;
-  options.tls = lockstep::ClientTlsFiles(absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
-                                         absl::GetFlag(FLAGS_tls_ca), "")
-                    .any();
+  const lockstep::TlsFiles tls = lockstep::ClientTlsFilesFromFlags();
+  options.tls = tls.any();
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      lockstep::MakeChannelCredentials(lockstep::ClientTlsFiles(
-          absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca),
-          absl::GetFlag(FLAGS_tls_server_name)));
+      lockstep::MakeChannelCredentials(lockstep::ClientTlsFilesFromFlags());
   if (!credentials.ok()) return usage_error(credentials.status());
   auto channel = lockstep::MakeChannel(
-      invocation->coordinator, {invocation->token, "lockstepctl", *std::move(credentials),
-                                absl::GetFlag(FLAGS_tls_server_name)});
+      invocation->coordinator,
+      {invocation->token, "lockstepctl", *std::move(credentials), tls.server_name});
   auto stub = lockstep::v1::JobService::NewStub(channel);
   auto health = grpc::health::v1::Health::NewStub(channel);
   return cli::RunCommand(*invocation, *stub, options, std::cout, std::cerr, health.get());

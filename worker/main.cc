@@ -14,7 +14,7 @@
 #include "absl/time/time.h"
 #include "common/auth.h"
 #include "common/metrics.h"
-#include "common/tls.h"
+#include "common/tls_flags.h"
 #include "glog/logging.h"
 #include "worker/agent.h"
 #include "worker/comm/shm_communicator.h"
@@ -35,15 +35,6 @@ ABSL_FLAG(bool, shared_memory_collectives, true,
 ABSL_FLAG(std::string, token_file, "",
           "File holding the coordinator's token (default: $LOCKSTEP_TOKEN_FILE, else "
           "$LOCKSTEP_TOKEN, else none). A rejected token stops the worker (exit code 3).");
-ABSL_FLAG(std::string, tls_ca, "",
-          "TLS to the coordinator: the CA certificate (PEM) that signed its certificate "
-          "(default $LOCKSTEP_TLS_CA; none: plaintext).");
-ABSL_FLAG(std::string, tls_cert, "",
-          "Mutual TLS: this client's certificate (PEM), signed by a CA the coordinator trusts "
-          "(default $LOCKSTEP_TLS_CERT).");
-ABSL_FLAG(std::string, tls_key, "", "Mutual TLS: the private key of --tls_cert (default $LOCKSTEP_TLS_KEY).");
-ABSL_FLAG(std::string, tls_server_name, "",
-          "The name to check the coordinator's certificate against when the address is not in it.");
 ABSL_FLAG(absl::Duration, give_up_after, absl::ZeroDuration(),
           "Exit (code 4) after this long without a session with the coordinator, so that a "
           "service manager logs it and backs off; 0 retries forever.");
@@ -149,15 +140,13 @@ int main(int argc, char** argv) {
   }
   options.token = *std::move(token);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      lockstep::MakeChannelCredentials(lockstep::ClientTlsFiles(
-          absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca),
-          absl::GetFlag(FLAGS_tls_server_name)));
+      lockstep::MakeChannelCredentials(lockstep::ClientTlsFilesFromFlags());
   if (!credentials.ok()) {
     LOG(ERROR) << credentials.status().message();
     return 2;
   }
   options.credentials = *std::move(credentials);
-  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  options.tls_server_name = lockstep::ClientTlsFilesFromFlags().server_name;
   options.give_up_after = absl::GetFlag(FLAGS_give_up_after);
   if (options.give_up_after < absl::ZeroDuration()) {
     LOG(ERROR) << "--give_up_after must be >= 0";
