@@ -26,6 +26,13 @@ void LayerNormBackward(const float* dout, const float* x, const float* w, const 
 void GeluTanhForward(const float* x, size_t n, float* out);
 // dx = dout * gelu'(x) (overwrites dx; dx may alias dout).
 void GeluTanhBackward(const float* x, const float* dout, size_t n, float* dx);
+// The MLP's bias and activation in one pass over rows x cols: pre += bias (per column), then
+// out = GELU(pre).
+void BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, float* out);
+// GeluTanhBackward over rows x cols, and (db not null) the bias gradient: db = (accumulate:
+// db +) the column sums of dx in row order, the same sums as ColumnSums.
+void GeluTanhBackwardBiasGrad(const float* x, const float* dout, int rows, int cols, float* dx,
+                              float* db, bool accumulate);
 
 // Causal self-attention. qkv holds, per row (token t of sequence b, row b*T + t), the query,
 // key and value vectors of all heads: [q (c) | k (c) | v (c)], head h at offset h*hs of each,

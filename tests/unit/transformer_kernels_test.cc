@@ -157,6 +157,37 @@ std::vector<double> AttentionRef(const std::vector<double>& qkv, int B, int T, i
   return out;
 }
 
+// The fused passes compute what the separate kernels (checked against float64 above) do, to
+// the bit: bias then GELU, and GELU's backward then the bias gradient's column sums.
+TEST(TransformerKernelsTest, FusedBiasGeluEqualsTheSeparateKernels) {
+  const int rows = 37, cols = 52;  // not a multiple of the vector width
+  const auto x = Random(static_cast<size_t>(rows) * cols, 21, 2.5f), bias = Random(cols, 22);
+  const auto dout = Random(x.size(), 23);
+  std::vector<float> pre = x, out(x.size());
+  kernels::BiasGeluTanhForward(bias.data(), rows, cols, pre.data(), out.data());
+  std::vector<float> pre_ref = x, out_ref(x.size());
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < cols; ++j) pre_ref[static_cast<size_t>(r) * cols + j] += bias[j];
+  }
+  kernels::GeluTanhForward(pre_ref.data(), pre_ref.size(), out_ref.data());
+  EXPECT_EQ(pre, pre_ref);
+  EXPECT_EQ(out, out_ref);
+  for (bool accumulate : {false, true}) {
+    std::vector<float> dx(x.size()), db = Random(cols, 24), dx_ref(x.size()), db_ref = db;
+    kernels::GeluTanhBackwardBiasGrad(pre.data(), dout.data(), rows, cols, dx.data(), db.data(),
+                                      accumulate);
+    kernels::GeluTanhBackward(pre.data(), dout.data(), dx_ref.size(), dx_ref.data());
+    kernels::ColumnSums(dx_ref.data(), rows, cols, db_ref.data(), accumulate);
+    EXPECT_EQ(dx, dx_ref);
+    EXPECT_EQ(db, db_ref) << "accumulate " << accumulate;
+    // In place (dx aliasing dout), and without a bias gradient (a frozen bias).
+    std::vector<float> in_place = dout;
+    kernels::GeluTanhBackwardBiasGrad(pre.data(), in_place.data(), rows, cols, in_place.data(),
+                                      nullptr, accumulate);
+    EXPECT_EQ(in_place, dx_ref);
+  }
+}
+
 TEST(TransformerKernelsTest, CausalAttentionMatchesFloat64) {
   const int B = 2, T = 7, C = 12, H = 3;
   const auto qkv = Random(static_cast<size_t>(B) * T * 3 * C, 7, 1.5f);

@@ -22,8 +22,17 @@ void Add(const float* a, float* b, size_t n) {
   for (size_t i = 0; i < n; ++i) b[i] += a[i];
 }
 
-void BiasAdd(const float* bias, int rows, int cols, float* z) {
-  kernels::BiasActivationForward(bias, rows, cols, kernels::Activation::kIdentity, z, z);
+// out = residual + bias in every row (no residual: the bias), for a product to add onto.
+void StartWith(const float* residual, const float* bias, int rows, int cols, float* out) {
+  for (int r = 0; r < rows; ++r) {
+    float* o = out + static_cast<size_t>(r) * cols;
+    if (residual == nullptr) {
+      std::copy(bias, bias + cols, o);
+    } else {
+      const float* x = residual + static_cast<size_t>(r) * cols;
+      for (int j = 0; j < cols; ++j) o[j] = x[j] + bias[j];
+    }
+  }
 }
 
 // A weight's gradient dW (beta 1: added) = a^T . d over `rows`, unless the weight is frozen
@@ -183,27 +192,24 @@ void Gpt::Forward(const int32_t* tokens, int token_stride, int n, int t) {
     const Block& b = blocks_[l];
     kernels::LayerNormForward(resid_[l].data(), P + b.ln1_w, P + b.ln1_b, rows, C, kLayerNormEps,
                               ln1_[l].data(), ln1_mean_[l].data(), ln1_rstd_[l].data());
-    kernels::Gemm(false, false, rows, 3 * C, C, 1.0f, ln1_[l].data(), C, P + b.attn_w, 3 * C, 0.0f,
+    // Each product adds onto its bias (and residual) already in place: no separate passes.
+    StartWith(nullptr, P + b.attn_b, rows, 3 * C, qkv_[l].data());
+    kernels::Gemm(false, false, rows, 3 * C, C, 1.0f, ln1_[l].data(), C, P + b.attn_w, 3 * C, 1.0f,
                   qkv_[l].data(), 3 * C);
-    BiasAdd(P + b.attn_b, rows, 3 * C, qkv_[l].data());
     kernels::CausalAttentionForward(qkv_[l].data(), n, t, C, config_.heads, atty_[l].data(),
                                     lse_[l].data());
-    kernels::Gemm(false, false, rows, C, C, 1.0f, atty_[l].data(), C, P + b.proj_w, C, 0.0f,
+    StartWith(resid_[l].data(), P + b.proj_b, rows, C, mid_[l].data());
+    kernels::Gemm(false, false, rows, C, C, 1.0f, atty_[l].data(), C, P + b.proj_w, C, 1.0f,
                   mid_[l].data(), C);
-    BiasAdd(P + b.proj_b, rows, C, mid_[l].data());
-    Add(resid_[l].data(), mid_[l].data(), static_cast<size_t>(rows) * C);
     kernels::LayerNormForward(mid_[l].data(), P + b.ln2_w, P + b.ln2_b, rows, C, kLayerNormEps,
                               ln2_[l].data(), ln2_mean_[l].data(), ln2_rstd_[l].data());
     kernels::Gemm(false, false, rows, 4 * C, C, 1.0f, ln2_[l].data(), C, P + b.fc_w, 4 * C, 0.0f,
                   fch_[l].data(), 4 * C);
-    BiasAdd(P + b.fc_b, rows, 4 * C, fch_[l].data());
-    kernels::GeluTanhForward(fch_[l].data(), static_cast<size_t>(rows) * 4 * C,
-                             fch_gelu_[l].data());
+    kernels::BiasGeluTanhForward(P + b.fc_b, rows, 4 * C, fch_[l].data(), fch_gelu_[l].data());
     float* out = resid_[l + 1].data();
+    StartWith(mid_[l].data(), P + b.fcproj_b, rows, C, out);
     kernels::Gemm(false, false, rows, C, 4 * C, 1.0f, fch_gelu_[l].data(), 4 * C, P + b.fcproj_w,
-                  C, 0.0f, out, C);
-    BiasAdd(P + b.fcproj_b, rows, C, out);
-    Add(mid_[l].data(), out, static_cast<size_t>(rows) * C);
+                  C, 1.0f, out, C);
   }
   kernels::LayerNormForward(resid_[config_.layers].data(), P + lnf_w_, P + lnf_b_, rows, C,
                             kLayerNormEps, lnf_.data(), lnf_mean_.data(), lnf_rstd_.data());
@@ -272,10 +278,9 @@ double Gpt::ForwardBackward(const Batch& batch, float grad_scale, size_t chunk_f
                   scratch4_.data(), 4 * C);
     ready();
     // GELU, then mlp.c_fc.
-    kernels::GeluTanhBackward(fch_[l].data(), scratch4_.data(), static_cast<size_t>(rows) * 4 * C,
-                              scratch4_.data());
+    kernels::GeluTanhBackwardBiasGrad(fch_[l].data(), scratch4_.data(), rows, 4 * C,
+                                      scratch4_.data(), GradFor(b.fc_b), accumulate);
     WeightGradient(ln2_[l].data(), C, scratch4_.data(), 4 * C, rows, beta, GradFor(b.fc_w));
-    BiasGrad(scratch4_.data(), rows, 4 * C, GradFor(b.fc_b), accumulate);
     kernels::Gemm(false, true, rows, C, 4 * C, 1.0f, scratch4_.data(), 4 * C, P + b.fc_w, 4 * C,
                   0.0f, scratch_.data(), C);
     ready();
