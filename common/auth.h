@@ -1,4 +1,4 @@
-// Shared-token authentication for every Lockstep RPC (DESIGN.md section 7). Clients send
+// Shared-token authentication for every Lockstep RPC (docs/architecture.md). Clients send
 // "authorization: Bearer <token>" on every call; the coordinator compares it in constant time and
 // answers UNAUTHENTICATED when it is missing or wrong. Clients also name themselves
 // ("x-lockstep-client") so that the coordinator can show who was turned away.

@@ -1,5 +1,5 @@
 // Keepalive: the server must permit frequent pings without data, or it answers "too many
-// pings" and drops the call (FACTS.md).
+// pings" and drops the call (docs/platform_notes.md).
 #include "common/grpc_options.h"
 
 #include <utility>

@@ -9,7 +9,7 @@
 # "--max_restarts=3 --monitor_interval=0.1") go in $TORCHRUN_EXTRA.
 #
 # --redirects=9:1 --tee=9:1: Debian's torchrun crashes on Python 3.11 without
-# them (FACTS.md). They only name local rank 9, so local ranks 0-8 write
+# them (docs/platform_notes.md). They only name local rank 9, so local ranks 0-8 write
 # straight to the inherited stdout/stderr with no prefix and no log file; a
 # tee'd rank (9) would be echoed as "[default9]:line". The sed below strips
 # such "[<role><n>]:" prefixes anyway, so every stdout line is parser-clean.
