@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "cli/watch_printer.h"
 #include "common/atomic_file.h"
+#include "common/proto_json.h"
 #include "common/grpc_status.h"
 #include "common/safetensors.h"
 #include "worker/train/checkpoint.h"

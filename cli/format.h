@@ -7,9 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "google/protobuf/message.h"
 #include "lockstep/v1/job.pb.h"
 
 namespace lockstep::cli {
@@ -81,10 +79,5 @@ std::string FormatEventLine(const v1::JobEvent& event, absl::TimeZone tz);
 // The lines printed when a watch ends: "job-1 SUCCEEDED in 1m02s" and the evaluation, or
 // "job-1 FAILED after 12s: <reason>". Each line ends in '\n'.
 std::string FormatFinalSummary(const v1::Job& job, absl::Time now);
-
-// Protobuf's JSON mapping with lowerCamelCase names and every primitive field printed, so scripts
-// see zeros and empty strings instead of missing keys. `multiline` pretty-prints; otherwise the
-// document is one line (for JSON Lines streams). Returns INTERNAL if serialization fails.
-absl::StatusOr<std::string> ToJson(const google::protobuf::Message& message, bool multiline);
 
 }  // namespace lockstep::cli

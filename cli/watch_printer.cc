@@ -3,6 +3,7 @@
 #include "cli/watch_printer.h"
 
 #include "absl/status/statusor.h"
+#include "common/proto_json.h"
 
 namespace lockstep::cli {
 namespace {

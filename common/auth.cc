@@ -69,8 +69,11 @@ absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag) {
 }
 
 absl::Status TokenChecker::Check(const grpc::ServerContext& context) const {
+  return CheckHeader(Value(context, kAuthorizationKey));
+}
+
+absl::Status TokenChecker::CheckHeader(absl::string_view header) const {
   if (expected_.empty()) return absl::OkStatus();
-  absl::string_view header = Value(context, kAuthorizationKey);
   if (header.empty()) {
     return absl::UnauthenticatedError(
         "missing token: this coordinator requires one (--token_file, $LOCKSTEP_TOKEN_FILE or "

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/server_context.h"
 
@@ -45,6 +46,8 @@ class TokenChecker {
   bool enabled() const { return !expected_.empty(); }
   // UNAUTHENTICATED with "missing token" or "wrong token" and what to do about it.
   absl::Status Check(const grpc::ServerContext& context) const;
+  // The same for the value of an "authorization" header ("Bearer <token>"; HTTP requests).
+  absl::Status CheckHeader(absl::string_view header) const;
 
  private:
   std::string expected_;

@@ -10,20 +10,16 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/http_server.h"
 #include "prometheus/collectable.h"
 #include "prometheus/histogram.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
-
-namespace httplib {
-class Server;
-}
 
 namespace lockstep {
 
@@ -36,7 +32,7 @@ class MetricsEndpoint {
                                                                 const std::string& port_file);
   ~MetricsEndpoint();
 
-  int port() const { return port_; }
+  int port() const { return server_->port(); }
   prometheus::Registry& registry() { return *registry_; }
   // Served beside the registry for as long as the endpoint lives.
   void Add(std::shared_ptr<prometheus::Collectable> collectable);
@@ -46,12 +42,11 @@ class MetricsEndpoint {
 
  private:
   MetricsEndpoint();
-  std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
+  // Destroyed first: no scrape runs once the registry and collectables go.
   std::shared_ptr<prometheus::Registry> registry_;
   mutable absl::Mutex mu_;
   std::vector<std::shared_ptr<prometheus::Collectable>> collectables_ ABSL_GUARDED_BY(mu_);
-  int port_ = 0;
+  std::unique_ptr<HttpServer> server_;  // last member: stopped before the rest is destroyed
 };
 
 // Metric families computed at scrape time by `collect` (called on the exposer's thread).

@@ -14,6 +14,7 @@
 #include "common/grpc_options.h"
 #include "common/metrics.h"
 #include "common/tls.h"
+#include "coordinator/dashboard/dashboard.h"
 #include "coordinator/service/services.h"
 #include "glog/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -43,6 +44,12 @@ ABSL_FLAG(std::string, metrics_listen, "",
           "Port 0 lets the OS pick (see --metrics_port_file).");
 ABSL_FLAG(std::string, metrics_port_file, "",
           "If set, the metrics port is written to this file once serving.");
+ABSL_FLAG(std::string, http_listen, "",
+          "Serve the web dashboard on HOST:PORT, e.g. 127.0.0.1:8080; empty: off. HTTPS with "
+          "--tls_cert and --tls_key when they are set. Port 0 lets the OS pick (see "
+          "--http_port_file).");
+ABSL_FLAG(std::string, http_port_file, "",
+          "If set, the dashboard's port is written to this file once serving.");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
           "Silence after which a worker is declared lost (jobs may set their own).");
 
@@ -157,6 +164,23 @@ int main(int argc, char** argv) {
     LOG(INFO) << "restored " << *restored << " unfinished job(s) from " << state_dir
               << "; they resume as workers register";
   }
+  std::unique_ptr<lockstep::coordinator::Dashboard> dashboard;
+  if (const std::string address = absl::GetFlag(FLAGS_http_listen); !address.empty()) {
+    absl::StatusOr<std::unique_ptr<lockstep::coordinator::Dashboard>> started =
+        lockstep::coordinator::Dashboard::Start(address, absl::GetFlag(FLAGS_http_port_file),
+                                                &coordinator, tls);
+    if (!started.ok()) {
+      LOG(ERROR) << "--http_listen: " << started.status().message();
+      return 1;
+    }
+    dashboard = *std::move(started);
+    LOG(INFO) << "dashboard on port " << dashboard->port() << (tls.cert.empty() ? " (HTTP)" : " (HTTPS)")
+              << (token->empty() ? "" : "; it asks for the token");
+    if (tls.cert.empty() && !lockstep::IsLoopbackAddress(address)) {
+      LOG(WARNING) << "dashboard on " << address
+                   << " beyond loopback without TLS: its token crosses the network in the clear";
+    }
+  }
   lockstep::coordinator::JobServiceImpl jobs(&coordinator);
   lockstep::coordinator::WorkerServiceImpl workers(&coordinator);
   lockstep::coordinator::StoreServiceImpl store(&coordinator);
@@ -199,6 +223,7 @@ int main(int argc, char** argv) {
     absl::SleepFor(kTickInterval);
   }
   LOG(INFO) << "shutting down";
+  dashboard.reset();
   coordinator.Shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return 0;

@@ -236,6 +236,13 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
     job.job.set_loss(report.loss());
     job.job.set_samples_per_second(report.samples_per_second());
     job.job.set_tokens_per_second(report.tokens_per_second());
+    v1::TrainingPoint point;
+    point.set_step(report.step());
+    point.set_time_unix_ms(UnixMs(now));
+    point.set_loss(report.loss());
+    point.set_samples_per_second(report.samples_per_second());
+    point.set_tokens_per_second(report.tokens_per_second());
+    job.curve.Add(point);
     bool evaluated = false;
     if (report.has_eval()) {
       // A group that resumed from an older state evaluates those steps again: the newer
@@ -569,6 +576,16 @@ std::vector<v1::WorkerInfo> Core::ListWorkers() const {
   return out;
 }
 
+absl::StatusOr<v1::TrainingCurve> Core::GetTrainingCurve(const std::string& job_id) const {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end())
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  v1::TrainingCurve curve;
+  curve.set_job_id(job_id);
+  for (const v1::TrainingPoint& point : it->second.curve.points()) *curve.add_points() = point;
+  return curve;
+}
+
 absl::StatusOr<std::vector<v1::JobEvent>> Core::EventsSince(const std::string& job_id,
                                                             int64_t from_sequence) const {
   auto it = jobs_.find(job_id);
@@ -748,6 +765,27 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     out->messages.push_back(std::move(msg));
   }
   RefreshMembers(job);
+  // The timeline: who joined and who left since the previous generation (by worker id).
+  std::set<std::string> before, after(worker_ids.begin(), worker_ids.end());
+  if (job.job.generations_size() > 0) {
+    EndGeneration(job, "re-formed", now);
+    const v1::Generation& previous = *job.job.generations().rbegin();
+    before.insert(previous.member_ids().begin(), previous.member_ids().end());
+  }
+  v1::Generation* record = job.job.add_generations();
+  record->set_generation(generation);
+  record->set_formed_unix_ms(UnixMs(now));
+  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
+    record->add_member_ids(worker_ids[rank]);
+    record->add_members(names[rank]);
+    if (before.count(worker_ids[rank]) == 0) record->add_joined(names[rank]);
+  }
+  if (job.job.generations_size() > 1) {
+    const v1::Generation& previous = job.job.generations(job.job.generations_size() - 2);
+    for (int i = 0; i < previous.member_ids_size(); ++i) {
+      if (after.count(previous.member_ids(i)) == 0) record->add_left(previous.members(i));
+    }
+  }
   AddEvent(job, v1::JobEvent::STATE, "running", now, out);
   AddEvent(job, v1::JobEvent::MEMBERSHIP,
            absl::StrCat("generation ", generation, " formed: ", absl::StrJoin(names, ", "), " (",
@@ -828,6 +866,7 @@ void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool 
     PushAbort(job, w->id, reason, out);
   }
   out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
+  EndGeneration(job, reason, now);
   v1::Recovery* r = job.job.add_recovery_history();
   r->set_from_generation(job.job.generation());
   r->set_reason(reason);
@@ -894,6 +933,7 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
   if (job.job.generation() > 0) {
     out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
   }
+  EndGeneration(job, reason, now);
   job.job.set_state(state);
   job.job.set_reason(reason);
   job.job.set_end_time_unix_ms(UnixMs(now));
@@ -901,6 +941,14 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
   RefreshMembers(job);
   AddEvent(job, v1::JobEvent::STATE, reason, now, out);
   Schedule(now, out);
+}
+
+void Core::EndGeneration(JobRecord& job, const std::string& reason, absl::Time now) {
+  if (job.job.generations_size() == 0) return;
+  v1::Generation* last = job.job.mutable_generations(job.job.generations_size() - 1);
+  if (last->ended_unix_ms() != 0) return;
+  last->set_ended_unix_ms(UnixMs(now));
+  last->set_end_reason(reason);
 }
 
 void Core::RefreshMembers(JobRecord& job) {

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "common/job_memory.h"
 #include "coordinator/core/ranks.h"
+#include "coordinator/core/training_curve.h"
 #include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/worker.pb.h"
 
@@ -108,6 +109,9 @@ class Core {
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id) const;
   std::vector<v1::Job> ListJobs() const;
   std::vector<v1::WorkerInfo> ListWorkers() const;
+  // The job's loss and throughput since this coordinator started (TrainingCurve); NOT_FOUND
+  // for an unknown job.
+  absl::StatusOr<v1::TrainingCurve> GetTrainingCurve(const std::string& job_id) const;
   // How many jobs are in each state (for metrics: no job is copied).
   std::map<v1::JobState, int64_t> JobCounts() const;
   // Events of the job with sequence >= from_sequence (older ones may have been dropped).
@@ -173,6 +177,7 @@ class Core {
     // Estimated peak memory of one worker (EstimateWorkerMemory at MinMicroBatch): workers that
     // report less free memory are never given this job.
     int64_t memory_needed = 0;
+    TrainingCurve curve;
   };
 
   // RESOURCE_EXHAUSTED with the numbers when every registered worker reports less free memory
@@ -214,6 +219,8 @@ class Core {
   // Ends the job: aborts the current generation's members that are still connected, frees them.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,
                  Decisions* out);
+  // Records the end of the job's current generation in its timeline (job.generations).
+  void EndGeneration(JobRecord& job, const std::string& reason, absl::Time now);
   // Ends the open recovery: the new generation completed its first step (or has none left).
   void CloseRecovery(JobRecord& job, absl::Time now, const std::string& note, Decisions* out);
   // Tells one member to stop the job's current generation.

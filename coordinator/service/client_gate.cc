@@ -30,8 +30,18 @@ std::string PeerHost(const std::string& peer) {
 grpc::Status ClientGate::Admit(const grpc::ServerContext& context) {
   absl::Status status = checker_.Check(context);
   if (status.ok()) return grpc::Status::OK;
-  const std::string peer = PeerHost(context.peer());
-  const std::string client = ClientName(context);
+  return ToGrpcStatus(Reject(std::move(status), PeerHost(context.peer()), ClientName(context)));
+}
+
+absl::Status ClientGate::AdmitHttp(const std::string& peer_host, const std::string& client,
+                                   absl::string_view authorization) {
+  absl::Status status = checker_.CheckHeader(authorization);
+  if (status.ok()) return status;
+  return Reject(std::move(status), peer_host, client);
+}
+
+absl::Status ClientGate::Reject(absl::Status status, const std::string& peer,
+                                const std::string& client) {
   const int64_t now_ms = absl::ToUnixMillis(clock_->Now());
   int64_t count = 0;
   {
@@ -60,7 +70,7 @@ grpc::Status ClientGate::Admit(const grpc::ServerContext& context) {
     LOG(WARNING) << "rejected " << (client.empty() ? "a client" : client) << " at " << peer << " ("
                  << count << (count == 1 ? " call" : " calls") << "): " << status.message();
   }
-  return ToGrpcStatus(status);
+  return status;
 }
 
 std::pair<int64_t, int64_t> ClientGate::RejectedCounts() const {

@@ -27,12 +27,19 @@ class ClientGate {
 
   // OK, or UNAUTHENTICATED naming the problem (the rejection is recorded and logged).
   grpc::Status Admit(const grpc::ServerContext& context);
+  // The same for an HTTP request (the dashboard): its peer address, what it calls itself and
+  // its "authorization" header.
+  absl::Status AdmitHttp(const std::string& peer_host, const std::string& client,
+                         absl::string_view authorization);
   // Most recently rejected first.
   std::vector<v1::RejectedClient> Rejected() const;
   // Calls refused since start, and the distinct clients remembered now (for metrics).
   std::pair<int64_t, int64_t> RejectedCounts() const;
 
  private:
+  // Records and logs a rejection; returns `status`.
+  absl::Status Reject(absl::Status status, const std::string& peer_host, const std::string& client);
+
   const TokenChecker checker_;
   Clock* const clock_;
   mutable absl::Mutex mu_;

@@ -188,6 +188,15 @@ ClusterCounts Coordinator::Counts() {
   return counts;
 }
 
+v1::ListWorkersResponse Coordinator::Workers() {
+  v1::ListWorkersResponse response;
+  std::vector<v1::WorkerInfo> workers =
+      Call([&](Core& core, absl::Time, Decisions*) { return core.ListWorkers(); });
+  for (v1::WorkerInfo& w : workers) *response.add_workers() = std::move(w);
+  for (v1::RejectedClient& r : gate_.Rejected()) *response.add_rejected_clients() = std::move(r);
+  return response;
+}
+
 void Coordinator::Shutdown() {
   std::vector<std::shared_ptr<SessionOutbox>> sessions;
   store_.Shutdown();

@@ -96,6 +96,8 @@ class Coordinator {
                                                        absl::Duration timeout, bool* finished);
 
   void Tick();
+  // The registry's workers and the clients turned away (ListWorkers).
+  v1::ListWorkersResponse Workers();
   // Counts every job snapshot the coordinator saves from now on (call before serving).
   void set_metrics(CoordinatorMetrics* metrics) { metrics_ = metrics; }
   // Jobs and workers by state, rejected clients: read when Prometheus scrapes.

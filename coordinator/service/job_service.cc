@@ -91,12 +91,19 @@ grpc::Status JobServiceImpl::ListWorkers(grpc::ServerContext* context,
                                          const v1::ListWorkersRequest*,
                                          v1::ListWorkersResponse* response) {
   if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
-  std::vector<v1::WorkerInfo> workers =
-      coordinator_->Call([&](Core& core, absl::Time, Decisions*) { return core.ListWorkers(); });
-  for (v1::WorkerInfo& w : workers) *response->add_workers() = std::move(w);
-  for (v1::RejectedClient& r : coordinator_->gate().Rejected()) {
-    *response->add_rejected_clients() = std::move(r);
-  }
+  *response = coordinator_->Workers();
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::GetTrainingCurve(grpc::ServerContext* context,
+                                              const v1::GetTrainingCurveRequest* request,
+                                              v1::TrainingCurve* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
+  absl::StatusOr<v1::TrainingCurve> curve = coordinator_->Call(
+      [&](Core& core, absl::Time, Decisions*) { return core.GetTrainingCurve(request->job_id()); });
+  if (!curve.ok()) return ToGrpcStatus(curve.status());
+  *response = *std::move(curve);
   return grpc::Status::OK;
 }
 

@@ -23,6 +23,9 @@ class JobServiceImpl final : public v1::JobService::Service {
                         grpc::ServerWriter<v1::JobEvent>* writer) override;
   grpc::Status ListWorkers(grpc::ServerContext* context, const v1::ListWorkersRequest* request,
                            v1::ListWorkersResponse* response) override;
+  grpc::Status GetTrainingCurve(grpc::ServerContext* context,
+                                const v1::GetTrainingCurveRequest* request,
+                                v1::TrainingCurve* response) override;
 
  private:
   Coordinator* const coordinator_;

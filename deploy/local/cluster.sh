@@ -3,14 +3,16 @@
 # workers, each a plain process with its log in DIR. The same daemons and flags as the compose
 # file and the systemd units (docs/deploy.md); the demo and the benchmarks use it.
 #   cluster.sh start --dir DIR [--workers N] [--listen HOST:PORT] [--bin BUILD_DIR]
-#                    [--token_file FILE]
+#                    [--token_file FILE] [--http_listen HOST:PORT]
 #   cluster.sh stop  --dir DIR
 # After start, DIR/address holds the coordinator address (HOST:PORT). With --token_file, every
-# process (and lockstepctl, given the same file or $LOCKSTEP_TOKEN) uses that token.
+# process (and lockstepctl, given the same file or $LOCKSTEP_TOKEN) uses that token. With
+# --http_listen the coordinator serves its web dashboard there (port 0: any), and
+# DIR/dashboard holds its address (http://HOST:PORT/).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cmd="${1:-}"; shift || true
-dir=""; workers=2; listen="127.0.0.1:0"; bin="$root/build"; token_file=""
+dir=""; workers=2; listen="127.0.0.1:0"; bin="$root/build"; token_file=""; http_listen=""
 while (($#)); do
   case "$1" in
     --dir) dir="$2"; shift ;;
@@ -18,6 +20,7 @@ while (($#)); do
     --listen) listen="$2"; shift ;;
     --bin) bin="$2"; shift ;;
     --token_file) token_file="$(realpath "$2")"; shift ;;
+    --http_listen) http_listen="$2"; shift ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -27,11 +30,13 @@ done
 case "$cmd" in
   start)
     mkdir -p "$dir/state"
-    rm -f "$dir/port" "$dir/address"
+    rm -f "$dir/port" "$dir/address" "$dir/http_port" "$dir/dashboard"
     auth=()
     [[ -n "$token_file" ]] && auth=(--token_file="$token_file")
+    http=()
+    [[ -n "$http_listen" ]] && http=(--http_listen="$http_listen" --http_port_file="$dir/http_port")
     "$bin/coordinator/lockstep-coordinator" --listen="$listen" --state_dir="$dir/state" \
-      --port_file="$dir/port" "${auth[@]}" >"$dir/coordinator.log" 2>&1 &
+      --port_file="$dir/port" "${auth[@]}" "${http[@]}" >"$dir/coordinator.log" 2>&1 &
     echo $! >"$dir/coordinator.pid"
     for _ in $(seq 1 200); do [[ -f "$dir/port" ]] && break; sleep 0.05; done
     if [[ ! -f "$dir/port" ]]; then
@@ -41,6 +46,7 @@ case "$cmd" in
     fi
     address="${listen%:*}:$(cat "$dir/port")"
     echo "$address" >"$dir/address"
+    [[ -n "$http_listen" ]] && echo "http://${http_listen%:*}:$(cat "$dir/http_port")/" >"$dir/dashboard"
     for ((i = 0; i < workers; i++)); do
       "$bin/worker/lockstep-worker" --coordinator="$address" --device=cpu --name="w$i" \
         --status_file="$dir/w$i.status" "${auth[@]}" >"$dir/w$i.log" 2>&1 &
@@ -54,6 +60,7 @@ case "$cmd" in
       sleep 0.05
     done
     echo "cluster up: coordinator $address, $workers workers, logs in $dir"
+    [[ -n "$http_listen" ]] && echo "dashboard: $(cat "$dir/dashboard")"
     ;;
   stop)
     for pidfile in "$dir"/w*.pid "$dir"/coordinator.pid; do

@@ -78,6 +78,10 @@ class FakeStub : public v1::JobService::StubInterface {
     *r = workers;
     return grpc::Status::OK;
   }
+  grpc::Status GetTrainingCurve(grpc::ClientContext*, const v1::GetTrainingCurveRequest&,
+                                v1::TrainingCurve*) override {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "not used by lockstepctl");
+  }
 
  private:
   grpc::ClientReaderInterface<v1::JobEvent>* WatchJobRaw(grpc::ClientContext*,
@@ -106,6 +110,7 @@ class FakeStub : public v1::JobService::StubInterface {
   NOASYNC(v1::ListJobsResponse, v1::ListJobsRequest, ListJobs)
   NOASYNC(v1::Job, v1::CancelJobRequest, CancelJob)
   NOASYNC(v1::ListWorkersResponse, v1::ListWorkersRequest, ListWorkers)
+  NOASYNC(v1::TrainingCurve, v1::GetTrainingCurveRequest, GetTrainingCurve)
   grpc::ClientAsyncReaderInterface<v1::JobEvent>* AsyncWatchJobRaw(grpc::ClientContext*,
                                                                    const v1::WatchJobRequest&,
                                                                    grpc::CompletionQueue*,

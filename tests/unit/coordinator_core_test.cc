@@ -481,6 +481,29 @@ TEST_F(CoreTest, LostMemberReformsFromSurvivorsWithoutTheLostOne) {
   EXPECT_EQ(j.recovery_history(0).resumed_from_step(), 40);
   EXPECT_EQ(j.recovery_history(0).first_step_unix_ms() - j.recovery_history(0).detect_unix_ms(),
             100);
+  // The timeline: generation 1 of all three ended when w1 was lost; generation 2 is w0 and w2,
+  // with w1 gone and nobody new.
+  ASSERT_EQ(j.generations_size(), 2);
+  const v1::Generation& first = j.generations(0);
+  EXPECT_EQ(first.generation(), 1);
+  EXPECT_EQ(std::vector<std::string>(first.members().begin(), first.members().end()),
+            (std::vector<std::string>{"w0", "w1", "w2"}));
+  EXPECT_EQ(first.joined_size(), 3) << "everyone joins the first generation";
+  EXPECT_EQ(first.left_size(), 0);
+  EXPECT_NE(first.end_reason().find("w1"), std::string::npos) << first.end_reason();
+  EXPECT_EQ(first.ended_unix_ms(), j.recovery_history(0).detect_unix_ms());
+  const v1::Generation& second = j.generations(1);
+  EXPECT_EQ(second.generation(), 2);
+  EXPECT_EQ(std::vector<std::string>(second.members().begin(), second.members().end()),
+            (std::vector<std::string>{"w0", "w2"}));
+  EXPECT_EQ(std::vector<std::string>(second.member_ids().begin(), second.member_ids().end()),
+            (std::vector<std::string>{w0, w2}));
+  EXPECT_EQ(second.joined_size(), 0);
+  EXPECT_EQ(std::vector<std::string>(second.left().begin(), second.left().end()),
+            (std::vector<std::string>{"w1"}));
+  EXPECT_EQ(second.formed_unix_ms(), j.recovery_history(0).reformed_unix_ms());
+  EXPECT_EQ(second.ended_unix_ms(), 0) << "still training";
+  EXPECT_EQ(second.end_reason(), "");
 }
 
 TEST_F(CoreTest, MemberLostAfterAnotherFinishedCompletesTheJob) {
@@ -607,10 +630,103 @@ TEST_F(CoreTest, SpareJoinsARunningJobBelowMaxAfterItsFirstStep) {
   EXPECT_EQ(j.recoveries(), 0) << "scale-ups do not count against max_restarts";
   ASSERT_EQ(j.recovery_history_size(), 1);
   EXPECT_TRUE(j.recovery_history(0).scale_up());
+  ASSERT_EQ(j.generations_size(), 2);
+  EXPECT_EQ(std::vector<std::string>(j.generations(1).joined().begin(),
+                                     j.generations(1).joined().end()),
+            (std::vector<std::string>{"w1"}));
+  EXPECT_EQ(j.generations(1).left_size(), 0);
+  EXPECT_EQ(j.generations(0).end_reason(), j.recovery_history(0).reason());
   // Full: a third worker stays a spare.
   Register("w2");
   Tick();
   EXPECT_TRUE(TakeAssignments().empty());
+  // Cancelled: the last generation ends with the job's reason.
+  Decisions cancel;
+  ASSERT_TRUE(core_.CancelJob(job, now_, &cancel).ok());
+  j = Job(job);
+  EXPECT_EQ(j.generations(1).end_reason(), "cancelled by user");
+  EXPECT_GT(j.generations(1).ended_unix_ms(), 0);
+}
+
+TEST_F(CoreTest, AWorkerBackUnderItsOldNameLeftAndJoined) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  Decisions d;
+  core_.WorkerDisconnected(w1, "stream closed", now_, &d);
+  Collect(d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  const std::string again = Register("w1");  // restarted: a new id under the same name
+  ASSERT_NE(again, w1);
+  v1::Job j = Job(job);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(j.generations_size(), 2);
+  EXPECT_EQ(std::vector<std::string>(j.generations(1).joined().begin(),
+                                     j.generations(1).joined().end()),
+            (std::vector<std::string>{"w1"}));
+  EXPECT_EQ(std::vector<std::string>(j.generations(1).left().begin(),
+                                     j.generations(1).left().end()),
+            (std::vector<std::string>{"w1"}));
+}
+
+TEST_F(CoreTest, TrainingCurveKeepsRankZerosReportsAndUnknownJobsAreNotFound) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  for (int step = 1; step <= 5; ++step) {
+    now_ += absl::Milliseconds(10);
+    ASSERT_TRUE(Progress(w0, job, 1, step).ok());
+    ASSERT_TRUE(Progress(w1, job, 1, step).ok());  // only rank 0 speaks for the group
+  }
+  absl::StatusOr<v1::TrainingCurve> curve = core_.GetTrainingCurve(job);
+  ASSERT_TRUE(curve.ok()) << curve.status();
+  EXPECT_EQ(curve->job_id(), job);
+  ASSERT_EQ(curve->points_size(), 5);
+  EXPECT_EQ(curve->points(4).step(), 5);
+  EXPECT_DOUBLE_EQ(curve->points(4).loss(), 1.0 / 5);
+  EXPECT_DOUBLE_EQ(curve->points(4).samples_per_second(), 1000);
+  EXPECT_EQ(curve->points(4).time_unix_ms() - curve->points(0).time_unix_ms(), 40);
+  EXPECT_EQ(core_.GetTrainingCurve("job-404").status().code(), absl::StatusCode::kNotFound);
+}
+
+v1::TrainingPoint Point(int64_t step, double loss) {
+  v1::TrainingPoint p;
+  p.set_step(step);
+  p.set_loss(loss);
+  return p;
+}
+
+TEST(TrainingCurveTest, StepsTrainedAgainReplaceTheOldPoints) {
+  TrainingCurve curve;
+  for (int64_t step = 1; step <= 10; ++step) curve.Add(Point(step, 1.0));
+  curve.Add(Point(7, 2.0));  // a group resumed from step 6
+  ASSERT_EQ(curve.points().size(), 7u);
+  EXPECT_EQ(curve.points().back().step(), 7);
+  EXPECT_EQ(curve.points().back().loss(), 2.0);
+}
+
+TEST(TrainingCurveTest, StaysBoundedAndEvenlySpacedOverALongJob) {
+  TrainingCurve curve;
+  // Reports every third step for a long time.
+  const int64_t last = 3 * 100'000;
+  for (int64_t step = 3; step <= last; step += 3) {
+    curve.Add(Point(step, 1.0));
+    ASSERT_LE(curve.points().size(), TrainingCurve::kMaxPoints);
+  }
+  const std::vector<v1::TrainingPoint>& points = curve.points();
+  ASSERT_GT(points.size(), TrainingCurve::kMaxPoints / 2);
+  EXPECT_EQ(points.front().step(), 3) << "the first point stays";
+  EXPECT_GT(points.back().step(), last - 2 * curve.spacing()) << "the curve reaches the end";
+  // Even: the largest gap is at most twice the smallest (the old half thinned once more than
+  // the newest points would be otherwise).
+  int64_t smallest = last, largest = 0;
+  for (size_t i = 1; i < points.size(); ++i) {
+    const int64_t gap = points[i].step() - points[i - 1].step();
+    smallest = std::min(smallest, gap);
+    largest = std::max(largest, gap);
+  }
+  EXPECT_GE(smallest, 1);
+  EXPECT_LE(largest, 2 * smallest + 3) << "smallest " << smallest << ", largest " << largest;
 }
 
 TEST_F(CoreTest, PendingJobsTakeIdleWorkersBeforeScaleUp) {
