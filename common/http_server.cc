@@ -2,6 +2,7 @@
 
 #include <sys/socket.h>
 
+#include <chrono>
 #include <exception>
 
 #include "absl/strings/numbers.h"
@@ -34,12 +35,15 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
         absl::StrCat(options.what, ": TLS needs both a certificate and its key"));
   }
   if (!options.tls_cert.empty()) {
-    auto tls = std::make_unique<httplib::SSLServer>(options.tls_cert.c_str(),
-                                                    options.tls_key.c_str());
+    auto tls = std::make_unique<httplib::SSLServer>(
+        options.tls_cert.c_str(), options.tls_key.c_str(),
+        options.tls_client_ca.empty() ? nullptr : options.tls_client_ca.c_str());
     if (!tls->is_valid()) {
       return absl::InvalidArgumentError(
           absl::StrCat(options.what, ": cannot load the TLS certificate ", options.tls_cert,
-                       " with the key ", options.tls_key, " (unreadable, not PEM, or not a pair)"));
+                       " with the key ", options.tls_key,
+                       options.tls_client_ca.empty() ? "" : " and the client CA ",
+                       options.tls_client_ca, " (unreadable, not PEM, or not a pair)"));
     }
     plain_or_tls = std::move(tls);
   } else {
@@ -57,7 +61,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
   });
   server.set_read_timeout(options.timeout_seconds, 0);
   server.set_write_timeout(options.timeout_seconds, 0);
-  server.set_keep_alive_timeout(options.timeout_seconds);
+  server.set_keep_alive_timeout(options.keep_alive_seconds);
   server.set_payload_max_length(options.max_body_bytes);
   server.set_exception_handler([what = options.what](const httplib::Request& request,
                                                      httplib::Response& response,
@@ -81,8 +85,8 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
                                                " (address in use or not this host's?)"));
   }
   http->port_ = bound;
-  HttpServer* self = http.get();
-  http->thread_ = std::thread([self] { self->server_->listen_after_bind(); });
+  // The port file first: the socket already accepts connections, and a failure here returns
+  // before any thread runs.
   if (!port_file.empty()) {
     if (absl::Status s =
             WriteFileAtomically(port_file, absl::StrCat(bound, "\n"), Durability::kVisible);
@@ -90,12 +94,23 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
       return s;
     }
   }
+  HttpServer* self = http.get();
+  http->thread_ = std::thread([self] {
+    self->server_->listen_after_bind();
+    self->listening_done_ = true;
+  });
   return http;
 }
 
 HttpServer::~HttpServer() {
-  server_->stop();
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    // stop() does nothing until the listen loop has started: repeat it until the loop ends.
+    while (!listening_done_) {
+      server_->stop();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    thread_.join();
+  }
 }
 
 }  // namespace lockstep

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,9 +28,13 @@ struct HttpServerOptions {
   size_t max_body_bytes = 16 << 10;
   // Reading a request and writing a response each give up after this long.
   int timeout_seconds = 5;
-  // HTTPS with this certificate chain and key (PEM files); empty: plain HTTP.
+  // An idle keep-alive connection holds a thread this long.
+  int keep_alive_seconds = 5;
+  // HTTPS with this certificate chain and key (PEM files); empty: plain HTTP. With
+  // `tls_client_ca`, every client must present a certificate that CA signed (mutual TLS).
   std::string tls_cert;
   std::string tls_key;
+  std::string tls_client_ca;
 };
 
 class HttpServer {
@@ -51,6 +56,7 @@ class HttpServer {
   explicit HttpServer(std::unique_ptr<httplib::Server> server);
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;
+  std::atomic<bool> listening_done_{false};  // the listen loop has returned
   int port_ = 0;
 };
 

@@ -72,6 +72,8 @@ int main(int argc, char** argv) {
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
 
+  // A peer that closes its connection mid-write (HTTP, TLS) must not kill the process.
+  std::signal(SIGPIPE, SIG_IGN);
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
   if (!state_dir.empty()) {
     std::error_code ec;
@@ -217,7 +219,6 @@ int main(int argc, char** argv) {
 
   std::signal(SIGINT, RequestStop);
   std::signal(SIGTERM, RequestStop);
-  std::signal(SIGPIPE, SIG_IGN);
   while (!g_stop_requested) {
     coordinator.Tick();
     absl::SleepFor(kTickInterval);

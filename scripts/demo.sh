@@ -44,7 +44,8 @@ fi
 dir="$(mktemp -d /tmp/lockstep-demo.XXXXXX)"
 cleanup() { "$root/deploy/local/cluster.sh" stop --dir "$dir" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
-"$root/deploy/local/cluster.sh" start --dir "$dir" --workers "$workers" --bin "$bin"
+"$root/deploy/local/cluster.sh" start --dir "$dir" --workers "$workers" --bin "$bin" \
+  --http_listen 127.0.0.1:0
 coordinator="$(cat "$dir/address")"
 echo "== training $(basename "$spec") on $workers workers (coordinator $coordinator, logs in $dir)"
 job_spec="$dir/job.json"

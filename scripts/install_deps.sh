@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Lockstep builds, tests and demos with (fortunes is the GPT demo's
-# text corpus, /usr/share/games/fortunes). Idempotent: it only
-# calls apt-get when something is missing. Usage: scripts/install_deps.sh [--bench] [--test]
+# text corpus, /usr/share/games/fortunes; npm fetches the dashboard's chart library at build
+# time, and is only installed when no npm is on the PATH). Idempotent: it only calls apt-get
+# when something is missing. Usage: scripts/install_deps.sh [--bench] [--test]
 # --test adds what the tests need beyond the build: a Docker engine, docker-compose, debootstrap
 # and iptables for the deploy tests, clang for the thread-safety check, a Prometheus server
-# that scrapes a test cluster, and what the Python client is installed and tested with.
+# that scrapes a test cluster, what the Python client is installed and tested with (pytest),
+# and the browser the dashboard is tested in (chromium).
 set -euo pipefail
 
 pkgs=(
@@ -19,10 +21,14 @@ for arg in "$@"; do
   case "$arg" in
     --bench) pkgs+=(python3-torch libopenblas0-openmp) ;;
     --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang prometheus
-                   python3-grpcio python3-protobuf python3-venv python3-pip openssl) ;;
+                   python3-grpcio python3-protobuf python3-venv python3-pip python3-pytest openssl
+                   chromium) ;;
     *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
+
+# Node.js and npm may come from elsewhere (a newer Node.js): any npm on the PATH will do.
+command -v npm >/dev/null 2>&1 || pkgs+=(npm)
 
 missing=()
 for p in "${pkgs[@]}"; do

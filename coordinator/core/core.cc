@@ -493,6 +493,7 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     record.last_advance = now;
     record.memory_needed =
         EstimateWorkerMemory(record.job.spec(), MinMicroBatch(record.job.spec())).total();
+    record.timeline_ids_stale = true;
     JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
     order_.push_back(id);
     if (IsTerminal(job.job.state())) continue;
@@ -765,12 +766,18 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     out->messages.push_back(std::move(msg));
   }
   RefreshMembers(job);
-  // The timeline: who joined and who left since the previous generation (by worker id).
-  std::set<std::string> before, after(worker_ids.begin(), worker_ids.end());
+  // The timeline: who joined and who left since the previous generation, by worker id (a
+  // worker back under its old name is a new incarnation), or by name when the previous
+  // generation was a previous coordinator's.
+  const bool by_name = job.timeline_ids_stale;
+  job.timeline_ids_stale = false;
+  const std::vector<std::string>& keys = by_name ? names : worker_ids;
+  std::set<std::string> before, after(keys.begin(), keys.end());
   if (job.job.generations_size() > 0) {
     EndGeneration(job, "re-formed", now);
     const v1::Generation& previous = *job.job.generations().rbegin();
-    before.insert(previous.member_ids().begin(), previous.member_ids().end());
+    const auto& previous_keys = by_name ? previous.members() : previous.member_ids();
+    before.insert(previous_keys.begin(), previous_keys.end());
   }
   v1::Generation* record = job.job.add_generations();
   record->set_generation(generation);
@@ -778,13 +785,18 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     record->add_member_ids(worker_ids[rank]);
     record->add_members(names[rank]);
-    if (before.count(worker_ids[rank]) == 0) record->add_joined(names[rank]);
+    if (before.count(keys[rank]) == 0) record->add_joined(names[rank]);
   }
   if (job.job.generations_size() > 1) {
     const v1::Generation& previous = job.job.generations(job.job.generations_size() - 2);
-    for (int i = 0; i < previous.member_ids_size(); ++i) {
-      if (after.count(previous.member_ids(i)) == 0) record->add_left(previous.members(i));
+    const auto& previous_keys = by_name ? previous.members() : previous.member_ids();
+    for (int i = 0; i < previous.members_size() && i < previous_keys.size(); ++i) {
+      if (after.count(previous_keys[i]) == 0) record->add_left(previous.members(i));
     }
+  }
+  // Bounded: a job that re-forms without end keeps its latest generations.
+  if (job.job.generations_size() > kMaxGenerations) {
+    job.job.mutable_generations()->DeleteSubrange(0, job.job.generations_size() - kMaxGenerations);
   }
   AddEvent(job, v1::JobEvent::STATE, "running", now, out);
   AddEvent(job, v1::JobEvent::MEMBERSHIP,

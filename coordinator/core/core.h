@@ -65,6 +65,9 @@ struct Decisions {
 // Not thread-safe: the shell serializes all calls under one mutex.
 class Core {
  public:
+  // Generations kept in a job's timeline (Job.generations); older ones are dropped.
+  static constexpr int kMaxGenerations = 256;
+
   explicit Core(CoreOptions options = {});
 
   // --- Workers ---
@@ -178,6 +181,9 @@ class Core {
     // report less free memory are never given this job.
     int64_t memory_needed = 0;
     TrainingCurve curve;
+    // Restored: the timeline's worker ids are a previous coordinator's (ids start again at w-1
+    // in every incarnation), so the next generation's joined and left compare names.
+    bool timeline_ids_stale = false;
   };
 
   // RESOURCE_EXHAUSTED with the numbers when every registered worker reports less free memory

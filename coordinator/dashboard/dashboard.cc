@@ -1,5 +1,7 @@
 #include "coordinator/dashboard/dashboard.h"
 
+#include <arpa/inet.h>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -98,6 +100,20 @@ const char* RefusalReason(int status) {
   }
 }
 
+// Without a token, a page elsewhere could reach this port through a browser by rebinding its
+// own DNS name to this address; such requests carry that name in Host. Only IP literals and
+// localhost are served then (with a token the page would still need it, which it cannot read).
+bool HostIsLiteralOrLocal(absl::string_view host) {
+  if (host.empty()) return true;  // HTTP/1.0 clients send none; browsers always do
+  if (host.front() == '[') return host.find(']') != absl::string_view::npos;  // [IPv6]:port
+  if (const size_t colon = host.rfind(':'); colon != absl::string_view::npos) {
+    host = host.substr(0, colon);
+  }
+  if (absl::EqualsIgnoreCase(host, "localhost")) return true;
+  in_addr v4;
+  return inet_pton(AF_INET, std::string(host).c_str(), &v4) == 1;
+}
+
 const EmbeddedFile* FindFile(absl::string_view name) {
   for (size_t i = 0; i < kDashboardFileCount; ++i) {
     if (name == kDashboardFiles[i].name) return &kDashboardFiles[i];
@@ -131,7 +147,7 @@ absl::StatusOr<std::unique_ptr<Dashboard>> Dashboard::Start(const std::string& a
                                                             const TlsFiles& tls) {
   std::unique_ptr<Dashboard> dashboard(new Dashboard(coordinator));
   Coordinator* const c = coordinator;
-  // Each API call runs under the caller's credentials check; false: refused (answered).
+  // Each API call passes the caller's credentials check; false: refused (answered).
   auto admit = [c](const httplib::Request& request, httplib::Response& response) {
     absl::Status status = c->gate().AdmitHttp(request.remote_addr, "dashboard",
                                               request.get_header_value("Authorization"));
@@ -140,9 +156,12 @@ absl::StatusOr<std::unique_ptr<Dashboard>> Dashboard::Start(const std::string& a
   };
   HttpServerOptions options;
   options.what = "dashboard";
-  options.threads = 4;
+  // Each open page polls with two requests and a browser keeps a few connections alive.
+  options.threads = 16;
+  options.keep_alive_seconds = 2;
   options.tls_cert = tls.cert;
   options.tls_key = tls.key;
+  options.tls_client_ca = tls.ca;
   absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(
       address, port_file, options, [c, admit](httplib::Server& server) {
         // The page: one shell for every route (app.js renders the one in the address bar).
@@ -157,6 +176,12 @@ absl::StatusOr<std::unique_ptr<Dashboard>> Dashboard::Start(const std::string& a
                      ServeFile(response, request.matches[1].str());
                    });
 
+        // Whether the page must ask for the token (no data: a stranger learns only that).
+        server.Get("/api/v1/auth", [c](const httplib::Request&, httplib::Response& response) {
+          google::protobuf::Struct auth;
+          (*auth.mutable_fields())["tokenRequired"].set_bool_value(c->gate().token_required());
+          Reply(response, ToJson(auth, /*multiline=*/false));
+        });
         server.Get("/api/v1/jobs", [c, admit](const httplib::Request& request,
                                               httplib::Response& response) {
           if (!admit(request, response)) return;
@@ -207,6 +232,20 @@ absl::StatusOr<std::unique_ptr<Dashboard>> Dashboard::Start(const std::string& a
           Reply(response, job);
         });
 
+        server.set_pre_routing_handler([c](const httplib::Request& request,
+                                           httplib::Response& response) {
+          if (c->gate().token_required() ||
+              HostIsLiteralOrLocal(request.get_header_value("Host"))) {
+            return httplib::Server::HandlerResponse::Unhandled;
+          }
+          ReplyError(response,
+                     absl::PermissionDeniedError(absl::StrCat(
+                         "Host \"", request.get_header_value("Host"),
+                         "\" refused: without a token (--token_file) the dashboard serves only "
+                         "IP addresses and localhost, so that no other site can reach it through "
+                         "a browser")));
+          return httplib::Server::HandlerResponse::Handled;
+        });
         server.set_post_routing_handler([](const httplib::Request& request,
                                            httplib::Response& response) {
           response.set_header("X-Content-Type-Options", "nosniff");

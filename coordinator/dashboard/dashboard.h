@@ -8,6 +8,10 @@
 //   GET  /api/v1/workers              ListWorkersResponse
 //   POST /api/v1/jobs/{id}/cancel     Job (header X-Lockstep-Dashboard: 1, so that another
 //                                     site's form cannot post it)
+//   GET  /api/v1/auth                 {"tokenRequired": true}: whether the page must ask
+// Without a token, only requests to an IP address or localhost are served (Host), so that no
+// other site can reach the dashboard through a browser by rebinding its DNS name. With a
+// client CA (mutual TLS on the API), HTTPS requires client certificates too.
 // With a coordinator token, every API call needs "Authorization: Bearer <token>" (the page asks
 // for it once and keeps it for the browser tab); refusals are counted with the gRPC ones (the
 // workers page lists them). Errors are {"code": "NOT_FOUND", "message": "..."} with the HTTP

@@ -31,6 +31,8 @@ class ClientGate {
   // its "authorization" header.
   absl::Status AdmitHttp(const std::string& peer_host, const std::string& client,
                          absl::string_view authorization);
+  // Whether callers must present the token.
+  bool token_required() const { return checker_.enabled(); }
   // Most recently rejected first.
   std::vector<v1::RejectedClient> Rejected() const;
   // Calls refused since start, and the distinct clients remembered now (for metrics).

@@ -46,7 +46,9 @@ case "$cmd" in
     fi
     address="${listen%:*}:$(cat "$dir/port")"
     echo "$address" >"$dir/address"
-    [[ -n "$http_listen" ]] && echo "http://${http_listen%:*}:$(cat "$dir/http_port")/" >"$dir/dashboard"
+    if [[ -n "$http_listen" ]]; then
+      echo "http://${http_listen%:*}:$(cat "$dir/http_port")/" >"$dir/dashboard"
+    fi
     for ((i = 0; i < workers; i++)); do
       "$bin/worker/lockstep-worker" --coordinator="$address" --device=cpu --name="w$i" \
         --status_file="$dir/w$i.status" "${auth[@]}" >"$dir/w$i.log" 2>&1 &
@@ -60,7 +62,7 @@ case "$cmd" in
       sleep 0.05
     done
     echo "cluster up: coordinator $address, $workers workers, logs in $dir"
-    [[ -n "$http_listen" ]] && echo "dashboard: $(cat "$dir/dashboard")"
+    if [[ -n "$http_listen" ]]; then echo "dashboard: $(cat "$dir/dashboard")"; fi
     ;;
   stop)
     for pidfile in "$dir"/w*.pid "$dir"/coordinator.pid; do

@@ -109,6 +109,17 @@ class Client:
         """The registered workers (WorkerInfo messages)."""
         return list(self._call(self._stub.ListWorkers, job_pb2.ListWorkersRequest()).workers)
 
+    def curve(self, job_id):
+        """The job's training loss and throughput, oldest first (TrainingPoint messages: step,
+        time_unix_ms, loss, samples_per_second, tokens_per_second), as the coordinator kept
+        them: at most 512 points, evenly spaced in steps. For a plot:
+
+            points = client.curve(job_id)
+            plt.plot([p.step for p in points], [p.loss for p in points])
+        """
+        return list(self._call(self._stub.GetTrainingCurve,
+                               job_pb2.GetTrainingCurveRequest(job_id=job_id)).points)
+
     def watch(self, job_id, from_sequence=0):
         """The job's events (JobEvent), from its history on, live until the job has ended."""
         stream = self._stub.WatchJob(

@@ -38,6 +38,8 @@ LOCKSTEP_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.
 export LOCKSTEP_PORT
 LOCKSTEP_PROMETHEUS_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 export LOCKSTEP_PROMETHEUS_PORT
+LOCKSTEP_DASHBOARD_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+export LOCKSTEP_DASHBOARD_PORT
 work="$(mktemp -d /tmp/lockstep-e2e.XXXXXX)"
 export LOCKSTEP_DATASETS="$work/datasets"
 mkdir -p "$LOCKSTEP_DATASETS"
@@ -169,6 +171,20 @@ if [[ ! -s "$cache/debian-bookworm-minbase.tar" ]]; then
   rm -rf "$work/rootfs"
 fi
 docker import "$cache/debian-bookworm-minbase.tar" "$base_tag" >/dev/null
+# The image build fetches the dashboard's chart library from the npm registry over HTTPS. A host
+# behind a TLS-intercepting proxy trusts the proxy's CA (/usr/local/share/ca-certificates); so
+# must the build: the base image gets those certificates (ca-certificates picks them up when
+# the build installs it), as a site's own base image would have them.
+extra_cas=()
+while IFS= read -r -d '' crt; do extra_cas+=("$crt"); done \
+  < <(find /usr/local/share/ca-certificates -name '*.crt' -print0 2>/dev/null)
+if ((${#extra_cas[@]})); then
+  mkdir -p "$work/base-ca/certs"
+  cp "${extra_cas[@]}" "$work/base-ca/certs/"
+  printf 'FROM %s\nCOPY certs/ /usr/local/share/ca-certificates/\n' "$base_tag" >"$work/base-ca/Dockerfile"
+  docker build -q -t "$base_tag" "$work/base-ca" >/dev/null || fail "adding the host's CA certificates to the base image"
+  log "base image trusts the host's ${#extra_cas[@]} extra CA certificate(s)"
+fi
 
 # ---- build and start ----
 log "building the images (compile inside Docker; a few minutes)"
@@ -237,6 +253,29 @@ docker kill "$victim" >/dev/null
 wait_for 60 "a recovery after the docker kill" bash -c "(( \$($(declare -f job_field); ctl=$ctl job=$job; job_field \"int(j.get('recoveries', 0))\") >= 1 ))"
 wait_for 60 "Prometheus seeing the recovery" bash -c "[[ \$($(declare -f prom_value); prom_value 'lockstep_coordinator_recoveries_total{kind=\"failure\"}') -ge 1 ]]"
 log "Prometheus: lockstep_coordinator_recoveries_total{kind=\"failure\"} = $(prom_value 'lockstep_coordinator_recoveries_total{kind="failure"}')"
+
+# The dashboard, published by the coordinator's container: the token is required, and the job's
+# membership timeline has the generation that replaced the killed worker.
+dashboard_check() {
+  python3 - "$job" <<'PY'
+import json, os, sys, urllib.error, urllib.request
+base = "http://127.0.0.1:%s" % os.environ["LOCKSTEP_DASHBOARD_PORT"]
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+try:
+    opener.open(base + "/api/v1/jobs", timeout=5)
+    sys.exit("the dashboard answered without the token")
+except urllib.error.HTTPError as e:
+    assert e.code == 401, e.code
+request = urllib.request.Request(base + "/api/v1/jobs/" + sys.argv[1],
+                                 headers={"Authorization": "Bearer " + os.environ["LOCKSTEP_TOKEN"]})
+job = json.load(opener.open(request, timeout=5))
+assert len(job["generations"]) >= 2, job["generations"]
+assert opener.open(base + "/", timeout=5).read().find(b"/assets/app.js") >= 0
+print("%d generations; the latest: %s" % (len(job["generations"]), ", ".join(job["generations"][-1]["members"])))
+PY
+}
+wait_for 30 "the dashboard showing the new generation" dashboard_check
+log "dashboard: $(dashboard_check)"
 
 crashed="${workers[1]}"
 pid="$(docker inspect -f '{{.State.Pid}}' "$crashed")"

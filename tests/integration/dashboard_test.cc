@@ -250,5 +250,35 @@ TEST_F(DashboardTest, BadRequestsGetAClearAnswerAndNothingCrashes) {
   EXPECT_TRUE(cluster_->Workers().ok());
 }
 
+// Without a token the dashboard answers only requests addressed to an IP or localhost, so a
+// site that rebinds its own name to this address gets nothing through a visitor's browser.
+TEST(DashboardWithoutTokenTest, ServesIpAndLocalhostOnly) {
+  const std::string dir = TempDir();
+  ASSERT_FALSE(dir.empty());
+  auto started =
+      Cluster::Start({"--http_listen=127.0.0.1:0", "--http_port_file=" + dir + "/http.port"});
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  const int port = ReadPort(dir + "/http.port");
+  ASSERT_GT(port, 0);
+  auto get = [&](const std::string& path, const std::string& host) {
+    auto response = HttpRequest("GET", "127.0.0.1", port, path, {{"Host", host}});
+    EXPECT_TRUE(response.ok()) << response.status();
+    return response.value_or(HttpResponse{});
+  };
+  EXPECT_EQ(get("/api/v1/jobs", absl::StrCat("127.0.0.1:", port)).status, 200);
+  EXPECT_EQ(get("/api/v1/jobs", absl::StrCat("localhost:", port)).status, 200);
+  EXPECT_EQ(get("/api/v1/jobs", absl::StrCat("[::1]:", port)).status, 200);
+  HttpResponse auth = get("/api/v1/auth", "127.0.0.1");
+  EXPECT_EQ(auth.body, "{\"tokenRequired\":false}\n");
+  for (const std::string path : {"/", "/api/v1/jobs"}) {
+    HttpResponse rebound = get(path, absl::StrCat("attacker.example:", port));
+    EXPECT_EQ(rebound.status, 403) << path;
+    EXPECT_NE(rebound.body.find("without a token"), std::string::npos) << rebound.body;
+  }
+  cluster.reset();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace lockstep

@@ -319,5 +319,50 @@ TEST_F(MetricsTest, BadMetricsAddressesStopTheDaemonWithAClearMessage) {
   }
 }
 
+// Scrapers that hold the metrics ports (a request trickled in a byte at a time, so the one
+// HTTP thread of each endpoint waits on them) do not hold up training: the job steps on
+// meanwhile, and the endpoints answer again once the scrapers go.
+TEST_F(MetricsTest, ASlowScraperDoesNotStallTraining) {
+  const int worker_port = StartWorker("w0");
+  ASSERT_GT(worker_port, 0);
+  absl::StatusOr<v1::Job> job = cluster_->Submit(testing::SyntheticJob(1, 1, 1'000'000));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(cluster_
+                  ->WaitFor(job->job_id(), [](const v1::Job& j) { return j.step() > 0; },
+                            absl::Seconds(60))
+                  .ok());
+  std::vector<int> sockets;
+  for (int port : {worker_port, coordinator_port_}) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const std::string start = "GET /metrics HTTP/1.1\r\n";
+    ASSERT_GT(send(fd, start.data(), start.size(), MSG_NOSIGNAL), 0);
+    sockets.push_back(fd);
+  }
+  auto step = [&] {
+    absl::StatusOr<v1::Job> now = cluster_->Get(job->job_id());
+    return now.ok() ? now->step() : -1;
+  };
+  const int64_t held_at = step();
+  // Keep the requests unfinished, a header byte every half second, for three seconds.
+  for (int i = 0; i < 6; ++i) {
+    for (int fd : sockets) send(fd, "X", 1, MSG_NOSIGNAL);
+    absl::SleepFor(absl::Milliseconds(500));
+  }
+  const int64_t released_at = step();
+  for (int fd : sockets) close(fd);
+  EXPECT_GT(released_at, held_at) << "training went on while the scrapers held the endpoints";
+  // Both endpoints serve again.
+  EXPECT_TRUE(testing::HttpGet("127.0.0.1", worker_port, "/metrics", absl::Seconds(20)).ok());
+  EXPECT_TRUE(testing::HttpGet("127.0.0.1", coordinator_port_, "/metrics", absl::Seconds(20)).ok());
+  auto status = cluster_->Get(job->job_id());
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->state(), v1::JOB_STATE_RUNNING) << status->reason();
+}
+
 }  // namespace
 }  // namespace lockstep

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
+#include "tests/testing/http.h"
 
 namespace lockstep {
 namespace {
@@ -206,6 +207,44 @@ TEST_F(TlsTest, PlaintextBeyondLoopbackIsWarnedAbout) {
   std::ifstream log((*started)->dir() + "/coordinator.log");
   const std::string text((std::istreambuf_iterator<char>(log)), {});
   EXPECT_NE(text.find("beyond loopback without TLS"), std::string::npos) << text;
+}
+
+// The dashboard of a coordinator with mutual TLS is HTTPS with the API's certificate and asks
+// browsers for a client certificate from the same CA; the token is still required.
+TEST_F(TlsTest, DashboardIsHttpsAndRequiresAClientCertificateWithMutualTls) {
+  const Pki& pki = Pki::Get();
+  const std::string port_file = pki.Path(absl::StrCat("dashboard-", getpid(), ".port"));
+  std::vector<std::string> flags = ServerFlags(pki);
+  flags.push_back("--http_listen=127.0.0.1:0");
+  flags.push_back("--http_port_file=" + port_file);
+  auto started = Cluster::Start(flags, "tls-token", ClientFiles(pki, "ctl"));
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  int port = 0;
+  std::ifstream(port_file) >> port;
+  ASSERT_GT(port, 0);
+  const std::map<std::string, std::string> bearer = {{"Authorization", "Bearer tls-token"}};
+  testing::HttpsFiles ctl{pki.Path("ca.crt"), pki.Path("ctl.crt"), pki.Path("ctl.key")};
+
+  auto ok = testing::HttpRequest("GET", "127.0.0.1", port, "/api/v1/workers", bearer, "", ctl);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  auto no_token = testing::HttpRequest("GET", "127.0.0.1", port, "/api/v1/workers", {}, "", ctl);
+  ASSERT_TRUE(no_token.ok());
+  EXPECT_EQ(no_token->status, 401);
+  // No client certificate, one from another CA, or plain HTTP: no answer.
+  testing::HttpsFiles anonymous{pki.Path("ca.crt"), "", ""};
+  testing::HttpsFiles stranger{pki.Path("ca.crt"), pki.Path("stranger.crt"),
+                               pki.Path("stranger.key")};
+  for (const testing::HttpsFiles& files : {anonymous, stranger}) {
+    auto refused =
+        testing::HttpRequest("GET", "127.0.0.1", port, "/", bearer, "", files, absl::Seconds(5));
+    EXPECT_FALSE(refused.ok() && refused->status == 200) << files.cert;
+  }
+  auto plain = testing::HttpRequest("GET", "127.0.0.1", port, "/", bearer, "", {},
+                                    absl::Seconds(5));
+  EXPECT_FALSE(plain.ok() && plain->status == 200);
+  EXPECT_TRUE(cluster->coordinator()->running());
 }
 
 }  // namespace

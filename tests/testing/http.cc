@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -62,14 +63,20 @@ std::string HttpResponse::Header(const std::string& key) const {
 absl::StatusOr<HttpResponse> HttpRequest(const std::string& method, const std::string& host,
                                          int port, const std::string& path,
                                          const std::map<std::string, std::string>& headers,
-                                         const std::string& body, const std::string& ca_file,
+                                         const std::string& body, const HttpsFiles& https,
                                          absl::Duration timeout) {
+  // A server that refuses the TLS handshake closes the socket under OpenSSL's writes: the
+  // test process must see an error, not SIGPIPE.
+  static const bool sigpipe_ignored = [] { return signal(SIGPIPE, SIG_IGN) != SIG_ERR; }();
+  (void)sigpipe_ignored;
   std::unique_ptr<httplib::ClientImpl> client;
-  if (ca_file.empty()) {
+  if (https.ca.empty()) {
     client = std::make_unique<httplib::ClientImpl>(host, port);
   } else {
-    auto tls = std::make_unique<httplib::SSLClient>(host, port);
-    tls->set_ca_cert_path(ca_file.c_str());
+    auto tls = https.cert.empty()
+                   ? std::make_unique<httplib::SSLClient>(host, port)
+                   : std::make_unique<httplib::SSLClient>(host, port, https.cert, https.key);
+    tls->set_ca_cert_path(https.ca.c_str());
     tls->enable_server_certificate_verification(true);
     client = std::move(tls);
   }
@@ -85,7 +92,7 @@ absl::StatusOr<HttpResponse> HttpRequest(const std::string& method, const std::s
   if (!body.empty()) request.set_header("Content-Type", "application/octet-stream");
   httplib::Result result = client->send(request);
   const std::string url =
-      absl::StrCat(ca_file.empty() ? "http://" : "https://", host, ":", port, path);
+      absl::StrCat(https.ca.empty() ? "http://" : "https://", host, ":", port, path);
   if (!result) {
     return absl::UnavailableError(
         absl::StrCat(method, " ", url, ": ", httplib::to_string(result.error())));

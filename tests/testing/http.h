@@ -23,13 +23,20 @@ struct HttpResponse {
   std::string Header(const std::string& key) const;  // "" when absent
 };
 
-// Any method. With `ca_file`, HTTPS that checks the server's certificate against it. UNAVAILABLE
-// naming the URL when no answer came.
+// HTTPS for HttpRequest: the CA the server's certificate is checked against, and a client
+// certificate with its key (mutual TLS) when set.
+struct HttpsFiles {
+  std::string ca;
+  std::string cert;
+  std::string key;
+};
+
+// Any method; HTTPS when `https.ca` is set. UNAVAILABLE naming the URL when no answer came.
 absl::StatusOr<HttpResponse> HttpRequest(const std::string& method, const std::string& host,
                                          int port, const std::string& path,
                                          const std::map<std::string, std::string>& headers = {},
                                          const std::string& body = "",
-                                         const std::string& ca_file = "",
+                                         const HttpsFiles& https = {},
                                          absl::Duration timeout = absl::Seconds(10));
 
 // Sends `bytes` as they are and returns what the server wrote back: one whole response, or what

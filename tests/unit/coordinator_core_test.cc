@@ -830,6 +830,42 @@ TEST_F(CoreTest, RestoredJobsResumeAsWorkersRegister) {
   EXPECT_EQ(next->job_id(), "job-4");
 }
 
+// Worker ids start again at w-1 in every coordinator, so a restored job's timeline compares
+// names: here the new c gets the id the old a had, and a the one b had.
+TEST_F(CoreTest, TimelineAfterACoordinatorRestartComparesNames) {
+  const std::string a = Register("a"), b = Register("b");
+  const std::string running = Submit(Spec(2, 2));
+  TakeAssignments();
+  std::vector<v1::Job> saved = {Job(running)};
+  ASSERT_EQ(saved[0].generations_size(), 1);
+
+  Core fresh(Options());
+  Decisions d;
+  ASSERT_EQ(fresh.RestoreJobs(saved, now_, &d), 1);
+  std::vector<std::string> ids;
+  for (const char* name : {"c", "a"}) {
+    v1::RegisterRequest req;
+    req.set_name(name);
+    req.set_host("h1");
+    req.set_device("cpu");
+    Decisions rd;
+    absl::StatusOr<std::string> id = fresh.RegisterWorker(req, now_, &rd);
+    ASSERT_TRUE(id.ok());
+    ids.push_back(*id);
+  }
+  EXPECT_EQ(ids, (std::vector<std::string>{a, b})) << "the ids collide";
+  v1::Job j = fresh.GetJob(running).value();
+  ASSERT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(j.generations_size(), 2);
+  EXPECT_EQ(j.generations(0).end_reason(), "coordinator restarted");
+  EXPECT_EQ(std::vector<std::string>(j.generations(1).joined().begin(),
+                                     j.generations(1).joined().end()),
+            (std::vector<std::string>{"c"}));
+  EXPECT_EQ(std::vector<std::string>(j.generations(1).left().begin(),
+                                     j.generations(1).left().end()),
+            (std::vector<std::string>{"b"}));
+}
+
 // Jobs saved to --state_dir come back after a restart; a corrupt file is skipped (and kept
 // aside as *.corrupt), never fatal; a later save replaces the earlier one.
 TEST(FileJobStoreTest, SavesReloadsAndSkipsCorruptFiles) {

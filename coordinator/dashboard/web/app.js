@@ -5,6 +5,8 @@
 "use strict";
 
 const POLL_MS = 1500;
+const ENDED_POLL_MS = 10000;  // a finished job changes no more
+const REQUEST_TIMEOUT_MS = 10000;
 const TOKEN_KEY = "lockstep-token";
 const STATES = ["RUNNING", "RECONFIGURING", "PENDING", "SUCCEEDED", "FAILED", "CANCELLED"];
 const COLORS = { train: "#3b6cf6", validation: "#e8910c", throughput: "#0f9d76" };
@@ -29,6 +31,8 @@ function h(tag, attrs, ...children) {
 }
 
 const num = (v) => (v === undefined || v === null || v === "" ? 0 : Number(v));
+// A chart value: protobuf's JSON writes NaN and infinities as strings; uPlot gets null (a gap).
+const plotValue = (v) => { const x = Number(v); return Number.isFinite(x) ? x : null; };
 const stateName = (s) => String(s || "").replace("JOB_STATE_", "") || "UNKNOWN";
 const terminal = (s) => ["SUCCEEDED", "FAILED", "CANCELLED"].includes(stateName(s));
 
@@ -106,7 +110,17 @@ async function api(path, options = {}) {
   const headers = Object.assign({ Accept: "application/json" }, options.headers || {});
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers.Authorization = "Bearer " + token;
-  const response = await fetch(path, Object.assign({}, options, { headers, cache: "no-store" }));
+  // A request that hangs must not stop the polling silently.
+  const abort = new AbortController();
+  const timer = setTimeout(() => abort.abort(), REQUEST_TIMEOUT_MS);
+  let response;
+  try {
+    response = await fetch(path, Object.assign({}, options, { headers, cache: "no-store", signal: abort.signal }));
+  } catch (e) {
+    throw new Error(e.name === "AbortError" ? "no answer in " + REQUEST_TIMEOUT_MS / 1000 + " s" : e.message);
+  } finally {
+    clearTimeout(timer);
+  }
   let body = null;
   try { body = await response.json(); } catch (e) { body = null; }
   if (response.status === 401) throw new Unauthenticated((body && body.message) || "token required");
@@ -122,7 +136,8 @@ async function api(path, options = {}) {
 
 const main = () => document.getElementById("main");
 let pollTimer = null;
-let renderSeq = 0;
+let renderSeq = 0;  // bumped by every navigation and sign-out: older renders stop
+let tokenRequired = null;  // from /api/v1/auth, asked once
 
 function setLive(ok, text) {
   const live = document.getElementById("live");
@@ -132,6 +147,7 @@ function setLive(ok, text) {
 
 function showLogin(message) {
   clearTimeout(pollTimer);
+  ++renderSeq;  // a request in flight must not draw the page again
   main().replaceChildren();  // nothing is shown without the token
   document.getElementById("login").hidden = false;
   document.getElementById("sign-out").hidden = true;
@@ -144,16 +160,24 @@ function showLogin(message) {
   document.getElementById("token").focus();
 }
 
+// Calls render(alive) now and then every POLL_MS (or what it returns, in ms) until the next
+// navigation or sign-out; render must check alive() after each await before it draws.
 function poll(render) {
   const seq = ++renderSeq;
+  const alive = () => seq === renderSeq;
   const tick = async () => {
+    let next = POLL_MS;
     try {
-      await render();
-      if (seq !== renderSeq) return;
+      if (tokenRequired === null) tokenRequired = (await api("/api/v1/auth")).tokenRequired;
+      if (!alive()) return;
+      if (tokenRequired && !sessionStorage.getItem(TOKEN_KEY)) return showLogin("");
+      next = (await render(alive)) || POLL_MS;
+      if (!alive()) return;
       setLive(true, "live");
       document.getElementById("login").hidden = true;
       document.getElementById("sign-out").hidden = !sessionStorage.getItem(TOKEN_KEY);
     } catch (e) {
+      if (!alive()) return;
       if (e instanceof Unauthenticated) return showLogin(e.message);
       if (e.status === 404 || e.status === 400) {
         main().replaceChildren(h("div", { class: "card empty" }, h("h1", { text: "Not found" }),
@@ -163,15 +187,16 @@ function poll(render) {
       }
       setLive(false, "disconnected: " + e.message);
     }
-    if (seq === renderSeq) pollTimer = setTimeout(tick, POLL_MS);
+    if (alive()) pollTimer = setTimeout(tick, next);
   };
   tick();
 }
 
 // ---- Jobs page ----
 
-async function renderJobs() {
+async function renderJobs(alive) {
   const data = await api("/api/v1/jobs");
+  if (!alive()) return;
   const jobs = (data.jobs || []).slice().sort((a, b) => num(b.submitTimeUnixMs) - num(a.submitTimeUnixMs));
   const counts = {};
   for (const job of jobs) counts[stateName(job.state)] = (counts[stateName(job.state)] || 0) + 1;
@@ -220,7 +245,8 @@ function chartWidth(container) {
 
 function lineChart(key, container, title, series, data) {
   const existing = charts[key];
-  if (existing && existing.root.isConnected && existing.root.parentNode === container) {
+  if (existing && existing.root.isConnected && existing.root.parentNode === container &&
+      existing.lockstepTitle === title) {
     existing.setData(data);
     return existing;
   }
@@ -240,6 +266,7 @@ function lineChart(key, container, title, series, data) {
     legend: { live: false },
   };
   charts[key] = new uPlot(options, data, container);
+  charts[key].lockstepTitle = title;
   return charts[key];
 }
 
@@ -251,12 +278,12 @@ window.addEventListener("resize", () => {
 
 // [steps, training loss, validation loss] on the union of their steps.
 function lossData(job, points) {
-  const train = new Map(points.map((p) => [num(p.step), p.loss]));
+  const train = new Map(points.map((p) => [num(p.step), plotValue(p.loss)]));
   const step = num(job.step);
   if (step > 0 && num(job.loss) > 0 && !train.has(step) && (!points.length || step > num(points[points.length - 1].step))) {
-    train.set(step, job.loss);  // the live tip: the newest report
+    train.set(step, plotValue(job.loss));  // the live tip: the newest report
   }
-  const validation = new Map((job.validationHistory || []).map((v) => [num(v.step), v.eval.testLoss]));
+  const validation = new Map((job.validationHistory || []).map((v) => [num(v.step), plotValue(v.eval && v.eval.testLoss)]));
   const steps = Array.from(new Set([...train.keys(), ...validation.keys()])).sort((a, b) => a - b);
   return [steps, steps.map((s) => (train.has(s) ? train.get(s) : null)),
     steps.map((s) => (validation.has(s) ? validation.get(s) : null))];
@@ -264,9 +291,9 @@ function lossData(job, points) {
 
 function throughputData(job, points) {
   const language = isLanguage(job);
-  const valid = points.filter((p) => num(language ? p.tokensPerSecond : p.samplesPerSecond) > 0);
+  const valid = points.filter((p) => plotValue(language ? p.tokensPerSecond : p.samplesPerSecond) > 0);
   return [valid.map((p) => num(p.step)),
-    valid.map((p) => num(language ? p.tokensPerSecond : p.samplesPerSecond))];
+    valid.map((p) => plotValue(language ? p.tokensPerSecond : p.samplesPerSecond))];
 }
 
 function statCard(label, value, sub, id) {
@@ -402,9 +429,10 @@ function configLine(spec) {
 
 let jobLayout = null;
 
-async function renderJob(id) {
+async function renderJob(id, alive) {
   const path = "/api/v1/jobs/" + encodeURIComponent(id);
   const [job, curve] = await Promise.all([api(path), api(path + "/curve")]);
+  if (!alive()) return;
   const points = curve.points || [];
   document.title = (job.spec && job.spec.name ? job.spec.name + " · " : "") + job.jobId + " · Lockstep";
   if (!jobLayout || !jobLayout.root.isConnected) {
@@ -469,12 +497,14 @@ async function renderJob(id) {
   ], rateData);
 
   L.rest.replaceChildren(...[timeline(job), membersTable(job), extras(job)].filter(Boolean));
+  return terminal(job.state) ? ENDED_POLL_MS : POLL_MS;
 }
 
 // ---- Workers page ----
 
-async function renderWorkers() {
+async function renderWorkers(alive) {
   const data = await api("/api/v1/workers");
+  if (!alive()) return;
   const workers = data.workers || [];
   const rejected = data.rejectedClients || [];
   const counts = { idle: 0, busy: 0, lost: 0 };
@@ -520,8 +550,9 @@ function route() {
   let render = renderJobs;
   const job = path.match(/^\/jobs\/([^/]+)$/);
   if (job) {
-    const id = decodeURIComponent(job[1]);
-    render = () => renderJob(id);
+    let id = job[1];
+    try { id = decodeURIComponent(job[1]); } catch (e) { /* the API says it is malformed */ }
+    render = (alive) => renderJob(id, alive);
   } else if (path === "/workers") {
     page = "workers";
     render = renderWorkers;

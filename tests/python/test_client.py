@@ -1,0 +1,143 @@
+"""pytest tests of the installed Python client against the clusters client_test.py started (it
+passes them in LOCKSTEP_TEST_*): submit a dict spec, watch it to the end, get, list, workers,
+the training curve, cancel; mutual TLS; and the errors: a bad spec names its field, an unknown
+job is NOT_FOUND, cancelling a finished job is FAILED_PRECONDITION, a wrong or missing token is
+UNAUTHENTICATED, a spec with an unknown key never leaves the client."""
+import os
+import sys
+
+import grpc
+import pytest
+
+import lockstep
+
+ADDRESS = os.environ.get("LOCKSTEP_TEST_ADDRESS", "")
+TOKEN = os.environ.get("LOCKSTEP_TEST_TOKEN", "")
+TLS_ADDRESS = os.environ.get("LOCKSTEP_TEST_TLS_ADDRESS", "")
+PKI = os.environ.get("LOCKSTEP_TEST_PKI", "")
+
+if not ADDRESS:
+    pytest.skip("run through tests/python/client_test.py, which starts the clusters",
+                allow_module_level=True)
+
+
+def spec(steps):
+    return {
+        "name": "python-client",
+        "model": {"type": "mlp", "hiddenWidths": [32]},
+        "dataset": {"type": "synthetic",
+                    "synthetic": {"trainSamples": 2048, "testSamples": 512, "inputDim": 16,
+                                  "numClasses": 4, "seed": 1}},
+        "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
+        "globalBatchSize": 64,
+        "maxSteps": steps,
+        "minWorkers": 2,
+        "maxWorkers": 2,
+    }
+
+
+@pytest.fixture
+def client():
+    with lockstep.Client(ADDRESS, token=TOKEN) as c:
+        yield c
+
+
+def test_the_package_is_the_installed_one():
+    assert os.path.dirname(lockstep.__file__).startswith(sys.prefix), lockstep.__file__
+
+
+def test_submit_watch_get_list_workers_curve(client):
+    job = client.submit(spec(200))
+    assert job.job_id.startswith("job-"), job.job_id
+    events = list(client.watch(job.job_id))
+    assert len(events) > 2
+    assert [e.sequence for e in events] == list(range(len(events)))
+    final = client.get(job.job_id)
+    assert lockstep.to_dict(final)["state"] == "JOB_STATE_SUCCEEDED", final.reason
+    assert final.step == 200
+    assert len({m.parameter_checksum for m in final.members}) == 1
+    assert events[-1].job.state == final.state
+    assert int(lockstep.to_dict(final)["step"]) == 200
+    assert job.job_id in [j.job_id for j in client.list()]
+    workers = client.workers()
+    assert len(workers) == 2
+    assert all(w.device == "cpu" for w in workers)
+    # The membership timeline and the training curve.
+    assert [g.generation for g in final.generations] == [1]
+    assert sorted(final.generations[0].joined) == sorted(w.name for w in workers)
+    points = client.curve(job.job_id)
+    assert len(points) >= 2
+    assert points[0].step == 1 and points[-1].step == 200
+    assert all(b.step > a.step for a, b in zip(points, points[1:]))
+    assert all(p.loss > 0 for p in points)
+    # Cancelling a finished job.
+    with pytest.raises(lockstep.LockstepError) as e:
+        client.cancel(job.job_id)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_cancel_a_running_job(client):
+    job = client.submit(spec(1_000_000))
+    for event in client.watch(job.job_id):
+        if event.job.step > 0:
+            break
+    cancelled = client.cancel(job.job_id)
+    assert lockstep.to_dict(cancelled)["state"] == "JOB_STATE_CANCELLED"
+    # watch of an ended job replays its history and ends.
+    assert lockstep.to_dict(list(client.watch(job.job_id))[-1].job)["state"] == "JOB_STATE_CANCELLED"
+
+
+def test_errors_carry_the_code_and_the_coordinators_words(client):
+    bad = spec(10)
+    bad["globalBatchSize"] = -5
+    with pytest.raises(lockstep.LockstepError) as e:
+        client.submit(bad)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "global_batch_size" in e.value.message
+    for call in [lambda: client.get("job-404-nowhere"),
+                 lambda: list(client.watch("job-404-nowhere")),
+                 lambda: client.curve("job-404-nowhere")]:
+        with pytest.raises(lockstep.LockstepError) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        assert "job-404-nowhere" in e.value.message
+    typo = spec(10)
+    typo["maxStpes"] = 10
+    with pytest.raises(lockstep.LockstepError) as e:
+        client.submit(typo)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "maxStpes" in e.value.message
+    with pytest.raises(TypeError):
+        client.submit("not a spec")
+
+
+@pytest.mark.parametrize("wrong", ["not-the-token", ""])
+def test_a_wrong_or_missing_token_is_refused(wrong):
+    with lockstep.Client(ADDRESS, token=wrong) as c:
+        with pytest.raises(lockstep.LockstepError) as e:
+            c.list()
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert "token" in e.value.message
+
+
+def test_mutual_tls():
+    files = {"ca": os.path.join(PKI, "ca.crt"), "cert": os.path.join(PKI, "client.crt"),
+             "key": os.path.join(PKI, "client.key")}
+    with lockstep.Client(TLS_ADDRESS, token=TOKEN, tls=files) as c:
+        assert len(c.workers()) == 1
+    # Without a client certificate, or in plaintext: refused.
+    for tls in [{"ca": files["ca"]}, None]:
+        with lockstep.Client(TLS_ADDRESS, token=TOKEN, tls=tls, timeout=5) as c:
+            with pytest.raises(lockstep.LockstepError) as e:
+                c.list()
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_bad_client_arguments():
+    with pytest.raises(ValueError):
+        lockstep.Client("no-port")
+    with pytest.raises(ValueError) as e:
+        lockstep.Client(ADDRESS, tls={"ca": "/nonexistent/ca.pem"})
+    assert "/nonexistent/ca.pem" in str(e.value)
+    with pytest.raises(ValueError):
+        lockstep.Client(ADDRESS, tls={"cert": "c.pem"})
