@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/utf8.h"
 
 namespace lockstep::cli {
 namespace {
@@ -46,7 +47,8 @@ std::string FormatTimestamp(int64_t unix_ms, absl::Time now, absl::TimeZone tz) 
 
 // One "Label:  value" line of the status block, labels padded to one column.
 void AddField(std::string& out, absl::string_view label, absl::string_view value) {
-  absl::StrAppendFormat(&out, "%-20s%s\n", absl::StrCat(label, ":"), value);
+  absl::StrAppendFormat(&out, "%-20s%s\n", absl::StrCat(label, ":"),
+                        EscapeForTerminal(std::string_view(value.data(), value.size())));
 }
 
 }  // namespace
@@ -108,6 +110,7 @@ Table::Table(std::vector<std::string> header) { rows_.push_back(std::move(header
 
 void Table::AddRow(std::vector<std::string> row) {
   row.resize(rows_.front().size());
+  for (std::string& cell : row) cell = EscapeForTerminal(cell);
   rows_.push_back(std::move(row));
 }
 
@@ -388,6 +391,7 @@ std::string FormatEventLine(const v1::JobEvent& event, absl::TimeZone tz) {
   // The message is one line by contract; a stray newline would break the live progress line.
   std::string message(absl::StripAsciiWhitespace(event.message()));
   std::replace(message.begin(), message.end(), '\n', ' ');
+  message = EscapeForTerminal(message);
   if (!message.empty()) absl::StrAppend(&out, ": ", message);
   return out;
 }
@@ -417,7 +421,7 @@ std::string FormatFinalSummary(const v1::Job& job, absl::Time now) {
     return out;
   }
   absl::StrAppend(&out, job.job_id(), " ", JobStateName(job.state()), " after ", duration);
-  if (!job.reason().empty()) absl::StrAppend(&out, ": ", job.reason());
+  if (!job.reason().empty()) absl::StrAppend(&out, ": ", EscapeForTerminal(job.reason()));
   out += "\n";
   return out;
 }

@@ -89,4 +89,8 @@ std::string ClientName(const grpc::ServerContext& context) {
   return std::string(Value(context, kClientKey));
 }
 
+std::string SessionKey(const grpc::ServerContext& context) {
+  return std::string(Value(context, kSessionKeyMetadata));
+}
+
 }  // namespace lockstep

@@ -21,6 +21,8 @@ namespace lockstep {
 
 inline constexpr char kAuthorizationKey[] = "authorization";
 inline constexpr char kClientKey[] = "x-lockstep-client";
+// A worker's session secret on its store calls (WorkerService's Registered.session_key).
+inline constexpr char kSessionKeyMetadata[] = "x-lockstep-session";
 
 // Reads a token file; surrounding whitespace (a trailing newline) is dropped. Errors name the
 // path: unreadable, empty, or with characters that cannot go into metadata.
@@ -55,5 +57,7 @@ class TokenChecker {
 
 // The client's self-description from its metadata ("" when it sent none).
 std::string ClientName(const grpc::ServerContext& context);
+// The session key a worker's store call carries ("" when none).
+std::string SessionKey(const grpc::ServerContext& context);
 
 }  // namespace lockstep

@@ -62,4 +62,20 @@ std::string ToValidUtf8(std::string_view text) {
   return out;
 }
 
+std::string EscapeForTerminal(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (char c : ToValidUtf8(text)) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      out += "\\x";
+      out += kHex[u >> 4];
+      out += kHex[u & 15];
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 }  // namespace lockstep

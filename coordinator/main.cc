@@ -50,6 +50,9 @@ ABSL_FLAG(std::string, http_listen, "",
           "--http_port_file).");
 ABSL_FLAG(std::string, http_port_file, "",
           "If set, the dashboard's port is written to this file once serving.");
+ABSL_FLAG(bool, grpc_reflection, false,
+          "Serve gRPC server reflection (the API's schema, for grpcurl and the like). It answers "
+          "without the token, so it is off unless asked for.");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
           "Silence after which a worker is declared lost (jobs may set their own).");
 
@@ -188,7 +191,9 @@ int main(int argc, char** argv) {
   lockstep::coordinator::StoreServiceImpl store(&coordinator);
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (absl::GetFlag(FLAGS_grpc_reflection)) {
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  }
   grpc::ServerBuilder builder;
   lockstep::ConfigureServer(builder);
   int port = 0;

@@ -2,6 +2,7 @@
 // lifecycle's (worker/lifecycle.h); this file only carries them out.
 #include "worker/agent.h"
 
+#include <new>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
 #include "common/job_memory.h"
+#include "common/process_memory.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
 #include "worker/comm/gloo_communicator.h"
@@ -138,6 +140,7 @@ absl::Status Agent::Run() {
   absl::Time last_session = absl::Now();  // start of the outage we are in
   WriteStatus("connecting", options_.coordinator);
   absl::Status status = absl::UnavailableError("not connected yet");
+  absl::Time name_refused_since = absl::InfiniteFuture();  // refused for its name since then
   while (!stop_) {
     JoinEnded();
     if (options_.give_up_after > absl::ZeroDuration() &&
@@ -166,6 +169,20 @@ absl::Status Agent::Run() {
                                            " rejected this worker: ", status.message());
       WriteStatus("rejected", why);
       return absl::UnauthenticatedError(why);
+    }
+    if (absl::IsAlreadyExists(status)) {
+      name_refused_since = std::min(name_refused_since, started);
+      if (absl::Now() - name_refused_since >= options_.name_conflict_timeout) {
+        const std::string why = absl::StrCat(
+            "another live worker holds the name ", options_.name, " on coordinator ",
+            options_.coordinator, " (refused for ",
+            absl::FormatDuration(options_.name_conflict_timeout), "): ", status.message(),
+            "; give this worker another --name");
+        WriteStatus("rejected", why);
+        return absl::AlreadyExistsError(why);
+      }
+    } else {
+      name_refused_since = absl::InfiniteFuture();
     }
     // A session that lasted was healthy: its end is no reason to wait. One refused at once
     // (e.g. the name is still held by our previous session) backs off a little.
@@ -221,6 +238,10 @@ absl::Status Agent::RunSession(bool* registered) {
     return result;
   }
   const std::string worker_id = message.registered().worker_id();
+  {
+    absl::MutexLock lock(&session_key_mu_);
+    session_key_ = message.registered().session_key();
+  }
   *registered = true;
   WriteStatus("registered", absl::StrCat("as ", worker_id, " with ", options_.coordinator));
   const absl::Duration interval =
@@ -292,7 +313,19 @@ void Agent::JoinEnded() {
 void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
   const v1::Assignment& a = run->assignment;
   bool fatal = false;
-  const absl::Status status = TrainGeneration(*run, trainer, &fatal);
+  absl::Status status;
+  try {
+    status = TrainGeneration(*run, trainer, &fatal);
+  } catch (const std::bad_alloc&) {
+    // A job that needs more memory than this worker can get fails with that reason; the
+    // worker lives on and takes the next job. What was built for it is dropped.
+    trainer.reset();
+    fatal = true;
+    status = absl::ResourceExhaustedError(absl::StrCat(
+        "out of memory: worker ", options_.name, " could not allocate what ", a.job_id(),
+        " needs (peak resident ", HumanBytes(ReadProcessMemory().peak_bytes),
+        "); give it a smaller model, data set or micro_batch_size, or a bigger worker"));
+  }
   RunResult result;
   // A fatal error is fatal even when an abort came meanwhile (the next generation would only
   // meet it again); the lifecycle does not report it for an aborted run.
@@ -351,7 +384,13 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
 
   // Every wait below on the generation's peers watches `abort`: the store client cancels its
   // call, Gloo's calls are abandoned, shared-memory waits woken, NCCL aborted.
-  auto store = std::make_shared<CoordinatorStoreClient>(store_stub_, a.job_id(), a.generation(),
+  std::string session_key;
+  {
+    absl::MutexLock lock(&session_key_mu_);
+    session_key = session_key_;
+  }
+  auto store = std::make_shared<CoordinatorStoreClient>(store_stub_, session_key, a.job_id(),
+                                                        a.generation(),
                                                         abort);
   const auto collective_timeout = std::chrono::milliseconds(spec.collective_timeout_ms());
   absl::StatusOr<std::unique_ptr<GlooCommunicator>> gloo = GlooCommunicator::Create(

@@ -51,6 +51,10 @@ struct AgentOptions {
   // Run() returns UNAVAILABLE once the coordinator has been unreachable this long (zero: retry
   // forever). Lets a service manager see, log and back off a misconfigured address.
   absl::Duration give_up_after = absl::ZeroDuration();
+  // Run() returns ALREADY_EXISTS once the coordinator has refused this worker's name this long
+  // in a row: the name is held by another live worker, not by this worker's previous session
+  // (which the coordinator declares lost within its heartbeat timeout).
+  absl::Duration name_conflict_timeout = absl::Seconds(15);
   // If set, the worker's state ("connecting", "registered", "training", "rejected", ...) and
   // its reason are written here on every change: a container health check reads it.
   std::string status_file;
@@ -73,7 +77,8 @@ class Agent {
 
   // Connects, serves sessions and reconnects until Stop() (then OK). Returns early with
   // UNAUTHENTICATED when the coordinator rejects the token (retrying cannot help), or with
-  // UNAVAILABLE after `give_up_after` without a session.
+  // UNAVAILABLE after `give_up_after` without a session, or with ALREADY_EXISTS when another
+  // live worker holds the name (name_conflict_timeout).
   absl::Status Run();
   void Stop();
 
@@ -114,6 +119,9 @@ class Agent {
   const uint64_t incarnation_;
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::StoreService::StubInterface> store_stub_;
+  // The current session's key (Registered.session_key), for the store calls of its runs.
+  absl::Mutex session_key_mu_;
+  std::string session_key_ ABSL_GUARDED_BY(session_key_mu_);
 
   std::atomic<bool> stop_{false};
   absl::Mutex session_mu_ ABSL_ACQUIRED_AFTER(mu_);  // the stream and writes to it

@@ -38,6 +38,10 @@ ABSL_FLAG(std::string, token_file, "",
 ABSL_FLAG(absl::Duration, give_up_after, absl::ZeroDuration(),
           "Exit (code 4) after this long without a session with the coordinator, so that a "
           "service manager logs it and backs off; 0 retries forever.");
+ABSL_FLAG(absl::Duration, name_conflict_timeout, absl::Seconds(15),
+          "Exit (code 5) when the coordinator has refused this worker's --name this long in a "
+          "row: another live worker holds it (a restarted worker's previous session is "
+          "declared lost sooner, within the heartbeat timeout).");
 ABSL_FLAG(std::string, status_file, "",
           "Write the worker's state here on every change (first word: connecting, registered, "
           "rejected, unreachable or stopped); for health checks.");
@@ -152,6 +156,7 @@ int main(int argc, char** argv) {
     LOG(ERROR) << "--give_up_after must be >= 0";
     return 2;
   }
+  options.name_conflict_timeout = absl::GetFlag(FLAGS_name_conflict_timeout);
   options.status_file = absl::GetFlag(FLAGS_status_file);
   if (absl::Status s = lockstep::worker::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
                                                         absl::GetFlag(FLAGS_test_hooks_dir));
@@ -197,6 +202,10 @@ int main(int argc, char** argv) {
   if (absl::IsUnauthenticated(ended)) {
     LOG(ERROR) << ended.message();
     return 3;
+  }
+  if (absl::IsAlreadyExists(ended)) {
+    LOG(ERROR) << ended.message();
+    return 5;
   }
   if (!ended.ok()) {
     LOG(ERROR) << ended.message();

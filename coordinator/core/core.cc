@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -47,11 +48,46 @@ Core::JobRecord* Core::FindJob(const std::string& job_id) {
   return it == jobs_.end() ? nullptr : &it->second;
 }
 
+absl::Status ValidateRegistration(const v1::RegisterRequest& request) {
+  const std::string& name = request.name();
+  if (name.empty()) return absl::InvalidArgumentError("register.name: required");
+  if (name.size() > kMaxWorkerNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("register.name: at most ", kMaxWorkerNameBytes,
+                                                   " bytes, got ", name.size()));
+  }
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.' &&
+        c != '@' && c != ':') {
+      return absl::InvalidArgumentError(
+          "register.name: letters, digits and - _ . @ : only (e.g. gpu-host-3:0)");
+    }
+  }
+  if (request.device().empty()) return absl::InvalidArgumentError("register.device: required");
+  for (const auto& [field, value] :
+       {std::pair<const char*, const std::string&>{"register.host", request.host()},
+        {"register.device", request.device()},
+        {"register.device_name", request.device_name()},
+        {"register.comm_address", request.comm_address()}}) {
+    if (value.size() > 255) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": at most 255 bytes"));
+    }
+    for (char c : value) {
+      const unsigned char u = static_cast<unsigned char>(c);
+      if (u < 0x20 || u == 0x7f) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": holds a control byte"));
+      }
+    }
+  }
+  if (request.capabilities_size() > 64) {
+    return absl::InvalidArgumentError("register.capabilities: at most 64");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& request, absl::Time now,
                                                  Decisions* out) {
   ObserveTime(now);
-  if (request.name().empty()) return absl::InvalidArgumentError("register.name: required");
-  if (request.device().empty()) return absl::InvalidArgumentError("register.device: required");
+  if (absl::Status s = ValidateRegistration(request); !s.ok()) return s;
   for (const auto& [id, w] : workers_) {
     if (w.state != WorkerState::kLost && w.info.name() == request.name()) {
       return absl::AlreadyExistsError(absl::StrCat("a connected worker is already named \"",
@@ -134,8 +170,14 @@ const Core::JobRecord* Core::FencedJob(const std::string& job_id, int64_t genera
                      job.job.state() == v1::JOB_STATE_RUNNING ? "" : ", being re-formed", ")"));
     return nullptr;
   }
-  if (worker != nullptr && (worker->state != WorkerState::kBusy || worker->job_id != job_id ||
-                            worker->generation != generation)) {
+  if (worker != nullptr && (worker->state != WorkerState::kBusy || worker->job_id != job_id)) {
+    // Not this job's at all (a member of an older generation that was dropped is lost, so
+    // this is someone else): refused, and nothing is fenced.
+    *status = absl::PermissionDeniedError(
+        absl::StrCat("worker ", worker_id, " is not a member of job ", job_id));
+    return nullptr;
+  }
+  if (worker != nullptr && worker->generation != generation) {
     *status = absl::AbortedError(absl::StrCat("worker ", worker_id, " is not a member of generation ",
                                               generation, " of job ", job_id));
     return nullptr;
@@ -309,6 +351,7 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
       m.step = std::max(m.step, report.step());
       m.checksum = report.parameter_checksum();
       m.peak_memory_bytes = std::max(m.peak_memory_bytes, report.peak_memory_bytes());
+      m.eval = report.has_eval() ? report.eval().SerializeAsString() : "";
       // Every rank reports the same reduced evaluation; rank 0's throughput is the job's.
       if (report.has_eval() && (&m == &job.members.front() || !job.job.has_eval())) {
         *job.job.mutable_eval() = report.eval();
@@ -327,22 +370,60 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
   if (report.step() > job.job.step()) job.job.set_step(report.step());
   RefreshMembers(job);
   out->changed_jobs.insert(job.job.job_id());
-  if (all_finished) {
-    std::string reason = absl::StrCat("trained ", job.job.step(), " steps");
-    if (job.job.has_eval() && IsLanguageModel(job.job.spec())) {
-      absl::StrAppend(&reason,
-                      absl::StrFormat("; validation loss %.4f", job.job.eval().test_loss()));
-      if (job.job.eval().bits_per_byte() > 0) {
-        absl::StrAppend(&reason,
-                        absl::StrFormat(" (%.3f bits per byte)", job.job.eval().bits_per_byte()));
-      }
-    } else if (job.job.has_eval()) {
-      absl::StrAppend(&reason,
-                      absl::StrFormat("; test accuracy %.4f", job.job.eval().test_accuracy()));
-    }
-    FinishJob(job, v1::JOB_STATE_SUCCEEDED, reason, now, out);
-  }
+  // The result stands only when every member of the generation reported it, and they agree.
+  if (all_finished) FinishAgreed(job, /*except=*/"", "", now, out);
   return absl::OkStatus();
+}
+
+std::string Core::Disagreement(const JobRecord& job, const std::string& except) const {
+  const MemberState* first = nullptr;
+  bool agree = true;
+  for (const MemberState& m : job.members) {
+    if (m.worker_id == except || !m.finished) continue;
+    if (first == nullptr) {
+      first = &m;
+      continue;
+    }
+    agree = agree && m.step == first->step && m.checksum == first->checksum &&
+            m.eval == first->eval;
+  }
+  if (agree) return "";
+  std::vector<std::string> parts;
+  for (const MemberState& m : job.members) {
+    if (m.worker_id == except || !m.finished) continue;
+    const auto it = workers_.find(m.worker_id);
+    parts.push_back(absl::StrCat(it == workers_.end() ? m.worker_id : it->second.info.name(),
+                                 ": step ", m.step, ", parameters ", m.checksum,
+                                 m.eval == first->eval ? "" : ", a different evaluation"));
+  }
+  return absl::StrCat("the members disagree on the result (", absl::StrJoin(parts, "; "), ")");
+}
+
+void Core::FinishAgreed(JobRecord& job, const std::string& except, const std::string& note,
+                        absl::Time now, Decisions* out) {
+  if (std::string disagreement = Disagreement(job, except); !disagreement.empty()) {
+    return FinishJob(job, v1::JOB_STATE_FAILED, disagreement + note, now, out);
+  }
+  // The evaluation is the agreeing members' (not one left out); throughput, sample and export
+  // came with rank 0's report.
+  for (const MemberState& m : job.members) {
+    if (m.worker_id == except || !m.finished || m.eval.empty()) continue;
+    job.job.mutable_eval()->ParseFromString(m.eval);
+    break;
+  }
+  std::string reason = absl::StrCat("trained ", job.job.step(), " steps");
+  if (job.job.has_eval() && IsLanguageModel(job.job.spec())) {
+    absl::StrAppend(&reason,
+                    absl::StrFormat("; validation loss %.4f", job.job.eval().test_loss()));
+    if (job.job.eval().bits_per_byte() > 0) {
+      absl::StrAppend(&reason,
+                      absl::StrFormat(" (%.3f bits per byte)", job.job.eval().bits_per_byte()));
+    }
+  } else if (job.job.has_eval()) {
+    absl::StrAppend(&reason,
+                    absl::StrFormat("; test accuracy %.4f", job.job.eval().test_accuracy()));
+  }
+  FinishJob(job, v1::JOB_STATE_SUCCEEDED, reason + note, now, out);
 }
 
 absl::Status Core::ReportResumed(const std::string& worker_id, const v1::ResumedReport& report,
@@ -815,20 +896,26 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
   if (fatal) return FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
   // A member that reported Finished holds the final state (every rank applies the same last
-  // step and evaluation), so a loss after that point does not need a re-formation.
+  // step and evaluation), so a loss after that point needs no re-formation when every other
+  // member has finished too: the result is theirs, if they agree. While one of them has not,
+  // the job re-forms like after any loss (so a lone Finished, true or forged, followed by a
+  // disconnect never decides a job for the others).
   const bool some_finished = std::any_of(job.members.begin(), job.members.end(),
                                          [](const MemberState& m) { return m.finished; });
-  if (some_finished && job.job.state() == v1::JOB_STATE_RUNNING) {
+  const bool others_finished =
+      !worker_id.empty() &&
+      std::all_of(job.members.begin(), job.members.end(), [&](const MemberState& m) {
+        return m.finished || m.worker_id == worker_id;
+      });
+  if (some_finished && others_finished && job.job.state() == v1::JOB_STATE_RUNNING) {
     // Rank 0 writes the sample and the export after the evaluation: lost in between, they are
     // missing, and the job says so (the trained state is complete on the members that finished).
     if (!job.job.spec().output_dir().empty() && job.job.export_path().empty() &&
         job.job.export_error().empty()) {
       job.job.set_export_error(absl::StrCat("not written: ", reason, " before writing it"));
     }
-    return FinishJob(
-        job, v1::JOB_STATE_SUCCEEDED,
-        absl::StrCat("trained ", job.job.step(), " steps; ", reason, " after the last step"), now,
-        out);
+    return FinishAgreed(job, /*except=*/worker_id,
+                        absl::StrCat("; ", reason, " after the last step"), now, out);
   }
   if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
     // Lost while re-forming: drop it from the survivors and carry on with the same recovery.

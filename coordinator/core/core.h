@@ -62,6 +62,12 @@ struct Decisions {
   std::set<std::string> changed_jobs;
 };
 
+inline constexpr size_t kMaxWorkerNameBytes = 64;
+// A registration's fields: a name of letters, digits and - _ . @ : (at most
+// kMaxWorkerNameBytes), and host, device and addresses of at most 255 bytes without control
+// bytes. INVALID_ARGUMENT naming the field.
+absl::Status ValidateRegistration(const v1::RegisterRequest& request);
+
 // Not thread-safe: the shell serializes all calls under one mutex.
 class Core {
  public:
@@ -122,8 +128,9 @@ class Core {
                                                         int64_t from_sequence) const;
   // The generation fence, the one place that decides whether (job_id, generation) is live: OK
   // when it is the job's current generation and the job is RUNNING, and (with a worker id) the
-  // worker is a member of it; ABORTED when it is older, being re-formed or the job has ended;
-  // NOT_FOUND for an unknown job (or an unknown or lost worker).
+  // worker is a member of it; ABORTED when it is older, being re-formed or the job has ended
+  // (or the worker is the job's, in another generation); PERMISSION_DENIED when the worker is
+  // not the job's at all; NOT_FOUND for an unknown job (or an unknown or lost worker).
   absl::Status Fence(const std::string& job_id, int64_t generation,
                      const std::string& worker_id = "") const;
 
@@ -155,6 +162,9 @@ class Core {
     bool finished = false;
     std::string checksum;
     int64_t peak_memory_bytes = 0;
+    // The evaluation this member reported with Finished (serialized; every rank reports the
+    // same reduced one, so they must be equal byte for byte).
+    std::string eval;
   };
   struct JobRecord {
     v1::Job job;                       // state, reason, spec and the reported metrics
@@ -227,6 +237,13 @@ class Core {
                  Decisions* out);
   // Records the end of the job's current generation in its timeline (job.generations).
   void EndGeneration(JobRecord& job, const std::string& reason, absl::Time now);
+  // The members that finished disagree (step, parameter checksum or evaluation): the
+  // description for the job's reason; "" when they all agree. `except`: a member to leave out.
+  std::string Disagreement(const JobRecord& job, const std::string& except = "") const;
+  // Every member that speaks for the result has finished: SUCCEEDED when they agree, else
+  // FAILED naming the disagreement. `note` is added to the reason.
+  void FinishAgreed(JobRecord& job, const std::string& except, const std::string& note,
+                    absl::Time now, Decisions* out);
   // Ends the open recovery: the new generation completed its first step (or has none left).
   void CloseRecovery(JobRecord& job, absl::Time now, const std::string& note, Decisions* out);
   // Tells one member to stop the job's current generation.

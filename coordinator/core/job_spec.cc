@@ -33,6 +33,81 @@ int32_t SmallestDivisorAtLeast(int64_t b, int64_t k) {
   return static_cast<int32_t>(b);  // b <= 2^24 (validated)
 }
 
+// Text a spec carries into logs, status and file systems: no NUL or other control bytes
+// (they would cut paths short or forge log lines), and at most `limit` bytes.
+absl::Status CheckText(const std::string& field, const std::string& value, size_t limit) {
+  if (value.size() > limit) {
+    return Invalid(field, absl::StrCat("at most ", limit, " bytes, got ", value.size()));
+  }
+  for (size_t i = 0; i < value.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(value[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return Invalid(field, absl::StrCat("holds control byte ", int{c}, " at offset ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The sizes of everything in a spec, before any other check reads it (docs/job_spec_example.md).
+absl::Status CheckBounds(const v1::JobSpec& spec) {
+  if (const size_t bytes = spec.ByteSizeLong(); bytes > kMaxJobSpecBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: at most ", kMaxJobSpecBytes,
+                                                   " bytes encoded, got ", bytes));
+  }
+  if (absl::Status s = CheckText("name", spec.name(), kMaxJobNameBytes); !s.ok()) return s;
+  const struct {
+    const char* field;
+    const std::string& value;
+  } paths[] = {{"dataset.path", spec.dataset().path()},
+               {"dataset.validation_path", spec.dataset().validation_path()},
+               {"checkpoint_dir", spec.checkpoint_dir()},
+               {"output_dir", spec.output_dir()},
+               {"init_from_checkpoint.path", spec.init_from_checkpoint().path()}};
+  for (const auto& path : paths) {
+    if (absl::Status s = CheckText(path.field, path.value, kMaxPathBytes); !s.ok()) return s;
+  }
+  for (const auto& text : {std::pair<const char*, const std::string&>{"model.type", spec.model().type()},
+                           {"model.activation", spec.model().activation()},
+                           {"dataset.type", spec.dataset().type()},
+                           {"optimizer.type", spec.optimizer().type()},
+                           {"device", spec.device()},
+                           {"precision", spec.precision()},
+                           {"checkpoint_failure_policy", spec.checkpoint_failure_policy()}}) {
+    if (absl::Status s = CheckText(text.first, text.second, 64); !s.ok()) return s;
+  }
+  if (spec.model().hidden_widths_size() > kMaxHiddenLayers) {
+    return Invalid("model.hidden_widths", absl::StrCat("at most ", kMaxHiddenLayers,
+                                                       " layers, got ",
+                                                       spec.model().hidden_widths_size()));
+  }
+  if (spec.model().frozen_parameters_size() > kMaxFrozenPatterns) {
+    return Invalid("model.frozen_parameters",
+                   absl::StrCat("at most ", kMaxFrozenPatterns, " patterns, got ",
+                                spec.model().frozen_parameters_size()));
+  }
+  for (int i = 0; i < spec.model().frozen_parameters_size(); ++i) {
+    if (absl::Status s = CheckText(absl::StrCat("model.frozen_parameters[", i, "]"),
+                                   spec.model().frozen_parameters(i), 256);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (spec.sample().prompt().size() > kMaxPromptBytes) {
+    return Invalid("sample.prompt", absl::StrCat("at most ", kMaxPromptBytes, " bytes, got ",
+                                                 spec.sample().prompt().size()));
+  }
+  if (spec.sample().prompt_tokens_size() > static_cast<int>(kMaxPromptBytes)) {
+    return Invalid("sample.prompt_tokens", absl::StrCat("at most ", kMaxPromptBytes,
+                                                        " tokens, got ",
+                                                        spec.sample().prompt_tokens_size()));
+  }
+  if (spec.has_max_restarts() && spec.max_restarts() > kMaxRestartsLimit) {
+    return Invalid("max_restarts",
+                   absl::StrCat("at most ", kMaxRestartsLimit, ", got ", spec.max_restarts()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void ApplyJobSpecDefaults(v1::JobSpec* spec) {
@@ -75,6 +150,7 @@ void ApplyJobSpecDefaults(v1::JobSpec* spec) {
 }
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  if (absl::Status s = CheckBounds(spec); !s.ok()) return s;
   if (spec.device() != "cpu" && spec.device() != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("device: must be \"cpu\" or \"cuda\", got \"", spec.device(), "\""));
@@ -178,8 +254,9 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
         s.input_dim() > 65536 || s.num_classes() > 65536) {
       return Invalid("dataset.synthetic", "too large (at most 2^26 samples, 65536 features)");
     }
-    if (s.train_samples() * s.input_dim() > (int64_t{1} << 31)) {
-      return Invalid("dataset.synthetic", "train_samples * input_dim must be <= 2^31 values");
+    if ((s.train_samples() + s.test_samples()) * s.input_dim() > (int64_t{1} << 31)) {
+      return Invalid("dataset.synthetic",
+                     "(train_samples + test_samples) * input_dim must be <= 2^31 values");
     }
   } else {
     return Invalid("dataset.type",

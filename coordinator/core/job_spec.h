@@ -2,6 +2,8 @@
 // offending field named in the INVALID_ARGUMENT message.
 #pragma once
 
+#include <cstddef>
+
 #include "absl/status/status.h"
 #include "lockstep/v1/job.pb.h"
 
@@ -9,6 +11,16 @@ namespace lockstep::coordinator {
 
 // Default directory of Debian's dataset-fashion-mnist package.
 inline constexpr char kDefaultFashionMnistPath[] = "/usr/share/datasets/fashion-mnist";
+
+// Bounds on what a spec may hold, checked first (and documented in docs/job_spec_example.md):
+// past them a spec is refused, so no one spec can bloat every ListJobs answer or a log.
+inline constexpr size_t kMaxJobSpecBytes = 64 << 10;  // the encoded spec
+inline constexpr size_t kMaxJobNameBytes = 256;
+inline constexpr size_t kMaxPathBytes = 4096;
+inline constexpr size_t kMaxPromptBytes = 4096;  // sample.prompt bytes or prompt_tokens
+inline constexpr int kMaxHiddenLayers = 64;
+inline constexpr int kMaxFrozenPatterns = 256;
+inline constexpr int kMaxRestartsLimit = 1000;
 
 // Fills the fields left at zero/empty with their documented defaults. Idempotent.
 void ApplyJobSpecDefaults(v1::JobSpec* spec);

@@ -1,12 +1,34 @@
 // Shell state of the coordinator: applies the core's decisions outside the lock.
 #include "coordinator/service/coordinator.h"
 
+#include <sys/random.h>
+
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 
 namespace lockstep::coordinator {
+namespace {
+
+// 128 random bits from the kernel, in hex.
+std::string NewSessionKey() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string key;
+  for (unsigned char b : bytes) {
+    key += kHex[b >> 4];
+    key += kHex[b & 15];
+  }
+  return key;
+}
+
+}  // namespace
 
 void SessionOutbox::Push(v1::CoordinatorMessage message) {
   absl::MutexLock lock(&mu_);
@@ -55,6 +77,9 @@ absl::StatusOr<std::string> Coordinator::Register(const v1::RegisterRequest& req
     v1::CoordinatorMessage registered;
     registered.mutable_registered()->set_worker_id(*id);
     registered.mutable_registered()->set_heartbeat_interval_ms(500);
+    const std::string key = NewSessionKey();
+    registered.mutable_registered()->set_session_key(key);
+    session_keys_[key] = *id;
     outbox->Push(std::move(registered));
     sessions_[*id] = std::move(outbox);
     LOG(INFO) << "worker " << request.name() << " registered as " << *id << " (host "
@@ -67,6 +92,9 @@ void Coordinator::Disconnect(const std::string& worker_id, const std::string& re
   Call([&](Core& core, absl::Time now, Decisions* d) {
     mu_.AssertHeld();
     sessions_.erase(worker_id);
+    for (auto it = session_keys_.begin(); it != session_keys_.end();) {
+      it = it->second == worker_id ? session_keys_.erase(it) : std::next(it);
+    }
     core.WorkerDisconnected(worker_id, reason, now, d);
     return 0;
   });
@@ -133,20 +161,32 @@ void Coordinator::Apply(const Decisions& decisions) {
   }
 }
 
-absl::Status Coordinator::StoreSet(const std::string& job_id, int64_t generation,
-                                   const std::string& key, std::string value) {
+absl::Status Coordinator::StoreFence(const std::string& session_key, const std::string& job_id,
+                                     int64_t generation) {
+  auto it = session_key.empty() ? session_keys_.end() : session_keys_.find(session_key);
+  if (it == session_keys_.end()) {
+    return absl::PermissionDeniedError(
+        "the store serves only the workers of a generation: this call carries no live "
+        "session's key (x-lockstep-session)");
+  }
+  return core_.Fence(job_id, generation, it->second);
+}
+
+absl::Status Coordinator::StoreSet(const std::string& session_key, const std::string& job_id,
+                                   int64_t generation, const std::string& key, std::string value) {
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = core_.Fence(job_id, generation); !s.ok()) return s;
+  if (absl::Status s = StoreFence(session_key, job_id, generation); !s.ok()) return s;
   return store_.Set({job_id, generation}, key, std::move(value));
 }
 
-absl::StatusOr<std::string> Coordinator::StoreWait(const std::string& job_id, int64_t generation,
+absl::StatusOr<std::string> Coordinator::StoreWait(const std::string& session_key,
+                                                   const std::string& job_id, int64_t generation,
                                                    const std::vector<std::string>& keys,
                                                    absl::Duration timeout,
                                                    grpc::ServerContext* context) {
   {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = core_.Fence(job_id, generation); !s.ok()) return s;
+    if (absl::Status s = StoreFence(session_key, job_id, generation); !s.ok()) return s;
   }
   // The scope was open under mu_ just now; if the generation ends from here on, the store
   // closes the scope and the wait ends with ABORTED.

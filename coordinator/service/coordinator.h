@@ -82,12 +82,14 @@ class Coordinator {
   void Disconnect(const std::string& worker_id, const std::string& reason);
   void SendTo(const std::string& worker_id, v1::CoordinatorMessage message);
 
-  // Bootstrap store, behind the core's generation fence (Core::Fence).
-  absl::Status StoreSet(const std::string& job_id, int64_t generation, const std::string& key,
-                        std::string value);
+  // Bootstrap store, behind the core's generation fence (Core::Fence) for the worker whose
+  // session holds `session_key` (Registered.session_key): PERMISSION_DENIED for a key of no
+  // live session, or a worker that is not a member of the job.
+  absl::Status StoreSet(const std::string& session_key, const std::string& job_id,
+                        int64_t generation, const std::string& key, std::string value);
   // Waits until every key exists; returns the value of the first one.
-  absl::StatusOr<std::string> StoreWait(const std::string& job_id, int64_t generation,
-                                        const std::vector<std::string>& keys,
+  absl::StatusOr<std::string> StoreWait(const std::string& session_key, const std::string& job_id,
+                                        int64_t generation, const std::vector<std::string>& keys,
                                         absl::Duration timeout, grpc::ServerContext* context);
 
   // Events with sequence >= from; blocks up to `timeout` when there are none yet. Sets
@@ -113,6 +115,9 @@ class Coordinator {
   void QueueMessages(const Decisions& decisions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Everything else (closing sessions, saving jobs), after mu_ is released.
   void Apply(const Decisions& decisions) ABSL_LOCKS_EXCLUDED(mu_);
+  // The fence for a store call: the session's worker must be a member of (job, generation).
+  absl::Status StoreFence(const std::string& session_key, const std::string& job_id,
+                          int64_t generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Clock* const clock_;
   JobStore* const job_store_;
@@ -121,6 +126,8 @@ class Coordinator {
   absl::CondVar changed_;  // signalled on every store write and job change
   Core core_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<SessionOutbox>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Session key -> worker id, for the live sessions.
+  std::map<std::string, std::string> session_keys_ ABSL_GUARDED_BY(mu_);
   BootstrapStore store_;  // has its own lock; taken after mu_, never before
   uint64_t snapshot_version_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Mutex save_mu_ ABSL_ACQUIRED_AFTER(mu_);

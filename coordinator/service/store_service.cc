@@ -1,5 +1,6 @@
 // StoreService: the bootstrap key-value store used to form communicator groups.
 #include "absl/strings/str_cat.h"
+#include "common/auth.h"
 #include "common/grpc_status.h"
 #include "coordinator/service/services.h"
 
@@ -38,8 +39,9 @@ grpc::Status StoreServiceImpl::Set(grpc::ServerContext* context, const v1::Store
                         absl::StrCat("value: ", request->value().size(), " bytes exceeds the ",
                                      kMaxValueBytes, "-byte limit"));
   }
-  return ToGrpcStatus(coordinator_->StoreSet(request->job_id(), request->generation(),
-                                             request->key(), request->value()));
+  return ToGrpcStatus(coordinator_->StoreSet(SessionKey(*context), request->job_id(),
+                                             request->generation(), request->key(),
+                                             request->value()));
 }
 
 grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context, const v1::StoreGetRequest* request,
@@ -50,8 +52,8 @@ grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context, const v1::Store
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
   }
   absl::StatusOr<std::string> value =
-      coordinator_->StoreWait(request->job_id(), request->generation(), {request->key()},
-                              WaitTimeout(request->timeout_ms()), context);
+      coordinator_->StoreWait(SessionKey(*context), request->job_id(), request->generation(),
+                              {request->key()}, WaitTimeout(request->timeout_ms()), context);
   if (!value.ok()) return ToGrpcStatus(value.status());
   response->set_value(*std::move(value));
   return grpc::Status::OK;
@@ -65,8 +67,9 @@ grpc::Status StoreServiceImpl::Wait(grpc::ServerContext* context,
   for (const std::string& k : keys) {
     if (k.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "keys: empty key");
   }
-  absl::StatusOr<std::string> value = coordinator_->StoreWait(
-      request->job_id(), request->generation(), keys, WaitTimeout(request->timeout_ms()), context);
+  absl::StatusOr<std::string> value =
+      coordinator_->StoreWait(SessionKey(*context), request->job_id(), request->generation(), keys,
+                              WaitTimeout(request->timeout_ms()), context);
   return ToGrpcStatus(value.status());
 }
 

@@ -31,6 +31,7 @@ grpc::Status WorkerServiceImpl::Session(
   std::thread reader([&, outbox] {
     v1::WorkerMessage message;
     std::string reason = "session closed by the worker";
+    int64_t refused = 0;  // reports refused on this session: logged sparingly
     while (stream->Read(&message)) {
       absl::Status status;
       std::string job_id;
@@ -51,11 +52,14 @@ grpc::Status WorkerServiceImpl::Session(
         case v1::WorkerMessage::kFailure:
           job_id = message.failure().job_id();
           generation = message.failure().generation();
-          LOG(WARNING) << "worker " << worker_id << " reports failure in " << job_id << " g"
-                       << generation << ": " << message.failure().message();
           status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
             return core.ReportFailure(worker_id, message.failure(), now, d);
           });
+          // Logged once the report was a member's (the job's events record it too).
+          if (status.ok()) {
+            LOG(WARNING) << "worker " << worker_id << " reports failure in " << job_id << " g"
+                         << generation << ": " << message.failure().message();
+          }
           break;
         case v1::WorkerMessage::kResumed:
           job_id = message.resumed().job_id();
@@ -92,8 +96,9 @@ grpc::Status WorkerServiceImpl::Session(
       } else if (absl::IsNotFound(status) && job_id.empty()) {
         reason = absl::StrCat("session ended: ", status.message());
         break;
-      } else if (!status.ok()) {
-        LOG(WARNING) << "worker " << worker_id << ": " << status;
+      } else if (!status.ok() && (++refused == 1 || refused % 1000 == 0)) {
+        LOG(WARNING) << "worker " << worker_id << ": " << status << " (" << refused
+                     << (refused == 1 ? " report" : " reports") << " refused on this session)";
       }
     }
     if (context->IsCancelled()) reason = "connection lost";

@@ -236,12 +236,16 @@ Cluster::~Cluster() {
   }
 }
 
-absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std::string>& flags) {
+absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std::string>& flags,
+                                  const std::vector<std::string>& launcher) {
   const std::string hooks = absl::StrCat(dir_, "/hooks/", name);
   std::filesystem::remove_all(hooks);
-  std::vector<std::string> argv = {LOCKSTEP_WORKER_BIN, "--coordinator=" + address_, "--device=cpu",
-                                   "--name=" + name, "--test_hooks_dir=" + hooks,
-                                   "--data_cache_dir=" + dir_ + "/cache"};
+  std::vector<std::string> argv = launcher;
+  for (const std::string& arg :
+       {std::string(LOCKSTEP_WORKER_BIN), "--coordinator=" + address_, std::string("--device=cpu"),
+        "--name=" + name, "--test_hooks_dir=" + hooks, "--data_cache_dir=" + dir_ + "/cache"}) {
+    argv.push_back(arg);
+  }
   if (!token_file_.empty()) argv.push_back("--token_file=" + token_file_);
   argv.insert(argv.end(), flags.begin(), flags.end());
   auto process = Process::Spawn(argv, absl::StrCat(dir_, "/", name, ".log"));

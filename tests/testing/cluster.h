@@ -71,7 +71,9 @@ class Cluster {
   // it as registered (idle, or busy if a running job took it at once). Every worker gets
   // --test_hooks_dir=DIR/hooks/NAME (emptied first) and the cluster's own data cache
   // (--data_cache_dir=DIR/cache, shared by its workers as a host's are).
-  absl::Status StartWorker(const std::string& name, const std::vector<std::string>& flags = {});
+  // `launcher` runs the worker (e.g. {"/usr/bin/prlimit", "--as=3000000000"}).
+  absl::Status StartWorker(const std::string& name, const std::vector<std::string>& flags = {},
+                           const std::vector<std::string>& launcher = {});
   // Waits until a worker named `name` is listed in `state` ("idle", "busy", "lost").
   absl::Status WaitForWorker(const std::string& name, const std::string& state,
                              absl::Duration timeout);

@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "cli/format.h"
+#include "common/utf8.h"
 #include "cli/invocation.h"
 #include "cli/watch_printer.h"
 #include "common/auth.h"
@@ -167,6 +168,28 @@ TEST(Format, Basics) {
       Ev(3, v1::JobEvent::MEMBERSHIP, v1::JOB_STATE_RUNNING, 0, "generation 1 formed: w0, w1");
   EXPECT_EQ(FormatEventLine(e, absl::UTCTimeZone()),
             "[22:13:23] job-1 RUNNING: generation 1 formed: w0, w1");
+}
+
+// Text from workers and specs cannot forge output lines or drive the terminal.
+TEST(Format, UntrustedTextIsEscaped) {
+  EXPECT_EQ(EscapeForTerminal("ok"), "ok");
+  EXPECT_EQ(EscapeForTerminal("a\nb\x1b[2Jc"), "a\\x0ab\\x1b[2Jc");
+  EXPECT_EQ(EscapeForTerminal("caf\xc3\xa9 \xff"), "caf\xc3\xa9 \xef\xbf\xbd");
+  v1::JobEvent e;
+  e.set_time_unix_ms(0);
+  e.mutable_job()->set_job_id("job-1");
+  e.mutable_job()->set_state(v1::JOB_STATE_FAILED);
+  e.set_message("worker w0 reported: \x1b[31mfake\rjob-9 SUCCEEDED");
+  const std::string line = FormatEventLine(e, absl::UTCTimeZone());
+  EXPECT_EQ(line.find('\x1b'), std::string::npos) << line;
+  EXPECT_EQ(line.find('\r'), std::string::npos) << line;
+  EXPECT_NE(line.find("\\x1b[31mfake\\x0djob-9"), std::string::npos) << line;
+  v1::Job job;
+  job.set_job_id("job-1");
+  job.set_state(v1::JOB_STATE_FAILED);
+  job.set_reason("bad\nline");
+  EXPECT_NE(FormatJobDetail(job, absl::UnixEpoch(), absl::UTCTimeZone()).find("bad\\x0aline"),
+            std::string::npos);
 }
 
 TEST(Format, Tables) {

@@ -1,6 +1,7 @@
 // The coordinator core, driven by events with an explicit clock: registration, gang
 // scheduling, rank assignment, generations, stale-generation fencing and timeouts.
 #include <filesystem>
+#include <functional>
 #include <fstream>
 
 #include "coordinator/core/core.h"
@@ -144,6 +145,38 @@ TEST_F(CoreTest, RegistrationAssignsIdsAndRefusesDuplicateLiveNames) {
   EXPECT_EQ(core_.ListWorkers().size(), 3u);
 }
 
+TEST(RegistrationTest, NamesAndFieldsAreBoundedAndPrintable) {
+  v1::RegisterRequest good;
+  good.set_name("gpu-host-3:0");
+  good.set_host("gpu-host-3.example");
+  good.set_device("cuda:0");
+  EXPECT_TRUE(ValidateRegistration(good).ok());
+  struct Case {
+    std::string what;
+    std::function<void(v1::RegisterRequest*)> mutate;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {"no name", [](v1::RegisterRequest* r) { r->clear_name(); }, "register.name"},
+      {"long name", [](v1::RegisterRequest* r) { r->set_name(std::string(65, 'w')); },
+       "register.name"},
+      {"newline", [](v1::RegisterRequest* r) { r->set_name("w0\nFAKE LOG"); }, "register.name"},
+      {"space", [](v1::RegisterRequest* r) { r->set_name("w 0"); }, "register.name"},
+      {"escape in host", [](v1::RegisterRequest* r) { r->set_host("h\x1b[31m"); },
+       "register.host"},
+      {"huge address", [](v1::RegisterRequest* r) { r->set_comm_address(std::string(300, 'a')); },
+       "register.comm_address"},
+      {"no device", [](v1::RegisterRequest* r) { r->clear_device(); }, "register.device"},
+  };
+  for (const Case& c : cases) {
+    v1::RegisterRequest r = good;
+    c.mutate(&r);
+    absl::Status s = ValidateRegistration(r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << c.what << ": " << s;
+  }
+}
+
 TEST_F(CoreTest, JobWaitsForMinWorkersThenGangStartsUpToMax) {
   const std::string w0 = Register("w0");
   const std::string job = Submit(Spec(2, 3));
@@ -229,7 +262,9 @@ TEST_F(CoreTest, NonMemberCannotReport) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
   const std::string job = Submit(Spec(1, 1));
   TakeAssignments();
-  EXPECT_EQ(Progress(w1, job, 1, 1).code(), absl::StatusCode::kAborted);
+  // Not the job's at all: refused, and nothing is fenced (ABORTED is for a member's stale
+  // generation).
+  EXPECT_EQ(Progress(w1, job, 1, 1).code(), absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE(Progress(w0, job, 1, 1).ok());
 }
 
@@ -517,6 +552,74 @@ TEST_F(CoreTest, MemberLostAfterAnotherFinishedCompletesTheJob) {
   EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
   EXPECT_DOUBLE_EQ(j.eval().test_accuracy(), 0.9) << "the surviving member's evaluation";
   EXPECT_EQ(j.recoveries(), 0);
+}
+
+// Results a user can trust: a job succeeds only when the members of its generation agree.
+TEST_F(CoreTest, MembersThatDisagreeOnTheResultFailTheJobNamingThem) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(Finished(w0, job, 1, "abc").ok());
+  ASSERT_TRUE(Finished(w1, job, 1, "deadbeefdeadbeef").ok());
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(j.reason().find("disagree"), std::string::npos) << j.reason();
+  EXPECT_NE(j.reason().find("w0: step 100, parameters abc"), std::string::npos) << j.reason();
+  EXPECT_NE(j.reason().find("w1: step 100, parameters deadbeefdeadbeef"), std::string::npos);
+}
+
+TEST_F(CoreTest, AnEvaluationOnlyOneMemberReportsIsNotTheResult) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(Finished(w0, job, 1, "abc").ok());
+  v1::FinishedReport forged;
+  forged.set_job_id(job);
+  forged.set_generation(1);
+  forged.set_step(100);
+  forged.set_parameter_checksum("abc");
+  forged.mutable_eval()->set_test_accuracy(0.9999);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFinished(w1, forged, now_, &d).ok());
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(j.reason().find("w1: step 100, parameters abc, a different evaluation"),
+            std::string::npos)
+      << j.reason();
+}
+
+// A lone Finished (true or forged) followed by a disconnect does not end the job for the
+// members still training: the job re-forms and trains on to their result.
+TEST_F(CoreTest, ALoneFinishedThenADisconnectReformsInsteadOfSucceeding) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
+  const std::string job = Submit(Spec(2, 2));
+  auto first = TakeAssignments();
+  ASSERT_EQ(first.size(), 2u);
+  const std::string forger = first.count(w1) ? w1 : w0;
+  v1::FinishedReport forged;
+  forged.set_job_id(job);
+  forged.set_generation(1);
+  forged.set_step(100);
+  forged.set_parameter_checksum("deadbeefdeadbeef");
+  forged.mutable_eval()->set_test_accuracy(0.9999);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFinished(forger, forged, now_, &d).ok());
+  core_.WorkerDisconnected(forger, "stream closed", now_, &d);
+  Collect(d);
+  v1::Job j = Job(job);
+  EXPECT_NE(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_EQ(j.generation(), 2) << "re-formed with the spare";
+  EXPECT_EQ(j.recoveries(), 1);
+  // The new generation finishes with its own agreed result.
+  const auto next = TakeAssignments();
+  ASSERT_EQ(next.size(), 2u);
+  for (const auto& [worker, assignment] : next) {
+    ASSERT_TRUE(Finished(worker, job, 2, "abc").ok());
+  }
+  j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_DOUBLE_EQ(j.eval().test_accuracy(), 0.9) << "not the forged 0.9999";
+  EXPECT_EQ(j.members(0).parameter_checksum(), "abc");
 }
 
 TEST_F(CoreTest, BelowMinWorkersWaitsThenFailsAfterRendezvousTimeout) {

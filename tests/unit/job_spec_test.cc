@@ -161,6 +161,36 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
       {"tf32 on CPU workers", [](v1::JobSpec* s) { s->set_precision("tf32"); }, "precision"},
       {"checkpoints without a directory",
        [](v1::JobSpec* s) { s->set_checkpoint_every_steps(10); }, "checkpoint_dir"},
+      // Bounds: sizes and bytes nothing downstream should have to cope with.
+      {"15 MB name", [](v1::JobSpec* s) { s->set_name(std::string(15 << 20, 'n')); }, "spec"},
+      {"long name", [](v1::JobSpec* s) { s->set_name(std::string(300, 'n')); }, "name"},
+      {"newline in name", [](v1::JobSpec* s) { s->set_name("job\n[fake] log line"); }, "name"},
+      {"escape in name", [](v1::JobSpec* s) { s->set_name("\x1b[2Jjob"); }, "name"},
+      {"NUL in a path",
+       [](v1::JobSpec* s) { s->mutable_dataset()->set_path(std::string("/data\0/etc/shadow", 17)); },
+       "dataset.path"},
+      {"long path", [](v1::JobSpec* s) { s->set_checkpoint_dir("/" + std::string(5000, 'd')); },
+       "checkpoint_dir"},
+      {"control byte in output_dir", [](v1::JobSpec* s) { s->set_output_dir("/out\r"); },
+       "output_dir"},
+      {"100 hidden layers",
+       [](v1::JobSpec* s) {
+         for (int i = 0; i < 100; ++i) s->mutable_model()->add_hidden_widths(4);
+       },
+       "model.hidden_widths"},
+      {"many frozen patterns",
+       [](v1::JobSpec* s) {
+         for (int i = 0; i < 300; ++i) s->mutable_model()->add_frozen_parameters("x");
+       },
+       "model.frozen_parameters"},
+      {"max_restarts 2^31-1",
+       [](v1::JobSpec* s) { s->set_max_restarts(2147483647); }, "max_restarts"},
+      {"huge synthetic test split",
+       [](v1::JobSpec* s) {
+         s->mutable_dataset()->mutable_synthetic()->set_test_samples(int64_t{1} << 26);
+         s->mutable_dataset()->mutable_synthetic()->set_input_dim(65536);
+       },
+       "dataset.synthetic"},
   };
   for (const BadCase& c : cases) {
     v1::JobSpec spec = ValidSpec();

@@ -2,6 +2,7 @@
 #include "worker/comm/store_client.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/auth.h"
 #include "common/grpc_status.h"
 #include "grpcpp/client_context.h"
 #include "worker/test_hooks.h"
@@ -16,9 +17,10 @@ constexpr absl::Duration kDeadlineSlack = absl::Seconds(5);
 }  // namespace
 
 CoordinatorStoreClient::CoordinatorStoreClient(
-    std::shared_ptr<v1::StoreService::StubInterface> stub, std::string job_id, int64_t generation,
-    std::shared_ptr<AbortSignal> abort)
+    std::shared_ptr<v1::StoreService::StubInterface> stub, std::string session_key,
+    std::string job_id, int64_t generation, std::shared_ptr<AbortSignal> abort)
     : stub_(std::move(stub)),
+      session_key_(std::move(session_key)),
       job_id_(std::move(job_id)),
       generation_(generation),
       abort_(std::move(abort)) {}
@@ -32,6 +34,7 @@ absl::Status CoordinatorStoreClient::Run(const char* op, const std::string& key,
     return absl::AbortedError(absl::StrCat(what, ": the generation was aborted"));
   }
   grpc::ClientContext context;
+  context.AddMetadata(kSessionKeyMetadata, session_key_);
   context.set_deadline(std::chrono::system_clock::now() +
                        absl::ToChronoMilliseconds(timeout + kDeadlineSlack));
   AbortSignal::Subscription cancel;

@@ -30,11 +30,14 @@ class StoreClient {
   virtual absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) = 0;
 };
 
-// Over the coordinator's StoreService. A raised `abort` cancels a call in flight at once.
+// Over the coordinator's StoreService, as the session whose key is `session_key` (the store
+// serves a generation only to its members' sessions). A raised `abort` cancels a call in
+// flight at once.
 class CoordinatorStoreClient final : public StoreClient {
  public:
-  CoordinatorStoreClient(std::shared_ptr<v1::StoreService::StubInterface> stub, std::string job_id,
-                         int64_t generation, std::shared_ptr<AbortSignal> abort);
+  CoordinatorStoreClient(std::shared_ptr<v1::StoreService::StubInterface> stub,
+                         std::string session_key, std::string job_id, int64_t generation,
+                         std::shared_ptr<AbortSignal> abort);
   absl::Status Set(const std::string& key, const std::string& value) override;
   absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override;
   absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) override;
@@ -46,6 +49,7 @@ class CoordinatorStoreClient final : public StoreClient {
   absl::Status Run(const char* op, const std::string& key, absl::Duration timeout, Call&& call);
 
   const std::shared_ptr<v1::StoreService::StubInterface> stub_;
+  const std::string session_key_;
   const std::string job_id_;
   const int64_t generation_;
   const std::shared_ptr<AbortSignal> abort_;

@@ -1,0 +1,243 @@
+// Trust boundaries, tried the way someone holding the cluster's token would: a raw gRPC client
+// that registers as a worker and forges reports, oversized and malformed input, and a job too
+// big for its worker. The victim job always ends with its true result (deterministic mode: the
+// same parameter checksum as an undisturbed run), or fails with a reason; no daemon dies.
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "lockstep/v1/store.grpc.pb.h"
+#include "lockstep/v1/worker.grpc.pb.h"
+#include "tests/testing/cluster.h"
+
+namespace lockstep {
+namespace {
+
+using testing::Cluster;
+
+v1::JobSpec Deterministic(int min_workers, int max_workers, int64_t steps) {
+  v1::JobSpec spec = testing::SyntheticJob(min_workers, max_workers, steps);
+  spec.set_deterministic(true);
+  return spec;
+}
+
+// A client that speaks the worker protocol itself.
+class FakeWorker {
+ public:
+  // `device` "cuda:0" keeps it out of CPU jobs.
+  FakeWorker(const std::string& address, const std::string& name,
+             const std::string& device = "cpu")
+      : stub_(v1::WorkerService::NewStub(
+            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
+        stream_(stub_->Session(&context_)) {
+    v1::WorkerMessage hello;
+    v1::RegisterRequest* r = hello.mutable_register_();
+    r->set_name(name);
+    r->set_host("fake-host");
+    r->set_device(device);
+    r->set_comm_address("127.0.0.1");
+    stream_->Write(hello);
+  }
+  ~FakeWorker() { Close(); }
+  // The next message from the coordinator (false when the stream ended).
+  bool Read(v1::CoordinatorMessage* message) { return stream_->Read(message); }
+  bool Send(const v1::WorkerMessage& message) { return stream_->Write(message); }
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    context_.TryCancel();
+    stream_->Finish().IgnoreError();
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<v1::WorkerService::Stub> stub_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream_;
+  bool closed_ = false;
+};
+
+v1::WorkerMessage ForgedFinished(const std::string& job_id, int64_t generation, int64_t step) {
+  v1::WorkerMessage m;
+  v1::FinishedReport* f = m.mutable_finished();
+  f->set_job_id(job_id);
+  f->set_generation(generation);
+  f->set_step(step);
+  f->set_parameter_checksum("deadbeefdeadbeef");
+  f->mutable_eval()->set_test_accuracy(0.9999);
+  return m;
+}
+
+TEST(TrustTest, AForgedFinishedThenADisconnectDoNotDecideTheJob) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorkers(2).ok());
+  constexpr int64_t kSteps = 60;
+  // The undisturbed run.
+  auto reference = cluster->Submit(Deterministic(2, 2, kSteps));
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  auto undisturbed = cluster->WaitForEnd(reference->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(undisturbed.ok()) << cluster->Logs();
+  ASSERT_EQ(undisturbed->state(), v1::JOB_STATE_SUCCEEDED) << undisturbed->reason();
+
+  // A fake worker joins the next job's first generation, reports it finished with a made-up
+  // checksum and accuracy, and disconnects. A second one, never a member, forges the same.
+  FakeWorker fake(cluster->address(), "fake");
+  v1::CoordinatorMessage message;
+  ASSERT_TRUE(fake.Read(&message));
+  ASSERT_TRUE(message.has_registered());
+  auto victim = cluster->Submit(Deterministic(2, 3, kSteps));
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  ASSERT_TRUE(fake.Read(&message));
+  ASSERT_TRUE(message.has_assignment()) << message.DebugString();
+  ASSERT_EQ(message.assignment().job_id(), victim->job_id());
+  ASSERT_TRUE(fake.Send(ForgedFinished(victim->job_id(), message.assignment().generation(), kSteps)));
+  absl::SleepFor(absl::Milliseconds(200));
+  fake.Close();
+  {
+    // Never a member: a GPU worker that the CPU job cannot take.
+    FakeWorker outsider(cluster->address(), "outsider", "cuda:0");
+    ASSERT_TRUE(outsider.Read(&message));
+    ASSERT_TRUE(message.has_registered());
+    // The victim's store keys are its members' only: with this session's key, or none.
+    auto store = v1::StoreService::NewStub(
+        grpc::CreateChannel(cluster->address(), grpc::InsecureChannelCredentials()));
+    auto current = cluster->WaitFor(
+        victim->job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_RUNNING; },
+        absl::Seconds(30));
+    ASSERT_TRUE(current.ok());
+    for (const std::string& key : {message.registered().session_key(), std::string()}) {
+      grpc::ClientContext context;
+      if (!key.empty()) context.AddMetadata("x-lockstep-session", key);
+      v1::StoreGetRequest get;
+      get.set_job_id(victim->job_id());
+      get.set_generation(current->generation());
+      get.set_key("rank_0");
+      get.set_timeout_ms(100);
+      v1::StoreGetResponse value;
+      grpc::Status status = store->Get(&context, get, &value);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+          << status.error_message();
+    }
+    outsider.Send(ForgedFinished(victim->job_id(), 1, kSteps));
+    v1::WorkerMessage failure;
+    failure.mutable_failure()->set_job_id(victim->job_id());
+    failure.mutable_failure()->set_generation(1);
+    failure.mutable_failure()->set_fatal(true);
+    failure.mutable_failure()->set_message("dataset does not load (forged)");
+    outsider.Send(failure);
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+
+  auto ended = cluster->WaitForEnd(victim->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(ended.ok()) << cluster->Logs();
+  EXPECT_EQ(ended->state(), v1::JOB_STATE_SUCCEEDED) << ended->reason();
+  EXPECT_EQ(ended->step(), kSteps);
+  ASSERT_EQ(ended->members_size(), 2);
+  for (const v1::Member& m : ended->members()) {
+    EXPECT_EQ(m.parameter_checksum(), undisturbed->members(0).parameter_checksum())
+        << m.worker_name();
+  }
+  EXPECT_NE(ended->eval().test_accuracy(), 0.9999) << "not the forged evaluation";
+  EXPECT_EQ(ended->eval().test_accuracy(), undisturbed->eval().test_accuracy());
+  EXPECT_GE(ended->generations_size(), 2);
+  EXPECT_TRUE(cluster->coordinator()->running());
+}
+
+TEST(TrustTest, OversizedAndMalformedInputIsRefusedNamingTheField) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  // Names that would bloat every listing or forge log lines.
+  for (const auto& [name, field] :
+       {std::pair<std::string, std::string>{std::string(15 << 20, 'n'), "spec"},
+        {std::string(300, 'n'), "name"},
+        {"job\n[12:00:00] job-9 SUCCEEDED", "name"}}) {
+    v1::JobSpec spec = testing::SyntheticJob(1, 1, 10);
+    spec.set_name(name);
+    auto refused = cluster->Submit(spec);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find(field), std::string::npos) << refused.status();
+  }
+  // A worker name with a newline or too long: the session is refused with the reason.
+  for (const std::string& name : {std::string("w0\nforged"), std::string(100, 'w')}) {
+    FakeWorker bad(cluster->address(), name);
+    v1::CoordinatorMessage message;
+    EXPECT_FALSE(bad.Read(&message)) << "registered as " << name;
+  }
+  grpc::ClientContext context;
+  v1::ListJobsResponse jobs;
+  ASSERT_TRUE(cluster->jobs().ListJobs(&context, v1::ListJobsRequest(), &jobs).ok());
+  EXPECT_EQ(jobs.jobs_size(), 0);
+  EXPECT_TRUE(cluster->coordinator()->running());
+}
+
+// A job whose memory the preflight admits but the worker cannot get (its address space is
+// capped here) fails with the reason; the worker lives on and trains the next job.
+TEST(TrustTest, AJobTooBigForItsWorkerFailsAndTheWorkerLivesOn) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  constexpr int64_t kLimit = int64_t{4} << 30;
+  ASSERT_TRUE(cluster
+                  ->StartWorker("w0", {},
+                                {"/usr/bin/prlimit", absl::StrCat("--as=", kLimit)})
+                  .ok());
+  auto workers = cluster->Workers();
+  ASSERT_TRUE(workers.ok());
+  // 1.5 billion floats (6 GB) of synthetic data.
+  v1::JobSpec big = testing::SyntheticJob(1, 1, 10);
+  big.mutable_dataset()->mutable_synthetic()->set_train_samples(12'000'000);
+  big.mutable_dataset()->mutable_synthetic()->set_test_samples(1000);
+  big.mutable_dataset()->mutable_synthetic()->set_input_dim(128);
+  if (workers->at(0).free_memory_bytes() < (int64_t{7} << 30)) {
+    GTEST_SKIP() << "the worker reports under 7 GiB free; the job would be refused at submit";
+  }
+  auto job = cluster->Submit(big);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto ended = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(ended.ok()) << cluster->Logs();
+  EXPECT_EQ(ended->state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(ended->reason().find("out of memory"), std::string::npos) << ended->reason();
+  EXPECT_NE(ended->reason().find("worker w0"), std::string::npos) << ended->reason();
+  EXPECT_TRUE(cluster->worker("w0")->running()) << cluster->Logs();
+  // The same worker trains the next job.
+  auto next = cluster->Submit(testing::SyntheticJob(1, 1, 20));
+  ASSERT_TRUE(next.ok());
+  auto done = cluster->WaitForEnd(next->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << cluster->Logs();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason();
+}
+
+// A second worker under a live worker's name stops with exit code 5 (a supervisor does not
+// restart it) once the name has been refused for --name_conflict_timeout; the first one is
+// untouched.
+TEST(TrustTest, ANameHeldByALiveWorkerStopsTheSecondWithCodeFive) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorker("w0").ok());
+  const std::string log = cluster->dir() + "/squatter.log";
+  auto squatter = testing::Process::Spawn(
+      {LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster->address(), "--device=cpu", "--name=w0",
+       "--name_conflict_timeout=1s"},
+      log);
+  ASSERT_TRUE(squatter.ok()) << squatter.status();
+  absl::StatusOr<int> code = (*squatter)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 5);
+  std::ifstream in(log);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(text.find("another live worker holds the name w0"), std::string::npos) << text;
+  EXPECT_TRUE(cluster->worker("w0")->running());
+  EXPECT_TRUE(cluster->WaitForWorker("w0", "idle", absl::Seconds(5)).ok());
+}
+
+}  // namespace
+}  // namespace lockstep
