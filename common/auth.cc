@@ -55,17 +55,24 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   return token;
 }
 
-absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag) {
+absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag,
+                                         const std::string& env_prefix) {
   if (!token_file_flag.empty()) return ReadTokenFile(token_file_flag);
-  if (const char* file = std::getenv("LOCKSTEP_TOKEN_FILE"); file != nullptr && *file != '\0') {
+  const std::string file_env = env_prefix + "_FILE";
+  if (const char* file = std::getenv(file_env.c_str()); file != nullptr && *file != '\0') {
     return ReadTokenFile(file);
   }
-  if (const char* token = std::getenv("LOCKSTEP_TOKEN"); token != nullptr && *token != '\0') {
+  if (const char* token = std::getenv(env_prefix.c_str()); token != nullptr && *token != '\0') {
     std::string stripped(absl::StripAsciiWhitespace(token));
-    if (absl::Status s = ValidateToken(stripped, "$LOCKSTEP_TOKEN"); !s.ok()) return s;
+    if (absl::Status s = ValidateToken(stripped, "$" + env_prefix); !s.ok()) return s;
     return stripped;
   }
   return std::string();
+}
+
+bool TokenChecker::Matches(absl::string_view header) const {
+  return enabled() && absl::StartsWith(header, kBearer) &&
+         SameToken(header.substr(kBearer.size()), expected_);
 }
 
 absl::Status TokenChecker::Check(const grpc::ServerContext& context) const {

@@ -29,7 +29,10 @@ inline constexpr char kSessionKeyMetadata[] = "x-lockstep-session";
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // The token from --token_file or the environment, as described above; "" when none is set.
-absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag);
+// `env_prefix` names the variables: "LOCKSTEP_TOKEN" reads $LOCKSTEP_TOKEN_FILE and
+// $LOCKSTEP_TOKEN; "LOCKSTEP_WORKER_TOKEN" the coordinator's worker token.
+absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag,
+                                         const std::string& env_prefix = "LOCKSTEP_TOKEN");
 
 // What a client attaches to each call.
 struct ClientAuth {
@@ -46,6 +49,8 @@ class TokenChecker {
  public:
   explicit TokenChecker(std::string expected) : expected_(std::move(expected)) {}
   bool enabled() const { return !expected_.empty(); }
+  // Whether `header` ("Bearer <token>") carries exactly this token (false when disabled).
+  bool Matches(absl::string_view header) const;
   // UNAUTHENTICATED with "missing token" or "wrong token" and what to do about it.
   absl::Status Check(const grpc::ServerContext& context) const;
   // The same for the value of an "authorization" header ("Bearer <token>"; HTTP requests).

@@ -32,6 +32,11 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(std::string, token_file, "",
           "File holding the shared token every client must send (default: $LOCKSTEP_TOKEN_FILE, "
           "else $LOCKSTEP_TOKEN, else none: every client that can connect is trusted).");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "File holding the workers' own token (default: $LOCKSTEP_WORKER_TOKEN_FILE, else "
+          "$LOCKSTEP_WORKER_TOKEN, else none). With it, workers must use this token and "
+          "operators (lockstepctl, the Python client, the dashboard) the --token_file one: a "
+          "worker cannot submit or cancel jobs, an operator cannot join as a worker.");
 ABSL_FLAG(std::string, tls_cert, "",
           "TLS: the coordinator's certificate chain (PEM; default $LOCKSTEP_TLS_CERT). Without "
           "it the API is plaintext.");
@@ -100,6 +105,20 @@ int main(int argc, char** argv) {
     LOG(WARNING) << "no token configured: any client that can reach " << absl::GetFlag(FLAGS_listen)
                  << " may submit jobs and join as a worker";
   }
+  absl::StatusOr<std::string> worker_token =
+      lockstep::ResolveToken(absl::GetFlag(FLAGS_worker_token_file), "LOCKSTEP_WORKER_TOKEN");
+  if (!worker_token.ok()) {
+    LOG(ERROR) << "--worker_token_file: " << worker_token.status().message();
+    return 1;
+  }
+  if (!worker_token->empty() && (token->empty() || *worker_token == *token)) {
+    LOG(ERROR) << "--worker_token_file: the workers' token must differ from the operators' "
+                  "(--token_file), and needs one";
+    return 1;
+  }
+  if (!worker_token->empty()) {
+    LOG(INFO) << "roles: workers and operators have tokens of their own";
+  }
 
   const lockstep::TlsFiles tls = lockstep::ServerTlsFiles(
       absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca));
@@ -140,7 +159,7 @@ int main(int argc, char** argv) {
     job_store = *std::move(opened);
   }
   lockstep::coordinator::Coordinator coordinator(options, lockstep::RealClock::Get(),
-                                                 job_store.get(), *token);
+                                                 job_store.get(), *token, *worker_token);
   // Metrics before the jobs are restored: a restart's re-formations are counted.
   std::unique_ptr<lockstep::MetricsEndpoint> metrics_endpoint;
   std::unique_ptr<lockstep::coordinator::CoordinatorMetrics> metrics;

@@ -164,11 +164,13 @@ absl::Status Agent::Run() {
     });
     if (stop_) break;
     if (registered) last_session = absl::Now();
-    if (absl::IsUnauthenticated(status)) {
+    if (absl::IsUnauthenticated(status) || absl::IsPermissionDenied(status) ||
+        (!registered && absl::IsInvalidArgument(status))) {
+      // The token, the role or the registration itself: retrying cannot help.
       const std::string why = absl::StrCat("coordinator ", options_.coordinator,
                                            " rejected this worker: ", status.message());
       WriteStatus("rejected", why);
-      return absl::UnauthenticatedError(why);
+      return absl::Status(status.code(), why);
     }
     if (absl::IsAlreadyExists(status)) {
       name_refused_since = std::min(name_refused_since, started);

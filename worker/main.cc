@@ -199,9 +199,13 @@ int main(int argc, char** argv) {
   const absl::Status ended = agent.Run();
   g_stop_requested = 1;
   watcher.join();
-  if (absl::IsUnauthenticated(ended)) {
+  if (absl::IsUnauthenticated(ended) || absl::IsPermissionDenied(ended)) {
     LOG(ERROR) << ended.message();
     return 3;
+  }
+  if (absl::IsInvalidArgument(ended)) {
+    LOG(ERROR) << ended.message();
+    return 2;
   }
   if (absl::IsAlreadyExists(ended)) {
     LOG(ERROR) << ended.message();

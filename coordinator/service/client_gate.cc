@@ -27,15 +27,36 @@ std::string PeerHost(const std::string& peer) {
 
 }  // namespace
 
-grpc::Status ClientGate::Admit(const grpc::ServerContext& context) {
-  absl::Status status = checker_.Check(context);
+absl::Status ClientGate::Check(absl::string_view authorization, Role role) const {
+  if (!worker_checker_.enabled()) return checker_.CheckHeader(authorization);
+  const TokenChecker& mine = role == Role::kWorker ? worker_checker_ : checker_;
+  const TokenChecker& theirs = role == Role::kWorker ? checker_ : worker_checker_;
+  if (mine.Matches(authorization)) return absl::OkStatus();
+  if (theirs.Matches(authorization)) {
+    return absl::PermissionDeniedError(
+        role == Role::kWorker
+            ? "this is an operator's token: it cannot join as a worker or use the store (workers "
+              "have a token of their own)"
+            : "this is a worker's token: workers cannot submit, cancel or read jobs (operators "
+              "have a token of their own)");
+  }
+  return mine.CheckHeader(authorization);
+}
+
+grpc::Status ClientGate::Admit(const grpc::ServerContext& context, Role role) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find(kAuthorizationKey);
+  const absl::string_view authorization =
+      it == metadata.end() ? absl::string_view()
+                           : absl::string_view(it->second.data(), it->second.size());
+  absl::Status status = Check(authorization, role);
   if (status.ok()) return grpc::Status::OK;
   return ToGrpcStatus(Reject(std::move(status), PeerHost(context.peer()), ClientName(context)));
 }
 
 absl::Status ClientGate::AdmitHttp(const std::string& peer_host, const std::string& client,
                                    absl::string_view authorization) {
-  absl::Status status = checker_.CheckHeader(authorization);
+  absl::Status status = Check(authorization, Role::kOperator);
   if (status.ok()) return status;
   return Reject(std::move(status), peer_host, client);
 }

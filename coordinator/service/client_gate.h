@@ -2,6 +2,11 @@
 // token are answered UNAUTHENTICATED and remembered by (address, client name) so that
 // `lockstepctl workers` can show who is being turned away and why; a misconfigured worker
 // shows up there instead of only in its own logs.
+//
+// Roles: with a worker token as well (--worker_token_file), the operator token opens the
+// JobService and the dashboard only, and the worker token the WorkerService and the store only:
+// a worker cannot submit or cancel jobs, and an operator cannot join as a worker
+// (PERMISSION_DENIED naming the role). Without one, the one token opens everything.
 #pragma once
 
 #include <map>
@@ -18,21 +23,27 @@
 
 namespace lockstep::coordinator {
 
+enum class Role { kOperator, kWorker };
+
 class ClientGate {
  public:
   // Distinct (address, client) pairs remembered; the least recently rejected one goes first.
   static constexpr size_t kMaxRemembered = 64;
 
-  ClientGate(std::string token, Clock* clock) : checker_(std::move(token)), clock_(clock) {}
+  ClientGate(std::string token, Clock* clock, std::string worker_token = "")
+      : checker_(std::move(token)), worker_checker_(std::move(worker_token)), clock_(clock) {}
 
-  // OK, or UNAUTHENTICATED naming the problem (the rejection is recorded and logged).
-  grpc::Status Admit(const grpc::ServerContext& context);
-  // The same for an HTTP request (the dashboard): its peer address, what it calls itself and
-  // its "authorization" header.
+  // OK, or UNAUTHENTICATED naming the problem, or PERMISSION_DENIED for the other role's
+  // token (the rejection is recorded and logged).
+  grpc::Status Admit(const grpc::ServerContext& context, Role role);
+  // The same for an HTTP request (the dashboard, an operator's): its peer address, what it
+  // calls itself and its "authorization" header.
   absl::Status AdmitHttp(const std::string& peer_host, const std::string& client,
                          absl::string_view authorization);
   // Whether callers must present the token.
   bool token_required() const { return checker_.enabled(); }
+  // Whether workers have a token of their own.
+  bool roles() const { return worker_checker_.enabled(); }
   // Most recently rejected first.
   std::vector<v1::RejectedClient> Rejected() const;
   // Calls refused since start, and the distinct clients remembered now (for metrics).
@@ -41,8 +52,11 @@ class ClientGate {
  private:
   // Records and logs a rejection; returns `status`.
   absl::Status Reject(absl::Status status, const std::string& peer_host, const std::string& client);
+  // The check of one call's "authorization" header for `role`.
+  absl::Status Check(absl::string_view authorization, Role role) const;
 
-  const TokenChecker checker_;
+  const TokenChecker checker_;         // the operators' (or everyone's) token
+  const TokenChecker worker_checker_;  // the workers' token; disabled: no roles
   Clock* const clock_;
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, v1::RejectedClient> rejected_ ABSL_GUARDED_BY(mu_);

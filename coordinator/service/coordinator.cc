@@ -55,8 +55,12 @@ bool SessionOutbox::Pop(v1::CoordinatorMessage* message) {
   return true;
 }
 
-Coordinator::Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token)
-    : clock_(clock), job_store_(store), gate_(std::move(token), clock), core_(options) {}
+Coordinator::Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token,
+                         std::string worker_token)
+    : clock_(clock),
+      job_store_(store),
+      gate_(std::move(token), clock, std::move(worker_token)),
+      core_(options) {}
 
 absl::StatusOr<int> Coordinator::Restore() {
   absl::StatusOr<std::vector<v1::Job>> jobs = job_store_->LoadAll();

@@ -47,8 +47,10 @@ class SessionOutbox {
 
 class Coordinator {
  public:
-  // `token`: the shared token every RPC must carry; empty accepts every caller.
-  Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token = "");
+  // `token`: the shared token every RPC must carry; empty accepts every caller. With a
+  // `worker_token`, workers use that one and `token` is the operators' (ClientGate's roles).
+  Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token = "",
+              std::string worker_token = "");
 
   // Loads the job store's jobs into the core (Core::RestoreJobs). Call once, before serving.
   // Returns how many jobs will run again.

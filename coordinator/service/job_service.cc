@@ -18,7 +18,7 @@ grpc::Status RequireJobId(const std::string& job_id) {
 
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
                                        const v1::SubmitJobRequest* request, v1::Job* response) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
     return core.SubmitJob(request->spec(), now, d);
   });
@@ -33,7 +33,7 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
 
 grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                                     v1::Job* response) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
   if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = coordinator_->Call(
       [&](Core& core, absl::Time, Decisions*) { return core.GetJob(request->job_id()); });
@@ -44,7 +44,7 @@ grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJ
 
 grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest*,
                                       v1::ListJobsResponse* response) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
   std::vector<v1::Job> jobs =
       coordinator_->Call([&](Core& core, absl::Time, Decisions*) { return core.ListJobs(); });
   for (v1::Job& job : jobs) *response->add_jobs() = std::move(job);
@@ -53,7 +53,7 @@ grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context, const v1::Li
 
 grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
                                        const v1::CancelJobRequest* request, v1::Job* response) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
   if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
     return core.CancelJob(request->job_id(), now, d);
@@ -67,7 +67,7 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
 grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
                                       const v1::WatchJobRequest* request,
                                       grpc::ServerWriter<v1::JobEvent>* writer) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
   if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
   if (request->from_sequence() < 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "from_sequence: must be >= 0");
@@ -90,7 +90,7 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
 grpc::Status JobServiceImpl::ListWorkers(grpc::ServerContext* context,
                                          const v1::ListWorkersRequest*,
                                          v1::ListWorkersResponse* response) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
   *response = coordinator_->Workers();
   return grpc::Status::OK;
 }
@@ -98,7 +98,7 @@ grpc::Status JobServiceImpl::ListWorkers(grpc::ServerContext* context,
 grpc::Status JobServiceImpl::GetTrainingCurve(grpc::ServerContext* context,
                                               const v1::GetTrainingCurveRequest* request,
                                               v1::TrainingCurve* response) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
   if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
   absl::StatusOr<v1::TrainingCurve> curve = coordinator_->Call(
       [&](Core& core, absl::Time, Decisions*) { return core.GetTrainingCurve(request->job_id()); });

@@ -29,7 +29,7 @@ absl::Duration WaitTimeout(int64_t timeout_ms) {
 
 grpc::Status StoreServiceImpl::Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                                    v1::StoreSetResponse*) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker); !s.ok()) return s;
   if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
   if (request->key().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
@@ -46,7 +46,7 @@ grpc::Status StoreServiceImpl::Set(grpc::ServerContext* context, const v1::Store
 
 grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context, const v1::StoreGetRequest* request,
                                    v1::StoreGetResponse* response) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker); !s.ok()) return s;
   if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
   if (request->key().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
@@ -61,7 +61,7 @@ grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context, const v1::Store
 
 grpc::Status StoreServiceImpl::Wait(grpc::ServerContext* context,
                                     const v1::StoreWaitRequest* request, v1::StoreWaitResponse*) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker); !s.ok()) return s;
   if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
   for (const std::string& k : keys) {

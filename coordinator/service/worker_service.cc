@@ -13,12 +13,26 @@ namespace lockstep::coordinator {
 grpc::Status WorkerServiceImpl::Session(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context); !s.ok()) return s;
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker); !s.ok()) return s;
   v1::WorkerMessage first;
   if (!stream->Read(&first)) return grpc::Status::CANCELLED;
   if (!first.has_register_()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "the first message of a session must be register");
+  }
+  // Under mutual TLS a worker is who its certificate says: its name is the certificate's
+  // common name, so holding the token and a certificate does not make one any worker.
+  if (const auto auth = context->auth_context(); auth != nullptr && auth->IsPeerAuthenticated()) {
+    const std::vector<grpc::string_ref> names = auth->FindPropertyValues("x509_common_name");
+    const std::string certified = names.empty() ? "" : std::string(names[0].data(), names[0].size());
+    if (certified != first.register_().name()) {
+      return grpc::Status(
+          grpc::StatusCode::PERMISSION_DENIED,
+          absl::StrCat("register.name \"", first.register_().name(),
+                       "\" is not the common name of this worker's certificate (\"", certified,
+                       "\"): under mutual TLS a worker registers under the name its certificate "
+                       "carries"));
+    }
   }
   auto outbox = std::make_shared<SessionOutbox>(context);
   absl::StatusOr<std::string> id = coordinator_->Register(first.register_(), outbox);

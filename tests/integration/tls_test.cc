@@ -52,7 +52,8 @@ class Pki {
             "for ca in ca other-ca; do openssl req -x509 -newkey rsa:2048 -nodes -keyout $ca.key "
             "-subj /CN=$ca -days 30 -out $ca.crt 2>/dev/null; done",
             "gen server localhost && sign server ca '-extfile san.ext'",
-            "gen worker lockstep-worker && sign worker ca",
+            // A worker's certificate carries its name (under mutual TLS it registers as that).
+            "for w in w0 w1; do gen $w $w && sign $w ca; done",
             "gen ctl lockstepctl && sign ctl ca",
             "gen stranger stranger && sign stranger other-ca",
             "gen expired expired",
@@ -110,7 +111,7 @@ TEST_F(TlsTest, MutualTlsTrainsAndRefusesEveryoneWithoutAValidCertificate) {
   ASSERT_TRUE(started.ok()) << started.status();
   Cluster& cluster = **started;
   for (const std::string name : {"w0", "w1"}) {
-    ASSERT_TRUE(cluster.StartWorker(name, ClientFlags(pki, "worker")).ok()) << cluster.Logs();
+    ASSERT_TRUE(cluster.StartWorker(name, ClientFlags(pki, name)).ok()) << cluster.Logs();
   }
   absl::StatusOr<v1::Job> job = cluster.Submit(testing::SyntheticJob(2, 2, 300));
   ASSERT_TRUE(job.ok()) << job.status();
@@ -166,6 +167,18 @@ TEST_F(TlsTest, MutualTlsTrainsAndRefusesEveryoneWithoutAValidCertificate) {
   absl::StatusOr<std::vector<v1::WorkerInfo>> workers = cluster.Workers();
   ASSERT_TRUE(workers.ok());
   for (const v1::WorkerInfo& w : *workers) EXPECT_NE(w.name(), "stranger");
+
+  // A valid certificate registers only under its own name: w0's cannot be w9 (or w1).
+  std::vector<std::string> impostor = {LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster.address(),
+                                       "--name=w9", "--token_file=" + cluster.token_file(),
+                                       "--give_up_after=10s"};
+  for (const std::string& flag : ClientFlags(pki, "w0")) impostor.push_back(flag);
+  absl::StatusOr<CommandResult> refused_name = RunCommand(impostor, absl::Seconds(30));
+  ASSERT_TRUE(refused_name.ok()) << refused_name.status();
+  EXPECT_EQ(refused_name->exit_code, 3) << refused_name->output;
+  EXPECT_NE(refused_name->output.find("is not the common name of this worker's certificate"),
+            std::string::npos)
+      << refused_name->output;
 }
 
 TEST_F(TlsTest, BadTlsFlagsStopTheDaemonsNamingTheFlag) {

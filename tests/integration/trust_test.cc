@@ -31,10 +31,11 @@ class FakeWorker {
  public:
   // `device` "cuda:0" keeps it out of CPU jobs.
   FakeWorker(const std::string& address, const std::string& name,
-             const std::string& device = "cpu")
+             const std::string& device = "cpu", const std::string& token = "")
       : stub_(v1::WorkerService::NewStub(
-            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
-        stream_(stub_->Session(&context_)) {
+            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {
+    if (!token.empty()) context_.AddMetadata("authorization", "Bearer " + token);
+    stream_ = stub_->Session(&context_);
     v1::WorkerMessage hello;
     v1::RegisterRequest* r = hello.mutable_register_();
     r->set_name(name);
@@ -237,6 +238,56 @@ TEST(TrustTest, ANameHeldByALiveWorkerStopsTheSecondWithCodeFive) {
   EXPECT_NE(text.find("another live worker holds the name w0"), std::string::npos) << text;
   EXPECT_TRUE(cluster->worker("w0")->running());
   EXPECT_TRUE(cluster->WaitForWorker("w0", "idle", absl::Seconds(5)).ok());
+}
+
+// With a workers' token, each token opens only its side.
+TEST(TrustTest, WorkerAndOperatorTokensOpenOnlyTheirSide) {
+  std::string dir = std::filesystem::temp_directory_path() / "lockstep-roles-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string worker_token = dir + "/worker-token";
+  std::ofstream(worker_token) << "the-workers-token\n";
+  auto started = Cluster::Start({"--worker_token_file=" + worker_token}, "the-operators-token");
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, {"--token_file=" + worker_token}).ok())
+        << cluster->Logs();
+  }
+  // Operators submit (the cluster's stub has their token), workers train.
+  auto job = cluster->Submit(testing::SyntheticJob(2, 2, 50));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto ended = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(ended.ok()) << cluster->Logs();
+  EXPECT_EQ(ended->state(), v1::JOB_STATE_SUCCEEDED) << ended->reason();
+
+  // The workers' token on the job API.
+  auto jobs = v1::JobService::NewStub(
+      grpc::CreateChannel(cluster->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer the-workers-token");
+  v1::Job submitted;
+  v1::SubmitJobRequest submit;
+  *submit.mutable_spec() = testing::SyntheticJob(1, 1, 10);
+  grpc::Status status = jobs->SubmitJob(&context, submit, &submitted);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(status.error_message().find("worker's token"), std::string::npos)
+      << status.error_message();
+  // The operators' token as a worker: refused, and a worker process given it stops (code 3).
+  {
+    FakeWorker fake(cluster->address(), "fake", "cpu", "the-operators-token");
+    v1::CoordinatorMessage message;
+    EXPECT_FALSE(fake.Read(&message));
+  }
+  auto operator_worker = testing::RunCommand(
+      {LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster->address(), "--name=w9",
+       "--token_file=" + cluster->token_file()},
+      absl::Seconds(30));
+  ASSERT_TRUE(operator_worker.ok());
+  EXPECT_EQ(operator_worker->exit_code, 3) << operator_worker->output;
+  EXPECT_NE(operator_worker->output.find("operator's token"), std::string::npos)
+      << operator_worker->output;
+  cluster.reset();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -52,13 +52,15 @@ def main():
         with open(os.path.join(cluster, "address")) as f:
             address = f.read().strip()
         # A second cluster with mutual TLS: every daemon reads $LOCKSTEP_TLS_* (one certificate
-        # for 127.0.0.1, signed by the test's CA, serves as the coordinator's and the worker's).
+        # for 127.0.0.1 named w0, signed by the test's CA, serves as the coordinator's and as
+        # the worker w0's).
         pki = os.path.join(work, "pki")
         os.makedirs(pki)
         script = """set -e
 openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -subj /CN=ca -days 2 -out ca.crt
 for who in node client; do
-  openssl req -newkey rsa:2048 -nodes -keyout $who.key -subj /CN=$who -out $who.csr
+  cn=$who; [ $who = node ] && cn=w0   # a worker registers under its certificate's name
+  openssl req -newkey rsa:2048 -nodes -keyout $who.key -subj /CN=$cn -out $who.csr
   echo subjectAltName=IP:127.0.0.1 > san.ext
   openssl x509 -req -in $who.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 \\
     -extfile san.ext -out $who.crt

@@ -123,7 +123,10 @@ async function api(path, options = {}) {
   }
   let body = null;
   try { body = await response.json(); } catch (e) { body = null; }
-  if (response.status === 401) throw new Unauthenticated((body && body.message) || "token required");
+  // 401: no or a wrong token; 403 on a read: the token is a worker's, not an operator's.
+  if (response.status === 401 || (response.status === 403 && !options.method)) {
+    throw new Unauthenticated((body && body.message) || "token required");
+  }
   if (!response.ok) {
     const error = new Error((body && body.message) || "HTTP " + response.status);
     error.status = response.status;
