@@ -55,6 +55,14 @@ ABSL_FLAG(std::string, http_listen, "",
           "--http_port_file).");
 ABSL_FLAG(std::string, http_port_file, "",
           "If set, the dashboard's port is written to this file once serving.");
+ABSL_FLAG(std::string, data_root, "",
+          "Comma-separated directories jobs may read data from (dataset.path, "
+          "dataset.validation_path, init_from_checkpoint.path); a spec outside them is refused "
+          "naming the field. Empty: anywhere (a warning at start). The workers check the same "
+          "with their own --data_root.");
+ABSL_FLAG(std::string, checkpoint_root, "",
+          "Comma-separated directories jobs may write checkpoints and outputs to "
+          "(checkpoint_dir, output_dir) and resume from; empty: anywhere.");
 ABSL_FLAG(bool, grpc_reflection, false,
           "Serve gRPC server reflection (the API's schema, for grpcurl and the like). It answers "
           "without the token, so it is off unless asked for.");
@@ -139,6 +147,21 @@ int main(int argc, char** argv) {
   lockstep::coordinator::CoreOptions options;
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
   options.tick_interval = kTickInterval;
+  absl::StatusOr<lockstep::PathRoots> data_roots =
+      lockstep::PathRoots::Parse(absl::GetFlag(FLAGS_data_root));
+  absl::StatusOr<lockstep::PathRoots> checkpoint_roots =
+      lockstep::PathRoots::Parse(absl::GetFlag(FLAGS_checkpoint_root));
+  if (!data_roots.ok() || !checkpoint_roots.ok()) {
+    LOG(ERROR) << (data_roots.ok() ? "--checkpoint_root: " : "--data_root: ")
+               << (data_roots.ok() ? checkpoint_roots.status() : data_roots.status()).message();
+    return 1;
+  }
+  options.data_roots = *std::move(data_roots);
+  options.checkpoint_roots = *std::move(checkpoint_roots);
+  if (!options.data_roots.restricted() || !options.checkpoint_roots.restricted()) {
+    LOG(WARNING) << "no --data_root or no --checkpoint_root: jobs may name any path the workers "
+                    "can read or write";
+  }
   absl::StatusOr<std::string> cluster_id = lockstep::coordinator::ClusterId(state_dir);
   if (!cluster_id.ok()) {
     LOG(ERROR) << "--state_dir: " << cluster_id.status().message();

@@ -4,6 +4,7 @@
 
 #include <new>
 #include <random>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -371,6 +372,28 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
   const std::shared_ptr<AbortSignal>& abort = run.abort;
   kernels::SetBlasThreads(std::max(1, spec.threads_per_worker()));
   std::shared_ptr<const Dataset> data;
+  // The spec's paths, on this host: inside the directories this worker allows, even through
+  // symbolic links (the coordinator checked them by name only).
+  for (const auto& [field, path, roots] :
+       {std::tuple<const char*, const std::string&, const PathRoots&>{
+            "dataset.path", spec.dataset().path(), options_.data_roots},
+        {"dataset.validation_path", spec.dataset().validation_path(), options_.data_roots},
+        {"checkpoint_dir", spec.checkpoint_dir(), options_.checkpoint_roots},
+        {"output_dir", spec.output_dir(), options_.checkpoint_roots}}) {
+    if (absl::Status s = roots.CheckOnHost(field, path); !s.ok()) {
+      *fatal = true;
+      return absl::PermissionDeniedError(
+          absl::StrCat("worker ", options_.name, ": ", s.message()));
+    }
+  }
+  if (const std::string& init = spec.init_from_checkpoint().path(); !init.empty()) {
+    absl::Status in_checkpoints = options_.checkpoint_roots.CheckOnHost("init_from_checkpoint.path", init);
+    if (!in_checkpoints.ok() && !options_.data_roots.CheckOnHost("init_from_checkpoint.path", init).ok()) {
+      *fatal = true;
+      return absl::PermissionDeniedError(
+          absl::StrCat("worker ", options_.name, ": ", in_checkpoints.message()));
+    }
+  }
   if (trainer == nullptr) {
     absl::StatusOr<std::shared_ptr<const Dataset>> loaded = LoadDataset(spec.dataset());
     if (!loaded.ok()) {

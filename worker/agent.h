@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "common/path_roots.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
@@ -60,6 +61,10 @@ struct AgentOptions {
   std::string status_file;
   // Sum gradients through shared memory when every rank of a group is on this host.
   bool shared_memory_collectives = true;
+  // Where a job may read data and write checkpoints and outputs, checked on this host before
+  // any is opened (symlinks resolved); unrestricted when empty.
+  PathRoots data_roots;
+  PathRoots checkpoint_roots;
   // How long a new generation waits for the previous run to stop and hand over its state.
   absl::Duration handover_timeout = absl::Seconds(10);
   // Prometheus metrics of the runs (not owned; null: none).

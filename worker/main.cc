@@ -29,6 +29,12 @@ ABSL_FLAG(std::string, name, "", "Worker name, unique in the cluster (default HO
 ABSL_FLAG(std::string, host, "", "Host name reported to the coordinator (default gethostname).");
 ABSL_FLAG(std::string, data_cache_dir, "/dev/shm/lockstep-cache",
           "Where decoded data sets are cached and shared by this host's workers (empty: off).");
+ABSL_FLAG(std::string, data_root, "",
+          "Comma-separated directories jobs may read data from on this host (symbolic links "
+          "resolved); a job that names anything else fails naming the field. Empty: anywhere.");
+ABSL_FLAG(std::string, checkpoint_root, "",
+          "Comma-separated directories jobs may write checkpoints and outputs to (and resume "
+          "from); empty: anywhere.");
 ABSL_FLAG(bool, shared_memory_collectives, true,
           "Sum gradients through shared memory when all ranks of a group run on this host "
           "(Gloo over TCP otherwise).");
@@ -137,6 +143,17 @@ int main(int argc, char** argv) {
   options.total_memory_bytes = device->total_memory_bytes;
   options.device_name = device->name;
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
+  absl::StatusOr<lockstep::PathRoots> data_roots =
+      lockstep::PathRoots::Parse(absl::GetFlag(FLAGS_data_root));
+  absl::StatusOr<lockstep::PathRoots> checkpoint_roots =
+      lockstep::PathRoots::Parse(absl::GetFlag(FLAGS_checkpoint_root));
+  if (!data_roots.ok() || !checkpoint_roots.ok()) {
+    LOG(ERROR) << (data_roots.ok() ? "--checkpoint_root: " : "--data_root: ")
+               << (data_roots.ok() ? checkpoint_roots.status() : data_roots.status()).message();
+    return 2;
+  }
+  options.data_roots = *std::move(data_roots);
+  options.checkpoint_roots = *std::move(checkpoint_roots);
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {
     LOG(ERROR) << token.status().message();

@@ -524,6 +524,10 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   ObserveTime(now);
   ApplyJobSpecDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) return s;
+  if (absl::Status s = CheckJobPaths(spec, options_.data_roots, options_.checkpoint_roots);
+      !s.ok()) {
+    return s;
+  }
   // With gradient accumulation a worker needs room for one micro-batch, not its whole share.
   const MemoryEstimate memory = EstimateWorkerMemory(spec, MinMicroBatch(spec));
   if (absl::Status s = CheckMemoryFits(memory, spec.device()); !s.ok()) return s;

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/job_memory.h"
+#include "common/path_roots.h"
 #include "coordinator/core/ranks.h"
 #include "coordinator/core/training_curve.h"
 #include "lockstep/v1/job.pb.h"
@@ -44,6 +45,10 @@ struct CoreOptions {
   // credited), and member losses reported in the two seconds after it (the sessions that broke
   // meanwhile) are recovered without counting against max_restarts.
   absl::Duration tick_interval = absl::ZeroDuration();
+  // Where jobs may read data and write checkpoints and outputs (CheckJobPaths); unrestricted
+  // when empty.
+  PathRoots data_roots;
+  PathRoots checkpoint_roots;
 };
 
 // What the shell must do after an input: messages to push to workers, sessions to close

@@ -149,6 +149,25 @@ void ApplyJobSpecDefaults(v1::JobSpec* spec) {
   if (spec->checkpoint_failure_policy().empty()) spec->set_checkpoint_failure_policy("warn");
 }
 
+absl::Status CheckJobPaths(const v1::JobSpec& spec, const PathRoots& data,
+                           const PathRoots& checkpoints) {
+  for (const auto& [field, path] :
+       {std::pair<const char*, const std::string&>{"dataset.path", spec.dataset().path()},
+        {"dataset.validation_path", spec.dataset().validation_path()}}) {
+    if (absl::Status s = data.Check(field, path); !s.ok()) return s;
+  }
+  for (const auto& [field, path] :
+       {std::pair<const char*, const std::string&>{"checkpoint_dir", spec.checkpoint_dir()},
+        {"output_dir", spec.output_dir()}}) {
+    if (absl::Status s = checkpoints.Check(field, path); !s.ok()) return s;
+  }
+  const std::string& init = spec.init_from_checkpoint().path();
+  if (absl::Status s = checkpoints.Check("init_from_checkpoint.path", init); !s.ok()) {
+    if (!data.Check("init_from_checkpoint.path", init).ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   if (absl::Status s = CheckBounds(spec); !s.ok()) return s;
   if (spec.device() != "cpu" && spec.device() != "cuda") {

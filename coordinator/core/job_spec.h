@@ -5,6 +5,7 @@
 #include <cstddef>
 
 #include "absl/status/status.h"
+#include "common/path_roots.h"
 #include "lockstep/v1/job.pb.h"
 
 namespace lockstep::coordinator {
@@ -24,6 +25,12 @@ inline constexpr int kMaxRestartsLimit = 1000;
 
 // Fills the fields left at zero/empty with their documented defaults. Idempotent.
 void ApplyJobSpecDefaults(v1::JobSpec* spec);
+
+// The spec's paths against the directories jobs may use: dataset.path and
+// dataset.validation_path in `data`, checkpoint_dir and output_dir in `checkpoints`,
+// init_from_checkpoint.path in either. INVALID_ARGUMENT naming the field.
+absl::Status CheckJobPaths(const v1::JobSpec& spec, const PathRoots& data,
+                           const PathRoots& checkpoints);
 
 // Checks a spec after ApplyJobSpecDefaults. Returns INVALID_ARGUMENT naming the first bad
 // field (e.g. "global_batch_size: must be > 0, got -4"), or UNIMPLEMENTED for features that

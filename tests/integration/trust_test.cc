@@ -290,5 +290,59 @@ TEST(TrustTest, WorkerAndOperatorTokensOpenOnlyTheirSide) {
   std::filesystem::remove_all(dir);
 }
 
+// A job reads and writes only inside the directories the coordinator and the workers allow:
+// by name at submit, and through symbolic links on the worker, before anything is written.
+TEST(TrustTest, JobPathsStayInsideTheAllowedDirectories) {
+  std::string dir = std::filesystem::temp_directory_path() / "lockstep-paths-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  std::filesystem::create_directories(dir + "/data");
+  std::filesystem::create_directories(dir + "/ckpt");
+  std::filesystem::create_directories(dir + "/outside");
+  std::filesystem::create_symlink(dir + "/outside", dir + "/ckpt/link");
+  const std::vector<std::string> roots = {"--data_root=" + dir + "/data",
+                                          "--checkpoint_root=" + dir + "/ckpt"};
+  auto started = Cluster::Start(roots);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorker("w0", roots).ok());
+
+  v1::JobSpec outside = testing::SyntheticJob(1, 1, 20);
+  outside.set_checkpoint_every_steps(5);
+  outside.set_checkpoint_dir("/etc/lockstep-was-here");
+  auto refused = cluster->Submit(outside);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("checkpoint_dir"), std::string::npos)
+      << refused.status();
+  outside.set_checkpoint_dir(dir + "/ckpt/../outside");
+  EXPECT_EQ(cluster->Submit(outside).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Inside by name, outside through the link: the worker refuses it, and writes nothing.
+  v1::JobSpec linked = outside;
+  linked.set_checkpoint_dir(dir + "/ckpt/link/run");
+  auto job = cluster->Submit(linked);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto ended = cluster->WaitForEnd(job->job_id(), absl::Seconds(60));
+  ASSERT_TRUE(ended.ok()) << cluster->Logs();
+  EXPECT_EQ(ended->state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(ended->reason().find("checkpoint_dir"), std::string::npos) << ended->reason();
+  EXPECT_NE(ended->reason().find("outside the allowed directories"), std::string::npos)
+      << ended->reason();
+  EXPECT_TRUE(std::filesystem::is_empty(dir + "/outside"));
+
+  // Inside: trains and writes its checkpoints there.
+  v1::JobSpec inside = outside;
+  inside.set_checkpoint_dir(dir + "/ckpt/run");
+  auto good = cluster->Submit(inside);
+  ASSERT_TRUE(good.ok()) << good.status();
+  auto done = cluster->WaitForEnd(good->job_id(), absl::Seconds(60));
+  ASSERT_TRUE(done.ok()) << cluster->Logs();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason();
+  EXPECT_FALSE(std::filesystem::is_empty(dir + "/ckpt/run"));
+  EXPECT_TRUE(cluster->worker("w0")->running());
+  cluster.reset();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace lockstep
