@@ -1,6 +1,7 @@
 #include "common/path_roots.h"
 
 #include <filesystem>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -42,6 +43,21 @@ absl::StatusOr<PathRoots> PathRoots::Parse(const std::string& flag) {
     roots.roots_.push_back(normalized);
   }
   return roots;
+}
+
+absl::Status ParseRootFlags(const std::string& data_root_flag,
+                            const std::string& checkpoint_root_flag, PathRoots* data,
+                            PathRoots* checkpoints) {
+  for (const auto& [flag, value, out] :
+       {std::tuple<const char*, const std::string&, PathRoots*>{"--data_root", data_root_flag, data},
+        {"--checkpoint_root", checkpoint_root_flag, checkpoints}}) {
+    absl::StatusOr<PathRoots> parsed = PathRoots::Parse(value);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": ", parsed.status().message()));
+    }
+    *out = *std::move(parsed);
+  }
+  return absl::OkStatus();
 }
 
 std::string PathRoots::Describe() const { return absl::StrJoin(roots_, ", "); }

@@ -35,6 +35,12 @@ class PathRoots {
   std::vector<std::string> roots_;  // normalized: absolute, no trailing '/'
 };
 
+// Both daemons' --data_root and --checkpoint_root, parsed into `data` and `checkpoints`;
+// INVALID_ARGUMENT naming the flag.
+absl::Status ParseRootFlags(const std::string& data_root_flag,
+                            const std::string& checkpoint_root_flag, PathRoots* data,
+                            PathRoots* checkpoints);
+
 // Whether `path` is `root` or below it, comparing whole components ("/data2" is not in "/data").
 bool PathIsWithin(const std::string& path, const std::string& root);
 

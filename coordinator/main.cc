@@ -147,17 +147,13 @@ int main(int argc, char** argv) {
   lockstep::coordinator::CoreOptions options;
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
   options.tick_interval = kTickInterval;
-  absl::StatusOr<lockstep::PathRoots> data_roots =
-      lockstep::PathRoots::Parse(absl::GetFlag(FLAGS_data_root));
-  absl::StatusOr<lockstep::PathRoots> checkpoint_roots =
-      lockstep::PathRoots::Parse(absl::GetFlag(FLAGS_checkpoint_root));
-  if (!data_roots.ok() || !checkpoint_roots.ok()) {
-    LOG(ERROR) << (data_roots.ok() ? "--checkpoint_root: " : "--data_root: ")
-               << (data_roots.ok() ? checkpoint_roots.status() : data_roots.status()).message();
+  if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
+                                                absl::GetFlag(FLAGS_checkpoint_root),
+                                                &options.data_roots, &options.checkpoint_roots);
+      !s.ok()) {
+    LOG(ERROR) << s.message();
     return 1;
   }
-  options.data_roots = *std::move(data_roots);
-  options.checkpoint_roots = *std::move(checkpoint_roots);
   if (!options.data_roots.restricted() || !options.checkpoint_roots.restricted()) {
     LOG(WARNING) << "no --data_root or no --checkpoint_root: jobs may name any path the workers "
                     "can read or write";

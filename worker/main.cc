@@ -143,17 +143,13 @@ int main(int argc, char** argv) {
   options.total_memory_bytes = device->total_memory_bytes;
   options.device_name = device->name;
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
-  absl::StatusOr<lockstep::PathRoots> data_roots =
-      lockstep::PathRoots::Parse(absl::GetFlag(FLAGS_data_root));
-  absl::StatusOr<lockstep::PathRoots> checkpoint_roots =
-      lockstep::PathRoots::Parse(absl::GetFlag(FLAGS_checkpoint_root));
-  if (!data_roots.ok() || !checkpoint_roots.ok()) {
-    LOG(ERROR) << (data_roots.ok() ? "--checkpoint_root: " : "--data_root: ")
-               << (data_roots.ok() ? checkpoint_roots.status() : data_roots.status()).message();
+  if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
+                                                absl::GetFlag(FLAGS_checkpoint_root),
+                                                &options.data_roots, &options.checkpoint_roots);
+      !s.ok()) {
+    LOG(ERROR) << s.message();
     return 2;
   }
-  options.data_roots = *std::move(data_roots);
-  options.checkpoint_roots = *std::move(checkpoint_roots);
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {
     LOG(ERROR) << token.status().message();
