@@ -79,11 +79,21 @@ absl::Status ClientGate::Reject(absl::Status status, const std::string& peer,
     ++rejected_calls_;
     entry.set_last_unix_ms(now_ms);
     count = entry.count();
-    if (rejected_.size() > kMaxRemembered) {
-      auto oldest = std::min_element(rejected_.begin(), rejected_.end(), [](auto& a, auto& b) {
-        return a.second.last_unix_ms() < b.second.last_unix_ms();
-      });
-      rejected_.erase(oldest);
+    // Evict the least recently rejected entry of this address when it has too many, else of
+    // everyone when the table is full (never the entry just rejected).
+    size_t of_peer = 0;
+    for (const auto& [key, e] : rejected_) of_peer += key.first == peer;
+    const bool peer_only = of_peer > kMaxRememberedPerAddress;
+    if (peer_only || rejected_.size() > kMaxRemembered) {
+      auto oldest = rejected_.end();
+      for (auto e = rejected_.begin(); e != rejected_.end(); ++e) {
+        if (e == it || (peer_only && e->first.first != peer)) continue;
+        if (oldest == rejected_.end() ||
+            e->second.last_unix_ms() < oldest->second.last_unix_ms()) {
+          oldest = e;
+        }
+      }
+      if (oldest != rejected_.end()) rejected_.erase(oldest);
     }
   }
   // The first rejection and then every 100th: a retrying client must not flood the log.

@@ -29,6 +29,9 @@ class ClientGate {
  public:
   // Distinct (address, client) pairs remembered; the least recently rejected one goes first.
   static constexpr size_t kMaxRemembered = 64;
+  // Of those, per address: one address that keeps inventing client names replaces its own
+  // entries, never the other addresses'.
+  static constexpr size_t kMaxRememberedPerAddress = 8;
 
   ClientGate(std::string token, Clock* clock, std::string worker_token = "")
       : checker_(std::move(token)), worker_checker_(std::move(worker_token)), clock_(clock) {}

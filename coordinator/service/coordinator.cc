@@ -35,11 +35,11 @@ void SessionOutbox::Push(v1::CoordinatorMessage message) {
   if (!closed_) queue_.push_back(std::move(message));
 }
 
-void SessionOutbox::Close() {
+void SessionOutbox::Close(bool cancel) {
   absl::MutexLock lock(&mu_);
   if (closed_) return;
   closed_ = true;
-  context_->TryCancel();
+  if (cancel) context_->TryCancel();
 }
 
 bool SessionOutbox::Pop(v1::CoordinatorMessage* message) {

@@ -33,8 +33,9 @@ class SessionOutbox {
  public:
   explicit SessionOutbox(grpc::ServerContext* context) : context_(context) {}
   void Push(v1::CoordinatorMessage message);
-  // Ends the session: the handler stops writing and the stream is cancelled.
-  void Close();
+  // Ends the session: the handler stops writing and the stream is cancelled (or, without
+  // `cancel`, left for the handler to finish with its own status).
+  void Close(bool cancel = true);
   // Blocks until a message is queued or the outbox closed; false when closed and drained.
   bool Pop(v1::CoordinatorMessage* message);
 

@@ -1,9 +1,12 @@
 // WorkerService: one Session stream per worker. A reader thread feeds the worker's messages to
 // the core; the handler thread writes the queued coordinator messages. A broken stream is the
 // fastest death signal: the core hears about it the moment Read fails.
+#include <algorithm>
+#include <atomic>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "coordinator/service/services.h"
 #include "glog/logging.h"
@@ -41,12 +44,28 @@ grpc::Status WorkerServiceImpl::Session(
     return ToGrpcStatus(id.status());
   }
   const std::string worker_id = *id;
-
+  // Reports and heartbeats a session may send: a burst, then a steady rate. A flood (a forged
+  // client; no worker sends more than a few a second) ends the session instead of taking the
+  // coordinator's time.
+  constexpr double kBurst = 2000, kPerSecond = 500;
+  std::atomic<bool> flooded{false};
   std::thread reader([&, outbox] {
+    double allowance = kBurst;
+    absl::Time last = absl::Now();
     v1::WorkerMessage message;
     std::string reason = "session closed by the worker";
     int64_t refused = 0;  // reports refused on this session: logged sparingly
     while (stream->Read(&message)) {
+      const absl::Time now = absl::Now();
+      allowance = std::min(kBurst, allowance + kPerSecond * absl::ToDoubleSeconds(now - last));
+      last = now;
+      if (--allowance < 0) {
+        flooded = true;
+        reason = absl::StrCat("session ended: more than ", kPerSecond,
+                              " messages a second (a flood)");
+        LOG(WARNING) << "worker " << worker_id << ": " << reason;
+        break;
+      }
       absl::Status status;
       std::string job_id;
       int64_t generation = 0;
@@ -117,7 +136,8 @@ grpc::Status WorkerServiceImpl::Session(
     }
     if (context->IsCancelled()) reason = "connection lost";
     coordinator_->Disconnect(worker_id, reason);
-    outbox->Close();
+    // A flooded session ends with the handler's status (RESOURCE_EXHAUSTED), not cancelled.
+    outbox->Close(/*cancel=*/!flooded);
   });
 
   v1::CoordinatorMessage out;
@@ -128,6 +148,11 @@ grpc::Status WorkerServiceImpl::Session(
   outbox->Close();
   reader.join();
   LOG(INFO) << "session of " << worker_id << " ended";
+  if (flooded) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("more than ", kPerSecond,
+                                     " messages a second on one session: it was ended"));
+  }
   return grpc::Status::OK;
 }
 

@@ -54,6 +54,11 @@ class FakeWorker {
     context_.TryCancel();
     stream_->Finish().IgnoreError();
   }
+  // After the coordinator ended the stream (Read returned false): its status.
+  grpc::Status Finish() {
+    closed_ = true;
+    return stream_->Finish();
+  }
 
  private:
   grpc::ClientContext context_;
@@ -238,6 +243,34 @@ TEST(TrustTest, ANameHeldByALiveWorkerStopsTheSecondWithCodeFive) {
   EXPECT_NE(text.find("another live worker holds the name w0"), std::string::npos) << text;
   EXPECT_TRUE(cluster->worker("w0")->running());
   EXPECT_TRUE(cluster->WaitForWorker("w0", "idle", absl::Seconds(5)).ok());
+}
+
+// A session that floods the coordinator with messages is ended, saying why; the cluster's jobs
+// are untouched.
+TEST(TrustTest, AFloodOfReportsEndsTheSession) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorker("w0").ok());
+  FakeWorker flooder(cluster->address(), "flooder", "cuda:0");
+  v1::CoordinatorMessage message;
+  ASSERT_TRUE(flooder.Read(&message));
+  v1::WorkerMessage stale;
+  stale.mutable_progress()->set_job_id("job-1");
+  stale.mutable_progress()->set_generation(1);
+  stale.mutable_progress()->set_step(1);
+  int sent = 0;
+  while (sent < 100000 && flooder.Send(stale)) ++sent;
+  while (flooder.Read(&message)) {
+  }
+  grpc::Status status = flooder.Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_NE(status.error_message().find("messages a second"), std::string::npos);
+  auto job = cluster->Submit(testing::SyntheticJob(1, 1, 20));
+  ASSERT_TRUE(job.ok());
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(60));
+  ASSERT_TRUE(done.ok()) << cluster->Logs();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED);
 }
 
 // With a workers' token, each token opens only its side.
