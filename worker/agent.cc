@@ -2,8 +2,11 @@
 // lifecycle's (worker/lifecycle.h); this file only carries them out.
 #include "worker/agent.h"
 
+#include <algorithm>
 #include <new>
 #include <random>
+#include <system_error>
+#include <thread>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -128,9 +131,23 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
                                                   state->completed_step())
                                    : std::string());
     RunHandle* raw = run.get();
-    run->thread = std::thread([this, raw, s = std::move(state)]() mutable {
-      RunJob(raw, std::move(s));
-    });
+    try {
+      run->thread = std::thread([this, raw, s = std::move(state)]() mutable {
+        RunJob(raw, std::move(s));
+      });
+    } catch (const std::system_error& e) {
+      // No thread for the run (the process is out of threads or address space): the run
+      // fails, saying so, and the worker goes on.
+      LOG(ERROR) << "cannot start " << a.job_id() << " generation " << a.generation() << ": "
+                 << e.what();
+      RunResult result;
+      result.kind = RunResult::kFailed;
+      result.message = absl::StrCat("worker ", options_.name,
+                                    " could not start a thread for the run: ", e.what());
+      LifecycleActions ended = lifecycle_.OnRunEnded(start.run, result, absl::Now());
+      Apply(ended, sends, dropped);
+      continue;
+    }
     runs_.emplace(start.run, std::move(run));
   }
   for (v1::WorkerMessage& m : actions.send) sends->push_back(std::move(m));
@@ -370,7 +387,9 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
   const v1::Assignment& a = run.assignment;
   const v1::JobSpec& spec = a.spec();
   const std::shared_ptr<AbortSignal>& abort = run.abort;
-  kernels::SetBlasThreads(std::max(1, spec.threads_per_worker()));
+  // No more BLAS threads than this host has cores, whatever the spec asks.
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  kernels::SetBlasThreads(std::clamp(spec.threads_per_worker(), 1, cores));
   std::shared_ptr<const Dataset> data;
   // The spec's paths, on this host: inside the directories this worker allows, even through
   // symbolic links (the coordinator checked them by name only).
