@@ -327,14 +327,27 @@ absl::Status Core::ReportFailure(const std::string& worker_id, const v1::Failure
                                  absl::Time now, Decisions* out) {
   ObserveTime(now);
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
+  if (!job_or.ok() && report.fatal() && absl::IsAborted(job_or.status())) {
+    // While the job re-forms after a member's fatal report, the others' fatal reports of the
+    // generation that ended still count (they are why the job fails, when all say so).
+    JobRecord* job = FindJob(report.job_id());
+    const Worker* w = FindWorker(worker_id);
+    if (job != nullptr && job->job.state() == v1::JOB_STATE_RECONFIGURING &&
+        job->job.generation() == report.generation() && w != nullptr &&
+        w->state == WorkerState::kBusy && w->job_id == report.job_id() &&
+        w->generation == report.generation()) {
+      job_or = job;
+    }
+  }
   if (!job_or.ok()) return job_or.status();
   Worker* worker = FindWorker(worker_id);
-  // The reporter itself is healthy (it is talking to us); the peer behind a collective error
-  // is left to its own detection, so nobody is removed here.
-  HandleMemberLoss(**job_or, /*worker_id=*/"",
-                   absl::StrCat("worker ", worker->info.name(), " (", worker_id,
-                                ") reported: ", report.message()),
-                   report.fatal(), now, out);
+  const std::string reason = absl::StrCat("worker ", worker->info.name(), " (", worker_id,
+                                          ") reported: ", report.message());
+  // A fatal error is the reporter's own (its data, its device, its memory): it leaves the job.
+  // Otherwise the reporter itself is healthy (it is talking to us); the peer behind a
+  // collective error is left to its own detection, so nobody is removed here.
+  HandleMemberLoss(**job_or, report.fatal() ? worker_id : std::string(), reason, report.fatal(),
+                   now, out);
   return absl::OkStatus();
 }
 
@@ -736,12 +749,12 @@ void Core::Tick(absl::Time now, Decisions* out) {
   Schedule(now, out);
 }
 
-std::vector<RankCandidate> Core::IdleWorkers(const std::string& device,
-                                             int64_t memory_needed) const {
+std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t memory_needed,
+                                             const JobRecord* job) const {
   std::vector<RankCandidate> idle;
   for (const auto& [id, w] : workers_) {
     const int64_t free = w.info.free_memory_bytes();
-    if (w.state == WorkerState::kIdle &&
+    if (w.state == WorkerState::kIdle && (job == nullptr || job->excluded.count(id) == 0) &&
         (device.empty() || DeviceKind(w.info.device()) == device) &&
         (free == 0 || free >= memory_needed)) {
       idle.push_back({w.id, w.info.host(), w.registration_seq});
@@ -769,7 +782,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
   while (!pending_.empty()) {
     JobRecord& job = jobs_.at(pending_.front());
     const v1::JobSpec& spec = job.job.spec();
-    std::vector<RankCandidate> idle = IdleWorkers(spec.device(), job.memory_needed);
+    std::vector<RankCandidate> idle = IdleWorkers(spec.device(), job.memory_needed, &job);
     if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
       const size_t all_idle = IdleWorkers(spec.device()).size();
       std::string reason =
@@ -798,7 +811,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers()) {
       continue;
     }
-    std::vector<RankCandidate> idle = IdleWorkers(job.job.spec().device(), job.memory_needed);
+    std::vector<RankCandidate> idle = IdleWorkers(job.job.spec().device(), job.memory_needed, &job);
     if (idle.empty()) continue;
     std::vector<std::string> names;
     for (size_t i = 0; i < idle.size() &&
@@ -898,7 +911,39 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
                             bool fatal, absl::Time now, Decisions* out) {
   if (IsTerminal(job.job.state())) return;
   AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
-  if (fatal) return FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
+  if (fatal) {
+    job.excluded.insert(worker_id);
+    if (job.fatal_reports.size() < 4) job.fatal_reports.push_back(reason);
+    const bool others_left = std::any_of(job.members.begin(), job.members.end(),
+                                         [&](const MemberState& m) { return m.worker_id != worker_id; });
+    if (!others_left) {
+      // Nobody left who could train on: every member of the generation said the same, or the
+      // job had this one member.
+      std::vector<std::string> earlier;
+      for (const std::string& r : job.fatal_reports) {
+        if (r != reason) earlier.push_back(r);
+      }
+      return FinishJob(job, v1::JOB_STATE_FAILED,
+                       earlier.empty() ? reason
+                                       : absl::StrCat(reason, " (before it, ",
+                                                      absl::StrJoin(earlier, "; "), ")"),
+                       now, out);
+    }
+    // The reporter dropped its run: free it for other jobs (never this one again).
+    if (Worker* w = FindWorker(worker_id); w != nullptr && w->job_id == job.job.job_id()) {
+      if (w->state == WorkerState::kBusy) w->state = WorkerState::kIdle;
+      w->job_id.clear();
+      w->generation = 0;
+    }
+    if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
+      job.members.erase(
+          std::remove_if(job.members.begin(), job.members.end(),
+                         [&](const MemberState& m) { return m.worker_id == worker_id; }),
+          job.members.end());
+      RefreshMembers(job);
+      return TryReform(job, now, out);
+    }
+  }
   // A member that reported Finished holds the final state (every rank applies the same last
   // step and evaluation), so a loss after that point needs no re-formation when every other
   // member has finished too: the result is theirs, if they agree. While one of them has not,
@@ -944,7 +989,11 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   if (!coordinator_caused) job.job.set_recoveries(job.job.recoveries() + 1);
   // After a reported collective error give the culprit a moment to be detected (its stream
   // closes within milliseconds when it died), so the next generation does not include it.
-  const absl::Time reform_after = worker_id.empty() ? now + absl::Milliseconds(300) : now;
+  // After a fatal report, the others' reports of the same error come first (see
+  // CoreOptions::fatal_report_grace).
+  const absl::Time reform_after = worker_id.empty() ? now + absl::Milliseconds(300)
+                                  : fatal           ? now + options_.fatal_report_grace
+                                                    : now;
   BeginReconfiguration(job,
                        coordinator_caused
                            ? absl::StrCat(reason, " (the coordinator had been unresponsive for ",
@@ -997,7 +1046,7 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
       survivors.push_back({w->id, w->info.host(), w->registration_seq});
     }
   }
-  std::vector<RankCandidate> idle = IdleWorkers(spec.device(), job.memory_needed);
+  std::vector<RankCandidate> idle = IdleWorkers(spec.device(), job.memory_needed, &job);
   const size_t room = static_cast<size_t>(spec.max_workers()) -
                       std::min<size_t>(survivors.size(), spec.max_workers());
   idle.resize(std::min(idle.size(), room));

@@ -49,6 +49,10 @@ struct CoreOptions {
   // when empty.
   PathRoots data_roots;
   PathRoots checkpoint_roots;
+  // After a member's fatal report, the job waits this long before it re-forms without the
+  // reporter, so the other members' reports of the same error (a data set none of them can
+  // load) arrive first and fail the job together (see HandleMemberLoss).
+  absl::Duration fatal_report_grace = absl::Seconds(2);
 };
 
 // What the shell must do after an input: messages to push to workers, sessions to close
@@ -199,6 +203,11 @@ class Core {
     // Restored: the timeline's worker ids are a previous coordinator's (ids start again at w-1
     // in every incarnation), so the next generation's joined and left compare names.
     bool timeline_ids_stale = false;
+    // Workers that reported a fatal error for this job: never its members again (this
+    // incarnation; a restarted worker has a new id). Their reports, first ones kept, name the
+    // reason when nobody is left.
+    std::set<std::string> excluded;
+    std::vector<std::string> fatal_reports;
   };
 
   // RESOURCE_EXHAUSTED with the numbers when every registered worker reports less free memory
@@ -221,7 +230,10 @@ class Core {
                        Decisions* out);
   // A member is gone (`worker_id`), or a member reported a failure (`worker_id` empty: nobody
   // is removed, the culprit is left to its own detection). Aborts the generation and re-forms
-  // it from the survivors and spares, or fails the job (fatal failure, max_restarts used up).
+  // it from the survivors and spares, or fails the job (max_restarts used up). `fatal`: the
+  // member `worker_id` reported an error that retrying cannot help; it leaves the job for good
+  // (idle, free for other jobs), and the job fails only when no member is left, so a lone
+  // report, true or forged, never fails a job for the others.
   void HandleMemberLoss(JobRecord& job, const std::string& worker_id, const std::string& reason,
                         bool fatal, absl::Time now, Decisions* out);
   // Aborts the current generation's members (they stay reserved for the job) and records a
@@ -233,9 +245,10 @@ class Core {
   void TryReform(JobRecord& job, absl::Time now, Decisions* out);
   // Idle workers of `device` ("cpu", "cuda"; empty: any) in registration order; with
   // `memory_needed`, only those that report at least that much free memory (or report none:
-  // 0 means unknown).
+  // 0 means unknown); with `job`, not the workers it excluded.
   std::vector<RankCandidate> IdleWorkers(const std::string& device = "",
-                                         int64_t memory_needed = 0) const;
+                                         int64_t memory_needed = 0,
+                                         const JobRecord* job = nullptr) const;
   int64_t MaxRestarts(const JobRecord& job) const;
   // Ends the job: aborts the current generation's members that are still connected, frees them.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,

@@ -78,7 +78,7 @@ v1::WorkerMessage ForgedFinished(const std::string& job_id, int64_t generation, 
   return m;
 }
 
-TEST(TrustTest, AForgedFinishedThenADisconnectDoNotDecideTheJob) {
+TEST(TrustTest, ForgedFinishedAndFatalReportsDoNotDecideTheJob) {
   auto started = Cluster::Start();
   ASSERT_TRUE(started.ok()) << started.status();
   std::unique_ptr<Cluster> cluster = *std::move(started);
@@ -152,6 +152,36 @@ TEST(TrustTest, AForgedFinishedThenADisconnectDoNotDecideTheJob) {
   EXPECT_NE(ended->eval().test_accuracy(), 0.9999) << "not the forged evaluation";
   EXPECT_EQ(ended->eval().test_accuracy(), undisturbed->eval().test_accuracy());
   EXPECT_GE(ended->generations_size(), 2);
+
+  // A member's forged fatal failure: the forger leaves the job (and is not taken back as a
+  // spare); the others train on to the true result, and the job says who reported what.
+  FakeWorker forger(cluster->address(), "forger");
+  ASSERT_TRUE(forger.Read(&message));
+  ASSERT_TRUE(message.has_registered());
+  auto second = cluster->Submit(Deterministic(2, 3, kSteps));
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE(forger.Read(&message));
+  ASSERT_TRUE(message.has_assignment()) << message.DebugString();
+  v1::WorkerMessage fatal;
+  fatal.mutable_failure()->set_job_id(second->job_id());
+  fatal.mutable_failure()->set_generation(message.assignment().generation());
+  fatal.mutable_failure()->set_fatal(true);
+  fatal.mutable_failure()->set_message("dataset does not load (forged)");
+  ASSERT_TRUE(forger.Send(fatal));
+  ended = cluster->WaitForEnd(second->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(ended.ok()) << cluster->Logs();
+  EXPECT_EQ(ended->state(), v1::JOB_STATE_SUCCEEDED) << ended->reason();
+  EXPECT_EQ(ended->step(), kSteps);
+  ASSERT_EQ(ended->members_size(), 2);
+  for (const v1::Member& m : ended->members()) {
+    EXPECT_NE(m.worker_name(), "forger");
+    EXPECT_EQ(m.parameter_checksum(), undisturbed->members(0).parameter_checksum())
+        << m.worker_name();
+  }
+  ASSERT_GE(ended->recovery_history_size(), 1);
+  EXPECT_NE(ended->recovery_history(0).reason().find("worker forger"), std::string::npos)
+      << ended->recovery_history(0).reason();
+  EXPECT_NE(ended->recovery_history(0).reason().find("(forged)"), std::string::npos);
   EXPECT_TRUE(cluster->coordinator()->running());
 }
 

@@ -306,6 +306,77 @@ TEST_F(CoreTest, FatalFailureReportFailsJobWithTheWorkersMessage) {
   EXPECT_NE(Job(job).reason().find("/nope"), std::string::npos);
 }
 
+// A fatal report is its reporter's own error (its data, its device): the reporter leaves the
+// job, and the others train on; a lone report, true or forged, never fails a job for the others.
+TEST_F(CoreTest, ALoneFatalReportRemovesItsReporterAndTheJobTrainsOn) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
+  const std::string job = Submit(Spec(2, 2));
+  auto first = TakeAssignments();
+  ASSERT_EQ(first.size(), 2u);
+  ASSERT_TRUE(first.count(w0) && first.count(w1));
+  v1::FailureReport f;
+  f.set_job_id(job);
+  f.set_generation(1);
+  f.set_message("out of memory (forged)");
+  f.set_fatal(true);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFailure(w1, f, now_, &d).ok());
+  Collect(d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  EXPECT_NE(Job(job).recovery_history(0).reason().find("worker w1 (" + w1 + ") reported"),
+            std::string::npos)
+      << Job(job).recovery_history(0).reason();
+  EXPECT_EQ(TakeAborts(), std::vector<std::string>{w0});
+  // The others get a moment to report the same; then the job re-forms without the reporter.
+  now_ += absl::Seconds(1);
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  now_ += absl::Seconds(1.5);
+  Tick();
+  ASSERT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  auto second = TakeAssignments();
+  EXPECT_EQ(second.size(), 2u);
+  EXPECT_TRUE(second.count(w0) && second.count(w2)) << "w1 is out of this job for good";
+  // Its report failed nobody else's job: w1 is idle and takes the next one.
+  const std::string next = Submit(Spec(1, 1));
+  auto third = TakeAssignments();
+  ASSERT_EQ(third.size(), 1u);
+  EXPECT_EQ(third.begin()->first, w1);
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING);
+}
+
+TEST_F(CoreTest, FatalReportsFromEveryMemberFailTheJobNamingThem) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  for (const std::string& w : {w0, w1}) {
+    v1::FailureReport f;
+    f.set_job_id(job);
+    f.set_generation(1);
+    f.set_message("loading data set at /nope: dataset directory /nope does not exist");
+    f.set_fatal(true);
+    Decisions d;
+    // The second report arrives while the job waits to re-form: it still counts.
+    ASSERT_TRUE(core_.ReportFailure(w, f, now_, &d).ok());
+    Collect(d);
+    now_ += absl::Milliseconds(500);
+    Tick();
+  }
+  const v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(j.reason().find("worker w1 (" + w1 + ") reported: loading data set at /nope"),
+            std::string::npos)
+      << j.reason();
+  EXPECT_NE(j.reason().find("worker w0 (" + w0 + ") reported"), std::string::npos) << j.reason();
+  // A report of a generation that has ended by now is refused, as before.
+  v1::FailureReport late;
+  late.set_job_id(job);
+  late.set_generation(1);
+  late.set_fatal(true);
+  Decisions d;
+  EXPECT_FALSE(core_.ReportFailure(w0, late, now_, &d).ok());
+}
+
 TEST_F(CoreTest, HeartbeatSilenceLosesWorkerWithFakeClock) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
   v1::JobSpec spec = Spec(2, 2);
