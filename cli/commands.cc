@@ -73,10 +73,19 @@ absl::Status SubmitJob(v1::JobService::StubInterface& stub, const v1::JobSpec& s
 
 absl::Status ListJobs(v1::JobService::StubInterface& stub, const CommandOptions& options,
                       std::ostream& out) {
+  // Every page, newest first from the coordinator; listed oldest first.
   v1::ListJobsResponse response;
-  auto context = UnaryContext(options);
-  LOCKSTEP_RETURN_IF_ERROR(
-      ToAbslStatus(stub.ListJobs(context.get(), v1::ListJobsRequest(), &response)));
+  v1::ListJobsRequest request;
+  request.set_page_size(1000);
+  do {
+    v1::ListJobsResponse page;
+    auto context = UnaryContext(options);
+    LOCKSTEP_RETURN_IF_ERROR(ToAbslStatus(stub.ListJobs(context.get(), request, &page)));
+    for (v1::Job& job : *page.mutable_jobs()) *response.add_jobs() = std::move(job);
+    response.set_total_jobs(page.total_jobs());
+    request.set_page_token(page.next_page_token());
+  } while (!request.page_token().empty());
+  std::reverse(response.mutable_jobs()->begin(), response.mutable_jobs()->end());
   if (options.output == OutputFormat::kJson) return PrintJson(response, false, out);
   out << FormatJobList(response, options.clock->Now());
   return absl::OkStatus();

@@ -5,6 +5,7 @@
 #include "coordinator/core/core.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -630,16 +631,42 @@ absl::StatusOr<v1::Job> Core::GetJob(const std::string& job_id) const {
   return it->second.job;
 }
 
-std::vector<v1::Job> Core::ListJobs() const {
-  std::vector<v1::Job> jobs;
-  for (const auto& [id, record] : jobs_) jobs.push_back(record.job);
-  std::sort(jobs.begin(), jobs.end(), [](const v1::Job& a, const v1::Job& b) {
-    return a.submit_time_unix_ms() != b.submit_time_unix_ms()
-               ? a.submit_time_unix_ms() < b.submit_time_unix_ms()
-           : a.job_id().size() != b.job_id().size() ? a.job_id().size() < b.job_id().size()
-                                                    : a.job_id() < b.job_id();
-  });
-  return jobs;
+absl::StatusOr<v1::ListJobsResponse> Core::ListJobs(const v1::ListJobsRequest& request) const {
+  if (request.page_size() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size is ", request.page_size(), "; it must be 0 (the default, ",
+                     kDefaultJobsPerPage, ") or more"));
+  }
+  // The token is the submission number of the previous page's last job: the page goes on
+  // with older ones.
+  uint64_t before = std::numeric_limits<uint64_t>::max();
+  if (!request.page_token().empty() &&
+      (!absl::SimpleAtoi(request.page_token(), &before) || before == 0 ||
+       before >= next_job_seq_)) {
+    return absl::InvalidArgumentError(
+        "page_token is not one this coordinator issued (pass a next_page_token of ListJobs)");
+  }
+  const size_t page_size = request.page_size() == 0
+                               ? kDefaultJobsPerPage
+                               : std::min(request.page_size(), kMaxJobsPerPage);
+  v1::ListJobsResponse page;
+  page.set_total_jobs(static_cast<int64_t>(order_.size()));
+  size_t bytes = 0;
+  uint64_t last = 0;
+  for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
+    const JobRecord& record = jobs_.at(*it);
+    if (record.submit_seq >= before) continue;
+    const size_t size = record.job.ByteSizeLong();
+    if (page.jobs_size() > 0 &&
+        (static_cast<size_t>(page.jobs_size()) == page_size || bytes + size > kMaxJobsPageBytes)) {
+      page.set_next_page_token(absl::StrCat(last));
+      break;
+    }
+    bytes += size;
+    last = record.submit_seq;
+    *page.add_jobs() = record.job;
+  }
+  return page;
 }
 
 std::map<v1::JobState, int64_t> Core::JobCounts() const {

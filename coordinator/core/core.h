@@ -82,6 +82,10 @@ class Core {
  public:
   // Generations kept in a job's timeline (Job.generations); older ones are dropped.
   static constexpr int kMaxGenerations = 256;
+  // ListJobs pages: the default and largest job counts, and the bytes a page stays under.
+  static constexpr int kDefaultJobsPerPage = 100;
+  static constexpr int kMaxJobsPerPage = 1000;
+  static constexpr size_t kMaxJobsPageBytes = 4 << 20;
 
   explicit Core(CoreOptions options = {});
 
@@ -125,7 +129,9 @@ class Core {
   // NOT_FOUND, or FAILED_PRECONDITION when the job already finished.
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, absl::Time now, Decisions* out);
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id) const;
-  std::vector<v1::Job> ListJobs() const;
+  // A page of jobs, newest first (see ListJobsRequest); INVALID_ARGUMENT for a negative page
+  // size or a token this coordinator did not issue.
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const v1::ListJobsRequest& request = {}) const;
   std::vector<v1::WorkerInfo> ListWorkers() const;
   // The job's loss and throughput since this coordinator started (TrainingCurve); NOT_FOUND
   // for an unknown job.

@@ -4,6 +4,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/proto_json.h"
 #include "coordinator/dashboard/assets.h"
@@ -185,12 +186,21 @@ absl::StatusOr<std::unique_ptr<Dashboard>> Dashboard::Start(const std::string& a
         server.Get("/api/v1/jobs", [c, admit](const httplib::Request& request,
                                               httplib::Response& response) {
           if (!admit(request, response)) return;
-          v1::ListJobsResponse jobs;
-          for (v1::Job& job :
-               c->Call([](Core& core, absl::Time, Decisions*) { return core.ListJobs(); })) {
-            *jobs.add_jobs() = std::move(job);
+          // ?page_size=N&page_token=T, as in the gRPC ListJobs.
+          v1::ListJobsRequest page;
+          if (request.has_param("page_size")) {
+            int32_t size = 0;
+            if (!absl::SimpleAtoi(request.get_param_value("page_size"), &size)) {
+              return ReplyError(response,
+                                absl::InvalidArgumentError("page_size must be a whole number"));
+            }
+            page.set_page_size(size);
           }
-          Reply(response, ToJson(jobs, /*multiline=*/false));
+          page.set_page_token(request.get_param_value("page_token"));
+          absl::StatusOr<v1::ListJobsResponse> jobs =
+              c->Call([&](Core& core, absl::Time, Decisions*) { return core.ListJobs(page); });
+          if (!jobs.ok()) return ReplyError(response, jobs.status());
+          Reply(response, ToJson(*jobs, /*multiline=*/false));
         });
         server.Get(R"(/api/v1/jobs/([^/]+))", [c, admit](const httplib::Request& request,
                                                         httplib::Response& response) {

@@ -42,12 +42,14 @@ grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJ
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest*,
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
+                                      const v1::ListJobsRequest* request,
                                       v1::ListJobsResponse* response) {
   if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
-  std::vector<v1::Job> jobs =
-      coordinator_->Call([&](Core& core, absl::Time, Decisions*) { return core.ListJobs(); });
-  for (v1::Job& job : jobs) *response->add_jobs() = std::move(job);
+  absl::StatusOr<v1::ListJobsResponse> page = coordinator_->Call(
+      [&](Core& core, absl::Time, Decisions*) { return core.ListJobs(*request); });
+  if (!page.ok()) return ToGrpcStatus(page.status());
+  *response = *std::move(page);
   return grpc::Status::OK;
 }
 

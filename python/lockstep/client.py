@@ -100,7 +100,15 @@ class Client:
         return self._call(self._stub.GetJob, job_pb2.GetJobRequest(job_id=job_id))
 
     def list(self):
-        return list(self._call(self._stub.ListJobs, job_pb2.ListJobsRequest()).jobs)
+        """Every job, newest first (the coordinator pages them; this follows every page)."""
+        jobs, token = [], ""
+        while True:
+            page = self._call(self._stub.ListJobs,
+                              job_pb2.ListJobsRequest(page_size=1000, page_token=token))
+            jobs.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                return jobs
 
     def cancel(self, job_id):
         return self._call(self._stub.CancelJob, job_pb2.CancelJobRequest(job_id=job_id))

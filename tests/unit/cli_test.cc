@@ -66,11 +66,23 @@ class FakeStub : public v1::JobService::StubInterface {
     *j = get_job;
     return get_status;
   }
-  grpc::Status ListJobs(grpc::ClientContext*, const v1::ListJobsRequest&,
+  // Serves `jobs` (newest first) in pages of `jobs_per_page`, like the coordinator.
+  grpc::Status ListJobs(grpc::ClientContext*, const v1::ListJobsRequest& request,
                         v1::ListJobsResponse* r) override {
-    *r = jobs;
+    int from = 0;
+    if (!request.page_token().empty()) from = std::stoi(request.page_token());
+    for (int i = from; i < jobs.jobs_size() && i < from + jobs_per_page; ++i) {
+      *r->add_jobs() = jobs.jobs(i);
+    }
+    if (from + jobs_per_page < jobs.jobs_size()) {
+      r->set_next_page_token(std::to_string(from + jobs_per_page));
+    }
+    r->set_total_jobs(jobs.jobs_size());
+    ++list_calls;
     return grpc::Status::OK;
   }
+  int jobs_per_page = 1000;
+  int list_calls = 0;
   grpc::Status CancelJob(grpc::ClientContext*, const v1::CancelJobRequest&, v1::Job*) override {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "job job-1 has already ended");
   }
@@ -482,6 +494,31 @@ TEST(Commands, SubmitSetsDeadlineAndCancelError) {
   inv.job_id = "job-1";
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
   EXPECT_EQ(err.str(), "lockstepctl: FAILED_PRECONDITION: job job-1 has already ended\n");
+}
+
+// `list` follows the pages to the last one and shows every job, oldest first.
+TEST(Commands, ListFollowsEveryPage) {
+  FakeStub stub;
+  stub.jobs_per_page = 2;
+  for (int i = 5; i >= 1; --i) {
+    v1::Job* job = stub.jobs.add_jobs();
+    job->set_job_id("job-" + std::to_string(i));
+    job->set_state(v1::JOB_STATE_SUCCEEDED);
+  }
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv;
+  inv.command = Command::kList;
+  ASSERT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 0) << err.str();
+  EXPECT_EQ(stub.list_calls, 3);
+  size_t at = 0;
+  for (int i = 1; i <= 5; ++i) {
+    const size_t next = out.str().find("job-" + std::to_string(i) + " ");
+    ASSERT_NE(next, std::string::npos) << out.str();
+    EXPECT_GT(next, at) << out.str();
+    at = next;
+  }
 }
 
 }  // namespace

@@ -197,8 +197,11 @@ function poll(render) {
 
 // ---- Jobs page ----
 
+const JOBS_SHOWN = 200;
+
 async function renderJobs(alive) {
-  const data = await api("/api/v1/jobs");
+  // The newest page; the API pages beyond it (?page_token=).
+  const data = await api("/api/v1/jobs?page_size=" + JOBS_SHOWN);
   if (!alive()) return;
   const jobs = (data.jobs || []).slice().sort((a, b) => num(b.submitTimeUnixMs) - num(a.submitTimeUnixMs));
   const counts = {};
@@ -234,8 +237,12 @@ async function renderJobs(alive) {
           "Workers", "Recoveries", "Submitted", "Reason"].map((t) => h("th", { text: t })))),
         h("tbody", {}, rows))
     : h("div", { class: "empty", text: "No jobs yet. Submit one with: lockstepctl submit job.json" });
+  const total = num(data.totalJobs);
+  const more = total > jobs.length
+    ? h("div", { class: "sub", id: "jobs-shown", text: "The newest " + fmt(jobs.length) + " of " + fmt(total) + " jobs (lockstepctl list shows all)." })
+    : null;
   main().replaceChildren(h("h1", { class: "page-title", text: "Jobs" }), summary,
-    h("div", { class: "card" }, table));
+    h("div", { class: "card" }, table), ...(more ? [more] : []));
 }
 
 // ---- Job page ----
