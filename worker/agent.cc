@@ -109,8 +109,13 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
     if (it == runs_.end()) continue;
     LOG(INFO) << "aborting " << it->second->assignment.job_id() << " generation "
               << it->second->assignment.generation() << ": " << a.reason;
-    // Wakes every wait of the run at once: store calls, Gloo, shared memory, NCCL.
-    it->second->abort->Raise();
+    // Wakes every wait of the run at once: store calls, Gloo, shared memory, NCCL (and, when
+    // the job is over, its data loading).
+    if (a.job_ended) {
+      it->second->abort->RaiseJobEnded();
+    } else {
+      it->second->abort->Raise();
+    }
   }
   if (actions.drop_kept_state && kept_ != nullptr) dropped->push_back(std::move(kept_));
   if (actions.keep_state_of.has_value()) {
@@ -414,7 +419,12 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
     }
   }
   if (trainer == nullptr) {
-    absl::StatusOr<std::shared_ptr<const Dataset>> loaded = LoadDataset(spec.dataset());
+    test_hooks::Reach("before_loading", -1, &abort->job_ended());
+    absl::StatusOr<std::shared_ptr<const Dataset>> loaded =
+        LoadDataset(spec.dataset(), &abort->job_ended());
+    if (!loaded.ok() && abort->job_ended().load()) {
+      return absl::CancelledError("the job ended while its data set was loading");
+    }
     if (!loaded.ok()) {
       *fatal = true;
       const std::string where = spec.dataset().type() == "synthetic"

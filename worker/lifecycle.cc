@@ -23,10 +23,10 @@ bool WorkerLifecycle::JobEnded(const std::string& job_id) const {
 }
 
 void WorkerLifecycle::AbortRun(RunId id, Run& run, const std::string& reason,
-                               LifecycleActions* out) {
-  if (run.phase == Phase::kRunning) {
+                               LifecycleActions* out, bool job_ended) {
+  if (run.phase == Phase::kRunning || (run.phase == Phase::kStopping && job_ended)) {
     run.phase = Phase::kStopping;
-    out->abort.push_back({id, reason});
+    out->abort.push_back({id, reason, job_ended});
   }
 }
 
@@ -134,7 +134,7 @@ LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t gen
       it = runs_.erase(it);
       continue;
     }
-    AbortRun(it->first, it->second, reason, &out);
+    AbortRun(it->first, it->second, reason, &out, job_ended);
     ++it;
   }
   if (job_ended) {

@@ -65,6 +65,7 @@ struct LifecycleActions {
   struct Abort {
     RunId run = 0;
     std::string reason;
+    bool job_ended = false;  // the job is over: the run may stop loading its data too
   };
   std::vector<Abort> abort;
   // Applied in this order: drop the kept state, keep the ended run's state, start runs.
@@ -114,7 +115,9 @@ class WorkerLifecycle {
 
   // Aborts every run but `except` that is not already stopping; forgets waiting ones.
   void AbortOthers(RunId except, const std::string& reason, LifecycleActions* out);
-  void AbortRun(RunId id, Run& run, const std::string& reason, LifecycleActions* out);
+  // A running run is told to stop; one already stopping is told again when the job ended.
+  void AbortRun(RunId id, Run& run, const std::string& reason, LifecycleActions* out,
+                bool job_ended = false);
   // Starts waiting runs that may start now (nobody else active, or timed out).
   void StartReady(absl::Time now, LifecycleActions* out);
   bool JobEnded(const std::string& job_id) const;

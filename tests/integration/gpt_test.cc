@@ -340,5 +340,60 @@ TEST(GptIntegrationTest, RankZeroLostWhileWritingTheSampleKeepsTheTrainedResult)
   EXPECT_FALSE(std::filesystem::exists(cluster->dir() + "/export/model.safetensors"));
 }
 
+// The same window with three members: ranks 1 and 2 have reported their result while rank 0
+// is held before writing the sample, and a member that already finished (rank 1) is killed.
+// Rank 0 had not finished, so the job re-forms from rank 0 and rank 2 (both hold the final
+// state), trains nothing again, and ends SUCCEEDED with the undisturbed run's bits and a sample.
+TEST(GptIntegrationTest, AFinishedMemberLostWhileRankZeroWritesTheSampleReforms) {
+  auto cluster = StartCluster(3);
+  ASSERT_NE(cluster, nullptr);
+  v1::JobSpec spec = FortunesJob(2, 3, 30);
+  spec.set_skip_evaluation(true);
+  spec.set_heartbeat_timeout_ms(1500);
+  auto reference = cluster->Submit(spec);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  auto undisturbed = cluster->WaitForEnd(reference->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(undisturbed.ok()) << undisturbed.status();
+  ExpectSucceeded(*cluster, *undisturbed, 30);
+  ASSERT_EQ(undisturbed->members_size(), 3);
+
+  for (const char* name : {"w0", "w1", "w2"}) {
+    cluster->worker(name)->Signal(SIGKILL);
+    ASSERT_TRUE(cluster->WaitForWorker(name, "lost", absl::Seconds(10)).ok());
+    ASSERT_TRUE(cluster->StartWorker(name, {"--test_hooks=before_sample"}).ok());
+  }
+  spec.mutable_sample()->set_max_tokens(20);
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto running = cluster->WaitFor(
+      job->job_id(), [](const v1::Job& j) { return j.members_size() == 3 && j.step() >= 30; },
+      absl::Seconds(120));
+  ASSERT_TRUE(running.ok()) << running.status();
+  const std::string rank0 = running->members(0).worker_name();
+  ASSERT_TRUE(cluster->WaitForHook(rank0, "before_sample", absl::Seconds(60)).ok());
+  auto finished = cluster->WaitFor(
+      job->job_id(),
+      [](const v1::Job& j) {
+        return j.members_size() == 3 && !j.members(1).parameter_checksum().empty() &&
+               !j.members(2).parameter_checksum().empty();
+      },
+      absl::Seconds(30));
+  ASSERT_TRUE(finished.ok()) << finished.status();
+  const std::string victim = finished->members(1).worker_name();
+  cluster->worker(victim)->Signal(SIGKILL);
+  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(60));
+  ASSERT_TRUE(done.ok()) << done.status();
+  ExpectSucceeded(*cluster, *done, 30);
+  ASSERT_EQ(done->members_size(), 2);
+  for (const v1::Member& m : done->members()) {
+    EXPECT_NE(m.worker_name(), victim);
+    EXPECT_EQ(m.parameter_checksum(), undisturbed->members(0).parameter_checksum())
+        << m.worker_name();
+  }
+  ASSERT_EQ(done->recovery_history_size(), 1);
+  EXPECT_EQ(done->recovery_history(0).steps_redone(), 0);
+  EXPECT_TRUE(done->has_sample()) << "the re-formed rank 0 wrote it";
+}
+
 }  // namespace
 }  // namespace lockstep

@@ -407,5 +407,35 @@ TEST(TrustTest, JobPathsStayInsideTheAllowedDirectories) {
   std::filesystem::remove_all(dir);
 }
 
+// A cancelled job stops its worker's data loading at once: the worker is held just before the
+// load (test hook), the job is cancelled there, and the load gives up at its first check
+// instead of building the whole data set; the next job gets the worker.
+TEST(TrustTest, CancelStopsDataLoading) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorker("w0", {"--test_hooks=before_loading"}).ok());
+  v1::JobSpec big = testing::SyntheticJob(1, 1, 10);
+  big.mutable_dataset()->mutable_synthetic()->set_train_samples(500'000);
+  big.mutable_dataset()->mutable_synthetic()->set_input_dim(256);
+  auto job = cluster->Submit(big);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(cluster->WaitForHook("w0", "before_loading", absl::Seconds(60)).ok());
+  {
+    grpc::ClientContext context;
+    v1::CancelJobRequest cancel;
+    cancel.set_job_id(job->job_id());
+    v1::Job cancelled;
+    ASSERT_TRUE(cluster->jobs().CancelJob(&context, cancel, &cancelled).ok());
+  }
+  auto next = cluster->Submit(testing::SyntheticJob(1, 1, 10));
+  ASSERT_TRUE(next.ok()) << next.status();
+  auto done = cluster->WaitForEnd(next->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(done.ok()) << cluster->Logs();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason();
+  EXPECT_NE(cluster->Logs().find("the job ended while its data set was loading"), std::string::npos)
+      << cluster->Logs();
+}
+
 }  // namespace
 }  // namespace lockstep

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -319,6 +320,40 @@ TEST(SyntheticDatasetTest, SameSeedSameDataAndAllClassesAppear) {
   for (int c : counts) EXPECT_GT(c, 100);
   spec.set_seed(5);
   EXPECT_NE(MakeSyntheticDataset(spec).train.x, a.train.x);
+}
+
+// A job that ended stops its workers' loading: the flag is watched inside the loops, and a
+// stopped load leaves nothing behind that a later load would serve.
+TEST(DatasetStopTest, LoadingStopsWhenTheFlagIsSet) {
+  v1::SyntheticDatasetSpec big;
+  big.set_train_samples(4'000'000);
+  big.set_test_samples(1000);
+  big.set_input_dim(16);
+  big.set_num_classes(3);
+  std::atomic<bool> stop{false};
+  std::thread stopper([&] { stop.store(true); });
+  absl::StatusOr<Dataset> stopped = MakeSyntheticDataset(big, &stop);
+  stopper.join();
+  EXPECT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
+
+  v1::DatasetSpec spec;
+  spec.set_type("synthetic");
+  spec.mutable_synthetic()->set_train_samples(500);
+  spec.mutable_synthetic()->set_test_samples(50);
+  spec.mutable_synthetic()->set_input_dim(4);
+  spec.mutable_synthetic()->set_num_classes(2);
+  spec.mutable_synthetic()->set_seed(77);
+  EXPECT_EQ(LoadDataset(spec, &stop).status().code(), absl::StatusCode::kCancelled);
+  absl::StatusOr<std::shared_ptr<const Dataset>> loaded = LoadDataset(spec);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->train.samples, 500);
+
+  const std::string dir = ::testing::TempDir() + "/stop-text";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  for (const char* name : {"a.txt", "b.txt"}) std::ofstream(dir + "/" + name) << "some text\n";
+  EXPECT_EQ(LoadTextDataset(dir, 0.2, &stop).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(LoadTextDataset(dir, 0.2).ok());
 }
 
 }  // namespace

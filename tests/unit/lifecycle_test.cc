@@ -52,7 +52,9 @@ Event Tick(absl::Duration after) {
 
 std::string Describe(const LifecycleActions& a) {
   std::vector<std::string> parts;
-  for (const auto& x : a.abort) parts.push_back(absl::StrCat("abort #", x.run));
+  for (const auto& x : a.abort) {
+    parts.push_back(absl::StrCat("abort #", x.run, x.job_ended ? " (job ended)" : ""));
+  }
   if (a.drop_kept_state) parts.push_back("drop kept");
   if (a.keep_state_of.has_value()) parts.push_back(absl::StrCat("keep #", *a.keep_state_of));
   for (const auto& s : a.start) {
@@ -187,7 +189,12 @@ INSTANTIATE_TEST_SUITE_P(
              {"start #1 job-1/1 fresh", "abort #1", "keep #1", "drop kept"}},
         Case{"AJobThatEndsWhileRunningKeepsNothing",
              {Assign("job-1", 1), JobEnded("job-1"), Ended(1, K::kStopped)},
-             {"start #1 job-1/1 fresh", "abort #1", "nothing"}},
+             {"start #1 job-1/1 fresh", "abort #1 (job ended)", "nothing"}},
+        // A run already stopping (still loading its data) hears that the job ended: it may
+        // stop loading too.
+        Case{"AStoppingRunHearsThatItsJobEnded",
+             {Assign("job-1", 1), Abort("job-1", 1), JobEnded("job-1"), Ended(1, K::kStopped)},
+             {"start #1 job-1/1 fresh", "abort #1", "abort #1 (job ended)", "nothing"}},
         // Rule 6.
         Case{"TheSessionEndingAbortsEveryRunAndKeepsTheirState",
              {Assign("job-1", 1), SessionEnded(), Ended(1, K::kStopped), Assign("job-1", 2)},

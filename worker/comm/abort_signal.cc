@@ -10,6 +10,11 @@ void AbortSignal::Raise() {
   callbacks_.clear();
 }
 
+void AbortSignal::RaiseJobEnded() {
+  job_ended_.store(true, std::memory_order_release);
+  Raise();
+}
+
 AbortSignal::Subscription AbortSignal::OnRaise(std::function<void()> fn) {
   absl::MutexLock lock(&mu_);
   if (raised_.load(std::memory_order_acquire)) {

@@ -27,6 +27,10 @@ class AbortSignal {
   bool raised() const { return raised_.load(std::memory_order_acquire); }
   // For code that polls a flag (the training loop between steps, NCCL's init poll).
   const std::atomic<bool>& flag() const { return raised_; }
+  // Raise, saying that the job itself is over, not only this generation: work that the job's
+  // next generation would have reused (loading its data) may stop too.
+  void RaiseJobEnded() ABSL_LOCKS_EXCLUDED(mu_);
+  const std::atomic<bool>& job_ended() const { return job_ended_; }
 
   // While the returned subscription lives, `fn` runs once when the signal is raised (at once,
   // on this thread, if it already is). `fn` must be quick and must not subscribe or raise.
@@ -52,6 +56,7 @@ class AbortSignal {
   void Unsubscribe(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::atomic<bool> raised_{false};
+  std::atomic<bool> job_ended_{false};
   absl::Mutex mu_;  // held while callbacks run, so Unsubscribe waits for a running one
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::function<void()>> callbacks_ ABSL_GUARDED_BY(mu_);

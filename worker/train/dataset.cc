@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
@@ -33,8 +34,11 @@
 namespace lockstep::worker {
 namespace {
 
+bool Stopped(StopFlag stop) { return stop != nullptr && stop->load(std::memory_order_relaxed); }
+absl::Status StoppedError() { return absl::CancelledError("loading stopped: the job has ended"); }
+
 // Reads a whole (possibly gzipped; zlib passes plain files through) file.
-absl::StatusOr<std::string> ReadMaybeGzip(const std::string& path) {
+absl::StatusOr<std::string> ReadMaybeGzip(const std::string& path, StopFlag stop) {
   gzFile f = gzopen(path.c_str(), "rb");
   if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   gzbuffer(f, 1 << 20);
@@ -50,6 +54,10 @@ absl::StatusOr<std::string> ReadMaybeGzip(const std::string& path) {
     }
     if (n == 0) break;
     data.append(buf, static_cast<size_t>(n));
+    if (Stopped(stop)) {
+      gzclose(f);
+      return StoppedError();
+    }
   }
   gzclose(f);
   return data;
@@ -113,9 +121,9 @@ struct RawSplit {
 };
 
 absl::StatusOr<RawSplit> ReadSplit(const std::string& images_path,
-                                   const std::string& labels_path, int32_t* dim) {
-  LOCKSTEP_ASSIGN_OR_RETURN(std::string images, ReadMaybeGzip(images_path));
-  LOCKSTEP_ASSIGN_OR_RETURN(std::string labels, ReadMaybeGzip(labels_path));
+                                   const std::string& labels_path, int32_t* dim, StopFlag stop) {
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string images, ReadMaybeGzip(images_path, stop));
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string labels, ReadMaybeGzip(labels_path, stop));
   size_t image_offset = 0, label_offset = 0;
   LOCKSTEP_ASSIGN_OR_RETURN(std::vector<uint32_t> image_shape,
                             ParseIdxHeader(images_path, images, 3, &image_offset));
@@ -192,14 +200,14 @@ Dataset FromLayout(const CacheHeader& h, const uint8_t* base,
   return ds;
 }
 
-absl::StatusOr<std::string> EncodeIdx(const std::string& dir, CacheHeader* h) {
+absl::StatusOr<std::string> EncodeIdx(const std::string& dir, CacheHeader* h, StopFlag stop) {
   int32_t dim = 0;
   LOCKSTEP_ASSIGN_OR_RETURN(std::string train_images, FindFile(dir, "train-images-idx3-ubyte"));
   LOCKSTEP_ASSIGN_OR_RETURN(std::string train_labels, FindFile(dir, "train-labels-idx1-ubyte"));
   LOCKSTEP_ASSIGN_OR_RETURN(std::string test_images, FindFile(dir, "t10k-images-idx3-ubyte"));
   LOCKSTEP_ASSIGN_OR_RETURN(std::string test_labels, FindFile(dir, "t10k-labels-idx1-ubyte"));
-  LOCKSTEP_ASSIGN_OR_RETURN(RawSplit train, ReadSplit(train_images, train_labels, &dim));
-  LOCKSTEP_ASSIGN_OR_RETURN(RawSplit test, ReadSplit(test_images, test_labels, &dim));
+  LOCKSTEP_ASSIGN_OR_RETURN(RawSplit train, ReadSplit(train_images, train_labels, &dim, stop));
+  LOCKSTEP_ASSIGN_OR_RETURN(RawSplit test, ReadSplit(test_images, test_labels, &dim, stop));
   std::memcpy(h->magic, kCacheMagic, sizeof(kCacheMagic));
   h->train_samples = train.samples;
   h->test_samples = test.samples;
@@ -326,11 +334,12 @@ Dataset FromIdxMapping(Mapping m) {
   return FromLayout(h, m.data, std::move(m.storage));
 }
 
-absl::StatusOr<Dataset> LoadThroughCache(const std::string& dir, const std::string& cache_dir) {
+absl::StatusOr<Dataset> LoadThroughCache(const std::string& dir, const std::string& cache_dir,
+                                         StopFlag stop) {
   LOCKSTEP_ASSIGN_OR_RETURN(std::string key, CacheKey(dir));
   LOCKSTEP_ASSIGN_OR_RETURN(Mapping m, ThroughCache(cache_dir, key + ".idx", IdxCacheValid, [&] {
                               CacheHeader h{};
-                              return EncodeIdx(dir, &h);
+                              return EncodeIdx(dir, &h, stop);
                             }));
   return FromIdxMapping(std::move(m));
 }
@@ -354,20 +363,21 @@ void Split::Range(int64_t begin, int count, int dim, float* out) const {
 
 void SetDatasetCacheDir(const std::string& dir) { CacheDir() = dir; }
 
-absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir) {
+absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir, StopFlag stop) {
   const std::string cache_dir = CacheDir();
   if (!cache_dir.empty()) {
-    absl::StatusOr<Dataset> cached = LoadThroughCache(dir, cache_dir);
+    absl::StatusOr<Dataset> cached = LoadThroughCache(dir, cache_dir, stop);
     // Data problems are final; cache problems (permissions, a full /dev/shm) fall back to
     // decoding privately.
     if (cached.ok()) cached->source = dir;
-    if (cached.ok() || absl::IsNotFound(cached.status()) || absl::IsDataLoss(cached.status())) {
+    if (cached.ok() || absl::IsNotFound(cached.status()) || absl::IsDataLoss(cached.status()) ||
+        absl::IsCancelled(cached.status())) {
       return cached;
     }
     LOG(WARNING) << "dataset cache unavailable (" << cached.status() << "); decoding " << dir;
   }
   CacheHeader h{};
-  LOCKSTEP_ASSIGN_OR_RETURN(std::string encoded, EncodeIdx(dir, &h));
+  LOCKSTEP_ASSIGN_OR_RETURN(std::string encoded, EncodeIdx(dir, &h, stop));
   auto storage = std::make_shared<const std::string>(std::move(encoded));
   const auto* base = reinterpret_cast<const uint8_t*>(storage->data());
   Dataset ds = FromLayout(h, base, storage);
@@ -376,6 +386,10 @@ absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir) {
 }
 
 Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec) {
+  return MakeSyntheticDataset(spec, nullptr).value();
+}
+
+absl::StatusOr<Dataset> MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec, StopFlag stop) {
   // Teacher: logits = W2 * tanh(W1 x), hidden width 32. Non-linear, so depth helps, but
   // smooth enough that a small MLP learns it well within a few hundred steps.
   constexpr int kHidden = 32;
@@ -394,6 +408,7 @@ Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec) {
     split.y.resize(n);
     std::vector<float> h(kHidden), logits(classes);
     for (int64_t i = 0; i < n; ++i) {
+      if (i % 1024 == 0 && Stopped(stop)) return std::optional<Split>();
       float* x = &split.x[static_cast<size_t>(i) * dim];
       for (int32_t j = 0; j < dim; ++j) x[j] = static_cast<float>(rng.Normal());
       for (int k = 0; k < kHidden; ++k) {
@@ -410,13 +425,17 @@ Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec) {
       }
       split.y[i] = best;
     }
-    return split;
+    return std::optional<Split>(std::move(split));
   };
   Dataset ds;
   ds.dim = dim;
   ds.classes = classes;
-  ds.train = make_split(spec.train_samples());
-  ds.test = make_split(spec.test_samples());
+  std::optional<Split> train = make_split(spec.train_samples());
+  if (!train.has_value()) return StoppedError();
+  std::optional<Split> test = make_split(spec.test_samples());
+  if (!test.has_value()) return StoppedError();
+  ds.train = *std::move(train);
+  ds.test = *std::move(test);
   XXH3_state_t* state = XXH3_createState();
   XXH3_64bits_reset(state);
   for (const Split* split : {&ds.train, &ds.test}) {
@@ -496,11 +515,12 @@ absl::StatusOr<TextSource> ListTextSource(const std::string& path) {
 
 // The source's text files concatenated behind a TextCacheHeader; the files that are not text
 // are left out and named in `skipped`.
-absl::StatusOr<std::string> ConcatenateText(TextSource* source) {
+absl::StatusOr<std::string> ConcatenateText(TextSource* source, StopFlag stop) {
   std::string out(sizeof(TextCacheHeader), '\0');
   TextCacheHeader h{};
   std::memcpy(h.magic, kTextCacheMagic, sizeof(h.magic));
   for (const std::string& file : source->files) {
+    if (Stopped(stop)) return StoppedError();
     std::ifstream in(file, std::ios::binary);
     std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (!in.good() && !in.eof()) return absl::DataLossError(absl::StrCat("cannot read ", file));
@@ -593,7 +613,8 @@ absl::StatusOr<TokenSplit> MapTokenFile(const std::string& path, std::shared_ptr
 
 }  // namespace
 
-absl::StatusOr<Dataset> LoadTextDataset(const std::string& path, double validation_fraction) {
+absl::StatusOr<Dataset> LoadTextDataset(const std::string& path, double validation_fraction,
+                                        StopFlag stop) {
   if (!(validation_fraction > 0 && validation_fraction < 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "dataset.validation_fraction must be in (0, 1), got ", validation_fraction));
@@ -618,7 +639,7 @@ absl::StatusOr<Dataset> LoadTextDataset(const std::string& path, double validati
     bool built_here = false;
     auto build = [&]() {
       built_here = true;
-      return ConcatenateText(&source);
+      return ConcatenateText(&source, stop);
     };
     absl::StatusOr<Mapping> mapped = absl::UnavailableError("no cache");
     if (!CacheDir().empty()) {
@@ -699,7 +720,8 @@ absl::StatusOr<Dataset> LoadTokenDataset(const std::string& train_path,
   return ds;
 }
 
-absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec& spec) {
+absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec& spec,
+                                                           StopFlag stop) {
   static absl::Mutex mu(absl::kConstInit);
   // One entry: a worker trains one job at a time, usually on the same data again.
   static std::string* cached_key = new std::string;
@@ -725,14 +747,16 @@ absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec
   if (*cached != nullptr && *cached_key == key) return *cached;
   std::shared_ptr<Dataset> ds;
   if (spec.type() == "synthetic") {
-    ds = std::make_shared<Dataset>(MakeSyntheticDataset(spec.synthetic()));
+    absl::StatusOr<Dataset> made = MakeSyntheticDataset(spec.synthetic(), stop);
+    if (!made.ok()) return made.status();
+    ds = std::make_shared<Dataset>(*std::move(made));
   } else if (spec.type() == "idx" || spec.type() == "fashion_mnist") {
-    absl::StatusOr<Dataset> loaded = LoadIdxDataset(spec.path());
+    absl::StatusOr<Dataset> loaded = LoadIdxDataset(spec.path(), stop);
     if (!loaded.ok()) return loaded.status();
     ds = std::make_shared<Dataset>(*std::move(loaded));
   } else if (spec.type() == "text") {
     absl::StatusOr<Dataset> loaded = LoadTextDataset(
-        spec.path(), spec.validation_fraction() > 0 ? spec.validation_fraction() : 0.05);
+        spec.path(), spec.validation_fraction() > 0 ? spec.validation_fraction() : 0.05, stop);
     if (!loaded.ok()) return loaded.status();
     ds = std::make_shared<Dataset>(*std::move(loaded));
   } else if (spec.type() == "tokens") {

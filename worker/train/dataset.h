@@ -2,6 +2,7 @@
 // synthetic generator. Features are float32 in row-major [samples x dim].
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -76,21 +77,27 @@ struct Dataset {
 // another change time).
 void SetDatasetCacheDir(const std::string& dir);
 
+// Loading watches this flag (when given) and gives up with CANCELLED once it is set: a job that
+// ended (cancelled, failed) stops its workers' loading at once.
+using StopFlag = const std::atomic<bool>*;
+
 // Reads train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and
 // t10k-labels-idx1-ubyte (each with or without .gz) from `dir`, through the cache when one is
 // set: the first worker of a host decodes, the others wait for it and map its result.
 // NOT_FOUND names the missing file; DATA_LOSS names the file and what is wrong with it.
-absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir);
+absl::StatusOr<Dataset> LoadIdxDataset(const std::string& dir, StopFlag stop = nullptr);
 
 // Samples x ~ N(0, 1) and labels them with a fixed random teacher network, so the task is
 // learnable and the same seed gives the same data on every worker.
 Dataset MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec);
+absl::StatusOr<Dataset> MakeSyntheticDataset(const v1::SyntheticDatasetSpec& spec, StopFlag stop);
 
 // Byte-level text: `path` is a file, or a directory of text files (read in name order; files
 // that are not UTF-8 text, or hold a NUL byte, are skipped with a logged reason); the last
 // `validation_fraction` of the bytes is held out. NOT_FOUND names a missing path;
 // FAILED_PRECONDITION a directory with no text in it.
-absl::StatusOr<Dataset> LoadTextDataset(const std::string& path, double validation_fraction);
+absl::StatusOr<Dataset> LoadTextDataset(const std::string& path, double validation_fraction,
+                                        StopFlag stop = nullptr);
 // Token files (see DatasetSpec.path): mapped, not copied, so the workers of a host share one copy
 // in the page cache. DATA_LOSS names the file and what is wrong (a bad magic or version, a
 // header whose token count disagrees with the size, an odd length).
@@ -100,6 +107,7 @@ absl::StatusOr<Dataset> LoadTokenDataset(const std::string& train_path,
 // Loads the data set a job names, sharing one copy between jobs of this process that name the
 // same data (workers are long-lived and usually train the same data again): the copy is reused
 // only while the files' identity is unchanged. Thread-safe.
-absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec& spec);
+absl::StatusOr<std::shared_ptr<const Dataset>> LoadDataset(const v1::DatasetSpec& spec,
+                                                           StopFlag stop = nullptr);
 
 }  // namespace lockstep::worker
