@@ -9,6 +9,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/client_interceptor.h"
+#include "grpcpp/support/server_interceptor.h"
 
 namespace lockstep {
 namespace {
@@ -42,6 +43,38 @@ class AuthInterceptorFactory final : public grpc::experimental::ClientIntercepto
 
  private:
   const ClientAuth auth_;
+};
+
+// See MalformedRequestInterceptorFactory.
+class MalformedRequestInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit MalformedRequestInterceptor(std::string method) : method_(std::move(method)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status status = methods->GetSendStatus();
+      if (status.error_code() == grpc::StatusCode::INTERNAL && status.error_message().empty()) {
+        methods->ModifySendStatus(grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            "the request to " + method_ +
+                " does not parse: a string field holds bytes that are not UTF-8 (send text as "
+                "UTF-8), or the message is malformed"));
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string method_;
+};
+
+class MalformedRequestFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new MalformedRequestInterceptor(info->method() != nullptr ? info->method() : "?");
+  }
 };
 
 }  // namespace
@@ -80,6 +113,11 @@ void ConfigureServer(grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
+}
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
+MalformedRequestInterceptorFactory() {
+  return std::make_unique<MalformedRequestFactory>();
 }
 
 }  // namespace lockstep

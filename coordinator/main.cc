@@ -239,11 +239,10 @@ int main(int argc, char** argv) {
   builder.RegisterService(&jobs);
   builder.RegisterService(&workers);
   builder.RegisterService(&store);
-  if (metrics != nullptr) {
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back(metrics->InterceptorFactory());
-    builder.experimental().SetInterceptorCreators(std::move(creators));
-  }
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(lockstep::MalformedRequestInterceptorFactory());
+  if (metrics != nullptr) creators.push_back(metrics->InterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     LOG(ERROR) << "cannot listen on " << absl::GetFlag(FLAGS_listen)

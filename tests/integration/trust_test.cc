@@ -201,6 +201,17 @@ TEST(TrustTest, OversizedAndMalformedInputIsRefusedNamingTheField) {
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(refused.status().message().find(field), std::string::npos) << refused.status();
   }
+  // Bytes that are not UTF-8 in a string field: the request does not parse, and the answer
+  // says so (gRPC alone would answer INTERNAL with no message).
+  {
+    v1::JobSpec spec = testing::SyntheticJob(1, 1, 10);
+    spec.set_name("caf\xe9");
+    auto refused = cluster->Submit(spec);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_NE(refused.status().message().find("not UTF-8"), std::string::npos) << refused.status();
+    EXPECT_NE(refused.status().message().find("SubmitJob"), std::string::npos) << refused.status();
+  }
   // A worker name with a newline or too long: the session is refused with the reason.
   for (const std::string& name : {std::string("w0\nforged"), std::string(100, 'w')}) {
     FakeWorker bad(cluster->address(), name);
