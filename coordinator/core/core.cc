@@ -946,16 +946,9 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
     if (!others_left) {
       // Nobody left who could train on: every member of the generation said the same, or the
       // job had this one member.
-      std::vector<std::string> earlier;
-      for (const std::string& r : job.fatal_reports) {
-        if (r != reason) earlier.push_back(r);
-      }
-      return FinishJob(job, v1::JOB_STATE_FAILED,
-                       earlier.empty() ? reason
-                                       : absl::StrCat(reason, " (before it, ",
-                                                      absl::StrJoin(earlier, "; "), ")"),
-                       now, out);
+      return FinishJob(job, v1::JOB_STATE_FAILED, FatalReason(job, reason), now, out);
     }
+    job.reforming_after_fatal = true;
     // The reporter dropped its run: free it for other jobs (never this one again).
     if (Worker* w = FindWorker(worker_id); w != nullptr && w->job_id == job.job.job_id()) {
       if (w->state == WorkerState::kBusy) w->state = WorkerState::kIdle;
@@ -1063,6 +1056,15 @@ void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool 
   AddEvent(job, v1::JobEvent::STATE, job.job.reason(), now, out);
 }
 
+std::string Core::FatalReason(const JobRecord& job, const std::string& last) const {
+  std::vector<std::string> earlier;
+  for (const std::string& r : job.fatal_reports) {
+    if (r != last) earlier.push_back(r);
+  }
+  return earlier.empty() ? last
+                         : absl::StrCat(last, " (before it, ", absl::StrJoin(earlier, "; "), ")");
+}
+
 void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
   if (now < job.reform_after) return;
   const v1::JobSpec& spec = job.job.spec();
@@ -1078,6 +1080,24 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
                       std::min<size_t>(survivors.size(), spec.max_workers());
   idle.resize(std::min(idle.size(), room));
   if (static_cast<int64_t>(survivors.size() + idle.size()) < spec.min_workers()) {
+    if (job.reforming_after_fatal) {
+      // Without the workers that reported a fatal error the job could not re-form even once
+      // every other worker of its device is free: it fails with their reports, instead of
+      // waiting for workers that do not exist.
+      int64_t could = 0;
+      for (const auto& [id, w] : workers_) {
+        could += w.state != WorkerState::kLost && job.excluded.count(id) == 0 &&
+                 (spec.device().empty() || DeviceKind(w.info.device()) == spec.device());
+      }
+      if (could < spec.min_workers()) {
+        return FinishJob(job, v1::JOB_STATE_FAILED,
+                         absl::StrCat(FatalReason(job, job.fatal_reports.back()),
+                                      "; without it the job cannot re-form (min_workers ",
+                                      spec.min_workers(), ", ", could, " other worker",
+                                      could == 1 ? "" : "s", " of its device)"),
+                         now, out);
+      }
+    }
     std::string reason =
         absl::StrCat("waiting for ", spec.min_workers(), " workers to re-form (", survivors.size(),
                      " survivor", survivors.size() == 1 ? "" : "s", ", ", idle.size(), " idle)");
@@ -1087,6 +1107,7 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
     }
     return;
   }
+  job.reforming_after_fatal = false;
   StartGeneration(job, AssignRanks(survivors, std::move(idle)), now, out);
   if (job.open_recovery >= 0) {
     v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);

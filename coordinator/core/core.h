@@ -214,6 +214,8 @@ class Core {
     // reason when nobody is left.
     std::set<std::string> excluded;
     std::vector<std::string> fatal_reports;
+    // RECONFIGURING because of a fatal report: fails when the rest cannot re-form (TryReform).
+    bool reforming_after_fatal = false;
   };
 
   // RESOURCE_EXHAUSTED with the numbers when every registered worker reports less free memory
@@ -249,6 +251,8 @@ class Core {
                             Decisions* out);
   // Forms the next generation when enough workers are available.
   void TryReform(JobRecord& job, absl::Time now, Decisions* out);
+  // A job's reason after fatal reports: `last`, then the earlier reports.
+  std::string FatalReason(const JobRecord& job, const std::string& last) const;
   // Idle workers of `device` ("cpu", "cuda"; empty: any) in registration order; with
   // `memory_needed`, only those that report at least that much free memory (or report none:
   // 0 means unknown); with `job`, not the workers it excluded.

@@ -345,6 +345,32 @@ TEST_F(CoreTest, ALoneFatalReportRemovesItsReporterAndTheJobTrainsOn) {
   EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING);
 }
 
+// A fatal report that leaves too few workers to re-form (every other worker counted, busy or
+// not) fails the job with the report, instead of waiting for workers that do not exist.
+TEST_F(CoreTest, AFatalReportThatLeavesTooFewWorkersFailsTheJob) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  v1::FailureReport f;
+  f.set_job_id(job);
+  f.set_generation(1);
+  f.set_message("init_from_checkpoint: no checkpoint of this model");
+  f.set_fatal(true);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFailure(w0, f, now_, &d).ok());
+  Collect(d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  now_ += absl::Seconds(3);
+  Tick();
+  const v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(j.reason().find("worker w0 (" + w0 + ") reported: init_from_checkpoint"),
+            std::string::npos)
+      << j.reason();
+  EXPECT_NE(j.reason().find("cannot re-form (min_workers 2, 1 other worker"), std::string::npos)
+      << j.reason();
+}
+
 TEST_F(CoreTest, FatalReportsFromEveryMemberFailTheJobNamingThem) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
   const std::string job = Submit(Spec(2, 2));
