@@ -131,7 +131,11 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
     const v1::Assignment& a = run->assignment;
     LOG(INFO) << "assigned " << a.job_id() << " generation " << a.generation() << " rank "
               << a.rank() << "/" << a.world_size() << " ("
-              << absl::StrJoin(a.member_names(), ", ") << ")"
+              << absl::StrJoin(a.member_names(), ", ")
+              << (a.member_names_size() < a.world_size()
+                      ? absl::StrCat(", ... ", a.world_size(), " members")
+                      : std::string())
+              << ")"
               << (state != nullptr ? absl::StrCat(", with its state of step ",
                                                   state->completed_step())
                                    : std::string());

@@ -231,7 +231,8 @@ void Core::ObserveTime(absl::Time now) {
   for (auto& [id, w] : workers_) {
     if (w.state != WorkerState::kLost) w.last_heartbeat = std::min(now, w.last_heartbeat + credit);
   }
-  for (auto& [id, job] : jobs_) {
+  for (const std::string& id : live_) {
+    JobRecord& job = jobs_.at(id);
     if (job.last_advance != absl::InfinitePast()) {
       job.last_advance = std::min(now, job.last_advance + credit);
     }
@@ -560,6 +561,7 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
   pending_.push_back(id);
   order_.push_back(id);
+  live_.push_back(id);
   AddEvent(job, v1::JobEvent::STATE, "submitted", now, out);
   Schedule(now, out);
   return job.job;
@@ -596,6 +598,7 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
     order_.push_back(id);
     if (IsTerminal(job.job.state())) continue;
+    live_.push_back(id);
     ++resuming;
     if (job.job.state() == v1::JOB_STATE_PENDING) {
       pending_.push_back(id);
@@ -742,7 +745,9 @@ void Core::Tick(absl::Time now, Decisions* out) {
                      now, out);
     }
   }
-  for (auto& [id, job] : jobs_) {
+  const std::vector<std::string> live = live_;  // a job that ends here prunes live_
+  for (const std::string& id : live) {
+    JobRecord& job = jobs_.at(id);
     const v1::JobSpec& spec = job.job.spec();
     if (job.job.state() == v1::JOB_STATE_RUNNING) {
       const absl::Duration step_timeout = absl::Milliseconds(spec.step_timeout_ms());
@@ -794,8 +799,16 @@ std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t 
 }
 
 void Core::Schedule(absl::Time now, Decisions* out) {
-  // 1. Jobs that lost members come first: they hold state and committed steps.
-  for (const std::string& id : order_) {
+  // What follows costs the jobs still live, never the ones that ended.
+  live_.erase(std::remove_if(live_.begin(), live_.end(),
+                             [&](const std::string& id) {
+                               return IsTerminal(jobs_.at(id).job.state());
+                             }),
+              live_.end());
+  // 1. Jobs that lost members come first: they hold state and committed steps. (A copy: a job
+  // that fails while re-forming schedules again, which prunes live_.)
+  const std::vector<std::string> live = live_;
+  for (const std::string& id : live) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() == v1::JOB_STATE_RECONFIGURING) TryReform(job, now, out);
   }
@@ -824,6 +837,15 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         job.job.set_reason(reason);
         out->changed_jobs.insert(job.job.job_id());
       }
+      // The jobs behind it say what they wait for.
+      const std::string behind = absl::StrCat("queued behind ", job.job.job_id(), ", which is ", reason);
+      for (size_t i = 1; i < pending_.size(); ++i) {
+        v1::Job& queued = jobs_.at(pending_[i]).job;
+        if (queued.reason() != behind) {
+          queued.set_reason(behind);
+          out->changed_jobs.insert(queued.job_id());
+        }
+      }
       return;  // nothing below may overtake the head job
     }
     idle.resize(std::min<size_t>(idle.size(), spec.max_workers()));
@@ -832,7 +854,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
   }
   // 3. Spares: a running job below max_workers grows onto idle workers, once its current
   // generation has completed a step (so every re-formation is followed by progress).
-  for (const std::string& id : order_) {
+  for (const std::string& id : live) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() != v1::JOB_STATE_RUNNING || !job.first_report_of_generation_seen ||
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers()) {
@@ -885,7 +907,10 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     a->set_rank(static_cast<int32_t>(rank));
     a->set_world_size(static_cast<int32_t>(worker_ids.size()));
     *a->mutable_spec() = job.job.spec();
-    for (const std::string& n : names) a->add_member_names(n);
+    // The names are for logs and errors: a bounded few, so N assignments stay O(N) in all.
+    for (size_t i = 0; i < names.size() && i < kMaxAssignmentNames; ++i) {
+      a->add_member_names(names[i]);
+    }
     a->set_start_step(job.job.step() + 1);
     a->set_source_rank(-1);
     out->messages.push_back(std::move(msg));
@@ -1175,10 +1200,40 @@ void Core::AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& 
   event.set_time_unix_ms(UnixMs(now));
   event.set_message(message);
   event.set_sequence(job.next_sequence++);
-  *event.mutable_job() = job.job;
+  if (IsTerminal(job.job.state())) {
+    *event.mutable_job() = job.job;  // the result, whole: once per job
+  } else {
+    SnapshotForEvent(job.job, event.mutable_job());
+  }
   job.events.push_back(std::move(event));
   while (job.events.size() > options_.max_events_per_job) job.events.pop_front();
   out->changed_jobs.insert(job.job.job_id());
+}
+
+void Core::SnapshotForEvent(v1::Job& job, v1::Job* snapshot) {
+  // What grows with the members, the restarts or the evaluations is set aside while the rest
+  // is copied (and put back), so an event costs the same whatever the job's size.
+  v1::JobSpec spec;
+  google::protobuf::RepeatedPtrField<v1::Member> members;
+  google::protobuf::RepeatedPtrField<v1::Recovery> recoveries;
+  google::protobuf::RepeatedPtrField<v1::ValidationPoint> validations;
+  google::protobuf::RepeatedPtrField<v1::Generation> generations;
+  v1::Sample sample;
+  spec.Swap(job.mutable_spec());
+  members.Swap(job.mutable_members());
+  recoveries.Swap(job.mutable_recovery_history());
+  validations.Swap(job.mutable_validation_history());
+  generations.Swap(job.mutable_generations());
+  sample.Swap(job.mutable_sample());
+  *snapshot = job;
+  snapshot->mutable_spec()->set_name(spec.name());
+  if (!validations.empty()) *snapshot->add_validation_history() = *validations.rbegin();
+  spec.Swap(job.mutable_spec());
+  members.Swap(job.mutable_members());
+  recoveries.Swap(job.mutable_recovery_history());
+  validations.Swap(job.mutable_validation_history());
+  generations.Swap(job.mutable_generations());
+  sample.Swap(job.mutable_sample());
 }
 
 void Core::PruneLostWorkers() {

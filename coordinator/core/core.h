@@ -82,6 +82,8 @@ class Core {
  public:
   // Generations kept in a job's timeline (Job.generations); older ones are dropped.
   static constexpr int kMaxGenerations = 256;
+  // Member names an assignment carries (for logs and errors; ranks beyond go by number).
+  static constexpr size_t kMaxAssignmentNames = 64;
   // ListJobs pages: the default and largest job counts, and the bytes a page stays under.
   static constexpr int kDefaultJobsPerPage = 100;
   static constexpr int kMaxJobsPerPage = 1000;
@@ -251,6 +253,10 @@ class Core {
                             Decisions* out);
   // Forms the next generation when enough workers are available.
   void TryReform(JobRecord& job, absl::Time now, Decisions* out);
+  // The job as an event records it (JobEvent.job): everything but what grows with its size
+  // (spec but its name, members, recoveries, generations, sample; the latest validation only).
+  // `job` is only borrowed: it is the same again on return.
+  static void SnapshotForEvent(v1::Job& job, v1::Job* snapshot);
   // A job's reason after fatal reports: `last`, then the earlier reports.
   std::string FatalReason(const JobRecord& job, const std::string& last) const;
   // Idle workers of `device` ("cpu", "cuda"; empty: any) in registration order; with
@@ -295,6 +301,7 @@ class Core {
   std::map<std::string, JobRecord> jobs_;  // by job id
   std::vector<std::string> pending_;       // FIFO of pending job ids
   std::vector<std::string> order_;         // every job id in submission order
+  std::vector<std::string> live_;          // the ones not ended (pruned by Schedule), in order
 };
 
 }  // namespace lockstep::coordinator

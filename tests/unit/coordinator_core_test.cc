@@ -457,6 +457,55 @@ TEST_F(CoreTest, ListJobsPagesNewestFirst) {
   }
 }
 
+// Memory per job stays linear in its workers: an event records the job without its members
+// and spec (only the event that ends the job carries the whole job), and an assignment names a
+// bounded few members, so N assignments are O(N) in all.
+TEST_F(CoreTest, EventsAndAssignmentsDoNotGrowWithTheMembers) {
+  constexpr int kWorkers = 100;
+  std::vector<std::string> ids;
+  for (int i = 0; i < kWorkers; ++i) ids.push_back(Register("w" + std::to_string(i)));
+  v1::JobSpec spec = Spec(kWorkers, kWorkers);
+  spec.set_name("wide");
+  spec.set_micro_shards(kWorkers);
+  spec.set_global_batch_size(kWorkers * 2);
+  const std::string job = Submit(spec);
+  auto assigned = TakeAssignments();
+  ASSERT_EQ(assigned.size(), static_cast<size_t>(kWorkers));
+  for (const auto& [worker, a] : assigned) {
+    EXPECT_EQ(a.world_size(), kWorkers);
+    EXPECT_EQ(a.member_names_size(), static_cast<int>(Core::kMaxAssignmentNames));
+  }
+  for (int step = 1; step <= 20; ++step) {
+    now_ += absl::Seconds(1);
+    ASSERT_TRUE(Progress(ids[0], job, 1, step).ok());
+  }
+  for (const std::string& w : ids) ASSERT_TRUE(Finished(w, job, 1, "c0ffee").ok());
+  ASSERT_EQ(Job(job).state(), v1::JOB_STATE_SUCCEEDED);
+  auto events = core_.EventsSince(job, 0);
+  ASSERT_TRUE(events.ok());
+  ASSERT_GT(events->size(), 20u);
+  for (size_t i = 0; i + 1 < events->size(); ++i) {
+    const v1::Job& j = (*events)[i].job();
+    EXPECT_EQ(j.members_size(), 0) << (*events)[i].message();
+    EXPECT_FALSE(j.spec().has_model());
+    EXPECT_EQ(j.spec().name(), "wide");
+    EXPECT_LT(j.ByteSizeLong(), 512u) << (*events)[i].message();
+  }
+  EXPECT_EQ(events->back().job().state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(events->back().job().members_size(), kWorkers) << "the result, whole";
+  EXPECT_EQ(Job(job).members_size(), kWorkers) << "the job itself keeps everything";
+}
+
+// A job behind a head job that cannot start says what it waits for.
+TEST_F(CoreTest, JobsQueuedBehindTheHeadSayWhy) {
+  Register("w0");
+  const std::string big = Submit(Spec(4, 4));
+  const std::string small = Submit(Spec(1, 1));
+  EXPECT_NE(Job(big).reason().find("waiting for 4 idle"), std::string::npos) << Job(big).reason();
+  EXPECT_NE(Job(small).reason().find("queued behind " + big), std::string::npos)
+      << Job(small).reason();
+}
+
 TEST_F(CoreTest, HeartbeatSilenceLosesWorkerWithFakeClock) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
   v1::JobSpec spec = Spec(2, 2);
