@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -1212,28 +1213,27 @@ void Core::AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& 
 
 void Core::SnapshotForEvent(v1::Job& job, v1::Job* snapshot) {
   // What grows with the members, the restarts or the evaluations is set aside while the rest
-  // is copied (and put back), so an event costs the same whatever the job's size.
-  v1::JobSpec spec;
+  // is copied (and put back as it was, present or absent), so an event costs the same whatever
+  // the job's size.
+  std::unique_ptr<v1::JobSpec> spec(job.has_spec() ? job.release_spec() : nullptr);
+  std::unique_ptr<v1::Sample> sample(job.has_sample() ? job.release_sample() : nullptr);
   google::protobuf::RepeatedPtrField<v1::Member> members;
   google::protobuf::RepeatedPtrField<v1::Recovery> recoveries;
   google::protobuf::RepeatedPtrField<v1::ValidationPoint> validations;
   google::protobuf::RepeatedPtrField<v1::Generation> generations;
-  v1::Sample sample;
-  spec.Swap(job.mutable_spec());
   members.Swap(job.mutable_members());
   recoveries.Swap(job.mutable_recovery_history());
   validations.Swap(job.mutable_validation_history());
   generations.Swap(job.mutable_generations());
-  sample.Swap(job.mutable_sample());
   *snapshot = job;
-  snapshot->mutable_spec()->set_name(spec.name());
+  if (spec != nullptr) snapshot->mutable_spec()->set_name(spec->name());
   if (!validations.empty()) *snapshot->add_validation_history() = *validations.rbegin();
-  spec.Swap(job.mutable_spec());
   members.Swap(job.mutable_members());
   recoveries.Swap(job.mutable_recovery_history());
   validations.Swap(job.mutable_validation_history());
   generations.Swap(job.mutable_generations());
-  sample.Swap(job.mutable_sample());
+  if (spec != nullptr) job.set_allocated_spec(spec.release());
+  if (sample != nullptr) job.set_allocated_sample(sample.release());
 }
 
 void Core::PruneLostWorkers() {

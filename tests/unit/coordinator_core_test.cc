@@ -494,6 +494,8 @@ TEST_F(CoreTest, EventsAndAssignmentsDoNotGrowWithTheMembers) {
   EXPECT_EQ(events->back().job().state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(events->back().job().members_size(), kWorkers) << "the result, whole";
   EXPECT_EQ(Job(job).members_size(), kWorkers) << "the job itself keeps everything";
+  EXPECT_FALSE(Job(job).has_sample()) << "recording an event changes nothing of the job";
+  EXPECT_TRUE(Job(job).spec().has_model());
 }
 
 // A job behind a head job that cannot start says what it waits for.
