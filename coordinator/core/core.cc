@@ -981,14 +981,7 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
       w->job_id.clear();
       w->generation = 0;
     }
-    if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
-      job.members.erase(
-          std::remove_if(job.members.begin(), job.members.end(),
-                         [&](const MemberState& m) { return m.worker_id == worker_id; }),
-          job.members.end());
-      RefreshMembers(job);
-      return TryReform(job, now, out);
-    }
+    // From here on like the loss of the reporter.
   }
   // A member that reported Finished holds the final state (every rank applies the same last
   // step and evaluation), so a loss after that point needs no re-formation when every other
