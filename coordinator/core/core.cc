@@ -143,6 +143,12 @@ absl::Status Core::Heartbeat(const std::string& worker_id, absl::Time now) {
   return absl::OkStatus();
 }
 
+void Core::NoteHeartbeat(const std::string& worker_id, absl::Time at) {
+  Worker* worker = FindWorker(worker_id);
+  if (worker == nullptr || worker->state == WorkerState::kLost) return;
+  worker->last_heartbeat = std::max(worker->last_heartbeat, at);
+}
+
 const Core::JobRecord* Core::FencedJob(const std::string& job_id, int64_t generation,
                                        const std::string& worker_id, absl::Status* status) const {
   const Worker* worker = nullptr;

@@ -101,6 +101,10 @@ class Core {
                           Decisions* out);
   // NOT_FOUND for an unknown or lost worker (its session must end).
   absl::Status Heartbeat(const std::string& worker_id, absl::Time now);
+  // A heartbeat that arrived at `at` (the shell collects them between ticks): keeps the
+  // worker alive without counting as an input of its own; older than the last one changes
+  // nothing, and an unknown or lost worker is ignored.
+  void NoteHeartbeat(const std::string& worker_id, absl::Time at);
   // Member reports. ABORTED when (job, generation) is not the worker's current assignment (the
   // generation fence, Fence below): the shell answers with AbortMessage and the report changes
   // nothing.

@@ -217,7 +217,13 @@ absl::StatusOr<std::vector<v1::JobEvent>> Coordinator::WaitEvents(const std::str
 }
 
 void Coordinator::Tick() {
-  Call([](Core& core, absl::Time now, Decisions* d) {
+  Call([this](Core& core, absl::Time now, Decisions* d) {
+    mu_.AssertHeld();  // Call runs this under mu_
+    for (const auto& [worker_id, outbox] : sessions_) {
+      if (const absl::Time beat = outbox->last_beat(); beat != absl::InfinitePast()) {
+        core.NoteHeartbeat(worker_id, beat);
+      }
+    }
     core.Tick(now, d);
     return 0;
   });

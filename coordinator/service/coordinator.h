@@ -8,6 +8,7 @@
 // no gRPC write ever happens under mu_. The rest of the Decisions is applied after unlocking.
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <map>
@@ -38,8 +39,18 @@ class SessionOutbox {
   void Close(bool cancel = true);
   // Blocks until a message is queued or the outbox closed; false when closed and drained.
   bool Pop(v1::CoordinatorMessage* message);
+  // The worker's latest heartbeat, kept here without any lock: the tick hands it to the core
+  // (Coordinator::Tick), so heartbeats never wait for the core, and a core busy for a while
+  // (a large re-formation) still sees every beat that arrived meanwhile.
+  void Beat(absl::Time at) { beat_unix_ms_.store(absl::ToUnixMillis(at), std::memory_order_relaxed); }
+  // InfinitePast before the first.
+  absl::Time last_beat() const {
+    const int64_t ms = beat_unix_ms_.load(std::memory_order_relaxed);
+    return ms == 0 ? absl::InfinitePast() : absl::FromUnixMillis(ms);
+  }
 
  private:
+  std::atomic<int64_t> beat_unix_ms_{0};
   absl::Mutex mu_;
   std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
@@ -100,7 +111,10 @@ class Coordinator {
   absl::StatusOr<std::vector<v1::JobEvent>> WaitEvents(const std::string& job_id, int64_t from,
                                                        absl::Duration timeout, bool* finished);
 
+  // Hands the sessions' heartbeats to the core, then runs its timers.
   void Tick();
+  // A session's heartbeat: recorded on its outbox, no lock taken.
+  void Heartbeat(SessionOutbox& outbox) { outbox.Beat(clock_->Now()); }
   // The registry's workers and the clients turned away (ListWorkers).
   v1::ListWorkersResponse Workers();
   // Counts every job snapshot the coordinator saves from now on (call before serving).

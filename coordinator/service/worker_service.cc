@@ -71,9 +71,7 @@ grpc::Status WorkerServiceImpl::Session(
       int64_t generation = 0;
       switch (message.kind_case()) {
         case v1::WorkerMessage::kHeartbeat:
-          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions*) {
-            return core.Heartbeat(worker_id, now);
-          });
+          coordinator_->Heartbeat(*outbox);  // the next tick tells the core
           break;
         case v1::WorkerMessage::kProgress:
           job_id = message.progress().job_id();

@@ -508,6 +508,30 @@ TEST_F(CoreTest, JobsQueuedBehindTheHeadSayWhy) {
       << Job(small).reason();
 }
 
+// Heartbeats the shell collected between ticks (NoteHeartbeat) keep a worker alive like direct
+// ones; a late, older one never moves its clock back, and one for a lost worker is ignored.
+TEST_F(CoreTest, CollectedHeartbeatsKeepWorkersAlive) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  for (int i = 0; i < 20; ++i) {  // 10 s: w0 beats, w1 is silent
+    now_ += absl::Milliseconds(500);
+    core_.NoteHeartbeat(w0, now_ - absl::Milliseconds(100));
+    core_.NoteHeartbeat(w0, now_ - absl::Seconds(30));  // stale: changes nothing
+    Tick();
+  }
+  auto workers = core_.ListWorkers();
+  ASSERT_EQ(workers.size(), 2u);
+  for (const v1::WorkerInfo& w : workers) {
+    EXPECT_EQ(w.state(), w.name() == "w0" ? "idle" : "lost") << w.name();
+  }
+  core_.NoteHeartbeat(w1, now_);  // too late: lost stays lost
+  Tick();
+  for (const v1::WorkerInfo& w : core_.ListWorkers()) {
+    if (w.name() == "w1") {
+      EXPECT_EQ(w.state(), "lost");
+    }
+  }
+}
+
 TEST_F(CoreTest, HeartbeatSilenceLosesWorkerWithFakeClock) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
   v1::JobSpec spec = Spec(2, 2);
