@@ -1,8 +1,6 @@
 // The control plane under many workers: a load generator that plays N workers on the real API
-// (a Session stream each, exactly the messages lockstep-worker sends: register, then heartbeats
-// every 500 ms) against a coordinator it starts on loopback, submits one job for all of them,
-// and drops one stream. gRPC's callback API drives every stream from a few threads, so the
-// generator is not what limits N.
+// (bench/sim_workers.h) against a coordinator it starts on loopback, submits one job for all of
+// them, and drops one stream.
 //
 // Measured per N: the submit RPC, submit to every worker assigned, the drop to every survivor
 // aborted and to every survivor assigned the next generation, and the coordinator's CPU
@@ -41,8 +39,8 @@
 #include "absl/time/time.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/client_callback.h"
+#include "bench/sim_workers.h"
 #include "lockstep/v1/job.grpc.pb.h"
-#include "lockstep/v1/worker.grpc.pb.h"
 
 ABSL_FLAG(std::string, coordinator, "build/coordinator/lockstep-coordinator",
           "The lockstep-coordinator binary to start (on 127.0.0.1, a free port).");
@@ -60,103 +58,6 @@ using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
-
-// Counts what the simulated workers heard, and lets the driver wait for a count.
-struct Tally {
-  absl::Mutex mu;
-  int registered ABSL_GUARDED_BY(mu) = 0;
-  int ended ABSL_GUARDED_BY(mu) = 0;  // streams that closed
-  std::map<int64_t, int> assigned ABSL_GUARDED_BY(mu);  // generation -> workers assigned
-  std::map<int64_t, int> aborted ABSL_GUARDED_BY(mu);   // generation -> workers aborted
-
-  // Waits until pred() holds; false after `timeout`.
-  template <typename Pred>
-  bool WaitFor(Pred pred, absl::Duration timeout) {
-    absl::MutexLock lock(&mu);
-    return mu.AwaitWithTimeout(absl::Condition(&pred), timeout);
-  }
-};
-
-// One simulated worker: a Session stream with one write in flight at a time.
-class SimWorker : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
- public:
-  SimWorker(v1::WorkerService::Stub* stub, std::string name, std::string host, Tally* tally)
-      : tally_(tally) {
-    v1::WorkerMessage hello;
-    v1::RegisterRequest* r = hello.mutable_register_();
-    r->set_name(std::move(name));
-    r->set_host(std::move(host));
-    r->set_device("cpu");
-    r->set_device_name("cpu");
-    r->set_comm_address("127.0.0.1");
-    r->add_capabilities("gloo");
-    stub->async()->Session(&context_, this);
-    // Heartbeats are written from another thread: the hold keeps the stream until its read
-    // side has ended (ReleaseHold), so no write can come after OnDone.
-    AddHold();
-    Send(hello);
-    StartRead(&in_);
-    StartCall();
-  }
-
-  void Heartbeat() {
-    v1::WorkerMessage m;
-    m.mutable_heartbeat();
-    Send(m);
-  }
-  // Ends the stream as a dying worker's would.
-  void Drop() { context_.TryCancel(); }
-  bool done() const { return done_.load(); }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) return ReleaseHold();
-    {
-      absl::MutexLock lock(&tally_->mu);
-      if (in_.has_registered()) ++tally_->registered;
-      if (in_.has_assignment()) ++tally_->assigned[in_.assignment().generation()];
-      if (in_.has_abort()) ++tally_->aborted[in_.abort().generation()];
-    }
-    StartRead(&in_);
-  }
-  void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    queue_.pop_front();
-    if (!ok) {
-      queue_.clear();
-      broken_ = true;
-      return;
-    }
-    if (!queue_.empty()) StartWrite(&queue_.front());
-  }
-  void OnDone(const grpc::Status&) override {
-    done_.store(true);
-    absl::MutexLock lock(&tally_->mu);
-    ++tally_->ended;
-  }
-
- private:
-  void ReleaseHold() {
-    absl::MutexLock lock(&mu_);
-    if (released_) return;
-    released_ = true;
-    RemoveHold();
-  }
-  void Send(const v1::WorkerMessage& m) {
-    absl::MutexLock lock(&mu_);
-    if (released_ || broken_ || queue_.size() > 4) return;  // a slow stream skips a beat
-    queue_.push_back(m);
-    if (queue_.size() == 1) StartWrite(&queue_.front());
-  }
-
-  grpc::ClientContext context_;
-  Tally* const tally_;
-  v1::CoordinatorMessage in_;
-  absl::Mutex mu_;
-  std::deque<v1::WorkerMessage> queue_ ABSL_GUARDED_BY(mu_);
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool released_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<bool> done_{false};
-};
 
 struct ProcessStats {
   double cpu_s = 0;
@@ -188,27 +89,6 @@ struct Result {
   double registered_s = 0, submit_rpc_s = 0, assigned_s = 0, aborted_s = 0, reassigned_s = 0;
   ProcessStats idle, after_assign, end;
 };
-
-v1::JobSpec JobFor(int n) {
-  v1::JobSpec spec;
-  spec.set_name("control-plane-bench");
-  spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(16);
-  spec.mutable_dataset()->set_type("synthetic");
-  auto* s = spec.mutable_dataset()->mutable_synthetic();
-  s->set_train_samples(1 << 20);
-  s->set_test_samples(1024);
-  s->set_input_dim(8);
-  s->set_num_classes(2);
-  spec.mutable_optimizer()->set_learning_rate(0.1);
-  spec.set_global_batch_size(n);
-  spec.set_micro_shards(n);
-  spec.set_max_steps(1000);
-  spec.set_min_workers(n - 1);  // the survivors of one drop re-form without a spare
-  spec.set_max_workers(n);
-  spec.set_step_timeout_ms(3'600'000);  // simulated workers never step
-  return spec;
-}
 
 Result RunOne(int n) {
   Result r;
@@ -257,48 +137,18 @@ Result RunOne(int n) {
   const std::string address = "127.0.0.1:" + port;
   const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_phase_timeout_s));
 
-  // Connections: a few streams each, as workers on many hosts would have.
-  const int per_channel = std::max(1, absl::GetFlag(FLAGS_streams_per_channel));
-  std::vector<std::unique_ptr<v1::WorkerService::Stub>> stubs;
-  for (int i = 0; i < (n + per_channel - 1) / per_channel; ++i) {
-    grpc::ChannelArguments channel_args;
-    channel_args.SetInt("lockstep.bench.channel", i);  // a distinct connection each
-    channel_args.SetMaxReceiveMessageSize(64 << 20);
-    stubs.push_back(v1::WorkerService::NewStub(grpc::CreateCustomChannel(
-        address, grpc::InsecureChannelCredentials(), channel_args)));
-  }
-  Tally tally;
-  std::vector<std::unique_ptr<SimWorker>> workers;
   const auto t_register = Clock::now();
-  for (int i = 0; i < n; ++i) {
-    workers.push_back(std::make_unique<SimWorker>(
-        stubs[i / per_channel].get(), absl::StrFormat("sim-%05d", i),
-        absl::StrFormat("host-%04d", i / std::max(1, absl::GetFlag(FLAGS_workers_per_host))),
-        &tally));
-  }
-  std::atomic<bool> beating{true};
-  std::thread heart([&] {
-    while (beating.load()) {
-      for (auto& w : workers) w->Heartbeat();
-      absl::SleepFor(absl::Milliseconds(500));
-    }
-  });
+  auto workers = std::make_unique<bench::SimWorkers>(
+      address, bench::SimWorkersOptions{n, absl::GetFlag(FLAGS_workers_per_host),
+                                        absl::GetFlag(FLAGS_streams_per_channel)});
   auto finish = [&] {
-    beating.store(false);
-    heart.join();
-    for (auto& w : workers) w->Drop();
-    tally.WaitFor([&]() ABSL_SHARED_LOCKS_REQUIRED(tally.mu) { return tally.ended == n; },
-                  absl::Seconds(30));
+    workers.reset();  // every stream ended
     r.end = Stats(pid);
     stop();
   };
-  if (!tally.WaitFor([&]() ABSL_SHARED_LOCKS_REQUIRED(tally.mu) { return tally.registered == n; },
-                     timeout)) {
-    {
-      absl::MutexLock lock(&tally.mu);
-      r.error = absl::StrCat("only ", tally.registered, " of ", n, " workers registered (",
-                             tally.ended, " streams ended)");
-    }
+  if (!workers->WaitRegistered(timeout)) {
+    r.error = absl::StrCat("only ", workers->registered(), " of ", n, " workers registered (",
+                           workers->ended(), " streams ended)");
     finish();
     return r;
   }
@@ -310,7 +160,8 @@ Result RunOne(int n) {
   {
     grpc::ClientContext context;
     v1::SubmitJobRequest request;
-    *request.mutable_spec() = JobFor(n);
+    // The survivors of one drop re-form without a spare.
+    *request.mutable_spec() = bench::SimulatedJob(n - 1, n);
     v1::Job job;
     grpc::Status s = jobs->SubmitJob(&context, request, &job);
     r.submit_rpc_s = Since(t_submit);
@@ -320,8 +171,7 @@ Result RunOne(int n) {
       return r;
     }
   }
-  if (!tally.WaitFor([&]() ABSL_SHARED_LOCKS_REQUIRED(tally.mu) { return tally.assigned[1] == n; },
-                     timeout)) {
+  if (!workers->WaitAssigned(1, n, timeout)) {
     r.error = "not every worker was assigned";
     finish();
     return r;
@@ -331,18 +181,14 @@ Result RunOne(int n) {
   r.after_assign = Stats(pid);
 
   const auto t_drop = Clock::now();
-  workers[n / 2]->Drop();
-  if (!tally.WaitFor(
-          [&]() ABSL_SHARED_LOCKS_REQUIRED(tally.mu) { return tally.aborted[1] >= n - 1; },
-          timeout)) {
+  workers->Drop(n / 2);
+  if (!workers->WaitAborted(1, n - 1, timeout)) {
     r.error = "not every survivor was aborted after the drop";
     finish();
     return r;
   }
   r.aborted_s = Since(t_drop);
-  if (!tally.WaitFor(
-          [&]() ABSL_SHARED_LOCKS_REQUIRED(tally.mu) { return tally.assigned[2] >= n - 1; },
-          timeout)) {
+  if (!workers->WaitAssigned(2, n - 1, timeout)) {
     r.error = "the survivors were not all assigned the next generation";
     finish();
     return r;

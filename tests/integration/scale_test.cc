@@ -1,0 +1,86 @@
+// The control plane with a thousand workers (simulated on the real Session API,
+// bench/sim_workers.h) on loopback: every worker is assigned, ranks are host-contiguous, and one
+// dropped stream re-forms the job from the 999 survivors, again host-contiguous.
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "bench/sim_workers.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
+
+namespace lockstep {
+namespace {
+
+constexpr int kWorkers = 1000;
+constexpr int kPerHost = 8;
+
+// Every rank 0..size-1 once, and each host's ranks one contiguous run.
+void ExpectHostContiguous(bench::SimWorkers& workers, int64_t generation, int size) {
+  std::map<std::string, std::vector<int>> by_host;
+  std::set<int> ranks;
+  for (int i = 0; i < workers.size(); ++i) {
+    const int rank = workers.RankIn(i, generation);
+    if (rank < 0) continue;
+    EXPECT_TRUE(ranks.insert(rank).second) << "rank " << rank << " twice";
+    by_host[workers.host(i)].push_back(rank);
+  }
+  EXPECT_EQ(static_cast<int>(ranks.size()), size);
+  if (!ranks.empty()) {
+    EXPECT_EQ(*ranks.begin(), 0);
+    EXPECT_EQ(*ranks.rbegin(), size - 1);
+  }
+  for (auto& [host, r] : by_host) {
+    std::sort(r.begin(), r.end());
+    EXPECT_EQ(r.back() - r.front() + 1, static_cast<int>(r.size()))
+        << host << "'s ranks are not contiguous in generation " << generation;
+  }
+}
+
+int ThreadsOf(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+TEST(ScaleTest, AThousandWorkersAreAssignedAndOneDropReforms) {
+  auto started = testing::Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<testing::Cluster> cluster = *std::move(started);
+  bench::SimWorkers workers(cluster->address(), {kWorkers, kPerHost, 64});
+  ASSERT_TRUE(workers.WaitRegistered(absl::Seconds(120)))
+      << workers.registered() << " of " << kWorkers << " registered";
+
+  auto job = cluster->Submit(bench::SimulatedJob(kWorkers - 1, kWorkers));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(workers.WaitAssigned(1, kWorkers, absl::Seconds(120)));
+  ExpectHostContiguous(workers, 1, kWorkers);
+  auto running = cluster->Get(job->job_id());
+  ASSERT_TRUE(running.ok());
+  EXPECT_EQ(running->members_size(), kWorkers);
+  std::cout << "coordinator threads with " << kWorkers
+            << " sessions: " << ThreadsOf(cluster->coordinator()->pid()) << std::endl;
+
+  // One stream drops: every survivor is aborted and re-assigned.
+  workers.Drop(500);
+  ASSERT_TRUE(workers.WaitAborted(1, kWorkers - 1, absl::Seconds(120)));
+  ASSERT_TRUE(workers.WaitAssigned(2, kWorkers - 1, absl::Seconds(120)));
+  EXPECT_EQ(workers.RankIn(500, 2), -1);
+  ExpectHostContiguous(workers, 2, kWorkers - 1);
+  auto reformed = cluster->WaitFor(
+      job->job_id(), [](const v1::Job& j) { return j.generation() == 2; }, absl::Seconds(30));
+  ASSERT_TRUE(reformed.ok()) << reformed.status();
+  EXPECT_EQ(reformed->state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(reformed->members_size(), kWorkers - 1);
+  ASSERT_EQ(reformed->recovery_history_size(), 1);
+  EXPECT_NE(reformed->recovery_history(0).reason().find("sim-00500"), std::string::npos)
+      << reformed->recovery_history(0).reason();
+  EXPECT_TRUE(cluster->coordinator()->running());
+}
+
+}  // namespace
+}  // namespace lockstep
