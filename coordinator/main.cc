@@ -263,7 +263,7 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, RequestStop);
   while (!g_stop_requested) {
     coordinator.Tick();
-    absl::SleepFor(kTickInterval);
+    coordinator.WaitForTick(kTickInterval);
   }
   LOG(INFO) << "shutting down";
   dashboard.reset();

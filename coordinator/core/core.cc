@@ -542,7 +542,8 @@ absl::Status Core::CheckMemoryFits(const MemoryEstimate& memory, const std::stri
       "micro_batch_size, or a smaller model"));
 }
 
-absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out) {
+absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out,
+                                        bool schedule) {
   ObserveTime(now);
   ApplyJobSpecDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) return s;
@@ -570,7 +571,7 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   order_.push_back(id);
   live_.push_back(id);
   AddEvent(job, v1::JobEvent::STATE, "submitted", now, out);
-  Schedule(now, out);
+  if (schedule) Schedule(now, out);
   return job.job;
 }
 

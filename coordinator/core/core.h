@@ -131,7 +131,10 @@ class Core {
   // highest restored one. Returns how many jobs will run again.
   int RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out);
   // INVALID_ARGUMENT naming the field for a bad spec.
-  absl::StatusOr<v1::Job> SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out);
+  // Without `schedule` the job only joins the queue: the next Tick starts it (the shell's
+  // submit RPC returns once the job is validated and stored, before the work of starting it).
+  absl::StatusOr<v1::Job> SubmitJob(v1::JobSpec spec, absl::Time now, Decisions* out,
+                                    bool schedule = true);
   // NOT_FOUND, or FAILED_PRECONDITION when the job already finished.
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, absl::Time now, Decisions* out);
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id) const;

@@ -216,6 +216,17 @@ absl::StatusOr<std::vector<v1::JobEvent>> Coordinator::WaitEvents(const std::str
   }
 }
 
+void Coordinator::TickSoon() {
+  absl::MutexLock lock(&tick_mu_);
+  tick_requested_ = true;
+}
+
+void Coordinator::WaitForTick(absl::Duration interval) {
+  absl::MutexLock lock(&tick_mu_);
+  tick_mu_.AwaitWithTimeout(absl::Condition(&tick_requested_), interval);
+  tick_requested_ = false;
+}
+
 void Coordinator::Tick() {
   Call([this](Core& core, absl::Time now, Decisions* d) {
     mu_.AssertHeld();  // Call runs this under mu_

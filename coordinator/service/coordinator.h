@@ -113,6 +113,10 @@ class Coordinator {
 
   // Hands the sessions' heartbeats to the core, then runs its timers.
   void Tick();
+  // Wakes the tick loop (WaitForTick) at once: a submitted job is started there.
+  void TickSoon();
+  // The tick loop's pause: `interval`, or less when TickSoon was called.
+  void WaitForTick(absl::Duration interval);
   // A session's heartbeat: recorded on its outbox, no lock taken.
   void Heartbeat(SessionOutbox& outbox) { outbox.Beat(clock_->Now()); }
   // The registry's workers and the clients turned away (ListWorkers).
@@ -138,6 +142,8 @@ class Coordinator {
 
   Clock* const clock_;
   JobStore* const job_store_;
+  absl::Mutex tick_mu_;
+  bool tick_requested_ ABSL_GUARDED_BY(tick_mu_) = false;
   ClientGate gate_;
   absl::Mutex mu_;
   absl::CondVar changed_;  // signalled on every store write and job change

@@ -20,8 +20,10 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
                                        const v1::SubmitJobRequest* request, v1::Job* response) {
   if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
-    return core.SubmitJob(request->spec(), now, d);
+    return core.SubmitJob(request->spec(), now, d, /*schedule=*/false);
   });
+  // Starting it (assignments to every member) is the tick's work, not the caller's wait.
+  if (job.ok()) coordinator_->TickSoon();
   if (!job.ok()) {
     LOG(INFO) << "refused job spec: " << job.status();
     return ToGrpcStatus(job.status());

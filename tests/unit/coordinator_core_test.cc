@@ -532,6 +532,21 @@ TEST_F(CoreTest, CollectedHeartbeatsKeepWorkersAlive) {
   }
 }
 
+// The service submits without scheduling (the RPC returns once the job is stored); the next
+// tick starts it.
+TEST_F(CoreTest, ASubmissionWithoutSchedulingStartsAtTheNextTick) {
+  Register("w0");
+  Decisions d;
+  auto job = core_.SubmitJob(Spec(1, 1), now_, &d, /*schedule=*/false);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Collect(d);
+  EXPECT_EQ(job->state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(TakeAssignments().empty());
+  Tick();
+  EXPECT_EQ(Job(job->job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(TakeAssignments().size(), 1u);
+}
+
 TEST_F(CoreTest, HeartbeatSilenceLosesWorkerWithFakeClock) {
   const std::string w0 = Register("w0"), w1 = Register("w1");
   v1::JobSpec spec = Spec(2, 2);
