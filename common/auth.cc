@@ -34,7 +34,7 @@ absl::Status ValidateToken(absl::string_view token, absl::string_view origin) {
   return absl::OkStatus();
 }
 
-absl::string_view Value(const grpc::ServerContext& context, const char* key) {
+absl::string_view Value(const grpc::ServerContextBase& context, const char* key) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(key);
   if (it == metadata.end()) return {};
@@ -75,7 +75,7 @@ bool TokenChecker::Matches(absl::string_view header) const {
          SameToken(header.substr(kBearer.size()), expected_);
 }
 
-absl::Status TokenChecker::Check(const grpc::ServerContext& context) const {
+absl::Status TokenChecker::Check(const grpc::ServerContextBase& context) const {
   return CheckHeader(Value(context, kAuthorizationKey));
 }
 
@@ -92,11 +92,11 @@ absl::Status TokenChecker::CheckHeader(absl::string_view header) const {
   return absl::OkStatus();
 }
 
-std::string ClientName(const grpc::ServerContext& context) {
+std::string ClientName(const grpc::ServerContextBase& context) {
   return std::string(Value(context, kClientKey));
 }
 
-std::string SessionKey(const grpc::ServerContext& context) {
+std::string SessionKey(const grpc::ServerContextBase& context) {
   return std::string(Value(context, kSessionKeyMetadata));
 }
 

@@ -52,7 +52,7 @@ class TokenChecker {
   // Whether `header` ("Bearer <token>") carries exactly this token (false when disabled).
   bool Matches(absl::string_view header) const;
   // UNAUTHENTICATED with "missing token" or "wrong token" and what to do about it.
-  absl::Status Check(const grpc::ServerContext& context) const;
+  absl::Status Check(const grpc::ServerContextBase& context) const;
   // The same for the value of an "authorization" header ("Bearer <token>"; HTTP requests).
   absl::Status CheckHeader(absl::string_view header) const;
 
@@ -61,8 +61,8 @@ class TokenChecker {
 };
 
 // The client's self-description from its metadata ("" when it sent none).
-std::string ClientName(const grpc::ServerContext& context);
+std::string ClientName(const grpc::ServerContextBase& context);
 // The session key a worker's store call carries ("" when none).
-std::string SessionKey(const grpc::ServerContext& context);
+std::string SessionKey(const grpc::ServerContextBase& context);
 
 }  // namespace lockstep

@@ -43,7 +43,7 @@ absl::Status ClientGate::Check(absl::string_view authorization, Role role) const
   return mine.CheckHeader(authorization);
 }
 
-grpc::Status ClientGate::Admit(const grpc::ServerContext& context, Role role) {
+grpc::Status ClientGate::Admit(const grpc::ServerContextBase& context, Role role) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kAuthorizationKey);
   const absl::string_view authorization =

@@ -38,7 +38,7 @@ class ClientGate {
 
   // OK, or UNAUTHENTICATED naming the problem, or PERMISSION_DENIED for the other role's
   // token (the rejection is recorded and logged).
-  grpc::Status Admit(const grpc::ServerContext& context, Role role);
+  grpc::Status Admit(const grpc::ServerContextBase& context, Role role);
   // The same for an HTTP request (the dashboard, an operator's): its peer address, what it
   // calls itself and its "authorization" header.
   absl::Status AdmitHttp(const std::string& peer_host, const std::string& client,

@@ -30,31 +30,6 @@ std::string NewSessionKey() {
 
 }  // namespace
 
-void SessionOutbox::Push(v1::CoordinatorMessage message) {
-  absl::MutexLock lock(&mu_);
-  if (!closed_) queue_.push_back(std::move(message));
-}
-
-void SessionOutbox::Close(bool cancel) {
-  absl::MutexLock lock(&mu_);
-  if (closed_) return;
-  closed_ = true;
-  if (cancel) context_->TryCancel();
-}
-
-bool SessionOutbox::Pop(v1::CoordinatorMessage* message) {
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](SessionOutbox* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-        return self->closed_ || !self->queue_.empty();
-      },
-      this));
-  if (closed_) return false;
-  *message = std::move(queue_.front());
-  queue_.pop_front();
-  return true;
-}
-
 Coordinator::Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token,
                          std::string worker_token)
     : clock_(clock),

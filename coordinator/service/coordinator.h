@@ -4,8 +4,8 @@
 //
 // Thread safety: every public method may be called from any thread. Core calls run under mu_;
 // their messages are queued on the sessions' outboxes before mu_ is released (so each worker
-// receives them in decision order), and each session's handler thread does the gRPC writes, so
-// no gRPC write ever happens under mu_. The rest of the Decisions is applied after unlocking.
+// receives them in decision order); a push only queues or starts an asynchronous write, so no
+// gRPC write ever waits under mu_. The rest of the Decisions is applied after unlocking.
 #pragma once
 
 #include <atomic>
@@ -29,16 +29,16 @@
 
 namespace lockstep::coordinator {
 
-// Outbound side of one worker's Session stream. The Session handler thread drains the queue.
+// Outbound side of one worker's Session stream, as the coordinator sees it. The session
+// (worker_service.cc) implements it on gRPC's callback API: Push starts a write when none is in
+// flight, and never blocks.
 class SessionOutbox {
  public:
-  explicit SessionOutbox(grpc::ServerContext* context) : context_(context) {}
-  void Push(v1::CoordinatorMessage message);
-  // Ends the session: the handler stops writing and the stream is cancelled (or, without
-  // `cancel`, left for the handler to finish with its own status).
-  void Close(bool cancel = true);
-  // Blocks until a message is queued or the outbox closed; false when closed and drained.
-  bool Pop(v1::CoordinatorMessage* message);
+  virtual ~SessionOutbox() = default;
+  // Queues a message for the worker; dropped once the session is closed.
+  virtual void Push(v1::CoordinatorMessage message) = 0;
+  // Ends the session: queued messages are dropped and the stream is cancelled.
+  virtual void Close() = 0;
   // The worker's latest heartbeat, kept here without any lock: the tick hands it to the core
   // (Coordinator::Tick), so heartbeats never wait for the core, and a core busy for a while
   // (a large re-formation) still sees every beat that arrived meanwhile.
@@ -51,10 +51,6 @@ class SessionOutbox {
 
  private:
   std::atomic<int64_t> beat_unix_ms_{0};
-  absl::Mutex mu_;
-  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::ServerContext* const context_;
 };
 
 class Coordinator {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "coordinator/service/coordinator.h"
+#include "coordinator/service/strand_pool.h"
 #include "lockstep/v1/job.grpc.pb.h"
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
@@ -31,15 +32,22 @@ class JobServiceImpl final : public v1::JobService::Service {
   Coordinator* const coordinator_;
 };
 
-class WorkerServiceImpl final : public v1::WorkerService::Service {
+// Worker sessions on gRPC's callback API: a fixed set of threads whatever the number of
+// workers (gRPC's own, plus kSessionThreads that carry reports to the core in each session's
+// order).
+class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
  public:
-  explicit WorkerServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
-  grpc::Status Session(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
+  static constexpr int kSessionThreads = 4;
+
+  explicit WorkerServiceImpl(Coordinator* coordinator);
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* context) override;
 
  private:
   Coordinator* const coordinator_;
+  // Destroyed after the server stopped (it is declared before the server): the sessions still
+  // ending post their last tasks here.
+  StrandPool strands_;
 };
 
 class StoreServiceImpl final : public v1::StoreService::Service {

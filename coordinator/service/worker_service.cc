@@ -1,157 +1,318 @@
-// WorkerService: one Session stream per worker. A reader thread feeds the worker's messages to
-// the core; the handler thread writes the queued coordinator messages. A broken stream is the
-// fastest death signal: the core hears about it the moment Read fails.
+// WorkerService: one Session stream per worker, on gRPC's callback API, so the coordinator's
+// thread count does not grow with its workers. Reads run in gRPC's reactions, which never
+// block: a heartbeat is recorded on the spot (an atomic on the outbox), and every message that
+// needs the core is posted to the session's strand (StrandPool), which keeps the worker's order.
+// Writes leave the outbox one at a time. A broken stream is the fastest death signal: the core
+// hears about it as soon as the read fails.
 #include <algorithm>
-#include <atomic>
-#include <thread>
+#include <deque>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "coordinator/service/services.h"
 #include "glog/logging.h"
 
 namespace lockstep::coordinator {
+namespace {
 
-grpc::Status WorkerServiceImpl::Session(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker); !s.ok()) return s;
-  v1::WorkerMessage first;
-  if (!stream->Read(&first)) return grpc::Status::CANCELLED;
-  if (!first.has_register_()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "the first message of a session must be register");
+// Reports and heartbeats a session may send: a burst, then a steady rate. A flood (a forged
+// client; no worker sends more than a few a second) ends the session instead of taking the
+// coordinator's time.
+constexpr double kBurst = 2000, kPerSecond = 500;
+
+// The life of a session: Start admits the caller and reads the register message; the strand
+// registers it with the coordinator; reads go on until the stream ends or floods, and End
+// finishes the call once no write is in flight. The reactor owns itself (self_) until OnDone;
+// strand tasks hold it too, but after Finish they touch neither gRPC nor the context.
+//
+// Threads: the reactions (OnReadDone, OnWriteDone, OnDone) run on gRPC's threads and take only
+// mu_, never the coordinator's lock. Push and Close come from any thread, the coordinator's lock
+// held or not. The strand's tasks run on the pool, one at a time.
+class WorkerSession final
+    : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>,
+      public SessionOutbox,
+      public std::enable_shared_from_this<WorkerSession> {
+ public:
+  WorkerSession(Coordinator* coordinator, StrandPool* pool, grpc::CallbackServerContext* context)
+      : coordinator_(coordinator), pool_(pool), strand_(pool->NewStrand()), context_(context) {}
+
+  void Start() {
+    self_ = shared_from_this();
+    if (grpc::Status s = coordinator_->gate().Admit(*context_, Role::kWorker); !s.ok()) {
+      return End(s, /*cancel=*/false);
+    }
+    StartRead(&in_);
   }
+
+  void Push(v1::CoordinatorMessage message) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_) return;
+      queue_.push_back(std::move(message));
+      if (writing_) return;
+      writing_ = true;
+      out_ = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    StartWrite(&out_);  // Finish waits for its OnWriteDone (writing_)
+  }
+
+  void Close() override {
+    End(grpc::Status(grpc::StatusCode::CANCELLED, "the coordinator closed this session"),
+        /*cancel=*/true);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      std::string reason = context_->IsCancelled() ? "connection lost" : "session closed by the worker";
+      return Post([reason = std::move(reason)](WorkerSession& s) {
+        s.Disconnect(reason);
+        s.End(grpc::Status::OK, /*cancel=*/true);
+      });
+    }
+    if (!read_register_) {
+      read_register_ = true;
+      if (grpc::Status s = CheckRegister(); !s.ok()) return End(s, /*cancel=*/false);
+      Post([request = in_.register_()](WorkerSession& s) { s.Register(request); });
+      return StartRead(&in_);
+    }
+    const absl::Time now = absl::Now();
+    allowance_ = std::min(kBurst, allowance_ + kPerSecond * absl::ToDoubleSeconds(now - last_read_));
+    last_read_ = now;
+    if (--allowance_ < 0) {
+      std::string reason =
+          absl::StrCat("session ended: more than ", kPerSecond, " messages a second (a flood)");
+      Post([reason = std::move(reason)](WorkerSession& s) {
+        LOG(WARNING) << "worker " << s.worker_id_ << ": " << reason;
+        s.Disconnect(reason);
+      });
+      return End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                              absl::StrCat("more than ", kPerSecond,
+                                           " messages a second on one session: it was ended")),
+                 /*cancel=*/false);
+    }
+    if (in_.has_heartbeat()) {
+      coordinator_->Heartbeat(*this);  // the next tick tells the core
+    } else {
+      Post([message = std::move(in_)](WorkerSession& s) { s.Handle(message); });
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    bool more = false;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (ok && !closed_ && !queue_.empty()) {
+        writing_ = true;
+        out_ = std::move(queue_.front());
+        queue_.pop_front();
+        more = true;
+      }
+    }
+    if (more) return StartWrite(&out_);
+    if (!ok) return End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"), false);
+    FinishIfEnded();  // End came while this write was in flight
+  }
+
+  void OnDone() override {
+    std::shared_ptr<WorkerSession> last = std::move(self_);  // may be the last reference
+  }
+
+ private:
   // Under mutual TLS a worker is who its certificate says: its name is the certificate's
   // common name, so holding the token and a certificate does not make one any worker.
-  if (const auto auth = context->auth_context(); auth != nullptr && auth->IsPeerAuthenticated()) {
+  grpc::Status CheckRegister() {
+    if (!in_.has_register_()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "the first message of a session must be register");
+    }
+    const auto auth = context_->auth_context();
+    if (auth == nullptr || !auth->IsPeerAuthenticated()) return grpc::Status::OK;
     const std::vector<grpc::string_ref> names = auth->FindPropertyValues("x509_common_name");
-    const std::string certified = names.empty() ? "" : std::string(names[0].data(), names[0].size());
-    if (certified != first.register_().name()) {
-      return grpc::Status(
-          grpc::StatusCode::PERMISSION_DENIED,
-          absl::StrCat("register.name \"", first.register_().name(),
-                       "\" is not the common name of this worker's certificate (\"", certified,
-                       "\"): under mutual TLS a worker registers under the name its certificate "
-                       "carries"));
-    }
+    const std::string certified =
+        names.empty() ? "" : std::string(names[0].data(), names[0].size());
+    if (certified == in_.register_().name()) return grpc::Status::OK;
+    return grpc::Status(
+        grpc::StatusCode::PERMISSION_DENIED,
+        absl::StrCat("register.name \"", in_.register_().name(),
+                     "\" is not the common name of this worker's certificate (\"", certified,
+                     "\"): under mutual TLS a worker registers under the name its certificate "
+                     "carries"));
   }
-  auto outbox = std::make_shared<SessionOutbox>(context);
-  absl::StatusOr<std::string> id = coordinator_->Register(first.register_(), outbox);
-  if (!id.ok()) {
-    LOG(WARNING) << "refused registration of " << first.register_().name() << ": " << id.status();
-    return ToGrpcStatus(id.status());
-  }
-  const std::string worker_id = *id;
-  // Reports and heartbeats a session may send: a burst, then a steady rate. A flood (a forged
-  // client; no worker sends more than a few a second) ends the session instead of taking the
-  // coordinator's time.
-  constexpr double kBurst = 2000, kPerSecond = 500;
-  std::atomic<bool> flooded{false};
-  std::thread reader([&, outbox] {
-    double allowance = kBurst;
-    absl::Time last = absl::Now();
-    v1::WorkerMessage message;
-    std::string reason = "session closed by the worker";
-    int64_t refused = 0;  // reports refused on this session: logged sparingly
-    while (stream->Read(&message)) {
-      const absl::Time now = absl::Now();
-      allowance = std::min(kBurst, allowance + kPerSecond * absl::ToDoubleSeconds(now - last));
-      last = now;
-      if (--allowance < 0) {
-        flooded = true;
-        reason = absl::StrCat("session ended: more than ", kPerSecond,
-                              " messages a second (a flood)");
-        LOG(WARNING) << "worker " << worker_id << ": " << reason;
-        break;
-      }
-      absl::Status status;
-      std::string job_id;
-      int64_t generation = 0;
-      switch (message.kind_case()) {
-        case v1::WorkerMessage::kHeartbeat:
-          coordinator_->Heartbeat(*outbox);  // the next tick tells the core
-          break;
-        case v1::WorkerMessage::kProgress:
-          job_id = message.progress().job_id();
-          generation = message.progress().generation();
-          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
-            return core.ReportProgress(worker_id, message.progress(), now, d);
-          });
-          break;
-        case v1::WorkerMessage::kFailure:
-          job_id = message.failure().job_id();
-          generation = message.failure().generation();
-          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
-            return core.ReportFailure(worker_id, message.failure(), now, d);
-          });
-          // Logged once the report was a member's (the job's events record it too).
-          if (status.ok()) {
-            LOG(WARNING) << "worker " << worker_id << " reports failure in " << job_id << " g"
-                         << generation << ": " << message.failure().message();
-          }
-          break;
-        case v1::WorkerMessage::kResumed:
-          job_id = message.resumed().job_id();
-          generation = message.resumed().generation();
-          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
-            return core.ReportResumed(worker_id, message.resumed(), now, d);
-          });
-          break;
-        case v1::WorkerMessage::kCheckpoint:
-          job_id = message.checkpoint().job_id();
-          generation = message.checkpoint().generation();
-          if (!message.checkpoint().error().empty()) {
-            LOG(WARNING) << "worker " << worker_id << ": checkpoint of " << job_id << " at step "
-                         << message.checkpoint().step()
-                         << " not written: " << message.checkpoint().error();
-          }
-          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
-            return core.ReportCheckpoint(worker_id, message.checkpoint(), now, d);
-          });
-          break;
-        case v1::WorkerMessage::kFinished:
-          job_id = message.finished().job_id();
-          generation = message.finished().generation();
-          status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
-            return core.ReportFinished(worker_id, message.finished(), now, d);
-          });
-          break;
-        default:
-          status = absl::InvalidArgumentError("unexpected message on an established session");
-      }
-      if (absl::IsAborted(status)) {
-        // Stale generation: fence the sender; its report changed nothing.
-        outbox->Push(Core::AbortMessage(job_id, generation, std::string(status.message())));
-      } else if (absl::IsNotFound(status) && job_id.empty()) {
-        reason = absl::StrCat("session ended: ", status.message());
-        break;
-      } else if (!status.ok() && (++refused == 1 || refused % 1000 == 0)) {
-        LOG(WARNING) << "worker " << worker_id << ": " << status << " (" << refused
-                     << (refused == 1 ? " report" : " reports") << " refused on this session)";
-      }
-    }
-    if (context->IsCancelled()) reason = "connection lost";
-    coordinator_->Disconnect(worker_id, reason);
-    // A flooded session ends with the handler's status (RESOURCE_EXHAUSTED), not cancelled.
-    outbox->Close(/*cancel=*/!flooded);
-  });
 
-  v1::CoordinatorMessage out;
-  while (outbox->Pop(&out)) {
-    if (!stream->Write(out)) break;
+  // Runs task(*this) on the session's strand, after everything posted before it.
+  template <typename Task>
+  void Post(Task task) {
+    pool_->Post(strand_, [self = shared_from_this(), task = std::move(task)]() mutable {
+      task(*self);
+    });
   }
-  // Pop fails only once the outbox is closed, which cancels the call so Read returns.
-  outbox->Close();
-  reader.join();
-  LOG(INFO) << "session of " << worker_id << " ended";
-  if (flooded) {
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("more than ", kPerSecond,
-                                     " messages a second on one session: it was ended"));
+
+  // No more writes; the call finishes with `status` (the first End's) once no write is in
+  // flight. `cancel` also cancels the call, so a write the worker does not read cannot hold the
+  // session open.
+  void End(grpc::Status status, bool cancel) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ending_) {
+        ending_ = true;
+        status_ = std::move(status);
+      }
+      closed_ = true;
+      queue_.clear();
+      // Before Finish the call, and so the context, is alive (OnDone follows Finish).
+      if (cancel && writing_ && !finish_called_) context_->TryCancel();
+    }
+    FinishIfEnded();
   }
-  return grpc::Status::OK;
+
+  void FinishIfEnded() {
+    grpc::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ending_ || writing_ || finish_called_) return;
+      finish_called_ = true;
+      status = status_;
+    }
+    Finish(status);
+  }
+
+  // Strand only, from here on.
+  void Register(const v1::RegisterRequest& request) {
+    absl::StatusOr<std::string> id = coordinator_->Register(request, shared_from_this());
+    if (!id.ok()) {
+      LOG(WARNING) << "refused registration of " << request.name() << ": " << id.status();
+      return End(ToGrpcStatus(id.status()), /*cancel=*/false);
+    }
+    worker_id_ = *id;
+  }
+
+  void Disconnect(const std::string& reason) {
+    if (worker_id_.empty() || disconnected_) return;
+    disconnected_ = true;
+    coordinator_->Disconnect(worker_id_, reason);
+    LOG(INFO) << "session of " << worker_id_ << " ended: " << reason;
+  }
+
+  void Handle(const v1::WorkerMessage& message) {
+    if (worker_id_.empty() || disconnected_) return;  // not registered, or already gone
+    absl::Status status;
+    std::string job_id;
+    int64_t generation = 0;
+    auto call = [&](auto report) {
+      status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
+        return report(core, now, d);
+      });
+    };
+    switch (message.kind_case()) {
+      case v1::WorkerMessage::kProgress:
+        job_id = message.progress().job_id();
+        generation = message.progress().generation();
+        call([&](Core& core, absl::Time now, Decisions* d) {
+          return core.ReportProgress(worker_id_, message.progress(), now, d);
+        });
+        break;
+      case v1::WorkerMessage::kFailure:
+        job_id = message.failure().job_id();
+        generation = message.failure().generation();
+        call([&](Core& core, absl::Time now, Decisions* d) {
+          return core.ReportFailure(worker_id_, message.failure(), now, d);
+        });
+        // Logged once the report was a member's (the job's events record it too).
+        if (status.ok()) {
+          LOG(WARNING) << "worker " << worker_id_ << " reports failure in " << job_id << " g"
+                       << generation << ": " << message.failure().message();
+        }
+        break;
+      case v1::WorkerMessage::kResumed:
+        job_id = message.resumed().job_id();
+        generation = message.resumed().generation();
+        call([&](Core& core, absl::Time now, Decisions* d) {
+          return core.ReportResumed(worker_id_, message.resumed(), now, d);
+        });
+        break;
+      case v1::WorkerMessage::kCheckpoint:
+        job_id = message.checkpoint().job_id();
+        generation = message.checkpoint().generation();
+        if (!message.checkpoint().error().empty()) {
+          LOG(WARNING) << "worker " << worker_id_ << ": checkpoint of " << job_id << " at step "
+                       << message.checkpoint().step()
+                       << " not written: " << message.checkpoint().error();
+        }
+        call([&](Core& core, absl::Time now, Decisions* d) {
+          return core.ReportCheckpoint(worker_id_, message.checkpoint(), now, d);
+        });
+        break;
+      case v1::WorkerMessage::kFinished:
+        job_id = message.finished().job_id();
+        generation = message.finished().generation();
+        call([&](Core& core, absl::Time now, Decisions* d) {
+          return core.ReportFinished(worker_id_, message.finished(), now, d);
+        });
+        break;
+      default:
+        status = absl::InvalidArgumentError("unexpected message on an established session");
+    }
+    if (absl::IsAborted(status)) {
+      // Stale generation: fence the sender; its report changed nothing.
+      Push(Core::AbortMessage(job_id, generation, std::string(status.message())));
+    } else if (absl::IsNotFound(status) && job_id.empty()) {
+      Disconnect(absl::StrCat("session ended: ", status.message()));
+      End(ToGrpcStatus(status), /*cancel=*/true);
+    } else if (!status.ok() && (++refused_ == 1 || refused_ % 1000 == 0)) {
+      LOG(WARNING) << "worker " << worker_id_ << ": " << status << " (" << refused_
+                   << (refused_ == 1 ? " report" : " reports") << " refused on this session)";
+    }
+  }
+
+  Coordinator* const coordinator_;
+  StrandPool* const pool_;
+  const std::shared_ptr<StrandPool::Strand> strand_;
+  grpc::CallbackServerContext* const context_;  // valid until Finish completes
+  std::shared_ptr<WorkerSession> self_;          // set by Start, dropped by OnDone
+
+  // Read side: one read in flight at a time, so only its reaction touches these.
+  v1::WorkerMessage in_;
+  bool read_register_ = false;
+  double allowance_ = kBurst;
+  absl::Time last_read_ = absl::Now();
+
+  // Strand side.
+  std::string worker_id_;  // set once registered
+  bool disconnected_ = false;
+  int64_t refused_ = 0;  // reports refused on this session: logged sparingly
+
+  // Write side and the end of the call.
+  absl::Mutex mu_;
+  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  // The write in flight while writing_: set under mu_ only when no write is in flight, then
+  // read by gRPC until OnWriteDone.
+  v1::CoordinatorMessage out_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;  // takes no more messages
+  bool ending_ ABSL_GUARDED_BY(mu_) = false;  // End called: finish once no write is in flight
+  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+WorkerServiceImpl::WorkerServiceImpl(Coordinator* coordinator)
+    : coordinator_(coordinator), strands_(kSessionThreads) {}
+
+grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* WorkerServiceImpl::Session(
+    grpc::CallbackServerContext* context) {
+  auto session = std::make_shared<WorkerSession>(coordinator_, &strands_, context);
+  session->Start();
+  return session.get();  // it owns itself until OnDone
 }
 
 }  // namespace lockstep::coordinator

@@ -1,6 +1,8 @@
 // The control plane with a thousand workers (simulated on the real Session API,
 // bench/sim_workers.h) on loopback: every worker is assigned, ranks are host-contiguous, and one
-// dropped stream re-forms the job from the 999 survivors, again host-contiguous.
+// dropped stream re-forms the job from the 999 survivors, again host-contiguous. The sessions
+// are on gRPC's callback API, so the coordinator's threads stay under a bound that does not
+// depend on the number of workers.
 #include <algorithm>
 #include <fstream>
 #include <map>
@@ -16,6 +18,9 @@ namespace {
 
 constexpr int kWorkers = 1000;
 constexpr int kPerHost = 8;
+// gRPC's threads, the sessions' strand pool, the sync services' pollers, the tick loop: a few
+// dozen whatever the number of workers (a thread per stream would be 1,000 or more here).
+constexpr int kMaxCoordinatorThreads = 64;
 
 // Every rank 0..size-1 once, and each host's ranks one contiguous run.
 void ExpectHostContiguous(bench::SimWorkers& workers, int64_t generation, int size) {
@@ -51,6 +56,8 @@ TEST(ScaleTest, AThousandWorkersAreAssignedAndOneDropReforms) {
   auto started = testing::Cluster::Start();
   ASSERT_TRUE(started.ok()) << started.status();
   std::unique_ptr<testing::Cluster> cluster = *std::move(started);
+  const pid_t coordinator = cluster->coordinator()->pid();
+  const int idle_threads = ThreadsOf(coordinator);
   bench::SimWorkers workers(cluster->address(), {kWorkers, kPerHost, 64});
   ASSERT_TRUE(workers.WaitRegistered(absl::Seconds(120)))
       << workers.registered() << " of " << kWorkers << " registered";
@@ -62,8 +69,11 @@ TEST(ScaleTest, AThousandWorkersAreAssignedAndOneDropReforms) {
   auto running = cluster->Get(job->job_id());
   ASSERT_TRUE(running.ok());
   EXPECT_EQ(running->members_size(), kWorkers);
-  std::cout << "coordinator threads with " << kWorkers
-            << " sessions: " << ThreadsOf(cluster->coordinator()->pid()) << std::endl;
+  const int busy_threads = ThreadsOf(coordinator);
+  std::cout << "coordinator threads: " << idle_threads << " idle, " << busy_threads << " with "
+            << kWorkers << " sessions" << std::endl;
+  EXPECT_GT(busy_threads, 0);
+  EXPECT_LE(busy_threads, kMaxCoordinatorThreads);
 
   // One stream drops: every survivor is aborted and re-assigned.
   workers.Drop(500);
@@ -79,6 +89,7 @@ TEST(ScaleTest, AThousandWorkersAreAssignedAndOneDropReforms) {
   ASSERT_EQ(reformed->recovery_history_size(), 1);
   EXPECT_NE(reformed->recovery_history(0).reason().find("sim-00500"), std::string::npos)
       << reformed->recovery_history(0).reason();
+  EXPECT_LE(ThreadsOf(coordinator), kMaxCoordinatorThreads) << "after the re-formation";
   EXPECT_TRUE(cluster->coordinator()->running());
 }
 
