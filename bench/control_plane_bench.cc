@@ -42,6 +42,7 @@
 #include "bench/sim_workers.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
+ABSL_FLAG(bool, keep_logs, false, "Keep each run's coordinator log (and say where).");
 ABSL_FLAG(std::string, coordinator, "build/coordinator/lockstep-coordinator",
           "The lockstep-coordinator binary to start (on 127.0.0.1, a free port).");
 ABSL_FLAG(std::string, workers, "1024,4096,10000", "Comma-separated worker counts.");
@@ -116,8 +117,10 @@ Result RunOne(int n) {
   auto stop = [&] {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    if (r.error.empty()) {
+    if (r.error.empty() && !absl::GetFlag(FLAGS_keep_logs)) {
       std::filesystem::remove_all(dir);
+    } else if (r.error.empty()) {
+      std::cerr << "N = " << n << ": the coordinator's log: " << log << "\n";
     } else {
       std::cerr << "N = " << n << ": " << r.error << "; the coordinator's log: " << log << "\n";
     }

@@ -237,7 +237,8 @@ int main(int argc, char** argv) {
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *server_credentials, &port);
   builder.RegisterService(&jobs);
-  builder.RegisterService(&workers);
+  builder.RegisterService(workers.service());
+  workers.AddQueues(builder);
   builder.RegisterService(&store);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
   creators.push_back(lockstep::MalformedRequestInterceptorFactory());
@@ -249,6 +250,7 @@ int main(int argc, char** argv) {
                << " (address in use or invalid?)";
     return 1;
   }
+  workers.Start();
   LOG(INFO) << "lockstep-coordinator serving on port " << port;
   if (const std::string file = absl::GetFlag(FLAGS_port_file); !file.empty()) {
     if (absl::Status s = lockstep::WriteFileAtomically(file, absl::StrCat(port, "\n"),
@@ -269,5 +271,6 @@ int main(int argc, char** argv) {
   dashboard.reset();
   coordinator.Shutdown();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  workers.Stop(absl::Seconds(2));
   return 0;
 }

@@ -90,12 +90,11 @@ absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& requ
                                                  Decisions* out) {
   ObserveTime(now);
   if (absl::Status s = ValidateRegistration(request); !s.ok()) return s;
-  for (const auto& [id, w] : workers_) {
-    if (w.state != WorkerState::kLost && w.info.name() == request.name()) {
-      return absl::AlreadyExistsError(absl::StrCat("a connected worker is already named \"",
-                                                   request.name(), "\" (", id, ", host ",
-                                                   w.info.host(), ")"));
-    }
+  if (auto held = live_names_.find(request.name()); held != live_names_.end()) {
+    const Worker& w = workers_.at(held->second);
+    return absl::AlreadyExistsError(absl::StrCat("a connected worker is already named \"",
+                                                 request.name(), "\" (", w.id, ", host ",
+                                                 w.info.host(), ")"));
   }
   Worker worker;
   worker.registration_seq = next_worker_seq_++;
@@ -104,6 +103,7 @@ absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& requ
   worker.registered = now;
   worker.last_heartbeat = now;
   std::string id = worker.id;
+  live_names_[request.name()] = id;
   workers_.emplace(id, std::move(worker));
   Schedule(now, out);
   return id;
@@ -114,6 +114,7 @@ void Core::MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time 
   if (worker.state == WorkerState::kLost) return;
   const bool was_busy = worker.state == WorkerState::kBusy;
   worker.state = WorkerState::kLost;
+  live_names_.erase(worker.info.name());
   out->close_sessions.push_back(worker.id);
   if (was_busy) {
     if (JobRecord* job = FindJob(worker.job_id)) {

@@ -305,6 +305,8 @@ class Core {
   uint64_t next_worker_seq_ = 1;
   uint64_t next_job_seq_ = 1;
   std::map<std::string, Worker> workers_;  // by worker id
+  // Name -> id of every worker not lost: a name is held by one live worker at a time.
+  std::map<std::string, std::string> live_names_;
   std::map<std::string, JobRecord> jobs_;  // by job id
   std::vector<std::string> pending_;       // FIFO of pending job ids
   std::vector<std::string> order_;         // every job id in submission order

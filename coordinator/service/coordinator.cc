@@ -90,17 +90,18 @@ void Coordinator::SendTo(const std::string& worker_id, v1::CoordinatorMessage me
   outbox->Push(std::move(message));
 }
 
-void Coordinator::QueueMessages(const Decisions& decisions) {
+void Coordinator::QueueMessages(Decisions& decisions) {
   // Opened first: one decision may start a generation and end it again (a second loss while
   // re-forming), and its scope must not stay open.
   for (const auto& [job, generation] : decisions.started_generations) {
     store_.Open({job, generation});
   }
   for (const auto& [job, generation] : decisions.ended_generations) store_.Close({job, generation});
-  for (const auto& m : decisions.messages) {
+  for (auto& m : decisions.messages) {
     auto it = sessions_.find(m.worker_id);
-    if (it != sessions_.end()) it->second->Push(m.message);
+    if (it != sessions_.end()) it->second->Push(std::move(m.message));
   }
+  decisions.messages.clear();
 }
 
 void Coordinator::Apply(const Decisions& decisions) {
@@ -239,7 +240,10 @@ void Coordinator::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
     shutdown_ = true;
-    for (auto& [id, outbox] : sessions_) sessions.push_back(outbox);
+    // Released here: a session must not outlive the service that runs it.
+    for (auto& [id, outbox] : sessions_) sessions.push_back(std::move(outbox));
+    sessions_.clear();
+    session_keys_.clear();
     changed_.SignalAll();
   }
   for (auto& outbox : sessions) outbox->Close();

@@ -42,7 +42,9 @@ class SessionOutbox {
   // The worker's latest heartbeat, kept here without any lock: the tick hands it to the core
   // (Coordinator::Tick), so heartbeats never wait for the core, and a core busy for a while
   // (a large re-formation) still sees every beat that arrived meanwhile.
-  void Beat(absl::Time at) { beat_unix_ms_.store(absl::ToUnixMillis(at), std::memory_order_relaxed); }
+  void Beat(absl::Time at) {
+    beat_unix_ms_.store(absl::ToUnixMillis(at), std::memory_order_relaxed);
+  }
   // InfinitePast before the first.
   absl::Time last_beat() const {
     const int64_t ms = beat_unix_ms_.load(std::memory_order_relaxed);
@@ -129,7 +131,8 @@ class Coordinator {
   // the decisions' messages on the sessions' outboxes. Runs under mu_ so that messages to one
   // worker keep the order in which the core decided them, whichever threads decided, and a
   // scope is open before any member can read its assignment.
-  void QueueMessages(const Decisions& decisions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The messages are moved out of `decisions`.
+  void QueueMessages(Decisions& decisions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Everything else (closing sessions, saving jobs), after mu_ is released.
   void Apply(const Decisions& decisions) ABSL_LOCKS_EXCLUDED(mu_);
   // The fence for a store call: the session's worker must be a member of (job, generation).

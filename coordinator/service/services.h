@@ -3,6 +3,7 @@
 
 #include "coordinator/service/coordinator.h"
 #include "coordinator/service/strand_pool.h"
+#include "grpcpp/server_builder.h"
 #include "lockstep/v1/job.grpc.pb.h"
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
@@ -32,22 +33,37 @@ class JobServiceImpl final : public v1::JobService::Service {
   Coordinator* const coordinator_;
 };
 
-// Worker sessions on gRPC's callback API: a fixed set of threads whatever the number of
-// workers (gRPC's own, plus kSessionThreads that carry reports to the core in each session's
-// order).
-class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
+// Worker sessions on gRPC's completion-queue API: a fixed set of threads whatever the number of
+// workers. Each session lives on one of `queues` queues, one thread each; kSessionThreads more
+// carry the sessions' reports to the core, each session's in its order.
+//
+// Why several queues: Debian's gRPC is built with its debug checks, and a completion scans the
+// list of every operation pending on its queue. With one queue (the callback API's) that makes
+// each message cost O(workers), and a fan-out to N workers O(N^2).
+//
+// Use: RegisterService(service()) and AddQueues(builder) before BuildAndStart, Start() after
+// it; Stop() after the server's Shutdown (the destructor stops too).
+class WorkerServiceImpl final {
  public:
   static constexpr int kSessionThreads = 4;
+  static constexpr int kDefaultQueues = 16;
+  struct Hub;
 
-  explicit WorkerServiceImpl(Coordinator* coordinator);
-  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
-      grpc::CallbackServerContext* context) override;
+  explicit WorkerServiceImpl(Coordinator* coordinator, int queues = kDefaultQueues);
+  ~WorkerServiceImpl();
+  WorkerServiceImpl(const WorkerServiceImpl&) = delete;
+  WorkerServiceImpl& operator=(const WorkerServiceImpl&) = delete;
+
+  grpc::Service* service();
+  void AddQueues(grpc::ServerBuilder& builder);
+  void Start();
+  // Waits up to `grace` for the sessions to end (the server's Shutdown cancels them), then
+  // stops the queues; a session that ends later starts no operation.
+  void Stop(absl::Duration grace);
 
  private:
-  Coordinator* const coordinator_;
-  // Destroyed after the server stopped (it is declared before the server): the sessions still
-  // ending post their last tasks here.
-  StrandPool strands_;
+  const std::unique_ptr<Hub> hub_;
+  const int queue_count_;
 };
 
 class StoreServiceImpl final : public v1::StoreService::Service {

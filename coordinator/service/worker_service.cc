@@ -1,13 +1,14 @@
-// WorkerService: one Session stream per worker, on gRPC's callback API, so the coordinator's
-// thread count does not grow with its workers. Reads run in gRPC's reactions, which never
-// block: a heartbeat is recorded on the spot (an atomic on the outbox), and every message that
-// needs the core is posted to the session's strand (StrandPool), which keeps the worker's order.
-// Writes leave the outbox one at a time. A broken stream is the fastest death signal: the core
-// hears about it as soon as the read fails.
+// WorkerService: one Session stream per worker, on gRPC's completion-queue API, so the
+// coordinator's thread count does not grow with its workers. Completions run on the queues'
+// threads and never block: a heartbeat is recorded on the spot (an atomic on the outbox), and
+// every message that needs the core is posted to the session's strand (StrandPool), which keeps
+// the worker's order. Writes leave the outbox one at a time. A broken stream is the fastest
+// death signal: the core hears about it as soon as the read fails.
 #include <algorithm>
 #include <deque>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,41 +27,82 @@ namespace {
 // coordinator's time.
 constexpr double kBurst = 2000, kPerSecond = 500;
 
-// The life of a session: Start admits the caller and reads the register message; the strand
-// registers it with the coordinator; reads go on until the stream ends or floods, and End
-// finishes the call once no write is in flight. The reactor owns itself (self_) until OnDone;
-// strand tasks hold it too, but after Finish they touch neither gRPC nor the context.
-//
-// Threads: the reactions (OnReadDone, OnWriteDone, OnDone) run on gRPC's threads and take only
-// mu_, never the coordinator's lock. Push and Close come from any thread, the coordinator's lock
-// held or not. The strand's tasks run on the pool, one at a time.
-class WorkerSession final
-    : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>,
-      public SessionOutbox,
-      public std::enable_shared_from_this<WorkerSession> {
- public:
-  WorkerSession(Coordinator* coordinator, StrandPool* pool, grpc::CallbackServerContext* context)
-      : coordinator_(coordinator), pool_(pool), strand_(pool->NewStrand()), context_(context) {}
+// One queued gRPC operation of a session. The queue's thread calls Proceed with the outcome; a
+// started operation holds its session (keep), so a session lives until its last one returns.
+struct QueueTag {
+  virtual ~QueueTag() = default;
+  virtual void Proceed(bool ok) = 0;
+};
 
-  void Start() {
-    self_ = shared_from_this();
-    if (grpc::Status s = coordinator_->gate().Admit(*context_, Role::kWorker); !s.ok()) {
-      return End(s, /*cancel=*/false);
-    }
-    StartRead(&in_);
+}  // namespace
+
+// What the sessions share: the service, the queues, and the strands.
+struct WorkerServiceImpl::Hub {
+  explicit Hub(Coordinator* c) : coordinator(c) {}
+  Coordinator* const coordinator;
+  v1::WorkerService::AsyncService service;
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues;
+  std::vector<std::thread> threads;
+  // Operations start under a reader lock and only while the queues run: a session's last
+  // strand task may end it after Stop, and then starts nothing.
+  absl::Mutex ops_mu;
+  bool stopped ABSL_GUARDED_BY(ops_mu) = false;
+  absl::Mutex live_mu;
+  int live ABSL_GUARDED_BY(live_mu) = 0;  // sessions in existence, waiting ones included
+  // Last: destroyed first, running the tasks still posted while the rest is intact.
+  StrandPool strands{kSessionThreads};
+};
+
+namespace {
+
+// The life of a session: Await asks gRPC for the next call on one queue; once accepted, it
+// admits the caller and reads the register message, which the strand registers with the
+// coordinator; reads go on until the stream ends or floods, and End finishes the call once no
+// write is in flight.
+//
+// Threads: the queue's thread runs the completions (OnAccepted, OnRead, OnWrite), which never
+// block and never take the coordinator's lock. Push and Close come from any thread, the
+// coordinator's lock held or not. The strand's tasks run on the pool, one at a time.
+class WorkerSession final : public SessionOutbox,
+                            public std::enable_shared_from_this<WorkerSession> {
+ public:
+  using Hub = WorkerServiceImpl::Hub;
+
+  WorkerSession(Hub* hub, grpc::ServerCompletionQueue* queue)
+      : hub_(hub),
+        queue_(queue),
+        coordinator_(hub->coordinator),
+        strand_(hub->strands.NewStrand()),
+        stream_(&context_) {
+    absl::MutexLock lock(&hub_->live_mu);
+    ++hub_->live;
+  }
+  ~WorkerSession() override {
+    absl::MutexLock lock(&hub_->live_mu);
+    --hub_->live;
+  }
+
+  // Waits for the next worker on `queue`.
+  static void Await(Hub* hub, grpc::ServerCompletionQueue* queue) {
+    auto session = std::make_shared<WorkerSession>(hub, queue);
+    WorkerSession* s = session.get();
+    s->StartOp(&s->accepted_, [s] {
+      s->hub_->service.RequestSession(&s->context_, &s->stream_, s->queue_, s->queue_,
+                                      &s->accepted_);
+    });
   }
 
   void Push(v1::CoordinatorMessage message) override {
     {
       absl::MutexLock lock(&mu_);
       if (closed_) return;
-      queue_.push_back(std::move(message));
+      messages_.push_back(std::move(message));
       if (writing_) return;
       writing_ = true;
-      out_ = std::move(queue_.front());
-      queue_.pop_front();
+      out_ = std::move(messages_.front());
+      messages_.pop_front();
     }
-    StartWrite(&out_);  // Finish waits for its OnWriteDone (writing_)
+    StartWrite();  // Finish waits for its completion (writing_)
   }
 
   void Close() override {
@@ -68,11 +110,52 @@ class WorkerSession final
         /*cancel=*/true);
   }
 
-  void OnReadDone(bool ok) override {
+ private:
+  struct Op final : QueueTag {
+    Op(WorkerSession* s, void (WorkerSession::*f)(bool)) : session(s), on_done(f) {}
+    void Proceed(bool ok) override {
+      std::shared_ptr<WorkerSession> hold = std::move(keep);
+      (session->*on_done)(ok);
+    }
+    WorkerSession* const session;
+    void (WorkerSession::*const on_done)(bool);
+    std::shared_ptr<WorkerSession> keep;  // while the operation is queued
+  };
+
+  // Starts one operation unless the queues have stopped; false when it did not start.
+  template <typename Start>
+  bool StartOp(Op* op, Start start) {
+    absl::ReaderMutexLock lock(&hub_->ops_mu);
+    if (hub_->stopped) return false;
+    op->keep = shared_from_this();  // before the start: it may complete at once elsewhere
+    start();
+    return true;
+  }
+
+  void StartRead() {
+    StartOp(&read_, [this] { stream_.Read(&in_, &read_); });
+  }
+
+  void StartWrite() {
+    if (StartOp(&write_, [this] { stream_.Write(out_, &write_); })) return;
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    closed_ = true;
+  }
+
+  void OnAccepted(bool ok) {
+    if (!ok) return;  // the server is shutting down
+    Await(hub_, queue_);  // the next worker's call
+    if (grpc::Status s = coordinator_->gate().Admit(context_, Role::kWorker); !s.ok()) {
+      return End(s, /*cancel=*/false);
+    }
+    StartRead();
+  }
+
+  void OnRead(bool ok) {
     if (!ok) {
-      std::string reason = context_->IsCancelled() ? "connection lost" : "session closed by the worker";
-      return Post([reason = std::move(reason)](WorkerSession& s) {
-        s.Disconnect(reason);
+      return Post([](WorkerSession& s) {
+        s.Disconnect("connection lost");
         s.End(grpc::Status::OK, /*cancel=*/true);
       });
     }
@@ -80,10 +163,11 @@ class WorkerSession final
       read_register_ = true;
       if (grpc::Status s = CheckRegister(); !s.ok()) return End(s, /*cancel=*/false);
       Post([request = in_.register_()](WorkerSession& s) { s.Register(request); });
-      return StartRead(&in_);
+      return StartRead();
     }
     const absl::Time now = absl::Now();
-    allowance_ = std::min(kBurst, allowance_ + kPerSecond * absl::ToDoubleSeconds(now - last_read_));
+    allowance_ =
+        std::min(kBurst, allowance_ + kPerSecond * absl::ToDoubleSeconds(now - last_read_));
     last_read_ = now;
     if (--allowance_ < 0) {
       std::string reason =
@@ -102,31 +186,28 @@ class WorkerSession final
     } else {
       Post([message = std::move(in_)](WorkerSession& s) { s.Handle(message); });
     }
-    StartRead(&in_);
+    StartRead();
   }
 
-  void OnWriteDone(bool ok) override {
+  void OnWrite(bool ok) {
     bool more = false;
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
-      if (ok && !closed_ && !queue_.empty()) {
+      if (ok && !closed_ && !messages_.empty()) {
         writing_ = true;
-        out_ = std::move(queue_.front());
-        queue_.pop_front();
+        out_ = std::move(messages_.front());
+        messages_.pop_front();
         more = true;
       }
     }
-    if (more) return StartWrite(&out_);
+    if (more) return StartWrite();
     if (!ok) return End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"), false);
     FinishIfEnded();  // End came while this write was in flight
   }
 
-  void OnDone() override {
-    std::shared_ptr<WorkerSession> last = std::move(self_);  // may be the last reference
-  }
+  void OnFinished(bool) {}
 
- private:
   // Under mutual TLS a worker is who its certificate says: its name is the certificate's
   // common name, so holding the token and a certificate does not make one any worker.
   grpc::Status CheckRegister() {
@@ -134,7 +215,7 @@ class WorkerSession final
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "the first message of a session must be register");
     }
-    const auto auth = context_->auth_context();
+    const auto auth = context_.auth_context();
     if (auth == nullptr || !auth->IsPeerAuthenticated()) return grpc::Status::OK;
     const std::vector<grpc::string_ref> names = auth->FindPropertyValues("x509_common_name");
     const std::string certified =
@@ -151,7 +232,7 @@ class WorkerSession final
   // Runs task(*this) on the session's strand, after everything posted before it.
   template <typename Task>
   void Post(Task task) {
-    pool_->Post(strand_, [self = shared_from_this(), task = std::move(task)]() mutable {
+    hub_->strands.Post(strand_, [self = shared_from_this(), task = std::move(task)]() mutable {
       task(*self);
     });
   }
@@ -167,9 +248,8 @@ class WorkerSession final
         status_ = std::move(status);
       }
       closed_ = true;
-      queue_.clear();
-      // Before Finish the call, and so the context, is alive (OnDone follows Finish).
-      if (cancel && writing_ && !finish_called_) context_->TryCancel();
+      messages_.clear();
+      if (cancel && writing_) context_.TryCancel();
     }
     FinishIfEnded();
   }
@@ -182,7 +262,7 @@ class WorkerSession final
       finish_called_ = true;
       status = status_;
     }
-    Finish(status);
+    StartOp(&finished_, [&] { stream_.Finish(status, &finished_); });
   }
 
   // Strand only, from here on.
@@ -273,11 +353,16 @@ class WorkerSession final
     }
   }
 
+  Hub* const hub_;
+  grpc::ServerCompletionQueue* const queue_;
   Coordinator* const coordinator_;
-  StrandPool* const pool_;
   const std::shared_ptr<StrandPool::Strand> strand_;
-  grpc::CallbackServerContext* const context_;  // valid until Finish completes
-  std::shared_ptr<WorkerSession> self_;          // set by Start, dropped by OnDone
+  grpc::ServerContext context_;
+  grpc::ServerAsyncReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage> stream_;
+  Op accepted_{this, &WorkerSession::OnAccepted};
+  Op read_{this, &WorkerSession::OnRead};
+  Op write_{this, &WorkerSession::OnWrite};
+  Op finished_{this, &WorkerSession::OnFinished};
 
   // Read side: one read in flight at a time, so only its reaction touches these.
   v1::WorkerMessage in_;
@@ -292,7 +377,7 @@ class WorkerSession final
 
   // Write side and the end of the call.
   absl::Mutex mu_;
-  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::CoordinatorMessage> messages_ ABSL_GUARDED_BY(mu_);
   // The write in flight while writing_: set under mu_ only when no write is in flight, then
   // read by gRPC until OnWriteDone.
   v1::CoordinatorMessage out_;
@@ -305,14 +390,42 @@ class WorkerSession final
 
 }  // namespace
 
-WorkerServiceImpl::WorkerServiceImpl(Coordinator* coordinator)
-    : coordinator_(coordinator), strands_(kSessionThreads) {}
+WorkerServiceImpl::WorkerServiceImpl(Coordinator* coordinator, int queues)
+    : hub_(std::make_unique<Hub>(coordinator)), queue_count_(std::max(1, queues)) {}
 
-grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* WorkerServiceImpl::Session(
-    grpc::CallbackServerContext* context) {
-  auto session = std::make_shared<WorkerSession>(coordinator_, &strands_, context);
-  session->Start();
-  return session.get();  // it owns itself until OnDone
+WorkerServiceImpl::~WorkerServiceImpl() { Stop(absl::ZeroDuration()); }
+
+grpc::Service* WorkerServiceImpl::service() { return &hub_->service; }
+
+void WorkerServiceImpl::AddQueues(grpc::ServerBuilder& builder) {
+  for (int i = 0; i < queue_count_; ++i) hub_->queues.push_back(builder.AddCompletionQueue());
+}
+
+void WorkerServiceImpl::Start() {
+  for (auto& queue : hub_->queues) {
+    WorkerSession::Await(hub_.get(), queue.get());
+    hub_->threads.emplace_back([queue = queue.get()] {
+      void* tag = nullptr;
+      bool ok = false;
+      while (queue->Next(&tag, &ok)) static_cast<QueueTag*>(tag)->Proceed(ok);
+    });
+  }
+}
+
+void WorkerServiceImpl::Stop(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&hub_->live_mu);
+    hub_->live_mu.AwaitWithTimeout(
+        absl::Condition(+[](int* live) { return *live == 0; }, &hub_->live), grace);
+  }
+  {
+    absl::MutexLock lock(&hub_->ops_mu);
+    if (hub_->stopped) return;
+    hub_->stopped = true;
+    for (auto& queue : hub_->queues) queue->Shutdown();
+  }
+  // Next returns every queued operation (not ok) before it returns false.
+  for (std::thread& t : hub_->threads) t.join();
 }
 
 }  // namespace lockstep::coordinator

@@ -143,6 +143,12 @@ TEST_F(CoreTest, RegistrationAssignsIdsAndRefusesDuplicateLiveNames) {
   core_.WorkerDisconnected(a, "stream closed", now_, &d);
   EXPECT_TRUE(core_.RegisterWorker(dup, now_, &d).ok());
   EXPECT_EQ(core_.ListWorkers().size(), 3u);
+  // ... and then it is held again, by the new one.
+  EXPECT_EQ(core_.RegisterWorker(dup, now_, &d).status().code(), absl::StatusCode::kAlreadyExists);
+  // A worker lost to heartbeat silence frees its name too.
+  now_ += absl::Seconds(60);
+  Tick();
+  EXPECT_TRUE(core_.RegisterWorker(dup, now_, &d).ok());
 }
 
 TEST(RegistrationTest, NamesAndFieldsAreBoundedAndPrintable) {
