@@ -954,8 +954,15 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     }
   }
   // Bounded: a job that re-forms without end keeps its latest generations.
-  if (job.job.generations_size() > kMaxGenerations) {
-    job.job.mutable_generations()->DeleteSubrange(0, job.job.generations_size() - kMaxGenerations);
+  int keep = 0;
+  int64_t members_kept = 0;
+  for (int i = job.job.generations_size() - 1; i >= 0; --i) {
+    members_kept += job.job.generations(i).member_ids_size();
+    if (keep >= 2 && (keep >= kMaxGenerations || members_kept > kMaxGenerationMembers)) break;
+    ++keep;
+  }
+  if (job.job.generations_size() > keep) {
+    job.job.mutable_generations()->DeleteSubrange(0, job.job.generations_size() - keep);
   }
   AddEvent(job, v1::JobEvent::STATE, "running", now, out);
   AddEvent(job, v1::JobEvent::MEMBERSHIP,

@@ -80,10 +80,14 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& request);
 // Not thread-safe: the shell serializes all calls under one mutex.
 class Core {
  public:
-  // Generations kept in a job's timeline (Job.generations); older ones are dropped.
+  // Generations kept in a job's timeline (Job.generations): at most this many, and older ones
+  // go while the records hold more than kMaxGenerationMembers members in all (so a job of
+  // 10,000 workers keeps its last 10 or so, not 256 copies of its member list). The latest
+  // two always stay: the next one's joined and left come from them.
   static constexpr int kMaxGenerations = 256;
+  static constexpr int kMaxGenerationMembers = 100'000;
   // Member names an assignment carries (for logs and errors; ranks beyond go by number).
-  static constexpr size_t kMaxAssignmentNames = 64;
+  static constexpr size_t kMaxAssignmentNames = 16;
   // ListJobs pages: the default and largest job counts, and the bytes a page stays under.
   static constexpr int kDefaultJobsPerPage = 100;
   static constexpr int kMaxJobsPerPage = 1000;

@@ -504,6 +504,36 @@ TEST_F(CoreTest, EventsAndAssignmentsDoNotGrowWithTheMembers) {
   EXPECT_TRUE(Job(job).spec().has_model());
 }
 
+// A wide job that re-forms again and again keeps the generation records its member budget
+// allows, not kMaxGenerations copies of a thousand-member list.
+TEST_F(CoreTest, GenerationHistoryIsBoundedByItsMembers) {
+  constexpr int kWorkers = 1000, kLosses = 150;
+  std::vector<std::string> ids;
+  for (int i = 0; i < kWorkers; ++i) ids.push_back(Register("w" + std::to_string(i)));
+  v1::JobSpec spec = Spec(1, kWorkers);
+  spec.set_micro_shards(kWorkers);
+  spec.set_global_batch_size(kWorkers);
+  spec.set_max_restarts(kLosses);
+  const std::string job = Submit(spec);
+  for (int i = 0; i < kLosses; ++i) {
+    Decisions d;
+    now_ += absl::Milliseconds(10);
+    core_.WorkerDisconnected(ids[kWorkers - 1 - i], "stream closed", now_, &d);
+  }
+  const v1::Job j = Job(job);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(j.generation(), kLosses + 1);
+  int64_t members = 0;
+  for (const v1::Generation& g : j.generations()) members += g.member_ids_size();
+  EXPECT_LT(j.generations_size(), kLosses + 1) << "older generations were dropped";
+  EXPECT_GT(j.generations_size(), 2);
+  EXPECT_LE(members, Core::kMaxGenerationMembers);
+  EXPECT_GT(members + kWorkers, Core::kMaxGenerationMembers) << "no more dropped than needed";
+  EXPECT_EQ(j.generations().rbegin()->generation(), kLosses + 1);
+  EXPECT_EQ(j.generations().rbegin()->member_ids_size(), kWorkers - kLosses);
+  EXPECT_EQ(j.generations().rbegin()->left_size(), 1) << "joined and left still come out right";
+}
+
 // A job behind a head job that cannot start says what it waits for.
 TEST_F(CoreTest, JobsQueuedBehindTheHeadSayWhy) {
   Register("w0");
