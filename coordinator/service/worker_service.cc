@@ -287,25 +287,20 @@ class WorkerSession final : public SessionOutbox,
     absl::Status status;
     std::string job_id;
     int64_t generation = 0;
-    auto call = [&](auto report) {
+    // One report: its job and generation kept for the answer below, then the core's verdict.
+    auto report = [&](const auto& r, auto method) {
+      job_id = r.job_id();
+      generation = r.generation();
       status = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
-        return report(core, now, d);
+        return (core.*method)(worker_id_, r, now, d);
       });
     };
     switch (message.kind_case()) {
       case v1::WorkerMessage::kProgress:
-        job_id = message.progress().job_id();
-        generation = message.progress().generation();
-        call([&](Core& core, absl::Time now, Decisions* d) {
-          return core.ReportProgress(worker_id_, message.progress(), now, d);
-        });
+        report(message.progress(), &Core::ReportProgress);
         break;
       case v1::WorkerMessage::kFailure:
-        job_id = message.failure().job_id();
-        generation = message.failure().generation();
-        call([&](Core& core, absl::Time now, Decisions* d) {
-          return core.ReportFailure(worker_id_, message.failure(), now, d);
-        });
+        report(message.failure(), &Core::ReportFailure);
         // Logged once the report was a member's (the job's events record it too).
         if (status.ok()) {
           LOG(WARNING) << "worker " << worker_id_ << " reports failure in " << job_id << " g"
@@ -313,30 +308,19 @@ class WorkerSession final : public SessionOutbox,
         }
         break;
       case v1::WorkerMessage::kResumed:
-        job_id = message.resumed().job_id();
-        generation = message.resumed().generation();
-        call([&](Core& core, absl::Time now, Decisions* d) {
-          return core.ReportResumed(worker_id_, message.resumed(), now, d);
-        });
+        report(message.resumed(), &Core::ReportResumed);
         break;
       case v1::WorkerMessage::kCheckpoint:
-        job_id = message.checkpoint().job_id();
-        generation = message.checkpoint().generation();
         if (!message.checkpoint().error().empty()) {
-          LOG(WARNING) << "worker " << worker_id_ << ": checkpoint of " << job_id << " at step "
+          LOG(WARNING) << "worker " << worker_id_ << ": checkpoint of "
+                       << message.checkpoint().job_id() << " at step "
                        << message.checkpoint().step()
                        << " not written: " << message.checkpoint().error();
         }
-        call([&](Core& core, absl::Time now, Decisions* d) {
-          return core.ReportCheckpoint(worker_id_, message.checkpoint(), now, d);
-        });
+        report(message.checkpoint(), &Core::ReportCheckpoint);
         break;
       case v1::WorkerMessage::kFinished:
-        job_id = message.finished().job_id();
-        generation = message.finished().generation();
-        call([&](Core& core, absl::Time now, Decisions* d) {
-          return core.ReportFinished(worker_id_, message.finished(), now, d);
-        });
+        report(message.finished(), &Core::ReportFinished);
         break;
       default:
         status = absl::InvalidArgumentError("unexpected message on an established session");
