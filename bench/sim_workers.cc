@@ -7,6 +7,10 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/client_callback.h"
 
+// The store's session-key header (common/auth.h), spelled here so that the simulation links
+// only the generated API.
+constexpr char kSessionKeyHeader[] = "x-lockstep-session";
+
 namespace lockstep::bench {
 
 v1::JobSpec SimulatedJob(int min_workers, int max_workers) {
@@ -63,7 +67,10 @@ class SimWorkers::Worker
     if (!ok) return ReleaseHold();
     {
       absl::MutexLock lock(&tally_->mu);
-      if (in_.has_registered()) ++tally_->registered;
+      if (in_.has_registered()) {
+        ++tally_->registered;
+        tally_->session_keys[index_] = in_.registered().session_key();
+      }
       if (in_.has_assignment()) {
         ++tally_->assigned[in_.assignment().generation()];
         tally_->ranks[index_][in_.assignment().generation()] = in_.assignment().rank();
@@ -118,12 +125,15 @@ SimWorkers::SimWorkers(const std::string& address, SimWorkersOptions options) {
     grpc::ChannelArguments args;
     args.SetInt("lockstep.sim.channel", i);  // a distinct connection each
     args.SetMaxReceiveMessageSize(64 << 20);
-    stubs_.push_back(v1::WorkerService::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    stubs_.push_back(v1::WorkerService::NewStub(channel));
+    store_stubs_.push_back(v1::StoreService::NewStub(channel));
   }
+  per_channel_ = per_channel;
   {
     absl::MutexLock lock(&tally_.mu);
     tally_.ranks.resize(n);
+    tally_.session_keys.resize(n);
   }
   // Hosts dealt round-robin, so registration order interleaves them: ranks are contiguous per
   // host only because the coordinator makes them so.
@@ -147,6 +157,11 @@ SimWorkers::~SimWorkers() {
   heart_.join();
   for (auto& w : workers_) w->Drop();
   absl::MutexLock lock(&tally_.mu);
+  // Store calls still in flight answer into the tally (their deadlines bound the wait).
+  auto store_answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(tally_.mu) {
+    return tally_.store_answers == tally_.store_started;
+  };
+  tally_.mu.Await(absl::Condition(&store_answered));
   auto all_ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(tally_.mu) {
     return tally_.ended == size();
   };
@@ -197,6 +212,75 @@ int SimWorkers::registered() {
 int SimWorkers::ended() {
   absl::MutexLock lock(&tally_.mu);
   return tally_.ended;
+}
+
+struct SimWorkers::StoreCall {
+  grpc::ClientContext context;
+  v1::StoreWaitRequest request;
+  v1::StoreWaitResponse response;
+};
+
+int SimWorkers::StartStoreWaits(const std::string& job_id, int64_t generation,
+                                const std::string& key, absl::Duration timeout) {
+  std::vector<std::pair<int, std::string>> members;  // (worker, session key)
+  {
+    absl::MutexLock lock(&tally_.mu);
+    for (int i = 0; i < size(); ++i) {
+      if (tally_.ranks[i].count(generation) > 0) members.emplace_back(i, tally_.session_keys[i]);
+    }
+  }
+  {
+    absl::MutexLock lock(&tally_.mu);
+    tally_.store_started += static_cast<int>(members.size());
+  }
+  for (const auto& [i, session_key] : members) {
+    auto* call = new StoreCall;
+    call->context.AddMetadata(kSessionKeyHeader, session_key);
+    call->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(5)));
+    call->request.set_job_id(job_id);
+    call->request.set_generation(generation);
+    call->request.add_keys(key);
+    call->request.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
+    store_stubs_[i / per_channel_]->async()->Wait(
+        &call->context, &call->request, &call->response, [this, call](grpc::Status status) {
+          {
+            absl::MutexLock lock(&tally_.mu);
+            ++tally_.store_answers;
+            if (status.ok()) ++tally_.store_ok;
+          }
+          delete call;
+        });
+  }
+  return static_cast<int>(members.size());
+}
+
+absl::Status SimWorkers::StoreSet(int i, const std::string& job_id, int64_t generation,
+                                  const std::string& key, const std::string& value) {
+  grpc::ClientContext context;
+  {
+    absl::MutexLock lock(&tally_.mu);
+    context.AddMetadata(kSessionKeyHeader, tally_.session_keys.at(i));
+  }
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  v1::StoreSetRequest request;
+  request.set_job_id(job_id);
+  request.set_generation(generation);
+  request.set_key(key);
+  request.set_value(value);
+  v1::StoreSetResponse response;
+  const grpc::Status s = store_stubs_[i / per_channel_]->Set(&context, request, &response);
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+bool SimWorkers::WaitStoreAnswers(int count, absl::Duration timeout, int* ok) {
+  absl::MutexLock lock(&tally_.mu);
+  auto answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(tally_.mu) {
+    return tally_.store_answers >= count;
+  };
+  const bool reached = tally_.mu.AwaitWithTimeout(absl::Condition(&answered), timeout);
+  *ok = tally_.store_ok;
+  return reached;
 }
 
 }  // namespace lockstep::bench

@@ -14,7 +14,9 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/status/status.h"
 #include "lockstep/v1/job.pb.h"
+#include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
 
 namespace lockstep::bench {
@@ -43,6 +45,16 @@ class SimWorkers {
 
   // Ends worker i's stream, as a dying worker's would end.
   void Drop(int i);
+
+  // The bootstrap store, as members forming a group use it. Every worker holding an assignment
+  // to (job_id, generation) starts a StoreService.Wait for `key` at once and returns; the
+  // answers are counted (WaitStoreAnswers). StoreSet sets a key as worker i.
+  int StartStoreWaits(const std::string& job_id, int64_t generation, const std::string& key,
+                      absl::Duration timeout);
+  absl::Status StoreSet(int i, const std::string& job_id, int64_t generation,
+                        const std::string& key, const std::string& value);
+  // Until `count` waits have been answered; false after `timeout`. *ok: how many were OK.
+  bool WaitStoreAnswers(int count, absl::Duration timeout, int* ok);
   int size() const { return static_cast<int>(workers_.size()); }
   const std::string& host(int i) const;
   // Worker i's rank in `generation` (-1: not assigned to it).
@@ -60,12 +72,19 @@ class SimWorkers {
     std::map<int64_t, int> assigned ABSL_GUARDED_BY(mu);  // generation -> workers assigned
     std::map<int64_t, int> aborted ABSL_GUARDED_BY(mu);   // generation -> workers aborted
     std::vector<std::map<int64_t, int>> ranks ABSL_GUARDED_BY(mu);  // per worker
+    std::vector<std::string> session_keys ABSL_GUARDED_BY(mu);     // per worker
+    int store_started ABSL_GUARDED_BY(mu) = 0;
+    int store_answers ABSL_GUARDED_BY(mu) = 0;
+    int store_ok ABSL_GUARDED_BY(mu) = 0;
   };
   bool WaitCount(std::map<int64_t, int> Tally::*counts, int64_t generation, int count,
                  absl::Duration timeout);
 
   Tally tally_;
   std::vector<std::unique_ptr<v1::WorkerService::Stub>> stubs_;
+  std::vector<std::unique_ptr<v1::StoreService::Stub>> store_stubs_;  // on the same channels
+  int per_channel_ = 1;
+  struct StoreCall;  // one Wait in flight
   std::vector<std::unique_ptr<Worker>> workers_;
   std::vector<std::string> hosts_;
   std::atomic<bool> beating_{true};

@@ -250,7 +250,6 @@ int main(int argc, char** argv) {
                << " (address in use or invalid?)";
     return 1;
   }
-  workers.Start();
   LOG(INFO) << "lockstep-coordinator serving on port " << port;
   if (const std::string file = absl::GetFlag(FLAGS_port_file); !file.empty()) {
     if (absl::Status s = lockstep::WriteFileAtomically(file, absl::StrCat(port, "\n"),
@@ -261,6 +260,8 @@ int main(int argc, char** argv) {
     }
   }
 
+  // Sessions start only now: every return above leaves before any exists.
+  workers.Start();
   std::signal(SIGINT, RequestStop);
   std::signal(SIGTERM, RequestStop);
   while (!g_stop_requested) {

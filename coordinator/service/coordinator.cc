@@ -159,19 +159,24 @@ absl::Status Coordinator::StoreSet(const std::string& session_key, const std::st
   return store_.Set({job_id, generation}, key, std::move(value));
 }
 
-absl::StatusOr<std::string> Coordinator::StoreWait(const std::string& session_key,
+BootstrapStore::WaitId Coordinator::StoreWaitAsync(const std::string& session_key,
                                                    const std::string& job_id, int64_t generation,
-                                                   const std::vector<std::string>& keys,
+                                                   std::vector<std::string> keys,
                                                    absl::Duration timeout,
-                                                   grpc::ServerContext* context) {
+                                                   BootstrapStore::WaitDone done) {
+  absl::Status fenced;
   {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = StoreFence(session_key, job_id, generation); !s.ok()) return s;
+    fenced = StoreFence(session_key, job_id, generation);
+  }
+  if (!fenced.ok()) {
+    done(std::move(fenced));
+    return 0;
   }
   // The scope was open under mu_ just now; if the generation ends from here on, the store
   // closes the scope and the wait ends with ABORTED.
-  return store_.Wait({job_id, generation}, keys, absl::Now() + timeout,
-                     [context] { return context != nullptr && context->IsCancelled(); });
+  return store_.WaitAsync({job_id, generation}, std::move(keys), absl::Now() + timeout,
+                          std::move(done));
 }
 
 absl::StatusOr<std::vector<v1::JobEvent>> Coordinator::WaitEvents(const std::string& job_id,
@@ -214,6 +219,7 @@ void Coordinator::Tick() {
     core.Tick(now, d);
     return 0;
   });
+  store_.Expire(absl::Now());
 }
 
 ClusterCounts Coordinator::Counts() {

@@ -30,14 +30,15 @@
 namespace lockstep::coordinator {
 
 // Outbound side of one worker's Session stream, as the coordinator sees it. The session
-// (worker_service.cc) implements it on gRPC's callback API: Push starts a write when none is in
+// (worker_service.cc) implements it on a completion queue: Push starts a write when none is in
 // flight, and never blocks.
 class SessionOutbox {
  public:
   virtual ~SessionOutbox() = default;
   // Queues a message for the worker; dropped once the session is closed.
   virtual void Push(v1::CoordinatorMessage message) = 0;
-  // Ends the session: queued messages are dropped and the stream is cancelled.
+  // Ends the session: queued messages are dropped, and the call finishes (cancelled, if a write
+  // is still in flight).
   virtual void Close() = 0;
   // The worker's latest heartbeat, kept here without any lock: the tick hands it to the core
   // (Coordinator::Tick), so heartbeats never wait for the core, and a core busy for a while
@@ -99,17 +100,21 @@ class Coordinator {
   // live session, or a worker that is not a member of the job.
   absl::Status StoreSet(const std::string& session_key, const std::string& job_id,
                         int64_t generation, const std::string& key, std::string value);
-  // Waits until every key exists; returns the value of the first one.
-  absl::StatusOr<std::string> StoreWait(const std::string& session_key, const std::string& job_id,
-                                        int64_t generation, const std::vector<std::string>& keys,
-                                        absl::Duration timeout, grpc::ServerContext* context);
+  // Waits until every key exists, behind the same fence, without holding a thread: `done` gets
+  // the value of the first key (or why not, as BootstrapStore::WaitAsync) exactly once,
+  // possibly on this thread before the call returns. The tick expires the deadline. Returns the
+  // id for CancelStoreWait (0 when the wait ended at once).
+  BootstrapStore::WaitId StoreWaitAsync(const std::string& session_key, const std::string& job_id,
+                                        int64_t generation, std::vector<std::string> keys,
+                                        absl::Duration timeout, BootstrapStore::WaitDone done);
+  void CancelStoreWait(BootstrapStore::WaitId id) { store_.Cancel(id); }
 
   // Events with sequence >= from; blocks up to `timeout` when there are none yet. Sets
   // *finished when the job has ended and every event has been returned.
   absl::StatusOr<std::vector<v1::JobEvent>> WaitEvents(const std::string& job_id, int64_t from,
                                                        absl::Duration timeout, bool* finished);
 
-  // Hands the sessions' heartbeats to the core, then runs its timers.
+  // Hands the sessions' heartbeats to the core, then runs its timers and the store's deadlines.
   void Tick();
   // Wakes the tick loop (WaitForTick) at once: a submitted job is started there.
   void TickSoon();

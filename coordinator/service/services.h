@@ -42,7 +42,8 @@ class JobServiceImpl final : public v1::JobService::Service {
 // each message cost O(workers), and a fan-out to N workers O(N^2).
 //
 // Use: RegisterService(service()) and AddQueues(builder) before BuildAndStart, Start() after
-// it; Stop() after the server's Shutdown (the destructor stops too).
+// it; Stop() after the server's Shutdown. The destructor stops too, so the server must be shut
+// down or destroyed before this object is (declare the server after it).
 class WorkerServiceImpl final {
  public:
   static constexpr int kSessionThreads = 4;
@@ -66,15 +67,21 @@ class WorkerServiceImpl final {
   const int queue_count_;
 };
 
-class StoreServiceImpl final : public v1::StoreService::Service {
+// The bootstrap store. Set answers at once; Get and Wait are on the callback API and hold no
+// thread while they wait (a generation's members wait for their peers' keys together).
+class StoreServiceImpl final
+    : public v1::StoreService::WithCallbackMethod_Get<
+          v1::StoreService::WithCallbackMethod_Wait<v1::StoreService::Service>> {
  public:
   explicit StoreServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
   grpc::Status Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                    v1::StoreSetResponse* response) override;
-  grpc::Status Get(grpc::ServerContext* context, const v1::StoreGetRequest* request,
-                   v1::StoreGetResponse* response) override;
-  grpc::Status Wait(grpc::ServerContext* context, const v1::StoreWaitRequest* request,
-                    v1::StoreWaitResponse* response) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
+                                const v1::StoreGetRequest* request,
+                                v1::StoreGetResponse* response) override;
+  grpc::ServerUnaryReactor* Wait(grpc::CallbackServerContext* context,
+                                 const v1::StoreWaitRequest* request,
+                                 v1::StoreWaitResponse* response) override;
 
  private:
   Coordinator* const coordinator_;

@@ -1,5 +1,13 @@
-// StoreService: the bootstrap key-value store used to form communicator groups.
+// StoreService: the bootstrap key-value store used to form communicator groups. Get and Wait
+// hold no thread while they wait: the store finishes the call when the key arrives.
+#include <atomic>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/auth.h"
 #include "common/grpc_status.h"
 #include "coordinator/service/services.h"
@@ -25,6 +33,64 @@ absl::Duration WaitTimeout(int64_t timeout_ms) {
   return std::min(absl::Milliseconds(timeout_ms), kMaxWait);
 }
 
+// A Get or Wait in flight. The store's callback fills the response and finishes the call
+// (exactly once); a cancelled call cancels its wait. The reactor goes once both Start has
+// returned and gRPC is done with it: the wait may end on another thread while Start still runs.
+class StoreWaitReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit StoreWaitReactor(Coordinator* coordinator) : coordinator_(coordinator) {}
+
+  void Refuse(const grpc::Status& status) {
+    Finish(status);
+    Release();
+  }
+
+  void Start(const std::string& session_key, const std::string& job_id, int64_t generation,
+             std::vector<std::string> keys, absl::Duration timeout,
+             std::function<void(std::string)> on_value) {
+    const BootstrapStore::WaitId id = coordinator_->StoreWaitAsync(
+        session_key, job_id, generation, std::move(keys), timeout,
+        [this, on_value = std::move(on_value)](absl::StatusOr<std::string> value) {
+          if (value.ok() && on_value) on_value(*std::move(value));
+          Finish(ToGrpcStatus(value.status()));
+        });
+    bool cancel = false;
+    {
+      absl::MutexLock lock(&mu_);
+      id_ = id;
+      started_ = true;
+      cancel = cancelled_;
+    }
+    if (cancel) coordinator_->CancelStoreWait(id);
+    Release();
+  }
+
+  void OnCancel() override {
+    BootstrapStore::WaitId id = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      if (!started_) return;  // Start cancels it
+      id = id_;
+    }
+    coordinator_->CancelStoreWait(id);  // a wait that ended already is left alone
+  }
+
+  void OnDone() override { Release(); }
+
+ private:
+  void Release() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+  Coordinator* const coordinator_;
+  std::atomic<int> refs_{2};  // Start (or Refuse), and OnDone
+  absl::Mutex mu_;
+  BootstrapStore::WaitId id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 }  // namespace
 
 grpc::Status StoreServiceImpl::Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
@@ -44,33 +110,42 @@ grpc::Status StoreServiceImpl::Set(grpc::ServerContext* context, const v1::Store
                                              request->value()));
 }
 
-grpc::Status StoreServiceImpl::Get(grpc::ServerContext* context, const v1::StoreGetRequest* request,
-                                   v1::StoreGetResponse* response) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker); !s.ok()) return s;
-  if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
-  if (request->key().empty()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
+grpc::ServerUnaryReactor* StoreServiceImpl::Get(grpc::CallbackServerContext* context,
+                                                const v1::StoreGetRequest* request,
+                                                v1::StoreGetResponse* response) {
+  grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker);
+  if (s.ok()) s = CheckScope(request->job_id(), request->generation());
+  if (s.ok() && request->key().empty()) {
+    s = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
   }
-  absl::StatusOr<std::string> value =
-      coordinator_->StoreWait(SessionKey(*context), request->job_id(), request->generation(),
-                              {request->key()}, WaitTimeout(request->timeout_ms()), context);
-  if (!value.ok()) return ToGrpcStatus(value.status());
-  response->set_value(*std::move(value));
-  return grpc::Status::OK;
+  auto* reactor = new StoreWaitReactor(coordinator_);
+  if (!s.ok()) {
+    reactor->Refuse(s);
+    return reactor;
+  }
+  reactor->Start(SessionKey(*context), request->job_id(), request->generation(),
+                 {request->key()}, WaitTimeout(request->timeout_ms()),
+                 [response](std::string value) { response->set_value(std::move(value)); });
+  return reactor;
 }
 
-grpc::Status StoreServiceImpl::Wait(grpc::ServerContext* context,
-                                    const v1::StoreWaitRequest* request, v1::StoreWaitResponse*) {
-  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker); !s.ok()) return s;
-  if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
+grpc::ServerUnaryReactor* StoreServiceImpl::Wait(grpc::CallbackServerContext* context,
+                                                 const v1::StoreWaitRequest* request,
+                                                 v1::StoreWaitResponse*) {
+  grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker);
+  if (s.ok()) s = CheckScope(request->job_id(), request->generation());
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
   for (const std::string& k : keys) {
-    if (k.empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "keys: empty key");
+    if (s.ok() && k.empty()) s = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "keys: empty key");
   }
-  absl::StatusOr<std::string> value =
-      coordinator_->StoreWait(SessionKey(*context), request->job_id(), request->generation(), keys,
-                              WaitTimeout(request->timeout_ms()), context);
-  return ToGrpcStatus(value.status());
+  auto* reactor = new StoreWaitReactor(coordinator_);
+  if (!s.ok()) {
+    reactor->Refuse(s);
+    return reactor;
+  }
+  reactor->Start(SessionKey(*context), request->job_id(), request->generation(), std::move(keys),
+                 WaitTimeout(request->timeout_ms()), nullptr);
+  return reactor;
 }
 
 }  // namespace lockstep::coordinator

@@ -3,12 +3,13 @@
 // hold a thread while others wait.
 #include "coordinator/service/strand_pool.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace lockstep::coordinator {
 
 StrandPool::StrandPool(int threads) {
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+  for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { Run(); });
 }
 
 StrandPool::~StrandPool() {

@@ -4,8 +4,8 @@
 // strand each, so a session's reports reach the core in the order the worker sent them.
 //
 // Thread safety: Post and NewStrand may be called from any thread, including from a task.
-// The destructor runs every task already posted, then joins the threads; nothing may be posted
-// after it started.
+// The destructor runs every task posted before it, and every task those post, then joins the
+// threads; other threads must stop posting before it starts. Tasks must not throw.
 #pragma once
 
 #include <deque>
@@ -22,6 +22,7 @@ class StrandPool {
  public:
   class Strand;
 
+  // At least one thread.
   explicit StrandPool(int threads);
   ~StrandPool();
   StrandPool(const StrandPool&) = delete;

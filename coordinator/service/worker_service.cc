@@ -26,6 +26,10 @@ namespace {
 // client; no worker sends more than a few a second) ends the session instead of taking the
 // coordinator's time.
 constexpr double kBurst = 2000, kPerSecond = 500;
+// Messages a session may have queued for its worker. A worker holds two or three at most (an
+// abort and the next assignment); one that stops reading while its heartbeats go on would
+// otherwise grow the queue with every fan-out, so it is ended instead.
+constexpr size_t kMaxQueuedMessages = 1024;
 
 // One queued gRPC operation of a session. The queue's thread calls Proceed with the outcome; a
 // started operation holds its session (keep), so a session lives until its last one returns.
@@ -93,16 +97,27 @@ class WorkerSession final : public SessionOutbox,
   }
 
   void Push(v1::CoordinatorMessage message) override {
+    bool overflow = false;
     {
       absl::MutexLock lock(&mu_);
       if (closed_) return;
-      messages_.push_back(std::move(message));
-      if (writing_) return;
-      writing_ = true;
-      out_ = std::move(messages_.front());
-      messages_.pop_front();
+      overflow = messages_.size() >= kMaxQueuedMessages;
+      if (!overflow) {
+        messages_.push_back(std::move(message));
+        if (writing_) return;
+        writing_ = true;
+        out_ = std::move(messages_.front());
+        messages_.pop_front();
+      }
     }
-    StartWrite();  // Finish waits for its completion (writing_)
+    if (!overflow) return StartWrite();  // Finish waits for its completion (writing_)
+    const std::string reason = absl::StrCat("session ended: the worker read none of the last ",
+                                            kMaxQueuedMessages, " messages");
+    Post([reason](WorkerSession& s) {
+      LOG(WARNING) << "worker " << s.worker_id_ << ": " << reason;
+      s.Disconnect(reason);
+    });
+    End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, reason), /*cancel=*/true);
   }
 
   void Close() override {
@@ -153,6 +168,7 @@ class WorkerSession final : public SessionOutbox,
   }
 
   void OnRead(bool ok) {
+    if (ok && ending()) return;  // the session is over: what the worker still sent is dropped
     if (!ok) {
       return Post([](WorkerSession& s) {
         s.Disconnect("connection lost");
@@ -162,8 +178,9 @@ class WorkerSession final : public SessionOutbox,
     if (!read_register_) {
       read_register_ = true;
       if (grpc::Status s = CheckRegister(); !s.ok()) return End(s, /*cancel=*/false);
-      Post([request = in_.register_()](WorkerSession& s) { s.Register(request); });
-      return StartRead();
+      return Post([request = in_.register_()](WorkerSession& s) {
+        if (s.Register(request)) s.ResumeReading();
+      });
     }
     const absl::Time now = absl::Now();
     allowance_ =
@@ -176,17 +193,28 @@ class WorkerSession final : public SessionOutbox,
         LOG(WARNING) << "worker " << s.worker_id_ << ": " << reason;
         s.Disconnect(reason);
       });
+      // Cancelled too: a flooding client that does not read would hold a write, and with it
+      // the call, open.
       return End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                               absl::StrCat("more than ", kPerSecond,
                                            " messages a second on one session: it was ended")),
-                 /*cancel=*/false);
+                 /*cancel=*/true);
     }
     if (in_.has_heartbeat()) {
       coordinator_->Heartbeat(*this);  // the next tick tells the core
-    } else {
-      Post([message = std::move(in_)](WorkerSession& s) { s.Handle(message); });
+      return StartRead();
     }
-    StartRead();
+    // The next read waits until the core has taken this report: a worker that reports faster
+    // than the core decides is slowed by gRPC's flow control, as it would be by a blocking
+    // read, instead of growing the strand without bound (and the core's view falling behind).
+    Post([message = std::move(in_)](WorkerSession& s) {
+      s.Handle(message);
+      s.ResumeReading();
+    });
+  }
+
+  void ResumeReading() {
+    if (!ending()) StartRead();
   }
 
   void OnWrite(bool ok) {
@@ -254,6 +282,11 @@ class WorkerSession final : public SessionOutbox,
     FinishIfEnded();
   }
 
+  bool ending() {
+    absl::MutexLock lock(&mu_);
+    return ending_;
+  }
+
   void FinishIfEnded() {
     grpc::Status status;
     {
@@ -265,14 +298,16 @@ class WorkerSession final : public SessionOutbox,
     StartOp(&finished_, [&] { stream_.Finish(status, &finished_); });
   }
 
-  // Strand only, from here on.
-  void Register(const v1::RegisterRequest& request) {
+  // Strand only, from here on. False when the registration was refused (the call ends).
+  bool Register(const v1::RegisterRequest& request) {
     absl::StatusOr<std::string> id = coordinator_->Register(request, shared_from_this());
     if (!id.ok()) {
       LOG(WARNING) << "refused registration of " << request.name() << ": " << id.status();
-      return End(ToGrpcStatus(id.status()), /*cancel=*/false);
+      End(ToGrpcStatus(id.status()), /*cancel=*/false);
+      return false;
     }
     worker_id_ = *id;
+    return true;
   }
 
   void Disconnect(const std::string& reason) {
@@ -348,7 +383,8 @@ class WorkerSession final : public SessionOutbox,
   Op write_{this, &WorkerSession::OnWrite};
   Op finished_{this, &WorkerSession::OnFinished};
 
-  // Read side: one read in flight at a time, so only its reaction touches these.
+  // Read side: one read in flight at a time, and none while the strand handles a report, so
+  // only one thread at a time touches these.
   v1::WorkerMessage in_;
   bool read_register_ = false;
   double allowance_ = kBurst;

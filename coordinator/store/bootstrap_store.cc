@@ -1,7 +1,9 @@
-// Bootstrap store: scoped maps under one mutex, waits on one condition variable.
+// Bootstrap store: scoped maps under one mutex; waiters indexed by the key they wait for next
+// and by their deadline, completed by whichever call decides them.
 #include "coordinator/store/bootstrap_store.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 
 namespace lockstep::coordinator {
@@ -18,15 +20,74 @@ void BootstrapStore::Open(const StoreScope& scope) {
   scopes_.try_emplace(scope);
 }
 
+void BootstrapStore::Run(std::vector<Outcome> outcomes) {
+  for (auto& [done, result] : outcomes) done(std::move(result));
+}
+
+std::optional<absl::StatusOr<std::string>> BootstrapStore::Decide(Waiter& w) {
+  if (shutdown_) return absl::UnavailableError("the coordinator is shutting down");
+  auto it = scopes_.find(w.scope);
+  if (it == scopes_.end()) {
+    return absl::AbortedError(absl::StrCat(Describe(w.scope), " ended while waiting for key \"",
+                                           w.keys.front(), "\""));
+  }
+  while (w.missing < w.keys.size() && it->second.count(w.keys[w.missing]) > 0) ++w.missing;
+  if (w.missing < w.keys.size()) return std::nullopt;
+  return it->second.at(w.keys.front());
+}
+
+BootstrapStore::Waiter BootstrapStore::Remove(WaitId id, bool keyed) {
+  auto it = waiters_.find(id);
+  Waiter w = std::move(it->second);
+  waiters_.erase(it);
+  auto [first, last] =
+      keyed ? by_key_.equal_range({w.scope, w.keys[w.missing]}) : std::make_pair(by_key_.end(), by_key_.end());
+  for (auto k = first; k != last; ++k) {
+    if (k->second == id) {
+      by_key_.erase(k);
+      break;
+    }
+  }
+  auto [from, to] = by_deadline_.equal_range(w.deadline);
+  for (auto d = from; d != to; ++d) {
+    if (d->second == id) {
+      by_deadline_.erase(d);
+      break;
+    }
+  }
+  return w;
+}
+
 void BootstrapStore::Close(const StoreScope& scope) {
-  absl::MutexLock lock(&mu_);
-  if (scopes_.erase(scope) > 0) changed_.SignalAll();
+  std::vector<Outcome> outcomes;
+  {
+    absl::MutexLock lock(&mu_);
+    if (scopes_.erase(scope) == 0) return;
+    std::vector<WaitId> ended;
+    for (const auto& [id, w] : waiters_) {
+      if (!(w.scope < scope) && !(scope < w.scope)) ended.push_back(id);
+    }
+    for (WaitId id : ended) {
+      Waiter w = Remove(id);
+      absl::StatusOr<std::string> result = *Decide(w);  // ABORTED: the scope is gone
+      outcomes.emplace_back(std::move(w.done), std::move(result));
+    }
+  }
+  Run(std::move(outcomes));
 }
 
 void BootstrapStore::Shutdown() {
-  absl::MutexLock lock(&mu_);
-  shutdown_ = true;
-  changed_.SignalAll();
+  std::vector<Outcome> outcomes;
+  {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+    while (!waiters_.empty()) {
+      Waiter w = Remove(waiters_.begin()->first);
+      outcomes.emplace_back(std::move(w.done),
+                            absl::UnavailableError("the coordinator is shutting down"));
+    }
+  }
+  Run(std::move(outcomes));
 }
 
 size_t BootstrapStore::open_scopes() const {
@@ -34,48 +95,109 @@ size_t BootstrapStore::open_scopes() const {
   return scopes_.size();
 }
 
+size_t BootstrapStore::pending_waits() const {
+  absl::MutexLock lock(&mu_);
+  return waiters_.size();
+}
+
 absl::Status BootstrapStore::Set(const StoreScope& scope, const std::string& key,
                                  std::string value) {
-  absl::MutexLock lock(&mu_);
-  if (shutdown_) return absl::UnavailableError("the coordinator is shutting down");
-  auto it = scopes_.find(scope);
-  if (it == scopes_.end()) {
-    return absl::AbortedError(absl::StrCat(Describe(scope), " is not live"));
+  std::vector<Outcome> outcomes;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) return absl::UnavailableError("the coordinator is shutting down");
+    auto it = scopes_.find(scope);
+    if (it == scopes_.end()) {
+      return absl::AbortedError(absl::StrCat(Describe(scope), " is not live"));
+    }
+    it->second[key] = std::move(value);
+    // Only the waiters waiting for this key can change; each moves on to its next missing
+    // key or is done, so a waiter is looked at once per key it waits for.
+    auto [first, last] = by_key_.equal_range({scope, key});
+    std::vector<WaitId> woken;
+    for (auto k = first; k != last; ++k) woken.push_back(k->second);
+    by_key_.erase(first, last);
+    for (WaitId id : woken) {
+      Waiter& w = waiters_.at(id);
+      if (std::optional<absl::StatusOr<std::string>> result = Decide(w)) {
+        Waiter done = Remove(id, /*keyed=*/false);  // its key entry went with the range
+        outcomes.emplace_back(std::move(done.done), *std::move(result));
+      } else {
+        by_key_.emplace(std::make_pair(w.scope, w.keys[w.missing]), id);
+      }
+    }
   }
-  it->second[key] = std::move(value);
-  changed_.SignalAll();
+  Run(std::move(outcomes));
   return absl::OkStatus();
+}
+
+BootstrapStore::WaitId BootstrapStore::WaitAsync(const StoreScope& scope,
+                                                 std::vector<std::string> keys,
+                                                 absl::Time deadline, WaitDone done) {
+  if (keys.empty()) {
+    done(absl::InvalidArgumentError("keys: at least one key is required"));
+    return 0;
+  }
+  Waiter w{scope, std::move(keys), deadline, std::move(done)};
+  std::optional<absl::StatusOr<std::string>> result;
+  WaitId id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    result = Decide(w);
+    if (!result.has_value()) {
+      id = next_wait_++;
+      by_key_.emplace(std::make_pair(w.scope, w.keys[w.missing]), id);
+      by_deadline_.emplace(w.deadline, id);
+      waiters_.emplace(id, std::move(w));
+    }
+  }
+  if (result.has_value()) w.done(*std::move(result));
+  return id;
+}
+
+void BootstrapStore::Cancel(WaitId id) {
+  WaitDone done;
+  {
+    absl::MutexLock lock(&mu_);
+    if (waiters_.count(id) == 0) return;
+    done = Remove(id).done;
+  }
+  done(absl::CancelledError("the call was cancelled"));
+}
+
+void BootstrapStore::Expire(absl::Time now) {
+  std::vector<Outcome> outcomes;
+  {
+    absl::MutexLock lock(&mu_);
+    while (!by_deadline_.empty() && by_deadline_.begin()->first <= now) {
+      Waiter w = Remove(by_deadline_.begin()->second);
+      outcomes.emplace_back(
+          std::move(w.done),
+          absl::DeadlineExceededError(absl::StrCat("key \"", w.keys[w.missing], "\" of ",
+                                                   Describe(w.scope), " was not set in time")));
+    }
+  }
+  Run(std::move(outcomes));
 }
 
 absl::StatusOr<std::string> BootstrapStore::Wait(const StoreScope& scope,
                                                  const std::vector<std::string>& keys,
                                                  absl::Time deadline,
                                                  const std::function<bool()>& cancelled) {
-  if (keys.empty()) return absl::InvalidArgumentError("keys: at least one key is required");
-  absl::MutexLock lock(&mu_);
-  while (true) {
-    if (shutdown_) return absl::UnavailableError("the coordinator is shutting down");
-    auto it = scopes_.find(scope);
-    if (it == scopes_.end()) {
-      return absl::AbortedError(absl::StrCat(Describe(scope), " ended while waiting for key \"",
-                                             keys.front(), "\""));
-    }
-    const std::string* missing = nullptr;
-    for (const std::string& k : keys) {
-      if (it->second.count(k) == 0) {
-        missing = &k;
-        break;
-      }
-    }
-    if (missing == nullptr) return it->second.at(keys.front());
-    if (cancelled && cancelled()) return absl::CancelledError("the call was cancelled");
-    const absl::Time now = absl::Now();
-    if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("key \"", *missing, "\" of ",
-                                                      Describe(scope), " was not set in time"));
-    }
-    changed_.WaitWithDeadline(&mu_, std::min(deadline, now + absl::Milliseconds(100)));
+  struct Result {
+    absl::Notification ended;
+    absl::StatusOr<std::string> value;
+  };
+  auto result = std::make_shared<Result>();
+  const WaitId id = WaitAsync(scope, keys, deadline, [result](absl::StatusOr<std::string> v) {
+    result->value = std::move(v);
+    result->ended.Notify();
+  });
+  while (!result->ended.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+    if (cancelled && cancelled()) Cancel(id);
+    if (absl::Now() >= deadline) Expire(absl::Now());
   }
+  return std::move(result->value);
 }
 
 }  // namespace lockstep::coordinator

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -29,9 +30,15 @@ struct StoreScope {
   }
 };
 
-// Thread-safe.
+// Thread-safe. Waits do not block a thread: WaitAsync registers a waiter that the call which
+// decides it (a Set, Close, Shutdown, Cancel or Expire) completes, so a generation of 10,000
+// members waiting for their peers' keys holds no thread.
 class BootstrapStore {
  public:
+  // How a wait ends: the value of its first key, or why not.
+  using WaitDone = std::function<void(absl::StatusOr<std::string>)>;
+  using WaitId = uint64_t;
+
   void Open(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the scope's keys and ends its waits with ABORTED. Unknown scopes are ignored.
   void Close(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_);
@@ -41,22 +48,55 @@ class BootstrapStore {
   // ABORTED when the scope is not open.
   absl::Status Set(const StoreScope& scope, const std::string& key, std::string value)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Blocks until every key of `keys` (at least one) exists in the scope; returns the value of
-  // the first. DEADLINE_EXCEEDED naming the missing key at `deadline`, ABORTED when the scope
-  // is not open or closes meanwhile, CANCELLED as soon as `cancelled` (checked at least every
-  // 100 ms) returns true, UNAVAILABLE after Shutdown.
+
+  // Waits until every key of `keys` (at least one) exists in the scope, then `done` gets the
+  // value of the first. Otherwise `done` gets DEADLINE_EXCEEDED naming a missing key once
+  // Expire sees `deadline` pass (nothing else watches the clock), ABORTED when the scope is
+  // not open or closes meanwhile, CANCELLED from Cancel, UNAVAILABLE after Shutdown.
+  // `done` runs exactly once and never under the store's lock: on this thread when the wait
+  // is decided at once, otherwise on the thread of the call that decides it.
+  WaitId WaitAsync(const StoreScope& scope, std::vector<std::string> keys, absl::Time deadline,
+                   WaitDone done) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends a wait with CANCELLED, unless it has ended already.
+  void Cancel(WaitId id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the waits whose deadline is at or before `now`.
+  void Expire(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // WaitAsync for a caller that blocks until the end: expires its own deadline, and ends with
+  // CANCELLED as soon as `cancelled` (checked at least every 100 ms) returns true.
   absl::StatusOr<std::string> Wait(const StoreScope& scope, const std::vector<std::string>& keys,
                                    absl::Time deadline,
                                    const std::function<bool()>& cancelled = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   size_t open_scopes() const ABSL_LOCKS_EXCLUDED(mu_);
+  size_t pending_waits() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  struct Waiter {
+    StoreScope scope;
+    std::vector<std::string> keys;
+    absl::Time deadline;
+    WaitDone done;
+    size_t missing = 0;  // keys before this one exist; the waiter is indexed under this one
+  };
+  // A decided wait: its callback and outcome, run once the lock is released.
+  using Outcome = std::pair<WaitDone, absl::StatusOr<std::string>>;
+
+  // The outcome if the waiter can be decided now (advancing `missing` past the keys present).
+  std::optional<absl::StatusOr<std::string>> Decide(Waiter& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unindexes the waiter and returns it; `keyed`: it is still under its key in by_key_.
+  Waiter Remove(WaitId id, bool keyed = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void Run(std::vector<Outcome> outcomes);
+
   mutable absl::Mutex mu_;
-  absl::CondVar changed_;  // signalled on every Set, Close and Shutdown
   std::map<StoreScope, std::map<std::string, std::string>> scopes_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  WaitId next_wait_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<WaitId, Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  // Each waiter under the key it waits for next, and under its deadline.
+  std::multimap<std::pair<StoreScope, std::string>, WaitId> by_key_ ABSL_GUARDED_BY(mu_);
+  std::multimap<absl::Time, WaitId> by_deadline_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace lockstep::coordinator

@@ -1,8 +1,9 @@
 // The control plane with a thousand workers (simulated on the real Session API,
 // bench/sim_workers.h) on loopback: every worker is assigned, ranks are host-contiguous, and one
 // dropped stream re-forms the job from the 999 survivors, again host-contiguous. The sessions
-// are on gRPC's callback API, so the coordinator's threads stay under a bound that does not
-// depend on the number of workers.
+// are on completion queues and the store's waits on the callback API, so the coordinator's
+// threads stay under a bound that does not depend on the number of workers, with a thousand
+// sessions and with a thousand members waiting in the store.
 #include <algorithm>
 #include <fstream>
 #include <map>
@@ -76,6 +77,20 @@ TEST(ScaleTest, AThousandWorkersAreAssignedAndOneDropReforms) {
             << kWorkers << " sessions" << std::endl;
   ASSERT_GT(idle_threads, 0);
   EXPECT_LE(busy_threads, idle_threads + kMaxAddedThreads);
+
+  // Every member waits in the bootstrap store for a key (as members forming a group wait for
+  // their NCCL id): the waits hold no coordinator thread, and one Set answers them all.
+  const int waiting = workers.StartStoreWaits(job->job_id(), 1, "nccl-id", absl::Seconds(120));
+  ASSERT_EQ(waiting, kWorkers);
+  absl::SleepFor(absl::Milliseconds(500));  // let the waits arrive: the bound must hold anyway
+  const int waiting_threads = ThreadsOf(coordinator);
+  std::cout << "coordinator threads with " << waiting << " store waits: " << waiting_threads
+            << std::endl;
+  EXPECT_LE(waiting_threads, idle_threads + kMaxAddedThreads);
+  ASSERT_TRUE(workers.StoreSet(0, job->job_id(), 1, "nccl-id", "id-bytes").ok());
+  int answered_ok = 0;
+  ASSERT_TRUE(workers.WaitStoreAnswers(kWorkers, absl::Seconds(60), &answered_ok));
+  EXPECT_EQ(answered_ok, kWorkers);
 
   // One stream drops: every survivor is aborted and re-assigned.
   workers.Drop(500);

@@ -3,8 +3,10 @@
 // shut down), and scopes that never see each other's keys.
 #include "coordinator/store/bootstrap_store.h"
 
+#include <map>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -79,6 +81,110 @@ TEST(BootstrapStoreTest, CancelledCallsAndShutdownEndWaits) {
   stopper.join();
   EXPECT_EQ(value.status().code(), absl::StatusCode::kUnavailable) << value.status();
   EXPECT_EQ(store.Set(kG1, "k", "v").code(), absl::StatusCode::kUnavailable);
+}
+
+// Waits without a thread: each ends exactly once, with what the call that decided it says.
+struct Outcomes {
+  BootstrapStore::WaitDone Record(int i) {
+    return [this, i](absl::StatusOr<std::string> v) {
+      absl::MutexLock lock(&mu);
+      ++calls[i];
+      results.insert_or_assign(i, std::move(v));
+    };
+  }
+  int Calls(int i) {
+    absl::MutexLock lock(&mu);
+    return calls[i];
+  }
+  absl::StatusOr<std::string> Result(int i) {
+    absl::MutexLock lock(&mu);
+    return results.at(i);
+  }
+  absl::Mutex mu;
+  std::map<int, int> calls;
+  std::map<int, absl::StatusOr<std::string>> results;
+};
+
+TEST(BootstrapStoreTest, ManyAsyncWaitersEndOnTheSetThatCompletesThem) {
+  BootstrapStore store;
+  store.Open(kG1);
+  Outcomes out;
+  constexpr int kWaiters = 1000;
+  for (int i = 0; i < kWaiters; ++i) {
+    store.WaitAsync(kG1, {"id"}, absl::Now() + absl::Seconds(60), out.Record(i));
+  }
+  // A waiter for three keys moves on key by key, whatever order they come in.
+  store.WaitAsync(kG1, {"a", "b", "c"}, absl::Now() + absl::Seconds(60), out.Record(-1));
+  EXPECT_EQ(store.pending_waits(), static_cast<size_t>(kWaiters + 1));
+  ASSERT_TRUE(store.Set(kG1, "c", "3").ok());
+  ASSERT_TRUE(store.Set(kG1, "a", "1").ok());
+  EXPECT_EQ(out.Calls(-1), 0);
+  ASSERT_TRUE(store.Set(kG1, "id", "nccl-id").ok());
+  EXPECT_EQ(store.pending_waits(), 1u);
+  for (int i = 0; i < kWaiters; ++i) {
+    ASSERT_EQ(out.Calls(i), 1) << i;
+    ASSERT_TRUE(out.Result(i).ok());
+    ASSERT_EQ(*out.Result(i), "nccl-id");
+  }
+  ASSERT_TRUE(store.Set(kG1, "b", "2").ok());
+  EXPECT_EQ(out.Calls(-1), 1);
+  EXPECT_EQ(*out.Result(-1), "1") << "the value of the first key";
+  // Decided at once: on this thread, before WaitAsync returns.
+  EXPECT_EQ(store.WaitAsync(kG1, {"b"}, absl::Now() + absl::Seconds(60), out.Record(-2)), 0u);
+  EXPECT_EQ(*out.Result(-2), "2");
+  EXPECT_EQ(store.pending_waits(), 0u);
+}
+
+TEST(BootstrapStoreTest, AsyncWaitsExpireCancelAndCloseOnce) {
+  BootstrapStore store;
+  store.Open(kG1);
+  store.Open(kG2);
+  Outcomes out;
+  const absl::Time now = absl::Now();
+  store.WaitAsync(kG1, {"x", "late"}, now + absl::Seconds(1), out.Record(1));
+  ASSERT_TRUE(store.Set(kG1, "x", "1").ok());
+  store.WaitAsync(kG1, {"y"}, now + absl::Seconds(10), out.Record(2));
+  const BootstrapStore::WaitId cancelled =
+      store.WaitAsync(kG1, {"z"}, now + absl::Seconds(10), out.Record(3));
+  store.WaitAsync(kG2, {"w"}, now + absl::Seconds(10), out.Record(4));
+  store.Expire(now + absl::Seconds(2));
+  ASSERT_EQ(out.Calls(1), 1);
+  EXPECT_EQ(out.Result(1).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(out.Result(1).status().message().find("\"late\""), std::string::npos)
+      << "names the key still missing: " << out.Result(1).status();
+  EXPECT_EQ(out.Calls(2), 0) << "its deadline has not passed";
+  store.Cancel(cancelled);
+  store.Cancel(cancelled);
+  EXPECT_EQ(out.Calls(3), 1);
+  EXPECT_EQ(out.Result(3).status().code(), absl::StatusCode::kCancelled);
+  store.Close(kG1);
+  EXPECT_EQ(out.Calls(2), 1);
+  EXPECT_EQ(out.Result(2).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(out.Calls(4), 0) << "another scope's wait goes on";
+  store.Expire(now + absl::Seconds(60));
+  store.Close(kG1);
+  EXPECT_EQ(out.Calls(1) + out.Calls(2) + out.Calls(3), 3) << "nothing ends twice";
+  EXPECT_EQ(out.Calls(4), 1);
+  EXPECT_EQ(store.pending_waits(), 0u);
+}
+
+// The callback runs without the store's lock: it may call the store again.
+TEST(BootstrapStoreTest, AWaitsCallbackMayUseTheStore) {
+  BootstrapStore store;
+  store.Open(kG1);
+  absl::Notification chained;
+  store.WaitAsync(kG1, {"first"}, absl::Now() + absl::Seconds(60),
+                  [&](absl::StatusOr<std::string> v) {
+                    ASSERT_TRUE(v.ok());
+                    ASSERT_TRUE(store.Set(kG1, "second", *v + "+").ok());
+                  });
+  store.WaitAsync(kG1, {"second"}, absl::Now() + absl::Seconds(60),
+                  [&](absl::StatusOr<std::string> v) {
+                    EXPECT_EQ(*v, "1+");
+                    chained.Notify();
+                  });
+  ASSERT_TRUE(store.Set(kG1, "first", "1").ok());
+  EXPECT_TRUE(chained.HasBeenNotified());
 }
 
 }  // namespace
