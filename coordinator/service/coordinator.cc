@@ -90,13 +90,16 @@ void Coordinator::SendTo(const std::string& worker_id, v1::CoordinatorMessage me
   outbox->Push(std::move(message));
 }
 
-void Coordinator::QueueMessages(Decisions& decisions) {
+void Coordinator::QueueMessages(Decisions& decisions,
+                                std::vector<BootstrapStore::Completions>* ended_waits) {
   // Opened first: one decision may start a generation and end it again (a second loss while
   // re-forming), and its scope must not stay open.
   for (const auto& [job, generation] : decisions.started_generations) {
     store_.Open({job, generation});
   }
-  for (const auto& [job, generation] : decisions.ended_generations) store_.Close({job, generation});
+  for (const auto& [job, generation] : decisions.ended_generations) {
+    ended_waits->push_back(store_.CloseDeferred({job, generation}));
+  }
   for (auto& m : decisions.messages) {
     auto it = sessions_.find(m.worker_id);
     if (it != sessions_.end()) it->second->Push(std::move(m.message));
@@ -154,8 +157,12 @@ absl::Status Coordinator::StoreFence(const std::string& session_key, const std::
 
 absl::Status Coordinator::StoreSet(const std::string& session_key, const std::string& job_id,
                                    int64_t generation, const std::string& key, std::string value) {
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s = StoreFence(session_key, job_id, generation); !s.ok()) return s;
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = StoreFence(session_key, job_id, generation); !s.ok()) return s;
+  }
+  // Outside mu_: the Set may finish thousands of waits. The fence held just now; a generation
+  // that ended since has its scope closed, and the Set is refused with ABORTED.
   return store_.Set({job_id, generation}, key, std::move(value));
 }
 
@@ -212,9 +219,8 @@ void Coordinator::Tick() {
   Call([this](Core& core, absl::Time now, Decisions* d) {
     mu_.AssertHeld();  // Call runs this under mu_
     for (const auto& [worker_id, outbox] : sessions_) {
-      if (const absl::Time beat = outbox->last_beat(); beat != absl::InfinitePast()) {
-        core.NoteHeartbeat(worker_id, beat);
-      }
+      const absl::Time beat = outbox->report_pending() ? now : outbox->last_beat();
+      if (beat != absl::InfinitePast()) core.NoteHeartbeat(worker_id, beat);
     }
     core.Tick(now, d);
     return 0;

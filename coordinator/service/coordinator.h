@@ -51,9 +51,16 @@ class SessionOutbox {
     const int64_t ms = beat_unix_ms_.load(std::memory_order_relaxed);
     return ms == 0 ? absl::InfinitePast() : absl::FromUnixMillis(ms);
   }
+  // While a report of the worker waits for the core, the session reads nothing (flow control),
+  // so the worker's heartbeats wait too: the tick counts such a worker as heard from now.
+  void set_report_pending(bool pending) {
+    report_pending_.store(pending, std::memory_order_relaxed);
+  }
+  bool report_pending() const { return report_pending_.load(std::memory_order_relaxed); }
 
  private:
   std::atomic<int64_t> beat_unix_ms_{0};
+  std::atomic<bool> report_pending_{false};
 };
 
 class Coordinator {
@@ -75,7 +82,11 @@ class Coordinator {
   auto Call(Fn&& fn)
       -> decltype(fn(std::declval<Core&>(), absl::Time(), std::declval<Decisions*>())) {
     Decisions decisions;
-    auto apply = [&] { Apply(decisions); };
+    std::vector<BootstrapStore::Completions> ended_waits;  // of the generations that ended
+    auto apply = [&] {
+      for (BootstrapStore::Completions& c : ended_waits) c.Run();
+      Apply(decisions);
+    };
     struct Finally {
       std::function<void()> f;
       ~Finally() { f(); }
@@ -83,7 +94,7 @@ class Coordinator {
     absl::MutexLock lock(&mu_);
     // The lock is released before `finally` runs (declared after it).
     auto result = fn(core_, clock_->Now(), &decisions);
-    QueueMessages(decisions);
+    QueueMessages(decisions, &ended_waits);
     return result;
   }
 
@@ -136,8 +147,10 @@ class Coordinator {
   // the decisions' messages on the sessions' outboxes. Runs under mu_ so that messages to one
   // worker keep the order in which the core decided them, whichever threads decided, and a
   // scope is open before any member can read its assignment.
-  // The messages are moved out of `decisions`.
-  void QueueMessages(Decisions& decisions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The messages are moved out of `decisions`. The store waits that the closes end are left in
+  // `ended_waits`, for after mu_ is released.
+  void QueueMessages(Decisions& decisions, std::vector<BootstrapStore::Completions>* ended_waits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Everything else (closing sessions, saving jobs), after mu_ is released.
   void Apply(const Decisions& decisions) ABSL_LOCKS_EXCLUDED(mu_);
   // The fence for a store call: the session's worker must be a member of (job, generation).

@@ -136,7 +136,9 @@ grpc::ServerUnaryReactor* StoreServiceImpl::Wait(grpc::CallbackServerContext* co
   if (s.ok()) s = CheckScope(request->job_id(), request->generation());
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());
   for (const std::string& k : keys) {
-    if (s.ok() && k.empty()) s = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "keys: empty key");
+    if (s.ok() && k.empty()) {
+      s = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "keys: empty key");
+    }
   }
   auto* reactor = new StoreWaitReactor(coordinator_);
   if (!s.ok()) {

@@ -168,7 +168,7 @@ class WorkerSession final : public SessionOutbox,
   }
 
   void OnRead(bool ok) {
-    if (ok && ending()) return;  // the session is over: what the worker still sent is dropped
+    if (ok && ending()) return StopReading();  // what the worker still sent is dropped
     if (!ok) {
       return Post([](WorkerSession& s) {
         s.Disconnect("connection lost");
@@ -207,6 +207,7 @@ class WorkerSession final : public SessionOutbox,
     // The next read waits until the core has taken this report: a worker that reports faster
     // than the core decides is slowed by gRPC's flow control, as it would be by a blocking
     // read, instead of growing the strand without bound (and the core's view falling behind).
+    set_report_pending(true);
     Post([message = std::move(in_)](WorkerSession& s) {
       s.Handle(message);
       s.ResumeReading();
@@ -214,7 +215,21 @@ class WorkerSession final : public SessionOutbox,
   }
 
   void ResumeReading() {
-    if (!ending()) StartRead();
+    set_report_pending(false);
+    {
+      absl::MutexLock lock(&mu_);  // so that no read starts after Finish
+      if (!ending_) {
+        StartRead();
+        return;
+      }
+    }
+    StopReading();
+  }
+
+  // The session ended with no read in flight: whatever ended it, the core must hear that the
+  // worker is gone (nothing when it knew first: Disconnect and the core's loss are idempotent).
+  void StopReading() {
+    Post([](WorkerSession& s) { s.Disconnect("connection lost"); });
   }
 
   void OnWrite(bool ok) {
@@ -230,7 +245,12 @@ class WorkerSession final : public SessionOutbox,
       }
     }
     if (more) return StartWrite();
-    if (!ok) return End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"), false);
+    if (!ok) {
+      // The worker is gone (or stopped reading for good): the read side may be idle on a
+      // report, so the core is told from here too.
+      StopReading();
+      return End(grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke"), false);
+    }
     FinishIfEnded();  // End came while this write was in flight
   }
 

@@ -24,6 +24,8 @@ void BootstrapStore::Run(std::vector<Outcome> outcomes) {
   for (auto& [done, result] : outcomes) done(std::move(result));
 }
 
+void BootstrapStore::Completions::Run() { BootstrapStore::Run(std::move(outcomes_)); }
+
 std::optional<absl::StatusOr<std::string>> BootstrapStore::Decide(Waiter& w) {
   if (shutdown_) return absl::UnavailableError("the coordinator is shutting down");
   auto it = scopes_.find(w.scope);
@@ -40,8 +42,8 @@ BootstrapStore::Waiter BootstrapStore::Remove(WaitId id, bool keyed) {
   auto it = waiters_.find(id);
   Waiter w = std::move(it->second);
   waiters_.erase(it);
-  auto [first, last] =
-      keyed ? by_key_.equal_range({w.scope, w.keys[w.missing]}) : std::make_pair(by_key_.end(), by_key_.end());
+  auto [first, last] = keyed ? by_key_.equal_range({w.scope, w.keys[w.missing]})
+                              : std::make_pair(by_key_.end(), by_key_.end());
   for (auto k = first; k != last; ++k) {
     if (k->second == id) {
       by_key_.erase(k);
@@ -58,22 +60,22 @@ BootstrapStore::Waiter BootstrapStore::Remove(WaitId id, bool keyed) {
   return w;
 }
 
-void BootstrapStore::Close(const StoreScope& scope) {
-  std::vector<Outcome> outcomes;
-  {
-    absl::MutexLock lock(&mu_);
-    if (scopes_.erase(scope) == 0) return;
-    std::vector<WaitId> ended;
-    for (const auto& [id, w] : waiters_) {
-      if (!(w.scope < scope) && !(scope < w.scope)) ended.push_back(id);
-    }
-    for (WaitId id : ended) {
-      Waiter w = Remove(id);
-      absl::StatusOr<std::string> result = *Decide(w);  // ABORTED: the scope is gone
-      outcomes.emplace_back(std::move(w.done), std::move(result));
-    }
+BootstrapStore::Completions BootstrapStore::CloseDeferred(const StoreScope& scope) {
+  Completions ended;
+  absl::MutexLock lock(&mu_);
+  if (scopes_.erase(scope) == 0) return ended;
+  // The scope's waiters are together in by_key_, which sorts by scope first.
+  std::vector<WaitId> ids;
+  for (auto k = by_key_.lower_bound({scope, ""});
+       k != by_key_.end() && !(scope < k->first.first); ++k) {
+    ids.push_back(k->second);
   }
-  Run(std::move(outcomes));
+  for (WaitId id : ids) {
+    Waiter w = Remove(id);
+    absl::StatusOr<std::string> result = *Decide(w);  // ABORTED: the scope is gone
+    ended.outcomes_.emplace_back(std::move(w.done), std::move(result));
+  }
+  return ended;
 }
 
 void BootstrapStore::Shutdown() {
@@ -195,6 +197,7 @@ absl::StatusOr<std::string> BootstrapStore::Wait(const StoreScope& scope,
   });
   while (!result->ended.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
     if (cancelled && cancelled()) Cancel(id);
+    // Ends every wait past its deadline, other callers' too (their callbacks run here).
     if (absl::Now() >= deadline) Expire(absl::Now());
   }
   return std::move(result->value);

@@ -39,9 +39,22 @@ class BootstrapStore {
   using WaitDone = std::function<void(absl::StatusOr<std::string>)>;
   using WaitId = uint64_t;
 
+  // Ended waits whose callbacks have not run yet: Run them once no lock of the caller's is
+  // held (a generation's close may end thousands of waits).
+  class Completions {
+   public:
+    void Run();
+    bool empty() const { return outcomes_.empty(); }
+   private:
+    friend class BootstrapStore;
+    std::vector<std::pair<WaitDone, absl::StatusOr<std::string>>> outcomes_;
+  };
+
   void Open(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the scope's keys and ends its waits with ABORTED. Unknown scopes are ignored.
-  void Close(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_);
+  void Close(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_) { CloseDeferred(scope).Run(); }
+  // Close, but the ended waits' callbacks are the caller's to run.
+  [[nodiscard]] Completions CloseDeferred(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends every wait with UNAVAILABLE and refuses later calls the same way.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -80,7 +93,6 @@ class BootstrapStore {
     WaitDone done;
     size_t missing = 0;  // keys before this one exist; the waiter is indexed under this one
   };
-  // A decided wait: its callback and outcome, run once the lock is released.
   using Outcome = std::pair<WaitDone, absl::StatusOr<std::string>>;
 
   // The outcome if the waiter can be decided now (advancing `missing` past the keys present).

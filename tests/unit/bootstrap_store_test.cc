@@ -168,6 +168,29 @@ TEST(BootstrapStoreTest, AsyncWaitsExpireCancelAndCloseOnce) {
   EXPECT_EQ(store.pending_waits(), 0u);
 }
 
+// A deferred close ends the scope at once (no Set gets in) and leaves the waits' callbacks to
+// the caller, who runs them once its own lock is released.
+TEST(BootstrapStoreTest, ADeferredCloseEndsWaitsWhenItsCompletionsRun) {
+  BootstrapStore store;
+  store.Open(kG1);
+  store.Open(kG2);
+  Outcomes out;
+  for (int i = 0; i < 3; ++i) {
+    store.WaitAsync(kG1, {"k"}, absl::Now() + absl::Seconds(60), out.Record(i));
+  }
+  store.WaitAsync(kG2, {"k"}, absl::Now() + absl::Seconds(60), out.Record(9));
+  BootstrapStore::Completions ended = store.CloseDeferred(kG1);
+  EXPECT_EQ(store.Set(kG1, "k", "v").code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(out.Calls(0), 0) << "not before Run";
+  EXPECT_EQ(store.pending_waits(), 1u);
+  ended.Run();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(out.Calls(i), 1);
+    EXPECT_EQ(out.Result(i).status().code(), absl::StatusCode::kAborted);
+  }
+  EXPECT_EQ(out.Calls(9), 0) << "the other scope's wait goes on";
+}
+
 // The callback runs without the store's lock: it may call the store again.
 TEST(BootstrapStoreTest, AWaitsCallbackMayUseTheStore) {
   BootstrapStore store;
