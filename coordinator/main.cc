@@ -1,4 +1,7 @@
 // lockstep-coordinator: job queue, worker registry, rendezvous and recovery for one cluster.
+#include <sys/resource.h>
+
+#include <algorithm>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -71,13 +74,28 @@ ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
 
 namespace {
 
-// Set by SIGINT/SIGTERM; the main loop polls it (nothing else is async-signal-safe).
 // How often the core's timers run (heartbeat silence, step stalls, rendezvous); the core also
 // uses it to notice that the coordinator itself was away.
 constexpr absl::Duration kTickInterval = absl::Milliseconds(100);
 
+// Set by SIGINT/SIGTERM; the main loop polls it (nothing else is async-signal-safe).
 volatile std::sig_atomic_t g_stop_requested = 0;
 void RequestStop(int) { g_stop_requested = 1; }
+
+// Every worker holds a connection, and a service starts with a soft limit of 1,024 open files
+// (systemd's default), which would cap a cluster at about a thousand workers: the soft limit
+// is raised to the hard one. Returns the limit in force.
+rlim_t RaiseOpenFileLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    // Linux refuses more than fs.nr_open (1,048,576 by default), infinity included.
+    raised.rlim_cur = std::min<rlim_t>(limit.rlim_max, 1 << 20);
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+  }
+  return limit.rlim_cur;
+}
 
 }  // namespace
 
@@ -90,6 +108,12 @@ int main(int argc, char** argv) {
 
   // A peer that closes its connection mid-write (HTTP, TLS) must not kill the process.
   std::signal(SIGPIPE, SIG_IGN);
+  if (const rlim_t files = RaiseOpenFileLimit(); files < 4096) {
+    LOG(WARNING) << "at most " << files
+                 << " open files (ulimit -n): each worker holds one, so this coordinator serves "
+                    "fewer than that many workers; raise the hard limit (LimitNOFILE= in its "
+                    "systemd unit)";
+  }
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
   if (!state_dir.empty()) {
     std::error_code ec;
