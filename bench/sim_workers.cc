@@ -71,6 +71,9 @@ class SimWorkers::Worker
         ++tally_->registered;
         tally_->session_keys[index_] = in_.registered().session_key();
       }
+      if (in_.has_assignment() && in_.assignment().has_abort_previous()) {
+        ++tally_->aborted[in_.assignment().abort_previous().generation()];
+      }
       if (in_.has_assignment()) {
         ++tally_->assigned[in_.assignment().generation()];
         tally_->ranks[index_][in_.assignment().generation()] = in_.assignment().rank();

@@ -298,6 +298,13 @@ absl::Status Agent::RunSession(bool* registered) {
   while (stream->Read(&message)) {
     switch (message.kind_case()) {
       case v1::CoordinatorMessage::kAssignment:
+        if (message.assignment().has_abort_previous()) {
+          // Decided together with this assignment: handled as the Abort just before it.
+          const v1::Abort& a = message.assignment().abort_previous();
+          Decide([&](WorkerLifecycle& l, absl::Time now) {
+            return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now);
+          });
+        }
         Decide([&](WorkerLifecycle& l, absl::Time now) {
           return l.OnAssignment(message.assignment(), now);
         });

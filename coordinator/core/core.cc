@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <limits>
 #include <memory>
+#include <string_view>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -32,6 +34,36 @@ std::string Seconds1(absl::Duration d) {
 bool IsLanguageModel(const v1::JobSpec& spec) { return spec.model().type() == "gpt"; }
 
 }  // namespace
+
+void FoldAbortsIntoAssignments(std::vector<Decisions::Outgoing>& messages) {
+  // Per worker, the index of its latest message so far.
+  absl::flat_hash_map<std::string_view, size_t> latest;
+  latest.reserve(messages.size());
+  std::vector<bool> folded(messages.size(), false);
+  bool any = false;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    auto [it, inserted] = latest.try_emplace(messages[i].worker_id, i);
+    if (inserted) continue;
+    Decisions::Outgoing& before = messages[it->second];
+    v1::CoordinatorMessage& now = messages[i].message;
+    if (before.message.has_abort() && now.has_assignment() &&
+        !now.assignment().has_abort_previous()) {
+      *now.mutable_assignment()->mutable_abort_previous() =
+          std::move(*before.message.mutable_abort());
+      folded[it->second] = true;
+      any = true;
+    }
+    it->second = i;
+  }
+  if (!any) return;
+  size_t kept = 0;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (folded[i]) continue;
+    if (kept != i) messages[kept] = std::move(messages[i]);
+    ++kept;
+  }
+  messages.resize(kept);
+}
 
 Core::Core(CoreOptions options) : options_(options) {}
 

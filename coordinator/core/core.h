@@ -71,6 +71,13 @@ struct Decisions {
   std::set<std::string> changed_jobs;
 };
 
+// Folds each Abort that is followed, in the same decisions and with nothing for that worker
+// between them, by an Assignment to the same worker into that assignment
+// (Assignment.abort_previous), and drops the separate message. What each worker receives, and
+// in which order, is unchanged; a re-formation of N survivors becomes N messages instead of 2N.
+// The shell calls it just before queuing a decision's messages.
+void FoldAbortsIntoAssignments(std::vector<Decisions::Outgoing>& messages);
+
 inline constexpr size_t kMaxWorkerNameBytes = 64;
 // A registration's fields: a name of letters, digits and - _ . @ : (at most
 // kMaxWorkerNameBytes), and host, device and addresses of at most 255 bytes without control

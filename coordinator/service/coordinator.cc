@@ -100,6 +100,9 @@ void Coordinator::QueueMessages(Decisions& decisions,
   for (const auto& [job, generation] : decisions.ended_generations) {
     ended_waits->push_back(store_.CloseDeferred({job, generation}));
   }
+  // An abort and the assignment that replaces it travel as one message (half the writes of a
+  // re-formation).
+  FoldAbortsIntoAssignments(decisions.messages);
   for (auto& m : decisions.messages) {
     auto it = sessions_.find(m.worker_id);
     if (it != sessions_.end()) it->second->Push(std::move(m.message));

@@ -733,6 +733,46 @@ TEST_F(CoreTest, EventsRecordStateMembershipAndFirstStepLatency) {
 
 // --- Elastic recovery ---
 
+// The shell's wire form of decisions: an abort folds into the assignment that follows it for
+// the same worker, and nothing else changes.
+TEST(FoldAbortsIntoAssignmentsTest, FoldsOnlyAnAbortFollowedByThatWorkersAssignment) {
+  auto abort = [](const std::string& worker, int64_t generation) {
+    return Decisions::Outgoing{worker, Core::AbortMessage("job-1", generation, "lost")};
+  };
+  auto assign = [](const std::string& worker, int64_t generation) {
+    Decisions::Outgoing m{worker, {}};
+    m.message.mutable_assignment()->set_job_id("job-1");
+    m.message.mutable_assignment()->set_generation(generation);
+    return m;
+  };
+  std::vector<Decisions::Outgoing> messages = {
+      abort("a", 1), abort("b", 1), abort("c", 1),  // c is not re-assigned: its abort stays
+      assign("b", 2), assign("a", 2),
+      assign("d", 2),                 // a new member: nothing to fold
+      abort("a", 2), assign("a", 3),  // a second re-formation in the same decisions
+      assign("e", 1), abort("e", 1),  // an assignment then an abort: order matters, no fold
+  };
+  FoldAbortsIntoAssignments(messages);
+  std::vector<std::string> got;
+  for (const Decisions::Outgoing& m : messages) {
+    std::string s = m.worker_id;
+    if (m.message.has_abort()) s += ":abort" + std::to_string(m.message.abort().generation());
+    if (m.message.has_assignment()) {
+      s += ":assign" + std::to_string(m.message.assignment().generation());
+      if (m.message.assignment().has_abort_previous()) {
+        s += "+abort" + std::to_string(m.message.assignment().abort_previous().generation());
+      }
+    }
+    got.push_back(s);
+  }
+  EXPECT_EQ(got, (std::vector<std::string>{"c:abort1", "b:assign2+abort1", "a:assign2+abort1",
+                                           "d:assign2", "a:assign3+abort2", "e:assign1",
+                                           "e:abort1"}));
+  std::vector<Decisions::Outgoing> none;
+  FoldAbortsIntoAssignments(none);
+  EXPECT_TRUE(none.empty());
+}
+
 TEST_F(CoreTest, LostMemberReformsFromSurvivorsWithoutTheLostOne) {
   const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
   const std::string job = Submit(Spec(2, 3));
@@ -750,6 +790,22 @@ TEST_F(CoreTest, LostMemberReformsFromSurvivorsWithoutTheLostOne) {
   }
   EXPECT_EQ(order, (std::vector<std::string>{w0 + ":abort", w2 + ":abort", w0 + ":assign",
                                              w2 + ":assign"}));
+  // On the wire each survivor's abort travels inside its assignment: one message each, the
+  // abort still first for the worker.
+  std::vector<Decisions::Outgoing> wire = sent_;
+  FoldAbortsIntoAssignments(wire);
+  ASSERT_EQ(wire.size(), 2u);
+  EXPECT_EQ(wire[0].worker_id, w0);
+  EXPECT_EQ(wire[1].worker_id, w2);
+  for (const Decisions::Outgoing& m : wire) {
+    ASSERT_TRUE(m.message.has_assignment());
+    EXPECT_EQ(m.message.assignment().generation(), 2);
+    ASSERT_TRUE(m.message.assignment().has_abort_previous());
+    EXPECT_EQ(m.message.assignment().abort_previous().job_id(), job);
+    EXPECT_EQ(m.message.assignment().abort_previous().generation(), 1);
+    EXPECT_NE(m.message.assignment().abort_previous().reason().find("stream closed"),
+              std::string::npos);
+  }
   auto a = TakeAssignments();
   EXPECT_EQ(a[w0].generation(), 2);
   EXPECT_EQ(a[w0].rank(), 0);
