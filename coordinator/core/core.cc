@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -936,16 +937,12 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
   job.job.set_state(v1::JOB_STATE_RUNNING);
   job.job.set_reason(absl::StrCat("generation ", generation, " training on ", worker_ids.size(),
                                   " worker", worker_ids.size() == 1 ? "" : "s"));
-  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
-    Worker& w = workers_.at(worker_ids[rank]);
-    w.state = WorkerState::kBusy;
-    w.job_id = job.job.job_id();
-    w.generation = generation;
-    Decisions::Outgoing msg{w.id, {}};
-    v1::Assignment* a = msg.message.mutable_assignment();
+  // Every member's assignment is this one but for its rank.
+  v1::CoordinatorMessage assignment;
+  {
+    v1::Assignment* a = assignment.mutable_assignment();
     a->set_job_id(job.job.job_id());
     a->set_generation(generation);
-    a->set_rank(static_cast<int32_t>(rank));
     a->set_world_size(static_cast<int32_t>(worker_ids.size()));
     *a->mutable_spec() = job.job.spec();
     // The names are for logs and errors: a bounded few, so N assignments stay O(N) in all.
@@ -954,7 +951,15 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     }
     a->set_start_step(job.job.step() + 1);
     a->set_source_rank(-1);
-    out->messages.push_back(std::move(msg));
+  }
+  out->messages.reserve(out->messages.size() + worker_ids.size());
+  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
+    Worker& w = workers_.at(worker_ids[rank]);
+    w.state = WorkerState::kBusy;
+    w.job_id = job.job.job_id();
+    w.generation = generation;
+    out->messages.push_back({w.id, assignment});
+    out->messages.back().message.mutable_assignment()->set_rank(static_cast<int32_t>(rank));
   }
   RefreshMembers(job);
   // The timeline: who joined and who left since the previous generation, by worker id (a
@@ -963,7 +968,7 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
   const bool by_name = job.timeline_ids_stale;
   job.timeline_ids_stale = false;
   const std::vector<std::string>& keys = by_name ? names : worker_ids;
-  std::set<std::string> before, after(keys.begin(), keys.end());
+  absl::flat_hash_set<std::string_view> before, after(keys.begin(), keys.end());
   if (job.job.generations_size() > 0) {
     EndGeneration(job, "re-formed", now);
     const v1::Generation& previous = *job.job.generations().rbegin();
@@ -997,9 +1002,15 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     job.job.mutable_generations()->DeleteSubrange(0, job.job.generations_size() - keep);
   }
   AddEvent(job, v1::JobEvent::STATE, "running", now, out);
+  // Names the first kMaxAssignmentNames members: an event stays O(1) whatever the size (the
+  // generation's record above lists them all).
+  const size_t named = std::min(names.size(), kMaxAssignmentNames);
   AddEvent(job, v1::JobEvent::MEMBERSHIP,
-           absl::StrCat("generation ", generation, " formed: ", absl::StrJoin(names, ", "), " (",
-                        names.size(), " worker", names.size() == 1 ? "" : "s", ")"),
+           absl::StrCat("generation ", generation, " formed: ",
+                        absl::StrJoin(names.begin(), names.begin() + named, ", "),
+                        named < names.size() ? absl::StrCat(" and ", names.size() - named, " more")
+                                             : "",
+                        " (", names.size(), " worker", names.size() == 1 ? "" : "s", ")"),
            now, out);
 }
 

@@ -2,7 +2,9 @@
 #include "coordinator/core/ranks.h"
 
 #include <algorithm>
-#include <map>
+#include <string_view>
+
+#include "absl/container/flat_hash_map.h"
 
 namespace lockstep::coordinator {
 
@@ -12,19 +14,22 @@ std::vector<std::string> AssignRanks(const std::vector<RankCandidate>& survivors
                    [](const RankCandidate& a, const RankCandidate& b) {
                      return a.registration_seq < b.registration_seq;
                    });
-  std::vector<const RankCandidate*> sequence;
-  for (const RankCandidate& c : survivors) sequence.push_back(&c);
-  for (const RankCandidate& c : newcomers) sequence.push_back(&c);
-
-  std::map<std::string, size_t> host_order;
-  for (const RankCandidate* c : sequence) host_order.emplace(c->host, host_order.size());
-  std::stable_sort(sequence.begin(), sequence.end(),
-                   [&](const RankCandidate* a, const RankCandidate* b) {
-                     return host_order[a->host] < host_order[b->host];
-                   });
+  // One bucket per host in order of first appearance, each in sequence order: a stable
+  // grouping in O(N), whatever the number of hosts.
+  absl::flat_hash_map<std::string_view, size_t> bucket_of;
+  std::vector<std::vector<const RankCandidate*>> buckets;
+  auto place = [&](const RankCandidate& c) {
+    auto [it, added] = bucket_of.try_emplace(c.host, buckets.size());
+    if (added) buckets.emplace_back();
+    buckets[it->second].push_back(&c);
+  };
+  for (const RankCandidate& c : survivors) place(c);
+  for (const RankCandidate& c : newcomers) place(c);
   std::vector<std::string> ids;
-  ids.reserve(sequence.size());
-  for (const RankCandidate* c : sequence) ids.push_back(c->worker_id);
+  ids.reserve(survivors.size() + newcomers.size());
+  for (const auto& bucket : buckets) {
+    for (const RankCandidate* c : bucket) ids.push_back(c->worker_id);
+  }
   return ids;
 }
 

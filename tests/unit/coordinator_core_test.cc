@@ -1,5 +1,6 @@
 // The coordinator core, driven by events with an explicit clock: registration, gang
 // scheduling, rank assignment, generations, stale-generation fencing and timeouts.
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -496,7 +497,14 @@ TEST_F(CoreTest, EventsAndAssignmentsDoNotGrowWithTheMembers) {
     EXPECT_FALSE(j.spec().has_model());
     EXPECT_EQ(j.spec().name(), "wide");
     EXPECT_LT(j.ByteSizeLong(), 512u) << (*events)[i].message();
+    EXPECT_LT((*events)[i].message().size(), 512u) << "an event names a bounded few members";
   }
+  const auto formed = std::find_if(events->begin(), events->end(), [](const v1::JobEvent& e) {
+    return e.message().find("generation 1 formed: w0, w1, ") == 0;
+  });
+  ASSERT_NE(formed, events->end());
+  EXPECT_NE(formed->message().find(" and 84 more (100 workers)"), std::string::npos)
+      << formed->message();
   EXPECT_EQ(events->back().job().state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(events->back().job().members_size(), kWorkers) << "the result, whole";
   EXPECT_EQ(Job(job).members_size(), kWorkers) << "the job itself keeps everything";
