@@ -67,6 +67,7 @@ class SimWorkers::Worker
     if (!ok) return ReleaseHold();
     {
       absl::MutexLock lock(&tally_->mu);
+      ++tally_->received;
       if (in_.has_registered()) {
         ++tally_->registered;
         tally_->session_keys[index_] = in_.registered().session_key();
@@ -210,6 +211,11 @@ int SimWorkers::RankIn(int i, int64_t generation) {
 int SimWorkers::registered() {
   absl::MutexLock lock(&tally_.mu);
   return tally_.registered;
+}
+
+int64_t SimWorkers::received() {
+  absl::MutexLock lock(&tally_.mu);
+  return tally_.received;
 }
 
 int SimWorkers::ended() {

@@ -61,6 +61,8 @@ class SimWorkers {
   int RankIn(int i, int64_t generation);
   int registered();
   int ended();
+  // Messages the coordinator has sent, all streams together.
+  int64_t received();
 
   class Worker;  // one stream (sim_workers.cc)
 
@@ -68,6 +70,7 @@ class SimWorkers {
   struct Tally {
     absl::Mutex mu;
     int registered ABSL_GUARDED_BY(mu) = 0;
+    int64_t received ABSL_GUARDED_BY(mu) = 0;
     int ended ABSL_GUARDED_BY(mu) = 0;
     std::map<int64_t, int> assigned ABSL_GUARDED_BY(mu);  // generation -> workers assigned
     std::map<int64_t, int> aborted ABSL_GUARDED_BY(mu);   // generation -> workers aborted

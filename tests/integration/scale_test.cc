@@ -92,10 +92,14 @@ TEST(ScaleTest, AThousandWorkersAreAssignedAndOneDropReforms) {
   ASSERT_TRUE(workers.WaitStoreAnswers(kWorkers, absl::Seconds(60), &answered_ok));
   EXPECT_EQ(answered_ok, kWorkers);
 
-  // One stream drops: every survivor is aborted and re-assigned.
+  // One stream drops: every survivor is aborted and re-assigned, by one message each (the
+  // abort inside the assignment). A separate abort would be on the stream before the
+  // assignment it precedes, so it would be counted by now.
+  const int64_t received_before = workers.received();
   workers.Drop(500);
   ASSERT_TRUE(workers.WaitAborted(1, kWorkers - 1, absl::Seconds(120)));
   ASSERT_TRUE(workers.WaitAssigned(2, kWorkers - 1, absl::Seconds(120)));
+  EXPECT_EQ(workers.received() - received_before, kWorkers - 1);
   EXPECT_EQ(workers.RankIn(500, 2), -1);
   ExpectHostContiguous(workers, 2, kWorkers - 1);
   auto reformed = cluster->WaitFor(
