@@ -38,12 +38,38 @@ absl::Duration WaitTimeout(int64_t timeout_ms) {
 // returned and gRPC is done with it: the wait may end on another thread while Start still runs.
 class StoreWaitReactor final : public grpc::ServerUnaryReactor {
  public:
-  explicit StoreWaitReactor(Coordinator* coordinator) : coordinator_(coordinator) {}
-
-  void Refuse(const grpc::Status& status) {
-    Finish(status);
-    Release();
+  // The call's reactor: refused with `status` when that is not OK, else waiting.
+  static grpc::ServerUnaryReactor* Begin(Coordinator* coordinator, const grpc::Status& status,
+                                         const std::string& session_key, const std::string& job_id,
+                                         int64_t generation, std::vector<std::string> keys,
+                                         absl::Duration timeout,
+                                         std::function<void(std::string)> on_value) {
+    auto* reactor = new StoreWaitReactor(coordinator);
+    if (!status.ok()) {
+      reactor->Finish(status);
+      reactor->Release();
+    } else {
+      reactor->Start(session_key, job_id, generation, std::move(keys), timeout,
+                     std::move(on_value));
+    }
+    return reactor;
   }
+
+  void OnCancel() override {
+    BootstrapStore::WaitId id = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      if (!started_) return;  // Start cancels it
+      id = id_;
+    }
+    coordinator_->CancelStoreWait(id);  // a wait that ended already is left alone
+  }
+
+  void OnDone() override { Release(); }
+
+ private:
+  explicit StoreWaitReactor(Coordinator* coordinator) : coordinator_(coordinator) {}
 
   void Start(const std::string& session_key, const std::string& job_id, int64_t generation,
              std::vector<std::string> keys, absl::Duration timeout,
@@ -65,20 +91,6 @@ class StoreWaitReactor final : public grpc::ServerUnaryReactor {
     Release();
   }
 
-  void OnCancel() override {
-    BootstrapStore::WaitId id = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      cancelled_ = true;
-      if (!started_) return;  // Start cancels it
-      id = id_;
-    }
-    coordinator_->CancelStoreWait(id);  // a wait that ended already is left alone
-  }
-
-  void OnDone() override { Release(); }
-
- private:
   void Release() {
     if (refs_.fetch_sub(1) == 1) delete this;
   }
@@ -118,15 +130,10 @@ grpc::ServerUnaryReactor* StoreServiceImpl::Get(grpc::CallbackServerContext* con
   if (s.ok() && request->key().empty()) {
     s = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
   }
-  auto* reactor = new StoreWaitReactor(coordinator_);
-  if (!s.ok()) {
-    reactor->Refuse(s);
-    return reactor;
-  }
-  reactor->Start(SessionKey(*context), request->job_id(), request->generation(),
-                 {request->key()}, WaitTimeout(request->timeout_ms()),
-                 [response](std::string value) { response->set_value(std::move(value)); });
-  return reactor;
+  return StoreWaitReactor::Begin(
+      coordinator_, s, SessionKey(*context), request->job_id(), request->generation(),
+      {request->key()}, WaitTimeout(request->timeout_ms()),
+      [response](std::string value) { response->set_value(std::move(value)); });
 }
 
 grpc::ServerUnaryReactor* StoreServiceImpl::Wait(grpc::CallbackServerContext* context,
@@ -140,14 +147,9 @@ grpc::ServerUnaryReactor* StoreServiceImpl::Wait(grpc::CallbackServerContext* co
       s = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "keys: empty key");
     }
   }
-  auto* reactor = new StoreWaitReactor(coordinator_);
-  if (!s.ok()) {
-    reactor->Refuse(s);
-    return reactor;
-  }
-  reactor->Start(SessionKey(*context), request->job_id(), request->generation(), std::move(keys),
-                 WaitTimeout(request->timeout_ms()), nullptr);
-  return reactor;
+  return StoreWaitReactor::Begin(coordinator_, s, SessionKey(*context), request->job_id(),
+                                 request->generation(), std::move(keys),
+                                 WaitTimeout(request->timeout_ms()), nullptr);
 }
 
 }  // namespace lockstep::coordinator
