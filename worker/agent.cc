@@ -299,8 +299,10 @@ absl::Status Agent::RunSession(bool* registered) {
     switch (message.kind_case()) {
       case v1::CoordinatorMessage::kAssignment:
         if (message.assignment().has_abort_previous()) {
-          // Decided together with this assignment: handled as the Abort just before it.
-          const v1::Abort& a = message.assignment().abort_previous();
+          // Decided together with this assignment: handled as the Abort just before it, and
+          // not kept with the assignment.
+          const v1::Abort a = std::move(*message.mutable_assignment()->mutable_abort_previous());
+          message.mutable_assignment()->clear_abort_previous();
           Decide([&](WorkerLifecycle& l, absl::Time now) {
             return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now);
           });

@@ -47,8 +47,12 @@ void FoldAbortsIntoAssignments(std::vector<Decisions::Outgoing>& messages) {
     if (inserted) continue;
     Decisions::Outgoing& before = messages[it->second];
     v1::CoordinatorMessage& now = messages[i].message;
+    // Only an abort of the same job's generation, not one that ends the job: a worker that
+    // does not know abort_previous still gets what it needs from the assignment alone, which
+    // supersedes its run of the job's previous generation.
     if (before.message.has_abort() && now.has_assignment() &&
-        !now.assignment().has_abort_previous()) {
+        !now.assignment().has_abort_previous() && !before.message.abort().job_ended() &&
+        before.message.abort().job_id() == now.assignment().job_id()) {
       *now.mutable_assignment()->mutable_abort_previous() =
           std::move(*before.message.mutable_abort());
       folded[it->second] = true;
@@ -952,7 +956,6 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     a->set_start_step(job.job.step() + 1);
     a->set_source_rank(-1);
   }
-  out->messages.reserve(out->messages.size() + worker_ids.size());
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     Worker& w = workers_.at(worker_ids[rank]);
     w.state = WorkerState::kBusy;

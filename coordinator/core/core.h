@@ -72,10 +72,12 @@ struct Decisions {
 };
 
 // Folds each Abort that is followed, in the same decisions and with nothing for that worker
-// between them, by an Assignment to the same worker into that assignment
-// (Assignment.abort_previous), and drops the separate message. What each worker receives, and
-// in which order, is unchanged; a re-formation of N survivors becomes N messages instead of 2N.
-// The shell calls it just before queuing a decision's messages.
+// between them, by an Assignment of the same job to the same worker into that assignment
+// (Assignment.abort_previous), and drops the separate message. An abort that ends the job
+// (job_ended), or one followed by another job's assignment, stays a message of its own. What
+// each worker receives, and in which order, is unchanged; a re-formation of N survivors
+// becomes N messages instead of 2N. The shell calls it just before queuing a decision's
+// messages.
 void FoldAbortsIntoAssignments(std::vector<Decisions::Outgoing>& messages);
 
 inline constexpr size_t kMaxWorkerNameBytes = 64;

@@ -406,7 +406,20 @@ TEST(ElasticTest, RandomizedKillSoak) {
   ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << cluster->Logs();
   EXPECT_EQ(done->step(), spec.max_steps());
   EXPECT_GE(kills, rounds - 1) << "the job ended before the kills";
-  EXPECT_EQ(done->recoveries(), kills) << "one recovery per kill";
+  // One re-formation per kill. A loss the coordinator detected right after its own absence
+  // (its threads starved for a second on a loaded machine) is recorded as coordinator-caused
+  // and not counted against max_restarts.
+  std::string history;
+  int losses = 0, not_counted = 0;
+  for (const v1::Recovery& r : done->recovery_history()) {
+    absl::StrAppend(&history, "\n  ", r.from_generation(), " -> ", r.to_generation(), ": ",
+                    r.reason(), r.scale_up() ? " (scale-up)" : "");
+    if (r.scale_up()) continue;
+    ++losses;
+    if (r.coordinator_caused()) ++not_counted;
+  }
+  EXPECT_EQ(losses, kills) << "one re-formation per kill; recoveries:" << history;
+  EXPECT_EQ(done->recoveries(), kills - not_counted) << "recoveries:" << history;
   for (const v1::Member& m : done->members()) {
     EXPECT_EQ(m.step(), spec.max_steps());
     EXPECT_EQ(m.parameter_checksum(), done->members(0).parameter_checksum());

@@ -497,7 +497,7 @@ TEST_F(CoreTest, EventsAndAssignmentsDoNotGrowWithTheMembers) {
     EXPECT_FALSE(j.spec().has_model());
     EXPECT_EQ(j.spec().name(), "wide");
     EXPECT_LT(j.ByteSizeLong(), 512u) << (*events)[i].message();
-    EXPECT_LT((*events)[i].message().size(), 512u) << "an event names a bounded few members";
+    EXPECT_LT((*events)[i].message().size(), 256u) << "an event names a bounded few members";
   }
   const auto formed = std::find_if(events->begin(), events->end(), [](const v1::JobEvent& e) {
     return e.message().find("generation 1 formed: w0, w1, ") == 0;
@@ -744,12 +744,14 @@ TEST_F(CoreTest, EventsRecordStateMembershipAndFirstStepLatency) {
 // The shell's wire form of decisions: an abort folds into the assignment that follows it for
 // the same worker, and nothing else changes.
 TEST(FoldAbortsIntoAssignmentsTest, FoldsOnlyAnAbortFollowedByThatWorkersAssignment) {
-  auto abort = [](const std::string& worker, int64_t generation) {
-    return Decisions::Outgoing{worker, Core::AbortMessage("job-1", generation, "lost")};
+  auto abort = [](const std::string& worker, int64_t generation, bool job_ended = false,
+                  const std::string& job = "job-1") {
+    return Decisions::Outgoing{worker, Core::AbortMessage(job, generation, "lost", job_ended)};
   };
-  auto assign = [](const std::string& worker, int64_t generation) {
+  auto assign = [](const std::string& worker, int64_t generation,
+                   const std::string& job = "job-1") {
     Decisions::Outgoing m{worker, {}};
-    m.message.mutable_assignment()->set_job_id("job-1");
+    m.message.mutable_assignment()->set_job_id(job);
     m.message.mutable_assignment()->set_generation(generation);
     return m;
   };
@@ -759,6 +761,10 @@ TEST(FoldAbortsIntoAssignmentsTest, FoldsOnlyAnAbortFollowedByThatWorkersAssignm
       assign("d", 2),                 // a new member: nothing to fold
       abort("a", 2), assign("a", 3),  // a second re-formation in the same decisions
       assign("e", 1), abort("e", 1),  // an assignment then an abort: order matters, no fold
+      // Another job's assignment, after an abort and after one that ends the job: both aborts
+      // stay messages of their own.
+      abort("f", 1), assign("f", 1, "job-2"),
+      abort("g", 1, /*job_ended=*/true), assign("g", 1, "job-2"),
   };
   FoldAbortsIntoAssignments(messages);
   std::vector<std::string> got;
@@ -775,7 +781,8 @@ TEST(FoldAbortsIntoAssignmentsTest, FoldsOnlyAnAbortFollowedByThatWorkersAssignm
   }
   EXPECT_EQ(got, (std::vector<std::string>{"c:abort1", "b:assign2+abort1", "a:assign2+abort1",
                                            "d:assign2", "a:assign3+abort2", "e:assign1",
-                                           "e:abort1"}));
+                                           "e:abort1", "f:abort1", "f:assign1", "g:abort1",
+                                           "g:assign1"}));
   std::vector<Decisions::Outgoing> none;
   FoldAbortsIntoAssignments(none);
   EXPECT_TRUE(none.empty());
