@@ -26,9 +26,11 @@ namespace {
 // client; no worker sends more than a few a second) ends the session instead of taking the
 // coordinator's time.
 constexpr double kBurst = 2000, kPerSecond = 500;
-// Messages a session may have queued for its worker. A worker holds two or three at most (an
-// abort and the next assignment); one that stops reading while its heartbeats go on would
-// otherwise grow the queue with every fan-out, so it is ended instead.
+// Messages a session may have queued for its worker. A worker holds one or two at most (an
+// assignment, an abort). The queue grows only while writes stall, when the connection stops
+// draining (a congested network, a stalled process): a client that merely does not call Read
+// does not stall them, its gRPC transport keeps reading into its own memory. A session whose
+// queue reaches this is ended instead of growing with every fan-out.
 constexpr size_t kMaxQueuedMessages = 1024;
 
 // One queued gRPC operation of a session. The queue's thread calls Proceed with the outcome; a
