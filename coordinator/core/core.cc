@@ -151,6 +151,7 @@ void Core::MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time 
   if (worker.state == WorkerState::kLost) return;
   const bool was_busy = worker.state == WorkerState::kBusy;
   worker.state = WorkerState::kLost;
+  ++lost_workers_;
   live_names_.erase(worker.info.name());
   out->close_sessions.push_back(worker.id);
   if (was_busy) {
@@ -775,14 +776,22 @@ absl::StatusOr<std::vector<v1::JobEvent>> Core::EventsSince(const std::string& j
 
 void Core::Tick(absl::Time now, Decisions* out) {
   ObserveTime(now);
-  // Heartbeat silence: the job's own timeout applies to its members.
+  // Heartbeat silence: the job's own timeout applies to its members (looked up once per run
+  // of workers of the same job, not once per worker).
+  std::string timeout_job;  // a copy: a loss below may re-assign the workers after this one
+  absl::Duration job_timeout;
   for (auto& [id, w] : workers_) {
     if (w.state == WorkerState::kLost) continue;
     absl::Duration timeout = options_.heartbeat_timeout;
     if (w.state == WorkerState::kBusy) {
-      if (JobRecord* job = FindJob(w.job_id); job && job->job.spec().heartbeat_timeout_ms() > 0) {
-        timeout = absl::Milliseconds(job->job.spec().heartbeat_timeout_ms());
+      if (timeout_job.empty() || timeout_job != w.job_id) {
+        const JobRecord* job = FindJob(w.job_id);
+        job_timeout = job && job->job.spec().heartbeat_timeout_ms() > 0
+                          ? absl::Milliseconds(job->job.spec().heartbeat_timeout_ms())
+                          : options_.heartbeat_timeout;
+        timeout_job = w.job_id;
       }
+      timeout = job_timeout;
     }
     if (now - w.last_heartbeat > timeout) {
       MarkWorkerLost(w,
@@ -1291,17 +1300,18 @@ void Core::SnapshotForEvent(v1::Job& job, v1::Job* snapshot) {
 }
 
 void Core::PruneLostWorkers() {
+  if (lost_workers_ < 2 * std::max<size_t>(options_.max_lost_workers, 1)) return;
   std::vector<const Worker*> lost;
   for (const auto& [id, w] : workers_) {
     if (w.state == WorkerState::kLost) lost.push_back(&w);
   }
-  if (lost.size() <= options_.max_lost_workers) return;
   std::sort(lost.begin(), lost.end(), [](const Worker* a, const Worker* b) {
     return a->registration_seq < b->registration_seq;
   });
   std::vector<std::string> drop;
   for (size_t i = 0; i + options_.max_lost_workers < lost.size(); ++i) drop.push_back(lost[i]->id);
   for (const std::string& id : drop) workers_.erase(id);
+  lost_workers_ -= drop.size();
 }
 
 }  // namespace lockstep::coordinator

@@ -28,7 +28,9 @@ struct CoreOptions {
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
   // Silence after which a worker is declared lost, unless its job sets its own timeout.
   absl::Duration heartbeat_timeout = absl::Seconds(5);
-  // Finished workers (lost ones) kept in the registry for display.
+  // Finished workers (lost ones) kept in the registry for display: once there are twice this
+  // many, the earliest registered go, down to this many (so a mass disconnect costs one pass
+  // over the registry per this many losses, not one per loss).
   size_t max_lost_workers = 64;
   // Events kept per job; older ones are dropped (the job snapshot stays current).
   size_t max_events_per_job = 5000;
@@ -320,6 +322,7 @@ class Core {
   std::map<std::string, Worker> workers_;  // by worker id
   // Name -> id of every worker not lost: a name is held by one live worker at a time.
   std::map<std::string, std::string> live_names_;
+  size_t lost_workers_ = 0;  // workers_ in kLost
   std::map<std::string, JobRecord> jobs_;  // by job id
   std::vector<std::string> pending_;       // FIFO of pending job ids
   std::vector<std::string> order_;         // every job id in submission order

@@ -576,6 +576,33 @@ TEST_F(CoreTest, CollectedHeartbeatsKeepWorkersAlive) {
   }
 }
 
+// Lost workers stay listed until there are twice max_lost_workers of them; then the earliest
+// registered go, down to max_lost_workers.
+TEST_F(CoreTest, LostWorkersArePrunedDownToTheLimitEarliestFirst) {
+  const size_t limit = Options().max_lost_workers;
+  std::vector<std::string> ids;
+  for (size_t i = 0; i < 2 * limit + 2; ++i) ids.push_back(Register("w" + std::to_string(i)));
+  auto lost = [&] {
+    std::vector<std::string> names;
+    for (const v1::WorkerInfo& w : core_.ListWorkers()) {
+      if (w.state() == "lost") names.push_back(w.name());
+    }
+    return names;
+  };
+  Decisions d;
+  for (size_t i = 0; i + 1 < 2 * limit; ++i) core_.WorkerDisconnected(ids[i], "gone", now_, &d);
+  EXPECT_EQ(lost().size(), 2 * limit - 1) << "below twice the limit: all still listed";
+  core_.WorkerDisconnected(ids[2 * limit - 1], "gone", now_, &d);
+  std::vector<std::string> left = lost();
+  ASSERT_EQ(left.size(), limit);
+  for (const std::string& name : left) {
+    EXPECT_GE(std::stoul(name.substr(1)), limit) << name << " registered among the earliest";
+  }
+  core_.WorkerDisconnected(ids[2 * limit], "gone", now_, &d);
+  EXPECT_EQ(lost().size(), limit + 1);
+  EXPECT_EQ(core_.ListWorkers().size(), limit + 2) << "the live one and the lost still listed";
+}
+
 // The service submits without scheduling (the RPC returns once the job is stored); the next
 // tick starts it.
 TEST_F(CoreTest, ASubmissionWithoutSchedulingStartsAtTheNextTick) {
