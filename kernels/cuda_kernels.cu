@@ -8,19 +8,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_kernels.h"
+#include "kernels/cuda_launch.h"
 #include "kernels/gpu_check.h"
 
 namespace lockstep::kernels::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-// Enough blocks to fill an H200 (132 SMs) several times over; grid-stride loops do the rest.
-constexpr int kMaxBlocks = 132 * 16;
-
-int Blocks(size_t n) {
-  const size_t blocks = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < kMaxBlocks ? (blocks == 0 ? 1 : blocks) : kMaxBlocks);
-}
 
 constexpr float kInvSqrt2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
@@ -178,12 +170,6 @@ __global__ void FromFixedPointKernel(const int64_t* in, size_t n, double scale, 
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     out[i] = static_cast<float>(__ll2double_rn(in[i]) * scale);
   }
-}
-
-absl::Status LaunchStatus(const char* kernel) {
-  const cudaError_t error = cudaGetLastError();
-  if (error == cudaSuccess) return absl::OkStatus();
-  return GpuStatus(error, kernel, __FILE__, __LINE__);
 }
 
 absl::Status CheckFracBits(int frac_bits) {
@@ -398,6 +384,65 @@ absl::Status AdamWUpdate(float* p, const float* g, float* m, float* v, size_t n,
                                                   k.one_minus_b2, k.decay, k.step_size, k.bc2_sqrt,
                                                   eps);
   return LaunchStatus("AdamWKernel");
+}
+
+namespace {
+
+// Partial sums of squares: block b of kClipWorkspace covers [b * chunk, (b + 1) * chunk), its
+// threads stride the range, and a fixed tree adds them. partial[1 + b].
+__global__ void SquaresKernel(const float* g, size_t n, size_t chunk, double* partial) {
+  __shared__ double sums[kThreads];
+  const size_t begin = blockIdx.x * chunk;
+  const size_t end = begin + chunk < n ? begin + chunk : n;
+  double sum = 0;
+  for (size_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    const double x = g[i];
+    sum += x * x;
+  }
+  sums[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[1 + blockIdx.x] = sums[0];
+}
+
+// One thread: the partials in order, the norm into workspace[0], the factor after it.
+__global__ void ClipNormKernel(double* workspace, float clip_norm) {
+  double sum = 0;
+  for (int b = 0; b < kClipWorkspace; ++b) sum += workspace[1 + b];
+  const double norm = sqrt(sum);
+  workspace[0] = norm;
+  // The factor goes where partial 0 was (read above, no longer needed).
+  workspace[1] = fmin(1.0, static_cast<double>(clip_norm) / (norm + 1e-6));
+}
+
+__global__ void ScaleKernel(float* g, size_t n, const double* factor) {
+  const double f = *factor;
+  if (f >= 1.0) return;
+  const float s = static_cast<float>(f);
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    g[i] *= s;
+  }
+}
+
+}  // namespace
+
+absl::Status ClipByGlobalNorm(float* g, size_t n, float clip_norm, double* workspace,
+                              cudaStream_t stream) {
+  if (!(clip_norm > 0)) {
+    return absl::InvalidArgumentError("ClipByGlobalNorm: clip_norm must be > 0");
+  }
+  const size_t chunk = (n + kClipWorkspace - 1) / kClipWorkspace;
+  SquaresKernel<<<kClipWorkspace, kThreads, 0, stream>>>(g, n, chunk, workspace);
+  if (absl::Status s = LaunchStatus("SquaresKernel"); !s.ok()) return s;
+  ClipNormKernel<<<1, 1, 0, stream>>>(workspace, clip_norm);
+  if (absl::Status s = LaunchStatus("ClipNormKernel"); !s.ok()) return s;
+  if (n == 0) return absl::OkStatus();
+  ScaleKernel<<<Blocks(n), kThreads, 0, stream>>>(g, n, workspace + 1);
+  return LaunchStatus("ScaleKernel");
 }
 
 absl::Status StoreFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out,

@@ -86,6 +86,17 @@ absl::Status AdamWUpdate(float* p, const float* g, float* m, float* v, size_t n,
                          float beta1, float beta2, float eps, float weight_decay, int64_t step,
                          cudaStream_t stream);
 
+// Gradient clipping by the global norm, as the CPU optimizer (and
+// torch.nn.utils.clip_grad_norm_) does it: norm = sqrt(sum of g^2) in double, and when
+// clip_norm / (norm + 1e-6) < 1 every g is scaled by that factor, all without leaving the
+// device. The sum runs in a fixed order (kClipWorkspace partial sums, each over a fixed range,
+// added in order), so every rank holding the same gradient gets the same bits; the CPU adds in
+// index order, so the norms agree to double rounding, not bit for bit. `workspace`: device
+// doubles, kClipWorkspace + 1 of them; workspace[0] holds the norm afterwards (before clipping).
+inline constexpr int kClipWorkspace = 1024;
+absl::Status ClipByGlobalNorm(float* g, size_t n, float clip_norm, double* workspace,
+                              cudaStream_t stream);
+
 // Twins of StoreFixedPoint / AccumulateFixedPoint / FromFixedPoint: bit-identical results
 // (round half to even, the same 2^51 limit). The number of rejected values is ADDED to the
 // device counter *rejected (unsigned long long; integer atomics, so the total is exact).

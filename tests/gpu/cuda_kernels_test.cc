@@ -6,13 +6,17 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
+#include "kernels/cpu_transformer.h"
+#include "kernels/cuda_transformer.h"
 #include "kernels/gpu_check.h"
 
 namespace lockstep::kernels {
@@ -270,6 +274,182 @@ TEST(CudaKernelsTest, BucketPackingRoundTrips) {
       EXPECT_EQ(back[offset + i], flat[offset + i]);
     }
   }
+}
+
+// The CPU optimizer's clipping (worker/train/optimizer.cc): the norm in double, the factor
+// min(1, clip / (norm + 1e-6)), the gradient scaled only below 1. A length that does not fill
+// the last of the 1,024 partial ranges, and one shorter than their count.
+TEST(CudaKernelsTest, ClipByGlobalNormMatchesTheCpuOptimizer) {
+  LOCKSTEP_REQUIRE_GPU();
+  for (size_t n : {size_t{1000003}, size_t{300}}) {
+    const std::vector<float> g = Random(n, 51);
+    double sum = 0;
+    for (float x : g) sum += static_cast<double>(x) * x;
+    const double norm = std::sqrt(sum);
+    for (float clip : {static_cast<float>(norm / 3), static_cast<float>(norm * 2)}) {
+      const double factor = std::min(1.0, clip / (norm + 1e-6));
+      std::vector<float> want = g;
+      if (factor < 1.0) {
+        for (float& x : want) x *= static_cast<float>(factor);
+      }
+      DeviceBuffer<float> dev_g(g);
+      DeviceBuffer<double> workspace(cuda::kClipWorkspace + 1);
+      ASSERT_TRUE(cuda::ClipByGlobalNorm(dev_g.get(), n, clip, workspace.get(), nullptr).ok());
+      EXPECT_NEAR(workspace.Read()[0], norm, 1e-12 * norm) << "n " << n;
+      const std::vector<float> got = dev_g.Read();
+      if (factor < 1.0) {
+        EXPECT_LT(RelativeError(got, want), 1e-7) << "n " << n << " clip " << clip;
+      } else {
+        EXPECT_EQ(got, g) << "a norm under the limit leaves the gradient as it was";
+      }
+    }
+  }
+  DeviceBuffer<double> workspace(cuda::kClipWorkspace + 1);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      cuda::ClipByGlobalNorm(nullptr, 0, 0.0f, workspace.get(), nullptr)));
+}
+
+// --- The GPT's kernels (cuda_transformer.h) against cpu_transformer.h ---
+
+// Shapes with a ragged last warp (c not a multiple of 32) and more rows than one block holds.
+TEST(CudaTransformerTest, LayerNormForwardAndBackwardMatchCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  for (const auto& [rows, c] : std::vector<std::pair<int, int>>{{37, 100}, {9, 768}, {1, 7}}) {
+    // An offset mean, so the statistics' cancellation matters.
+    std::vector<float> x = Random(size_t(rows) * c, 11, 3.0f);
+    for (float& v : x) v += 50.0f;
+    const std::vector<float> w = Random(c, 12), b = Random(c, 13), dout = Random(x.size(), 14);
+    std::vector<float> out(x.size()), mean(rows), rstd(rows);
+    LayerNormForward(x.data(), w.data(), b.data(), rows, c, 1e-5f, out.data(), mean.data(),
+                     rstd.data());
+    std::vector<float> dx = Random(x.size(), 15), dw = Random(c, 16), db = Random(c, 17);
+    std::vector<float> dx_gpu_start = dx, dw_gpu_start = dw, db_gpu_start = db;
+    LayerNormBackward(dout.data(), x.data(), w.data(), mean.data(), rstd.data(), rows, c,
+                      dx.data(), dw.data(), db.data());
+
+    DeviceBuffer<float> dev_x(x), dev_w(w), dev_b(b), dev_out(x.size()), dev_mean(rows),
+        dev_rstd(rows), dev_dout(dout), dev_dx(dx_gpu_start), dev_dw(dw_gpu_start),
+        dev_db(db_gpu_start);
+    ASSERT_TRUE(cuda::LayerNormForward(dev_x.get(), dev_w.get(), dev_b.get(), rows, c, 1e-5f,
+                                       dev_out.get(), dev_mean.get(), dev_rstd.get(), nullptr)
+                    .ok());
+    EXPECT_LT(RelativeError(dev_out.Read(), out), 1e-6) << rows << "x" << c;
+    EXPECT_LT(RelativeError(dev_mean.Read(), mean), 1e-7);
+    EXPECT_LT(RelativeError(dev_rstd.Read(), rstd), 1e-6);
+    // The backward from the CPU's statistics, so only the backward's arithmetic is compared.
+    DeviceBuffer<float> cpu_mean(mean), cpu_rstd(rstd);
+    ASSERT_TRUE(cuda::LayerNormBackward(dev_dout.get(), dev_x.get(), dev_w.get(), cpu_mean.get(),
+                                        cpu_rstd.get(), rows, c, dev_dx.get(), dev_dw.get(),
+                                        dev_db.get(), nullptr)
+                    .ok());
+    EXPECT_LT(RelativeError(dev_dx.Read(), dx), 1e-5) << "dx adds onto what was there";
+    EXPECT_LT(RelativeError(dev_dw.Read(), dw), 1e-5);
+    EXPECT_EQ(dev_db.Read(), db) << "db: the same float additions in the same order";
+    // Without the parameter gradients only dx is written.
+    DeviceBuffer<float> only_dx(dx_gpu_start);
+    ASSERT_TRUE(cuda::LayerNormBackward(dev_dout.get(), dev_x.get(), dev_w.get(), cpu_mean.get(),
+                                        cpu_rstd.get(), rows, c, only_dx.get(), nullptr, nullptr,
+                                        nullptr)
+                    .ok());
+    EXPECT_LT(RelativeError(only_dx.Read(), dx), 1e-5);
+  }
+}
+
+TEST(CudaTransformerTest, GeluTanhMatchesCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  std::vector<float> x = Random(10007, 21, 3.0f);
+  x[0] = 0.0f;
+  x[1] = -30.0f;
+  x[2] = 30.0f;
+  const std::vector<float> dout = Random(x.size(), 22);
+  std::vector<float> out(x.size()), dx(x.size());
+  GeluTanhForward(x.data(), x.size(), out.data());
+  GeluTanhBackward(x.data(), dout.data(), x.size(), dx.data());
+  DeviceBuffer<float> dev_x(x), dev_out(x.size()), dev_d(dout);
+  ASSERT_TRUE(cuda::GeluTanhForward(dev_x.get(), x.size(), dev_out.get(), nullptr).ok());
+  EXPECT_LT(RelativeError(dev_out.Read(), out), 1e-6);
+  // In place, as the step engine uses it (dx aliasing dout).
+  ASSERT_TRUE(cuda::GeluTanhBackward(dev_x.get(), dev_d.get(), x.size(), dev_d.get(), nullptr).ok());
+  EXPECT_LT(RelativeError(dev_d.Read(), dx), 1e-5);
+}
+
+// Repeated ids (every token of a small vocabulary many times): the sums of one table row come
+// from many rows of dx, in row order on both sides, so the bits agree.
+TEST(CudaTransformerTest, EmbeddingBackwardAndColumnSumsAreTheCpuBits) {
+  LOCKSTEP_REQUIRE_GPU();
+  const int rows = 513, c = 70, vocab = 11;
+  std::vector<int32_t> ids(rows);
+  std::mt19937 rng(31);
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % vocab);
+  const std::vector<float> dx = Random(size_t(rows) * c, 32);
+  std::vector<float> table = Random(size_t(vocab) * c, 33), start = table;
+  EmbeddingBackward(ids.data(), dx.data(), rows, c, table.data());
+  DeviceBuffer<int32_t> dev_ids(ids);
+  DeviceBuffer<float> dev_dx(dx), dev_table(start);
+  ASSERT_TRUE(
+      cuda::EmbeddingBackward(dev_ids.get(), dev_dx.get(), rows, c, dev_table.get(), nullptr).ok());
+  EXPECT_EQ(dev_table.Read(), table);
+
+  for (bool accumulate : {false, true}) {
+    std::vector<float> sums = Random(c, 34), dev_start = sums;
+    ColumnSums(dx.data(), rows, c, sums.data(), accumulate);
+    DeviceBuffer<float> dev_sums(dev_start);
+    ASSERT_TRUE(cuda::ColumnSums(dev_dx.get(), rows, c, dev_sums.get(), accumulate, nullptr).ok());
+    EXPECT_EQ(dev_sums.Read(), sums) << "accumulate " << accumulate;
+  }
+}
+
+// A GPT-2-sized vocabulary (more columns than a block has threads, by far), rows whose target
+// is far below the maximum (its probability underflows to 0 in float; the loss must stay
+// finite), and a row with a tied maximum (the first one counts).
+TEST(CudaTransformerTest, SoftmaxCrossEntropyInPlaceMatchesCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  const int rows = 6, v = 50257;
+  std::vector<float> logits = Random(size_t(rows) * v, 41, 2.0f);
+  std::vector<int32_t> targets = {0, 17, v - 1, 4242, 300, 301};
+  logits[size_t(1) * v + 17] = -200.0f;  // far below the row's maximum
+  logits[size_t(4) * v + 300] = 40.0f;    // the target is the maximum: correct
+  logits[size_t(5) * v + 299] = 40.0f;    // tied maximum before the target: not correct
+  logits[size_t(5) * v + 301] = 40.0f;
+  std::vector<float> cpu = logits;
+  int64_t cpu_correct = 0;
+  const float scale = 1.0f / rows;
+  const double cpu_loss =
+      SoftmaxCrossEntropyInPlace(cpu.data(), targets.data(), rows, v, scale, &cpu_correct);
+  ASSERT_TRUE(std::isfinite(cpu_loss));
+
+  DeviceBuffer<float> dev_logits(logits);
+  DeviceBuffer<int32_t> dev_targets(targets), dev_row_correct(rows);
+  DeviceBuffer<double> dev_row_loss(rows), dev_loss(std::vector<double>{100.0});
+  DeviceBuffer<int64_t> dev_correct(std::vector<int64_t>{5});
+  for (bool accumulate : {false, true}) {
+    DeviceBuffer<float> fresh(logits);
+    ASSERT_TRUE(cuda::SoftmaxCrossEntropyInPlace(fresh.get(), dev_targets.get(), rows, v, scale,
+                                                 dev_row_loss.get(), dev_loss.get(), accumulate,
+                                                 dev_row_correct.get(), dev_correct.get(),
+                                                 nullptr)
+                    .ok());
+    EXPECT_LT(RelativeError(fresh.Read(), cpu), 1e-5) << "the gradient, in place";
+  }
+  // First call set the sum, the second added to it; the count was added to twice. The
+  // device's expf is not the CPU's polynomial: the sums agree to about 1e-8, and a wrong row,
+  // maximum or target would move them by O(1).
+  const double loss = dev_loss.Read()[0];
+  EXPECT_NEAR(loss, 2 * cpu_loss, 1e-7 * std::abs(2 * cpu_loss));
+  const std::vector<double> row_loss = dev_row_loss.Read();
+  for (int r = 0; r < rows; ++r) {
+    std::vector<float> row(logits.begin() + size_t(r) * v, logits.begin() + size_t(r + 1) * v);
+    const double want = SoftmaxCrossEntropyInPlace(row.data(), &targets[r], 1, v, scale, nullptr);
+    EXPECT_NEAR(row_loss[r], want, 1e-7 * std::abs(want)) << "row " << r;
+  }
+  EXPECT_EQ(dev_correct.Read()[0], 5 + 2 * cpu_correct);
+  EXPECT_EQ(cpu_correct, 1) << "the row with its target as the only maximum";
+  const std::vector<int32_t> row_correct = dev_row_correct.Read();
+  EXPECT_EQ(row_correct, (std::vector<int32_t>{0, 0, 0, 0, 1, 0})) << "random rows rarely hit";
+  // A count needs the per-row flags to count from.
+  EXPECT_TRUE(absl::IsInvalidArgument(cuda::SoftmaxCrossEntropyInPlace(
+      dev_logits.get(), dev_targets.get(), rows, v, scale, dev_row_loss.get(), dev_loss.get(),
+      false, nullptr, dev_correct.get(), nullptr)));
 }
 
 // What a user sees with a bad device: the check macro's status names the call, the place

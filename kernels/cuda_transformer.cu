@@ -1,0 +1,317 @@
+// CUDA twins of the CPU transformer kernels; see cuda_transformer.h.
+//
+// Layout of the work:
+// - LayerNorm: one warp per row (8 rows per 256-thread block). Each lane strides the row by 32,
+//   the warp reduces in double with a fixed butterfly, so a row's statistics are the same bits
+//   on every run. Products are written with explicit round-to-nearest intrinsics (__fmul_rn,
+//   __fadd_rn) where the CPU twin rounds each operation, so nvcc does not contract them into
+//   fused multiply-adds and the outputs stay within an ulp or two of the CPU's.
+// - Sums over rows (dw, db, column sums, the embedding table): one thread per column, looping
+//   over the rows in order; neighbouring threads read neighbouring columns, so every row is
+//   read coalesced. No atomics anywhere.
+// - Softmax cross-entropy: one block per row (vocabularies of 50,000 and more), block trees for
+//   the maximum, the first argmax and the sum of exponentials (in double), then one thread
+//   adds the rows' losses in row order.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda_transformer.h"
+#include "kernels/cuda_launch.h"
+
+namespace lockstep::kernels::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kRowsPerBlock = kThreads / kWarp;
+
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi), as on the CPU
+constexpr float kGeluCubic = 0.044715f;
+
+__device__ double WarpSum(double v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;  // every lane holds the same total (the butterfly is symmetric)
+}
+
+__global__ void LayerNormForwardKernel(const float* x, const float* w, const float* b, int rows,
+                                       int c, float eps, float* out, float* mean, float* rstd) {
+  const int r = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (r >= rows) return;  // whole warps leave together: r is the same across a warp
+  const float* xr = x + static_cast<size_t>(r) * c;
+  double sum = 0;
+  for (int j = lane; j < c; j += kWarp) sum += static_cast<double>(xr[j]);
+  const double m = WarpSum(sum) / c;
+  double sq = 0;
+  for (int j = lane; j < c; j += kWarp) {
+    const double d = static_cast<double>(xr[j]) - m;
+    sq += d * d;
+  }
+  const double var = WarpSum(sq) / c;
+  const float s = static_cast<float>(1.0 / sqrt(var + static_cast<double>(eps)));
+  const float mf = static_cast<float>(m);
+  float* o = out + static_cast<size_t>(r) * c;
+  for (int j = lane; j < c; j += kWarp) {
+    o[j] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(xr[j], mf), s), w[j]), b[j]);
+  }
+  if (lane == 0) {
+    mean[r] = mf;
+    rstd[r] = s;
+  }
+}
+
+// The input gradient, a warp per row: the row's two reductions, mean(w * dout) and
+// mean(w * dout * xhat), then dx += (w * dout - a - xhat * b) * rstd.
+__global__ void LayerNormBackwardInputKernel(const float* dout, const float* x, const float* w,
+                                             const float* mean, const float* rstd, int rows,
+                                             int c, float* dx) {
+  const int r = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (r >= rows) return;
+  const size_t row = static_cast<size_t>(r) * c;
+  const float m = mean[r], s = rstd[r];
+  double sum_a = 0, sum_b = 0;
+  for (int j = lane; j < c; j += kWarp) {
+    const float xhat = __fmul_rn(__fsub_rn(x[row + j], m), s);
+    const float dnorm = __fmul_rn(w[j], dout[row + j]);
+    sum_a += static_cast<double>(dnorm);
+    sum_b += static_cast<double>(dnorm) * xhat;
+  }
+  const float a = static_cast<float>(WarpSum(sum_a) / c);
+  const float bterm = static_cast<float>(WarpSum(sum_b) / c);
+  for (int j = lane; j < c; j += kWarp) {
+    const float xhat = __fmul_rn(__fsub_rn(x[row + j], m), s);
+    const float g =
+        __fsub_rn(__fsub_rn(__fmul_rn(w[j], dout[row + j]), a), __fmul_rn(xhat, bterm));
+    dx[row + j] = __fadd_rn(dx[row + j], __fmul_rn(g, s));
+  }
+}
+
+// dw and db, a thread per column over the rows in order (the CPU's order and roundings).
+__global__ void LayerNormBackwardParamsKernel(const float* dout, const float* x,
+                                              const float* mean, const float* rstd, int rows,
+                                              int c, float* dw, float* db) {
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < c; j += gridDim.x * blockDim.x) {
+    float sum_w = dw != nullptr ? dw[j] : 0.0f;
+    float sum_b = db != nullptr ? db[j] : 0.0f;
+    for (int r = 0; r < rows; ++r) {
+      const size_t i = static_cast<size_t>(r) * c + j;
+      const float d = dout[i];
+      sum_b = __fadd_rn(sum_b, d);
+      sum_w = __fadd_rn(sum_w, __fmul_rn(__fmul_rn(__fsub_rn(x[i], mean[r]), rstd[r]), d));
+    }
+    if (dw != nullptr) dw[j] = sum_w;
+    if (db != nullptr) db[j] = sum_b;
+  }
+}
+
+__device__ float GeluTanh(float v) {
+  return 0.5f * v * (1.0f + tanhf(kGeluScale * (v + kGeluCubic * v * v * v)));
+}
+
+__global__ void GeluTanhForwardKernel(const float* x, size_t n, float* out) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    out[i] = GeluTanh(x[i]);
+  }
+}
+
+__global__ void GeluTanhBackwardKernel(const float* x, const float* dout, size_t n, float* dx) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float v = x[i];
+    const float t = tanhf(kGeluScale * (v + kGeluCubic * v * v * v));
+    const float sech2 = 1.0f - t * t;
+    const float local =
+        0.5f * (1.0f + t) + 0.5f * v * sech2 * kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
+    dx[i] = local * dout[i];  // read before written: dx may alias dout
+  }
+}
+
+__global__ void EmbeddingBackwardKernel(const int32_t* ids, const float* dx, int rows, int c,
+                                        float* dtable) {
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < c; j += gridDim.x * blockDim.x) {
+    for (int r = 0; r < rows; ++r) {
+      float* t = dtable + static_cast<size_t>(ids[r]) * c + j;
+      *t = __fadd_rn(*t, dx[static_cast<size_t>(r) * c + j]);
+    }
+  }
+}
+
+__global__ void ColumnSumsKernel(const float* d, int rows, int cols, float* out,
+                                 bool accumulate) {
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < cols; j += gridDim.x * blockDim.x) {
+    float sum = accumulate ? out[j] : 0.0f;
+    for (int r = 0; r < rows; ++r) sum = __fadd_rn(sum, d[static_cast<size_t>(r) * cols + j]);
+    out[j] = sum;
+  }
+}
+
+// A block's first maximum: the larger value, and of equal values the smaller index (as
+// torch.argmax and the CPU twin). Fixed tree over the block's threads.
+__device__ void BlockArgMax(float* value, int* index) {
+  __shared__ float values[kThreads];
+  __shared__ int indices[kThreads];
+  values[threadIdx.x] = *value;
+  indices[threadIdx.x] = *index;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      const float v = values[threadIdx.x + stride];
+      const int i = indices[threadIdx.x + stride];
+      const float u = values[threadIdx.x];
+      const int k = indices[threadIdx.x];
+      if (v > u || (v == u && i < k)) {
+        values[threadIdx.x] = v;
+        indices[threadIdx.x] = i;
+      }
+    }
+    __syncthreads();
+  }
+  *value = values[0];
+  *index = indices[0];
+  __syncthreads();  // the arrays are reused by the next call
+}
+
+__device__ double BlockSum(double v) {
+  __shared__ double sums[kThreads];
+  sums[threadIdx.x] = v;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+  const double total = sums[0];
+  __syncthreads();
+  return total;
+}
+
+// One block per row. The CPU takes exp(x - max) as float and sums in double; so does this, with
+// the device's expf.
+__global__ void SoftmaxCrossEntropyInPlaceKernel(float* logits, const int32_t* targets, int v,
+                                                 float grad_scale, double* row_loss,
+                                                 int32_t* row_correct) {
+  const int r = blockIdx.x;
+  float* x = logits + static_cast<size_t>(r) * v;
+  const int target = targets[r];
+  float best = -INFINITY;
+  int best_index = v;  // no element yet: loses every comparison
+  for (int i = threadIdx.x; i < v; i += kThreads) {
+    const float xi = x[i];
+    if (xi > best || best_index == v) {  // strided in increasing i: the first maximum stays
+      best = xi;
+      best_index = i;
+    }
+  }
+  BlockArgMax(&best, &best_index);
+  const float max = best;
+  __shared__ float at_target;
+  if (threadIdx.x == 0) at_target = x[target];
+  __syncthreads();  // read before the loop below overwrites it
+  double sum = 0;
+  for (int i = threadIdx.x; i < v; i += kThreads) {
+    const float e = expf(x[i] - max);
+    x[i] = e;
+    sum += static_cast<double>(e);
+  }
+  sum = BlockSum(sum);
+  // -log softmax[target] = log(sum) - (x_target - max), the difference in double.
+  const float scale = static_cast<float>(static_cast<double>(grad_scale) / sum);
+  if (threadIdx.x == 0) {
+    row_loss[r] = log(sum) - (static_cast<double>(at_target) - max);
+    if (row_correct != nullptr) row_correct[r] = best_index == target ? 1 : 0;
+  }
+  for (int i = threadIdx.x; i < v; i += kThreads) x[i] *= scale;
+  __syncthreads();
+  if (threadIdx.x == 0) x[target] -= grad_scale;
+}
+
+// The rows' losses added in row order (the same bits every run), and the correct rows counted.
+__global__ void SumRowsKernel(const double* row_loss, const int32_t* row_correct, int rows,
+                              double* loss_sum, bool accumulate, int64_t* correct) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double sum = 0;
+  int64_t hits = 0;
+  for (int r = 0; r < rows; ++r) {
+    sum += row_loss[r];
+    if (row_correct != nullptr) hits += row_correct[r];
+  }
+  *loss_sum = accumulate ? *loss_sum + sum : sum;
+  if (correct != nullptr) *correct += hits;
+}
+
+}  // namespace
+
+absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
+                              float eps, float* out, float* mean, float* rstd,
+                              cudaStream_t stream) {
+  if (rows <= 0 || c <= 0) return absl::OkStatus();
+  const int blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  LayerNormForwardKernel<<<blocks, kThreads, 0, stream>>>(x, w, b, rows, c, eps, out, mean, rstd);
+  return LaunchStatus("LayerNormForwardKernel");
+}
+
+absl::Status LayerNormBackward(const float* dout, const float* x, const float* w,
+                               const float* mean, const float* rstd, int rows, int c, float* dx,
+                               float* dw, float* db, cudaStream_t stream) {
+  if (rows <= 0 || c <= 0) return absl::OkStatus();
+  const int blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  LayerNormBackwardInputKernel<<<blocks, kThreads, 0, stream>>>(dout, x, w, mean, rstd, rows, c,
+                                                                dx);
+  if (absl::Status s = LaunchStatus("LayerNormBackwardInputKernel"); !s.ok()) return s;
+  if (dw == nullptr && db == nullptr) return absl::OkStatus();
+  LayerNormBackwardParamsKernel<<<Blocks(c), kThreads, 0, stream>>>(dout, x, mean, rstd, rows, c,
+                                                                   dw, db);
+  return LaunchStatus("LayerNormBackwardParamsKernel");
+}
+
+absl::Status GeluTanhForward(const float* x, size_t n, float* out, cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  GeluTanhForwardKernel<<<Blocks(n), kThreads, 0, stream>>>(x, n, out);
+  return LaunchStatus("GeluTanhForwardKernel");
+}
+
+absl::Status GeluTanhBackward(const float* x, const float* dout, size_t n, float* dx,
+                              cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  GeluTanhBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(x, dout, n, dx);
+  return LaunchStatus("GeluTanhBackwardKernel");
+}
+
+absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c,
+                               float* dtable, cudaStream_t stream) {
+  if (rows <= 0 || c <= 0) return absl::OkStatus();
+  EmbeddingBackwardKernel<<<Blocks(c), kThreads, 0, stream>>>(ids, dx, rows, c, dtable);
+  return LaunchStatus("EmbeddingBackwardKernel");
+}
+
+absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
+                        cudaStream_t stream) {
+  if (cols <= 0) return absl::OkStatus();
+  ColumnSumsKernel<<<Blocks(cols), kThreads, 0, stream>>>(d, std::max(rows, 0), cols, out,
+                                                         accumulate);
+  return LaunchStatus("ColumnSumsKernel");
+}
+
+absl::Status SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, int rows, int v,
+                                        float grad_scale, double* row_loss, double* loss_sum,
+                                        bool accumulate, int32_t* row_correct, int64_t* correct,
+                                        cudaStream_t stream) {
+  if (v <= 0) return absl::InvalidArgumentError("softmax cross-entropy over 0 classes");
+  if (correct != nullptr && row_correct == nullptr) {
+    return absl::InvalidArgumentError(
+        "softmax cross-entropy: counting correct rows needs row_correct");
+  }
+  if (rows > 0) {
+    SoftmaxCrossEntropyInPlaceKernel<<<rows, kThreads, 0, stream>>>(
+        logits, targets, v, grad_scale, row_loss, row_correct);
+    if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyInPlaceKernel"); !s.ok()) return s;
+  }
+  SumRowsKernel<<<1, 1, 0, stream>>>(row_loss, correct != nullptr ? row_correct : nullptr,
+                                     std::max(rows, 0), loss_sum, accumulate, correct);
+  return LaunchStatus("SumRowsKernel");
+}
+
+}  // namespace lockstep::kernels::cuda

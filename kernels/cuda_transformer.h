@@ -1,0 +1,70 @@
+// CUDA twins of cpu_transformer.h for the GPT's GPU step engine: LayerNorm forward and
+// backward, the tanh GELU, the embedding gradient without atomics, column sums (a bias's
+// gradient), and the fused in-place LM-head softmax cross-entropy.
+//
+// Same conventions as the CPU twins (row-major, FP32 values, same formulas and argument
+// meanings) and as cuda_kernels.h: non-owning device pointers, everything enqueued on `stream`,
+// a Status for launch errors (kernels/gpu_check.h), never a crash. Every reduction that feeds
+// the training state runs in a fixed order, so a rank gets the same bits on every run (what
+// deterministic mode needs): row statistics as fixed warp/block trees in double, and the
+// gradients summed over rows (dw, db, column sums, the embedding table) one column per thread
+// in row order, in float, as the CPU twin does. tests/gpu/cuda_kernels_test.cc compares every
+// function with its CPU twin on random data.
+#ifndef LOCKSTEP_KERNELS_CUDA_TRANSFORMER_H_
+#define LOCKSTEP_KERNELS_CUDA_TRANSFORMER_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace lockstep::kernels::cuda {
+
+// Twin of kernels::LayerNormForward: out = (x - mean) * rstd * w + b per row of c, the biased
+// variance, statistics in double; saves mean and rstd (rows each) for the backward pass.
+absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
+                              float eps, float* out, float* mean, float* rstd,
+                              cudaStream_t stream);
+
+// Twin of kernels::LayerNormBackward: ADDS to dx (rows x c), dw and db (c each; null when that
+// gradient is not wanted). dw and db are summed over rows in row order.
+absl::Status LayerNormBackward(const float* dout, const float* x, const float* w,
+                               const float* mean, const float* rstd, int rows, int c, float* dx,
+                               float* dw, float* db, cudaStream_t stream);
+
+// Twins of kernels::GeluTanhForward / GeluTanhBackward (GPT-2's tanh approximation; dx may
+// alias dout). The device's tanhf stands in for the CPU's polynomial: results agree to a few
+// FP32 ulps, not bit for bit.
+absl::Status GeluTanhForward(const float* x, size_t n, float* out, cudaStream_t stream);
+absl::Status GeluTanhBackward(const float* x, const float* dout, size_t n, float* dx,
+                              cudaStream_t stream);
+
+// Twin of kernels::EmbeddingBackward: dtable[ids[r]] += dx[r] for every row r, in row order
+// per column, with no atomics: the same bits on every run and on the CPU. ids must be valid
+// rows of dtable (the trainer checks tokens against the vocabulary when it loads them).
+absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c,
+                               float* dtable, cudaStream_t stream);
+
+// Twin of kernels::ColumnSums: out (cols) = (or += with `accumulate`) the column sums of d
+// (rows x cols), row by row in float: the CPU's bits.
+absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
+                        cudaStream_t stream);
+
+// Twin of kernels::SoftmaxCrossEntropyInPlace, for the LM head: over `rows` rows of `v` logits,
+// leaves grad_scale * (softmax - onehot(target)) in place (the full-vocabulary gradient exists
+// once, where the logits were), writes each row's -log softmax[target] to row_loss (device
+// doubles, rows), and sets *loss_sum (a device double) to their sum in row order, or adds it
+// with `accumulate` (micro-batches). row_correct (device, rows; null to skip) gets 1 for each
+// row whose first maximum is the target, else 0; with `correct` (a device int64; it needs
+// row_correct, else INVALID_ARGUMENT) their count is added to *correct. Targets must be in
+// [0, v).
+absl::Status SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, int rows, int v,
+                                        float grad_scale, double* row_loss, double* loss_sum,
+                                        bool accumulate, int32_t* row_correct, int64_t* correct,
+                                        cudaStream_t stream);
+
+}  // namespace lockstep::kernels::cuda
+
+#endif  // LOCKSTEP_KERNELS_CUDA_TRANSFORMER_H_
