@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda_transformer.h"
 #include "kernels/cuda_launch.h"
 
@@ -149,6 +150,212 @@ __global__ void ColumnSumsKernel(const float* d, int rows, int cols, float* out,
   }
 }
 
+// --- Causal attention ---
+// Row r = b*T + t of qkv holds [q (c) | k (c) | v (c)], head h at offset h*hs of each.
+constexpr int kQueryRows = 64;  // threads of the forward and dQ blocks: one query row each
+constexpr int kKeyRows = 64;    // threads of the dK/dV blocks: one key row each
+constexpr int kTile = 32;       // rows of a tile held in shared memory
+
+struct AttentionShape {
+  int T, c, heads, hs;
+  float scale;  // 1 / sqrt(hs)
+  __device__ size_t Row(int b, int t) const { return static_cast<size_t>(b) * T + t; }
+  __device__ const float* Q(const float* qkv, int b, int t, int h) const {
+    return qkv + Row(b, t) * 3 * c + static_cast<size_t>(h) * hs;
+  }
+  __device__ const float* K(const float* qkv, int b, int t, int h) const {
+    return Q(qkv, b, t, h) + c;
+  }
+  __device__ const float* V(const float* qkv, int b, int t, int h) const {
+    return Q(qkv, b, t, h) + 2 * static_cast<size_t>(c);
+  }
+  __device__ size_t Lse(int b, int h, int t) const {
+    return (static_cast<size_t>(b) * heads + h) * T + t;
+  }
+};
+
+__device__ float Dot(const float* a, const float* b, int n) {
+  float sum = 0.0f;
+  for (int d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// Rows [first, first + kTile) of K and V (or Q and dO in the dK/dV pass) into shared tiles;
+// rows at or past T are not loaded (and never read). All of the block's threads take part.
+template <typename Source>
+__device__ void LoadTile(int first, int T, int hs, float (*tile)[kMaxAttentionHead],
+                         Source row_of) {
+  for (int e = threadIdx.x; e < kTile * hs; e += blockDim.x) {
+    const int row = e / hs, d = e % hs;
+    if (first + row < T) tile[row][d] = row_of(first + row)[d];
+  }
+}
+
+__global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, float* out,
+                                       float* lse) {
+  __shared__ float keys[kTile][kMaxAttentionHead];
+  __shared__ float values[kTile][kMaxAttentionHead];
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int first_query = blockIdx.x * kQueryRows;
+  const int t = first_query + threadIdx.x;
+  const bool valid = t < s.T;
+  const int last_key = min(s.T - 1, first_query + kQueryRows - 1);
+  float q[kMaxAttentionHead], acc[kMaxAttentionHead];
+  if (valid) {
+    const float* qt = s.Q(qkv, b, t, h);
+    for (int d = 0; d < s.hs; ++d) {
+      q[d] = qt[d];
+      acc[d] = 0.0f;
+    }
+  }
+  float m = -INFINITY, l = 0.0f;
+  for (int j0 = 0; j0 <= last_key; j0 += kTile) {
+    __syncthreads();  // the previous tile is no longer read
+    LoadTile(j0, s.T, s.hs, keys, [&](int j) { return s.K(qkv, b, j, h); });
+    LoadTile(j0, s.T, s.hs, values, [&](int j) { return s.V(qkv, b, j, h); });
+    __syncthreads();
+    if (!valid) continue;
+    for (int jj = 0; jj < kTile && j0 + jj <= t; ++jj) {
+      const float score = Dot(q, keys[jj], s.hs) * s.scale;
+      const float m_new = fmaxf(m, score);
+      const float alpha = expf(m - m_new);  // 0 on the first key (m = -inf)
+      const float p = expf(score - m_new);
+      l = l * alpha + p;
+      for (int d = 0; d < s.hs; ++d) acc[d] = acc[d] * alpha + p * values[jj][d];
+      m = m_new;
+    }
+  }
+  if (!valid) return;
+  float* o = out + s.Row(b, t) * s.c + static_cast<size_t>(h) * s.hs;
+  const float inv = 1.0f / l;
+  for (int d = 0; d < s.hs; ++d) o[d] = acc[d] * inv;
+  lse[s.Lse(b, h, t)] = m + logf(l);
+}
+
+// dK and dV: thread j owns key row j of its block and walks the queries i >= j in tiles
+// (queries, their dO, lse and D_i = dO_i . O_i in shared memory).
+__global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
+                                            const float* out, const float* lse,
+                                            AttentionShape s, float* dqkv) {
+  __shared__ float queries[kTile][kMaxAttentionHead];
+  __shared__ float grads[kTile][kMaxAttentionHead];
+  __shared__ float tile_lse[kTile], tile_d[kTile];
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int first_key = blockIdx.x * kKeyRows;
+  const int j = first_key + threadIdx.x;
+  const bool valid = j < s.T;
+  float k[kMaxAttentionHead], v[kMaxAttentionHead], dk[kMaxAttentionHead],
+      dv[kMaxAttentionHead];
+  if (valid) {
+    const float* kj = s.K(qkv, b, j, h);
+    const float* vj = s.V(qkv, b, j, h);
+    for (int d = 0; d < s.hs; ++d) {
+      k[d] = kj[d];
+      v[d] = vj[d];
+      dk[d] = 0.0f;
+      dv[d] = 0.0f;
+    }
+  }
+  auto dout_row = [&](int i) {
+    return dout + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
+  };
+  for (int i0 = first_key; i0 < s.T; i0 += kTile) {
+    __syncthreads();
+    LoadTile(i0, s.T, s.hs, queries, [&](int i) { return s.Q(qkv, b, i, h); });
+    LoadTile(i0, s.T, s.hs, grads, dout_row);
+    if (threadIdx.x < kTile && i0 + static_cast<int>(threadIdx.x) < s.T) {
+      const int i = i0 + threadIdx.x;
+      tile_lse[threadIdx.x] = lse[s.Lse(b, h, i)];
+      const float* oi = out + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
+      tile_d[threadIdx.x] = Dot(dout_row(i), oi, s.hs);
+    }
+    __syncthreads();
+    if (!valid) continue;
+    for (int ii = 0; ii < kTile && i0 + ii < s.T; ++ii) {
+      if (i0 + ii < j) continue;  // query i sees keys j <= i only
+      const float p = expf(Dot(queries[ii], k, s.hs) * s.scale - tile_lse[ii]);
+      const float dp = Dot(grads[ii], v, s.hs);
+      const float ds = p * (dp - tile_d[ii]) * s.scale;
+      for (int d = 0; d < s.hs; ++d) {
+        dv[d] += p * grads[ii][d];
+        dk[d] += ds * queries[ii][d];
+      }
+    }
+  }
+  if (!valid) return;
+  float* g = dqkv + s.Row(b, j) * 3 * s.c + static_cast<size_t>(h) * s.hs;
+  for (int d = 0; d < s.hs; ++d) {
+    g[s.c + d] = dk[d];
+    g[2 * s.c + d] = dv[d];
+  }
+}
+
+// dQ: thread i owns query row i of its block and walks the keys j <= i in tiles.
+__global__ void AttentionBackwardQueriesKernel(const float* dout, const float* qkv,
+                                               const float* out, const float* lse,
+                                               AttentionShape s, float* dqkv) {
+  __shared__ float keys[kTile][kMaxAttentionHead];
+  __shared__ float values[kTile][kMaxAttentionHead];
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int first_query = blockIdx.x * kQueryRows;
+  const int i = first_query + threadIdx.x;
+  const bool valid = i < s.T;
+  const int last_key = min(s.T - 1, first_query + kQueryRows - 1);
+  float q[kMaxAttentionHead], go[kMaxAttentionHead], dq[kMaxAttentionHead];
+  float row_lse = 0.0f, row_d = 0.0f;
+  if (valid) {
+    const float* qi = s.Q(qkv, b, i, h);
+    const float* gi = dout + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
+    const float* oi = out + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
+    for (int d = 0; d < s.hs; ++d) {
+      q[d] = qi[d];
+      go[d] = gi[d];
+      dq[d] = 0.0f;
+    }
+    row_lse = lse[s.Lse(b, h, i)];
+    row_d = Dot(gi, oi, s.hs);
+  }
+  for (int j0 = 0; j0 <= last_key; j0 += kTile) {
+    __syncthreads();
+    LoadTile(j0, s.T, s.hs, keys, [&](int j) { return s.K(qkv, b, j, h); });
+    LoadTile(j0, s.T, s.hs, values, [&](int j) { return s.V(qkv, b, j, h); });
+    __syncthreads();
+    if (!valid) continue;
+    for (int jj = 0; jj < kTile && j0 + jj <= i; ++jj) {
+      const float p = expf(Dot(q, keys[jj], s.hs) * s.scale - row_lse);
+      const float ds = p * (Dot(go, values[jj], s.hs) - row_d) * s.scale;
+      for (int d = 0; d < s.hs; ++d) dq[d] += ds * keys[jj][d];
+    }
+  }
+  if (!valid) return;
+  float* g = dqkv + s.Row(b, i) * 3 * s.c + static_cast<size_t>(h) * s.hs;
+  for (int d = 0; d < s.hs; ++d) g[d] = dq[d];
+}
+
+static_assert(kKeyRows >= kTile, "a tile's lse and D are loaded by one thread per row");
+
+absl::Status CheckAttentionShape(int batch, int T, int c, int heads, AttentionShape* shape) {
+  if (batch < 0 || T < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("causal attention: ", batch, " sequences of ", T, " tokens"));
+  }
+  if (c <= 0 || heads <= 0 || c % heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("causal attention: ", heads, " heads do not divide ", c, " channels"));
+  }
+  const int hs = c / heads;
+  if (hs > kMaxAttentionHead) {
+    return absl::InvalidArgumentError(absl::StrCat("causal attention: head size ", hs,
+                                                   " is over the kernel's ", kMaxAttentionHead));
+  }
+  if (batch > 65535 || heads > 65535) {
+    return absl::InvalidArgumentError("causal attention: more than 65,535 sequences or heads");
+  }
+  // The CPU twin's scale, computed as it does (in float).
+  *shape = {T, c, heads, hs, 1.0f / std::sqrt(static_cast<float>(hs))};
+  return absl::OkStatus();
+}
+
 // A block's first maximum: the larger value, and of equal values the smaller index (as
 // torch.argmax and the CPU twin). Fixed tree over the block's threads.
 __device__ void BlockArgMax(float* value, int* index) {
@@ -265,6 +472,31 @@ absl::Status LayerNormBackward(const float* dout, const float* x, const float* w
   LayerNormBackwardParamsKernel<<<Blocks(c), kThreads, 0, stream>>>(dout, x, mean, rstd, rows, c,
                                                                    dw, db);
   return LaunchStatus("LayerNormBackwardParamsKernel");
+}
+
+absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads,
+                                    float* out, float* lse, cudaStream_t stream) {
+  AttentionShape shape;
+  if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
+  if (batch == 0 || T == 0) return absl::OkStatus();
+  const dim3 grid((T + kQueryRows - 1) / kQueryRows, heads, batch);
+  AttentionForwardKernel<<<grid, kQueryRows, 0, stream>>>(qkv, shape, out, lse);
+  return LaunchStatus("AttentionForwardKernel");
+}
+
+absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const float* out,
+                                     const float* lse, int batch, int T, int c, int heads,
+                                     float* dqkv, cudaStream_t stream) {
+  AttentionShape shape;
+  if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
+  if (batch == 0 || T == 0) return absl::OkStatus();
+  const dim3 keys((T + kKeyRows - 1) / kKeyRows, heads, batch);
+  AttentionBackwardKeysKernel<<<keys, kKeyRows, 0, stream>>>(dout, qkv, out, lse, shape, dqkv);
+  if (absl::Status s = LaunchStatus("AttentionBackwardKeysKernel"); !s.ok()) return s;
+  const dim3 queries((T + kQueryRows - 1) / kQueryRows, heads, batch);
+  AttentionBackwardQueriesKernel<<<queries, kQueryRows, 0, stream>>>(dout, qkv, out, lse, shape,
+                                                                    dqkv);
+  return LaunchStatus("AttentionBackwardQueriesKernel");
 }
 
 absl::Status GeluTanhForward(const float* x, size_t n, float* out, cudaStream_t stream) {

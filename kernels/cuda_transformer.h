@@ -1,6 +1,7 @@
 // CUDA twins of cpu_transformer.h for the GPT's GPU step engine: LayerNorm forward and
-// backward, the tanh GELU, the embedding gradient without atomics, column sums (a bias's
-// gradient), and the fused in-place LM-head softmax cross-entropy.
+// backward, the tanh GELU, tiled causal attention forward and backward, the embedding gradient
+// without atomics, column sums (a bias's gradient), and the fused in-place LM-head softmax
+// cross-entropy.
 //
 // Same conventions as the CPU twins (row-major, FP32 values, same formulas and argument
 // meanings) and as cuda_kernels.h: non-owning device pointers, everything enqueued on `stream`,
@@ -51,6 +52,23 @@ absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, in
 // (rows x cols), row by row in float: the CPU's bits.
 absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
                         cudaStream_t stream);
+
+// Twin of kernels::CausalAttentionForward (same qkv layout, out and lse): tiled, as flash
+// attention, so the T x T scores never exist in memory. A block of 64 query rows of one
+// (sequence, head) walks the keys up to its last row in tiles of 32 held in shared memory; each
+// thread keeps its query's running maximum, sum and output (the online softmax). Head sizes up
+// to kMaxAttentionHead; INVALID_ARGUMENT otherwise or when heads does not divide c.
+inline constexpr int kMaxAttentionHead = 128;
+absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads,
+                                    float* out, float* lse, cudaStream_t stream);
+
+// Twin of kernels::CausalAttentionBackward: writes dqkv (rows x 3c). The probabilities are
+// recomputed from lse, in two passes with no atomics (each gradient element is summed by one
+// thread in a fixed order, so the same bits every run): one pass per tile of keys for dK and
+// dV, walking the queries that see them; one per tile of queries for dQ.
+absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const float* out,
+                                     const float* lse, int batch, int T, int c, int heads,
+                                     float* dqkv, cudaStream_t stream);
 
 // Twin of kernels::SoftmaxCrossEntropyInPlace, for the LM head: over `rows` rows of `v` logits,
 // leaves grad_scale * (softmax - onehot(target)) in place (the full-vocabulary gradient exists

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/cpu_transformer.h"
@@ -353,6 +354,54 @@ TEST(CudaTransformerTest, LayerNormForwardAndBackwardMatchCpu) {
                     .ok());
     EXPECT_LT(RelativeError(only_dx.Read(), dx), 1e-5);
   }
+}
+
+// Causal attention, forward and backward, against the CPU twin: sequences longer than one
+// block of queries and not a multiple of the tiles, several heads and sequences, and the
+// largest head size the kernel takes.
+TEST(CudaTransformerTest, CausalAttentionMatchesCpu) {
+  LOCKSTEP_REQUIRE_GPU();
+  struct Shape {
+    int batch, T, c, heads;
+  };
+  for (const Shape& sh : {Shape{2, 70, 64, 4}, Shape{1, 130, 256, 2}, Shape{3, 1, 12, 3}}) {
+    const size_t rows = size_t(sh.batch) * sh.T;
+    const std::vector<float> qkv = Random(rows * 3 * sh.c, 61), dout = Random(rows * sh.c, 62);
+    std::vector<float> out(rows * sh.c), lse(size_t(sh.batch) * sh.heads * sh.T),
+        dqkv(rows * 3 * sh.c);
+    CausalAttentionForward(qkv.data(), sh.batch, sh.T, sh.c, sh.heads, out.data(), lse.data());
+    CausalAttentionBackward(dout.data(), qkv.data(), out.data(), lse.data(), sh.batch, sh.T, sh.c,
+                            sh.heads, dqkv.data());
+    DeviceBuffer<float> dev_qkv(qkv), dev_out(out.size()), dev_lse(lse.size()), dev_dout(dout),
+        dev_dqkv(Random(dqkv.size(), 63));  // garbage first: the backward overwrites
+    ASSERT_TRUE(cuda::CausalAttentionForward(dev_qkv.get(), sh.batch, sh.T, sh.c, sh.heads,
+                                             dev_out.get(), dev_lse.get(), nullptr)
+                    .ok());
+    const std::string shape = absl::StrCat(sh.batch, "x", sh.T, " c ", sh.c, " heads ", sh.heads);
+    EXPECT_LT(RelativeError(dev_out.Read(), out), 1e-5) << shape;
+    EXPECT_LT(RelativeError(dev_lse.Read(), lse), 1e-6) << shape;
+    // The backward from the CPU's out and lse, so only its own arithmetic is compared.
+    DeviceBuffer<float> cpu_out(out), cpu_lse(lse);
+    ASSERT_TRUE(cuda::CausalAttentionBackward(dev_dout.get(), dev_qkv.get(), cpu_out.get(),
+                                              cpu_lse.get(), sh.batch, sh.T, sh.c, sh.heads,
+                                              dev_dqkv.get(), nullptr)
+                    .ok());
+    const std::vector<float> got = dev_dqkv.Read();
+    EXPECT_LT(RelativeError(got, dqkv), 1e-5) << shape;
+    // The same bits on a second run (no atomics).
+    ASSERT_TRUE(cuda::CausalAttentionBackward(dev_dout.get(), dev_qkv.get(), cpu_out.get(),
+                                              cpu_lse.get(), sh.batch, sh.T, sh.c, sh.heads,
+                                              dev_dqkv.get(), nullptr)
+                    .ok());
+    EXPECT_EQ(dev_dqkv.Read(), got) << shape;
+  }
+  DeviceBuffer<float> scratch(size_t{3} * 258);
+  EXPECT_TRUE(absl::IsInvalidArgument(cuda::CausalAttentionForward(
+      scratch.get(), 1, 1, 258, 1, scratch.get(), scratch.get(), nullptr)))
+      << "a head of 258 is over the kernel's limit";
+  EXPECT_TRUE(absl::IsInvalidArgument(cuda::CausalAttentionForward(
+      scratch.get(), 1, 1, 10, 3, scratch.get(), scratch.get(), nullptr)))
+      << "3 heads do not divide 10 channels";
 }
 
 TEST(CudaTransformerTest, GeluTanhMatchesCpu) {
