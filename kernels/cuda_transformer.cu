@@ -131,6 +131,51 @@ __global__ void GeluTanhBackwardKernel(const float* x, const float* dout, size_t
   }
 }
 
+__global__ void BiasGeluTanhForwardKernel(const float* bias, int rows, int cols, float* pre,
+                                          float* out) {
+  const size_t n = static_cast<size_t>(rows) * cols;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float v = __fadd_rn(pre[i], bias[i % cols]);
+    pre[i] = v;
+    out[i] = GeluTanh(v);
+  }
+}
+
+__global__ void GatherTokensKernel(const int32_t* tokens, int token_stride, int n, int t,
+                                   int offset, int32_t* ids) {
+  const size_t rows = static_cast<size_t>(n) * t;
+  for (size_t r = blockIdx.x * blockDim.x + threadIdx.x; r < rows;
+       r += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    ids[r] = tokens[(r / t) * token_stride + r % t + offset];
+  }
+}
+
+__global__ void PositionsKernel(int rows, int t, int32_t* ids) {
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += gridDim.x * blockDim.x) {
+    ids[r] = r % t;
+  }
+}
+
+__global__ void EmbeddingForwardKernel(const int32_t* ids, const float* wte, const float* wpe,
+                                       int rows, int t, int c, float* out) {
+  const size_t n = static_cast<size_t>(rows) * c;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t r = i / c, k = i % c;
+    out[i] = __fadd_rn(wte[static_cast<size_t>(ids[r]) * c + k], wpe[(r % t) * c + k]);
+  }
+}
+
+__global__ void StartWithKernel(const float* residual, const float* bias, int rows, int cols,
+                                float* out) {
+  const size_t n = static_cast<size_t>(rows) * cols;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    out[i] = residual == nullptr ? bias[i % cols] : __fadd_rn(residual[i], bias[i % cols]);
+  }
+}
+
 __global__ void EmbeddingBackwardKernel(const int32_t* ids, const float* dx, int rows, int c,
                                         float* dtable) {
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < c; j += gridDim.x * blockDim.x) {
@@ -510,6 +555,51 @@ absl::Status GeluTanhBackward(const float* x, const float* dout, size_t n, float
   if (n == 0) return absl::OkStatus();
   GeluTanhBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(x, dout, n, dx);
   return LaunchStatus("GeluTanhBackwardKernel");
+}
+
+absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, float* out,
+                                 cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return absl::OkStatus();
+  BiasGeluTanhForwardKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(bias, rows, cols,
+                                                                              pre, out);
+  return LaunchStatus("BiasGeluTanhForwardKernel");
+}
+
+absl::Status GatherTokens(const int32_t* tokens, int token_stride, int n, int t, int offset,
+                          int32_t* ids, cudaStream_t stream) {
+  if (n <= 0 || t <= 0) return absl::OkStatus();
+  if (offset < 0 || t + offset > token_stride) {
+    return absl::InvalidArgumentError(absl::StrCat("GatherTokens: ", t, " tokens from offset ",
+                                                   offset, " do not fit windows of ",
+                                                   token_stride));
+  }
+  GatherTokensKernel<<<Blocks(size_t(n) * t), kThreads, 0, stream>>>(tokens, token_stride, n, t,
+                                                                    offset, ids);
+  return LaunchStatus("GatherTokensKernel");
+}
+
+absl::Status Positions(int rows, int t, int32_t* ids, cudaStream_t stream) {
+  if (rows <= 0) return absl::OkStatus();
+  if (t <= 0) return absl::InvalidArgumentError("Positions: t must be > 0");
+  PositionsKernel<<<Blocks(rows), kThreads, 0, stream>>>(rows, t, ids);
+  return LaunchStatus("PositionsKernel");
+}
+
+absl::Status EmbeddingForward(const int32_t* ids, const float* wte, const float* wpe, int rows,
+                              int t, int c, float* out, cudaStream_t stream) {
+  if (rows <= 0 || c <= 0) return absl::OkStatus();
+  if (t <= 0) return absl::InvalidArgumentError("EmbeddingForward: t must be > 0");
+  EmbeddingForwardKernel<<<Blocks(size_t(rows) * c), kThreads, 0, stream>>>(ids, wte, wpe, rows, t,
+                                                                           c, out);
+  return LaunchStatus("EmbeddingForwardKernel");
+}
+
+absl::Status StartWith(const float* residual, const float* bias, int rows, int cols, float* out,
+                       cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return absl::OkStatus();
+  StartWithKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(residual, bias, rows, cols,
+                                                                       out);
+  return LaunchStatus("StartWithKernel");
 }
 
 absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c,

@@ -83,6 +83,25 @@ absl::Status SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, i
                                         bool accumulate, int32_t* row_correct, int64_t* correct,
                                         cudaStream_t stream);
 
+// Twin of kernels::BiasGeluTanhForward: pre += bias (per column), then out = GELU(pre).
+absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, float* out,
+                                 cudaStream_t stream);
+
+// The GPT's pieces around the kernels above (the CPU's are in worker/train/gpt.cc):
+// - GatherTokens: ids[r] = tokens[(r / t) * token_stride + r % t + offset] for r < n * t, the
+//   rows' tokens (offset 0) or their next tokens (offset 1, the targets), from n windows;
+// - Positions: ids[r] = r % t;
+// - EmbeddingForward: out[r] = wte[ids[r]] + wpe[r % t] (rows of c);
+// - StartWith: out[r] = residual[r] + bias in every row (residual null: the bias), for a
+//   product to add onto.
+absl::Status GatherTokens(const int32_t* tokens, int token_stride, int n, int t, int offset,
+                          int32_t* ids, cudaStream_t stream);
+absl::Status Positions(int rows, int t, int32_t* ids, cudaStream_t stream);
+absl::Status EmbeddingForward(const int32_t* ids, const float* wte, const float* wpe, int rows,
+                              int t, int c, float* out, cudaStream_t stream);
+absl::Status StartWith(const float* residual, const float* bias, int rows, int cols, float* out,
+                       cudaStream_t stream);
+
 }  // namespace lockstep::kernels::cuda
 
 #endif  // LOCKSTEP_KERNELS_CUDA_TRANSFORMER_H_

@@ -31,7 +31,7 @@ echo "== GPUs" | tee -a "$log"
 
 echo "== GPU tests" | tee -a "$log"
 failed=0
-for t in cuda_kernels_test gpu_mlp_test gpu_trainer_test nccl_communicator_test; do
+for t in cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test; do
   if ! "$bundle/bin/$t" >>"$log" 2>&1; then
     echo "FAILED: $t (see $log)" | tee -a "$log"
     failed=1

@@ -56,14 +56,23 @@ class Gpt final : public Model {
   // The logits of the next token after the last `context` of `tokens` (at least one).
   absl::StatusOr<std::vector<float>> NextTokenLogits(const std::vector<int32_t>& tokens) override;
 
- protected:
-  std::vector<size_t> ParamReadyPoints(size_t) const override { return ready_points_; }
-
- private:
+  // Where the tensors start in the flat buffer (floats), for the device twin (GpuGpt), and the
+  // ends of the pieces backward finishes, in order.
   struct Block {  // offsets (floats) of one block's tensors
     size_t ln1_w, ln1_b, attn_w, attn_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fcproj_w,
         fcproj_b;
   };
+  struct Layout {
+    size_t lnf_w, lnf_b, wpe, wte;
+    std::vector<Block> blocks;  // by layer
+  };
+  Layout layout() const { return {lnf_w_, lnf_b_, wpe_, wte_, blocks_}; }
+  const std::vector<size_t>& ready_points() const { return ready_points_; }
+
+ protected:
+  std::vector<size_t> ParamReadyPoints(size_t) const override { return ready_points_; }
+
+ private:
   // Runs the forward pass over n samples of the batch (its first `context` tokens read,
   // `t` positions each), keeping what backward needs; returns lnf's output rows in lnf_.
   void Forward(const int32_t* tokens, int token_stride, int n, int t);

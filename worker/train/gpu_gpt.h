@@ -1,0 +1,111 @@
+// The GPT of gpt.h on one GPU: the same flat parameter layout (Gpt::layout(): backward fills a
+// growing prefix of the gradient) and the same forward and backward passes, step for step,
+// built from cuBLAS (kernels/cuda_kernels.h) and the CUDA twins of the transformer kernels
+// (kernels/cuda_transformer.h). Parameters move between Gpt and GpuGpt as they are, so a GPU
+// worker can heal from a CPU worker's state and write the same checkpoints.
+//
+// FP32 throughout (the first part of the GPU GPT: no bf16 yet, and GpuStep does not drive it
+// yet). Not thread-safe; all work is enqueued on the stream given at creation.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cuda_kernels.h"
+#include "worker/train/gpt.h"
+
+namespace lockstep::worker {
+
+class GpuGpt {
+ public:
+  // The LM head's logits at once, at most (256 MiB), whatever the vocabulary.
+  static constexpr size_t kHeadChunkValues = size_t{1} << 26;
+
+  // Takes the shape and layout of `host` (not its parameters: UploadParams) and allocates
+  // parameters and gradients on the current device; activations grow on first use. The head
+  // runs over at most `head_chunk_values` logits at a time. INVALID_ARGUMENT for an empty
+  // shape, heads over cuda::kMaxAttentionHead, or frozen tensors (not on GPUs yet).
+  static absl::StatusOr<std::unique_ptr<GpuGpt>> Create(
+      const Gpt& host, cudaStream_t stream, size_t head_chunk_values = kHeadChunkValues);
+  ~GpuGpt();
+  GpuGpt(const GpuGpt&) = delete;
+  GpuGpt& operator=(const GpuGpt&) = delete;
+
+  size_t num_params() const { return num_params_; }
+  float* params() { return params_; }  // device, num_params()
+  float* grads() { return grads_; }    // device, num_params()
+
+  // Host <-> device copies of the whole parameter (or gradient) buffer; synchronous.
+  absl::Status UploadParams(const float* host);
+  absl::Status DownloadParams(float* host) const;
+  absl::Status DownloadGrads(float* host) const;
+
+  // Forward and backward on n windows of tokens already on the device (n x token_stride ids,
+  // token_stride >= context + 1; every id in the vocabulary). Overwrites grads() with
+  // grad_scale * d(sum of the samples' losses)/d(params), or with `accumulate` adds to it
+  // (micro-batches), as Gpt::ForwardBackward. on_ready(end) is called on the host after the
+  // work that finishes grads()[0, end) has been ENQUEUED (not run), at Gpt::ready_points().
+  absl::Status ForwardBackward(const int32_t* tokens, int token_stride, int n, float grad_scale,
+                               const std::function<void(size_t)>& on_ready, bool accumulate);
+  // The loss of the last ForwardBackward: the sum over its samples of each one's mean
+  // cross-entropy (waits for the stream; 0 before the first).
+  absl::StatusOr<double> LossSum();
+  // Forward only: that loss sum over the n windows, and the predicted tokens that were the next
+  // token added to *correct (if given). Waits for the stream.
+  absl::StatusOr<double> Evaluate(const int32_t* tokens, int token_stride, int n,
+                                  int64_t* correct);
+
+ private:
+  GpuGpt() = default;
+  absl::Status Reserve(int rows);
+  // Forward over n windows (their first `context` tokens): lnf's output rows in lnf_, and
+  // targets_ holds each row's next token.
+  absl::Status Forward(const int32_t* tokens, int token_stride, int n);
+  // The LM head over the rows of lnf_: the loss sum into *loss_sum (row order, in chunks of
+  // rows), the gradient scaled by `scale` in place of the logits; with `backward` also
+  // dlnf_ = dlogits . wte and wte's gradient += dlogits^T . lnf; with `count` the correct rows
+  // into correct_.
+  absl::Status Head(int rows, float scale, bool backward, bool count, double* loss_sum);
+  absl::Status CheckWindows(int token_stride) const;
+  // A device double's value over the context (waits for the stream).
+  absl::StatusOr<double> MeanOverContext(const double* sum);
+
+  GptConfig config_;
+  Gpt::Layout layout_;
+  std::vector<size_t> ready_points_;
+  size_t num_params_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<kernels::cuda::Blas> blas_;
+  float* params_ = nullptr;
+  float* grads_ = nullptr;
+  size_t head_chunk_values_ = kHeadChunkValues;
+  double* loss_sum_ = nullptr;       // ForwardBackward's
+  double* eval_loss_sum_ = nullptr;  // Evaluate's
+  int64_t* correct_ = nullptr;
+
+  // Activations for backward, for capacity_rows_ rows (n * context), carved from one
+  // allocation (arena_); the integer and double buffers are their own.
+  int capacity_rows_ = 0;
+  int head_chunk_rows_ = 0;
+  float* arena_ = nullptr;
+  std::vector<float*> resid_;  // layers + 1: the residual stream entering each block
+  std::vector<float*> ln1_, ln1_mean_, ln1_rstd_, qkv_, atty_, lse_, mid_, ln2_, ln2_mean_,
+      ln2_rstd_, fch_, fch_gelu_;
+  float *lnf_ = nullptr, *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr;
+  float* logits_ = nullptr;  // head_chunk_rows_ rows of the LM head
+  float *scratch_ = nullptr, *scratch4_ = nullptr, *dresid_ = nullptr, *dmid_ = nullptr,
+        *dqkv_ = nullptr, *dlnf_ = nullptr;
+  int32_t* ids_ = nullptr;        // each row's token
+  int32_t* targets_ = nullptr;    // each row's next token
+  int32_t* positions_ = nullptr;  // each row's position
+  int32_t* row_correct_ = nullptr;
+  double* row_loss_ = nullptr;
+};
+
+}  // namespace lockstep::worker
