@@ -59,9 +59,9 @@ TEST(GpuGptTest, MatchesCpuGptForwardBackwardAndEvaluate) {
   batch.tokens = tokens.data();
   batch.token_stride = stride;
   std::vector<size_t> cpu_points, gpu_points;
-  const double cpu_loss = cpu.ForwardBackward(batch, 1.0f / n,
-                                              std::numeric_limits<size_t>::max(), nullptr,
-                                              [&](size_t end) { cpu_points.push_back(end); });
+  const double cpu_loss =
+      cpu.ForwardBackward(batch, 1.0f / n, std::numeric_limits<size_t>::max(), nullptr,
+                          [&](size_t end) { cpu_points.push_back(end); });
   std::vector<float> cpu_grads(cpu.grads(), cpu.grads() + cpu.num_params());
 
   auto gpu = GpuGpt::Create(cpu, nullptr, head_chunk_values);
@@ -71,9 +71,10 @@ TEST(GpuGptTest, MatchesCpuGptForwardBackwardAndEvaluate) {
   ASSERT_TRUE(device.ok);
   int32_t* device_tokens = device.ptr;
   ASSERT_TRUE((*gpu)
-                  ->ForwardBackward(device_tokens, stride, n, 1.0f / n,
-                                    [&](size_t end) { gpu_points.push_back(end); },
-                                    /*accumulate=*/false)
+                  ->ForwardBackward(
+                      device_tokens, stride, n, 1.0f / n,
+                      [&](size_t end) { gpu_points.push_back(end); },
+                      /*accumulate=*/false)
                   .ok());
   auto loss = (*gpu)->LossSum();
   ASSERT_TRUE(loss.ok()) << loss.status();
@@ -91,7 +92,9 @@ TEST(GpuGptTest, MatchesCpuGptForwardBackwardAndEvaluate) {
 
   // Accumulating the same batch again doubles every gradient; the loss is this pass's.
   ASSERT_TRUE(
-      (*gpu)->ForwardBackward(device_tokens, stride, n, 1.0f / n, nullptr, /*accumulate=*/true).ok());
+      (*gpu)
+          ->ForwardBackward(device_tokens, stride, n, 1.0f / n, nullptr, /*accumulate=*/true)
+          .ok());
   ASSERT_TRUE((*gpu)->DownloadGrads(grads.data()).ok());
   EXPECT_LT(RelativeError(grads.data(), cpu_grads.data(), grads.size(), 2.0f), 1e-4);
   loss = (*gpu)->LossSum();

@@ -39,14 +39,14 @@ absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(const Gpt& host, cudaStre
   const GptConfig& c = host.config();
   if (c.vocab <= 0 || c.context <= 0 || c.layers < 0 || c.heads <= 0 || c.d_model <= 0 ||
       c.d_model % c.heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "GpuGpt: no model of vocab ", c.vocab, ", context ", c.context, ", ", c.layers,
-        " layers, ", c.heads, " heads of d_model ", c.d_model));
+    return absl::InvalidArgumentError(
+        absl::StrCat("GpuGpt: no model of vocab ", c.vocab, ", context ", c.context, ", ", c.layers,
+                     " layers, ", c.heads, " heads of d_model ", c.d_model));
   }
   if (c.d_model / c.heads > cuda::kMaxAttentionHead) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GpuGpt: heads of ", c.d_model / c.heads,
-                     " channels; the attention kernel takes up to ", cuda::kMaxAttentionHead));
+    return absl::InvalidArgumentError(absl::StrCat("GpuGpt: heads of ", c.d_model / c.heads,
+                                                   " channels; the attention kernel takes up to ",
+                                                   cuda::kMaxAttentionHead));
   }
   if (host.num_frozen_params() > 0) {
     return absl::InvalidArgumentError("GpuGpt: frozen tensors do not run on GPUs yet");
@@ -85,22 +85,22 @@ GpuGpt::~GpuGpt() {
 }
 
 absl::Status GpuGpt::UploadParams(const float* host) {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(params_, host, num_params_ * sizeof(float),
-                                               cudaMemcpyHostToDevice, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cudaMemcpyAsync(params_, host, num_params_ * sizeof(float), cudaMemcpyHostToDevice, stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
 
 absl::Status GpuGpt::DownloadParams(float* host) const {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(host, params_, num_params_ * sizeof(float),
-                                               cudaMemcpyDeviceToHost, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host, params_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
 
 absl::Status GpuGpt::DownloadGrads(float* host) const {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(host, grads_, num_params_ * sizeof(float),
-                                               cudaMemcpyDeviceToHost, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host, grads_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
@@ -132,8 +132,8 @@ absl::Status GpuGpt::Reserve(int rows) {
     };
     resid_.assign(L + 1, nullptr);
     for (auto& p : resid_) p = take(R * C);
-    for (auto* v : {&ln1_, &ln1_mean_, &ln1_rstd_, &qkv_, &atty_, &lse_, &mid_, &ln2_,
-                    &ln2_mean_, &ln2_rstd_, &fch_, &fch_gelu_}) {
+    for (auto* v : {&ln1_, &ln1_mean_, &ln1_rstd_, &qkv_, &atty_, &lse_, &mid_, &ln2_, &ln2_mean_,
+                    &ln2_rstd_, &fch_, &fch_gelu_}) {
       v->assign(L, nullptr);
     }
     for (size_t l = 0; l < L; ++l) {
@@ -196,27 +196,28 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
   for (int l = 0; l < config_.layers; ++l) {
     const Gpt::Block& b = g.blocks[l];
     LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormForward(resid_[l], P + b.ln1_w, P + b.ln1_b, rows, C,
-                                           kLayerNormEps, ln1_[l], ln1_mean_[l], ln1_rstd_[l],
-                                           stream_));
+                                                    kLayerNormEps, ln1_[l], ln1_mean_[l],
+                                                    ln1_rstd_[l], stream_));
     // Each product adds onto its bias (and residual) already in place, as on the CPU.
     LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(nullptr, P + b.attn_b, rows, 3 * C, qkv_[l], stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 3 * C, C, 1.0f, ln1_[l], C, P + b.attn_w, 3 * C,
-                              1.0f, qkv_[l], 3 * C));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::CausalAttentionForward(qkv_[l], n, t, C, config_.heads, atty_[l],
-                                                 lse_[l], stream_));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 3 * C, C, 1.0f, ln1_[l], C, P + b.attn_w,
+                                       3 * C, 1.0f, qkv_[l], 3 * C));
+    LOCKSTEP_RETURN_IF_ERROR(
+        cuda::CausalAttentionForward(qkv_[l], n, t, C, config_.heads, atty_[l], lse_[l], stream_));
     LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(resid_[l], P + b.proj_b, rows, C, mid_[l], stream_));
     LOCKSTEP_RETURN_IF_ERROR(
         blas.Gemm(false, false, rows, C, C, 1.0f, atty_[l], C, P + b.proj_w, C, 1.0f, mid_[l], C));
     LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormForward(mid_[l], P + b.ln2_w, P + b.ln2_b, rows, C,
-                                           kLayerNormEps, ln2_[l], ln2_mean_[l], ln2_rstd_[l],
-                                           stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 4 * C, C, 1.0f, ln2_[l], C, P + b.fc_w, 4 * C,
-                              0.0f, fch_[l], 4 * C));
+                                                    kLayerNormEps, ln2_[l], ln2_mean_[l],
+                                                    ln2_rstd_[l], stream_));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 4 * C, C, 1.0f, ln2_[l], C, P + b.fc_w,
+                                       4 * C, 0.0f, fch_[l], 4 * C));
     LOCKSTEP_RETURN_IF_ERROR(
         cuda::BiasGeluTanhForward(P + b.fc_b, rows, 4 * C, fch_[l], fch_gelu_[l], stream_));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(mid_[l], P + b.fcproj_b, rows, C, resid_[l + 1], stream_));
+    LOCKSTEP_RETURN_IF_ERROR(
+        cuda::StartWith(mid_[l], P + b.fcproj_b, rows, C, resid_[l + 1], stream_));
     LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, 4 * C, 1.0f, fch_gelu_[l], 4 * C,
-                              P + b.fcproj_w, C, 1.0f, resid_[l + 1], C));
+                                       P + b.fcproj_w, C, 1.0f, resid_[l + 1], C));
   }
   return cuda::LayerNormForward(resid_[config_.layers], P + g.lnf_w, P + g.lnf_b, rows, C,
                                 kLayerNormEps, lnf_, lnf_mean_, lnf_rstd_, stream_);
@@ -228,7 +229,8 @@ absl::Status GpuGpt::Head(int rows, float scale, bool backward, bool count, doub
   for (int r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int m = std::min(head_chunk_rows_, rows - r0);
     const float* in = lnf_ + static_cast<size_t>(r0) * C;
-    LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(false, true, m, V, C, 1.0f, in, C, wte, C, 0.0f, logits_, V));
+    LOCKSTEP_RETURN_IF_ERROR(
+        blas_->Gemm(false, true, m, V, C, 1.0f, in, C, wte, C, 0.0f, logits_, V));
     LOCKSTEP_RETURN_IF_ERROR(cuda::SoftmaxCrossEntropyInPlace(
         logits_, targets_ + r0, m, V, scale, row_loss_, loss_sum, /*accumulate=*/r0 > 0,
         count ? row_correct_ : nullptr, count ? correct_ : nullptr, stream_));
@@ -236,9 +238,9 @@ absl::Status GpuGpt::Head(int rows, float scale, bool backward, bool count, doub
     // logits_ now holds the loss's gradient for these rows: through the tied head into lnf's
     // output, and into wte (added: ForwardBackward zeroed or kept wte's gradient before).
     LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(false, false, m, C, V, 1.0f, logits_, V, wte, C, 0.0f,
-                                dlnf_ + static_cast<size_t>(r0) * C, C));
-    LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(true, false, V, C, m, 1.0f, logits_, V, in, C, 1.0f,
-                                grads_ + layout_.wte, C));
+                                         dlnf_ + static_cast<size_t>(r0) * C, C));
+    LOCKSTEP_RETURN_IF_ERROR(
+        blas_->Gemm(true, false, V, C, m, 1.0f, logits_, V, in, C, 1.0f, grads_ + layout_.wte, C));
   }
   return absl::OkStatus();
 }
@@ -269,62 +271,67 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
   LOCKSTEP_RETURN_IF_ERROR(
       Head(rows, grad_scale / t, /*backward=*/true, /*count=*/false, loss_sum_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(dresid_, 0, RC * sizeof(float), stream_));
-  LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormBackward(dlnf_, resid_[config_.layers], P + g.lnf_w, lnf_mean_,
-                                          lnf_rstd_, rows, C, dresid_, G + g.lnf_w, G + g.lnf_b,
-                                          stream_));
+  LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormBackward(dlnf_, resid_[config_.layers], P + g.lnf_w,
+                                                   lnf_mean_, lnf_rstd_, rows, C, dresid_,
+                                                   G + g.lnf_w, G + g.lnf_b, stream_));
   ready();
   cuda::Blas& blas = *blas_;
   for (int l = config_.layers - 1; l >= 0; --l) {
     const Gpt::Block& b = g.blocks[l];
     // mlp.c_proj: out = fch_gelu . W + b (+ the residual, whose gradient passes through).
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, 4 * C, C, rows, 1.0f, fch_gelu_[l], 4 * C, dresid_, C,
-                              beta, G + b.fcproj_w, C));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(dresid_, rows, C, G + b.fcproj_b, accumulate, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, 4 * C, C, 1.0f, dresid_, C, P + b.fcproj_w, C,
-                              0.0f, scratch4_, 4 * C));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, 4 * C, C, rows, 1.0f, fch_gelu_[l], 4 * C,
+                                       dresid_, C, beta, G + b.fcproj_w, C));
+    LOCKSTEP_RETURN_IF_ERROR(
+        cuda::ColumnSums(dresid_, rows, C, G + b.fcproj_b, accumulate, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, 4 * C, C, 1.0f, dresid_, C,
+                                       P + b.fcproj_w, C, 0.0f, scratch4_, 4 * C));
     ready();
     // GELU, then mlp.c_fc.
-    LOCKSTEP_RETURN_IF_ERROR(cuda::GeluTanhBackward(fch_[l], scratch4_, 4 * RC, scratch4_, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(scratch4_, rows, 4 * C, G + b.fc_b, accumulate, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, C, 4 * C, rows, 1.0f, ln2_[l], C, scratch4_, 4 * C,
-                              beta, G + b.fc_w, 4 * C));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, C, 4 * C, 1.0f, scratch4_, 4 * C, P + b.fc_w,
-                              4 * C, 0.0f, scratch_, C));
+    LOCKSTEP_RETURN_IF_ERROR(
+        cuda::GeluTanhBackward(fch_[l], scratch4_, 4 * RC, scratch4_, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(
+        cuda::ColumnSums(scratch4_, rows, 4 * C, G + b.fc_b, accumulate, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, C, 4 * C, rows, 1.0f, ln2_[l], C, scratch4_,
+                                       4 * C, beta, G + b.fc_w, 4 * C));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, C, 4 * C, 1.0f, scratch4_, 4 * C,
+                                       P + b.fc_w, 4 * C, 0.0f, scratch_, C));
     ready();
     // ln_2: into the gradient of the stream after attention, which also gets the residual's.
     LOCKSTEP_GPU_RETURN_IF_ERROR(
         cudaMemcpyAsync(dmid_, dresid_, RC * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormBackward(scratch_, mid_[l], P + b.ln2_w, ln2_mean_[l],
-                                            ln2_rstd_[l], rows, C, dmid_, G + b.ln2_w,
-                                            G + b.ln2_b, stream_));
+                                                     ln2_rstd_[l], rows, C, dmid_, G + b.ln2_w,
+                                                     G + b.ln2_b, stream_));
     ready();
     // attn.c_proj.
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, C, C, rows, 1.0f, atty_[l], C, dmid_, C, beta,
-                              G + b.proj_w, C));
+    LOCKSTEP_RETURN_IF_ERROR(
+        blas.Gemm(true, false, C, C, rows, 1.0f, atty_[l], C, dmid_, C, beta, G + b.proj_w, C));
     LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(dmid_, rows, C, G + b.proj_b, accumulate, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, C, C, 1.0f, dmid_, C, P + b.proj_w, C, 0.0f,
-                              scratch_, C));
+    LOCKSTEP_RETURN_IF_ERROR(
+        blas.Gemm(false, true, rows, C, C, 1.0f, dmid_, C, P + b.proj_w, C, 0.0f, scratch_, C));
     ready();
     // Attention, then attn.c_attn.
-    LOCKSTEP_RETURN_IF_ERROR(cuda::CausalAttentionBackward(scratch_, qkv_[l], atty_[l], lse_[l], n, t, C,
-                                                  config_.heads, dqkv_, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, C, 3 * C, rows, 1.0f, ln1_[l], C, dqkv_, 3 * C, beta,
-                              G + b.attn_w, 3 * C));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(dqkv_, rows, 3 * C, G + b.attn_b, accumulate, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, C, 3 * C, 1.0f, dqkv_, 3 * C, P + b.attn_w,
-                              3 * C, 0.0f, scratch_, C));
+    LOCKSTEP_RETURN_IF_ERROR(cuda::CausalAttentionBackward(scratch_, qkv_[l], atty_[l], lse_[l], n,
+                                                           t, C, config_.heads, dqkv_, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, C, 3 * C, rows, 1.0f, ln1_[l], C, dqkv_, 3 * C,
+                                       beta, G + b.attn_w, 3 * C));
+    LOCKSTEP_RETURN_IF_ERROR(
+        cuda::ColumnSums(dqkv_, rows, 3 * C, G + b.attn_b, accumulate, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, C, 3 * C, 1.0f, dqkv_, 3 * C,
+                                       P + b.attn_w, 3 * C, 0.0f, scratch_, C));
     ready();
     // ln_1: into the gradient of the stream entering the block.
     LOCKSTEP_GPU_RETURN_IF_ERROR(
         cudaMemcpyAsync(dresid_, dmid_, RC * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormBackward(scratch_, resid_[l], P + b.ln1_w, ln1_mean_[l],
-                                            ln1_rstd_[l], rows, C, dresid_, G + b.ln1_w,
-                                            G + b.ln1_b, stream_));
+                                                     ln1_rstd_[l], rows, C, dresid_, G + b.ln1_w,
+                                                     G + b.ln1_b, stream_));
     ready();
   }
   // The embeddings, in row order (deterministic): positions, then tokens (wte's gradient also
   // holds the LM head's share by now).
-  LOCKSTEP_RETURN_IF_ERROR(cuda::EmbeddingBackward(positions_, dresid_, rows, C, G + g.wpe, stream_));
+  LOCKSTEP_RETURN_IF_ERROR(
+      cuda::EmbeddingBackward(positions_, dresid_, rows, C, G + g.wpe, stream_));
   ready();
   LOCKSTEP_RETURN_IF_ERROR(cuda::EmbeddingBackward(ids_, dresid_, rows, C, G + g.wte, stream_));
   ready();
@@ -347,8 +354,8 @@ absl::StatusOr<double> GpuGpt::Evaluate(const int32_t* tokens, int token_stride,
   LOCKSTEP_RETURN_IF_ERROR(CheckWindows(token_stride));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(correct_, 0, sizeof(int64_t), stream_));
   LOCKSTEP_RETURN_IF_ERROR(Forward(tokens, token_stride, n));
-  LOCKSTEP_RETURN_IF_ERROR(Head(n * config_.context, 0.0f, /*backward=*/false, /*count=*/true,
-                                eval_loss_sum_));
+  LOCKSTEP_RETURN_IF_ERROR(
+      Head(n * config_.context, 0.0f, /*backward=*/false, /*count=*/true, eval_loss_sum_));
   int64_t hits = 0;
   LOCKSTEP_GPU_RETURN_IF_ERROR(
       cudaMemcpyAsync(&hits, correct_, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));

@@ -58,8 +58,7 @@ class GpuGpt {
   absl::StatusOr<double> LossSum();
   // Forward only: that loss sum over the n windows, and the predicted tokens that were the next
   // token added to *correct (if given). Waits for the stream.
-  absl::StatusOr<double> Evaluate(const int32_t* tokens, int token_stride, int n,
-                                  int64_t* correct);
+  absl::StatusOr<double> Evaluate(const int32_t* tokens, int token_stride, int n, int64_t* correct);
 
  private:
   GpuGpt() = default;
