@@ -148,15 +148,15 @@ int main(int argc, char** argv) {
     results.push_back(best);
   }
   using lockstep::Ms;
-  std::printf("| N | register all | assign decision (messages) | loss + re-form decision (messages; "
-              "on the wire, bytes) | tick with N heartbeats | job snapshot |\n"
-              "|---|---|---|---|---|---|\n");
+  std::printf(
+      "| N | register all | assign decision (messages) | loss + re-form decision (messages; "
+      "on the wire, bytes) | tick with N heartbeats | job snapshot |\n"
+      "|---|---|---|---|---|---|\n");
   for (const Result& r : results) {
     std::printf("| %d | %s | %s (%zu) | %s (%zu; %zu, %.1f MB) | %s | %s |\n", r.n,
                 Ms(r.register_s).c_str(), Ms(r.assign_s).c_str(), r.assign_messages,
                 Ms(r.reform_s).c_str(), r.reform_messages, r.reform_wire_messages,
-                r.reform_bytes / 1e6,
-                Ms(r.tick_s).c_str(), Ms(r.snapshot_s).c_str());
+                r.reform_bytes / 1e6, Ms(r.tick_s).c_str(), Ms(r.snapshot_s).c_str());
   }
   if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
     std::ofstream f(out);
@@ -168,7 +168,8 @@ int main(int argc, char** argv) {
           "\"reform_s\": %.6f, \"reform_messages\": %zu, \"reform_wire_messages\": %zu, "
           "\"reform_bytes\": %zu, \"tick_s\": %.6f, \"snapshot_s\": %.6f}%s\n",
           r.n, r.register_s, r.assign_s, r.assign_messages, r.reform_s, r.reform_messages,
-          r.reform_wire_messages, r.reform_bytes, r.tick_s, r.snapshot_s, i + 1 < results.size() ? "," : "");
+          r.reform_wire_messages, r.reform_bytes, r.tick_s, r.snapshot_s,
+          i + 1 < results.size() ? "," : "");
     }
     f << "]\n";
     if (!f) {

@@ -17,8 +17,8 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda_transformer.h"
 #include "kernels/cuda_launch.h"
+#include "kernels/cuda_transformer.h"
 
 namespace lockstep::kernels::cuda {
 namespace {
@@ -66,8 +66,8 @@ __global__ void LayerNormForwardKernel(const float* x, const float* w, const flo
 // The input gradient, a warp per row: the row's two reductions, mean(w * dout) and
 // mean(w * dout * xhat), then dx += (w * dout - a - xhat * b) * rstd.
 __global__ void LayerNormBackwardInputKernel(const float* dout, const float* x, const float* w,
-                                             const float* mean, const float* rstd, int rows,
-                                             int c, float* dx) {
+                                             const float* mean, const float* rstd, int rows, int c,
+                                             float* dx) {
   const int r = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (r >= rows) return;
@@ -84,16 +84,15 @@ __global__ void LayerNormBackwardInputKernel(const float* dout, const float* x, 
   const float bterm = static_cast<float>(WarpSum(sum_b) / c);
   for (int j = lane; j < c; j += kWarp) {
     const float xhat = __fmul_rn(__fsub_rn(x[row + j], m), s);
-    const float g =
-        __fsub_rn(__fsub_rn(__fmul_rn(w[j], dout[row + j]), a), __fmul_rn(xhat, bterm));
+    const float g = __fsub_rn(__fsub_rn(__fmul_rn(w[j], dout[row + j]), a), __fmul_rn(xhat, bterm));
     dx[row + j] = __fadd_rn(dx[row + j], __fmul_rn(g, s));
   }
 }
 
 // dw and db, a thread per column over the rows in order (the CPU's order and roundings).
-__global__ void LayerNormBackwardParamsKernel(const float* dout, const float* x,
-                                              const float* mean, const float* rstd, int rows,
-                                              int c, float* dw, float* db) {
+__global__ void LayerNormBackwardParamsKernel(const float* dout, const float* x, const float* mean,
+                                              const float* rstd, int rows, int c, float* dw,
+                                              float* db) {
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < c; j += gridDim.x * blockDim.x) {
     float sum_w = dw != nullptr ? dw[j] : 0.0f;
     float sum_b = db != nullptr ? db[j] : 0.0f;
@@ -186,8 +185,7 @@ __global__ void EmbeddingBackwardKernel(const int32_t* ids, const float* dx, int
   }
 }
 
-__global__ void ColumnSumsKernel(const float* d, int rows, int cols, float* out,
-                                 bool accumulate) {
+__global__ void ColumnSumsKernel(const float* d, int rows, int cols, float* out, bool accumulate) {
   for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < cols; j += gridDim.x * blockDim.x) {
     float sum = accumulate ? out[j] : 0.0f;
     for (int r = 0; r < rows; ++r) sum = __fadd_rn(sum, d[static_cast<size_t>(r) * cols + j]);
@@ -236,8 +234,7 @@ __device__ void LoadTile(int first, int T, int hs, float (*tile)[kMaxAttentionHe
   }
 }
 
-__global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, float* out,
-                                       float* lse) {
+__global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, float* out, float* lse) {
   __shared__ float keys[kTile][kMaxAttentionHead];
   __shared__ float values[kTile][kMaxAttentionHead];
   const int b = blockIdx.z, h = blockIdx.y;
@@ -279,9 +276,8 @@ __global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, float
 
 // dK and dV: thread j owns key row j of its block and walks the queries i >= j in tiles
 // (queries, their dO, lse and D_i = dO_i . O_i in shared memory).
-__global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
-                                            const float* out, const float* lse,
-                                            AttentionShape s, float* dqkv) {
+__global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv, const float* out,
+                                            const float* lse, AttentionShape s, float* dqkv) {
   __shared__ float queries[kTile][kMaxAttentionHead];
   __shared__ float grads[kTile][kMaxAttentionHead];
   __shared__ float tile_lse[kTile], tile_d[kTile];
@@ -289,8 +285,7 @@ __global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
   const int first_key = blockIdx.x * kKeyRows;
   const int j = first_key + threadIdx.x;
   const bool valid = j < s.T;
-  float k[kMaxAttentionHead], v[kMaxAttentionHead], dk[kMaxAttentionHead],
-      dv[kMaxAttentionHead];
+  float k[kMaxAttentionHead], v[kMaxAttentionHead], dk[kMaxAttentionHead], dv[kMaxAttentionHead];
   if (valid) {
     const float* kj = s.K(qkv, b, j, h);
     const float* vj = s.V(qkv, b, j, h);
@@ -301,9 +296,7 @@ __global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
       dv[d] = 0.0f;
     }
   }
-  auto dout_row = [&](int i) {
-    return dout + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
-  };
+  auto dout_row = [&](int i) { return dout + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs; };
   for (int i0 = first_key; i0 < s.T; i0 += kTile) {
     __syncthreads();
     LoadTile(i0, s.T, s.hs, queries, [&](int i) { return s.Q(qkv, b, i, h); });
@@ -337,8 +330,8 @@ __global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
 
 // dQ: thread i owns query row i of its block and walks the keys j <= i in tiles.
 __global__ void AttentionBackwardQueriesKernel(const float* dout, const float* qkv,
-                                               const float* out, const float* lse,
-                                               AttentionShape s, float* dqkv) {
+                                               const float* out, const float* lse, AttentionShape s,
+                                               float* dqkv) {
   __shared__ float keys[kTile][kMaxAttentionHead];
   __shared__ float values[kTile][kMaxAttentionHead];
   const int b = blockIdx.z, h = blockIdx.y;
@@ -505,9 +498,9 @@ absl::Status LayerNormForward(const float* x, const float* w, const float* b, in
   return LaunchStatus("LayerNormForwardKernel");
 }
 
-absl::Status LayerNormBackward(const float* dout, const float* x, const float* w,
-                               const float* mean, const float* rstd, int rows, int c, float* dx,
-                               float* dw, float* db, cudaStream_t stream) {
+absl::Status LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
+                               const float* rstd, int rows, int c, float* dx, float* dw, float* db,
+                               cudaStream_t stream) {
   if (rows <= 0 || c <= 0) return absl::OkStatus();
   const int blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   LayerNormBackwardInputKernel<<<blocks, kThreads, 0, stream>>>(dout, x, w, mean, rstd, rows, c,
@@ -515,7 +508,7 @@ absl::Status LayerNormBackward(const float* dout, const float* x, const float* w
   if (absl::Status s = LaunchStatus("LayerNormBackwardInputKernel"); !s.ok()) return s;
   if (dw == nullptr && db == nullptr) return absl::OkStatus();
   LayerNormBackwardParamsKernel<<<Blocks(c), kThreads, 0, stream>>>(dout, x, mean, rstd, rows, c,
-                                                                   dw, db);
+                                                                    dw, db);
   return LaunchStatus("LayerNormBackwardParamsKernel");
 }
 
@@ -540,7 +533,7 @@ absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const 
   if (absl::Status s = LaunchStatus("AttentionBackwardKeysKernel"); !s.ok()) return s;
   const dim3 queries((T + kQueryRows - 1) / kQueryRows, heads, batch);
   AttentionBackwardQueriesKernel<<<queries, kQueryRows, 0, stream>>>(dout, qkv, out, lse, shape,
-                                                                    dqkv);
+                                                                     dqkv);
   return LaunchStatus("AttentionBackwardQueriesKernel");
 }
 
@@ -561,7 +554,7 @@ absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* p
                                  cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return absl::OkStatus();
   BiasGeluTanhForwardKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(bias, rows, cols,
-                                                                              pre, out);
+                                                                                  pre, out);
   return LaunchStatus("BiasGeluTanhForwardKernel");
 }
 
@@ -574,7 +567,7 @@ absl::Status GatherTokens(const int32_t* tokens, int token_stride, int n, int t,
                                                    token_stride));
   }
   GatherTokensKernel<<<Blocks(size_t(n) * t), kThreads, 0, stream>>>(tokens, token_stride, n, t,
-                                                                    offset, ids);
+                                                                     offset, ids);
   return LaunchStatus("GatherTokensKernel");
 }
 
@@ -590,7 +583,7 @@ absl::Status EmbeddingForward(const int32_t* ids, const float* wte, const float*
   if (rows <= 0 || c <= 0) return absl::OkStatus();
   if (t <= 0) return absl::InvalidArgumentError("EmbeddingForward: t must be > 0");
   EmbeddingForwardKernel<<<Blocks(size_t(rows) * c), kThreads, 0, stream>>>(ids, wte, wpe, rows, t,
-                                                                           c, out);
+                                                                            c, out);
   return LaunchStatus("EmbeddingForwardKernel");
 }
 
@@ -598,12 +591,12 @@ absl::Status StartWith(const float* residual, const float* bias, int rows, int c
                        cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return absl::OkStatus();
   StartWithKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(residual, bias, rows, cols,
-                                                                       out);
+                                                                        out);
   return LaunchStatus("StartWithKernel");
 }
 
-absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c,
-                               float* dtable, cudaStream_t stream) {
+absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c, float* dtable,
+                               cudaStream_t stream) {
   if (rows <= 0 || c <= 0) return absl::OkStatus();
   EmbeddingBackwardKernel<<<Blocks(c), kThreads, 0, stream>>>(ids, dx, rows, c, dtable);
   return LaunchStatus("EmbeddingBackwardKernel");
@@ -613,7 +606,7 @@ absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool acc
                         cudaStream_t stream) {
   if (cols <= 0) return absl::OkStatus();
   ColumnSumsKernel<<<Blocks(cols), kThreads, 0, stream>>>(d, std::max(rows, 0), cols, out,
-                                                         accumulate);
+                                                          accumulate);
   return LaunchStatus("ColumnSumsKernel");
 }
 
@@ -627,8 +620,8 @@ absl::Status SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, i
         "softmax cross-entropy: counting correct rows needs row_correct");
   }
   if (rows > 0) {
-    SoftmaxCrossEntropyInPlaceKernel<<<rows, kThreads, 0, stream>>>(
-        logits, targets, v, grad_scale, row_loss, row_correct);
+    SoftmaxCrossEntropyInPlaceKernel<<<rows, kThreads, 0, stream>>>(logits, targets, v, grad_scale,
+                                                                    row_loss, row_correct);
     if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyInPlaceKernel"); !s.ok()) return s;
   }
   SumRowsKernel<<<1, 1, 0, stream>>>(row_loss, correct != nullptr ? row_correct : nullptr,

@@ -26,14 +26,13 @@ namespace lockstep::kernels::cuda {
 // Twin of kernels::LayerNormForward: out = (x - mean) * rstd * w + b per row of c, the biased
 // variance, statistics in double; saves mean and rstd (rows each) for the backward pass.
 absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
-                              float eps, float* out, float* mean, float* rstd,
-                              cudaStream_t stream);
+                              float eps, float* out, float* mean, float* rstd, cudaStream_t stream);
 
 // Twin of kernels::LayerNormBackward: ADDS to dx (rows x c), dw and db (c each; null when that
 // gradient is not wanted). dw and db are summed over rows in row order.
-absl::Status LayerNormBackward(const float* dout, const float* x, const float* w,
-                               const float* mean, const float* rstd, int rows, int c, float* dx,
-                               float* dw, float* db, cudaStream_t stream);
+absl::Status LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
+                               const float* rstd, int rows, int c, float* dx, float* dw, float* db,
+                               cudaStream_t stream);
 
 // Twins of kernels::GeluTanhForward / GeluTanhBackward (GPT-2's tanh approximation; dx may
 // alias dout). The device's tanhf stands in for the CPU's polynomial: results agree to a few
@@ -45,8 +44,8 @@ absl::Status GeluTanhBackward(const float* x, const float* dout, size_t n, float
 // Twin of kernels::EmbeddingBackward: dtable[ids[r]] += dx[r] for every row r, in row order
 // per column, with no atomics: the same bits on every run and on the CPU. ids must be valid
 // rows of dtable (the trainer checks tokens against the vocabulary when it loads them).
-absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c,
-                               float* dtable, cudaStream_t stream);
+absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c, float* dtable,
+                               cudaStream_t stream);
 
 // Twin of kernels::ColumnSums: out (cols) = (or += with `accumulate`) the column sums of d
 // (rows x cols), row by row in float: the CPU's bits.
