@@ -4,7 +4,7 @@
 # file and the systemd units (docs/deploy.md); the demo and the benchmarks use it.
 #   cluster.sh start --dir DIR [--workers N] [--listen HOST:PORT] [--bin BUILD_DIR]
 #                    [--token_file FILE] [--http_listen HOST:PORT]
-#   cluster.sh stop  --dir DIR
+#   cluster.sh stop  --dir DIR      (returns once every process has exited)
 # After start, DIR/address holds the coordinator address (HOST:PORT). With --token_file, every
 # process (and lockstepctl, given the same file or $LOCKSTEP_TOKEN) uses that token. With
 # --http_listen the coordinator serves its web dashboard there (port 0: any), and
@@ -65,11 +65,22 @@ case "$cmd" in
     if [[ -n "$http_listen" ]]; then echo "dashboard: $(cat "$dir/dashboard")"; fi
     ;;
   stop)
+    # SIGTERM to every process, then wait until they are gone (10 s, then SIGKILL): once stop
+    # returns nothing of the cluster writes into DIR any more, so DIR can be removed.
+    pids=()
     for pidfile in "$dir"/w*.pid "$dir"/coordinator.pid; do
       [[ -f "$pidfile" ]] || continue
-      kill "$(cat "$pidfile")" 2>/dev/null || true
+      pid="$(cat "$pidfile")"
+      if kill "$pid" 2>/dev/null; then pids+=("$pid"); fi
       rm -f "$pidfile"
     done
+    for _ in $(seq 1 100); do
+      alive=0
+      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+      ((alive)) || break
+      sleep 0.1
+    done
+    for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
     ;;
   *) echo "usage: cluster.sh start|stop --dir DIR [--workers N]" >&2; exit 2 ;;
 esac
