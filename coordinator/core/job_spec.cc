@@ -292,10 +292,8 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
         "model.type \"gpt\" on GPU workers (device \"cuda\") is not built yet; train it on CPU "
         "workers");
   }
-  if (spec.device() == "cuda" &&
-      (!model.frozen_parameters().empty() || spec.optimizer().grad_clip_norm() > 0)) {
-    return absl::UnimplementedError(
-        "model.frozen_parameters and optimizer.grad_clip_norm do not run on GPU workers yet");
+  if (spec.device() == "cuda" && !model.frozen_parameters().empty()) {
+    return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
   }
   const v1::SampleSpec& sample = spec.sample();
   if (sample.max_tokens() < 0 || sample.max_tokens() > 4096) {

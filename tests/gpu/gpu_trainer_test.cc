@@ -141,6 +141,30 @@ TEST(GpuTrainerTest, GradientAccumulationMatchesCpu) {
   EXPECT_LT(RelativeDistance(cpu->model(), gpu->model()), 1e-4);
 }
 
+// Global-norm clipping on the GPU (ClipByGlobalNorm before the update) trains the CPU's model,
+// in the default mode and in deterministic mode, with a limit low enough that every step clips.
+TEST(GpuTrainerTest, GradientClippingMatchesCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
+  for (bool deterministic : {false, true}) {
+    // SGD: its step is proportional to the gradient, so clipping shows (Adam's would hide it).
+    v1::JobSpec spec = Spec("sgd");
+    spec.set_deterministic(deterministic);
+    v1::JobSpec clipped = spec;
+    clipped.mutable_optimizer()->set_grad_clip_norm(0.01);
+    absl::Status s1, s2, s3;
+    std::unique_ptr<Trainer> cpu_plain = TrainOne(spec, false, &s1);
+    ASSERT_TRUE(s1.ok()) << s1;
+    std::unique_ptr<Trainer> cpu = TrainOne(clipped, false, &s2);
+    ASSERT_TRUE(s2.ok()) << s2;
+    std::unique_ptr<Trainer> gpu = TrainOne(clipped, true, &s3);
+    ASSERT_TRUE(s3.ok()) << s3;
+    EXPECT_GT(RelativeDistance(cpu_plain->model(), cpu->model()), 1e-3)
+        << "the limit must change the training for this test to mean anything";
+    EXPECT_LT(RelativeDistance(cpu->model(), gpu->model()), 1e-4)
+        << "deterministic " << deterministic;
+  }
+}
+
 // Deterministic mode on the GPU: the same bits on every run, the CPU's result to float
 // rounding (GPU products sum in another order), and a refusal of out-of-range gradients.
 TEST(GpuTrainerTest, DeterministicModeIsReproducibleAndCloseToCpu) {

@@ -78,6 +78,10 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   const size_t params = step->mlp_->num_params();
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->state_, step->state_floats_ * sizeof(float)));
+  if (spec.optimizer().grad_clip_norm() > 0) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(
+        &step->clip_workspace_, (kernels::cuda::kClipWorkspace + 1) * sizeof(double)));
+  }
   // On the step's stream (non-blocking, so a plain cudaMemset on the legacy stream could land
   // after an Upload and wipe the healed state).
   LOCKSTEP_GPU_RETURN_IF_ERROR(
@@ -96,10 +100,9 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::ForHost(const v1::JobSpec& spe
     return absl::UnimplementedError(absl::StrCat("model.type \"", spec.model().type(),
                                                  "\" does not train on GPU workers yet"));
   }
-  // The GPU's update runs over the whole flat buffer, unclipped.
-  if (model->num_frozen_params() > 0 || spec.optimizer().grad_clip_norm() > 0) {
-    return absl::UnimplementedError(
-        "model.frozen_parameters and optimizer.grad_clip_norm do not run on GPU workers yet");
+  // The GPU's update runs over the whole flat buffer.
+  if (model->num_frozen_params() > 0) {
+    return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
   }
   absl::StatusOr<std::unique_ptr<GpuStep>> step =
       Create(spec, mlp->dims(), mlp->activation(), comm);
@@ -112,6 +115,7 @@ GpuStep::~GpuStep() {
   if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
   mlp_.reset();
   cudaFree(state_);
+  cudaFree(clip_workspace_);
   cudaFree(fixed_);
   for (int slot = 0; slot < 2; ++slot) {
     cudaFree(x_[slot]);
@@ -322,6 +326,15 @@ absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, in
 
 absl::Status GpuStep::Update(float lr, int64_t step) {
   const size_t params = mlp_->num_params();
+  // The summed gradient's global norm, clipped on the device as the CPU optimizer does it.
+  if (optimizer_.grad_clip_norm() > 0) {
+    if (absl::Status s = kernels::cuda::ClipByGlobalNorm(
+            mlp_->grads(), params, static_cast<float>(optimizer_.grad_clip_norm()),
+            clip_workspace_, stream_);
+        !s.ok()) {
+      return s;
+    }
+  }
   const float weight_decay = static_cast<float>(optimizer_.weight_decay());
   return optimizer_.type() == "adamw"
              ? kernels::cuda::AdamWUpdate(

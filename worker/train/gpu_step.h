@@ -127,6 +127,7 @@ class GpuStep final : public StepEngine {
   std::unique_ptr<GpuMlp> mlp_;
   size_t state_floats_ = 0;
   float* state_ = nullptr;  // momentum, or AdamW's m then v (Optimizer's layout)
+  double* clip_workspace_ = nullptr;  // grad_clip_norm: ClipByGlobalNorm's workspace
   int64_t* fixed_ = nullptr;  // deterministic mode: gradient, loss, rejections (num_params + 2)
   int capacity_ = 0;
   float* x_[2] = {nullptr, nullptr};
