@@ -275,26 +275,27 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
                                                    lnf_mean_, lnf_rstd_, rows, C, dresid_,
                                                    G + g.lnf_w, G + g.lnf_b, stream_));
   ready();
-  cuda::Blas& blas = *blas_;
+  // A linear layer out = in . W + bias over the rows, backward from its output's gradient d:
+  // W's gradient (beta: added or overwritten), the bias's (column sums), and dx = d . W^T.
+  auto linear_backward = [&](const float* in, int in_cols, const float* d, int out_cols, size_t w,
+                             size_t bias, float* dx) -> absl::Status {
+    LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(true, false, in_cols, out_cols, rows, 1.0f, in, in_cols, d,
+                                         out_cols, beta, G + w, out_cols));
+    LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(d, rows, out_cols, G + bias, accumulate, stream_));
+    return blas_->Gemm(false, true, rows, in_cols, out_cols, 1.0f, d, out_cols, P + w, out_cols,
+                       0.0f, dx, in_cols);
+  };
   for (int l = config_.layers - 1; l >= 0; --l) {
     const Gpt::Block& b = g.blocks[l];
     // mlp.c_proj: out = fch_gelu . W + b (+ the residual, whose gradient passes through).
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, 4 * C, C, rows, 1.0f, fch_gelu_[l], 4 * C,
-                                       dresid_, C, beta, G + b.fcproj_w, C));
     LOCKSTEP_RETURN_IF_ERROR(
-        cuda::ColumnSums(dresid_, rows, C, G + b.fcproj_b, accumulate, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, 4 * C, C, 1.0f, dresid_, C,
-                                       P + b.fcproj_w, C, 0.0f, scratch4_, 4 * C));
+        linear_backward(fch_gelu_[l], 4 * C, dresid_, C, b.fcproj_w, b.fcproj_b, scratch4_));
     ready();
     // GELU, then mlp.c_fc.
     LOCKSTEP_RETURN_IF_ERROR(
         cuda::GeluTanhBackward(fch_[l], scratch4_, 4 * RC, scratch4_, stream_));
     LOCKSTEP_RETURN_IF_ERROR(
-        cuda::ColumnSums(scratch4_, rows, 4 * C, G + b.fc_b, accumulate, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, C, 4 * C, rows, 1.0f, ln2_[l], C, scratch4_,
-                                       4 * C, beta, G + b.fc_w, 4 * C));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, C, 4 * C, 1.0f, scratch4_, 4 * C,
-                                       P + b.fc_w, 4 * C, 0.0f, scratch_, C));
+        linear_backward(ln2_[l], C, scratch4_, 4 * C, b.fc_w, b.fc_b, scratch_));
     ready();
     // ln_2: into the gradient of the stream after attention, which also gets the residual's.
     LOCKSTEP_GPU_RETURN_IF_ERROR(
@@ -304,21 +305,13 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
                                                      G + b.ln2_b, stream_));
     ready();
     // attn.c_proj.
-    LOCKSTEP_RETURN_IF_ERROR(
-        blas.Gemm(true, false, C, C, rows, 1.0f, atty_[l], C, dmid_, C, beta, G + b.proj_w, C));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(dmid_, rows, C, G + b.proj_b, accumulate, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(
-        blas.Gemm(false, true, rows, C, C, 1.0f, dmid_, C, P + b.proj_w, C, 0.0f, scratch_, C));
+    LOCKSTEP_RETURN_IF_ERROR(linear_backward(atty_[l], C, dmid_, C, b.proj_w, b.proj_b, scratch_));
     ready();
     // Attention, then attn.c_attn.
     LOCKSTEP_RETURN_IF_ERROR(cuda::CausalAttentionBackward(scratch_, qkv_[l], atty_[l], lse_[l], n,
                                                            t, C, config_.heads, dqkv_, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(true, false, C, 3 * C, rows, 1.0f, ln1_[l], C, dqkv_, 3 * C,
-                                       beta, G + b.attn_w, 3 * C));
     LOCKSTEP_RETURN_IF_ERROR(
-        cuda::ColumnSums(dqkv_, rows, 3 * C, G + b.attn_b, accumulate, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, true, rows, C, 3 * C, 1.0f, dqkv_, 3 * C,
-                                       P + b.attn_w, 3 * C, 0.0f, scratch_, C));
+        linear_backward(ln1_[l], C, dqkv_, 3 * C, b.attn_w, b.attn_b, scratch_));
     ready();
     // ln_1: into the gradient of the stream entering the block.
     LOCKSTEP_GPU_RETURN_IF_ERROR(
