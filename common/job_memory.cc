@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/gpu_limits.h"
 #include "common/model_layout.h"
 
 namespace lockstep {
@@ -60,6 +61,7 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
   int64_t per_sample = 0;  // floats of activations and backward temporaries per sample
   int64_t fixed = 0;       // floats of working memory whatever the micro-batch
   int64_t params = 0, trainable = 0;
+  int64_t input = 0;  // values of one sample's input (features and label, or its tokens)
   if (gpt) {
     const std::vector<TensorSize> tensors = ModelTensors(model, 0, 0);
     const std::vector<std::string> patterns(model.frozen_parameters().begin(),
@@ -75,12 +77,14 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
     // temporaries (about 13 C). Attention keeps O(T) per row, never T x T.
     const int64_t C = model.d_model(), T = model.context_length(), L = model.n_layer();
     per_sample = T * (L * (16 * C + model.n_head() + 4) + 13 * C + 3) + T + 1;
+    input = T + 1;
     // The LM head's logits, one chunk of rows at a time (at most 4 Mi values).
     fixed = std::min<int64_t>(int64_t{1} << 22, T * std::max(1, model.vocab_size()));
   } else {
     const std::vector<int64_t> dims = LayerWidths(spec);
     int64_t widest = 0;
     per_sample = dims.front();  // the input row
+    input = dims.front() + 1;
     for (size_t i = 0; i + 1 < dims.size(); ++i) {
       params += dims[i] * dims[i + 1] + dims[i + 1];
       widest = std::max(widest, dims[i + 1]);
@@ -98,6 +102,20 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
   // Default: the reducer's bucket copies, about one gradient. Deterministic: the int64 sum,
   // and as much again in the communicator.
   e.communication = spec.deterministic() ? 16 * (trainable + 2) : 4 * trainable;
+  if (spec.device() == "cuda") {
+    // A second upload slot (the next micro-batch's copy overlaps this one's compute); the
+    // GPT's logits in chunks of up to kGpuHeadChunkValues rather than the CPU's 4 Mi (bounded
+    // by the micro-batch's rows, so it stays linear up to the bound: ChooseMicroBatch solves
+    // a line); the workspaces; NCCL's buffers when the job may run on a group.
+    e.device = 4 * input * micro_batch + 2 * kGpuBlasWorkspaceBytes +
+               (spec.max_workers() != 1 ? kGpuNcclBufferBytes : 0);
+    if (gpt) {
+      const int64_t head_values = std::min<int64_t>(
+          kGpuHeadChunkValues,
+          model.context_length() * std::max(1, model.vocab_size()) * std::max<int64_t>(1, micro_batch));
+      e.device += 4 * std::max<int64_t>(0, head_values - fixed);
+    }
+  }
   return e;
 }
 
@@ -113,7 +131,9 @@ std::string MemoryEstimate::ToString() const {
   return absl::StrCat(HumanBytes(total()), " (parameters ", HumanBytes(parameters), ", gradients ",
                       HumanBytes(gradients), ", optimizer ", HumanBytes(optimizer),
                       ", activations ", HumanBytes(activations), " for ", micro_batch,
-                      " samples at once, communication ", HumanBytes(communication), ")");
+                      " samples at once, communication ", HumanBytes(communication),
+                      device > 0 ? absl::StrCat(", GPU buffers ", HumanBytes(device)) : "",
+                      ")");
 }
 
 }  // namespace lockstep

@@ -18,8 +18,13 @@ struct MemoryEstimate {
   int64_t optimizer = 0;      // momentum buffer (SGD) or two moments (AdamW)
   int64_t activations = 0;    // forward activations and backward temporaries of one micro-batch
   int64_t communication = 0;  // reduction buffers (int64 fixed point in deterministic mode)
-  int64_t micro_batch = 0;    // samples processed at once by one worker
-  int64_t total() const { return parameters + gradients + optimizer + activations + communication; }
+  // GPU workers (device "cuda"): cuBLAS workspaces, NCCL's buffers, the second upload slot
+  // of the micro-batch, the LM head's larger chunk of logits (common/gpu_limits.h).
+  int64_t device = 0;
+  int64_t micro_batch = 0;  // samples processed at once by one worker
+  int64_t total() const {
+    return parameters + gradients + optimizer + activations + communication + device;
+  }
   // "1.2 GiB (parameters 256 MiB, gradients 256 MiB, ...)".
   std::string ToString() const;
 };

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/gpu_limits.h"
 #include "kernels/cuda_kernels.h"
 #include "kernels/cuda_launch.h"
 #include "kernels/gpu_check.h"
@@ -228,7 +229,7 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream) {
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtCreate(&lt));
   blas->lt_ = lt;
   // 32 MiB: what NVIDIA recommends for Hopper's cuBLASLt kernels.
-  blas->workspace_bytes_ = size_t{32} << 20;
+  blas->workspace_bytes_ = static_cast<size_t>(kGpuBlasWorkspaceBytes);
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&blas->workspace_, blas->workspace_bytes_));
   return blas;
 }

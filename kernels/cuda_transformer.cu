@@ -487,7 +487,17 @@ __global__ void SumRowsKernel(const double* row_loss, const int32_t* row_correct
   if (correct != nullptr) *correct += hits;
 }
 
+__global__ void AddScaledKernel(const double* value, double scale, bool accumulate, double* out) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *out = (accumulate ? *out : 0.0) + *value * scale;
+}
+
 }  // namespace
+
+absl::Status AddScaled(const double* value, double scale, bool accumulate, double* out,
+                       cudaStream_t stream) {
+  AddScaledKernel<<<1, 1, 0, stream>>>(value, scale, accumulate, out);
+  return LaunchStatus("AddScaledKernel");
+}
 
 absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
                               float eps, float* out, float* mean, float* rstd,

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "common/gpu_limits.h"
 
 namespace lockstep::kernels::cuda {
 
@@ -57,7 +58,7 @@ absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool acc
 // (sequence, head) walks the keys up to its last row in tiles of 32 held in shared memory; each
 // thread keeps its query's running maximum, sum and output (the online softmax). Head sizes up
 // to kMaxAttentionHead; INVALID_ARGUMENT otherwise or when heads does not divide c.
-inline constexpr int kMaxAttentionHead = 128;
+inline constexpr int kMaxAttentionHead = ::lockstep::kMaxGpuAttentionHead;
 absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads,
                                     float* out, float* lse, cudaStream_t stream);
 
@@ -68,6 +69,10 @@ absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, i
 absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const float* out,
                                      const float* lse, int batch, int T, int c, int heads,
                                      float* dqkv, cudaStream_t stream);
+
+// *out = *value * scale, or with `accumulate` *out += *value * scale (device doubles).
+absl::Status AddScaled(const double* value, double scale, bool accumulate, double* out,
+                       cudaStream_t stream);
 
 // Twin of kernels::SoftmaxCrossEntropyInPlace, for the LM head: over `rows` rows of `v` logits,
 // leaves grad_scale * (softmax - onehot(target)) in place (the full-vocabulary gradient exists

@@ -16,6 +16,7 @@
 #include "common/atomic_file.h"
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
+#include "common/gpu_limits.h"
 #include "common/job_memory.h"
 #include "common/process_memory.h"
 #include "glog/logging.h"
@@ -42,9 +43,12 @@ constexpr absl::Duration kConnectWait = absl::Milliseconds(250);
 // Lets the trainer plan with 90% of the memory free now (the rest covers what the estimate
 // leaves out: the CUDA and NCCL runtimes' own buffers, allocator slack) and says so when its
 // share goes through in micro-batches (gradient accumulation).
+// `margin_percent` of the free memory is left out of the budget: what the estimate does not
+// count (the allocator's rounding and fragmentation; on a CPU worker, everything else on the
+// host). A GPU's estimate counts the device buffers itself (MemoryEstimate::device).
 void SetMemoryBudget(Trainer& trainer, const v1::JobSpec& spec, const v1::Assignment& a,
-                     int64_t free_bytes) {
-  trainer.set_memory_budget(free_bytes / 10 * 9);
+                     int64_t free_bytes, int margin_percent) {
+  trainer.set_memory_budget(free_bytes / 100 * (100 - margin_percent));
   const int64_t share = ShareSamples(spec, a.world_size());
   if (!spec.deterministic() && trainer.micro_batch() < share) {
     LOG(INFO) << a.job_id() << " generation " << a.generation() << ": micro-batches of "
@@ -486,7 +490,7 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
   if (options_.cuda_device < 0) {
     absl::StatusOr<DeviceInfo> host = OpenDevice("cpu");
     // The model is allocated by now, so this counts it twice: a margin, on the safe side.
-    if (host.ok()) SetMemoryBudget(*trainer, spec, a, host->free_memory_bytes);
+    if (host.ok()) SetMemoryBudget(*trainer, spec, a, host->free_memory_bytes, 10);
   }
 
 #ifdef LOCKSTEP_HAVE_CUDA
@@ -503,7 +507,7 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
     // Measured before this generation allocates anything: the estimate counts it all.
     size_t free_bytes = 0, total_bytes = 0;
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
-    SetMemoryBudget(*trainer, spec, a, static_cast<int64_t>(free_bytes));
+    SetMemoryBudget(*trainer, spec, a, static_cast<int64_t>(free_bytes), 3);
     if (a.world_size() > 1) {
       NcclCommunicator::Options nccl_options;
       nccl_options.init_timeout = absl::FromChrono(collective_timeout);
@@ -513,11 +517,19 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
           NcclCommunicator::Create(*store, a.rank(), a.world_size(), nccl_options);
       if (!created.ok()) return created.status();
       nccl = *std::move(created);
+      // What the memory estimate assumes for NCCL (kGpuNcclBufferBytes), against the truth.
+      size_t free_after = 0;
+      if (cudaMemGetInfo(&free_after, &total_bytes) == cudaSuccess && free_after <= free_bytes) {
+        LOG(INFO) << a.job_id() << " generation " << a.generation() << ": NCCL took "
+                  << HumanBytes(static_cast<int64_t>(free_bytes - free_after))
+                  << " of device memory for " << a.world_size() << " ranks (estimated "
+                  << HumanBytes(kGpuNcclBufferBytes) << ")";
+      }
     }
     absl::StatusOr<std::unique_ptr<GpuStep>> step =
         GpuStep::ForHost(spec, &trainer->model(), &trainer->optimizer(), nccl.get());
     if (!step.ok()) {
-      *fatal = absl::IsUnimplemented(step.status());
+      *fatal = absl::IsUnimplemented(step.status()) || absl::IsInvalidArgument(step.status());
       return step.status();
     }
     gpu_step = *std::move(step);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/gpu_limits.h"
 #include "common/model_layout.h"
 
 namespace lockstep::coordinator {
@@ -287,10 +288,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
                    absl::StrCat("model type ", model.type(), " cannot train on ", data.type(),
                                 " data (mlp: fashion_mnist, idx, synthetic; gpt: text, tokens)"));
   }
-  if (model.type() == "gpt" && spec.device() == "cuda") {
-    return absl::UnimplementedError(
-        "model.type \"gpt\" on GPU workers (device \"cuda\") is not built yet; train it on CPU "
-        "workers");
+  if (model.type() == "gpt" && spec.device() == "cuda" && model.n_head() > 0 &&
+      model.d_model() / model.n_head() > kMaxGpuAttentionHead) {
+    return Invalid("model.n_head",
+                   absl::StrCat("heads of ", model.d_model() / model.n_head(),
+                                " channels (d_model / n_head); GPU workers take up to ",
+                                kMaxGpuAttentionHead, ": use more heads"));
   }
   if (spec.device() == "cuda" && !model.frozen_parameters().empty()) {
     return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");

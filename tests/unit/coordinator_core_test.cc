@@ -1407,6 +1407,19 @@ TEST(MemoryEstimateTest, ReferenceModel) {
   EXPECT_EQ(det.micro_batch, 32);
   EXPECT_EQ(det.communication, 16 * (params + 2));
   EXPECT_NE(det.ToString().find("32 samples at once"), std::string::npos) << det.ToString();
+
+  EXPECT_EQ(det.device, 0) << "CPU workers hold no device buffers";
+
+  // GPU workers also hold the second upload slot, the cuBLAS workspaces and, in a group,
+  // NCCL's buffers.
+  spec.set_device("cuda");
+  spec.set_max_workers(1);
+  const MemoryEstimate gpu = EstimateWorkerMemory(spec, 32);
+  EXPECT_EQ(gpu.device, 4 * 32 * (784 + 1) + (int64_t{64} << 20));
+  EXPECT_EQ(gpu.total(), det.total() + gpu.device);
+  EXPECT_NE(gpu.ToString().find("GPU buffers"), std::string::npos) << gpu.ToString();
+  spec.set_max_workers(4);
+  EXPECT_EQ(EstimateWorkerMemory(spec, 32).device, gpu.device + (int64_t{256} << 20));
 }
 
 // Gradient accumulation: the whole share when it fits (or no budget is known), else the most

@@ -233,6 +233,16 @@ TEST(JobSpecTest, GptSpecWithDefaultsPasses) {
   EXPECT_TRUE(spec.model().activation().empty()) << "an MLP field stays unset";
 }
 
+TEST(JobSpecTest, GptOnGpuWorkersPasses) {
+  v1::JobSpec spec = GptSpec();
+  spec.set_device("cuda");
+  spec.set_precision("tf32");
+  spec.mutable_model()->set_d_model(256);
+  spec.mutable_model()->set_n_head(2);  // heads of 128 channels: the GPU kernel's widest
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+}
+
 TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {
   const std::vector<BadCase> cases = {
       {"d_model not divisible", [](v1::JobSpec* s) { s->mutable_model()->set_d_model(66); },
@@ -279,6 +289,13 @@ TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {
        "eval_every_steps"},
       {"mlp width field", [](v1::JobSpec* s) { s->mutable_model()->add_hidden_widths(8); },
        "model.hidden_widths"},
+      {"heads too wide for the GPU attention kernel",
+       [](v1::JobSpec* s) {
+         s->set_device("cuda");
+         s->mutable_model()->set_d_model(512);
+         s->mutable_model()->set_n_head(2);
+       },
+       "model.n_head"},
   };
   for (const BadCase& c : cases) {
     v1::JobSpec spec = GptSpec();

@@ -63,6 +63,7 @@ absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(const Gpt& host, cudaStre
   gpt->blas_ = *std::move(blas);
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->params_, gpt->num_params_));
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->grads_, gpt->num_params_));
+  LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->head_loss_, 1));
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->loss_sum_, 1));
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->eval_loss_sum_, 1));
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->correct_, 1));
@@ -73,6 +74,7 @@ absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(const Gpt& host, cudaStre
 GpuGpt::~GpuGpt() {
   Free(&params_);
   Free(&grads_);
+  Free(&head_loss_);
   Free(&loss_sum_);
   Free(&eval_loss_sum_);
   Free(&correct_);
@@ -267,9 +269,10 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(G, 0, num_params_ * sizeof(float), stream_));
   }
   LOCKSTEP_RETURN_IF_ERROR(Forward(tokens, token_stride, n));
-  // A sample's loss is the mean over its t predictions (LossSum divides the sum by t).
+  // A sample's loss is the mean over its t predictions.
   LOCKSTEP_RETURN_IF_ERROR(
-      Head(rows, grad_scale / t, /*backward=*/true, /*count=*/false, loss_sum_));
+      Head(rows, grad_scale / t, /*backward=*/true, /*count=*/false, head_loss_));
+  LOCKSTEP_RETURN_IF_ERROR(cuda::AddScaled(head_loss_, 1.0 / t, accumulate, loss_sum_, stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(dresid_, 0, RC * sizeof(float), stream_));
   LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormBackward(dlnf_, resid_[config_.layers], P + g.lnf_w,
                                                    lnf_mean_, lnf_rstd_, rows, C, dresid_,
@@ -339,7 +342,13 @@ absl::StatusOr<double> GpuGpt::MeanOverContext(const double* sum) {
   return value / config_.context;
 }
 
-absl::StatusOr<double> GpuGpt::LossSum() { return MeanOverContext(loss_sum_); }
+absl::StatusOr<double> GpuGpt::LossSum() {
+  double value = 0;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&value, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return value;
+}
 
 absl::StatusOr<double> GpuGpt::Evaluate(const int32_t* tokens, int token_stride, int n,
                                         int64_t* correct) {

@@ -4,8 +4,8 @@
 // (kernels/cuda_transformer.h). Parameters move between Gpt and GpuGpt as they are, so a GPU
 // worker can heal from a CPU worker's state and write the same checkpoints.
 //
-// FP32 throughout (the first part of the GPU GPT: no bf16 yet, and GpuStep does not drive it
-// yet). Not thread-safe; all work is enqueued on the stream given at creation.
+// FP32 throughout (no bf16 yet). GpuStep trains it as a GpuModel. Not thread-safe; all work is
+// enqueued on the stream given at creation.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,15 +17,17 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/gpu_limits.h"
 #include "kernels/cuda_kernels.h"
+#include "worker/train/gpu_model.h"
 #include "worker/train/gpt.h"
 
 namespace lockstep::worker {
 
-class GpuGpt {
+class GpuGpt final : public GpuModel {
  public:
   // The LM head's logits at once, at most (256 MiB), whatever the vocabulary.
-  static constexpr size_t kHeadChunkValues = size_t{1} << 26;
+  static constexpr size_t kHeadChunkValues = static_cast<size_t>(kGpuHeadChunkValues);
 
   // Takes the shape and layout of `host` (not its parameters: UploadParams) and allocates
   // parameters and gradients on the current device; activations grow on first use. The head
@@ -37,14 +39,31 @@ class GpuGpt {
   GpuGpt(const GpuGpt&) = delete;
   GpuGpt& operator=(const GpuGpt&) = delete;
 
-  size_t num_params() const { return num_params_; }
-  float* params() { return params_; }  // device, num_params()
-  float* grads() { return grads_; }    // device, num_params()
+  size_t num_params() const override { return num_params_; }
+  float* params() override { return params_; }  // device, num_params()
+  float* grads() override { return grads_; }    // device, num_params()
+  kernels::cuda::Blas& blas() override { return *blas_; }
 
   // Host <-> device copies of the whole parameter (or gradient) buffer; synchronous.
-  absl::Status UploadParams(const float* host);
-  absl::Status DownloadParams(float* host) const;
+  absl::Status UploadParams(const float* host) override;
+  absl::Status DownloadParams(float* host) const override;
   absl::Status DownloadGrads(float* host) const;
+
+  // GpuModel: a Batch's tokens. The pieces are Gpt's (a tensor or a layer's group of
+  // tensors), whatever chunk_floats.
+  std::vector<size_t> ReadyPoints(size_t /*chunk_floats*/) const override {
+    return ready_points_;
+  }
+  absl::Status ForwardBackward(const Batch& batch, float grad_scale, size_t /*chunk_floats*/,
+                               const std::function<void(size_t)>& on_ready,
+                               bool accumulate) override {
+    return ForwardBackward(batch.tokens, batch.token_stride, batch.n, grad_scale, on_ready,
+                           accumulate);
+  }
+  absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) override {
+    return Evaluate(batch.tokens, batch.token_stride, batch.n, correct);
+  }
+  double* loss_sum_device() override { return loss_sum_; }
 
   // Forward and backward on n windows of tokens already on the device (n x token_stride ids,
   // token_stride >= context + 1; every id in the vocabulary). Overwrites grads() with
@@ -54,8 +73,9 @@ class GpuGpt {
   absl::Status ForwardBackward(const int32_t* tokens, int token_stride, int n, float grad_scale,
                                const std::function<void(size_t)>& on_ready, bool accumulate);
   // The loss of the last ForwardBackward: the sum over its samples of each one's mean
-  // cross-entropy (waits for the stream; 0 before the first).
-  absl::StatusOr<double> LossSum();
+  // cross-entropy, added to the ones before since the last without `accumulate` (waits for
+  // the stream; 0 before the first).
+  absl::StatusOr<double> LossSum() override;
   // Forward only: that loss sum over the n windows, and the predicted tokens that were the next
   // token added to *correct (if given). Waits for the stream.
   absl::StatusOr<double> Evaluate(const int32_t* tokens, int token_stride, int n, int64_t* correct);
@@ -84,7 +104,8 @@ class GpuGpt {
   float* params_ = nullptr;
   float* grads_ = nullptr;
   size_t head_chunk_values_ = kHeadChunkValues;
-  double* loss_sum_ = nullptr;       // ForwardBackward's
+  double* head_loss_ = nullptr;      // the LM head's sum over the rows of one ForwardBackward
+  double* loss_sum_ = nullptr;       // over the samples, accumulated (LossSum)
   double* eval_loss_sum_ = nullptr;  // Evaluate's
   int64_t* correct_ = nullptr;
 

@@ -9,6 +9,10 @@
 #include "common/status_macros.h"
 #include "glog/logging.h"
 #include "kernels/gpu_check.h"
+#include "worker/train/gpt.h"
+#include "worker/train/gpu_gpt.h"
+#include "worker/train/gpu_mlp.h"
+#include "worker/train/mlp.h"
 
 namespace lockstep::worker {
 namespace {
@@ -50,7 +54,24 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
                                                          std::vector<int> dims,
                                                          kernels::Activation activation,
                                                          NcclCommunicator* comm) {
+  const int input = dims.empty() ? 0 : dims.front();
+  return Create(
+      spec,
+      [&](cudaStream_t stream) -> absl::StatusOr<std::unique_ptr<GpuModel>> {
+        absl::StatusOr<std::unique_ptr<GpuMlp>> mlp =
+            GpuMlp::Create(std::move(dims), activation, stream);
+        if (!mlp.ok()) return mlp.status();
+        return std::unique_ptr<GpuModel>(*std::move(mlp));
+      },
+      SampleLayout{input, 0}, comm);
+}
+
+absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec,
+                                                         const ModelFactory& make_model,
+                                                         const SampleLayout& layout,
+                                                         NcclCommunicator* comm) {
   std::unique_ptr<GpuStep> step(new GpuStep());
+  step->layout_ = layout;
   step->optimizer_ = spec.optimizer();
   // NCCL wants large messages: at least 16 MiB per bucket (the CPU's 256 KiB default would be
   // hundreds of tiny allreduces for a large model), or the job's bucket size if larger.
@@ -68,14 +89,16 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
     LOCKSTEP_GPU_RETURN_IF_ERROR(
         cudaEventCreateWithFlags(&step->consumed_[slot], cudaEventDisableTiming));
   }
-  auto mlp = GpuMlp::Create(std::move(dims), activation, step->stream_);
-  if (!mlp.ok()) return mlp.status();
-  step->mlp_ = *std::move(mlp);
-  step->plan_ = std::make_unique<BucketPlan>(
-      Mlp::LayoutReadyPoints(step->mlp_->layers(), step->bucket_floats_), step->bucket_floats_,
-      spec.deterministic() ? 2 : 0);
-  if (absl::Status s = step->mlp_->blas().SetTf32(spec.precision() == "tf32"); !s.ok()) return s;
-  const size_t params = step->mlp_->num_params();
+  absl::StatusOr<std::unique_ptr<GpuModel>> model = make_model(step->stream_);
+  if (!model.ok()) return model.status();
+  step->model_ = *std::move(model);
+  step->plan_ = std::make_unique<BucketPlan>(step->model_->ReadyPoints(step->bucket_floats_),
+                                             step->bucket_floats_, spec.deterministic() ? 2 : 0);
+  if (absl::Status s = step->model_->blas().SetTf32(spec.precision() == "tf32"); !s.ok()) {
+    return s;
+  }
+  const size_t params = step->model_->num_params();
+  step->segments_ = {Model::Segment{0, 0, params, true, false}};
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->state_, step->state_floats_ * sizeof(float)));
   if (spec.optimizer().grad_clip_norm() > 0) {
@@ -95,17 +118,26 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
 absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::ForHost(const v1::JobSpec& spec, Model* model,
                                                           Optimizer* optimizer,
                                                           NcclCommunicator* comm) {
-  auto* mlp = dynamic_cast<Mlp*>(model);
-  if (mlp == nullptr) {
-    return absl::UnimplementedError(absl::StrCat("model.type \"", spec.model().type(),
-                                                 "\" does not train on GPU workers yet"));
-  }
   // The GPU's update runs over the whole flat buffer.
   if (model->num_frozen_params() > 0) {
     return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
   }
-  absl::StatusOr<std::unique_ptr<GpuStep>> step =
-      Create(spec, mlp->dims(), mlp->activation(), comm);
+  absl::StatusOr<std::unique_ptr<GpuStep>> step;
+  if (auto* mlp = dynamic_cast<Mlp*>(model); mlp != nullptr) {
+    step = Create(spec, mlp->dims(), mlp->activation(), comm);
+  } else if (auto* gpt = dynamic_cast<Gpt*>(model); gpt != nullptr) {
+    step = Create(
+        spec,
+        [gpt](cudaStream_t stream) -> absl::StatusOr<std::unique_ptr<GpuModel>> {
+          absl::StatusOr<std::unique_ptr<GpuGpt>> created = GpuGpt::Create(*gpt, stream);
+          if (!created.ok()) return created.status();
+          return std::unique_ptr<GpuModel>(*std::move(created));
+        },
+        SampleLayout{0, gpt->config().context + 1}, comm);
+  } else {
+    return absl::UnimplementedError(absl::StrCat("model.type \"", spec.model().type(),
+                                                 "\" does not train on GPU workers yet"));
+  }
   if (step.ok()) (*step)->AttachHost(model, optimizer);
   return step;
 }
@@ -113,7 +145,7 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::ForHost(const v1::JobSpec& spe
 GpuStep::~GpuStep() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
-  mlp_.reset();
+  model_.reset();
   cudaFree(state_);
   cudaFree(clip_workspace_);
   cudaFree(fixed_);
@@ -139,7 +171,7 @@ absl::Status GpuStep::Upload(const float* params, const std::vector<float>& opti
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(state_, optimizer_state.data(),
                                                state_floats_ * sizeof(float),
                                                cudaMemcpyHostToDevice, stream_));
-  return mlp_->UploadParams(params);  // synchronizes the stream
+  return model_->UploadParams(params);  // synchronizes the stream
 }
 
 absl::Status GpuStep::Download(float* params, std::vector<float>* optimizer_state) {
@@ -147,7 +179,7 @@ absl::Status GpuStep::Download(float* params, std::vector<float>* optimizer_stat
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(optimizer_state->data(), state_,
                                                state_floats_ * sizeof(float),
                                                cudaMemcpyDeviceToHost, stream_));
-  return mlp_->DownloadParams(params);  // synchronizes the stream
+  return model_->DownloadParams(params);  // synchronizes the stream
 }
 
 absl::Status GpuStep::Begin(Communicator* comm) {
@@ -179,13 +211,13 @@ absl::StatusOr<StepResult> GpuStep::TakeStep(const StepArgs& args) {
   StepResult result;
   if (args.deterministic) {
     absl::StatusOr<DeterministicResult> r =
-        StepDeterministic(last_batch_.features, last_batch_.labels, args.n, args.micro_shard,
+        StepDeterministic(last_batch_.features, HostInts(), args.n, args.micro_shard,
                           args.grad_scale, args.frac_bits, args.lr, args.step);
     if (!r.ok()) return r.status();
     result.loss = r->loss;
     result.rejected = r->rejected;
   } else {
-    absl::StatusOr<double> loss = Step(last_batch_.features, last_batch_.labels, args.n,
+    absl::StatusOr<double> loss = Step(last_batch_.features, HostInts(), args.n,
                                        args.micro_batch, args.grad_scale, args.lr, args.step);
     if (!loss.ok()) return loss.status();
     result.loss = *loss;
@@ -196,7 +228,7 @@ absl::StatusOr<StepResult> GpuStep::TakeStep(const StepArgs& args) {
 }
 
 absl::StatusOr<HostBatch> GpuStep::HostBuffers(int n) {
-  const int input = mlp_->layers().front().in;
+  const size_t floats = layout_.feature_stride, ints = IntsPerSample();
   if (n > host_capacity_) {
     // Steps end with both streams idle, but be sure no copy still reads the old buffers.
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(copy_stream_));
@@ -208,8 +240,9 @@ absl::StatusOr<HostBatch> GpuStep::HostBuffers(int n) {
     host_y_ = nullptr;
     pinned_ = false;
     host_capacity_ = 0;
-    const size_t x_bytes = static_cast<size_t>(n) * input * sizeof(float);
-    const size_t y_bytes = static_cast<size_t>(n) * sizeof(int32_t);
+    // At least a byte each: a model without features still gets a (tiny) pinned buffer.
+    const size_t x_bytes = std::max<size_t>(1, n * floats * sizeof(float));
+    const size_t y_bytes = std::max<size_t>(1, n * ints * sizeof(int32_t));
     void* x = nullptr;
     void* y = nullptr;
     const bool have_x = cudaHostAlloc(&x, x_bytes, cudaHostAllocDefault) == cudaSuccess;
@@ -225,15 +258,24 @@ absl::StatusOr<HostBatch> GpuStep::HostBuffers(int n) {
       if (have_x) cudaFreeHost(x);
       LOG(WARNING) << "no pinned host memory for " << n << " samples; copying batches from "
                    << "ordinary memory";
-      pageable_x_.resize(static_cast<size_t>(n) * input);
-      pageable_y_.resize(n);
+      pageable_x_.resize(std::max<size_t>(1, n * floats));
+      pageable_y_.resize(std::max<size_t>(1, n * ints));
     }
     host_capacity_ = n;
   }
   last_batch_ = HostBatch{};
-  last_batch_.feature_stride = input;
-  last_batch_.features = pinned_ ? host_x_ : pageable_x_.data();
-  last_batch_.labels = pinned_ ? host_y_ : pageable_y_.data();
+  float* const x = pinned_ ? host_x_ : pageable_x_.data();
+  int32_t* const y = pinned_ ? host_y_ : pageable_y_.data();
+  if (floats > 0) {
+    last_batch_.features = x;
+    last_batch_.feature_stride = layout_.feature_stride;
+  }
+  if (layout_.labels()) {
+    last_batch_.labels = y;
+  } else {
+    last_batch_.tokens = y;
+    last_batch_.token_stride = layout_.token_stride;
+  }
   return last_batch_;
 }
 
@@ -242,7 +284,7 @@ absl::Status GpuStep::Reserve(int n) {
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(copy_stream_));
   capacity_ = 0;  // nothing usable until every buffer exists again
-  const int input = mlp_->layers().front().in;
+  const size_t floats = layout_.feature_stride, ints = IntsPerSample();
   for (int slot = 0; slot < 2; ++slot) {
     cudaFree(x_[slot]);
     cudaFree(y_[slot]);
@@ -251,24 +293,43 @@ absl::Status GpuStep::Reserve(int n) {
   }
   for (int slot = 0; slot < 2; ++slot) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMalloc(&x_[slot], static_cast<size_t>(n) * input * sizeof(float)));
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&y_[slot], static_cast<size_t>(n) * sizeof(int32_t)));
+        cudaMalloc(&x_[slot], std::max<size_t>(1, n * floats) * sizeof(float)));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cudaMalloc(&y_[slot], std::max<size_t>(1, n * ints) * sizeof(int32_t)));
   }
   capacity_ = n;
   return absl::OkStatus();
 }
 
+Batch GpuStep::SlotBatch(int slot, int n) const {
+  Batch b;
+  b.n = n;
+  if (layout_.feature_stride > 0) {
+    b.features = x_[slot];
+    b.feature_stride = layout_.feature_stride;
+  }
+  if (layout_.labels()) {
+    b.labels = y_[slot];
+  } else {
+    b.tokens = y_[slot];
+    b.token_stride = layout_.token_stride;
+  }
+  return b;
+}
+
 absl::StatusOr<int> GpuStep::UploadPass(int pass, const float* x, const int32_t* y, int n) {
   if (absl::Status s = Reserve(n); !s.ok()) return s;
   const int slot = pass % 2;
-  const int input = mlp_->layers().front().in;
+  const size_t floats = static_cast<size_t>(n) * layout_.feature_stride;
+  const size_t ints = static_cast<size_t>(n) * IntsPerSample();
   // The copy may not overwrite the slot before the compute that reads it (two passes ago) ran.
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_stream_, consumed_[slot], 0));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(x_[slot], x,
-                                               static_cast<size_t>(n) * input * sizeof(float),
+  if (floats > 0) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(x_[slot], x, floats * sizeof(float),
+                                                 cudaMemcpyHostToDevice, copy_stream_));
+  }
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(y_[slot], y, ints * sizeof(int32_t),
                                                cudaMemcpyHostToDevice, copy_stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
-      y_[slot], y, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice, copy_stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(uploaded_[slot], copy_stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, uploaded_[slot], 0));
   return slot;
@@ -283,8 +344,8 @@ absl::Status GpuStep::RunPass(int pass, const float* x, const int32_t* y, int n,
                               const std::function<void(size_t)>& on_ready, bool accumulate) {
   absl::StatusOr<int> slot = UploadPass(pass, x, y, n);
   if (!slot.ok()) return slot.status();
-  if (absl::Status s = mlp_->ForwardBackward(x_[*slot], y_[*slot], n, grad_scale, bucket_floats_,
-                                             on_ready, accumulate);
+  if (absl::Status s = model_->ForwardBackward(SlotBatch(*slot, n), grad_scale, bucket_floats_,
+                                               on_ready, accumulate);
       !s.ok()) {
     return s;
   }
@@ -294,15 +355,14 @@ absl::Status GpuStep::RunPass(int pass, const float* x, const int32_t* y, int n,
 absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n,
                                          int64_t* correct) {
   // In pieces no larger than the training micro-batch: the memory was planned for that.
-  const int input = mlp_->layers().front().in;
   const int piece = capacity_ > 0 ? std::min(n, capacity_) : n;
   double loss = 0;
   for (int pass = 0, first = 0; first < n; ++pass, first += piece) {
     const int m = std::min(piece, n - first);
     absl::StatusOr<int> slot =
-        UploadPass(pass, x + static_cast<size_t>(first) * input, y + first, m);
+        UploadPass(pass, Features(x, first), Ints(y, first), m);
     if (!slot.ok()) return slot.status();
-    absl::StatusOr<double> part = mlp_->Evaluate(x_[*slot], y_[*slot], m, correct);
+    absl::StatusOr<double> part = model_->Evaluate(SlotBatch(*slot, m), correct);
     if (!part.ok()) return part.status();
     loss += *part;
     if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
@@ -325,34 +385,43 @@ absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, in
 }
 
 absl::Status GpuStep::Update(float lr, int64_t step) {
-  const size_t params = mlp_->num_params();
+  const size_t params = model_->num_params();
   // The summed gradient's global norm, clipped on the device as the CPU optimizer does it.
   if (optimizer_.grad_clip_norm() > 0) {
     if (absl::Status s = kernels::cuda::ClipByGlobalNorm(
-            mlp_->grads(), params, static_cast<float>(optimizer_.grad_clip_norm()),
+            model_->grads(), params, static_cast<float>(optimizer_.grad_clip_norm()),
             clip_workspace_, stream_);
         !s.ok()) {
       return s;
     }
   }
-  const float weight_decay = static_cast<float>(optimizer_.weight_decay());
-  return optimizer_.type() == "adamw"
-             ? kernels::cuda::AdamWUpdate(
-                   mlp_->params(), mlp_->grads(), state_, state_ + params, params, lr,
-                   static_cast<float>(optimizer_.beta1()), static_cast<float>(optimizer_.beta2()),
-                   static_cast<float>(optimizer_.epsilon()), weight_decay, step, stream_)
-             : kernels::cuda::SgdMomentumUpdate(mlp_->params(), mlp_->grads(), state_, params, lr,
-                                                static_cast<float>(optimizer_.momentum()),
-                                                weight_decay, stream_);
+  // Segment by segment, as the CPU optimizer (elementwise: the same bits as one call where
+  // the decay is the same).
+  for (const Model::Segment& seg : segments_) {
+    float* const p = model_->params() + seg.param_offset;
+    const float* const g = model_->grads() + seg.grad_offset;
+    const float weight_decay = seg.decay ? static_cast<float>(optimizer_.weight_decay()) : 0.0f;
+    LOCKSTEP_RETURN_IF_ERROR(
+        optimizer_.type() == "adamw"
+            ? kernels::cuda::AdamWUpdate(p, g, state_ + seg.grad_offset,
+                                         state_ + params + seg.grad_offset, seg.count, lr,
+                                         static_cast<float>(optimizer_.beta1()),
+                                         static_cast<float>(optimizer_.beta2()),
+                                         static_cast<float>(optimizer_.epsilon()), weight_decay,
+                                         step, stream_)
+            : kernels::cuda::SgdMomentumUpdate(p, g, state_ + seg.grad_offset, seg.count, lr,
+                                               static_cast<float>(optimizer_.momentum()),
+                                               weight_decay, stream_));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n, int micro_batch,
                                         float grad_scale, float lr, int64_t step) {
   const bool group = comm_ != nullptr && comm_->size() > 1;
-  const int input = mlp_->layers().front().in;
   const int micro = std::clamp(micro_batch, 1, std::max(n, 1));
   // Buckets: each finished piece of the gradient is summed while backward goes on.
-  BucketSender<float> buckets(mlp_->grads(), stream_, grads_ready_, comm_);
+  BucketSender<float> buckets(model_->grads(), stream_, grads_ready_, comm_);
   BucketPlan::Cursor cursor(*plan_, [&](const BucketPlan::Bucket& b) {
     buckets.SendUpTo(b.offset + b.count);
   });
@@ -362,7 +431,7 @@ absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n,
   for (int pass = 0, first = 0; first < n; ++pass, first += micro) {
     const int m = std::min(micro, n - first);
     const bool last = first + m >= n;
-    if (absl::Status s = RunPass(pass, x + static_cast<size_t>(first) * input, y + first, m,
+    if (absl::Status s = RunPass(pass, Features(x, first), Ints(y, first), m,
                                  grad_scale, group && last ? on_ready : nullptr,
                                  /*accumulate=*/pass > 0);
         !s.ok()) {
@@ -372,12 +441,12 @@ absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n,
   if (group) {
     cursor.Finish();  // the rest, then the loss (ready with the forward pass, sent last)
     if (!buckets.status().ok()) return buckets.status();
-    if (absl::Status s = comm_->AllreduceSum(mlp_->loss_sum_device(), 1); !s.ok()) return s;
+    if (absl::Status s = comm_->AllreduceSum(model_->loss_sum_device(), 1); !s.ok()) return s;
     // The watchdog: a dead or hung peer ends here with the communicator aborted.
     if (absl::Status s = comm_->Wait(); !s.ok()) return s;
   }
   if (absl::Status s = Update(lr, step); !s.ok()) return s;
-  absl::StatusOr<double> loss_sum = mlp_->LossSum();  // waits for the update too
+  absl::StatusOr<double> loss_sum = model_->LossSum();  // waits for the update too
   if (!loss_sum.ok()) return loss_sum.status();
   return *loss_sum * grad_scale;
 }
@@ -390,8 +459,7 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
   if (shard <= 0 || n % shard != 0) {
     return absl::InvalidArgumentError("deterministic step: n must be whole micro-shards");
   }
-  const size_t params = mlp_->num_params();
-  const int input = mlp_->layers().front().in;
+  const size_t params = model_->num_params();
   int64_t* const loss = fixed_ + params;
   auto* const rejected = reinterpret_cast<unsigned long long*>(fixed_ + params + 1);
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(loss, 0, 2 * sizeof(int64_t), stream_));
@@ -403,9 +471,9 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
   for (int k = 0; k < shards; ++k) {
     const bool last = k + 1 == shards;
     auto to_fixed = [&](size_t begin, size_t end) {
-      return k == 0 ? kernels::cuda::StoreFixedPoint(mlp_->grads() + begin, end - begin, frac_bits,
+      return k == 0 ? kernels::cuda::StoreFixedPoint(model_->grads() + begin, end - begin, frac_bits,
                                                      fixed_ + begin, rejected, stream_)
-                    : kernels::cuda::AccumulateFixedPoint(mlp_->grads() + begin, end - begin,
+                    : kernels::cuda::AccumulateFixedPoint(model_->grads() + begin, end - begin,
                                                           frac_bits, fixed_ + begin, rejected,
                                                           stream_);
     };
@@ -422,7 +490,7 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
     // Slot 0 or its twin, slot 1: both come from cudaMalloc (256-byte aligned), so every
     // shard's products see the same shapes and alignments on every rank.
     if (absl::Status s =
-            RunPass(k, x + static_cast<size_t>(k) * shard * input, y + k * shard, shard, grad_scale,
+            RunPass(k, Features(x, k * shard), Ints(y, k * shard), shard, grad_scale,
                     group && last ? on_ready : nullptr, /*accumulate=*/false);
         !s.ok()) {
       return s;
@@ -432,7 +500,7 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
       if (absl::Status s = to_fixed(converted, params); !s.ok()) return s;
     }
     if (absl::Status s = kernels::cuda::AccumulateLossFixedPoint(
-            mlp_->loss_sum_device(), grad_scale, frac_bits, loss, rejected, stream_);
+            model_->loss_sum_device(), grad_scale, frac_bits, loss, rejected, stream_);
         !s.ok()) {
       return s;
     }
@@ -451,7 +519,7 @@ absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const float* x,
       !s.ok()) {
     return s;
   }
-  std::vector<int64_t> sum(mlp_->num_params() + 2);
+  std::vector<int64_t> sum(model_->num_params() + 2);
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(sum.data(), fixed_, sum.size() * sizeof(int64_t),
                                                cudaMemcpyDeviceToHost, stream_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -470,7 +538,7 @@ absl::StatusOr<GpuStep::DeterministicResult> GpuStep::StepDeterministic(
 absl::StatusOr<GpuStep::DeterministicResult> GpuStep::RunDeterministic(
     const float* x, const int32_t* y, int n, int shard, float grad_scale, int frac_bits, float lr,
     int64_t step) {
-  const size_t params = mlp_->num_params();
+  const size_t params = model_->num_params();
   const bool group = comm_ != nullptr && comm_->size() > 1;
   if (absl::Status s = AccumulateFixedPoint(x, y, n, shard, grad_scale, frac_bits, group);
       !s.ok()) {
@@ -488,7 +556,7 @@ absl::StatusOr<GpuStep::DeterministicResult> GpuStep::RunDeterministic(
   result.rejected = tail[1];
   if (result.rejected != 0) return result;  // no update: the trainer fails the step
   if (absl::Status s =
-          kernels::cuda::FromFixedPoint(fixed_, params, frac_bits, mlp_->grads(), stream_);
+          kernels::cuda::FromFixedPoint(fixed_, params, frac_bits, model_->grads(), stream_);
       !s.ok()) {
     return s;
   }

@@ -1,7 +1,7 @@
 // A GPU worker's step engine (worker/train/step_engine.h). The trainer gathers the batch into
 // pinned host buffers; each micro-batch is copied to the GPU on a copy stream (the next one's
-// copy overlaps this one's compute, in two device slots), GpuMlp runs forward and backward on
-// the compute stream, accumulating gradients over micro-batches, and in the last micro-batch
+// copy overlaps this one's compute, in two device slots), the model (a GpuModel: the MLP or
+// the GPT) runs forward and backward on the compute stream, accumulating gradients over micro-batches, and in the last micro-batch
 // NCCL sums each bucket of the gradient on its own stream as soon as an event says backward has
 // written it (overlapping the rest of backward); then the loss; the optimizer update runs on the
 // GPU over all parameters at once.
@@ -23,7 +23,8 @@
 #include "lockstep/v1/job.pb.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/train/bucket_plan.h"
-#include "worker/train/gpu_mlp.h"
+#include "kernels/cuda_kernels.h"
+#include "worker/train/gpu_model.h"
 #include "worker/train/optimizer.h"
 #include "worker/train/step_engine.h"
 
@@ -31,13 +32,23 @@ namespace lockstep::worker {
 
 class GpuStep final : public StepEngine {
  public:
+  // Makes the model on the step's compute stream.
+  using ModelFactory =
+      std::function<absl::StatusOr<std::unique_ptr<GpuModel>>(cudaStream_t stream)>;
   // `comm` may be null for a group of one (nothing to sum). Allocates on the current device.
+  // `layout`: what a sample holds (features and a label, or a window of tokens).
+  static absl::StatusOr<std::unique_ptr<GpuStep>> Create(const v1::JobSpec& spec,
+                                                         const ModelFactory& make_model,
+                                                         const SampleLayout& layout,
+                                                         NcclCommunicator* comm);
+  // The MLP of `dims` (input first).
   static absl::StatusOr<std::unique_ptr<GpuStep>> Create(const v1::JobSpec& spec,
                                                          std::vector<int> dims,
                                                          kernels::Activation activation,
                                                          NcclCommunicator* comm);
-  // The engine for a trainer's host model and optimizer, attached (see AttachHost).
-  // UNIMPLEMENTED for a model the GPU does not train yet (only the MLP so far).
+  // The engine for a trainer's host model (the MLP or the GPT) and optimizer, attached (see
+  // AttachHost). UNIMPLEMENTED for a model the GPU does not train, or frozen tensors;
+  // INVALID_ARGUMENT for a GPT the kernels do not take (GpuGpt::Create).
   static absl::StatusOr<std::unique_ptr<GpuStep>> ForHost(const v1::JobSpec& spec, Model* model,
                                                           Optimizer* optimizer,
                                                           NcclCommunicator* comm);
@@ -46,9 +57,11 @@ class GpuStep final : public StepEngine {
   // StepEngine, over the host model and optimizer it mirrors (AttachHost first; not owned).
   // Begin uploads their state, Sync and End download it when the device's is newer; the
   // group's sums go through the NCCL communicator given at Create, not `comm`.
+  // The update follows the optimizer's segments (weight decay where it applies).
   void AttachHost(Model* model, Optimizer* optimizer) {
     host_model_ = model;
     host_optimizer_ = optimizer;
+    segments_ = optimizer->segments();
   }
   absl::Status Begin(Communicator* comm) override;
   absl::Status Sync() override;
@@ -56,10 +69,13 @@ class GpuStep final : public StepEngine {
   absl::StatusOr<HostBatch> HostBuffers(int n) override;
   absl::StatusOr<StepResult> TakeStep(const StepArgs& args) override;
   absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) override {
-    return Evaluate(batch.features, batch.labels, batch.n, correct);
+    return Evaluate(batch.features, layout_.labels() ? batch.labels : batch.tokens, batch.n,
+                    correct);
   }
 
-  // The same steps on explicit buffers (the benchmark and the GPU tests drive these).
+  // The same steps on explicit host buffers (the benchmark and the GPU tests drive these): x
+  // holds n x feature_stride floats (none for a language model), y the n labels or the n
+  // windows of token_stride tokens.
   absl::Status Upload(const float* params, const std::vector<float>& optimizer_state);
   absl::Status Download(float* params, std::vector<float>* optimizer_state);
   absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, int micro_batch,
@@ -84,6 +100,22 @@ class GpuStep final : public StepEngine {
 
  private:
   GpuStep() = default;
+  // Per sample: the labels' or tokens' int32 values.
+  size_t IntsPerSample() const {
+    return layout_.labels() ? 1 : static_cast<size_t>(layout_.token_stride);
+  }
+  // Sample `first` of host buffers in the layout.
+  const float* Features(const float* x, int first) const {
+    return x == nullptr ? nullptr : x + static_cast<size_t>(first) * layout_.feature_stride;
+  }
+  const int32_t* Ints(const int32_t* y, int first) const {
+    return y + static_cast<size_t>(first) * IntsPerSample();
+  }
+  const int32_t* HostInts() const {
+    return layout_.labels() ? last_batch_.labels : last_batch_.tokens;
+  }
+  // The device batch of n samples in upload slot `slot`.
+  Batch SlotBatch(int slot, int n) const;
   // Device room for n samples in both micro-batch slots.
   absl::Status Reserve(int n);
   // Queues the copy of micro-batch `pass` (n samples) into its slot on the copy stream, behind
@@ -92,7 +124,7 @@ class GpuStep final : public StepEngine {
   absl::StatusOr<int> UploadPass(int pass, const float* x, const int32_t* y, int n);
   // Marks the slot's data as used by everything queued on the compute stream so far.
   absl::Status ReleaseSlot(int slot);
-  // One micro-batch: upload, forward and backward (see GpuMlp::ForwardBackward), release.
+  // One micro-batch: upload, forward and backward (see GpuModel::ForwardBackward), release.
   absl::Status RunPass(int pass, const float* x, const int32_t* y, int n, float grad_scale,
                        const std::function<void(size_t)>& on_ready, bool accumulate);
   // Aborts the communicator after a failed step (buckets may be in flight, and NCCL kernels never
@@ -110,6 +142,9 @@ class GpuStep final : public StepEngine {
   absl::Status Update(float lr, int64_t step);
 
   v1::OptimizerSpec optimizer_;
+  // What the update trains and where weight decay applies (all of it, decayed, unless
+  // AttachHost says otherwise).
+  std::vector<Model::Segment> segments_;
   size_t bucket_floats_ = 0;
   // NCCL's buckets: at least bucket_floats_, the loss sent on its own (default mode) or with
   // the rejection count in the last bucket (deterministic mode).
@@ -124,14 +159,15 @@ class GpuStep final : public StepEngine {
   cudaEvent_t grads_ready_ = nullptr;
   cudaEvent_t uploaded_[2] = {nullptr, nullptr};
   cudaEvent_t consumed_[2] = {nullptr, nullptr};
-  std::unique_ptr<GpuMlp> mlp_;
+  SampleLayout layout_;
+  std::unique_ptr<GpuModel> model_;
   size_t state_floats_ = 0;
   float* state_ = nullptr;  // momentum, or AdamW's m then v (Optimizer's layout)
   double* clip_workspace_ = nullptr;  // grad_clip_norm: ClipByGlobalNorm's workspace
   int64_t* fixed_ = nullptr;  // deterministic mode: gradient, loss, rejections (num_params + 2)
   int capacity_ = 0;
-  float* x_[2] = {nullptr, nullptr};
-  int32_t* y_[2] = {nullptr, nullptr};
+  float* x_[2] = {nullptr, nullptr};    // features
+  int32_t* y_[2] = {nullptr, nullptr};  // labels or token windows
   // The trainer's batch: pinned when the driver allows, else ordinary memory.
   bool pinned_ = false;
   int host_capacity_ = 0;

@@ -37,6 +37,10 @@ class Optimizer {
   // The last step's global gradient norm (before clipping).
   double last_grad_norm() const { return last_norm_; }
 
+  // What it trains, with weight decay resolved (decay_embeddings applied): a device's update
+  // applies the same per segment.
+  const std::vector<Model::Segment>& segments() const { return segments_; }
+
   // Optimizer state (momentum buffer, or AdamW's m then v), for healing and checkpoints.
   std::vector<float>& state() { return state_; }
 
