@@ -9,6 +9,7 @@
 #include <thread>
 #include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -515,7 +516,12 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
       nccl_options.abort = abort;
       absl::StatusOr<std::unique_ptr<NcclCommunicator>> created =
           NcclCommunicator::Create(*store, a.rank(), a.world_size(), nccl_options);
-      if (!created.ok()) return created.status();
+      if (!created.ok()) {
+        // Several ranks on one GPU that NCCL refuses: no new generation would fare better.
+        *fatal = absl::IsFailedPrecondition(created.status()) &&
+                 absl::StrContains(created.status().message(), kNcclSharedGpuVariable);
+        return created.status();
+      }
       nccl = *std::move(created);
       // What the memory estimate assumes for NCCL (kGpuNcclBufferBytes), against the truth.
       size_t free_after = 0;

@@ -1,11 +1,16 @@
 // The NCCL communicator on one GPU (label gpu; skipped without a device): a one-rank group
 // initializes through the store, sums and broadcasts in place, and Abort() ends a Wait() with
-// ABORTED. Several ranks need several GPUs (NCCL refuses two ranks on one device); their
-// failure handling is exercised with Gloo on CPU in the integration tests.
+// ABORTED. Two ranks on the one GPU (threads of this process): with NCCL 2.30.3 or later and
+// NCCL_MULTI_RANK_GPU_ENABLE=1 they sum and broadcast; with an older NCCL both get the clear
+// refusal that names what is needed. It prints which one it saw ("several ranks on one GPU:
+// allowed" or "refused"), which tests/gpu/check.sh reads to decide on its multi-rank jobs.
 #include "worker/comm/nccl_communicator.h"
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <iostream>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -37,6 +42,62 @@ TEST(NcclCommunicatorTest, OneRankGroupSumsAndAborts) {
   ASSERT_TRUE((*comm)->AllreduceSum(device, host.size()).ok());
   EXPECT_EQ((*comm)->Wait().code(), absl::StatusCode::kAborted);
   cudaFree(device);
+}
+
+TEST(NcclCommunicatorTest, TwoRanksOnOneGpu) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
+  setenv(kNcclSharedGpuVariable, "1", /*overwrite=*/1);
+  const int version = NcclRuntimeVersion();
+  const bool allowed = version >= kNcclSharedGpuVersion;
+  EXPECT_EQ(NcclSharedGpuAllowed(), allowed);
+  std::cout << "NCCL " << NcclVersionName(version) << ": several ranks on one GPU: "
+            << (allowed ? "allowed" : "refused") << std::endl;
+  coordinator::BootstrapStore store;
+  const coordinator::StoreScope scope{"job-1", 1};
+  store.Open(scope);
+  NcclCommunicator::Options options;
+  options.init_timeout = absl::Seconds(60);
+  options.collective_timeout = absl::Seconds(60);
+  absl::Status status[2];
+  std::vector<float> result[2];
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] {
+      cudaSetDevice(0);  // the current device is per thread
+      testing::LocalStoreClient client(&store, scope);
+      auto comm = NcclCommunicator::Create(client, rank, 2, options);
+      if (!comm.ok()) {
+        status[rank] = comm.status();
+        return;
+      }
+      // Rank r holds {r + 1, 10 (r + 1)}: the sum is {3, 30}; then rank 1's {7, 8} to all.
+      std::vector<float> host = {rank + 1.0f, 10.0f * (rank + 1)};
+      float* device = nullptr;
+      cudaMalloc(&device, 4 * sizeof(float));
+      cudaMemcpy(device, host.data(), 2 * sizeof(float), cudaMemcpyHostToDevice);
+      const float mine[2] = {7.0f, 8.0f};
+      if (rank == 1) cudaMemcpy(device + 2, mine, sizeof(mine), cudaMemcpyHostToDevice);
+      status[rank] = (*comm)->AllreduceSum(device, 2);
+      if (status[rank].ok()) status[rank] = (*comm)->Broadcast(device + 2, 2 * sizeof(float), 1);
+      if (status[rank].ok()) status[rank] = (*comm)->Wait();
+      result[rank].resize(4);
+      cudaMemcpy(result[rank].data(), device, 4 * sizeof(float), cudaMemcpyDeviceToHost);
+      cudaFree(device);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    if (allowed) {
+      ASSERT_TRUE(status[rank].ok()) << "rank " << rank << ": " << status[rank];
+      EXPECT_EQ(result[rank], (std::vector<float>{3.0f, 30.0f, 7.0f, 8.0f})) << "rank " << rank;
+    } else {
+      // The refusal says what is missing, in the worker's words.
+      EXPECT_EQ(status[rank].code(), absl::StatusCode::kFailedPrecondition) << status[rank];
+      EXPECT_NE(status[rank].message().find("2.30.3 or later"), std::string::npos)
+          << status[rank];
+    }
+  }
 }
 
 }  // namespace

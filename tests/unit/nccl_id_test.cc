@@ -1,7 +1,8 @@
 // Distribution of the NCCL id through the bootstrap store, which needs NCCL but no GPU (runs in
 // CI): every rank of a generation gets rank 0's id, a rank waits a bounded time for it, an abort
 // ends the wait, a store error keeps its code (the generation ended: ABORTED, not a timeout),
-// and a generation's scope never hands an old generation's id to a new one.
+// and a generation's scope never hands an old generation's id to a new one. Also what a user is
+// told when NCCL refuses several ranks on one GPU, and the run-time version's name.
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -94,6 +95,28 @@ TEST(NcclIdTest, AnOldGenerationsIdIsNotSeenByTheNextGeneration) {
   ASSERT_TRUE(ExchangeNcclId(first, 0, absl::Seconds(5)).ok());
   absl::StatusOr<ncclUniqueId> late = ExchangeNcclId(second, 1, absl::Milliseconds(200));
   EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+}
+
+TEST(NcclIdTest, NamesVersionsAsNcclDoes) {
+  EXPECT_EQ(NcclVersionName(23003), "2.30.3");
+  EXPECT_EQ(NcclVersionName(22809), "2.28.9");
+  EXPECT_EQ(NcclVersionName(2708), "2.7.8");  // the old encoding
+  EXPECT_EQ(NcclVersionName(NcclRuntimeVersion()).substr(0, 2), "2.") << "the loaded NCCL";
+}
+
+TEST(NcclIdTest, SaysWhatSeveralRanksOnOneGpuNeed) {
+  const std::string refusal = "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1d000";
+  // Too old: names the loaded version, the one needed and the variable.
+  const std::string old = SharedGpuAdvice(refusal, 22809, /*variable_set=*/true);
+  EXPECT_NE(old.find("NCCL 2.28.9 refuses"), std::string::npos) << old;
+  EXPECT_NE(old.find("2.30.3 or later"), std::string::npos) << old;
+  EXPECT_NE(old.find("NCCL_MULTI_RANK_GPU_ENABLE=1"), std::string::npos) << old;
+  // New enough, the variable unset: says to set it.
+  const std::string unset = SharedGpuAdvice(refusal, 23003, /*variable_set=*/false);
+  EXPECT_NE(unset.find("set NCCL_MULTI_RANK_GPU_ENABLE=1"), std::string::npos) << unset;
+  // Other failures are NCCL's own to describe.
+  EXPECT_EQ(SharedGpuAdvice("socket connect failed", 22809, false), "");
+  EXPECT_EQ(SharedGpuAdvice(refusal, 23003, true), "");
 }
 
 }  // namespace

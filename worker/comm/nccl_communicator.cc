@@ -1,10 +1,12 @@
 #include "worker/comm/nccl_communicator.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
@@ -39,6 +41,40 @@ absl::StatusOr<ncclUniqueId> ExchangeNcclId(StoreClient& store, int rank, absl::
   return id;
 }
 
+int NcclRuntimeVersion() {
+  int version = 0;
+  if (ncclGetVersion(&version) != ncclSuccess) return 0;
+  return version;
+}
+
+std::string NcclVersionName(int code) {
+  // NCCL_VERSION: X * 1000 + Y * 100 + Z up to 2.8, X * 10000 + Y * 100 + Z after.
+  if (code < 10000) return absl::StrCat(code / 1000, ".", code % 1000 / 100, ".", code % 100);
+  return absl::StrCat(code / 10000, ".", code % 10000 / 100, ".", code % 100);
+}
+
+bool NcclSharedGpuAllowed() {
+  const char* enabled = std::getenv(kNcclSharedGpuVariable);
+  return NcclRuntimeVersion() >= kNcclSharedGpuVersion && enabled != nullptr &&
+         absl::string_view(enabled) == "1";
+}
+
+std::string SharedGpuAdvice(absl::string_view nccl_error, int version, bool variable_set) {
+  if (!absl::StrContains(nccl_error, "Duplicate GPU")) return "";
+  if (version < kNcclSharedGpuVersion) {
+    return absl::StrCat("several ranks of this group are on one GPU, which NCCL ",
+                        NcclVersionName(version), " refuses: it needs NCCL ",
+                        NcclVersionName(kNcclSharedGpuVersion), " or later with ",
+                        kNcclSharedGpuVariable, "=1 (or give each worker its own GPU)");
+  }
+  if (!variable_set) {
+    return absl::StrCat("several ranks of this group are on one GPU: set ",
+                        kNcclSharedGpuVariable, "=1 in the workers' environment (NCCL ",
+                        NcclVersionName(version), " allows it then), or give each worker its own GPU");
+  }
+  return "";
+}
+
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(StoreClient& store,
                                                                          int rank, int size,
                                                                          Options options) {
@@ -62,7 +98,18 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
     LOCKSTEP_GPU_RETURN_IF_ERROR(ncclCommGetAsyncError(comm->comm_, &state));
     if (state == ncclSuccess) break;
     if (state != ncclInProgress) {
-      return comm->Fail(kernels::GpuStatus(state, "ncclCommInitRankConfig", __FILE__, __LINE__));
+      absl::Status failed = kernels::GpuStatus(state, "ncclCommInitRankConfig", __FILE__, __LINE__);
+      const char* last = ncclGetLastError(comm->comm_);
+      const std::string nccl_error = last != nullptr ? last : "";
+      const char* variable = std::getenv(kNcclSharedGpuVariable);
+      const std::string advice = SharedGpuAdvice(
+          nccl_error, NcclRuntimeVersion(), variable != nullptr && absl::string_view(variable) == "1");
+      if (!advice.empty()) {
+        failed = absl::FailedPreconditionError(absl::StrCat(advice, " [", failed.message(), "]"));
+      } else if (!nccl_error.empty()) {
+        failed = absl::Status(failed.code(), absl::StrCat(failed.message(), ": ", nccl_error));
+      }
+      return comm->Fail(failed);
     }
     if (comm->abort_requested_) {
       return comm->Fail(absl::AbortedError("aborted during NCCL init"));

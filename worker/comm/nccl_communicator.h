@@ -17,14 +17,31 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "worker/comm/abort_signal.h"
 #include "worker/comm/store_client.h"
 
 namespace lockstep::worker {
+
+// The NCCL loaded at run time (ncclGetVersion): its version code, NCCL_VERSION's encoding
+// (2.30.3 -> 23003), and its name ("2.30.3").
+int NcclRuntimeVersion();
+std::string NcclVersionName(int code);
+// The first NCCL that lets several ranks of one communicator share a GPU, when
+// NCCL_MULTI_RANK_GPU_ENABLE=1 is set (older ones refuse: "Duplicate GPU detected"). Tests and
+// the GPU check run 2-4 workers on one GPU with it.
+inline constexpr int kNcclSharedGpuVersion = 23003;
+inline constexpr char kNcclSharedGpuVariable[] = "NCCL_MULTI_RANK_GPU_ENABLE";
+// Whether this process may put several ranks on one GPU: NCCL new enough and the variable set.
+bool NcclSharedGpuAllowed();
+// What to tell the user when NCCL's init failed with `nccl_error` (its last error text): for
+// a refusal of several ranks on one GPU, which of the two is missing; "" otherwise.
+std::string SharedGpuAdvice(absl::string_view nccl_error, int version, bool variable_set);
 
 // The store key under which rank 0 publishes the generation's NCCL id.
 inline constexpr char kNcclIdKey[] = "nccl-id";
