@@ -98,22 +98,23 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
   // Frozen tensors have no gradient and no optimizer state.
   e.gradients = 4 * trainable;
   e.optimizer = (spec.optimizer().type() == "adamw" ? 8 : 4) * trainable;
-  e.activations = 4 * (per_sample * micro_batch + fixed);
+  // A GPU's head runs in larger chunks, counted with its buffers below instead.
+  const bool gpu = spec.device() == "cuda";
+  e.activations = 4 * (per_sample * micro_batch + (gpu ? 0 : fixed));
   // Default: the reducer's bucket copies, about one gradient. Deterministic: the int64 sum,
   // and as much again in the communicator.
   e.communication = spec.deterministic() ? 16 * (trainable + 2) : 4 * trainable;
-  if (spec.device() == "cuda") {
+  if (gpu) {
     // A second upload slot (the next micro-batch's copy overlaps this one's compute); the
-    // GPT's logits in chunks of up to kGpuHeadChunkValues rather than the CPU's 4 Mi (bounded
-    // by the micro-batch's rows, so it stays linear up to the bound: ChooseMicroBatch solves
-    // a line); the workspaces; NCCL's buffers when the job may run on a group.
+    // workspaces; NCCL's buffers when the job may run on a group; the GPT's logits in chunks of
+    // up to kGpuHeadChunkValues (a line through 0 up to the bound, an over-count after it:
+    // ChooseMicroBatch solves a line).
     e.device = 4 * input * micro_batch + 2 * kGpuBlasWorkspaceBytes +
                (spec.max_workers() != 1 ? kGpuNcclBufferBytes : 0);
     if (gpt) {
-      const int64_t head_values = std::min<int64_t>(
-          kGpuHeadChunkValues,
-          model.context_length() * std::max(1, model.vocab_size()) * std::max<int64_t>(1, micro_batch));
-      e.device += 4 * std::max<int64_t>(0, head_values - fixed);
+      const int64_t rows_values =
+          int64_t{model.context_length()} * std::max<int64_t>(1, model.vocab_size());
+      e.device += 4 * std::min<int64_t>(kGpuHeadChunkValues, rows_values * micro_batch);
     }
   }
   return e;

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check, for a host with NVIDIA GPUs and no network (scripts/gpu_bundle.sh makes the
-# bundle it runs from): the GPU tests, then the GPU training-step benchmark next to PyTorch
-# eager on the same GPU, as a table. Exit status: 0 when every GPU test passed (none skipped).
+# bundle it runs from), in order, each with a summary line ("passed: ...", "FAILED: ...",
+# "not run: ..."): the GPU tests (a skip is a failure here); the MLP and GPT jobs on one GPU
+# worker; a group of 3 ranks on the one GPU (when NCCL allows it) with one SIGKILLed mid-run,
+# which must end with exact steps and the one-worker run's checksum; the GPT step benchmark
+# (GPT-2 124M shape) and the MLP's, each next to PyTorch on the same GPU, as tables.
+# Exit status: 0 when everything that ran passed.
 #   check.sh [BUNDLE_DIR]   (default: the folder holding this script, i.e. gpu-bundle/)
 # Writes gpu-check.json and gpu-check.log to $OUT (default: the current directory).
 set -uo pipefail
@@ -31,7 +35,7 @@ echo "== GPUs" | tee -a "$log"
 
 echo "== GPU tests" | tee -a "$log"
 failed=0
-for t in cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test; do
+for t in cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test nccl_id_test; do
   if ! "$bundle/bin/$t" >>"$log" 2>&1; then
     echo "FAILED: $t (see $log)" | tee -a "$log"
     failed=1
@@ -43,18 +47,101 @@ for t in cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_commu
   fi
 done
 
-echo "== a job on a GPU worker: coordinator, lockstep-worker --device=cuda:0, lockstepctl" | tee -a "$log"
+# The NCCL the tests loaded, and whether it lets several ranks share this GPU (the
+# TwoRanksOnOneGpu test prints it).
+shared_gpu_line="$(grep -m1 "several ranks on one GPU" "$log")"
+echo "${shared_gpu_line:-NCCL: unknown (nccl_communicator_test printed nothing)}" | tee -a "$log"
+
+# ---- real jobs: a coordinator, lockstep-worker --device=cuda:0 (one or several), lockstepctl.
+# LOCKSTEP_CHECK_DEVICE=cpu runs the same jobs, smaller, on CPU workers: a check of this script
+# itself on a machine without a GPU (the multi-rank section then runs with Gloo).
+device="${LOCKSTEP_CHECK_DEVICE:-cuda}"
+worker_device=cuda:0
+[[ "$device" == cpu ]] && worker_device=cpu
+ctl() { "$bundle/bin/lockstepctl" --coordinator="$address" "$@"; }
+# A field of a job's JSON status (python expression over j).
+job_field() {
+  ctl --output=json status "$1" | python3 -c "import json, sys; j = json.load(sys.stdin); print($2)"
+}
+start_coordinator() {  # DIR: sets address and coordinator_pid
+  "$bundle/bin/lockstep-coordinator" --listen=127.0.0.1:0 --port_file="$1/port" \
+    --state_dir="$1/state" >"$1/coordinator.log" 2>&1 &
+  coordinator_pid=$!
+  for _ in $(seq 1 100); do [[ -s "$1/port" ]] && break; sleep 0.1; done
+  address="127.0.0.1:$(cat "$1/port" 2>/dev/null)"
+}
+declare -A worker_pids=()
+start_worker() {  # DIR NAME [ENV=VALUE...]
+  local dir="$1" name="$2"
+  shift 2
+  env "$@" "$bundle/bin/lockstep-worker" --coordinator="$address" --device="$worker_device" --name="$name" \
+    --give_up_after=30s >"$dir/worker-$name.log" 2>&1 &
+  worker_pids[$name]=$!
+}
+wait_registered() {  # DIR NAME...: 0 when all are registered
+  local dir="$1" name
+  shift
+  for _ in $(seq 1 60); do
+    local missing=0
+    local alive=0
+    for name in "$@"; do
+      ctl workers 2>/dev/null | grep -q " $name " || missing=1
+      kill -0 "${worker_pids[$name]}" 2>/dev/null && alive=1
+    done
+    ((missing == 0)) && return 0
+    ((alive == 1)) || break  # every worker has exited
+    sleep 0.5
+  done
+  echo "FAILED: GPU workers did not register:" | tee -a "$log"
+  for name in "$@"; do tail -n 5 "$dir/worker-$name.log" | tee -a "$log"; done
+  return 1
+}
+# Submits DIR/JOB.json and follows it to the end: SUCCEEDED with exactly STEPS steps and one
+# parameter checksum over the members prints the job id (the only line on stdout); otherwise a
+# FAILED line (on stderr and in the log) and status 1.
+run_job() {  # DIR JOB STEPS
+  local dir="$1" job="$2" steps="$3" id sums
+  ctl submit "$dir/$job.json" >"$dir/submit-$job.log" 2>&1 || {
+    echo "FAILED: submit $job: $(cat "$dir/submit-$job.log")" | tee -a "$log" >&2
+    return 1
+  }
+  id="$(head -n 1 "$dir/submit-$job.log")"
+  if ! timeout 600 "$bundle/bin/lockstepctl" --coordinator="$address" watch "$id" \
+      >"$dir/watch-$job.log" 2>&1; then
+    echo "FAILED: $job ($id) did not succeed" | tee -a "$log" >&2
+    tail -n 20 "$dir/watch-$job.log" "$dir"/worker-*.log "$dir/coordinator.log" | tee -a "$log" >&2
+    return 1
+  fi
+  tail -n 3 "$dir/watch-$job.log" | tee -a "$log" >&2
+  [[ "$(job_field "$id" "j['step']")" == "$steps" ]] || {
+    echo "FAILED: $job ended at step $(job_field "$id" "j['step']"), not $steps" | tee -a "$log" >&2
+    return 1
+  }
+  sums="$(job_field "$id" "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))")"
+  [[ -n "$sums" && "$sums" != *" "* ]] || {
+    echo "FAILED: $job: the ranks ended with different parameters: $sums" | tee -a "$log" >&2
+    return 1
+  }
+  echo "$id"
+}
+stop_all() {
+  kill "${worker_pids[@]}" "$coordinator_pid" 2>/dev/null
+  wait 2>/dev/null
+  worker_pids=()
+}
+
 job_dir="$(mktemp -d)"
-"$bundle/bin/lockstep-coordinator" --listen=127.0.0.1:0 --port_file="$job_dir/port" \
-  --state_dir="$job_dir/state" >"$job_dir/coordinator.log" 2>&1 &
-coordinator_pid=$!
-for _ in $(seq 1 100); do [[ -s "$job_dir/port" ]] && break; sleep 0.1; done
-address="127.0.0.1:$(cat "$job_dir/port" 2>/dev/null)"
-"$bundle/bin/lockstep-worker" --coordinator="$address" --device=cuda:0 --name=gpu0 \
-  --give_up_after=30s >"$job_dir/worker.log" 2>&1 &
-worker_pid=$!
-# job-1: the default mode with gradient accumulation (micro-batches of 256); job-2:
-# deterministic mode with TF32 products.
+# A byte-level text for the GPT jobs (words of a small vocabulary, fixed by seed).
+python3 - "$job_dir/corpus.txt" <<'PY'
+import random, sys
+r = random.Random(11)
+words = "the cat sat on a mat and dog ran far away home while it rained".split()
+lines = [" ".join(r.choice(words) for _ in range(r.randint(3, 9))) + "." for _ in range(40000)]
+open(sys.argv[1], "w").write("\n".join(lines))
+PY
+# job-1: the MLP, default mode with gradient accumulation (micro-batches of 256); job-2: the
+# MLP deterministic with TF32 products; job-3: the GPT (AdamW, clipping, warm-up and cosine);
+# job-4: the GPT deterministic, whose checksum the multi-rank group must reproduce.
 cat >"$job_dir/job-1.json" <<'JOB'
 {"name": "gpu-check", "model": {"type": "mlp", "hiddenWidths": [2048, 2048]},
  "dataset": {"type": "synthetic", "synthetic": {"trainSamples": 65536, "testSamples": 4096,
@@ -65,38 +152,159 @@ cat >"$job_dir/job-1.json" <<'JOB'
 JOB
 sed -e 's/"gpu-check"/"gpu-check-deterministic"/' -e 's/"microBatchSize": 256/"deterministic": true/' \
   -e 's/"device": "cuda"/"device": "cuda", "precision": "tf32"/' "$job_dir/job-1.json" >"$job_dir/job-2.json"
-registered=0
-for _ in $(seq 1 60); do
-  kill -0 "$worker_pid" 2>/dev/null || break
-  if "$bundle/bin/lockstepctl" --coordinator="$address" workers 2>/dev/null | grep -q " gpu0 "; then
-    registered=1
-    break
-  fi
-  sleep 0.5
-done
-if ((registered == 0)); then
-  echo "FAILED: the GPU worker did not register:" | tee -a "$log"
-  tail -n 5 "$job_dir/worker.log" | tee -a "$log"
-  failed=1
-else
-  for job in job-1 job-2; do
-    if timeout 300 "$bundle/bin/lockstepctl" --coordinator="$address" submit "$job_dir/$job.json" \
-        --watch >"$job_dir/watch-$job.log" 2>&1; then
-      tail -n 3 "$job_dir/watch-$job.log" | tee -a "$log"
-      # submit prints the job's id (job-N-CLUSTER) on its first line.
-      job_id="$(head -n 1 "$job_dir/watch-$job.log")"
-      "$bundle/bin/lockstepctl" --coordinator="$address" status "$job_id" | tee -a "$log"
+cat >"$job_dir/job-3.json" <<JOB
+{"name": "gpu-check-gpt", "model": {"type": "gpt", "vocabSize": 256, "contextLength": 128,
+  "nLayer": 4, "nHead": 4, "dModel": 256},
+ "dataset": {"type": "text", "path": "$job_dir/corpus.txt", "validationFraction": 0.05},
+ "optimizer": {"type": "adamw", "learningRate": 0.003, "weightDecay": 0.1, "beta2": 0.99,
+               "warmupSteps": 30, "cosineDecay": true, "gradClipNorm": 1.0},
+ "globalBatchSize": 64, "microShards": 8, "maxSteps": 400, "seed": 1, "evalEverySteps": 200,
+ "minWorkers": 1, "maxWorkers": 1, "device": "cuda", "precision": "tf32"}
+JOB
+sed -e 's/"gpu-check-gpt"/"gpu-check-gpt-deterministic"/' -e 's/"seed": 1,/"seed": 1, "deterministic": true,/' \
+  "$job_dir/job-3.json" >"$job_dir/job-4.json"
+
+if [[ "$device" == cpu ]]; then
+  for f in "$job_dir"/job-*.json; do
+    sed -i -e 's/"device": "cuda"/"device": "cpu"/' -e 's/, "precision": "tf32"//' \
+      -e 's/\[2048, 2048\]/[128]/' -e 's/"dModel": 256/"dModel": 64/' -e 's/"nLayer": 4/"nLayer": 2/' \
+      -e 's/"contextLength": 128/"contextLength": 32/' "$f"
+  done
+fi
+echo "== jobs on one GPU worker (MLP, MLP deterministic, GPT, GPT deterministic)" | tee -a "$log"
+start_coordinator "$job_dir"
+start_worker "$job_dir" gpu0
+reference_sum=""
+if wait_registered "$job_dir" gpu0; then
+  for job in job-1 job-2 job-3 job-4; do
+    steps=300
+    [[ "$job" == job-3 || "$job" == job-4 ]] && steps=400
+    if id="$(run_job "$job_dir" "$job" "$steps")" && [[ -n "$id" ]]; then
+      ctl status "$id" | tee -a "$log"
       echo "passed: GPU worker $job" | tee -a "$log"
+      if [[ "$job" == job-4 ]]; then
+        reference_sum="$(job_field "$id" "j['members'][0].get('parameterChecksum', '')")"
+      fi
     else
-      echo "FAILED: GPU worker $job" | tee -a "$log"
-      tail -n 20 "$job_dir/watch-$job.log" "$job_dir/worker.log" "$job_dir/coordinator.log" | tee -a "$log"
       failed=1
     fi
   done
-  grep -E "micro-batches|finished at step|per step" "$job_dir/worker.log" | tee -a "$log"
+  grep -hE "micro-batches|finished at step|per step|NCCL took" "$job_dir"/worker-*.log | tee -a "$log"
+else
+  failed=1
 fi
-kill "$worker_pid" "$coordinator_pid" 2>/dev/null
-wait 2>/dev/null
+stop_all
+
+echo "== a group of 3 ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1), one SIGKILLed" | tee -a "$log"
+if [[ "$shared_gpu_line" != *"allowed"* && "$device" != cpu ]]; then
+  echo "not run: ${shared_gpu_line:-NCCL unknown}; several ranks on one GPU need NCCL 2.30.3 or later" | tee -a "$log"
+else
+  group_dir="$(mktemp -d)"
+  cp "$job_dir/corpus.txt" "$group_dir/"
+  start_coordinator "$group_dir"
+  for name in rank-a rank-b rank-c; do
+    start_worker "$group_dir" "$name" NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_SOCKET_IFNAME=lo
+  done
+  if wait_registered "$group_dir" rank-a rank-b rank-c; then
+    # The MLP in the default mode: float buckets through NCCL as backward writes them.
+    sed -e 's/"maxWorkers": 1/"maxWorkers": 3/' -e 's/"minWorkers": 1/"minWorkers": 3/' \
+      "$job_dir/job-1.json" >"$group_dir/group-mlp.json"
+    if run_job "$group_dir" group-mlp 300 >/dev/null; then
+      echo "passed: MLP on a group of 3 ranks on one GPU" | tee -a "$log"
+    else
+      failed=1
+    fi
+    # The deterministic GPT on 3, then 2 after a SIGKILL: the same bits as on one worker.
+    sed -e "s|$job_dir|$group_dir|" -e 's/"maxWorkers": 1/"maxWorkers": 3/' \
+      -e 's/"minWorkers": 1/"minWorkers": 2/' -e 's/"maxSteps": 400/"maxSteps": 400/' \
+      "$job_dir/job-4.json" >"$group_dir/group-gpt.json"
+    ctl submit "$group_dir/group-gpt.json" >"$group_dir/submit.log" 2>&1
+    id="$(head -n 1 "$group_dir/submit.log")"
+    victim=""
+    for _ in $(seq 1 600); do
+      if [[ "$(job_field "$id" "int(j.get('step', 0)) >= 100 and len(j.get('members', [])) == 3" 2>/dev/null)" == True ]]; then
+        victim="$(job_field "$id" "[m['workerName'] for m in j['members'] if m.get('rank', 0) == 1][0]")"
+        break
+      fi
+      sleep 0.2
+    done
+    if [[ -z "$victim" || -z "${worker_pids[$victim]:-}" ]]; then
+      echo "FAILED: the group of 3 never reached step 100 (job $id)" | tee -a "$log"
+      tail -n 20 "$group_dir"/worker-*.log | tee -a "$log"
+      failed=1
+    else
+      kill -KILL "${worker_pids[$victim]}"
+      echo "SIGKILLed $victim (rank 1) at step $(job_field "$id" "j['step']")" | tee -a "$log"
+      if timeout 600 "$bundle/bin/lockstepctl" --coordinator="$address" watch "$id" \
+          >"$group_dir/watch.log" 2>&1; then
+        steps="$(job_field "$id" "j['step']")"
+        sums="$(job_field "$id" "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))")"
+        recoveries="$(job_field "$id" "int(j.get('recoveries', 0))")"
+        echo "group: SUCCEEDED at step $steps, $recoveries recoveries, checksum $sums (one worker: $reference_sum)" | tee -a "$log"
+        if [[ "$steps" == 400 && -n "$sums" && "$sums" != *" "* && "$sums" == "$reference_sum" ]] &&
+            ((recoveries >= 1)); then
+          echo "passed: GPT on 3 then 2 ranks of one GPU, SIGKILL survived, the one-worker bits" | tee -a "$log"
+        else
+          echo "FAILED: exact steps, one checksum equal to the one-worker run's, a recovery" | tee -a "$log"
+          failed=1
+        fi
+      else
+        echo "FAILED: the group's job did not succeed after the SIGKILL" | tee -a "$log"
+        tail -n 30 "$group_dir/watch.log" "$group_dir"/worker-*.log | tee -a "$log"
+        failed=1
+      fi
+    fi
+    grep -hE "NCCL took|resumes after step" "$group_dir"/worker-*.log | tee -a "$log"
+  else
+    failed=1
+  fi
+  stop_all
+fi
+
+echo "== GPT step benchmark: GPT-2 124M shape, context 1024, AdamW" | tee -a "$log"
+gpt_configs=(
+  "tf32|--precision=tf32 --batch=16|tf32"
+  "fp32|--precision=fp32 --batch=16|fp32"
+)
+for torch_run in "fp32|--precision fp32" "tf32|--precision tf32" "bf16|--precision bf16" \
+    "bf16-compile|--precision bf16 --compile"; do
+  IFS='|' read -r name flags <<<"$torch_run"
+  # shellcheck disable=SC2086
+  timeout 300 python3 "$bundle/gpu_gpt_step.py" --batch 16 $flags >"$out/torch-gpt-$name.json" 2>>"$log" ||
+    echo "PyTorch GPT baseline failed ($name; see $log)" | tee -a "$log"
+done
+for config in "${gpt_configs[@]}"; do
+  IFS='|' read -r name flags _ <<<"$config"
+  # shellcheck disable=SC2086
+  timeout 300 "$bundle/bin/gpu_gpt_step_bench" $flags --json="$out/lockstep-gpt-$name.json" 2>&1 | tee -a "$log"
+done
+python3 - "$out" <<'PY' | tee -a "$log"
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        with open(os.path.join(out, f"{name}.json")) as f:
+            return json.loads(f.read().strip().splitlines()[-1])
+    except Exception:
+        return None
+print("\n| run | step ms | tokens/s | model TFLOP/s | MFU (989 TFLOP/s bf16 peak) | vs PyTorch eager (same precision) | vs PyTorch bf16 eager | vs PyTorch bf16 compile |")
+print("|---|---|---|---|---|---|---|---|")
+eager_bf16, compiled = load("torch-gpt-bf16"), load("torch-gpt-bf16-compile")
+rows = []
+for name in ["lockstep-gpt-tf32", "lockstep-gpt-fp32", "torch-gpt-fp32", "torch-gpt-tf32",
+             "torch-gpt-bf16", "torch-gpt-bf16-compile"]:
+    r = load(name)
+    if r is None:
+        print(f"| {name} | failed | | | | | | |")
+        continue
+    same = load("torch-gpt-" + r["precision"]) if name.startswith("lockstep") else None
+    ratio = lambda other: f"{r['tokens_per_second'] / other['tokens_per_second']:.2f}x" if other else ""
+    print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_second']:,.0f} | {r['model_tflops']:.1f} | "
+          f"{r['mfu']:.3f} | {ratio(same)} | {ratio(eager_bf16)} | {ratio(compiled)} |")
+    rows.append({"run": name, **r})
+with open(os.path.join(out, "gpu-check-gpt.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+PY
 
 echo "== step benchmark: MLP 784-8192-8192-10, batch 8192, SGD momentum" | tee -a "$log"
 # name, Lockstep flags, the PyTorch run it is compared with

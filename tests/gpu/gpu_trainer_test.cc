@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <unistd.h>
@@ -291,8 +292,16 @@ v1::JobSpec GptSpec() {
   return spec;
 }
 
+// What a GPT run reported: the loss of each reported step (the first and the last always), and
+// the evaluation at the end, on the GPU when it trained there (the engine still attached).
+struct GptRun {
+  std::map<int64_t, double> losses;
+  v1::EvalResult eval;
+};
+
 // Trains `spec` (its dataset from its file) on one rank; see TrainOne.
-std::unique_ptr<Trainer> TrainGpt(const v1::JobSpec& spec, bool gpu, absl::Status* status) {
+std::unique_ptr<Trainer> TrainGpt(const v1::JobSpec& spec, bool gpu, absl::Status* status,
+                                  GptRun* run = nullptr) {
   auto data = LoadDataset(spec.dataset());
   if (!data.ok()) {
     *status = data.status();
@@ -316,9 +325,28 @@ std::unique_ptr<Trainer> TrainGpt(const v1::JobSpec& spec, bool gpu, absl::Statu
     step = *std::move(created);
     (*trainer)->set_step_engine(step.get());
   }
-  *status = (*trainer)->Train(1, abort, [](const v1::ProgressReport&) {});
+  *status = (*trainer)->Train(1, abort, [run](const v1::ProgressReport& report) {
+    if (run != nullptr) run->losses[report.step()] = report.loss();
+  });
+  if (status->ok() && run != nullptr) {
+    absl::StatusOr<v1::EvalResult> eval = (*trainer)->Evaluate();
+    if (!eval.ok()) *status = eval.status();
+    if (eval.ok()) run->eval = *eval;
+  }
   (*trainer)->set_step_engine(nullptr);
   return *std::move(trainer);
+}
+
+// The reported losses of two runs agree: the first step's to float rounding (the same
+// parameters), the last's to `tolerance` (relative).
+void ExpectLossesClose(const GptRun& cpu, const GptRun& gpu, double tolerance) {
+  ASSERT_FALSE(cpu.losses.empty());
+  ASSERT_EQ(gpu.losses.count(1), 1u);
+  ASSERT_EQ(gpu.losses.count(cpu.losses.rbegin()->first), 1u);
+  EXPECT_NEAR(gpu.losses.at(1), cpu.losses.at(1), 1e-5 * cpu.losses.at(1));
+  EXPECT_NEAR(gpu.losses.rbegin()->second, cpu.losses.rbegin()->second,
+              tolerance * cpu.losses.rbegin()->second);
+  EXPECT_LT(cpu.losses.rbegin()->second, cpu.losses.at(1)) << "it learned";
 }
 
 // Per tensor, so a wrong piece (or a tensor decayed that should not be) is named.
@@ -338,29 +366,32 @@ TEST(GpuTrainerTest, GptOnTheGpuTrainsTheCpuModel) {
   if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
   const v1::JobSpec spec = GptSpec();
   absl::Status cpu_status, gpu_status, accumulated_status;
-  std::unique_ptr<Trainer> cpu = TrainGpt(spec, false, &cpu_status);
+  GptRun cpu_run, gpu_run, micro_run;
+  std::unique_ptr<Trainer> cpu = TrainGpt(spec, false, &cpu_status, &cpu_run);
   ASSERT_TRUE(cpu_status.ok()) << cpu_status;
-  std::unique_ptr<Trainer> gpu = TrainGpt(spec, true, &gpu_status);
+  std::unique_ptr<Trainer> gpu = TrainGpt(spec, true, &gpu_status, &gpu_run);
   ASSERT_TRUE(gpu_status.ok()) << gpu_status;
   EXPECT_EQ(gpu->completed_step(), 30);
   EXPECT_LT(RelativeDistance(cpu->model(), gpu->model()), 1e-3);
   ExpectTensorsClose(cpu->model(), gpu->model(), 1e-2);
-  // Micro-batches of 4 on the GPU against the whole batch on the CPU.
+  ExpectLossesClose(cpu_run, gpu_run, 1e-3);
+  // Micro-batches of 4 on the GPU against the whole batch on the CPU: the loss is summed over
+  // them, and the evaluation (on the GPU) runs in pieces of 4 windows.
   v1::JobSpec accumulated = spec;
   accumulated.set_micro_batch_size(4);
-  std::unique_ptr<Trainer> micro = TrainGpt(accumulated, true, &accumulated_status);
+  std::unique_ptr<Trainer> micro = TrainGpt(accumulated, true, &accumulated_status, &micro_run);
   ASSERT_TRUE(accumulated_status.ok()) << accumulated_status;
   EXPECT_EQ(micro->micro_batch(), 4);
   EXPECT_LT(RelativeDistance(cpu->model(), micro->model()), 1e-3);
   ExpectTensorsClose(cpu->model(), micro->model(), 1e-2);
-  // It learned: the validation loss fell below log(256) as the CPU's did (the host mirror
-  // evaluates on the CPU here, so this checks what was read back).
-  auto eval = gpu->Evaluate();
-  ASSERT_TRUE(eval.ok()) << eval.status();
-  auto cpu_eval = cpu->Evaluate();
-  ASSERT_TRUE(cpu_eval.ok()) << cpu_eval.status();
-  EXPECT_LT(cpu_eval->test_loss(), std::log(256.0));
-  EXPECT_NEAR(eval->test_loss(), cpu_eval->test_loss(), 1e-3 * cpu_eval->test_loss());
+  ExpectLossesClose(cpu_run, micro_run, 1e-3);
+  // The validation on the GPU, against the CPU's on its own parameters.
+  for (const GptRun* run : {&gpu_run, &micro_run}) {
+    EXPECT_EQ(run->eval.test_samples(), cpu_run.eval.test_samples());
+    EXPECT_NEAR(run->eval.test_loss(), cpu_run.eval.test_loss(), 1e-3 * cpu_run.eval.test_loss());
+    EXPECT_NEAR(run->eval.test_accuracy(), cpu_run.eval.test_accuracy(), 0.01);
+  }
+  EXPECT_LT(cpu_run.eval.test_loss(), std::log(256.0));
 }
 
 TEST(GpuTrainerTest, GptDeterministicModeIsReproducibleAndCloseToCpu) {
@@ -368,14 +399,17 @@ TEST(GpuTrainerTest, GptDeterministicModeIsReproducibleAndCloseToCpu) {
   v1::JobSpec spec = GptSpec();
   spec.set_deterministic(true);
   absl::Status s1, s2, s3;
-  std::unique_ptr<Trainer> first = TrainGpt(spec, true, &s1);
+  GptRun first_run, second_run, cpu_run;
+  std::unique_ptr<Trainer> first = TrainGpt(spec, true, &s1, &first_run);
   ASSERT_TRUE(s1.ok()) << s1;
-  std::unique_ptr<Trainer> second = TrainGpt(spec, true, &s2);
+  std::unique_ptr<Trainer> second = TrainGpt(spec, true, &s2, &second_run);
   ASSERT_TRUE(s2.ok()) << s2;
   EXPECT_EQ(first->ParameterChecksum(), second->ParameterChecksum());
-  std::unique_ptr<Trainer> cpu = TrainGpt(spec, false, &s3);
+  EXPECT_EQ(first_run.losses, second_run.losses);
+  std::unique_ptr<Trainer> cpu = TrainGpt(spec, false, &s3, &cpu_run);
   ASSERT_TRUE(s3.ok()) << s3;
   EXPECT_LT(RelativeDistance(cpu->model(), first->model()), 1e-3);
+  ExpectLossesClose(cpu_run, first_run, 1e-3);
 }
 
 // The GPT's fixed-point sums, as DeterministicFixedPointSumIsIndependentOfTheSplit.
@@ -417,7 +451,15 @@ TEST(GpuTrainerTest, GptFixedPointSumIsIndependentOfTheSplit) {
     nonzero += all[i] != 0;
   }
   EXPECT_EQ(all.back(), 0) << "rejected values";
-  EXPECT_GT(all[all.size() - 2], 0) << "the loss";
+  // The loss in fixed point: the mean over the 16 windows, as the CPU model computes it.
+  Batch batch;
+  batch.n = n;
+  batch.tokens = tokens.data();
+  batch.token_stride = stride;
+  int64_t correct = 0;
+  const double cpu_loss = model.Evaluate(batch, &correct) / n;
+  EXPECT_NEAR(std::ldexp(static_cast<double>(all[all.size() - 2]), -Trainer::kFixedPointFracBits),
+              cpu_loss, 1e-5 * cpu_loss);
   EXPECT_GT(nonzero, all.size() / 2);
 }
 

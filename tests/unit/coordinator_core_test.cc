@@ -1422,6 +1422,44 @@ TEST(MemoryEstimateTest, ReferenceModel) {
   EXPECT_EQ(EstimateWorkerMemory(spec, 32).device, gpu.device + (int64_t{256} << 20));
 }
 
+// A GPT on GPU workers: the head's logits in the GPU's larger chunks (a line through 0 up to
+// kGpuHeadChunkValues), counted with the device buffers instead of the CPU's chunk.
+TEST(MemoryEstimateTest, GptOnGpuCountsTheHeadsChunkAndTheBuffers) {
+  v1::JobSpec spec;
+  v1::ModelSpec* m = spec.mutable_model();
+  m->set_type("gpt");
+  m->set_vocab_size(50257);
+  m->set_context_length(1024);
+  m->set_n_layer(12);
+  m->set_n_head(12);
+  m->set_d_model(768);
+  spec.mutable_dataset()->set_type("tokens");
+  spec.mutable_optimizer()->set_type("adamw");
+  spec.set_global_batch_size(64);
+  spec.set_micro_shards(64);
+  spec.set_max_workers(1);
+  const MemoryEstimate cpu = EstimateWorkerMemory(spec, 1);
+  EXPECT_EQ(cpu.device, 0);
+  spec.set_device("cuda");
+  const int64_t head = int64_t{1024} * 50257;  // logits of one window
+  for (int64_t mb : {1, 2, 16}) {
+    const MemoryEstimate gpu = EstimateWorkerMemory(spec, mb);
+    const MemoryEstimate on_cpu = [&] {
+      v1::JobSpec c = spec;
+      c.set_device("cpu");
+      return EstimateWorkerMemory(c, mb);
+    }();
+    EXPECT_EQ(gpu.activations, on_cpu.activations - 4 * (int64_t{1} << 22)) << mb;
+    EXPECT_EQ(gpu.device, 4 * 1025 * mb + (int64_t{64} << 20) +
+                              4 * std::min<int64_t>(int64_t{1} << 26, head * mb))
+        << mb;
+  }
+  // The line ChooseMicroBatch draws never under-counts: E(k shards) <= E(0) + k (E(1) - E(0)).
+  const int64_t e0 = EstimateWorkerMemory(spec, 0).total();
+  const int64_t e1 = EstimateWorkerMemory(spec, 1).total();
+  for (int64_t k : {2, 8, 32}) EXPECT_LE(EstimateWorkerMemory(spec, k).total(), e0 + k * (e1 - e0));
+}
+
 // Gradient accumulation: the whole share when it fits (or no budget is known), else the most
 // whole micro-shards that fit, at least one; micro_batch_size when set.
 TEST(MemoryEstimateTest, ChooseMicroBatchFitsTheBudget) {
