@@ -111,10 +111,29 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
     // ChooseMicroBatch solves a line).
     e.device = 4 * input * micro_batch + 2 * kGpuBlasWorkspaceBytes +
                (spec.max_workers() != 1 ? kGpuNcclBufferBytes : 0);
-    if (gpt) {
-      const int64_t rows_values =
-          int64_t{model.context_length()} * std::max<int64_t>(1, model.vocab_size());
-      e.device += 4 * std::min<int64_t>(kGpuHeadChunkValues, rows_values * micro_batch);
+    const int64_t head_values =
+        gpt ? std::min<int64_t>(kGpuHeadChunkValues,
+                                int64_t{model.context_length()} *
+                                    std::max<int64_t>(1, model.vocab_size()) * micro_batch)
+            : 0;
+    e.device += 4 * head_values;
+    // bf16: a product's two operands rounded into scratch (2 bytes a value), at most the
+    // largest activation and the largest weight (a sum, not a max, so the estimate stays a
+    // line ChooseMicroBatch can solve).
+    if (spec.precision() == "bf16") {
+      int64_t widest_rows = 0, largest_weight = 0;
+      if (gpt) {
+        const int64_t C = model.d_model();
+        widest_rows = std::max<int64_t>(head_values, micro_batch * model.context_length() * 4 * C);
+        largest_weight = std::max<int64_t>(int64_t{model.vocab_size()} * C, 4 * C * C);
+      } else {
+        const std::vector<int64_t> dims = LayerWidths(spec);
+        for (size_t i = 0; i + 1 < dims.size(); ++i) {
+          widest_rows = std::max(widest_rows, micro_batch * std::max(dims[i], dims[i + 1]));
+          largest_weight = std::max(largest_weight, dims[i] * dims[i + 1]);
+        }
+      }
+      e.device += 2 * (widest_rows + largest_weight);
     }
   }
   return e;

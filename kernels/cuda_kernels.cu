@@ -2,6 +2,7 @@
 // of 256 threads; none of them needs shared memory. Reductions that feed the training state
 // (bias gradients, the loss sum) run in a fixed order, so a rank gets the same bits every run.
 #include <cublasLt.h>
+#include <cuda_bf16.h>
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -201,6 +202,18 @@ cublasHandle_t BlasHandle(void* h) { return static_cast<cublasHandle_t>(h); }
 cublasLtHandle_t LtHandle(void* h) { return static_cast<cublasLtHandle_t>(h); }
 
 // Owns the cuBLASLt descriptors of one matmul call.
+__global__ void ToBf16Kernel(const float* in, size_t n, __nv_bfloat16* out) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    out[i] = __float2bfloat16_rn(in[i]);
+  }
+}
+
+// Values a row-major operand of `rows` x `cols` with leading dimension `ld` spans.
+size_t Span(int rows, int cols, int ld) {
+  return rows <= 0 || cols <= 0 ? 0 : static_cast<size_t>(rows - 1) * ld + cols;
+}
+
 struct LtDescriptors {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
@@ -235,16 +248,47 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream) {
 }
 
 Blas::~Blas() {
+  for (void* p : bf16_scratch_) {
+    if (p != nullptr) cudaFree(p);
+  }
   if (workspace_ != nullptr) cudaFree(workspace_);
   if (lt_ != nullptr) cublasLtDestroy(LtHandle(lt_));
   if (blas_ != nullptr) cublasDestroy(BlasHandle(blas_));
 }
 
-absl::Status Blas::SetTf32(bool on) {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cublasSetMathMode(BlasHandle(blas_), on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
-  tf32_ = on;
+absl::Status Blas::SetPrecision(Precision precision) {
+  const bool tf32 = precision == Precision::kTf32;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSetMathMode(
+      BlasHandle(blas_), tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  tf32_ = tf32;
+  bf16_ = precision == Precision::kBf16;
   return absl::OkStatus();
+}
+
+absl::StatusOr<Blas::Precision> Blas::ParsePrecision(const std::string& name) {
+  if (name.empty() || name == "fp32") return Precision::kFp32;
+  if (name == "tf32") return Precision::kTf32;
+  if (name == "bf16") return Precision::kBf16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("precision: \"fp32\", \"tf32\" or \"bf16\", got \"", name, "\""));
+}
+
+absl::StatusOr<const void*> Blas::ToBf16(int slot, const float* values, size_t count) {
+  if (count > bf16_capacity_[slot]) {
+    // The old buffer may still feed a product in flight on the stream.
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    cudaFree(bf16_scratch_[slot]);
+    bf16_scratch_[slot] = nullptr;
+    bf16_capacity_[slot] = 0;
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&bf16_scratch_[slot], count * sizeof(__nv_bfloat16)));
+    bf16_capacity_[slot] = count;
+  }
+  auto* out = static_cast<__nv_bfloat16*>(bf16_scratch_[slot]);
+  if (count > 0) {
+    ToBf16Kernel<<<Blocks(count), kThreads, 0, stream_>>>(values, count, out);
+    if (absl::Status s = LaunchStatus("ToBf16Kernel"); !s.ok()) return s;
+  }
+  return static_cast<const void*>(out);
 }
 
 absl::Status Blas::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
@@ -253,6 +297,19 @@ absl::Status Blas::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float a
   if (m == 0 || n == 0) return absl::OkStatus();
   // Row-major C (m x n) is column-major C^T (n x m) = op(B)^T * op(A)^T: swap the operands
   // and keep each one's transpose flag.
+  if (bf16_) {
+    absl::StatusOr<const void*> a16 =
+        ToBf16(0, a, trans_a ? Span(k, m, lda) : Span(m, k, lda));
+    if (!a16.ok()) return a16.status();
+    absl::StatusOr<const void*> b16 =
+        ToBf16(1, b, trans_b ? Span(n, k, ldb) : Span(k, n, ldb));
+    if (!b16.ok()) return b16.status();
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasGemmEx(
+        BlasHandle(blas_), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+        n, m, k, &alpha, *b16, CUDA_R_16BF, ldb, *a16, CUDA_R_16BF, lda, &beta, c, CUDA_R_32F, ldc,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return absl::OkStatus();
+  }
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSgemm(BlasHandle(blas_), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                            trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b,
                                            ldb, a, lda, &beta, c, ldc));
@@ -288,8 +345,20 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
     LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
         desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_32F, in, out, in));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_32F, in, rows, in));
+  // kBf16: the weights and the input rounded to bfloat16 (FP32 sums, bias and output).
+  const void* w_in = w;
+  const void* x_in = x;
+  if (bf16_) {
+    absl::StatusOr<const void*> w16 = ToBf16(0, w, static_cast<size_t>(in) * out);
+    if (!w16.ok()) return w16.status();
+    absl::StatusOr<const void*> x16 = ToBf16(1, x, static_cast<size_t>(in) * rows);
+    if (!x16.ok()) return x16.status();
+    w_in = *w16;
+    x_in = *x16;
+  }
+  const cudaDataType_t operands = bf16_ ? CUDA_R_16BF : CUDA_R_32F;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.a, operands, in, out, in));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.b, operands, in, rows, in));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_32F, out, rows, out));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc.preference));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
@@ -299,7 +368,7 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
   // aligned: tell the heuristic what the pointers really are, or it may pick a kernel that
   // needs more and the matmul fails.
   float* d = act == Activation::kGelu ? z : a;
-  const uint32_t align_w = Alignment(w), align_x = Alignment(x), align_d = Alignment(d);
+  const uint32_t align_w = Alignment(w_in), align_x = Alignment(x_in), align_d = Alignment(d);
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
       desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_w, sizeof(align_w)));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
@@ -318,7 +387,7 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
                                             " by ", in, "x", out, " product with bias epilogue"));
   }
   const float alpha = 1.0f, beta = 0.0f;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, w, desc.a, x, desc.b,
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, w_in, desc.a, x_in, desc.b,
                                               &beta, d, desc.d, d, desc.d, &heuristic.algo,
                                               workspace_, workspace_bytes_, stream_));
   if (!fused) return BiasActivationForward(bias, rows, out, act, d, a, stream_);

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -33,13 +34,22 @@ class Blas {
   Blas(const Blas&) = delete;
   Blas& operator=(const Blas&) = delete;
 
-  // TF32 tensor cores for the FP32 products (off by default): about 8x the FP32 rate on
-  // Hopper, with 10-bit mantissas in the products, so results no longer match the CPU twin to
-  // FP32 rounding. What PyTorch calls allow_tf32.
-  absl::Status SetTf32(bool on);
+  // The arithmetic of the products (FP32 by default, so results match the CPU twin to FP32
+  // rounding of the summation order):
+  //  - kTf32: TF32 tensor cores for FP32 operands, about 8x the FP32 rate on Hopper, 10-bit
+  //    mantissas in the products (PyTorch's allow_tf32);
+  //  - kBf16: each product's operands rounded to bfloat16 (8-bit mantissas, to nearest even)
+  //    into scratch memory the Blas owns, multiplied on bf16 tensor cores with FP32 sums and
+  //    FP32 results (about 2x TF32's rate). Inputs, outputs and the caller's buffers stay FP32:
+  //    master weights, gradients and optimizer state are never rounded.
+  enum class Precision { kFp32, kTf32, kBf16 };
+  absl::Status SetPrecision(Precision precision);
+  absl::Status SetTf32(bool on) { return SetPrecision(on ? Precision::kTf32 : Precision::kFp32); }
+  // "fp32", "tf32" or "bf16" (a job's `precision`); INVALID_ARGUMENT otherwise.
+  static absl::StatusOr<Precision> ParsePrecision(const std::string& name);
 
-  // Twin of kernels::Gemm: C = alpha * op(A) * op(B) + beta * C, row-major. FP32 arithmetic
-  // (unless SetTf32), so results match the CPU within FP32 rounding of the summation order.
+  // Twin of kernels::Gemm: C = alpha * op(A) * op(B) + beta * C, row-major, in the precision
+  // set (FP32 unless SetPrecision).
   absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
                     int lda, const float* b, int ldb, float beta, float* c, int ldc);
 
@@ -59,6 +69,11 @@ class Blas {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   bool tf32_ = false;
+  bool bf16_ = false;
+  // kBf16: the two operands of a product rounded to bfloat16 (uint16 storage), grown on use.
+  absl::StatusOr<const void*> ToBf16(int slot, const float* values, size_t count);
+  void* bf16_scratch_[2] = {nullptr, nullptr};
+  size_t bf16_capacity_[2] = {0, 0};
 };
 
 absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activation act, float* z,

@@ -5,9 +5,12 @@
 // and against a cuBLAS GEMM rate measured in the same run in the same precision.
 // bench/torch/gpu_gpt_step.py is the PyTorch twin; tests/gpu/check.sh puts them side by side.
 //   gpu_gpt_step_bench [--layers=12 --heads=12 --d_model=768 --context=1024 --vocab=50257]
-//                  [--batch=16] [--micro_batch=N] [--steps=10] [--precision=fp32|tf32]
+//                  [--batch=16] [--micro_batch=N] [--steps=10] [--precision=fp32|tf32|bf16]
 //                  [--deterministic --micro_shards=8] [--json=F]
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
+
+#include <cstring>
 
 #include <chrono>
 #include <cstdio>
@@ -33,7 +36,7 @@ ABSL_FLAG(int, vocab, 50257, "vocabulary");
 ABSL_FLAG(int, batch, 16, "sequences per step");
 ABSL_FLAG(int, micro_batch, 0, "sequences per forward/backward (gradient accumulation); 0: all");
 ABSL_FLAG(int, steps, 10, "timed steps (after 2 warm-up steps)");
-ABSL_FLAG(std::string, precision, "tf32", "fp32 or tf32 (bf16 is not built yet)");
+ABSL_FLAG(std::string, precision, "bf16", "fp32, tf32 or bf16 (the products' arithmetic)");
 ABSL_FLAG(bool, deterministic, false, "deterministic mode (fixed-point sums per micro-shard)");
 ABSL_FLAG(int, micro_shards, 8, "micro-shards of the batch (deterministic mode)");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
@@ -41,37 +44,53 @@ ABSL_FLAG(std::string, json, "", "write the results here as JSON");
 namespace {
 
 using lockstep::worker::GpuStep;
-namespace cuda = lockstep::kernels::cuda;
 
 // H200 SXM (and H100 SXM): dense bf16 tensor-core peak, the MFU denominator the field uses.
 constexpr double kH200Bf16PeakTflops = 989.4;
 
-// The cuBLAS rate of one large square product in this precision (FP32 or TF32 operands).
-absl::StatusOr<double> GemmTflops(bool tf32) {
+// cuBLAS's rate on one large square product in this precision: FP32 or TF32 operands, or
+// bf16 operands (already rounded: the raw tensor-core rate) with FP32 sums and output.
+absl::StatusOr<double> GemmTflops(const std::string& precision) {
   const int g = 8192;
   cudaStream_t stream;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreate(&stream));
-  auto blas = cuda::Blas::Create(stream);
-  if (!blas.ok()) return blas.status();
-  LOCKSTEP_RETURN_IF_ERROR((*blas)->SetTf32(tf32));
-  std::vector<float> host(size_t{g} * g);
+  cublasHandle_t handle;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasCreate(&handle));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSetStream(handle, stream));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSetMathMode(
+      handle, precision == "tf32" ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  const bool bf16 = precision == "bf16";
+  const size_t count = size_t{g} * g, bytes = count * (bf16 ? 2 : 4);
+  std::vector<float> host(count);
   std::mt19937 rng(4);
   std::normal_distribution<float> normal;
   for (float& v : host) v = normal(rng);  // random: zeros draw less power and run faster
-  float *a, *b, *c;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&a, host.size() * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&b, host.size() * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&c, host.size() * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpy(a, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpy(b, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  std::vector<uint16_t> host16(bf16 ? count : 0);
+  for (size_t i = 0; i < host16.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &host[i], sizeof(bits));
+    host16[i] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+  }
+  const void* source = bf16 ? static_cast<const void*>(host16.data()) : host.data();
+  void *a, *b;
+  float* c;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&a, bytes));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&b, bytes));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&c, count * sizeof(float)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpy(a, source, bytes, cudaMemcpyHostToDevice));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpy(b, source, bytes, cudaMemcpyHostToDevice));
   cudaEvent_t start, stop;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventCreate(&start));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventCreate(&stop));
+  const float one = 1, zero = 0;
+  const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cublasComputeType_t compute =
+      precision == "tf32" ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   for (int i = 0; i < 13; ++i) {
     if (i == 3) LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(start, stream));
-    LOCKSTEP_RETURN_IF_ERROR((*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, g, g, g, &one, a,
+                                              type, g, b, type, g, &zero, c, CUDA_R_32F, g,
+                                              compute, CUBLAS_GEMM_DEFAULT));
   }
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventSynchronize(stop));
@@ -80,16 +99,16 @@ absl::StatusOr<double> GemmTflops(bool tf32) {
   cudaFree(a);
   cudaFree(b);
   cudaFree(c);
-  blas->reset();
+  cublasDestroy(handle);
   cudaStreamDestroy(stream);
   return 2.0 * g * g * g / (ms / 10 * 1e-3) / 1e12;
 }
 
 absl::Status Run() {
   const std::string precision = absl::GetFlag(FLAGS_precision);
-  if (precision != "fp32" && precision != "tf32") {
+  if (precision != "fp32" && precision != "tf32" && precision != "bf16") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--precision: fp32 or tf32 (bf16 is not built yet), got ", precision));
+        absl::StrCat("--precision: fp32, tf32 or bf16, got ", precision));
   }
   lockstep::worker::GptConfig config;
   config.layers = absl::GetFlag(FLAGS_layers);
@@ -168,7 +187,7 @@ absl::Status Run() {
       6.0 * static_cast<double>(model.num_params()) +
       12.0 * config.layers * static_cast<double>(config.d_model) * config.context;
   const double tflops = flops_per_token * tokens / (step_ms * 1e-3) / 1e12;
-  absl::StatusOr<double> gemm = GemmTflops(precision == "tf32");
+  absl::StatusOr<double> gemm = GemmTflops(precision);
   if (!gemm.ok()) return gemm.status();
 
   cudaDeviceProp props{};

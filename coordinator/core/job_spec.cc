@@ -175,12 +175,13 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     return absl::InvalidArgumentError(
         absl::StrCat("device: must be \"cpu\" or \"cuda\", got \"", spec.device(), "\""));
   }
-  if (spec.precision() != "fp32" && spec.precision() != "tf32") {
-    return Invalid("precision",
-                   absl::StrCat("must be \"fp32\" or \"tf32\", got \"", spec.precision(), "\""));
+  if (spec.precision() != "fp32" && spec.precision() != "tf32" && spec.precision() != "bf16") {
+    return Invalid("precision", absl::StrCat("must be \"fp32\", \"tf32\" or \"bf16\", got \"",
+                                             spec.precision(), "\""));
   }
-  if (spec.precision() == "tf32" && spec.device() != "cuda") {
-    return Invalid("precision", "tf32 needs GPU workers (\"device\": \"cuda\")");
+  if (spec.precision() != "fp32" && spec.device() != "cuda") {
+    return Invalid("precision", absl::StrCat(spec.precision(),
+                                             " needs GPU workers (\"device\": \"cuda\")"));
   }
   const v1::ModelSpec& model = spec.model();
   if (model.type().empty()) return Invalid("model.type", "required (one of: mlp, gpt)");

@@ -263,6 +263,7 @@ fi
 
 echo "== GPT step benchmark: GPT-2 124M shape, context 1024, AdamW" | tee -a "$log"
 gpt_configs=(
+  "bf16|--precision=bf16 --batch=16|bf16"
   "tf32|--precision=tf32 --batch=16|tf32"
   "fp32|--precision=fp32 --batch=16|fp32"
 )
@@ -291,7 +292,7 @@ print("\n| run | step ms | tokens/s | model TFLOP/s | MFU (989 TFLOP/s bf16 peak
 print("|---|---|---|---|---|---|---|---|")
 eager_bf16, compiled = load("torch-gpt-bf16"), load("torch-gpt-bf16-compile")
 rows = []
-for name in ["lockstep-gpt-tf32", "lockstep-gpt-fp32", "torch-gpt-fp32", "torch-gpt-tf32",
+for name in ["lockstep-gpt-bf16", "lockstep-gpt-tf32", "lockstep-gpt-fp32", "torch-gpt-fp32", "torch-gpt-tf32",
              "torch-gpt-bf16", "torch-gpt-bf16-compile"]:
     r = load(name)
     if r is None:

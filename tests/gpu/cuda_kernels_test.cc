@@ -94,6 +94,70 @@ TEST(CudaKernelsTest, GemmMatchesCpuForEveryTransposition) {
   }
 }
 
+// bfloat16 of x, rounded to nearest even (as __float2bfloat16_rn), back as a float.
+float RoundToBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits += 0x7fff + ((bits >> 16) & 1);
+  bits &= 0xffff0000u;
+  float y;
+  std::memcpy(&y, &bits, sizeof(y));
+  return y;
+}
+
+std::vector<float> RoundedToBf16(std::vector<float> v) {
+  for (float& x : v) x = RoundToBf16(x);
+  return v;
+}
+
+// bf16 products: the operands rounded to bfloat16, FP32 sums. Against the CPU's product of the
+// rounded operands they agree to FP32 rounding; against the unrounded ones they differ by
+// about bf16's precision (which shows the rounding happened); the caller's inputs are intact.
+TEST(CudaKernelsTest, Bf16GemmMultipliesRoundedOperandsInFp32) {
+  LOCKSTEP_REQUIRE_GPU();
+  auto blas = cuda::Blas::Create(nullptr);
+  ASSERT_TRUE(blas.ok()) << blas.status();
+  ASSERT_TRUE((*blas)->SetPrecision(cuda::Blas::Precision::kBf16).ok());
+  const int m = 67, n = 45, k = 129;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      // A leading dimension wider than the operand, so strided spans are converted too.
+      const int lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5;
+      std::vector<float> a = Random(static_cast<size_t>(ta ? k : m) * lda, 1);
+      std::vector<float> b = Random(static_cast<size_t>(tb ? n : k) * ldb, 2);
+      std::vector<float> c = Random(static_cast<size_t>(m) * n, 3), want = c, exact = c;
+      const std::vector<float> ra = RoundedToBf16(a), rb = RoundedToBf16(b);
+      Gemm(ta, tb, m, n, k, 0.5f, ra.data(), lda, rb.data(), ldb, 0.25f, want.data(), n);
+      Gemm(ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 0.25f, exact.data(), n);
+      DeviceBuffer<float> da(a), db(b), dc(c);
+      ASSERT_TRUE(
+          (*blas)
+              ->Gemm(ta, tb, m, n, k, 0.5f, da.get(), lda, db.get(), ldb, 0.25f, dc.get(), n)
+              .ok());
+      const std::vector<float> got = dc.Read();
+      EXPECT_LT(RelativeError(got, want), 1e-5) << "trans_a " << ta << " trans_b " << tb;
+      const double off = RelativeError(got, exact);
+      EXPECT_GT(off, 1e-4) << "no bf16 rounding seen";
+      EXPECT_LT(off, 2e-2);
+      EXPECT_EQ(da.Read(), a) << "the FP32 operand was changed";
+    }
+  }
+  // LinearForward (cuBLASLt, bias epilogue) in bf16 too.
+  const int rows = 96, in = 80, out = 33;
+  const std::vector<float> x = Random(static_cast<size_t>(rows) * in, 4),
+                           w = Random(size_t{out} * in, 5, 0.1f), bias = Random(out, 6);
+  std::vector<float> want(static_cast<size_t>(rows) * out);
+  const std::vector<float> rx = RoundedToBf16(x), rw = RoundedToBf16(w);
+  Gemm(false, true, rows, out, in, 1.0f, rx.data(), in, rw.data(), in, 0.0f, want.data(), out);
+  BiasActivationForward(bias.data(), rows, out, Activation::kRelu, want.data(), want.data());
+  DeviceBuffer<float> dx(x), dw(w), dbias(bias), da(want.size());
+  ASSERT_TRUE((*blas)
+                  ->LinearForward(dx.get(), dw.get(), dbias.get(), rows, in, out,
+                                  Activation::kRelu, da.get(), da.get())
+                  .ok());
+  EXPECT_LT(RelativeError(da.Read(), want), 1e-5);
+}
+
 TEST(CudaKernelsTest, LinearForwardMatchesCpuForEachActivation) {
   LOCKSTEP_REQUIRE_GPU();
   auto blas = cuda::Blas::Create(nullptr);

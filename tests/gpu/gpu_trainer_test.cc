@@ -394,6 +394,30 @@ TEST(GpuTrainerTest, GptOnTheGpuTrainsTheCpuModel) {
   EXPECT_LT(cpu_run.eval.test_loss(), std::log(256.0));
 }
 
+// bf16 products (FP32 master weights, sums and optimizer state) train the GPT as the CPU does,
+// to bf16's precision: the first step's loss close (the same parameters), the last close, and
+// the parameters near the CPU's but not equal to TF32's or FP32's rounding (bf16 really ran).
+TEST(GpuTrainerTest, GptInBf16TrainsCloseToCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
+  v1::JobSpec spec = GptSpec();
+  absl::Status cpu_status, bf16_status;
+  GptRun cpu_run, bf16_run;
+  std::unique_ptr<Trainer> cpu = TrainGpt(spec, false, &cpu_status, &cpu_run);
+  ASSERT_TRUE(cpu_status.ok()) << cpu_status;
+  spec.set_precision("bf16");
+  std::unique_ptr<Trainer> bf16 = TrainGpt(spec, true, &bf16_status, &bf16_run);
+  ASSERT_TRUE(bf16_status.ok()) << bf16_status;
+  EXPECT_EQ(bf16->completed_step(), 30);
+  ASSERT_EQ(bf16_run.losses.count(1), 1u);
+  EXPECT_NEAR(bf16_run.losses.at(1), cpu_run.losses.at(1), 1e-2 * cpu_run.losses.at(1));
+  EXPECT_NEAR(bf16_run.losses.rbegin()->second, cpu_run.losses.rbegin()->second,
+              5e-2 * cpu_run.losses.rbegin()->second);
+  EXPECT_NEAR(bf16_run.eval.test_loss(), cpu_run.eval.test_loss(), 5e-2 * cpu_run.eval.test_loss());
+  const double distance = RelativeDistance(cpu->model(), bf16->model());
+  EXPECT_LT(distance, 5e-2);
+  EXPECT_GT(distance, 1e-4) << "as close as FP32: were the products rounded to bf16?";
+}
+
 TEST(GpuTrainerTest, GptDeterministicModeIsReproducibleAndCloseToCpu) {
   if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
   v1::JobSpec spec = GptSpec();

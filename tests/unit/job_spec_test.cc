@@ -159,6 +159,7 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
        "micro_batch_size"},
       {"unknown precision", [](v1::JobSpec* s) { s->set_precision("fp8"); }, "precision"},
       {"tf32 on CPU workers", [](v1::JobSpec* s) { s->set_precision("tf32"); }, "precision"},
+      {"bf16 on CPU workers", [](v1::JobSpec* s) { s->set_precision("bf16"); }, "precision"},
       {"checkpoints without a directory",
        [](v1::JobSpec* s) { s->set_checkpoint_every_steps(10); }, "checkpoint_dir"},
       // Bounds: sizes and bytes nothing downstream should have to cope with.
@@ -240,6 +241,8 @@ TEST(JobSpecTest, GptOnGpuWorkersPasses) {
   spec.mutable_model()->set_d_model(256);
   spec.mutable_model()->set_n_head(2);  // heads of 128 channels: the GPU kernel's widest
   ApplyJobSpecDefaults(&spec);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.set_precision("bf16");
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
 }
 

@@ -94,9 +94,10 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   step->model_ = *std::move(model);
   step->plan_ = std::make_unique<BucketPlan>(step->model_->ReadyPoints(step->bucket_floats_),
                                              step->bucket_floats_, spec.deterministic() ? 2 : 0);
-  if (absl::Status s = step->model_->blas().SetTf32(spec.precision() == "tf32"); !s.ok()) {
-    return s;
-  }
+  absl::StatusOr<kernels::cuda::Blas::Precision> precision =
+      kernels::cuda::Blas::ParsePrecision(spec.precision());
+  if (!precision.ok()) return precision.status();
+  LOCKSTEP_RETURN_IF_ERROR(step->model_->blas().SetPrecision(*precision));
   const size_t params = step->model_->num_params();
   step->segments_ = {Model::Segment{0, 0, params, true, false}};
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
