@@ -117,9 +117,9 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
                                     std::max<int64_t>(1, model.vocab_size()) * micro_batch)
             : 0;
     e.device += 4 * head_values;
-    // bf16: a product's two operands rounded into scratch (2 bytes a value), at most the
-    // largest activation and the largest weight (a sum, not a max, so the estimate stays a
-    // line ChooseMicroBatch can solve).
+    // bf16: a product's two operands rounded into two scratch slots (2 bytes a value); either
+    // slot may hold the largest activation or the largest weight (a sum, not a max, so the
+    // estimate stays a line ChooseMicroBatch can solve).
     if (spec.precision() == "bf16") {
       int64_t widest_rows = 0, largest_weight = 0;
       if (gpt) {
@@ -133,7 +133,7 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
           largest_weight = std::max(largest_weight, dims[i] * dims[i + 1]);
         }
       }
-      e.device += 2 * (widest_rows + largest_weight);
+      e.device += 2 * 2 * (widest_rows + largest_weight);
     }
   }
   return e;

@@ -335,7 +335,7 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
   // The bias epilogue wants a 16-byte aligned bias, which layers packed back to back in one
   // flat buffer do not always have (and there is no preference attribute to say so): then the
   // matmul runs plain and a kernel adds bias and activation.
-  const bool fused = Alignment(bias) >= 16;
+  bool fused = Alignment(bias) >= 16;
   const cublasLtEpilogue_t epilogue = !fused                     ? CUBLASLT_EPILOGUE_DEFAULT
                                       : act == Activation::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS
                                                                  : CUBLASLT_EPILOGUE_BIAS;
@@ -382,9 +382,20 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
   LOCKSTEP_GPU_RETURN_IF_ERROR(
       cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a, desc.b, desc.d, desc.d,
                                      desc.preference, 1, &heuristic, &found));
+  if (found == 0 && fused) {
+    // No kernel with the fused epilogue for these shapes and alignments: the plain product,
+    // then the bias kernel.
+    fused = false;
+    const cublasLtEpilogue_t plain = CUBLASLT_EPILOGUE_DEFAULT;
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &plain, sizeof(plain)));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a, desc.b, desc.d, desc.d,
+                                       desc.preference, 1, &heuristic, &found));
+  }
   if (found == 0) {
     return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for a ", rows, "x", in,
-                                            " by ", in, "x", out, " product with bias epilogue"));
+                                            " by ", in, "x", out, " product"));
   }
   const float alpha = 1.0f, beta = 0.0f;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, w_in, desc.a, x_in, desc.b,

@@ -3,7 +3,8 @@
 attention, 4x MLP with tanh GELU, final LayerNorm, LM head tied to wte; GPT-2 124M's shape by
 default), AdamW (betas 0.9/0.95, weight decay 0.1 on matrices, fused) with global-norm clipping
 at 1.0, on synthetic tokens copied from pinned host memory each step, one GPU. Attention is
-PyTorch's scaled_dot_product_attention (its flash kernel), the strongest eager choice.
+PyTorch's scaled_dot_product_attention (its flash kernel in bf16, the memory-efficient one in
+fp32/tf32), the strongest eager choice.
 Precisions: fp32, tf32 (TF32 matmuls), bf16 (autocast: bf16 products and activations, fp32
 master weights and optimizer state). --compile runs the model through torch.compile.
 Each step reads the loss back, as the Lockstep step does. Prints one JSON line.

@@ -142,20 +142,30 @@ TEST(CudaKernelsTest, Bf16GemmMultipliesRoundedOperandsInFp32) {
       EXPECT_EQ(da.Read(), a) << "the FP32 operand was changed";
     }
   }
-  // LinearForward (cuBLASLt, bias epilogue) in bf16 too.
-  const int rows = 96, in = 80, out = 33;
-  const std::vector<float> x = Random(static_cast<size_t>(rows) * in, 4),
-                           w = Random(size_t{out} * in, 5, 0.1f), bias = Random(out, 6);
-  std::vector<float> want(static_cast<size_t>(rows) * out);
-  const std::vector<float> rx = RoundedToBf16(x), rw = RoundedToBf16(w);
-  Gemm(false, true, rows, out, in, 1.0f, rx.data(), in, rw.data(), in, 0.0f, want.data(), out);
-  BiasActivationForward(bias.data(), rows, out, Activation::kRelu, want.data(), want.data());
-  DeviceBuffer<float> dx(x), dw(w), dbias(bias), da(want.size());
-  ASSERT_TRUE((*blas)
-                  ->LinearForward(dx.get(), dw.get(), dbias.get(), rows, in, out,
-                                  Activation::kRelu, da.get(), da.get())
-                  .ok());
-  EXPECT_LT(RelativeError(da.Read(), want), 1e-5);
+  // LinearForward (cuBLASLt, bias epilogue) in bf16 too: an even and an odd width, a bias
+  // aligned (fused) and not, ReLU (in the epilogue) and GELU (a kernel after it).
+  const int rows = 96, out = 33;
+  for (int in : {80, 81})
+    for (int shift : {0, 1})
+      for (Activation act : {Activation::kRelu, Activation::kGelu}) {
+        const std::vector<float> x = Random(static_cast<size_t>(rows) * in, 4),
+                                 w = Random(size_t{out} * in, 5, 0.1f),
+                                 bias_storage = Random(out + 1, 6);
+        const std::vector<float> bias(bias_storage.begin() + shift,
+                                      bias_storage.begin() + shift + out);
+        std::vector<float> z(static_cast<size_t>(rows) * out), want(z.size());
+        const std::vector<float> rx = RoundedToBf16(x), rw = RoundedToBf16(w);
+        Gemm(false, true, rows, out, in, 1.0f, rx.data(), in, rw.data(), in, 0.0f, z.data(), out);
+        BiasActivationForward(bias.data(), rows, out, act, z.data(), want.data());
+        DeviceBuffer<float> dx(x), dw(w), dbias(bias_storage), dz(z.size()), da(z.size());
+        float* z_out = act == Activation::kGelu ? dz.get() : da.get();
+        ASSERT_TRUE((*blas)
+                        ->LinearForward(dx.get(), dw.get(), dbias.get() + shift, rows, in, out,
+                                        act, z_out, da.get())
+                        .ok());
+        EXPECT_LT(RelativeError(da.Read(), want), 1e-5) << "in " << in << " shift " << shift;
+        EXPECT_EQ(dw.Read(), w) << "the FP32 weights were changed";
+      }
 }
 
 TEST(CudaKernelsTest, LinearForwardMatchesCpuForEachActivation) {

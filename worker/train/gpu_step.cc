@@ -149,6 +149,7 @@ GpuStep::~GpuStep() {
   model_.reset();
   cudaFree(state_);
   cudaFree(clip_workspace_);
+  cudaFree(heal_);
   cudaFree(fixed_);
   for (int slot = 0; slot < 2; ++slot) {
     cudaFree(x_[slot]);
@@ -226,6 +227,38 @@ absl::StatusOr<StepResult> GpuStep::TakeStep(const StepArgs& args) {
   if (result.rejected == 0) device_newer_ = true;
   result.compute = absl::Now() - start;  // the device step is one unit (no breakdown yet)
   return result;
+}
+
+absl::Status GpuStep::BroadcastHost(float* data, size_t count, int root) {
+  if (comm_ == nullptr || comm_->size() <= 1) {
+    return absl::UnimplementedError("no NCCL group to broadcast over");
+  }
+  const size_t bytes = count * sizeof(float);
+  if (count > heal_capacity_) {
+    // Every broadcast before ended in a successful Wait: nothing uses the old buffer.
+    cudaFree(heal_);
+    heal_ = nullptr;
+    heal_capacity_ = 0;
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&heal_, bytes));
+    heal_capacity_ = count;
+  }
+  // All on the communicator's stream, in order. The copies are synchronous for the host when
+  // its memory is pageable, so the download waits until the watchdog saw the broadcast finish
+  // (a dead root must end in Wait, not in a copy that never returns); the upload starts on an
+  // idle stream (the last piece's Wait returned).
+  const bool sending = comm_->rank() == root;
+  if (sending) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cudaMemcpyAsync(heal_, data, bytes, cudaMemcpyHostToDevice, comm_->stream()));
+  }
+  LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(heal_, bytes, root));
+  LOCKSTEP_RETURN_IF_ERROR(comm_->Wait());
+  if (!sending) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cudaMemcpyAsync(data, heal_, bytes, cudaMemcpyDeviceToHost, comm_->stream()));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(comm_->stream()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<HostBatch> GpuStep::HostBuffers(int n) {

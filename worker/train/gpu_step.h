@@ -72,6 +72,10 @@ class GpuStep final : public StepEngine {
     return Evaluate(batch.features, layout_.labels() ? batch.labels : batch.tokens, batch.n,
                     correct);
   }
+  // In a group: NCCL broadcasts the piece between the devices (the root uploads it, the others
+  // download it once the watchdog saw the broadcast finish), through a device buffer of the
+  // largest piece so far. UNIMPLEMENTED without a group.
+  absl::Status BroadcastHost(float* data, size_t count, int root) override;
 
   // The same steps on explicit host buffers (the benchmark and the GPU tests drive these): x
   // holds n x feature_stride floats (none for a language model), y the n labels or the n
@@ -164,6 +168,8 @@ class GpuStep final : public StepEngine {
   size_t state_floats_ = 0;
   float* state_ = nullptr;  // momentum, or AdamW's m then v (Optimizer's layout)
   double* clip_workspace_ = nullptr;  // grad_clip_norm: ClipByGlobalNorm's workspace
+  float* heal_ = nullptr;  // BroadcastHost's piece
+  size_t heal_capacity_ = 0;
   int64_t* fixed_ = nullptr;  // deterministic mode: gradient, loss, rejections (num_params + 2)
   int capacity_ = 0;
   float* x_[2] = {nullptr, nullptr};    // features

@@ -75,6 +75,13 @@ class StepEngine {
   virtual absl::StatusOr<StepResult> TakeStep(const StepArgs& args) = 0;
   // Forward only on `batch` (host memory): the loss sum; adds the correct predictions.
   virtual absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) = 0;
+  // Healing's bulk transfer (Trainer::Heal): `count` floats of host memory from rank `root`'s
+  // `data` into every other member's `data`, over the engine's own transport (a device's,
+  // between device memories). UNIMPLEMENTED when it has none: the trainer then broadcasts
+  // over its communicator. Errors: the transport's (the generation is over).
+  virtual absl::Status BroadcastHost(float* data, size_t count, int root) {
+    return absl::UnimplementedError("no transport of its own");
+  }
 };
 
 }  // namespace lockstep::worker

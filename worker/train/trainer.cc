@@ -336,7 +336,11 @@ absl::Status Trainer::ReceiveState(int source, bool take) {
     for (size_t offset = 0; offset < count; offset += kHealPieceFloats) {
       const size_t len = std::min(kHealPieceFloats, count - offset);
       float* buffer = sending ? mine + offset : staged + offset;
-      LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(buffer, len * sizeof(float), source));
+      // Between devices when the engine has a transport of its own (GPUs: NCCL), else over
+      // the communicator.
+      absl::Status sent = engine_->BroadcastHost(buffer, len, source);
+      if (absl::IsUnimplemented(sent)) sent = comm_->Broadcast(buffer, len * sizeof(float), source);
+      LOCKSTEP_RETURN_IF_ERROR(sent);
       // Tests hold the source here, with part of its state sent, and kill it.
       if (sending && ++pieces == 1) test_hooks::Reach("heal_broadcast");
     }
