@@ -64,6 +64,8 @@ ctl() { "$bundle/bin/lockstepctl" --coordinator="$address" "$@"; }
 job_field() {
   ctl --output=json status "$1" | python3 -c "import json, sys; j = json.load(sys.stdin); print($2)"
 }
+# The members' parameter checksums, distinct, space-separated (one: they agree).
+checksums() { job_field "$1" "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))"; }
 start_coordinator() {  # DIR: sets address and coordinator_pid
   "$bundle/bin/lockstep-coordinator" --listen=127.0.0.1:0 --port_file="$1/port" \
     --state_dir="$1/state" >"$1/coordinator.log" 2>&1 &
@@ -118,7 +120,7 @@ run_job() {  # DIR JOB STEPS
     echo "FAILED: $job ended at step $(job_field "$id" "j['step']"), not $steps" | tee -a "$log" >&2
     return 1
   }
-  sums="$(job_field "$id" "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))")"
+  sums="$(checksums "$id")"
   [[ -n "$sums" && "$sums" != *" "* ]] || {
     echo "FAILED: $job: the ranks ended with different parameters: $sums" | tee -a "$log" >&2
     return 1
@@ -256,7 +258,7 @@ else
       if timeout 600 "$bundle/bin/lockstepctl" --coordinator="$address" watch "$id" \
           >"$group_dir/watch.log" 2>&1; then
         steps="$(job_field "$id" "j['step']")"
-        sums="$(job_field "$id" "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))")"
+        sums="$(checksums "$id")"
         recoveries="$(job_field "$id" "int(j.get('recoveries', 0))")"
         members="$(job_field "$id" "len(j.get('members', []))")"
         healed="$(grep -c "resumes after step" "$group_dir/worker-$victim.log")"
