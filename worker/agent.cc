@@ -523,13 +523,15 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
         return created.status();
       }
       nccl = *std::move(created);
-      // What the memory estimate assumes for NCCL (kGpuNcclBufferBytes), against the truth.
+      // What the memory estimate assumes for NCCL (kGpuNcclBufferBytes), against what its
+      // init took (NCCL connects lazily: the buffers of its connections come with the first
+      // collectives, on top; on a GPU shared with other ranks their allocations count too).
       size_t free_after = 0;
       if (cudaMemGetInfo(&free_after, &total_bytes) == cudaSuccess && free_after <= free_bytes) {
-        LOG(INFO) << a.job_id() << " generation " << a.generation() << ": NCCL took "
+        LOG(INFO) << a.job_id() << " generation " << a.generation() << ": NCCL's init took "
                   << HumanBytes(static_cast<int64_t>(free_bytes - free_after))
                   << " of device memory for " << a.world_size() << " ranks (estimated "
-                  << HumanBytes(kGpuNcclBufferBytes) << ")";
+                  << HumanBytes(kGpuNcclBufferBytes) << " with its connections)";
       }
     }
     absl::StatusOr<std::unique_ptr<GpuStep>> step =

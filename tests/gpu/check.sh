@@ -202,7 +202,7 @@ if wait_registered "$job_dir" gpu0; then
       failed=1
     fi
   done
-  grep -hE "micro-batches|finished at step|per step|NCCL took" "$job_dir"/worker-*.log | tee -a "$log"
+  grep -hE "micro-batches|finished at step|per step|NCCL.s init took" "$job_dir"/worker-*.log | tee -a "$log"
 else
   failed=1
 fi
@@ -282,7 +282,7 @@ else
         failed=1
       fi
     fi
-    grep -hE "NCCL took|resumes after step" "$group_dir"/worker-*.log | tee -a "$log"
+    grep -hE "NCCL.s init took|resumes after step" "$group_dir"/worker-*.log | tee -a "$log"
   else
     failed=1
   fi

@@ -11,6 +11,7 @@
 // allows it).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -37,6 +38,9 @@ namespace lockstep::worker {
 namespace {
 
 using testing::SoloCommunicator;
+
+// Before main: NCCL reads its variables once, at its first use in the process.
+const bool kSharedGpuVariable = setenv(kNcclSharedGpuVariable, "1", /*overwrite=*/1) == 0;
 
 v1::JobSpec Spec(const std::string& optimizer) {
   v1::JobSpec spec;
@@ -471,9 +475,9 @@ TEST(GpuTrainerTest, GptFixedPointSumIsIndependentOfTheSplit) {
 }
 
 // What Trainer::Heal hands the engine: a piece of host memory from the root to every other
-// member, here between two ranks on one GPU over NCCL; the receiver gets the root's bits, a
-// smaller piece after a larger one reuses the device buffer, and without a group the trainer is
-// told to use its communicator (UNIMPLEMENTED).
+// member, here between two ranks on one GPU over NCCL, each way; the receivers get the root's
+// bits, a larger piece after a smaller one grows the device buffer, and without a group the
+// trainer is told to use its communicator (UNIMPLEMENTED).
 TEST(GpuTrainerTest, HealBroadcastGoesBetweenDevicesOverNccl) {
   if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
   const v1::JobSpec spec = Spec("sgd");
@@ -484,7 +488,7 @@ TEST(GpuTrainerTest, HealBroadcastGoesBetweenDevicesOverNccl) {
     std::vector<float> data(8);
     EXPECT_TRUE(absl::IsUnimplemented((*alone)->BroadcastHost(data.data(), data.size(), 0)));
   }
-  setenv(kNcclSharedGpuVariable, "1", /*overwrite=*/1);
+  ASSERT_TRUE(kSharedGpuVariable);
   if (!NcclSharedGpuAllowed()) {
     // nccl_communicator_test's TwoRanksOnOneGpu checks the refusal; a one-GPU host can do no more.
     std::cout << "NCCL " << NcclVersionName(NcclRuntimeVersion())
@@ -500,6 +504,7 @@ TEST(GpuTrainerTest, HealBroadcastGoesBetweenDevicesOverNccl) {
   for (float& v : source) v = normal(rng);
   absl::Status status[2];
   std::vector<float> got[2];
+  bool source_head_ok[2] = {true, false};
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < 2; ++rank) {
     ranks.emplace_back([&, rank] {
@@ -515,17 +520,24 @@ TEST(GpuTrainerTest, HealBroadcastGoesBetweenDevicesOverNccl) {
         status[rank] = step.status();
         return;
       }
-      // Rank 1 is the root; rank 0 starts from zeros. Then a smaller piece the other way.
+      // A small piece from rank 0 (its device buffer is made for it), then the whole from
+      // rank 1 (the buffer grows), rank 0 starting from zeros but for its first 1000 values.
       got[rank] = rank == 1 ? source : std::vector<float>(source.size(), 0.0f);
-      status[rank] = (*step)->BroadcastHost(got[rank].data(), got[rank].size(), 1);
+      if (rank == 0) std::fill(got[0].begin(), got[0].begin() + 1000, 7.0f);
+      status[rank] = (*step)->BroadcastHost(got[rank].data(), 1000, 0);
       if (status[rank].ok()) {
-        if (rank == 0) std::fill(got[0].begin(), got[0].begin() + 1000, 7.0f);
-        status[rank] = (*step)->BroadcastHost(got[rank].data(), 1000, 0);
+        if (rank == 1) {
+          // What rank 0 sent is now its own first 1000, which it sends back with the rest.
+          source_head_ok[rank] = std::all_of(got[1].begin(), got[1].begin() + 1000,
+                                             [](float v) { return v == 7.0f; });
+        }
+        status[rank] = (*step)->BroadcastHost(got[rank].data(), got[rank].size(), 1);
       }
     });
   }
   for (std::thread& t : ranks) t.join();
   for (int rank = 0; rank < 2; ++rank) ASSERT_TRUE(status[rank].ok()) << rank << ": " << status[rank];
+  EXPECT_TRUE(source_head_ok[1]) << "rank 1 did not receive rank 0's piece";
   std::vector<float> want = source;
   std::fill(want.begin(), want.begin() + 1000, 7.0f);
   EXPECT_EQ(got[0], want);

@@ -19,6 +19,9 @@
 namespace lockstep::worker {
 namespace {
 
+// Before main: NCCL reads its variables once, at its first use in the process.
+const bool kSharedGpuVariable = setenv(kNcclSharedGpuVariable, "1", /*overwrite=*/1) == 0;
+
 TEST(NcclCommunicatorTest, OneRankGroupSumsAndAborts) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
@@ -47,12 +50,8 @@ TEST(NcclCommunicatorTest, OneRankGroupSumsAndAborts) {
 TEST(NcclCommunicatorTest, TwoRanksOnOneGpu) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
-  setenv(kNcclSharedGpuVariable, "1", /*overwrite=*/1);
+  ASSERT_TRUE(kSharedGpuVariable);
   const int version = NcclRuntimeVersion();
-  const bool allowed = version >= kNcclSharedGpuVersion;
-  EXPECT_EQ(NcclSharedGpuAllowed(), allowed);
-  std::cout << "NCCL " << NcclVersionName(version) << ": several ranks on one GPU: "
-            << (allowed ? "allowed" : "refused") << std::endl;
   coordinator::BootstrapStore store;
   const coordinator::StoreScope scope{"job-1", 1};
   store.Open(scope);
@@ -87,6 +86,14 @@ TEST(NcclCommunicatorTest, TwoRanksOnOneGpu) {
     });
   }
   for (std::thread& t : ranks) t.join();
+  // What happened decides (the first NCCL that allows it is this project's reading of NCCL's
+  // notes); check.sh reads the line to decide on its multi-rank jobs.
+  const bool allowed = status[0].ok() && status[1].ok();
+  std::cout << "NCCL " << NcclVersionName(version) << ": several ranks on one GPU: "
+            << (allowed ? "allowed" : "refused") << std::endl;
+  if (version >= kNcclSharedGpuVersion) {
+    EXPECT_TRUE(allowed) << "NCCL " << NcclVersionName(version);
+  }
   for (int rank = 0; rank < 2; ++rank) {
     if (allowed) {
       ASSERT_TRUE(status[rank].ok()) << "rank " << rank << ": " << status[rank];
@@ -94,7 +101,7 @@ TEST(NcclCommunicatorTest, TwoRanksOnOneGpu) {
     } else {
       // The refusal says what is missing, in the worker's words.
       EXPECT_EQ(status[rank].code(), absl::StatusCode::kFailedPrecondition) << status[rank];
-      EXPECT_NE(status[rank].message().find("2.30.3 or later"), std::string::npos)
+      EXPECT_NE(status[rank].message().find("NCCL_MULTI_RANK_GPU_ENABLE"), std::string::npos)
           << status[rank];
     }
   }

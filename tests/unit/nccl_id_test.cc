@@ -111,9 +111,14 @@ TEST(NcclIdTest, SaysWhatSeveralRanksOnOneGpuNeed) {
   EXPECT_NE(old.find("NCCL 2.28.9 refuses"), std::string::npos) << old;
   EXPECT_NE(old.find("2.30.3 or later"), std::string::npos) << old;
   EXPECT_NE(old.find("NCCL_MULTI_RANK_GPU_ENABLE=1"), std::string::npos) << old;
-  // New enough, the variable unset: says to set it.
-  const std::string unset = SharedGpuAdvice(refusal, 23003, /*variable_set=*/false);
+  // New enough, the variable unset: NCCL's newer words, and ours say to set it.
+  const std::string newer =
+      "Multiple Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to "
+      "enable this configuration.";
+  const std::string unset = SharedGpuAdvice(newer, 23102, /*variable_set=*/false);
   EXPECT_NE(unset.find("set NCCL_MULTI_RANK_GPU_ENABLE=1"), std::string::npos) << unset;
+  EXPECT_NE(unset.find("NCCL 2.31.2"), std::string::npos) << unset;
+  EXPECT_EQ(SharedGpuAdvice(newer, 23102, /*variable_set=*/true), "");
   // Other failures are NCCL's own to describe.
   EXPECT_EQ(SharedGpuAdvice("socket connect failed", 22809, false), "");
   EXPECT_EQ(SharedGpuAdvice(refusal, 23003, true), "");

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
@@ -53,14 +54,24 @@ std::string NcclVersionName(int code) {
   return absl::StrCat(code / 10000, ".", code % 10000 / 100, ".", code % 100);
 }
 
+bool NcclSharedGpuVariableSet() {
+  // NCCL reads it as an integer: any value but 0 enables.
+  const char* value = std::getenv(kNcclSharedGpuVariable);
+  int enabled = 0;
+  return value != nullptr && absl::SimpleAtoi(value, &enabled) && enabled != 0;
+}
+
 bool NcclSharedGpuAllowed() {
-  const char* enabled = std::getenv(kNcclSharedGpuVariable);
-  return NcclRuntimeVersion() >= kNcclSharedGpuVersion && enabled != nullptr &&
-         absl::string_view(enabled) == "1";
+  return NcclRuntimeVersion() >= kNcclSharedGpuVersion && NcclSharedGpuVariableSet();
 }
 
 std::string SharedGpuAdvice(absl::string_view nccl_error, int version, bool variable_set) {
-  if (!absl::StrContains(nccl_error, "Duplicate GPU")) return "";
+  // NCCL's words: "Duplicate GPU detected" before the option existed; "Multiple Ranks are using
+  // the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 ..." since.
+  if (!absl::StrContains(nccl_error, "Duplicate GPU") &&
+      !absl::StrContains(nccl_error, "Multiple Ranks are using the same GPU")) {
+    return "";
+  }
   if (version < kNcclSharedGpuVersion) {
     return absl::StrCat("several ranks of this group are on one GPU, which NCCL ",
                         NcclVersionName(version), " refuses: it needs NCCL ",
@@ -99,15 +110,15 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
     if (state == ncclSuccess) break;
     if (state != ncclInProgress) {
       absl::Status failed = kernels::GpuStatus(state, "ncclCommInitRankConfig", __FILE__, __LINE__);
-      const char* last = ncclGetLastError(comm->comm_);
-      const std::string nccl_error = last != nullptr ? last : "";
-      const char* variable = std::getenv(kNcclSharedGpuVariable);
-      const std::string advice = SharedGpuAdvice(
-          nccl_error, NcclRuntimeVersion(), variable != nullptr && absl::string_view(variable) == "1");
-      if (!advice.empty()) {
-        failed = absl::FailedPreconditionError(absl::StrCat(advice, " [", failed.message(), "]"));
-      } else if (!nccl_error.empty()) {
-        failed = absl::Status(failed.code(), absl::StrCat(failed.message(), ": ", nccl_error));
+      // The refusal of several ranks on one GPU is an invalid usage; NCCL's last error (one
+      // text for the process, which its init thread wrote) says which.
+      if (state == ncclInvalidUsage) {
+        const char* last = ncclGetLastError(comm->comm_);
+        const std::string advice = SharedGpuAdvice(last != nullptr ? last : "",
+                                                   NcclRuntimeVersion(), NcclSharedGpuVariableSet());
+        if (!advice.empty()) {
+          failed = absl::FailedPreconditionError(absl::StrCat(advice, " [", failed.message(), "]"));
+        }
       }
       return comm->Fail(failed);
     }

@@ -37,7 +37,9 @@ std::string NcclVersionName(int code);
 // the GPU check run 2-4 workers on one GPU with it.
 inline constexpr int kNcclSharedGpuVersion = 23003;
 inline constexpr char kNcclSharedGpuVariable[] = "NCCL_MULTI_RANK_GPU_ENABLE";
-// Whether this process may put several ranks on one GPU: NCCL new enough and the variable set.
+// Whether the variable is set (to a nonzero integer, as NCCL reads it), and whether this
+// process may put several ranks on one GPU: NCCL new enough and the variable set.
+bool NcclSharedGpuVariableSet();
 bool NcclSharedGpuAllowed();
 // What to tell the user when NCCL's init failed with `nccl_error` (its last error text): for
 // a refusal of several ranks on one GPU, which of the two is missing; "" otherwise.
