@@ -72,13 +72,25 @@ bool HaveGpu() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-// Trains `spec` on one rank, on the GPU when `gpu`; returns the trainer (host mirror current).
+// What a run reported: the loss of each reported step (the first and the last always), and
+// the evaluation at the end, on the GPU when it trained there (the engine still attached).
+struct TrainRun {
+  std::map<int64_t, double> losses;
+  v1::EvalResult eval;
+};
+
+// Trains `spec` (its data set as a worker loads it) on one rank, on the GPU when `gpu`;
+// returns the trainer (host mirror current). With `run`, also what it reported.
 std::unique_ptr<Trainer> TrainOne(const v1::JobSpec& spec, bool gpu, absl::Status* status,
-                                  bool* pinned = nullptr) {
-  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+                                  TrainRun* run = nullptr) {
+  auto data = LoadDataset(spec.dataset());
+  if (!data.ok()) {
+    *status = data.status();
+    return nullptr;
+  }
   static SoloCommunicator comm;
   std::atomic<bool> abort{false};
-  auto trainer = Trainer::Create("test-job", spec, data, &comm);
+  auto trainer = Trainer::Create("test-job", spec, *data, &comm);
   if (!trainer.ok()) {
     *status = trainer.status();
     return nullptr;
@@ -94,8 +106,14 @@ std::unique_ptr<Trainer> TrainOne(const v1::JobSpec& spec, bool gpu, absl::Statu
     step = *std::move(created);
     (*trainer)->set_step_engine(step.get());
   }
-  *status = (*trainer)->Train(1, abort, [](const v1::ProgressReport&) {});
-  if (pinned != nullptr && step != nullptr) *pinned = step->pinned();
+  *status = (*trainer)->Train(1, abort, [run](const v1::ProgressReport& report) {
+    if (run != nullptr) run->losses[report.step()] = report.loss();
+  });
+  if (status->ok() && run != nullptr) {
+    absl::StatusOr<v1::EvalResult> eval = (*trainer)->Evaluate();
+    if (!eval.ok()) *status = eval.status();
+    if (eval.ok()) run->eval = *eval;
+  }
   (*trainer)->set_step_engine(nullptr);
   return *std::move(trainer);
 }
@@ -284,54 +302,9 @@ v1::JobSpec GptSpec() {
   return spec;
 }
 
-// What a GPT run reported: the loss of each reported step (the first and the last always), and
-// the evaluation at the end, on the GPU when it trained there (the engine still attached).
-struct GptRun {
-  std::map<int64_t, double> losses;
-  v1::EvalResult eval;
-};
-
-// Trains `spec` (its dataset from its file) on one rank; see TrainOne.
-std::unique_ptr<Trainer> TrainGpt(const v1::JobSpec& spec, bool gpu, absl::Status* status,
-                                  GptRun* run = nullptr) {
-  auto data = LoadDataset(spec.dataset());
-  if (!data.ok()) {
-    *status = data.status();
-    return nullptr;
-  }
-  static SoloCommunicator comm;
-  std::atomic<bool> abort{false};
-  auto trainer = Trainer::Create("test-job", spec, *data, &comm);
-  if (!trainer.ok()) {
-    *status = trainer.status();
-    return nullptr;
-  }
-  std::unique_ptr<GpuStep> step;
-  if (gpu) {
-    auto created =
-        GpuStep::ForHost(spec, &(*trainer)->model(), &(*trainer)->optimizer(), nullptr);
-    if (!created.ok()) {
-      *status = created.status();
-      return nullptr;
-    }
-    step = *std::move(created);
-    (*trainer)->set_step_engine(step.get());
-  }
-  *status = (*trainer)->Train(1, abort, [run](const v1::ProgressReport& report) {
-    if (run != nullptr) run->losses[report.step()] = report.loss();
-  });
-  if (status->ok() && run != nullptr) {
-    absl::StatusOr<v1::EvalResult> eval = (*trainer)->Evaluate();
-    if (!eval.ok()) *status = eval.status();
-    if (eval.ok()) run->eval = *eval;
-  }
-  (*trainer)->set_step_engine(nullptr);
-  return *std::move(trainer);
-}
-
 // The reported losses of two runs agree: the first step's to float rounding (the same
 // parameters), the last's to `tolerance` (relative).
-void ExpectLossesClose(const GptRun& cpu, const GptRun& gpu, double tolerance) {
+void ExpectLossesClose(const TrainRun& cpu, const TrainRun& gpu, double tolerance) {
   ASSERT_FALSE(cpu.losses.empty());
   ASSERT_EQ(gpu.losses.count(1), 1u);
   ASSERT_EQ(gpu.losses.count(cpu.losses.rbegin()->first), 1u);
@@ -358,10 +331,10 @@ TEST(GpuTrainerTest, GptOnTheGpuTrainsTheCpuModel) {
   if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
   const v1::JobSpec spec = GptSpec();
   absl::Status cpu_status, gpu_status, accumulated_status;
-  GptRun cpu_run, gpu_run, micro_run;
-  std::unique_ptr<Trainer> cpu = TrainGpt(spec, false, &cpu_status, &cpu_run);
+  TrainRun cpu_run, gpu_run, micro_run;
+  std::unique_ptr<Trainer> cpu = TrainOne(spec, false, &cpu_status, &cpu_run);
   ASSERT_TRUE(cpu_status.ok()) << cpu_status;
-  std::unique_ptr<Trainer> gpu = TrainGpt(spec, true, &gpu_status, &gpu_run);
+  std::unique_ptr<Trainer> gpu = TrainOne(spec, true, &gpu_status, &gpu_run);
   ASSERT_TRUE(gpu_status.ok()) << gpu_status;
   EXPECT_EQ(gpu->completed_step(), 30);
   EXPECT_LT(RelativeDistance(cpu->model(), gpu->model()), 1e-3);
@@ -371,14 +344,14 @@ TEST(GpuTrainerTest, GptOnTheGpuTrainsTheCpuModel) {
   // them, and the evaluation (on the GPU) runs in pieces of 4 windows.
   v1::JobSpec accumulated = spec;
   accumulated.set_micro_batch_size(4);
-  std::unique_ptr<Trainer> micro = TrainGpt(accumulated, true, &accumulated_status, &micro_run);
+  std::unique_ptr<Trainer> micro = TrainOne(accumulated, true, &accumulated_status, &micro_run);
   ASSERT_TRUE(accumulated_status.ok()) << accumulated_status;
   EXPECT_EQ(micro->micro_batch(), 4);
   EXPECT_LT(RelativeDistance(cpu->model(), micro->model()), 1e-3);
   ExpectTensorsClose(cpu->model(), micro->model(), 1e-2);
   ExpectLossesClose(cpu_run, micro_run, 1e-3);
   // The validation on the GPU, against the CPU's on its own parameters.
-  for (const GptRun* run : {&gpu_run, &micro_run}) {
+  for (const TrainRun* run : {&gpu_run, &micro_run}) {
     EXPECT_EQ(run->eval.test_samples(), cpu_run.eval.test_samples());
     EXPECT_NEAR(run->eval.test_loss(), cpu_run.eval.test_loss(), 1e-3 * cpu_run.eval.test_loss());
     EXPECT_NEAR(run->eval.test_accuracy(), cpu_run.eval.test_accuracy(), 0.01);
@@ -393,11 +366,11 @@ TEST(GpuTrainerTest, GptInBf16TrainsCloseToCpu) {
   if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
   v1::JobSpec spec = GptSpec();
   absl::Status cpu_status, bf16_status;
-  GptRun cpu_run, bf16_run;
-  std::unique_ptr<Trainer> cpu = TrainGpt(spec, false, &cpu_status, &cpu_run);
+  TrainRun cpu_run, bf16_run;
+  std::unique_ptr<Trainer> cpu = TrainOne(spec, false, &cpu_status, &cpu_run);
   ASSERT_TRUE(cpu_status.ok()) << cpu_status;
   spec.set_precision("bf16");
-  std::unique_ptr<Trainer> bf16 = TrainGpt(spec, true, &bf16_status, &bf16_run);
+  std::unique_ptr<Trainer> bf16 = TrainOne(spec, true, &bf16_status, &bf16_run);
   ASSERT_TRUE(bf16_status.ok()) << bf16_status;
   EXPECT_EQ(bf16->completed_step(), 30);
   ASSERT_EQ(bf16_run.losses.count(1), 1u);
@@ -410,7 +383,7 @@ TEST(GpuTrainerTest, GptInBf16TrainsCloseToCpu) {
   // Further from the CPU than the same job in FP32 on the GPU: the products were rounded.
   spec.set_precision("fp32");
   absl::Status fp32_status;
-  std::unique_ptr<Trainer> fp32 = TrainGpt(spec, true, &fp32_status);
+  std::unique_ptr<Trainer> fp32 = TrainOne(spec, true, &fp32_status);
   ASSERT_TRUE(fp32_status.ok()) << fp32_status;
   EXPECT_GT(distance, 3 * RelativeDistance(cpu->model(), fp32->model()))
       << "as close as FP32: were the products rounded to bf16?";
@@ -421,14 +394,14 @@ TEST(GpuTrainerTest, GptDeterministicModeIsReproducibleAndCloseToCpu) {
   v1::JobSpec spec = GptSpec();
   spec.set_deterministic(true);
   absl::Status s1, s2, s3;
-  GptRun first_run, second_run, cpu_run;
-  std::unique_ptr<Trainer> first = TrainGpt(spec, true, &s1, &first_run);
+  TrainRun first_run, second_run, cpu_run;
+  std::unique_ptr<Trainer> first = TrainOne(spec, true, &s1, &first_run);
   ASSERT_TRUE(s1.ok()) << s1;
-  std::unique_ptr<Trainer> second = TrainGpt(spec, true, &s2, &second_run);
+  std::unique_ptr<Trainer> second = TrainOne(spec, true, &s2, &second_run);
   ASSERT_TRUE(s2.ok()) << s2;
   EXPECT_EQ(first->ParameterChecksum(), second->ParameterChecksum());
   EXPECT_EQ(first_run.losses, second_run.losses);
-  std::unique_ptr<Trainer> cpu = TrainGpt(spec, false, &s3, &cpu_run);
+  std::unique_ptr<Trainer> cpu = TrainOne(spec, false, &s3, &cpu_run);
   ASSERT_TRUE(s3.ok()) << s3;
   EXPECT_LT(RelativeDistance(cpu->model(), first->model()), 1e-3);
   ExpectLossesClose(cpu_run, first_run, 1e-3);

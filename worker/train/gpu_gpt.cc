@@ -87,24 +87,15 @@ GpuGpt::~GpuGpt() {
 }
 
 absl::Status GpuGpt::UploadParams(const float* host) {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(params_, host, num_params_ * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  return absl::OkStatus();
+  return CopyAndWait(params_, host, num_params_ * sizeof(float), cudaMemcpyHostToDevice, stream_);
 }
 
 absl::Status GpuGpt::DownloadParams(float* host) const {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host, params_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  return absl::OkStatus();
+  return CopyAndWait(host, params_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_);
 }
 
 absl::Status GpuGpt::DownloadGrads(float* host) const {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host, grads_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  return absl::OkStatus();
+  return CopyAndWait(host, grads_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_);
 }
 
 absl::Status GpuGpt::Reserve(int rows) {
@@ -288,6 +279,17 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
     return blas_->Gemm(false, true, rows, in_cols, out_cols, 1.0f, d, out_cols, P + w, out_cols,
                        0.0f, dx, in_cols);
   };
+  // A LayerNorm over the stream x, whose output's gradient is in scratch_, inside a residual
+  // block: the stream's gradient `dx` starts as the residual's (`d_residual`) and gets the
+  // LayerNorm's added; its weight and bias gradients at w and bias.
+  auto residual_layer_norm_backward = [&](const float* d_residual, const float* x, size_t w,
+                                          size_t bias, const float* mean, const float* rstd,
+                                          float* dx) -> absl::Status {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dx, d_residual, RC * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    return cuda::LayerNormBackward(scratch_, x, P + w, mean, rstd, rows, C, dx, G + w, G + bias,
+                                   stream_);
+  };
   for (int l = config_.layers - 1; l >= 0; --l) {
     const Gpt::Block& b = g.blocks[l];
     // mlp.c_proj: out = fch_gelu . W + b (+ the residual, whose gradient passes through).
@@ -301,11 +303,8 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
         linear_backward(ln2_[l], C, scratch4_, 4 * C, b.fc_w, b.fc_b, scratch_));
     ready();
     // ln_2: into the gradient of the stream after attention, which also gets the residual's.
-    LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpyAsync(dmid_, dresid_, RC * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormBackward(scratch_, mid_[l], P + b.ln2_w, ln2_mean_[l],
-                                                     ln2_rstd_[l], rows, C, dmid_, G + b.ln2_w,
-                                                     G + b.ln2_b, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(residual_layer_norm_backward(dresid_, mid_[l], b.ln2_w, b.ln2_b,
+                                                          ln2_mean_[l], ln2_rstd_[l], dmid_));
     ready();
     // attn.c_proj.
     LOCKSTEP_RETURN_IF_ERROR(linear_backward(atty_[l], C, dmid_, C, b.proj_w, b.proj_b, scratch_));
@@ -317,11 +316,8 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
         linear_backward(ln1_[l], C, dqkv_, 3 * C, b.attn_w, b.attn_b, scratch_));
     ready();
     // ln_1: into the gradient of the stream entering the block.
-    LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpyAsync(dresid_, dmid_, RC * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormBackward(scratch_, resid_[l], P + b.ln1_w, ln1_mean_[l],
-                                                     ln1_rstd_[l], rows, C, dresid_, G + b.ln1_w,
-                                                     G + b.ln1_b, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(residual_layer_norm_backward(dmid_, resid_[l], b.ln1_w, b.ln1_b,
+                                                          ln1_mean_[l], ln1_rstd_[l], dresid_));
     ready();
   }
   // The embeddings, in row order (deterministic): positions, then tokens (wte's gradient also
@@ -336,17 +332,15 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
 
 absl::StatusOr<double> GpuGpt::MeanOverContext(const double* sum) {
   double value = 0;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(&value, sum, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  LOCKSTEP_RETURN_IF_ERROR(
+      CopyAndWait(&value, sum, sizeof(double), cudaMemcpyDeviceToHost, stream_));
   return value / config_.context;
 }
 
 absl::StatusOr<double> GpuGpt::LossSum() {
   double value = 0;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(&value, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  LOCKSTEP_RETURN_IF_ERROR(
+      CopyAndWait(&value, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
   return value;
 }
 

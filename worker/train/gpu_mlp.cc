@@ -49,24 +49,15 @@ GpuMlp::~GpuMlp() {
 }
 
 absl::Status GpuMlp::UploadParams(const float* host) {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(params_, host, num_params_ * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  return absl::OkStatus();
+  return CopyAndWait(params_, host, num_params_ * sizeof(float), cudaMemcpyHostToDevice, stream_);
 }
 
 absl::Status GpuMlp::DownloadParams(float* host) const {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host, params_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  return absl::OkStatus();
+  return CopyAndWait(host, params_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_);
 }
 
 absl::Status GpuMlp::DownloadGrads(float* host) const {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host, grads_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  return absl::OkStatus();
+  return CopyAndWait(host, grads_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_);
 }
 
 absl::Status GpuMlp::Reserve(int n) {
@@ -192,9 +183,11 @@ absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, fl
 
 absl::StatusOr<double> GpuMlp::LossSum() {
   double loss = 0;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMemcpyAsync(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (absl::Status s =
+          CopyAndWait(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, stream_);
+      !s.ok()) {
+    return s;
+  }
   return loss;
 }
 

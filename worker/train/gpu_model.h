@@ -6,6 +6,8 @@
 // Not thread-safe; all work is enqueued on the stream the model was created with.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -51,6 +53,12 @@ class GpuModel {
   // Forward only on `batch` (device memory): the loss sum over its samples; adds the correct
   // predictions to *correct. Waits for the stream; may overwrite loss_sum_device().
   virtual absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) = 0;
+
+ protected:
+  // `bytes` from `from` to `to` on `stream`, then waits for the stream (the models' host <->
+  // device copies of whole buffers).
+  static absl::Status CopyAndWait(void* to, const void* from, size_t bytes, cudaMemcpyKind kind,
+                                  cudaStream_t stream);
 };
 
 }  // namespace lockstep::worker
