@@ -74,11 +74,15 @@ start_coordinator() {  # DIR: sets address and coordinator_pid
   address="127.0.0.1:$(cat "$1/port" 2>/dev/null)"
 }
 declare -A worker_pids=()
-start_worker() {  # DIR NAME [ENV=VALUE...]
-  local dir="$1" name="$2"
+start_worker() {  # DIR NAME [ENV=VALUE... | --worker-flag...]
+  local dir="$1" name="$2" arg
   shift 2
-  env "$@" "$bundle/bin/lockstep-worker" --coordinator="$address" --device="$worker_device" --name="$name" \
-    --give_up_after=30s >"$dir/worker-$name.log" 2>&1 &
+  local envs=() flags=()
+  for arg in "$@"; do
+    if [[ "$arg" == --* ]]; then flags+=("$arg"); else envs+=("$arg"); fi
+  done
+  env "${envs[@]}" "$bundle/bin/lockstep-worker" --coordinator="$address" --device="$worker_device" \
+    --name="$name" --give_up_after=30s "${flags[@]}" >"$dir/worker-$name.log" 2>&1 &
   worker_pids[$name]=$!
 }
 wait_registered() {  # DIR NAME...: 0 when all are registered
@@ -283,6 +287,61 @@ else
       fi
     fi
     grep -hE "NCCL.s init took|resumes after step" "$group_dir"/worker-*.log | tee -a "$log"
+  else
+    failed=1
+  fi
+  stop_all
+
+  # The heal's window: the source of a heal over NCCL is held by a test hook after its first
+  # piece went out, and SIGKILLed there. The receiver must not keep a part of the state: the
+  # job still ends with exactly 1000 steps and the one-worker bits.
+  echo "== a heal source SIGKILLed in the middle of its NCCL broadcast" | tee -a "$log"
+  window_dir="$(mktemp -d)"
+  cp "$job_dir/corpus.txt" "$window_dir/"
+  start_coordinator "$window_dir"
+  start_worker "$window_dir" source NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_SOCKET_IFNAME=lo \
+    --test_hooks=heal_broadcast --test_hooks_dir="$window_dir/hooks"
+  if wait_registered "$window_dir" source; then
+    sed -e "s|$job_dir|$window_dir|" -e 's/"maxWorkers": 1/"maxWorkers": 2/' \
+      "$job_dir/job-4.json" >"$window_dir/window-gpt.json"
+    ctl submit "$window_dir/window-gpt.json" >"$window_dir/submit.log" 2>&1
+    id="$(head -n 1 "$window_dir/submit.log")"
+    for _ in $(seq 1 600); do
+      [[ "$(job_field "$id" "int(j.get('step', 0)) >= 200" 2>/dev/null)" == True ]] && break
+      sleep 0.2
+    done
+    # A second worker: the group grows, and the source heals it.
+    trained="$(job_field "$id" "j.get('step', 0)")"
+    start_worker "$window_dir" receiver NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_SOCKET_IFNAME=lo
+    held=0
+    for _ in $(seq 1 600); do
+      [[ -e "$window_dir/hooks/heal_broadcast.reached" ]] && held=1 && break
+      sleep 0.1
+    done
+    if ((held == 0)); then
+      echo "FAILED: the heal source never reached its hook (job $id)" | tee -a "$log"
+      tail -n 20 "$window_dir"/worker-*.log | tee -a "$log"
+      failed=1
+    else
+      kill -KILL "${worker_pids[source]}"
+      echo "SIGKILLed the heal source in its broadcast (it had trained $trained steps alone)" | tee -a "$log"
+      if timeout 600 "$bundle/bin/lockstepctl" --coordinator="$address" watch "$id" \
+          >"$window_dir/watch.log" 2>&1; then
+        steps="$(job_field "$id" "j['step']")"
+        sums="$(checksums "$id")"
+        echo "window: SUCCEEDED at step $steps, checksum $sums (one worker: $reference_sum)" | tee -a "$log"
+        if [[ "$steps" == 1000 && "$sums" == "$reference_sum" ]]; then
+          echo "passed: a heal source killed mid-broadcast left no mixed state" | tee -a "$log"
+        else
+          echo "FAILED: exact steps and the one-worker checksum after a kill mid-heal" | tee -a "$log"
+          failed=1
+        fi
+      else
+        echo "FAILED: the job did not succeed after its heal source was killed" | tee -a "$log"
+        tail -n 30 "$window_dir/watch.log" "$window_dir"/worker-*.log | tee -a "$log"
+        failed=1
+      fi
+    fi
   else
     failed=1
   fi
