@@ -352,10 +352,14 @@ std::string FormatWorkerList(const v1::ListWorkersResponse& response, absl::Time
               ? absl::StrCat(ShortDuration(now - absl::FromUnixMillis(w.last_heartbeat_unix_ms())),
                              " ago")
               : kNone;
-      // "cuda:0 NVIDIA H200"; memory "139.5 GiB / 140.0 GiB" (free at registration / total).
+      // "cuda:0 NVIDIA H200 GPU-8a5d3e1f" (the UUID's first group tells workers that share a
+      // GPU apart); memory "139.5 GiB / 140.0 GiB" (free at registration / total).
       std::string device = OrNone(w.device());
       if (!w.device_name().empty() && w.device_name() != w.device()) {
         absl::StrAppend(&device, " ", w.device_name());
+      }
+      if (!w.device_uuid().empty()) {
+        absl::StrAppend(&device, " ", w.device_uuid().substr(0, w.device_uuid().find('-', 4)));
       }
       std::string memory = w.free_memory_bytes() > 0 ? FormatBytes(w.free_memory_bytes()) : kNone;
       if (w.total_memory_bytes() > 0) {

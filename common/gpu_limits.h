@@ -1,5 +1,6 @@
 // Limits of the GPU kernels that a job spec must respect, in one place for the coordinator
-// (which refuses a spec beyond them at submit) and the kernels (kernels/cuda_transformer.h).
+// (which refuses a spec beyond them at submit) and the kernels (kernels/cuda_transformer.h);
+// and what the coordinator needs to know of a GPU worker to place it.
 // No dependencies: nvcc and the CPU-only coordinator both include it.
 #pragma once
 
@@ -20,5 +21,10 @@ inline constexpr long long kGpuBlasWorkspaceBytes = 32ll << 20;
 inline constexpr long long kGpuNcclBufferBytes = 2ll * 32 * (4ll << 20);
 //  - the LM head's logits, at most this many values at once (worker/train/gpu_gpt.h).
 inline constexpr long long kGpuHeadChunkValues = 1ll << 26;
+
+// The registration capability of a GPU worker whose NCCL lets several ranks of one group use
+// the same GPU (NCCL 2.30.3 or later, with NCCL_MULTI_RANK_GPU_ENABLE=1): the coordinator puts
+// two ranks on one GPU only when every worker there has it.
+inline constexpr char kSharedGpuCapability[] = "nccl-shared-gpu";
 
 }  // namespace lockstep

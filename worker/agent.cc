@@ -258,7 +258,14 @@ absl::Status Agent::RunSession(bool* registered) {
   reg->set_free_memory_bytes(options_.free_memory_bytes);
   reg->set_total_memory_bytes(options_.total_memory_bytes);
   reg->set_device_name(options_.device_name);
+  reg->set_device_uuid(options_.device_uuid);
   reg->add_capabilities("gloo");
+#ifdef LOCKSTEP_HAVE_CUDA
+  // The coordinator puts another rank of a group on this GPU only when NCCL lets it.
+  if (options_.cuda_device >= 0 && NcclSharedGpuAllowed()) {
+    reg->add_capabilities(kSharedGpuCapability);
+  }
+#endif
   reg->set_incarnation(incarnation_);
   reg->set_comm_address(options_.comm_address);
 
@@ -505,10 +512,18 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
     // The current device is per host thread: this job thread must select it itself, or its
     // first CUDA call would create a context on GPU 0.
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaSetDevice(options_.cuda_device));
-    // Measured before this generation allocates anything: the estimate counts it all.
+    // Measured before this generation allocates anything: the estimate counts it all. Ranks
+    // that share the GPU (tests) share what is free: the ones that allocated first are
+    // counted in it already, so this is on the safe side.
     size_t free_bytes = 0, total_bytes = 0;
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
-    SetMemoryBudget(*trainer, spec, a, static_cast<int64_t>(free_bytes), 3);
+    const int64_t sharing = std::max<int32_t>(1, a.ranks_on_device());
+    if (sharing > 1) {
+      LOG(INFO) << a.job_id() << " generation " << a.generation() << ": " << sharing
+                << " ranks share this GPU; budgeting 1/" << sharing << " of its "
+                << HumanBytes(static_cast<int64_t>(free_bytes)) << " free";
+    }
+    SetMemoryBudget(*trainer, spec, a, static_cast<int64_t>(free_bytes) / sharing, 3);
     if (a.world_size() > 1) {
       NcclCommunicator::Options nccl_options;
       nccl_options.init_timeout = absl::FromChrono(collective_timeout);

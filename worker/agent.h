@@ -40,6 +40,7 @@ struct AgentOptions {
   int64_t free_memory_bytes = 0;
   int64_t total_memory_bytes = 0;
   std::string device_name;  // "NVIDIA H200", or "cpu"
+  std::string device_uuid;  // the GPU's UUID; empty for CPU workers
   // Shared token sent on every call; empty sends none.
   std::string token;
   // TLS to the coordinator (common/tls.h); null: plaintext.

@@ -1,5 +1,6 @@
 #include "worker/device.h"
 
+#include <cstring>
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -25,6 +26,17 @@ int64_t MeminfoBytes(const std::string& field) {
 }
 
 }  // namespace
+
+std::string GpuUuidString(const unsigned char (&bytes)[16]) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    out += kHex[bytes[i] >> 4];
+    out += kHex[bytes[i] & 0xf];
+  }
+  return out;
+}
 
 absl::StatusOr<DeviceInfo> OpenDevice(const std::string& device) {
   DeviceInfo info;
@@ -73,7 +85,13 @@ absl::StatusOr<DeviceInfo> OpenDevice(const std::string& device) {
         "--device=", device, ": cannot create a context on it (", cudaGetErrorString(e), ")"));
   }
   cudaDeviceProp props{};
-  if (cudaGetDeviceProperties(&props, index) == cudaSuccess) info.name = props.name;
+  if (cudaGetDeviceProperties(&props, index) == cudaSuccess) {
+    info.name = props.name;
+    unsigned char uuid[16];
+    static_assert(sizeof(props.uuid.bytes) == sizeof(uuid));
+    std::memcpy(uuid, props.uuid.bytes, sizeof(uuid));
+    info.uuid = GpuUuidString(uuid);
+  }
   info.free_memory_bytes = static_cast<int64_t>(free_bytes);
   info.total_memory_bytes = static_cast<int64_t>(total_bytes);
   return info;

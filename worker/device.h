@@ -16,7 +16,12 @@ struct DeviceInfo {
   std::string name;               // e.g. "NVIDIA H200"; "cpu" for CPU workers
   int64_t free_memory_bytes = 0;  // device memory, or the host's MemAvailable for CPU workers
   int64_t total_memory_bytes = 0;
+  std::string uuid;               // the GPU's UUID ("GPU-8a5d3e1f-..."); empty for CPU workers
 };
+
+// A GPU's 16-byte UUID as nvidia-smi and NVML write it: "GPU-" and 32 lowercase hex digits in
+// groups of 8-4-4-4-12.
+std::string GpuUuidString(const unsigned char (&bytes)[16]);
 
 // Parses and opens `device`. Errors say what is wrong with the flag, in words a user can act
 // on: INVALID_ARGUMENT for a malformed value ("gpu0"), FAILED_PRECONDITION for a device this

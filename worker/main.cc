@@ -142,6 +142,7 @@ int main(int argc, char** argv) {
   options.free_memory_bytes = device->free_memory_bytes;
   options.total_memory_bytes = device->total_memory_bytes;
   options.device_name = device->name;
+  options.device_uuid = device->uuid;
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
   if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
                                                 absl::GetFlag(FLAGS_checkpoint_root),

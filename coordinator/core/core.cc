@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/core/job_spec.h"
+#include "common/gpu_limits.h"
 #include "common/job_memory.h"
 
 namespace lockstep::coordinator {
@@ -106,6 +107,7 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& request) {
        {std::pair<const char*, const std::string&>{"register.host", request.host()},
         {"register.device", request.device()},
         {"register.device_name", request.device_name()},
+        {"register.device_uuid", request.device_uuid()},
         {"register.comm_address", request.comm_address()}}) {
     if (value.size() > 255) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": at most 255 bytes"));
@@ -741,6 +743,7 @@ std::vector<v1::WorkerInfo> Core::ListWorkers() const {
     info.set_free_memory_bytes(w->info.free_memory_bytes());
     info.set_device_name(w->info.device_name());
     info.set_total_memory_bytes(w->info.total_memory_bytes());
+    info.set_device_uuid(w->info.device_uuid());
     info.set_state(w->state == WorkerState::kIdle   ? "idle"
                    : w->state == WorkerState::kBusy ? "busy"
                                                     : "lost");
@@ -836,6 +839,20 @@ void Core::Tick(absl::Time now, Decisions* out) {
   Schedule(now, out);
 }
 
+RankCandidate Core::Candidate(const Worker& w) {
+  bool may_share = false;
+  for (const std::string& c : w.info.capabilities()) may_share = may_share || c == kSharedGpuCapability;
+  return {w.id, w.info.host(), w.registration_seq, w.info.device_uuid(), may_share,
+          w.info.free_memory_bytes()};
+}
+
+std::string Core::SharedGpuNote(size_t left_out) {
+  if (left_out == 0) return "";
+  return absl::StrCat(", ", left_out, " left out for a GPU that another one uses (several ranks "
+                      "on one GPU need NCCL 2.30.3 or later with NCCL_MULTI_RANK_GPU_ENABLE=1 on "
+                      "every worker there, and the GPU's memory for all of them)");
+}
+
 std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t memory_needed,
                                              const JobRecord* job) const {
   std::vector<RankCandidate> idle;
@@ -844,7 +861,7 @@ std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t 
     if (w.state == WorkerState::kIdle && (job == nullptr || job->excluded.count(id) == 0) &&
         (device.empty() || DeviceKind(w.info.device()) == device) &&
         (free == 0 || free >= memory_needed)) {
-      idle.push_back({w.id, w.info.host(), w.registration_seq});
+      idle.push_back(Candidate(w));
     }
   }
   std::sort(idle.begin(), idle.end(), [](const RankCandidate& a, const RankCandidate& b) {
@@ -877,17 +894,21 @@ void Core::Schedule(absl::Time now, Decisions* out) {
   while (!pending_.empty()) {
     JobRecord& job = jobs_.at(pending_.front());
     const v1::JobSpec& spec = job.job.spec();
-    std::vector<RankCandidate> idle = IdleWorkers(spec.device(), job.memory_needed, &job);
+    std::vector<RankCandidate> left_out;
+    const std::vector<RankCandidate> fitting =
+        IdleWorkers(spec.device(), job.memory_needed, &job);
+    const size_t fitting_count = fitting.size();
+    std::vector<RankCandidate> idle = OneRankPerGpu({}, fitting, job.memory_needed, &left_out);
     if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
       const size_t all_idle = IdleWorkers(spec.device()).size();
       std::string reason =
           absl::StrCat("waiting for ", spec.min_workers(), " idle ", spec.device(), " worker",
                        spec.min_workers() == 1 ? "" : "s", " (", all_idle, " idle");
-      if (all_idle > idle.size()) {
-        absl::StrAppend(&reason, ", ", idle.size(), " with the ", HumanBytes(job.memory_needed),
+      if (all_idle > fitting_count) {
+        absl::StrAppend(&reason, ", ", fitting_count, " with the ", HumanBytes(job.memory_needed),
                         " free that each worker needs");
       }
-      reason += ")";
+      reason += SharedGpuNote(left_out.size()) + ")";
       if (reason != job.job.reason()) {
         job.job.set_reason(reason);
         out->changed_jobs.insert(job.job.job_id());
@@ -915,7 +936,10 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers()) {
       continue;
     }
-    std::vector<RankCandidate> idle = IdleWorkers(job.job.spec().device(), job.memory_needed, &job);
+    std::vector<RankCandidate> idle =
+        OneRankPerGpu(MemberCandidates(job), IdleWorkers(job.job.spec().device(),
+                                                         job.memory_needed, &job),
+                      job.memory_needed);
     if (idle.empty()) continue;
     std::vector<std::string> names;
     for (size_t i = 0; i < idle.size() &&
@@ -965,13 +989,22 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     a->set_start_step(job.job.step() + 1);
     a->set_source_rank(-1);
   }
+  // Ranks per GPU: a member shares its GPU's memory with the others on it.
+  absl::flat_hash_map<std::string_view, int32_t> ranks_on_gpu;
+  for (const std::string& id : worker_ids) {
+    const std::string& uuid = workers_.at(id).info.device_uuid();
+    if (!uuid.empty()) ++ranks_on_gpu[uuid];
+  }
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     Worker& w = workers_.at(worker_ids[rank]);
     w.state = WorkerState::kBusy;
     w.job_id = job.job.job_id();
     w.generation = generation;
     out->messages.push_back({w.id, assignment});
-    out->messages.back().message.mutable_assignment()->set_rank(static_cast<int32_t>(rank));
+    v1::Assignment* mine = out->messages.back().message.mutable_assignment();
+    mine->set_rank(static_cast<int32_t>(rank));
+    const std::string& uuid = w.info.device_uuid();
+    mine->set_ranks_on_device(uuid.empty() ? 1 : ranks_on_gpu.at(uuid));
   }
   RefreshMembers(job);
   // The timeline: who joined and who left since the previous generation, by worker id (a
@@ -1154,17 +1187,25 @@ std::string Core::FatalReason(const JobRecord& job, const std::string& last) con
                          : absl::StrCat(last, " (before it, ", absl::StrJoin(earlier, "; "), ")");
 }
 
+std::vector<RankCandidate> Core::MemberCandidates(const JobRecord& job) const {
+  std::vector<RankCandidate> members;
+  for (const MemberState& m : job.members) {
+    auto it = workers_.find(m.worker_id);
+    if (it != workers_.end() && it->second.state == WorkerState::kBusy &&
+        it->second.job_id == job.job.job_id()) {
+      members.push_back(Candidate(it->second));
+    }
+  }
+  return members;
+}
+
 void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
   if (now < job.reform_after) return;
   const v1::JobSpec& spec = job.job.spec();
-  std::vector<RankCandidate> survivors;
-  for (const MemberState& m : job.members) {
-    const Worker* w = FindWorker(m.worker_id);
-    if (w != nullptr && w->state == WorkerState::kBusy && w->job_id == job.job.job_id()) {
-      survivors.push_back({w->id, w->info.host(), w->registration_seq});
-    }
-  }
-  std::vector<RankCandidate> idle = IdleWorkers(spec.device(), job.memory_needed, &job);
+  const std::vector<RankCandidate> survivors = MemberCandidates(job);
+  std::vector<RankCandidate> left_out;
+  std::vector<RankCandidate> idle = OneRankPerGpu(
+      survivors, IdleWorkers(spec.device(), job.memory_needed, &job), job.memory_needed, &left_out);
   const size_t room = static_cast<size_t>(spec.max_workers()) -
                       std::min<size_t>(survivors.size(), spec.max_workers());
   idle.resize(std::min(idle.size(), room));
@@ -1189,7 +1230,8 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
     }
     std::string reason =
         absl::StrCat("waiting for ", spec.min_workers(), " workers to re-form (", survivors.size(),
-                     " survivor", survivors.size() == 1 ? "" : "s", ", ", idle.size(), " idle)");
+                     " survivor", survivors.size() == 1 ? "" : "s", ", ", idle.size(), " idle",
+                     SharedGpuNote(left_out.size()), ")");
     if (reason != job.job.reason()) {
       job.job.set_reason(reason);
       out->changed_jobs.insert(job.job.job_id());

@@ -287,6 +287,12 @@ class Core {
   std::vector<RankCandidate> IdleWorkers(const std::string& device = "",
                                          int64_t memory_needed = 0,
                                          const JobRecord* job = nullptr) const;
+  // A worker as rank assignment and GPU placement see it.
+  static RankCandidate Candidate(const Worker& w);
+  // The current generation's members that still serve the job, in rank order.
+  std::vector<RankCandidate> MemberCandidates(const JobRecord& job) const;
+  // What a waiting job's reason adds for candidates OneRankPerGpu left out ("" for none).
+  static std::string SharedGpuNote(size_t left_out);
   int64_t MaxRestarts(const JobRecord& job) const;
   // Ends the job: aborts the current generation's members that are still connected, frees them.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,

@@ -1,4 +1,4 @@
-// Rank assignment: a stable grouping by host.
+// Rank assignment: a stable grouping by host; GPU placement.
 #include "coordinator/core/ranks.h"
 
 #include <algorithm>
@@ -31,6 +31,51 @@ std::vector<std::string> AssignRanks(const std::vector<RankCandidate>& survivors
     for (const RankCandidate* c : bucket) ids.push_back(c->worker_id);
   }
   return ids;
+}
+
+std::vector<RankCandidate> OneRankPerGpu(const std::vector<RankCandidate>& members,
+                                         std::vector<RankCandidate> candidates,
+                                         int64_t memory_needed,
+                                         std::vector<RankCandidate>* left_out) {
+  // Per GPU: its ranks so far, whether all of them may share it, the least free memory known.
+  struct Gpu {
+    int64_t ranks = 0;
+    bool shared = true;
+    int64_t free = 0;
+  };
+  absl::flat_hash_map<std::string, Gpu> gpus;  // own keys: the candidates move out
+  auto add = [&](Gpu& gpu, const RankCandidate& c) {
+    ++gpu.ranks;
+    gpu.shared = gpu.shared && c.may_share_gpu;
+    if (c.free_memory_bytes > 0 && (gpu.free == 0 || c.free_memory_bytes < gpu.free)) {
+      gpu.free = c.free_memory_bytes;
+    }
+  };
+  for (const RankCandidate& m : members) {
+    if (!m.gpu_uuid.empty()) add(gpus[m.gpu_uuid], m);
+  }
+  std::vector<RankCandidate> kept;
+  kept.reserve(candidates.size());
+  for (RankCandidate& c : candidates) {
+    if (!c.gpu_uuid.empty()) {
+      Gpu& gpu = gpus[c.gpu_uuid];
+      if (gpu.ranks > 0) {
+        Gpu with = gpu;
+        add(with, c);
+        const bool fits = memory_needed <= 0 || with.free == 0 ||
+                          with.free / with.ranks >= memory_needed;
+        if (!with.shared || !fits) {
+          if (left_out != nullptr) left_out->push_back(std::move(c));
+          continue;
+        }
+        gpu = with;
+      } else {
+        add(gpu, c);
+      }
+    }
+    kept.push_back(std::move(c));
+  }
+  return kept;
 }
 
 }  // namespace lockstep::coordinator

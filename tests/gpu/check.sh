@@ -2,7 +2,8 @@
 # The GPU check, for a host with NVIDIA GPUs and no network (scripts/gpu_bundle.sh makes the
 # bundle it runs from), in order, each with a summary line ("passed: ...", "FAILED: ...",
 # "not run: ..."): the GPU tests (a skip is a failure here); the MLP and GPT jobs on one GPU
-# worker; a group of 3 ranks on the one GPU (when NCCL allows it) with one SIGKILLed mid-run,
+# worker; two workers of one GPU kept out of one group when NCCL may not share it; a group of
+# 3 ranks on the one GPU (when NCCL allows it) with one SIGKILLed mid-run,
 # which must end with exact steps and the one-worker run's checksum; the GPT step benchmark
 # (GPT-2 124M shape) and the MLP's, each next to PyTorch on the same GPU, as tables.
 # Exit status: 0 when every test and job that ran passed (the benchmarks are measurements: a
@@ -212,6 +213,39 @@ else
 fi
 stop_all
 
+# Placement: two workers on the one GPU whose NCCL may not share it (the variable is off) are
+# never put in one group: a job for two waits, and its reason says why.
+echo "== placement: a job for 2 on two workers of one GPU without NCCL_MULTI_RANK_GPU_ENABLE" | tee -a "$log"
+if [[ "$device" == cpu ]]; then
+  echo "not run: CPU workers have no GPU to share" | tee -a "$log"
+else
+  place_dir="$(mktemp -d)"
+  start_coordinator "$place_dir"
+  for name in alone-a alone-b; do start_worker "$place_dir" "$name" NCCL_MULTI_RANK_GPU_ENABLE=0; done
+  if wait_registered "$place_dir" alone-a alone-b; then
+    ctl workers | tee -a "$log"
+    sed -e 's/"maxWorkers": 1/"maxWorkers": 2/' -e 's/"minWorkers": 1/"minWorkers": 2/' \
+      "$job_dir/job-1.json" >"$place_dir/pair.json"
+    ctl submit "$place_dir/pair.json" >"$place_dir/submit.log" 2>&1
+    id="$(head -n 1 "$place_dir/submit.log")"
+    sleep 3
+    state="$(job_field "$id" "j.get('state', '')" 2>/dev/null)"
+    reason="$(job_field "$id" "j.get('reason', '')" 2>/dev/null)"
+    echo "$id: $state: $reason" | tee -a "$log"
+    uuids="$(ctl --output=json workers | python3 -c "import json, sys; print(len({w.get('deviceUuid', '') for w in json.load(sys.stdin).get('workers', [])}))")"
+    if [[ "$state" == JOB_STATE_PENDING && "$reason" == *"left out for a GPU that another one uses"* && "$uuids" == 1 ]]; then
+      echo "passed: two workers on one GPU are not put in one group without NCCL's consent" | tee -a "$log"
+    else
+      echo "FAILED: placement (state $state, $uuids distinct GPU UUIDs)" | tee -a "$log"
+      failed=1
+    fi
+    ctl cancel "$id" >/dev/null 2>&1
+  else
+    failed=1
+  fi
+  stop_all
+fi
+
 echo "== a group of 3 ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1), one SIGKILLed" | tee -a "$log"
 if [[ "$shared_gpu_line" != *"allowed"* && "$device" != cpu ]]; then
   echo "not run: ${shared_gpu_line:-NCCL unknown}; several ranks on one GPU need NCCL 2.30.3 or later" | tee -a "$log"
@@ -286,7 +320,7 @@ else
         failed=1
       fi
     fi
-    grep -hE "NCCL.s init took|resumes after step" "$group_dir"/worker-*.log | tee -a "$log"
+    grep -hE "NCCL.s init took|resumes after step|ranks share this GPU" "$group_dir"/worker-*.log | tee -a "$log"
   else
     failed=1
   fi

@@ -279,12 +279,13 @@ TEST(Format, WorkerListShowsTheDeviceAndItsMemory) {
   wi->set_worker_id("w-1");
   wi->set_device("cuda:1");
   wi->set_device_name("NVIDIA H200");
+  wi->set_device_uuid("GPU-8a5d3e1f-0001-abcd-ef10-2030405060ff");
   wi->set_free_memory_bytes(int64_t{139} << 30);
   wi->set_total_memory_bytes(int64_t{140} << 30);
   wi->set_state("idle");
   const std::string out = FormatWorkerList(w, absl::FromUnixMillis(1'700'000'200'000));
   EXPECT_THAT(out, HasSubstr("MEMORY FREE"));
-  EXPECT_THAT(out, HasSubstr("cuda:1 NVIDIA H200"));
+  EXPECT_THAT(out, HasSubstr("cuda:1 NVIDIA H200 GPU-8a5d3e1f "));
   EXPECT_THAT(out, HasSubstr("139.0 GiB / 140.0 GiB"));
 }
 

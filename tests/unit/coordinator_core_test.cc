@@ -7,6 +7,7 @@
 
 #include "coordinator/core/core.h"
 #include "coordinator/core/job_spec.h"
+#include "common/gpu_limits.h"
 #include "common/job_memory.h"
 #include "coordinator/core/ranks.h"
 #include "coordinator/store/job_store.h"
@@ -1593,6 +1594,161 @@ TEST_F(CoreTest, JobsUseOnlyWorkersOfTheirDevice) {
   EXPECT_NE(refused.status().message().find("device"), std::string::npos);
 }
 
+
+// GPU workers on one GPU: two ranks of a group share a GPU only when both workers' NCCL lets
+// them (the capability) and the GPU's memory holds both; otherwise the job waits, saying why,
+// and a running job neither re-forms nor grows onto a worker whose GPU a member uses.
+class GpuPlacementTest : public CoreTest {
+ protected:
+  std::string RegisterGpu(const std::string& name, const std::string& uuid, bool may_share,
+                          int64_t free_memory_bytes = 0) {
+    v1::RegisterRequest r;
+    r.set_name(name);
+    r.set_host("h1");
+    r.set_device("cuda:0");
+    r.set_device_uuid(uuid);
+    r.set_free_memory_bytes(free_memory_bytes);
+    r.add_capabilities("gloo");
+    if (may_share) r.add_capabilities(kSharedGpuCapability);
+    Decisions d;
+    absl::StatusOr<std::string> id = core_.RegisterWorker(r, now_, &d);
+    EXPECT_TRUE(id.ok()) << id.status();
+    Collect(d);
+    return id.value_or("");
+  }
+  static v1::JobSpec GpuSpec(int min_workers, int max_workers) {
+    v1::JobSpec spec = Spec(min_workers, max_workers);
+    spec.set_device("cuda");
+    return spec;
+  }
+};
+
+TEST_F(GpuPlacementTest, TwoRanksShareAGpuOnlyWhenBothWorkersMay) {
+  const std::string a = RegisterGpu("a", "GPU-0", /*may_share=*/true);
+  const std::string b = RegisterGpu("b", "GPU-0", /*may_share=*/false);
+  const std::string job = Submit(GpuSpec(2, 2));
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_PENDING);
+  EXPECT_NE(Job(job).reason().find("(2 idle, 1 left out for a GPU that another one uses"),
+            std::string::npos)
+      << Job(job).reason();
+  EXPECT_NE(Job(job).reason().find("NCCL_MULTI_RANK_GPU_ENABLE=1"), std::string::npos);
+  EXPECT_TRUE(TakeAssignments().empty());
+  // A worker on a GPU of its own completes the group; the worker that may not share stays out.
+  const std::string c = RegisterGpu("c", "GPU-1", /*may_share=*/false);
+  std::map<std::string, v1::Assignment> assigned = TakeAssignments();
+  ASSERT_EQ(assigned.size(), 2u);
+  EXPECT_EQ(assigned.count(b), 0u);
+  EXPECT_EQ(assigned.at(a).ranks_on_device(), 1);
+  EXPECT_EQ(assigned.at(c).ranks_on_device(), 1);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  // Both may share: two ranks of the next group on one GPU, each told it has half of it; b,
+  // alone on its GPU in this group, has all of its own.
+  const std::string d = RegisterGpu("d", "GPU-2", true), e = RegisterGpu("e", "GPU-2", true);
+  const std::string shared = Submit(GpuSpec(3, 3));
+  assigned = TakeAssignments();
+  ASSERT_EQ(assigned.size(), 3u);
+  EXPECT_EQ(assigned.at(b).ranks_on_device(), 1);
+  EXPECT_EQ(assigned.at(d).ranks_on_device(), 2);
+  EXPECT_EQ(assigned.at(e).ranks_on_device(), 2);
+  EXPECT_EQ(Job(shared).state(), v1::JOB_STATE_RUNNING);
+  // The UUID is listed.
+  for (const v1::WorkerInfo& w : core_.ListWorkers()) {
+    if (w.worker_id() == d) {
+      EXPECT_EQ(w.device_uuid(), "GPU-2");
+    }
+  }
+}
+
+TEST_F(GpuPlacementTest, SharingNeedsTheGpusMemoryForEveryRank) {
+  v1::JobSpec spec = GpuSpec(2, 2);
+  ApplyJobSpecDefaults(&spec);
+  const int64_t need = EstimateWorkerMemory(spec, MinMicroBatch(spec)).total();
+  ASSERT_GT(need, 0);
+  // Each reports enough for one rank, not for two.
+  RegisterGpu("a", "GPU-0", true, need + need / 2);
+  RegisterGpu("b", "GPU-0", true, need + need / 2);
+  const std::string job = Submit(spec);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_PENDING);
+  EXPECT_NE(Job(job).reason().find("1 left out for a GPU"), std::string::npos)
+      << Job(job).reason();
+  // The GPU's own memory for both: they form the group.
+  RegisterGpu("c", "GPU-1", true, 3 * need);
+  RegisterGpu("d", "GPU-1", true, 3 * need);
+  Tick();
+  EXPECT_EQ(TakeAssignments().size(), 2u);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(job).members_size(), 2);
+}
+
+TEST_F(GpuPlacementTest, AJobNeitherReformsNorGrowsOntoAMembersGpu) {
+  const std::string a = RegisterGpu("a", "GPU-0", false);
+  const std::string b = RegisterGpu("b", "GPU-1", false);
+  const std::string job = Submit(GpuSpec(2, 3));
+  ASSERT_EQ(TakeAssignments().size(), 2u);
+  ASSERT_TRUE(Progress(a, job, 1, 1).ok());
+  ASSERT_TRUE(Progress(b, job, 1, 1).ok());
+  // An idle worker on a's GPU is no spare: no scale-up, the generation goes on.
+  const std::string c = RegisterGpu("c", "GPU-0", false);
+  Tick();
+  EXPECT_TRUE(TakeAborts().empty());
+  EXPECT_EQ(Job(job).generation(), 1);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  // b dies: the job may not re-form on c, whose GPU a uses; it waits and says why.
+  Decisions d;
+  core_.WorkerDisconnected(b, "stream closed", now_, &d);
+  Collect(d);
+  now_ += absl::Seconds(1);
+  Heartbeats({a, c});
+  Tick();
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  EXPECT_NE(Job(job).reason().find("(1 survivor, 0 idle, 1 left out for a GPU"),
+            std::string::npos)
+      << Job(job).reason();
+  EXPECT_EQ(TakeAssignments().count(c), 0u);
+  // A worker on another GPU re-forms it.
+  const std::string e = RegisterGpu("e", "GPU-3", false);
+  Tick();
+  std::map<std::string, v1::Assignment> assigned = TakeAssignments();
+  EXPECT_EQ(assigned.count(a), 1u);
+  EXPECT_EQ(assigned.count(e), 1u);
+  EXPECT_EQ(assigned.count(c), 0u);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+}
+
+TEST(OneRankPerGpuTest, KeepsCandidatesThatAddNoForbiddenSharing) {
+  auto ids = [](const std::vector<RankCandidate>& cs) {
+    std::vector<std::string> out;
+    for (const RankCandidate& c : cs) out.push_back(c.worker_id);
+    return out;
+  };
+  auto gpu = [](std::string id, std::string uuid, bool share, int64_t free = 0) {
+    return RankCandidate{std::move(id), "h1", 0, std::move(uuid), share, free};
+  };
+  std::vector<RankCandidate> left;
+  // CPU workers (no UUID) always stay; the second on GPU-0 does not (a may not share).
+  EXPECT_EQ(ids(OneRankPerGpu({}, {gpu("c1", "", false), gpu("c2", "", false),
+                                   gpu("a", "G0", false), gpu("b", "G0", true)},
+                              0, &left)),
+            (std::vector<std::string>{"c1", "c2", "a"}));
+  EXPECT_EQ(ids(left), std::vector<std::string>{"b"});
+  // Against the members: a member that may not share blocks its GPU; one that may, does not.
+  EXPECT_EQ(ids(OneRankPerGpu({gpu("m", "G0", false), gpu("n", "G1", true)},
+                              {gpu("x", "G0", true), gpu("y", "G1", true), gpu("z", "G1", false)},
+                              0)),
+            std::vector<std::string>{"y"});
+  // Memory: 3 ranks on G0 need 3 x 10 within the least free reported (35 holds 3, not 4).
+  left.clear();
+  EXPECT_EQ(ids(OneRankPerGpu({}, {gpu("p", "G0", true, 40), gpu("q", "G0", true, 35),
+                                   gpu("r", "G0", true, 36), gpu("s", "G0", true, 50)},
+                              10, &left)),
+            (std::vector<std::string>{"p", "q", "r"}));
+  EXPECT_EQ(ids(left), std::vector<std::string>{"s"});
+  // A rejected candidate leaves the GPU as it was: the next one is judged against the rest.
+  EXPECT_EQ(ids(OneRankPerGpu({}, {gpu("p", "G0", true, 40), gpu("q", "G0", true, 15),
+                                   gpu("r", "G0", true, 40)},
+                              10)),
+            (std::vector<std::string>{"p", "r"}));
+}
 
 // Job ids carry the cluster's suffix, so a coordinator that lost its state never hands out
 // an earlier one's ids; restored ids ("job-N-SUFFIX") are continued after.
