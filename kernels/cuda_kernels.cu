@@ -11,6 +11,7 @@
 #include "common/gpu_limits.h"
 #include "kernels/cuda_kernels.h"
 #include "kernels/cuda_launch.h"
+#include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
 
 namespace lockstep::kernels::cuda {
@@ -243,15 +244,15 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(cudaStream_t stream) {
   blas->lt_ = lt;
   // 32 MiB: what NVIDIA recommends for Hopper's cuBLASLt kernels.
   blas->workspace_bytes_ = static_cast<size_t>(kGpuBlasWorkspaceBytes);
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&blas->workspace_, blas->workspace_bytes_));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&blas->workspace_, blas->workspace_bytes_));
   return blas;
 }
 
 Blas::~Blas() {
   for (void* p : bf16_scratch_) {
-    if (p != nullptr) cudaFree(p);
+    if (p != nullptr) DeviceFree(p);
   }
-  if (workspace_ != nullptr) cudaFree(workspace_);
+  if (workspace_ != nullptr) DeviceFree(workspace_);
   if (lt_ != nullptr) cublasLtDestroy(LtHandle(lt_));
   if (blas_ != nullptr) cublasDestroy(BlasHandle(blas_));
 }
@@ -277,10 +278,10 @@ absl::StatusOr<const void*> Blas::ToBf16(int slot, const float* values, size_t c
   if (count > bf16_capacity_[slot]) {
     // The old buffer may still feed a product in flight on the stream.
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    cudaFree(bf16_scratch_[slot]);
+    DeviceFree(bf16_scratch_[slot]);
     bf16_scratch_[slot] = nullptr;
     bf16_capacity_[slot] = 0;
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&bf16_scratch_[slot], count * sizeof(__nv_bfloat16)));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&bf16_scratch_[slot], count * sizeof(__nv_bfloat16)));
     bf16_capacity_[slot] = count;
   }
   auto* out = static_cast<__nv_bfloat16*>(bf16_scratch_[slot]);

@@ -29,6 +29,7 @@
 #include "worker/test_hooks.h"
 #include "worker/train/dataset.h"
 #ifdef LOCKSTEP_HAVE_CUDA
+#include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/train/gpu_step.h"
@@ -504,10 +505,10 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
 #ifdef LOCKSTEP_HAVE_CUDA
   // GPU workers: the steps run on the GPU with NCCL (formed through the same store, under its
   // own key); Gloo stays for healing, evaluation and the small agreements.
-  // Declared in this order so that NCCL is torn down (finalized, or aborted if it failed) before
-  // the step frees device memory that its kernels might still use.
-  std::unique_ptr<GpuStep> gpu_step;
+  // The trainer keeps its GPU step (and the device's copy of the state) across generations;
+  // this generation's NCCL communicator is the step's until the guard below takes it back.
   std::unique_ptr<NcclCommunicator> nccl;
+  GpuStep* gpu_step = dynamic_cast<GpuStep*>(trainer->device_engine());
   if (options_.cuda_device >= 0) {
     // The current device is per host thread: this job thread must select it itself, or its
     // first CUDA call would create a context on GPU 0.
@@ -517,13 +518,17 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
     // counted in it already, so this is on the safe side.
     size_t free_bytes = 0, total_bytes = 0;
     LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    // A step kept from an earlier generation holds its memory already, and reuses it: the
+    // budget is what is free plus what this worker holds (the kept step's; the last
+    // generation's communicator is gone, and a dropped job's state is being freed).
+    const int64_t held = kernels::cuda::DeviceBytesInUse();
     const int64_t sharing = std::max<int32_t>(1, a.ranks_on_device());
     if (sharing > 1) {
       LOG(INFO) << a.job_id() << " generation " << a.generation() << ": " << sharing
                 << " ranks share this GPU; budgeting 1/" << sharing << " of its "
                 << HumanBytes(static_cast<int64_t>(free_bytes)) << " free";
     }
-    SetMemoryBudget(*trainer, spec, a, static_cast<int64_t>(free_bytes) / sharing, 3);
+    SetMemoryBudget(*trainer, spec, a, static_cast<int64_t>(free_bytes) / sharing + held, 3);
     if (a.world_size() > 1) {
       NcclCommunicator::Options nccl_options;
       nccl_options.init_timeout = absl::FromChrono(collective_timeout);
@@ -549,22 +554,25 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
                   << HumanBytes(kGpuNcclBufferBytes) << " with its connections)";
       }
     }
-    absl::StatusOr<std::unique_ptr<GpuStep>> step =
-        GpuStep::ForHost(spec, &trainer->model(), &trainer->optimizer(), nccl.get());
-    if (!step.ok()) {
-      *fatal = absl::IsUnimplemented(step.status()) || absl::IsInvalidArgument(step.status());
-      return step.status();
+    if (gpu_step == nullptr) {
+      absl::StatusOr<std::unique_ptr<GpuStep>> step =
+          GpuStep::ForHost(spec, &trainer->model(), &trainer->optimizer(), nccl.get());
+      if (!step.ok()) {
+        *fatal = absl::IsUnimplemented(step.status()) || absl::IsInvalidArgument(step.status());
+        return step.status();
+      }
+      gpu_step = step->get();
+      trainer->set_device_engine(*std::move(step));
     }
-    gpu_step = *std::move(step);
-    trainer->set_step_engine(gpu_step.get());
+    gpu_step->set_nccl(nccl.get());
   }
-  // Declared after them, so it runs before the step and the communicator go.
-  struct ClearDevice {
-    std::unique_ptr<Trainer>* trainer;
-    ~ClearDevice() {
-      if (*trainer != nullptr) (*trainer)->set_step_engine(nullptr);
+  // Declared after the communicator, so the step lets go of it before it goes.
+  struct ReleaseNccl {
+    GpuStep* step;
+    ~ReleaseNccl() {
+      if (step != nullptr) step->set_nccl(nullptr);
     }
-  } clear_device{&trainer};
+  } release_nccl{gpu_step};
 #endif
 
   std::vector<std::string> members(a.member_names().begin(), a.member_names().end());

@@ -7,8 +7,8 @@
 // every world size). The GPT the same way: the CPU's parameters after a job with AdamW, weight
 // decay on its matrices only, warm-up, cosine decay, clipping and gradient accumulation;
 // deterministic mode reproducible and its fixed-point sums independent of the split. Healing's
-// bulk transfer between the devices of a group over NCCL (two ranks on the one GPU, where NCCL
-// allows it).
+// bulk transfer between the device states of a group over NCCL (two ranks on the one GPU,
+// where NCCL allows it), and a step kept across generations.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "tests/testing/gpt_job.h"
 #include "tests/testing/local_store.h"
@@ -447,19 +448,25 @@ TEST(GpuTrainerTest, GptFixedPointSumIsIndependentOfTheSplit) {
               cpu_loss, 1e-5 * cpu_loss);
 }
 
-// What Trainer::Heal hands the engine: a piece of host memory from the root to every other
-// member, here between two ranks on one GPU over NCCL, each way; the receivers get the root's
-// bits, a larger piece after a smaller one grows the device buffer, and without a group the
+// What Trainer::Heal hands the engine, between two ranks on one GPU over NCCL: the source
+// sends its device state when that is the host's (shown by changing its host copy behind the
+// engine's back: the receiver still gets the device's bits), and the host's through scratch
+// memory once told its host state changed (a small piece, then the whole); a taker receives into its device state and its staging, a non-taker into scratch
+// only; a taker told it has the state uploads nothing at its next Begin. Without a group the
 // trainer is told to use its communicator (UNIMPLEMENTED).
-TEST(GpuTrainerTest, HealBroadcastGoesBetweenDevicesOverNccl) {
+TEST(GpuTrainerTest, HealGoesBetweenDeviceStatesOverNccl) {
   if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
-  const v1::JobSpec spec = Spec("sgd");
-  const std::vector<int> dims = {20, 64, 48, 5};
+  const v1::JobSpec spec = Spec("adamw");
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  using Part = StepEngine::StatePart;
   {
-    auto alone = GpuStep::Create(spec, dims, kernels::Activation::kRelu, nullptr);
+    SoloCommunicator solo;
+    auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+    auto alone = GpuStep::ForHost(spec, &trainer->model(), &trainer->optimizer(), nullptr);
     ASSERT_TRUE(alone.ok()) << alone.status();
-    std::vector<float> data(8);
-    EXPECT_TRUE(absl::IsUnimplemented((*alone)->BroadcastHost(data.data(), data.size(), 0)));
+    std::vector<float> piece(8);
+    EXPECT_TRUE(absl::IsUnimplemented(
+        (*alone)->BroadcastState(Part::kParams, 0, piece.size(), piece.data(), 0, true)));
   }
   ASSERT_TRUE(kSharedGpuVariable);
   if (!NcclSharedGpuAllowed()) {
@@ -471,50 +478,137 @@ TEST(GpuTrainerTest, HealBroadcastGoesBetweenDevicesOverNccl) {
   coordinator::BootstrapStore store;
   const coordinator::StoreScope scope{"job-1", 1};
   store.Open(scope);
-  std::mt19937 rng(9);
-  std::normal_distribution<float> normal;
-  std::vector<float> source(3'000'017);
-  for (float& v : source) v = normal(rng);
   absl::Status status[2];
-  std::vector<float> got[2];
-  bool source_head_ok[2] = {true, false};
+  std::vector<float> source_device;  // rank 0's parameters as its device holds them
+  std::vector<float> received, device_after, untouched, from_host, device_after_host;
+  std::vector<float> optimizer_received, optimizer_device;
+  int64_t taker_uploads = -1;
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < 2; ++rank) {
     ranks.emplace_back([&, rank] {
-      cudaSetDevice(0);
-      testing::LocalStoreClient client(&store, scope);
-      auto comm = NcclCommunicator::Create(client, rank, 2, {});
-      if (!comm.ok()) {
-        status[rank] = comm.status();
-        return;
-      }
-      auto step = GpuStep::Create(spec, dims, kernels::Activation::kRelu, comm->get());
-      if (!step.ok()) {
-        status[rank] = step.status();
-        return;
-      }
-      // A small piece from rank 0 (its device buffer is made for it), then the whole from
-      // rank 1 (the buffer grows), rank 0 starting from zeros but for its first 1000 values.
-      got[rank] = rank == 1 ? source : std::vector<float>(source.size(), 0.0f);
-      if (rank == 0) std::fill(got[0].begin(), got[0].begin() + 1000, 7.0f);
-      status[rank] = (*step)->BroadcastHost(got[rank].data(), 1000, 0);
-      if (status[rank].ok()) {
-        if (rank == 1) {
-          // What rank 0 sent is now its own first 1000, which it sends back with the rest.
-          source_head_ok[rank] = std::all_of(got[1].begin(), got[1].begin() + 1000,
-                                             [](float v) { return v == 7.0f; });
+      status[rank] = [&]() -> absl::Status {
+        cudaSetDevice(0);
+        SoloCommunicator solo;
+        auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+        Model& model = trainer->model();
+        const size_t n = model.num_params();
+        std::vector<float>& opt = trainer->optimizer().state();
+        opt.assign(2 * n, 0.0f);
+        if (rank == 1) {  // the taker starts from other parameters and optimizer state
+          for (size_t i = 0; i < n; ++i) model.params()[i] += 1.0f;
+          std::fill(opt.begin(), opt.end(), 3.0f);
+        } else {
+          for (size_t i = 0; i < opt.size(); ++i) opt[i] = 0.001f * static_cast<float>(i % 97);
         }
-        status[rank] = (*step)->BroadcastHost(got[rank].data(), got[rank].size(), 1);
-      }
+        testing::LocalStoreClient client(&store, scope);
+        auto comm = NcclCommunicator::Create(client, rank, 2, {});
+        if (!comm.ok()) return comm.status();
+        auto step = GpuStep::ForHost(spec, &model, &trainer->optimizer(), comm->get());
+        if (!step.ok()) return step.status();
+        GpuStep& engine = **step;
+        if (absl::Status s = engine.Begin(nullptr); !s.ok()) return s;  // uploads the host's
+        std::vector<float> staging(n, -1.0f), opt_staging(2 * n, -1.0f);
+        if (rank == 0) {
+          source_device.assign(model.params(), model.params() + n);
+          // Behind the engine's back: what goes out must still be the device's copy.
+          for (size_t i = 0; i < n; ++i) model.params()[i] = -5.0f;
+          std::fill(opt.begin(), opt.end(), -7.0f);
+        }
+        float* const params_piece = rank == 0 ? model.params() : staging.data();
+        // 1. From rank 0's device state into rank 1's: the parameters, then the optimizer state.
+        LOCKSTEP_RETURN_IF_ERROR(engine.BroadcastState(Part::kParams, 0, n, params_piece, 0, true));
+        LOCKSTEP_RETURN_IF_ERROR(engine.BroadcastState(
+            Part::kOptimizer, 0, 2 * n, rank == 0 ? opt.data() : opt_staging.data(), 0, true));
+        std::vector<float> device_params(n), device_opt;
+        if (rank == 1) {
+          received = staging;
+          optimizer_received = opt_staging;
+          LOCKSTEP_RETURN_IF_ERROR(engine.Download(device_params.data(), &device_opt));
+          device_after = device_params;
+          optimizer_device = device_opt;
+          // The trainer commits and says so: no upload at the next Begin.
+          engine.HostStateChanged(true);
+          LOCKSTEP_RETURN_IF_ERROR(engine.Begin(nullptr));
+          taker_uploads = engine.uploads();
+        }
+        // 2. Rank 0's host copy, once it is told its host state changed: 100 values, then all;
+        //    rank 1 does not take it (its device state stays).
+        if (rank == 0) {
+          for (size_t i = 0; i < n; ++i) model.params()[i] = 0.25f * static_cast<float>(i % 13);
+          engine.HostStateChanged(false);
+        }
+        std::vector<float> discard(n, 9.0f);
+        float* const host_piece = rank == 0 ? model.params() : discard.data();
+        for (size_t count : {size_t{100}, n}) {
+          LOCKSTEP_RETURN_IF_ERROR(
+              engine.BroadcastState(Part::kParams, 0, count, host_piece, 0, false));
+        }
+        if (rank == 1) {
+          untouched = discard;
+          LOCKSTEP_RETURN_IF_ERROR(engine.Download(device_params.data(), &device_opt));
+          device_after_host = device_params;
+        }
+        // 3. Taken, that host copy arrives whole.
+        LOCKSTEP_RETURN_IF_ERROR(engine.BroadcastState(Part::kParams, 0, n, host_piece, 0, true));
+        if (rank == 1) from_host = discard;
+        return absl::OkStatus();
+      }();
     });
   }
   for (std::thread& t : ranks) t.join();
   for (int rank = 0; rank < 2; ++rank) ASSERT_TRUE(status[rank].ok()) << rank << ": " << status[rank];
-  EXPECT_TRUE(source_head_ok[1]) << "rank 1 did not receive rank 0's piece";
-  std::vector<float> want = source;
-  std::fill(want.begin(), want.begin() + 1000, 7.0f);
-  EXPECT_EQ(got[0], want);
-  EXPECT_EQ(got[1], want);
+  const size_t n = source_device.size();
+  EXPECT_EQ(received, source_device) << "the taker's staging holds the source's device copy";
+  EXPECT_EQ(device_after, source_device) << "and so does its device state";
+  std::vector<float> want_opt(2 * n);
+  for (size_t i = 0; i < want_opt.size(); ++i) want_opt[i] = 0.001f * static_cast<float>(i % 97);
+  EXPECT_EQ(optimizer_received, want_opt);
+  EXPECT_EQ(optimizer_device, want_opt);
+  EXPECT_EQ(taker_uploads, 1) << "only the first Begin uploaded";
+  EXPECT_EQ(untouched, std::vector<float>(n, 9.0f)) << "a non-taker's staging is left alone";
+  EXPECT_EQ(device_after_host, source_device) << "and so is its device state";
+  std::vector<float> want_host(n);
+  for (size_t i = 0; i < n; ++i) want_host[i] = 0.25f * static_cast<float>(i % 13);
+  EXPECT_EQ(from_host, want_host) << "after HostStateChanged(false) the source sends its host's";
+}
+
+// A GpuStep kept across generations (as the trainer keeps it): the second generation uploads
+// nothing and the job ends with the parameters of one uninterrupted GPU run, to the bit.
+TEST(GpuTrainerTest, AKeptStepTrainsOnAcrossGenerationsWithoutUploading) {
+  if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
+  v1::JobSpec spec = Spec("adamw");
+  spec.set_deterministic(true);  // bits to compare across runs
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator solo;
+  std::string checksum[2];
+  int64_t uploads = 0;
+  for (int kept = 0; kept < 2; ++kept) {
+    auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+    auto step = GpuStep::ForHost(spec, &trainer->model(), &trainer->optimizer(), nullptr);
+    ASSERT_TRUE(step.ok()) << step.status();
+    GpuStep* engine = step->get();
+    trainer->set_device_engine(*std::move(step));
+    std::atomic<bool> abort{false};
+    const int64_t stop = kept == 1 ? 17 : trainer->total_steps();
+    absl::Status s = trainer->Train(
+        1, abort,
+        [&](const v1::ProgressReport& r) {
+          if (r.step() == stop) abort.store(true);
+        },
+        nullptr, absl::ZeroDuration());
+    if (kept == 1) {
+      ASSERT_TRUE(absl::IsAborted(s)) << s;
+      ASSERT_EQ(trainer->completed_step(), 17);
+      ASSERT_TRUE(trainer->Heal({"w0"}).ok());
+      abort.store(false);
+      s = trainer->Train(18, abort, [](const v1::ProgressReport&) {});
+      uploads = engine->uploads();
+    }
+    ASSERT_TRUE(s.ok()) << s;
+    checksum[kept] = trainer->ParameterChecksum();
+  }
+  EXPECT_EQ(uploads, 1);
+  EXPECT_EQ(checksum[1], checksum[0]);
 }
 
 }  // namespace

@@ -1,19 +1,25 @@
 // The training step: MLP gradients against finite differences, and data-parallel training over
 // a real in-process Gloo group matching single-worker training (the global batch is fixed, so
-// only the float summation order differs).
+// only the float summation order differs). Healing; and a device's engine kept across
+// generations, played by a CPU stand-in with the same StateMirror (KeptEngineTest).
 #include "worker/train/trainer.h"
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
+#include <unistd.h>
+
 #include "common/job_memory.h"
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
 #include "tests/testing/gloo_group.h"
 #include "tests/testing/solo_communicator.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
+#include "worker/train/cpu_step.h"
 #include "worker/train/dataset.h"
 #include "worker/train/mlp.h"
 #include "worker/train/optimizer.h"
@@ -478,6 +484,273 @@ TEST(HealTest, MembersWithDifferentDataFailNamingThem) {
     EXPECT_NE(s.message().find("w1 (rank 1)"), std::string::npos) << s;
     EXPECT_NE(s.message().find("synthetic data set"), std::string::npos) << s;
   }
+}
+
+}  // namespace
+}  // namespace lockstep::worker
+
+namespace lockstep::worker {
+namespace {
+
+// A device's engine (GpuStep) played on the CPU: a copy of the state of its own (the "device
+// memory"), trained by a CpuStep, mirrored with the host's by the StateMirror that GpuStep
+// uses, and healing over a transport of its own. What these tests check is the trainer's side
+// of the contract (an engine kept across generations is told when the host's state is
+// rewritten; a heal goes through it): an engine that trained on a stale copy would end with
+// other bits than the plain CPU trainer's.
+class MirroredEngine final : public StepEngine {
+ public:
+  MirroredEngine(const v1::JobSpec& spec, const Dataset& data, Trainer& host)
+      : host_(&host),
+        model_(CreateModel(spec.model(), DataShape{data.dim, data.classes}).value()),
+        optimizer_(std::make_unique<Optimizer>(spec.optimizer(), model_->segments(),
+                                               host.total_steps())),
+        step_(spec, model_.get(), optimizer_.get(), SampleLayout{data.dim, 0}) {}
+
+  void set_transport(Communicator* transport) { transport_ = transport; }
+  int uploads = 0, pieces_from_device = 0, pieces_into_device = 0;
+  bool fail_downloads = false;  // as a device whose copies back fail
+
+  absl::Status Begin(Communicator* comm) override {
+    if (mirror_.upload_needed()) {
+      Copy(host_->model(), host_->optimizer(), *model_, *optimizer_);
+      mirror_.Copied();
+      ++uploads;
+    }
+    return step_.Begin(comm);
+  }
+  absl::Status Sync() override {
+    if (mirror_.download_needed() && fail_downloads) {
+      return absl::InternalError("the copy back failed");
+    }
+    if (mirror_.download_needed()) {
+      Copy(*model_, *optimizer_, host_->model(), host_->optimizer());
+      mirror_.Copied();
+    }
+    return absl::OkStatus();
+  }
+  absl::Status End() override {
+    absl::Status ended = step_.End();
+    absl::Status synced = Sync();
+    if (!synced.ok()) mirror_.Diverged();  // as GpuStep: the trainer goes back to the host's
+    return ended.ok() ? synced : ended;
+  }
+  absl::StatusOr<HostBatch> HostBuffers(int n) override { return step_.HostBuffers(n); }
+  absl::StatusOr<StepResult> TakeStep(const StepArgs& args) override {
+    absl::StatusOr<StepResult> r = step_.TakeStep(args);
+    if (r.ok() && r->rejected == 0) mirror_.Stepped();
+    return r;
+  }
+  absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) override {
+    return step_.Evaluate(batch, correct);
+  }
+  absl::Status BroadcastState(StatePart part, size_t offset, size_t count, float* host, int root,
+                              bool take) override {
+    if (transport_ == nullptr || transport_->size() <= 1) {
+      return absl::UnimplementedError("no transport");
+    }
+    float* const state =
+        (part == StatePart::kParams ? model_->params() : optimizer_->state().data()) + offset;
+    const bool sending = transport_->rank() == root;
+    const bool from_device = sending && mirror_.holds_host();
+    const bool into_device = !sending && take;
+    if (into_device) mirror_.Diverged();
+    std::vector<float> scratch(from_device || into_device ? 0 : count);
+    if (sending && !from_device) std::copy(host, host + count, scratch.data());
+    float* const buffer = from_device || into_device ? state : scratch.data();
+    LOCKSTEP_RETURN_IF_ERROR(transport_->Broadcast(buffer, count * sizeof(float), root));
+    if (into_device) std::copy(state, state + count, host);
+    pieces_from_device += from_device;
+    pieces_into_device += into_device;
+    return absl::OkStatus();
+  }
+  void HostStateChanged(bool engine_has_it) override {
+    engine_has_it ? mirror_.Copied() : mirror_.Diverged();
+  }
+
+ private:
+  static void Copy(Model& from_model, Optimizer& from_opt, Model& to_model, Optimizer& to_opt) {
+    std::copy(from_model.params(), from_model.params() + from_model.num_params(),
+              to_model.params());
+    to_opt.state() = from_opt.state();
+  }
+
+  Trainer* const host_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Optimizer> optimizer_;
+  CpuStep step_;
+  StateMirror mirror_;
+  Communicator* transport_ = nullptr;
+};
+
+MirroredEngine* KeepMirroredEngine(Trainer& trainer, const v1::JobSpec& spec,
+                                   const Dataset& data) {
+  auto engine = std::make_unique<MirroredEngine>(spec, data, trainer);
+  MirroredEngine* kept = engine.get();
+  trainer.set_device_engine(std::move(engine));
+  return kept;
+}
+
+// Trains from `start` and stops after step `stop` (an abort between steps, as a generation
+// ends), or at the end.
+absl::Status TrainUntil(Trainer& trainer, int64_t start, int64_t stop) {
+  std::atomic<bool> abort{false};
+  absl::Status s = trainer.Train(
+      start, abort,
+      [&](const v1::ProgressReport& r) {
+        if (r.step() == stop) abort.store(true);
+      },
+      nullptr, absl::ZeroDuration());
+  return absl::IsAborted(s) && trainer.completed_step() == stop ? absl::OkStatus() : s;
+}
+
+std::string PlainRunChecksum(const v1::JobSpec& spec, std::shared_ptr<const Dataset> data) {
+  SoloCommunicator solo;
+  auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+  EXPECT_TRUE(TrainUntil(*trainer, 1, trainer->total_steps()).ok());
+  return trainer->ParameterChecksum();
+}
+
+// A kept engine's copy outlives the generation: the second generation uploads nothing, and
+// the job ends with the plain trainer's bits.
+TEST(KeptEngineTest, ASurvivorUploadsOnceAcrossGenerations) {
+  const v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator solo;
+  auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+  MirroredEngine* engine = KeepMirroredEngine(*trainer, spec, *data);
+  ASSERT_TRUE(TrainUntil(*trainer, 1, 25).ok());
+  ASSERT_TRUE(trainer->Heal({"w0"}).ok());
+  ASSERT_TRUE(TrainUntil(*trainer, 26, 60).ok());
+  EXPECT_EQ(engine->uploads, 1);
+  EXPECT_EQ(trainer->ParameterChecksum(), PlainRunChecksum(spec, data));
+}
+
+// A heal between kept engines: the source sends its engine's copy, the taker receives into
+// its engine's (and uploads nothing after), and the group ends with the bits of the same
+// job healed between plain trainers over Gloo.
+TEST(KeptEngineTest, AHealGoesFromTheSourcesCopyIntoTheTakersCopy) {
+  const v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  int uploads[2] = {-1, -1}, from_device[2] = {0, 0}, into_device[2] = {0, 0};
+  auto run = [&](bool engines) {
+    std::vector<std::string> sums(2);
+    testing::RunInGlooGroup(2, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
+      SoloCommunicator solo;
+      auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+      MirroredEngine* engine = engines ? KeepMirroredEngine(*trainer, spec, *data) : nullptr;
+      if (r == 0) {  // the source
+        ASSERT_TRUE(TrainUntil(*trainer, 1, 30).ok());
+      }
+      trainer->set_communicator(gloo.get());
+      if (engine != nullptr) engine->set_transport(gloo.get());
+      auto info = trainer->Heal({"w0", "w1"});
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->source_rank, 0);
+      ASSERT_TRUE(TrainUntil(*trainer, 31, 60).ok());
+      sums[r] = trainer->ParameterChecksum();
+      if (engine != nullptr) {
+        engine->set_transport(nullptr);
+        // Counted before the trainer (and its engine) go.
+        uploads[r] = engine->uploads;
+        from_device[r] = engine->pieces_from_device;
+        into_device[r] = engine->pieces_into_device;
+      }
+    });
+    return sums;
+  };
+  const std::vector<std::string> plain = run(false);
+  const std::vector<std::string> mirrored = run(true);
+  ASSERT_EQ(plain[0], plain[1]);
+  EXPECT_EQ(mirrored[0], plain[0]);
+  EXPECT_EQ(mirrored[1], plain[0]);
+  EXPECT_EQ(uploads[0], 1) << "the source uploaded once, for its first generation";
+  EXPECT_EQ(uploads[1], 0) << "the taker trained on what it received";
+  EXPECT_EQ(from_device[0], 2) << "the parameters and the optimizer state, one piece each";
+  EXPECT_EQ(into_device[1], from_device[0]) << "every piece went from copy to copy";
+}
+
+// Rank 0 reads a newer checkpoint of the job than its engine's copy: the engine is told, and
+// uploads the checkpoint's state before training on.
+TEST(KeptEngineTest, ACheckpointReadFromDiskReplacesTheEnginesCopy) {
+  v1::JobSpec spec = SyntheticSpec();
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/kept-engine-", getpid());
+  std::filesystem::remove_all(dir);
+  spec.set_checkpoint_dir(dir);
+  spec.set_checkpoint_every_steps(10);
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator solo;
+  auto kept = Trainer::Create("test-job", spec, data, &solo).value();
+  MirroredEngine* engine = KeepMirroredEngine(*kept, spec, *data);
+  ASSERT_TRUE(TrainUntil(*kept, 1, 20).ok());
+  // Another member of the job went on to step 40 and checkpointed it.
+  auto other = Trainer::Create("test-job", spec, data, &solo).value();
+  ASSERT_TRUE(TrainUntil(*other, 1, 40).ok());
+  auto info = kept->Heal({"w0"});
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->resumed_from_step, 40);
+  ASSERT_TRUE(TrainUntil(*kept, 41, 60).ok());
+  EXPECT_EQ(engine->uploads, 2);
+  ASSERT_TRUE(TrainUntil(*other, 41, 60).ok());
+  EXPECT_EQ(kept->ParameterChecksum(), other->ParameterChecksum());
+  std::filesystem::remove_all(dir);
+}
+
+// The device's state cannot be read back when a generation ends: Train fails with it, the
+// trainer claims the host's older step, and the next generation uploads that and trains on to
+// the plain trainer's bits.
+TEST(KeptEngineTest, AFailedReadBackFailsTrainAndGoesBackToTheHostsStep) {
+  const v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  SoloCommunicator solo;
+  auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+  MirroredEngine* engine = KeepMirroredEngine(*trainer, spec, *data);
+  ASSERT_TRUE(TrainUntil(*trainer, 1, 25).ok());
+  engine->fail_downloads = true;
+  absl::Status failed = TrainUntil(*trainer, 26, 60);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+  EXPECT_NE(failed.message().find("reading the device's state back"), std::string::npos) << failed;
+  EXPECT_EQ(trainer->completed_step(), 25);
+  engine->fail_downloads = false;
+  ASSERT_TRUE(trainer->Heal({"w0"}).ok());
+  ASSERT_TRUE(TrainUntil(*trainer, 26, 60).ok());
+  EXPECT_EQ(engine->uploads, 2);
+  EXPECT_EQ(trainer->ParameterChecksum(), PlainRunChecksum(spec, data));
+}
+
+// The source dies after its first piece: the taker keeps its own state on the host, and its
+// engine, whose copy was partly overwritten, uploads the host's again before training on.
+TEST(KeptEngineTest, AHealLostMidwayMakesTheTakersEngineUploadAgain) {
+  const v1::JobSpec spec = SyntheticSpec();
+  auto data = std::make_shared<Dataset>(MakeSyntheticDataset(spec.dataset().synthetic()));
+  std::string taker_sum;
+  int taker_uploads = 0;
+  testing::RunInGlooGroup(2, [&](int r, std::unique_ptr<GlooCommunicator> gloo) {
+    SoloCommunicator solo;
+    auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
+    MirroredEngine* engine = KeepMirroredEngine(*trainer, spec, *data);
+    ASSERT_TRUE(TrainUntil(*trainer, 1, r == 0 ? 30 : 10).ok());
+    if (r == 0) {
+      DiesMidBroadcast dying(std::move(gloo), /*fail_at=*/3);  // the header, one piece, then dead
+      trainer->set_communicator(&dying);
+      engine->set_transport(&dying);
+      EXPECT_FALSE(trainer->Heal({"w0", "w1"}).ok());
+      engine->set_transport(nullptr);
+      return;
+    }
+    trainer->set_communicator(gloo.get());
+    engine->set_transport(gloo.get());
+    EXPECT_FALSE(trainer->Heal({"w0", "w1"}).ok());
+    engine->set_transport(nullptr);
+    EXPECT_GE(engine->pieces_into_device, 1) << "the test must overwrite part of the copy";
+    ASSERT_EQ(trainer->completed_step(), 10);
+    trainer->set_communicator(&solo);
+    ASSERT_TRUE(TrainUntil(*trainer, 11, 60).ok());
+    taker_uploads = engine->uploads;
+    taker_sum = trainer->ParameterChecksum();
+  });
+  EXPECT_EQ(taker_uploads, 2);
+  EXPECT_EQ(taker_sum, PlainRunChecksum(spec, data));
 }
 
 }  // namespace

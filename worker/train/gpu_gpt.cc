@@ -6,9 +6,13 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cuda_transformer.h"
+#include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
 
 namespace lockstep::worker {
+
+using kernels::cuda::DeviceFree;
+using kernels::cuda::DeviceMalloc;
 namespace {
 
 namespace cuda = kernels::cuda;
@@ -22,13 +26,13 @@ size_t Aligned(size_t floats) { return (floats + kAlignFloats - 1) / kAlignFloat
 template <typename T>
 absl::Status Allocate(T** ptr, size_t count) {
   LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cudaMalloc(reinterpret_cast<void**>(ptr), std::max<size_t>(1, count) * sizeof(T)));
+      DeviceMalloc(reinterpret_cast<void**>(ptr), std::max<size_t>(1, count) * sizeof(T)));
   return absl::OkStatus();
 }
 
 template <typename T>
 void Free(T** ptr) {
-  cudaFree(*ptr);
+  DeviceFree(*ptr);
   *ptr = nullptr;
 }
 

@@ -3,14 +3,18 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
 
 namespace lockstep::worker {
+
+using kernels::cuda::DeviceFree;
+using kernels::cuda::DeviceMalloc;
 namespace {
 
 template <typename T>
 absl::Status Allocate(T** ptr, size_t count) {
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(ptr), count * sizeof(T)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(reinterpret_cast<void**>(ptr), count * sizeof(T)));
   return absl::OkStatus();
 }
 
@@ -38,13 +42,13 @@ absl::StatusOr<std::unique_ptr<GpuMlp>> GpuMlp::Create(std::vector<int> dims,
 
 GpuMlp::~GpuMlp() {
   for (size_t l = 0; l < z_.size(); ++l) {
-    if (a_[l] != nullptr && a_[l] != z_[l]) cudaFree(a_[l]);
-    cudaFree(z_[l]);
+    if (a_[l] != nullptr && a_[l] != z_[l]) DeviceFree(a_[l]);
+    DeviceFree(z_[l]);
   }
   for (void* p : {static_cast<void*>(params_), static_cast<void*>(grads_), static_cast<void*>(dz_),
                   static_cast<void*>(da_), static_cast<void*>(row_loss_),
                   static_cast<void*>(row_correct_), static_cast<void*>(loss_sum_)}) {
-    cudaFree(p);
+    DeviceFree(p);
   }
 }
 
@@ -68,8 +72,8 @@ absl::Status GpuMlp::Reserve(int n) {
   capacity_ = 0;
   int widest = 0;
   for (size_t l = 0; l < layers_.size(); ++l) {
-    if (a_[l] != nullptr && a_[l] != z_[l]) cudaFree(a_[l]);
-    cudaFree(z_[l]);
+    if (a_[l] != nullptr && a_[l] != z_[l]) DeviceFree(a_[l]);
+    DeviceFree(z_[l]);
     a_[l] = z_[l] = nullptr;
     const size_t size = static_cast<size_t>(n) * layers_[l].out;
     if (absl::Status s = Allocate(&z_[l], size); !s.ok()) return s;
@@ -79,10 +83,10 @@ absl::Status GpuMlp::Reserve(int n) {
     }
     widest = std::max({widest, layers_[l].out, layers_[l].in});
   }
-  cudaFree(dz_);
-  cudaFree(da_);
-  cudaFree(row_loss_);
-  cudaFree(row_correct_);
+  DeviceFree(dz_);
+  DeviceFree(da_);
+  DeviceFree(row_loss_);
+  DeviceFree(row_correct_);
   dz_ = da_ = nullptr;
   row_loss_ = nullptr;
   row_correct_ = nullptr;

@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
+#include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
 #include "worker/train/gpt.h"
 #include "worker/train/gpu_gpt.h"
@@ -15,6 +16,9 @@
 #include "worker/train/mlp.h"
 
 namespace lockstep::worker {
+
+using kernels::cuda::DeviceFree;
+using kernels::cuda::DeviceMalloc;
 namespace {
 
 // Hands a growing prefix of a device buffer to NCCL in buckets: each is summed on the NCCL
@@ -78,6 +82,7 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   step->bucket_floats_ =
       std::max<size_t>(size_t{4} << 20, static_cast<size_t>(spec.bucket_size_kib()) * 256);
   step->comm_ = comm;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaGetDevice(&step->device_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&step->stream_, cudaStreamNonBlocking));
   LOCKSTEP_GPU_RETURN_IF_ERROR(
       cudaStreamCreateWithFlags(&step->copy_stream_, cudaStreamNonBlocking));
@@ -101,9 +106,9 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   const size_t params = step->model_->num_params();
   step->segments_ = {Model::Segment{0, 0, params, true, false}};
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->state_, step->state_floats_ * sizeof(float)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&step->state_, step->state_floats_ * sizeof(float)));
   if (spec.optimizer().grad_clip_norm() > 0) {
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(
+    LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(
         &step->clip_workspace_, (kernels::cuda::kClipWorkspace + 1) * sizeof(double)));
   }
   // On the step's stream (non-blocking, so a plain cudaMemset on the legacy stream could land
@@ -111,7 +116,7 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   LOCKSTEP_GPU_RETURN_IF_ERROR(
       cudaMemsetAsync(step->state_, 0, step->state_floats_ * sizeof(float), step->stream_));
   if (spec.deterministic()) {
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&step->fixed_, (params + 2) * sizeof(int64_t)));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&step->fixed_, (params + 2) * sizeof(int64_t)));
   }
   return step;
 }
@@ -144,16 +149,18 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::ForHost(const v1::JobSpec& spe
 }
 
 GpuStep::~GpuStep() {
+  // The trainer that keeps this engine may go on another thread than the one that made it.
+  cudaSetDevice(device_);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
   model_.reset();
-  cudaFree(state_);
-  cudaFree(clip_workspace_);
-  cudaFree(heal_);
-  cudaFree(fixed_);
+  DeviceFree(state_);
+  DeviceFree(clip_workspace_);
+  DeviceFree(heal_);
+  DeviceFree(fixed_);
   for (int slot = 0; slot < 2; ++slot) {
-    cudaFree(x_[slot]);
-    cudaFree(y_[slot]);
+    DeviceFree(x_[slot]);
+    DeviceFree(y_[slot]);
     if (uploaded_[slot] != nullptr) cudaEventDestroy(uploaded_[slot]);
     if (consumed_[slot] != nullptr) cudaEventDestroy(consumed_[slot]);
   }
@@ -188,27 +195,49 @@ absl::Status GpuStep::Begin(Communicator* comm) {
   if (host_model_ == nullptr || host_optimizer_ == nullptr) {
     return absl::FailedPreconditionError("GpuStep: Begin before AttachHost");
   }
-  // Whatever the device held is stale now: the host's state is the one to train.
-  device_newer_ = false;
-  return Upload(host_model_->params(), host_optimizer_->state());
+  // The device's copy from an earlier generation is kept when it is the host's state (the
+  // last download, or a heal received into both); anything else is replaced by the host's.
+  if (!mirror_.upload_needed()) return absl::OkStatus();
+  mirror_.Diverged();  // until the whole upload is done
+  LOCKSTEP_RETURN_IF_ERROR(Upload(host_model_->params(), host_optimizer_->state()));
+  mirror_.Copied();
+  ++uploads_;
+  return absl::OkStatus();
 }
 
 absl::Status GpuStep::End() {
   absl::Status s = Sync();
   // After a failed download the trainer falls back to the host's older state; the device's
-  // must never be read back over what healing puts on the host next.
-  device_newer_ = false;
+  // must never be read back over it, nor trained on: the next Begin uploads the host's.
+  if (!s.ok()) mirror_.Diverged();
   return s;
 }
 
 absl::Status GpuStep::Sync() {
-  if (!device_newer_) return absl::OkStatus();
-  LOCKSTEP_RETURN_IF_ERROR(Download(host_model_->params(), &host_optimizer_->state()));
-  device_newer_ = false;
+  if (state_unknown_) {
+    state_unknown_ = false;
+    mirror_.Diverged();
+    return absl::InternalError(
+        "a step failed after its update was queued: the device's state is not the last "
+        "completed step's");
+  }
+  if (!mirror_.download_needed()) return absl::OkStatus();
+  // Staged: the host's state changes only once both copies arrived (a half-written host
+  // state could be a heal's source, under a checksum computed over the same mix).
+  staged_params_.resize(model_->num_params());
+  LOCKSTEP_RETURN_IF_ERROR(Download(staged_params_.data(), &staged_state_));
+  std::copy(staged_params_.begin(), staged_params_.end(), host_model_->params());
+  host_optimizer_->state().swap(staged_state_);
+  mirror_.Copied();
   return absl::OkStatus();
 }
 
 absl::StatusOr<StepResult> GpuStep::TakeStep(const StepArgs& args) {
+  if (mirror_.upload_needed()) {
+    // Never on a device state that is not the host's: the next generation's Begin uploads it.
+    return absl::InternalError(
+        "GpuStep: a step on a device state that is not the host's (no Begin since it changed)");
+  }
   const absl::Time start = absl::Now();
   StepResult result;
   if (args.deterministic) {
@@ -224,40 +253,63 @@ absl::StatusOr<StepResult> GpuStep::TakeStep(const StepArgs& args) {
     if (!loss.ok()) return loss.status();
     result.loss = *loss;
   }
-  if (result.rejected == 0) device_newer_ = true;
+  if (result.rejected == 0) mirror_.Stepped();
   result.compute = absl::Now() - start;  // the device step is one unit (no breakdown yet)
   return result;
 }
 
-absl::Status GpuStep::BroadcastHost(float* data, size_t count, int root) {
+absl::Status GpuStep::BroadcastState(StatePart part, size_t offset, size_t count, float* host,
+                                     int root, bool take) {
   if (comm_ == nullptr || comm_->size() <= 1) {
     return absl::UnimplementedError("no NCCL group to broadcast over");
   }
+  const bool params = part == StatePart::kParams;
+  const size_t size = params ? model_->num_params() : state_floats_;
+  const size_t host_size = params ? host_model_->num_params() : host_optimizer_->state().size();
+  if (offset > size || count > size - offset || size != host_size) {
+    return absl::InternalError(absl::StrCat("heal piece [", offset, ", ", offset + count, ") of ",
+                                            params ? "the parameters" : "the optimizer state",
+                                            ": the device holds ", size, " values, the host ",
+                                            host_size));
+  }
+  float* const state = (params ? model_->params() : state_) + offset;
   const size_t bytes = count * sizeof(float);
-  if (count > heal_capacity_) {
+  const bool sending = comm_->rank() == root;
+  // The root's device copy goes as it is when it is the host's state; otherwise (a device
+  // that never held it, or after a failed download) the host's piece goes through scratch.
+  const bool from_device = sending && mirror_.holds_host();
+  // A member that takes the state receives straight into its device state: from the first
+  // piece on, that is no longer the host's (the trainer commits the host's copy only once all
+  // of it arrived and its checksum holds, and then says so: HostStateChanged(true)).
+  const bool into_device = !sending && take;
+  if (into_device) mirror_.Diverged();
+  if (!from_device && !into_device && count > heal_capacity_) {
     // Every broadcast before ended in a successful Wait: nothing uses the old buffer.
-    cudaFree(heal_);
+    DeviceFree(heal_);
     heal_ = nullptr;
     heal_capacity_ = 0;
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&heal_, bytes));
-    heal_capacity_ = count;
+    const size_t capacity = std::max(count, kHealScratchFloats);
+    LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&heal_, capacity * sizeof(float)));
+    heal_capacity_ = capacity;
   }
-  // All on the communicator's stream, in order. The copies are synchronous for the host when
-  // its memory is pageable, so the download waits until the watchdog saw the broadcast finish
-  // (a dead root must end in Wait, not in a copy that never returns); the upload starts on an
-  // idle stream (the last piece's Wait returned).
-  const bool sending = comm_->rank() == root;
-  if (sending) {
+  float* const buffer = from_device || into_device ? state : heal_;
+  // The device state was last written on the compute stream: done before NCCL reads or
+  // overwrites it (idle between generations; this makes sure).
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  // All on the communicator's stream, in order. The download waits until the watchdog saw the
+  // broadcast finish (a dead root must end in Wait, not in a copy that never returns); the
+  // upload starts on an idle stream (the last piece's Wait returned).
+  if (sending && !from_device) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpyAsync(heal_, data, bytes, cudaMemcpyHostToDevice, comm_->stream()));
+        cudaMemcpyAsync(heal_, host, bytes, cudaMemcpyHostToDevice, comm_->stream()));
   }
-  LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(heal_, bytes, root));
+  LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(buffer, bytes, root));
   LOCKSTEP_RETURN_IF_ERROR(comm_->Wait());
-  if (!sending) {
+  if (into_device) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpyAsync(data, heal_, bytes, cudaMemcpyDeviceToHost, comm_->stream()));
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(comm_->stream()));
+        cudaMemcpyAsync(host, buffer, bytes, cudaMemcpyDeviceToHost, comm_->stream()));
   }
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(comm_->stream()));
   return absl::OkStatus();
 }
 
@@ -320,16 +372,16 @@ absl::Status GpuStep::Reserve(int n) {
   capacity_ = 0;  // nothing usable until every buffer exists again
   const size_t floats = layout_.feature_stride, ints = IntsPerSample();
   for (int slot = 0; slot < 2; ++slot) {
-    cudaFree(x_[slot]);
-    cudaFree(y_[slot]);
+    DeviceFree(x_[slot]);
+    DeviceFree(y_[slot]);
     x_[slot] = nullptr;
     y_[slot] = nullptr;
   }
   for (int slot = 0; slot < 2; ++slot) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMalloc(&x_[slot], std::max<size_t>(1, n * floats) * sizeof(float)));
+        DeviceMalloc(&x_[slot], std::max<size_t>(1, n * floats) * sizeof(float)));
     LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMalloc(&y_[slot], std::max<size_t>(1, n * ints) * sizeof(int32_t)));
+        DeviceMalloc(&y_[slot], std::max<size_t>(1, n * ints) * sizeof(int32_t)));
   }
   capacity_ = n;
   return absl::OkStatus();
@@ -413,8 +465,12 @@ void GpuStep::AbortAfterFailure() {
 
 absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, int micro_batch,
                                      float grad_scale, float lr, int64_t step) {
+  updating_ = false;
   absl::StatusOr<double> result = RunStep(x, y, n, micro_batch, grad_scale, lr, step);
-  if (!result.ok()) AbortAfterFailure();
+  if (!result.ok()) {
+    state_unknown_ = state_unknown_ || updating_;
+    AbortAfterFailure();
+  }
   return result;
 }
 
@@ -479,6 +535,7 @@ absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n,
     // The watchdog: a dead or hung peer ends here with the communicator aborted.
     if (absl::Status s = comm_->Wait(); !s.ok()) return s;
   }
+  updating_ = true;
   if (absl::Status s = Update(lr, step); !s.ok()) return s;
   absl::StatusOr<double> loss_sum = model_->LossSum();  // waits for the update too
   if (!loss_sum.ok()) return loss_sum.status();
@@ -563,9 +620,13 @@ absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const float* x,
 absl::StatusOr<GpuStep::DeterministicResult> GpuStep::StepDeterministic(
     const float* x, const int32_t* y, int n, int shard, float grad_scale, int frac_bits, float lr,
     int64_t step) {
+  updating_ = false;
   absl::StatusOr<DeterministicResult> result =
       RunDeterministic(x, y, n, shard, grad_scale, frac_bits, lr, step);
-  if (!result.ok()) AbortAfterFailure();
+  if (!result.ok()) {
+    state_unknown_ = state_unknown_ || updating_;
+    AbortAfterFailure();
+  }
   return result;
 }
 
@@ -594,6 +655,7 @@ absl::StatusOr<GpuStep::DeterministicResult> GpuStep::RunDeterministic(
       !s.ok()) {
     return s;
   }
+  updating_ = true;
   if (absl::Status s = Update(lr, step); !s.ok()) return s;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return result;

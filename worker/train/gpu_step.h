@@ -55,9 +55,11 @@ class GpuStep final : public StepEngine {
   ~GpuStep() override;
 
   // StepEngine, over the host model and optimizer it mirrors (AttachHost first; not owned).
-  // Begin uploads their state, Sync and End download it when the device's is newer; the
-  // group's sums go through the NCCL communicator given at Create, not `comm`.
-  // The update follows the optimizer's segments (weight decay where it applies).
+  // The device's state outlives a generation (the trainer keeps the engine: see
+  // Trainer::set_device_engine): Begin uploads the host's state only when the device does not
+  // hold it (StateMirror), Sync and End download it when the device's is newer. The group's
+  // sums go through the NCCL communicator of the generation (Create's, then set_nccl), not
+  // `comm`. The update follows the optimizer's segments (weight decay where it applies).
   void AttachHost(Model* model, Optimizer* optimizer) {
     host_model_ = model;
     host_optimizer_ = optimizer;
@@ -72,10 +74,21 @@ class GpuStep final : public StepEngine {
     return Evaluate(batch.features, layout_.labels() ? batch.labels : batch.tokens, batch.n,
                     correct);
   }
-  // In a group: NCCL broadcasts the piece between the devices (the root uploads it, the others
-  // download it once the watchdog saw the broadcast finish), through a device buffer of the
-  // largest piece so far. UNIMPLEMENTED without a group.
-  absl::Status BroadcastHost(float* data, size_t count, int root) override;
+  // In a group, by NCCL between the devices: the root sends from its device state when that
+  // is the host's (else it uploads `host`'s piece first), a member that takes the state
+  // receives into its device state and downloads the piece into `host` once the watchdog saw
+  // the broadcast finish, the others receive into a scratch buffer. UNIMPLEMENTED without a
+  // group.
+  absl::Status BroadcastState(StatePart part, size_t offset, size_t count, float* host, int root,
+                              bool take) override;
+  void HostStateChanged(bool engine_has_it) override {
+    engine_has_it ? mirror_.Copied() : mirror_.Diverged();
+  }
+  // This generation's NCCL group (null: none, or between generations). The engine must not
+  // hold a communicator that is being destroyed.
+  void set_nccl(NcclCommunicator* comm) { comm_ = comm; }
+  // Whole-state uploads so far (Begin's, when the device did not hold the host's state).
+  int64_t uploads() const { return uploads_; }
 
   // The same steps on explicit host buffers (the benchmark and the GPU tests drive these): x
   // holds n x feature_stride floats (none for a language model), y the n labels or the n
@@ -155,7 +168,14 @@ class GpuStep final : public StepEngine {
   std::unique_ptr<BucketPlan> plan_;
   Model* host_model_ = nullptr;
   Optimizer* host_optimizer_ = nullptr;
-  bool device_newer_ = false;  // a step ran since the host was last synced
+  // Whether the device's state is the host's, or newer (a step ran since the last download).
+  StateMirror mirror_;
+  // A step failed after its update was queued: the device's state is neither the last
+  // completed step's nor known; End says so, and the trainer goes back to the host's.
+  bool state_unknown_ = false;
+  bool updating_ = false;  // RunStep / RunDeterministic reached the update
+  int64_t uploads_ = 0;
+  int device_ = 0;  // the CUDA device it was made on (the destructor may run on any thread)
   HostBatch last_batch_;
   NcclCommunicator* comm_ = nullptr;
   cudaStream_t stream_ = nullptr;       // compute
@@ -168,7 +188,11 @@ class GpuStep final : public StepEngine {
   size_t state_floats_ = 0;
   float* state_ = nullptr;  // momentum, or AdamW's m then v (Optimizer's layout)
   double* clip_workspace_ = nullptr;  // grad_clip_norm: ClipByGlobalNorm's workspace
-  float* heal_ = nullptr;  // BroadcastHost's piece
+  // BroadcastState's scratch (the root's upload, a non-taker's piece): made once, for at
+  // least kHealScratchFloats, so that no cudaFree (which waits for the whole device) falls
+  // between the broadcasts of a heal, while a peer on the same GPU waits in one.
+  static constexpr size_t kHealScratchFloats = size_t{1} << 20;
+  float* heal_ = nullptr;
   size_t heal_capacity_ = 0;
   int64_t* fixed_ = nullptr;  // deterministic mode: gradient, loss, rejections (num_params + 2)
   int capacity_ = 0;
@@ -180,6 +204,9 @@ class GpuStep final : public StepEngine {
   float* host_x_ = nullptr;
   int32_t* host_y_ = nullptr;
   std::vector<float> pageable_x_;
+  // Sync's download lands here first and reaches the host model and optimizer only whole: a
+  // copy that fails midway leaves them as they were.
+  std::vector<float> staged_params_, staged_state_;
   std::vector<int32_t> pageable_y_;
 };
 

@@ -56,12 +56,36 @@ struct StepResult {
   absl::Duration compute, exposed_comm, update;
 };
 
+// For an engine that keeps a copy of the state of its own (a GPU's memory) across
+// generations: whether that copy is the host's, and whether it is newer. The one place that
+// decides when Begin uploads, when Sync downloads and when a heal's source may send its copy.
+class StateMirror {
+ public:
+  // Begin: the host's state must go to the engine (never there, or changed since).
+  bool upload_needed() const { return !descends_; }
+  // A step ran since the host's state was last brought up to date.
+  bool download_needed() const { return descends_ && stepped_; }
+  // The engine's copy is the host's, bit for bit.
+  bool holds_host() const { return descends_ && !stepped_; }
+  // After an upload or a download: the two are equal.
+  void Copied() { descends_ = true, stepped_ = false; }
+  void Stepped() { stepped_ = descends_; }
+  // The engine's copy is no longer the host's, nor newer: a failed download (the trainer goes
+  // back to the host's state), a heal being received into it, the host's state rewritten.
+  void Diverged() { descends_ = false, stepped_ = false; }
+
+ private:
+  bool descends_ = false;  // the engine's copy is the host's, or the host's trained on
+  bool stepped_ = false;
+};
+
 // Driven by one thread.
 class StepEngine {
  public:
   virtual ~StepEngine() = default;
   // Start of training in a generation: the engine takes the host model's and optimizer's state
-  // (a device uploads it) and will sum over `comm` (a device may use its own transport).
+  // (a device uploads it, unless the copy it kept from an earlier generation is that state)
+  // and will sum over `comm` (a device may use its own transport).
   virtual absl::Status Begin(Communicator* comm) = 0;
   // The host model and optimizer hold the state of the last step taken (a device downloads it
   // if it is newer).
@@ -75,13 +99,24 @@ class StepEngine {
   virtual absl::StatusOr<StepResult> TakeStep(const StepArgs& args) = 0;
   // Forward only on `batch` (host memory): the loss sum; adds the correct predictions.
   virtual absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) = 0;
-  // Healing's bulk transfer (Trainer::Heal): `count` floats of host memory from rank `root`'s
-  // `data` into every other member's `data`, over the engine's own transport (a device's,
-  // between device memories). UNIMPLEMENTED when it has none: the trainer then broadcasts
-  // over its communicator. Errors: the transport's (the generation is over).
-  virtual absl::Status BroadcastHost(float* data, size_t count, int root) {
+  // Healing's bulk transfer (Trainer::Heal): floats [offset, offset + count) of `part` of the
+  // state, from rank `root` to the other members over the engine's own transport (a device's:
+  // between device memories). The root sends the engine's own copy when it holds the host's
+  // state (StateMirror::holds_host: a device sends from device memory), else `host`. A member
+  // that takes the state (`take`) receives it into the engine's copy, which from then on is
+  // not the host's until HostStateChanged(true), and into `host` (the trainer's staging, for
+  // the checksum); the others only take part. UNIMPLEMENTED when the engine has no transport
+  // (a CPU, a group of one): the trainer then broadcasts `host` over its communicator. Errors:
+  // the transport's (the generation is over).
+  enum class StatePart { kParams, kOptimizer };
+  virtual absl::Status BroadcastState(StatePart part, size_t offset, size_t count, float* host,
+                                      int root, bool take) {
     return absl::UnimplementedError("no transport of its own");
   }
+  // The trainer wrote the host's state outside the engine: a heal's commit (`engine_has_it`:
+  // every piece of it came through BroadcastState with `take`) or a checkpoint read from disk.
+  // An engine with a copy of its own uploads the host's at the next Begin unless it has it.
+  virtual void HostStateChanged(bool engine_has_it) {}
 };
 
 }  // namespace lockstep::worker

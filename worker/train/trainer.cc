@@ -166,6 +166,24 @@ Trainer::~Trainer() = default;
 
 void Trainer::set_step_engine(StepEngine* engine) {
   engine_ = engine != nullptr ? engine : cpu_step_.get();
+  // Another engine trains the host's state now: a kept device copy is no longer it.
+  if (device_engine_ != nullptr && engine_ != device_engine_.get()) {
+    device_engine_->HostStateChanged(false);
+  }
+}
+
+void Trainer::set_device_engine(std::unique_ptr<StepEngine> engine) {
+  if (engine_ == device_engine_.get()) engine_ = cpu_step_.get();
+  device_engine_ = std::move(engine);
+  if (device_engine_ != nullptr) engine_ = device_engine_.get();
+}
+
+void Trainer::HostStateWritten(bool engine_has_it) {
+  engine_->HostStateChanged(engine_has_it);
+  // A kept device engine that is not the current one (none should be) must not trust its copy.
+  if (device_engine_ != nullptr && device_engine_.get() != engine_) {
+    device_engine_->HostStateChanged(false);
+  }
 }
 
 absl::Status Trainer::TrainStep(int64_t step) {
@@ -258,6 +276,7 @@ absl::StatusOr<bool> Trainer::LoadStateFromDisk() {
     if (ckpt.ok()) {
       std::copy(ckpt->params.begin(), ckpt->params.end(), model_->params());
       opt = std::move(ckpt->optimizer_state);
+      HostStateWritten(false);
       LOG(INFO) << "loaded " << job_id_ << "'s checkpoint of step " << ckpt->step << " from "
                 << spec_.checkpoint_dir() << " (held step " << completed_step_ << ")";
       completed_step_ = ckpt->step;
@@ -273,6 +292,7 @@ absl::StatusOr<bool> Trainer::LoadStateFromDisk() {
     if (!ckpt.ok()) return absl::FailedPreconditionError(ckpt.status().message());
     std::copy(ckpt->params.begin(), ckpt->params.end(), model_->params());
     if (init.load_optimizer_state()) opt = std::move(ckpt->optimizer_state);
+    HostStateWritten(false);
     initialized_from_checkpoint_ = true;
     LOG(INFO) << job_id_ << " starts from the parameters of " << ckpt->job_id << " at step "
               << ckpt->step << (init.load_optimizer_state() ? " and its optimizer state" : "");
@@ -330,16 +350,22 @@ absl::Status Trainer::ReceiveState(int source, bool take) {
     staged_opt.resize(m);
   }
   int pieces = 0;
-  for (auto [mine, staged, count] : {std::tuple<float*, float*, size_t>{model_->params(),
-                                                                         staged_params.data(), n},
-                                     {opt.data(), staged_opt.data(), m}}) {
+  bool through_engine = true;  // every piece went through the engine's transport
+  using Part = StepEngine::StatePart;
+  for (auto [part, mine, staged, count] :
+       {std::tuple<Part, float*, float*, size_t>{Part::kParams, model_->params(),
+                                                 staged_params.data(), n},
+        {Part::kOptimizer, opt.data(), staged_opt.data(), m}}) {
     for (size_t offset = 0; offset < count; offset += kHealPieceFloats) {
       const size_t len = std::min(kHealPieceFloats, count - offset);
       float* buffer = sending ? mine + offset : staged + offset;
-      // Between devices when the engine has a transport of its own (GPUs: NCCL), else over
-      // the communicator.
-      absl::Status sent = engine_->BroadcastHost(buffer, len, source);
-      if (absl::IsUnimplemented(sent)) sent = comm_->Broadcast(buffer, len * sizeof(float), source);
+      // Between devices when the engine has a transport of its own (GPUs: NCCL, from and into
+      // device memory), else over the communicator.
+      absl::Status sent = engine_->BroadcastState(part, offset, len, buffer, source, take);
+      if (absl::IsUnimplemented(sent)) {
+        through_engine = false;
+        sent = comm_->Broadcast(buffer, len * sizeof(float), source);
+      }
       LOCKSTEP_RETURN_IF_ERROR(sent);
       // Tests hold the source here, with part of its state sent, and kill it.
       if (sending && ++pieces == 1) test_hooks::Reach("heal_broadcast");
@@ -353,6 +379,7 @@ absl::Status Trainer::ReceiveState(int source, bool take) {
   }
   std::copy(staged_params.begin(), staged_params.end(), model_->params());
   opt = std::move(staged_opt);
+  HostStateWritten(through_engine);
   completed_step_ = header.step;
   initialized_from_checkpoint_ = header.from_checkpoint_init != 0;
   return absl::OkStatus();
@@ -446,18 +473,25 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
     return s;
   }
   host_step_ = completed_step_;
-  struct EndEngine {
-    Trainer* trainer;
-    ~EndEngine() {
-      if (absl::Status s = trainer->engine_->End(); !s.ok()) {
-        // The host keeps the state it last had: claim only that step, so that healing sends
-        // this member the newer state instead of trusting parameters that do not match.
-        LOG(WARNING) << "reading the device's state back: " << s << "; back to step "
-                     << trainer->host_step_;
-        trainer->completed_step_ = trainer->host_step_;
-      }
+  absl::Status trained = TrainSteps(start_step, abort, progress, checkpoint, report_interval);
+  if (absl::Status ended = engine_->End(); !ended.ok()) {
+    // The host keeps the state it last had: claim only that step, so that healing sends this
+    // member the newer state instead of trusting parameters that do not match. The
+    // generation fails with it (a worker that finished would report a step it does not hold).
+    LOG(WARNING) << "reading the device's state back: " << ended << "; back to step "
+                 << host_step_;
+    completed_step_ = host_step_;
+    if (trained.ok()) {
+      trained = absl::Status(ended.code(),
+                             absl::StrCat("reading the device's state back: ", ended.message()));
     }
-  } end_engine{this};
+  }
+  return trained;
+}
+
+absl::Status Trainer::TrainSteps(int64_t start_step, const std::atomic<bool>& abort,
+                                 const ProgressFn& progress, const CheckpointFn& checkpoint,
+                                 absl::Duration report_interval) {
   absl::Time window_start = absl::Now();
   int64_t window_steps = 0;
   double samples_per_second = 0;

@@ -60,6 +60,12 @@ class Trainer {
   // Runs the steps on another engine (a GPU's); nullptr: the trainer's own CPU engine. Not
   // owned; set per generation, like the communicator, and not during Train.
   void set_step_engine(StepEngine* engine);
+  // A device's engine that the trainer owns and keeps across generations, as it keeps its
+  // state: the device's copy of the state outlives the generation, so a survivor uploads
+  // nothing when the group re-forms and a heal's source sends from device memory. The steps
+  // run on it (nullptr: back to the CPU engine). Not during Train.
+  void set_device_engine(std::unique_ptr<StepEngine> engine);
+  StepEngine* device_engine() const { return device_engine_.get(); }
   // Memory this worker may use for the job (0: no limit), which decides how many samples go
   // through forward and backward at once (ChooseMicroBatch of common/job_memory.h). Not during
   // Train.
@@ -152,8 +158,16 @@ class Trainer {
   // The error of a deterministic step with `rejected` values out of the fixed-point range.
   static absl::Status FixedPointOutOfRange(int64_t rejected, int64_t step);
   absl::Status TrainStep(int64_t step);
+  // Train's steps, between the engine's Begin and End.
+  absl::Status TrainSteps(int64_t start_step, const std::atomic<bool>& abort,
+                          const ProgressFn& progress, const CheckpointFn& checkpoint,
+                          absl::Duration report_interval);
   // The host model and optimizer hold the last completed step (the engine's Sync).
   absl::Status SyncHost();
+  // The host's state was rewritten outside the engine (a checkpoint, a heal's commit): the
+  // engines that keep a copy learn it; `engine_has_it`: the current engine received the same
+  // state (BroadcastState with take).
+  void HostStateWritten(bool engine_has_it);
 
   // Writes a checkpoint (rank 0) when `step` is due and reports it. A failed write is an error
   // only under checkpoint_failure_policy "fail".
@@ -174,7 +188,9 @@ class Trainer {
   int64_t total_steps_ = 0;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<CpuStep> cpu_step_;  // the default engine
-  StepEngine* engine_ = nullptr;          // cpu_step_, or a device's
+  // set_device_engine's: it points into model_ and optimizer_, so it goes before them.
+  std::unique_ptr<StepEngine> device_engine_;
+  StepEngine* engine_ = nullptr;  // cpu_step_, device_engine_, or set_step_engine's
   // The step the host model and optimizer state belong to (a device's engine may be ahead).
   int64_t host_step_ = 0;
   ShardRange shards_;
