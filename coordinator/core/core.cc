@@ -841,7 +841,9 @@ void Core::Tick(absl::Time now, Decisions* out) {
 
 RankCandidate Core::Candidate(const Worker& w) {
   bool may_share = false;
-  for (const std::string& c : w.info.capabilities()) may_share = may_share || c == kSharedGpuCapability;
+  for (const std::string& c : w.info.capabilities()) {
+    may_share = may_share || c == kSharedGpuCapability;
+  }
   return {w.id, w.info.host(), w.registration_seq, w.info.device_uuid(), may_share,
           w.info.free_memory_bytes()};
 }
