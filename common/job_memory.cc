@@ -62,6 +62,8 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
   int64_t fixed = 0;       // floats of working memory whatever the micro-batch
   int64_t params = 0, trainable = 0;
   int64_t input = 0;  // values of one sample's input (features and label, or its tokens)
+  // Of per_sample, the activations a GPU keeps in bfloat16 under precision "bf16".
+  int64_t bf16_values = 0;
   if (gpt) {
     const std::vector<TensorSize> tensors = ModelTensors(model, 0, 0);
     const std::vector<std::string> patterns(model.frozen_parameters().begin(),
@@ -77,6 +79,9 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
     // temporaries (about 13 C). Attention keeps O(T) per row, never T x T.
     const int64_t C = model.d_model(), T = model.context_length(), L = model.n_layer();
     per_sample = T * (L * (16 * C + model.n_head() + 4) + 13 * C + 3) + T + 1;
+    // What feeds the products (both LayerNorms' outputs, the attention output, the GELU's
+    // output; the final LayerNorm's): 7 C a block and C.
+    bf16_values = T * (L * 7 * C + C);
     input = T + 1;
     // The LM head's logits, one chunk of rows at a time (at most 4 Mi values).
     fixed = std::min<int64_t>(int64_t{1} << 22, T * std::max(1, model.vocab_size()));
@@ -101,6 +106,7 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
   // A GPU's head runs in larger chunks, counted with its buffers below instead.
   const bool gpu = spec.device() == "cuda";
   e.activations = 4 * (per_sample * micro_batch + (gpu ? 0 : fixed));
+  if (gpu && spec.precision() == "bf16") e.activations -= 2 * bf16_values * micro_batch;
   // Default: the reducer's bucket copies, about one gradient. Deterministic: the int64 sum,
   // and as much again in the communicator.
   e.communication = spec.deterministic() ? 16 * (trainable + 2) : 4 * trainable;

@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/bf16.h"
 #include "kernels/cpu_kernels.h"
 
 namespace lockstep::kernels::cuda {
@@ -48,10 +49,22 @@ class Blas {
   // "fp32", "tf32" or "bf16" (a job's `precision`); INVALID_ARGUMENT otherwise.
   static absl::StatusOr<Precision> ParsePrecision(const std::string& name);
 
+  bool bf16() const { return bf16_; }
+
+  // An operand of Gemm: FP32 values (rounded into the scratch under kBf16), or values stored
+  // in bfloat16 already (a bf16 activation: used as they are, so the product is the same as
+  // with the FP32 values they were rounded from; kBf16 only, else INVALID_ARGUMENT).
+  struct Operand {
+    Operand(const float* values) : f32(values) {}  // implicit: FP32 call sites stay as they are
+    Operand(const Bf16* values) : bf16(values) {}
+    const float* f32 = nullptr;
+    const Bf16* bf16 = nullptr;
+  };
+
   // Twin of kernels::Gemm: C = alpha * op(A) * op(B) + beta * C, row-major, in the precision
   // set (FP32 unless SetPrecision).
-  absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
-                    int lda, const float* b, int ldb, float beta, float* c, int ldc);
+  absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, Operand a,
+                    int lda, Operand b, int ldb, float beta, float* c, int ldc);
 
   // One layer's forward: z = x * w^T + bias, a = act(z); x is rows x in, w is out x in (as
   // stored by the CPU model), z and a are rows x out. Identity and ReLU run entirely in the

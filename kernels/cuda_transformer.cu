@@ -12,6 +12,8 @@
 // - Softmax cross-entropy: one block per row (vocabularies of 50,000 and more), block trees for
 //   the maximum, the first argmax and the sum of exponentials (in double), then one thread
 //   adds the rows' losses in row order.
+#include <cuda_bf16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +31,16 @@ constexpr int kRowsPerBlock = kThreads / kWarp;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi), as on the CPU
 constexpr float kGeluCubic = 0.044715f;
 
+// FP32 or bfloat16 storage of an activation (kernels/bf16.h): stores round to nearest even.
+__device__ inline void Store(float* p, float v) { *p = v; }
+__device__ inline void Store(Bf16* p, float v) {
+  *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(v);
+}
+__device__ inline float Load(const float* p) { return *p; }
+__device__ inline float Load(const Bf16* p) {
+  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
+}
+
 __device__ double WarpSum(double v) {
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
     v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -36,8 +48,9 @@ __device__ double WarpSum(double v) {
   return v;  // every lane holds the same total (the butterfly is symmetric)
 }
 
+template <typename Out>
 __global__ void LayerNormForwardKernel(const float* x, const float* w, const float* b, int rows,
-                                       int c, float eps, float* out, float* mean, float* rstd) {
+                                       int c, float eps, Out* out, float* mean, float* rstd) {
   const int r = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (r >= rows) return;  // whole warps leave together: r is the same across a warp
@@ -53,9 +66,9 @@ __global__ void LayerNormForwardKernel(const float* x, const float* w, const flo
   const double var = WarpSum(sq) / c;
   const float s = static_cast<float>(1.0 / sqrt(var + static_cast<double>(eps)));
   const float mf = static_cast<float>(m);
-  float* o = out + static_cast<size_t>(r) * c;
+  Out* o = out + static_cast<size_t>(r) * c;
   for (int j = lane; j < c; j += kWarp) {
-    o[j] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(xr[j], mf), s), w[j]), b[j]);
+    Store(o + j, __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(xr[j], mf), s), w[j]), b[j]));
   }
   if (lane == 0) {
     mean[r] = mf;
@@ -130,14 +143,15 @@ __global__ void GeluTanhBackwardKernel(const float* x, const float* dout, size_t
   }
 }
 
+template <typename Out>
 __global__ void BiasGeluTanhForwardKernel(const float* bias, int rows, int cols, float* pre,
-                                          float* out) {
+                                          Out* out) {
   const size_t n = static_cast<size_t>(rows) * cols;
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const float v = __fadd_rn(pre[i], bias[i % cols]);
     pre[i] = v;
-    out[i] = GeluTanh(v);
+    Store(out + i, GeluTanh(v));
   }
 }
 
@@ -217,9 +231,10 @@ struct AttentionShape {
   }
 };
 
-__device__ float Dot(const float* a, const float* b, int n) {
+template <typename B>
+__device__ float Dot(const float* a, const B* b, int n) {
   float sum = 0.0f;
-  for (int d = 0; d < n; ++d) sum += a[d] * b[d];
+  for (int d = 0; d < n; ++d) sum += a[d] * Load(b + d);
   return sum;
 }
 
@@ -234,7 +249,8 @@ __device__ void LoadTile(int first, int T, int hs, float (*tile)[kMaxAttentionHe
   }
 }
 
-__global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, float* out, float* lse) {
+template <typename Out>
+__global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, Out* out, float* lse) {
   __shared__ float keys[kTile][kMaxAttentionHead];
   __shared__ float values[kTile][kMaxAttentionHead];
   const int b = blockIdx.z, h = blockIdx.y;
@@ -268,15 +284,16 @@ __global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, float
     }
   }
   if (!valid) return;
-  float* o = out + s.Row(b, t) * s.c + static_cast<size_t>(h) * s.hs;
+  Out* o = out + s.Row(b, t) * s.c + static_cast<size_t>(h) * s.hs;
   const float inv = 1.0f / l;
-  for (int d = 0; d < s.hs; ++d) o[d] = acc[d] * inv;
+  for (int d = 0; d < s.hs; ++d) Store(o + d, acc[d] * inv);
   lse[s.Lse(b, h, t)] = m + logf(l);
 }
 
 // dK and dV: thread j owns key row j of its block and walks the queries i >= j in tiles
 // (queries, their dO, lse and D_i = dO_i . O_i in shared memory).
-__global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv, const float* out,
+template <typename Out>
+__global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv, const Out* out,
                                             const float* lse, AttentionShape s, float* dqkv) {
   __shared__ float queries[kTile][kMaxAttentionHead];
   __shared__ float grads[kTile][kMaxAttentionHead];
@@ -304,7 +321,7 @@ __global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
     if (threadIdx.x < kTile && i0 + static_cast<int>(threadIdx.x) < s.T) {
       const int i = i0 + threadIdx.x;
       tile_lse[threadIdx.x] = lse[s.Lse(b, h, i)];
-      const float* oi = out + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
+      const Out* oi = out + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
       tile_d[threadIdx.x] = Dot(dout_row(i), oi, s.hs);
     }
     __syncthreads();
@@ -329,9 +346,9 @@ __global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
 }
 
 // dQ: thread i owns query row i of its block and walks the keys j <= i in tiles.
-__global__ void AttentionBackwardQueriesKernel(const float* dout, const float* qkv,
-                                               const float* out, const float* lse, AttentionShape s,
-                                               float* dqkv) {
+template <typename Out>
+__global__ void AttentionBackwardQueriesKernel(const float* dout, const float* qkv, const Out* out,
+                                               const float* lse, AttentionShape s, float* dqkv) {
   __shared__ float keys[kTile][kMaxAttentionHead];
   __shared__ float values[kTile][kMaxAttentionHead];
   const int b = blockIdx.z, h = blockIdx.y;
@@ -344,7 +361,7 @@ __global__ void AttentionBackwardQueriesKernel(const float* dout, const float* q
   if (valid) {
     const float* qi = s.Q(qkv, b, i, h);
     const float* gi = dout + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
-    const float* oi = out + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
+    const Out* oi = out + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
     for (int d = 0; d < s.hs; ++d) {
       q[d] = qi[d];
       go[d] = gi[d];
@@ -499,13 +516,66 @@ absl::Status AddScaled(const double* value, double scale, bool accumulate, doubl
   return LaunchStatus("AddScaledKernel");
 }
 
-absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
-                              float eps, float* out, float* mean, float* rstd,
-                              cudaStream_t stream) {
+namespace {
+
+template <typename Out>
+absl::Status LayerNormForwardAs(const float* x, const float* w, const float* b, int rows, int c,
+                                float eps, Out* out, float* mean, float* rstd,
+                                cudaStream_t stream) {
   if (rows <= 0 || c <= 0) return absl::OkStatus();
   const int blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   LayerNormForwardKernel<<<blocks, kThreads, 0, stream>>>(x, w, b, rows, c, eps, out, mean, rstd);
   return LaunchStatus("LayerNormForwardKernel");
+}
+
+template <typename Out>
+absl::Status CausalAttentionForwardAs(const float* qkv, int batch, int T, int c, int heads,
+                                      Out* out, float* lse, cudaStream_t stream) {
+  AttentionShape shape;
+  if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
+  if (batch == 0 || T == 0) return absl::OkStatus();
+  const dim3 grid((T + kQueryRows - 1) / kQueryRows, heads, batch);
+  AttentionForwardKernel<<<grid, kQueryRows, 0, stream>>>(qkv, shape, out, lse);
+  return LaunchStatus("AttentionForwardKernel");
+}
+
+template <typename Out>
+absl::Status CausalAttentionBackwardAs(const float* dout, const float* qkv, const Out* out,
+                                       const float* lse, int batch, int T, int c, int heads,
+                                       float* dqkv, cudaStream_t stream) {
+  AttentionShape shape;
+  if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
+  if (batch == 0 || T == 0) return absl::OkStatus();
+  const dim3 keys((T + kKeyRows - 1) / kKeyRows, heads, batch);
+  AttentionBackwardKeysKernel<<<keys, kKeyRows, 0, stream>>>(dout, qkv, out, lse, shape, dqkv);
+  if (absl::Status s = LaunchStatus("AttentionBackwardKeysKernel"); !s.ok()) return s;
+  const dim3 queries((T + kQueryRows - 1) / kQueryRows, heads, batch);
+  AttentionBackwardQueriesKernel<<<queries, kQueryRows, 0, stream>>>(dout, qkv, out, lse, shape,
+                                                                     dqkv);
+  return LaunchStatus("AttentionBackwardQueriesKernel");
+}
+
+template <typename Out>
+absl::Status BiasGeluTanhForwardAs(const float* bias, int rows, int cols, float* pre, Out* out,
+                                   cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return absl::OkStatus();
+  BiasGeluTanhForwardKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(bias, rows, cols,
+                                                                                  pre, out);
+  return LaunchStatus("BiasGeluTanhForwardKernel");
+}
+
+}  // namespace
+
+absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
+                              float eps, float* out, float* mean, float* rstd,
+                              cudaStream_t stream) {
+  return LayerNormForwardAs(x, w, b, rows, c, eps, out, mean, rstd, stream);
+}
+
+absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
+                              float eps, Bf16* out, float* mean, float* rstd,
+                              cudaStream_t stream) {
+  return LayerNormForwardAs(x, w, b, rows, c, eps, out, mean, rstd, stream);
 }
 
 absl::Status LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
@@ -524,27 +594,24 @@ absl::Status LayerNormBackward(const float* dout, const float* x, const float* w
 
 absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads,
                                     float* out, float* lse, cudaStream_t stream) {
-  AttentionShape shape;
-  if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
-  if (batch == 0 || T == 0) return absl::OkStatus();
-  const dim3 grid((T + kQueryRows - 1) / kQueryRows, heads, batch);
-  AttentionForwardKernel<<<grid, kQueryRows, 0, stream>>>(qkv, shape, out, lse);
-  return LaunchStatus("AttentionForwardKernel");
+  return CausalAttentionForwardAs(qkv, batch, T, c, heads, out, lse, stream);
+}
+
+absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads,
+                                    Bf16* out, float* lse, cudaStream_t stream) {
+  return CausalAttentionForwardAs(qkv, batch, T, c, heads, out, lse, stream);
 }
 
 absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const float* out,
                                      const float* lse, int batch, int T, int c, int heads,
                                      float* dqkv, cudaStream_t stream) {
-  AttentionShape shape;
-  if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
-  if (batch == 0 || T == 0) return absl::OkStatus();
-  const dim3 keys((T + kKeyRows - 1) / kKeyRows, heads, batch);
-  AttentionBackwardKeysKernel<<<keys, kKeyRows, 0, stream>>>(dout, qkv, out, lse, shape, dqkv);
-  if (absl::Status s = LaunchStatus("AttentionBackwardKeysKernel"); !s.ok()) return s;
-  const dim3 queries((T + kQueryRows - 1) / kQueryRows, heads, batch);
-  AttentionBackwardQueriesKernel<<<queries, kQueryRows, 0, stream>>>(dout, qkv, out, lse, shape,
-                                                                     dqkv);
-  return LaunchStatus("AttentionBackwardQueriesKernel");
+  return CausalAttentionBackwardAs(dout, qkv, out, lse, batch, T, c, heads, dqkv, stream);
+}
+
+absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const Bf16* out,
+                                     const float* lse, int batch, int T, int c, int heads,
+                                     float* dqkv, cudaStream_t stream) {
+  return CausalAttentionBackwardAs(dout, qkv, out, lse, batch, T, c, heads, dqkv, stream);
 }
 
 absl::Status GeluTanhForward(const float* x, size_t n, float* out, cudaStream_t stream) {
@@ -562,10 +629,12 @@ absl::Status GeluTanhBackward(const float* x, const float* dout, size_t n, float
 
 absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, float* out,
                                  cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return absl::OkStatus();
-  BiasGeluTanhForwardKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(bias, rows, cols,
-                                                                                  pre, out);
-  return LaunchStatus("BiasGeluTanhForwardKernel");
+  return BiasGeluTanhForwardAs(bias, rows, cols, pre, out, stream);
+}
+
+absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, Bf16* out,
+                                 cudaStream_t stream) {
+  return BiasGeluTanhForwardAs(bias, rows, cols, pre, out, stream);
 }
 
 absl::Status GatherTokens(const int32_t* tokens, int token_stride, int n, int t, int offset,

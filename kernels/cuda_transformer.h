@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "common/gpu_limits.h"
+#include "kernels/bf16.h"
 
 namespace lockstep::kernels::cuda {
 
@@ -67,6 +68,22 @@ absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, i
 // thread in a fixed order, so the same bits every run): one pass per tile of keys for dK and
 // dV, walking the queries that see them; one per tile of queries for dQ.
 absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const float* out,
+                                     const float* lse, int batch, int T, int c, int heads,
+                                     float* dqkv, cudaStream_t stream);
+
+// Precision "bf16" stores the activations that only feed matrix products (and the attention
+// output, which its backward also reads) in bfloat16: these variants write (or read) `out` as
+// bfloat16, rounded to nearest even from the FP32 value the FP32 variant computes, so their
+// output is the FP32 variant's rounded, bit for bit, and a product of it is the product
+// Blas::Gemm makes of the FP32 output under kBf16. Everything else stays FP32 (the statistics,
+// the pre-activation, lse, the residual stream, every gradient).
+absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
+                              float eps, Bf16* out, float* mean, float* rstd, cudaStream_t stream);
+absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, Bf16* out,
+                                 cudaStream_t stream);
+absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads,
+                                    Bf16* out, float* lse, cudaStream_t stream);
+absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const Bf16* out,
                                      const float* lse, int batch, int T, int c, int heads,
                                      float* dqkv, cudaStream_t stream);
 

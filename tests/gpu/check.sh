@@ -409,9 +409,9 @@ def load(name):
             return json.loads(f.read().strip().splitlines()[-1])
     except Exception:
         return None
-# "Same precision" is the same name, not the same work: Lockstep's bf16 rounds the products'
-# operands only (activations, LayerNorm and attention stay FP32); PyTorch's autocast also runs
-# activations and attention in bf16.
+# "Same precision" is the same name, not the same work: Lockstep's bf16 runs the products in
+# bf16 and keeps what feeds them (and the attention output) in bf16, but computes LayerNorm,
+# attention and the residual stream in FP32; PyTorch's autocast also runs attention in bf16.
 print("\n| run | step ms | tokens/s | model TFLOP/s | MFU (989 TFLOP/s bf16 peak) | vs PyTorch eager (same precision name) | vs PyTorch bf16 eager | vs PyTorch bf16 compile |")
 print("|---|---|---|---|---|---|---|---|")
 eager_bf16, compiled = load("torch-gpt-bf16"), load("torch-gpt-bf16-compile")

@@ -478,6 +478,110 @@ TEST(CudaTransformerTest, CausalAttentionMatchesCpu) {
       << "3 heads do not divide 10 channels";
 }
 
+// What a bf16 kernel wrote, as floats (bfloat16 is the top half of a float's bits).
+std::vector<float> Bf16Values(const std::vector<cuda::Bf16>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const uint32_t bits = uint32_t{v[i].bits} << 16;
+    std::memcpy(&out[i], &bits, sizeof(bits));
+  }
+  return out;
+}
+
+std::vector<cuda::Bf16> ToBf16Values(const std::vector<float>& v) {
+  std::vector<cuda::Bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const float r = RoundToBf16(v[i]);
+    uint32_t bits;
+    std::memcpy(&bits, &r, sizeof(bits));
+    out[i].bits = static_cast<uint16_t>(bits >> 16);
+  }
+  return out;
+}
+
+// Precision "bf16"'s activations: each bf16 variant writes the FP32 variant's output rounded
+// to nearest even, bit for bit (everything else it writes is the FP32 variant's bits); the
+// attention backward reading a bf16 output is the FP32 backward of that output's floats; and
+// a bf16 operand in a product is the FP32 operand it was rounded from (refused outside bf16).
+TEST(CudaTransformerTest, Bf16ActivationsAreTheFp32OutputsRounded) {
+  LOCKSTEP_REQUIRE_GPU();
+  const int rows = 37, c = 96;
+  {
+    std::vector<float> x = Random(size_t(rows) * c, 71, 3.0f);
+    const std::vector<float> w = Random(c, 72), b = Random(c, 73);
+    DeviceBuffer<float> dx(x), dw(w), db(b), out(x.size()), mean(rows), rstd(rows), mean16(rows),
+        rstd16(rows);
+    DeviceBuffer<cuda::Bf16> out16(x.size());
+    ASSERT_TRUE(cuda::LayerNormForward(dx.get(), dw.get(), db.get(), rows, c, 1e-5f, out.get(),
+                                       mean.get(), rstd.get(), nullptr)
+                    .ok());
+    ASSERT_TRUE(cuda::LayerNormForward(dx.get(), dw.get(), db.get(), rows, c, 1e-5f, out16.get(),
+                                       mean16.get(), rstd16.get(), nullptr)
+                    .ok());
+    EXPECT_EQ(Bf16Values(out16.Read()), RoundedToBf16(out.Read())) << "LayerNorm";
+    EXPECT_EQ(mean16.Read(), mean.Read());
+    EXPECT_EQ(rstd16.Read(), rstd.Read());
+  }
+  {
+    const std::vector<float> pre = Random(size_t(rows) * 4 * c, 74, 2.0f);
+    const std::vector<float> bias = Random(4 * c, 75);
+    DeviceBuffer<float> p32(pre), p16(pre), dbias(bias), out(pre.size());
+    DeviceBuffer<cuda::Bf16> out16(pre.size());
+    ASSERT_TRUE(
+        cuda::BiasGeluTanhForward(dbias.get(), rows, 4 * c, p32.get(), out.get(), nullptr).ok());
+    ASSERT_TRUE(
+        cuda::BiasGeluTanhForward(dbias.get(), rows, 4 * c, p16.get(), out16.get(), nullptr).ok());
+    EXPECT_EQ(Bf16Values(out16.Read()), RoundedToBf16(out.Read())) << "GELU";
+    EXPECT_EQ(p16.Read(), p32.Read()) << "the pre-activation stays FP32";
+  }
+  {
+    const int batch = 2, T = 70, heads = 4;
+    const size_t n = size_t(batch) * T;
+    const std::vector<float> qkv = Random(n * 3 * c, 76), dout = Random(n * c, 77);
+    DeviceBuffer<float> dqkv_in(qkv), ddout(dout), out(n * c), lse(size_t(batch) * heads * T),
+        lse16(size_t(batch) * heads * T), grad(n * 3 * c), grad16(n * 3 * c);
+    DeviceBuffer<cuda::Bf16> out16(n * c);
+    ASSERT_TRUE(cuda::CausalAttentionForward(dqkv_in.get(), batch, T, c, heads, out.get(),
+                                             lse.get(), nullptr)
+                    .ok());
+    ASSERT_TRUE(cuda::CausalAttentionForward(dqkv_in.get(), batch, T, c, heads, out16.get(),
+                                             lse16.get(), nullptr)
+                    .ok());
+    const std::vector<float> rounded = RoundedToBf16(out.Read());
+    EXPECT_EQ(Bf16Values(out16.Read()), rounded) << "attention";
+    EXPECT_EQ(lse16.Read(), lse.Read());
+    DeviceBuffer<float> rounded_out(rounded);
+    ASSERT_TRUE(cuda::CausalAttentionBackward(ddout.get(), dqkv_in.get(), rounded_out.get(),
+                                              lse.get(), batch, T, c, heads, grad.get(), nullptr)
+                    .ok());
+    ASSERT_TRUE(cuda::CausalAttentionBackward(ddout.get(), dqkv_in.get(), out16.get(), lse.get(),
+                                              batch, T, c, heads, grad16.get(), nullptr)
+                    .ok());
+    EXPECT_EQ(grad16.Read(), grad.Read()) << "attention backward from a bf16 output";
+  }
+  {
+    auto blas = cuda::Blas::Create(nullptr);
+    ASSERT_TRUE(blas.ok()) << blas.status();
+    const int m = 40, n = 24, k = 72;
+    const std::vector<float> a = Random(size_t(m) * k, 78), b = Random(size_t(k) * n, 79);
+    DeviceBuffer<float> da(a), db(b), c32(size_t(m) * n), c16(size_t(m) * n);
+    DeviceBuffer<cuda::Bf16> a16(ToBf16Values(a));
+    const cuda::Bf16* a16_in = a16.get();
+    EXPECT_TRUE(absl::IsInvalidArgument(
+        (*blas)->Gemm(false, false, m, n, k, 1.0f, a16_in, k, db.get(), n, 0.0f, c16.get(), n)))
+        << "a bf16 operand outside precision bf16";
+    ASSERT_TRUE((*blas)->SetPrecision(cuda::Blas::Precision::kBf16).ok());
+    ASSERT_TRUE((*blas)
+                    ->Gemm(false, false, m, n, k, 1.0f, da.get(), k, db.get(), n, 0.0f, c32.get(),
+                           n)
+                    .ok());
+    ASSERT_TRUE((*blas)
+                    ->Gemm(false, false, m, n, k, 1.0f, a16_in, k, db.get(), n, 0.0f, c16.get(), n)
+                    .ok());
+    EXPECT_EQ(c16.Read(), c32.Read()) << "a bf16 operand is the FP32 one it was rounded from";
+  }
+}
+
 TEST(CudaTransformerTest, GeluTanhMatchesCpu) {
   LOCKSTEP_REQUIRE_GPU();
   std::vector<float> x = Random(10007, 21, 3.0f);

@@ -103,7 +103,8 @@ absl::Status GpuGpt::DownloadGrads(float* host) const {
 }
 
 absl::Status GpuGpt::Reserve(int rows) {
-  if (rows <= capacity_rows_) return absl::OkStatus();
+  const bool bf16 = blas_->bf16();
+  if (rows <= capacity_rows_ && bf16 == arena_bf16_) return absl::OkStatus();
   // Growing frees the old buffers first: the stream must be idle before they go.
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   capacity_rows_ = 0;
@@ -127,27 +128,37 @@ absl::Status GpuGpt::Reserve(int rows) {
       used += Aligned(count);
       return p;
     };
+    // An activation that feeds products: half the floats in bfloat16.
+    auto take_input = [&](size_t count) {
+      ProductInput in;
+      if (bf16) {
+        in.bf16 = reinterpret_cast<cuda::Bf16*>(take((count + 1) / 2));
+      } else {
+        in.f32 = take(count);
+      }
+      return in;
+    };
     resid_.assign(L + 1, nullptr);
     for (auto& p : resid_) p = take(R * C);
-    for (auto* v : {&ln1_, &ln1_mean_, &ln1_rstd_, &qkv_, &atty_, &lse_, &mid_, &ln2_, &ln2_mean_,
-                    &ln2_rstd_, &fch_, &fch_gelu_}) {
+    for (auto* v : {&ln1_mean_, &ln1_rstd_, &qkv_, &lse_, &mid_, &ln2_mean_, &ln2_rstd_, &fch_}) {
       v->assign(L, nullptr);
     }
+    for (auto* v : {&ln1_, &atty_, &ln2_, &fch_gelu_}) v->assign(L, ProductInput{});
     for (size_t l = 0; l < L; ++l) {
-      ln1_[l] = take(R * C);
+      ln1_[l] = take_input(R * C);
       ln1_mean_[l] = take(R);
       ln1_rstd_[l] = take(R);
       qkv_[l] = take(3 * R * C);
-      atty_[l] = take(R * C);
+      atty_[l] = take_input(R * C);
       lse_[l] = take(R * H);
       mid_[l] = take(R * C);
-      ln2_[l] = take(R * C);
+      ln2_[l] = take_input(R * C);
       ln2_mean_[l] = take(R);
       ln2_rstd_[l] = take(R);
       fch_[l] = take(4 * R * C);
-      fch_gelu_[l] = take(4 * R * C);
+      fch_gelu_[l] = take_input(4 * R * C);
     }
-    lnf_ = take(R * C);
+    lnf_ = take_input(R * C);
     lnf_mean_ = take(R);
     lnf_rstd_ = take(R);
     logits_ = take(static_cast<size_t>(head_chunk_rows_) * V);
@@ -165,7 +176,38 @@ absl::Status GpuGpt::Reserve(int rows) {
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&row_correct_, head_chunk_rows_));
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&row_loss_, head_chunk_rows_));
   capacity_rows_ = rows;
+  arena_bf16_ = bf16;
   return absl::OkStatus();
+}
+
+absl::Status GpuGpt::LayerNormInto(const float* x, size_t w, size_t b, int rows,
+                                   const ProductInput& out, float* mean, float* rstd) {
+  const int C = config_.d_model;
+  if (out.bf16 != nullptr) {
+    return cuda::LayerNormForward(x, params_ + w, params_ + b, rows, C, kLayerNormEps, out.bf16,
+                                  mean, rstd, stream_);
+  }
+  return cuda::LayerNormForward(x, params_ + w, params_ + b, rows, C, kLayerNormEps, out.f32, mean,
+                                rstd, stream_);
+}
+
+absl::Status GpuGpt::AttentionForward(const float* qkv, int n, const ProductInput& out,
+                                      float* lse) {
+  const int t = config_.context, C = config_.d_model, H = config_.heads;
+  if (out.bf16 != nullptr) {
+    return cuda::CausalAttentionForward(qkv, n, t, C, H, out.bf16, lse, stream_);
+  }
+  return cuda::CausalAttentionForward(qkv, n, t, C, H, out.f32, lse, stream_);
+}
+
+absl::Status GpuGpt::AttentionBackward(const float* dout, const float* qkv,
+                                       const ProductInput& out, const float* lse, int n,
+                                       float* dqkv) {
+  const int t = config_.context, C = config_.d_model, H = config_.heads;
+  if (out.bf16 != nullptr) {
+    return cuda::CausalAttentionBackward(dout, qkv, out.bf16, lse, n, t, C, H, dqkv, stream_);
+  }
+  return cuda::CausalAttentionBackward(dout, qkv, out.f32, lse, n, t, C, H, dqkv, stream_);
 }
 
 absl::Status GpuGpt::CheckWindows(int token_stride) const {
@@ -192,32 +234,32 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
   cuda::Blas& blas = *blas_;
   for (int l = 0; l < config_.layers; ++l) {
     const Gpt::Block& b = g.blocks[l];
-    LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormForward(resid_[l], P + b.ln1_w, P + b.ln1_b, rows, C,
-                                                    kLayerNormEps, ln1_[l], ln1_mean_[l],
-                                                    ln1_rstd_[l], stream_));
+    LOCKSTEP_RETURN_IF_ERROR(
+        LayerNormInto(resid_[l], b.ln1_w, b.ln1_b, rows, ln1_[l], ln1_mean_[l], ln1_rstd_[l]));
     // Each product adds onto its bias (and residual) already in place, as on the CPU.
     LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(nullptr, P + b.attn_b, rows, 3 * C, qkv_[l], stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 3 * C, C, 1.0f, ln1_[l], C, P + b.attn_w,
-                                       3 * C, 1.0f, qkv_[l], 3 * C));
-    LOCKSTEP_RETURN_IF_ERROR(
-        cuda::CausalAttentionForward(qkv_[l], n, t, C, config_.heads, atty_[l], lse_[l], stream_));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 3 * C, C, 1.0f, ln1_[l].operand(), C,
+                                       P + b.attn_w, 3 * C, 1.0f, qkv_[l], 3 * C));
+    LOCKSTEP_RETURN_IF_ERROR(AttentionForward(qkv_[l], n, atty_[l], lse_[l]));
     LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(resid_[l], P + b.proj_b, rows, C, mid_[l], stream_));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, C, 1.0f, atty_[l].operand(), C,
+                                       P + b.proj_w, C, 1.0f, mid_[l], C));
     LOCKSTEP_RETURN_IF_ERROR(
-        blas.Gemm(false, false, rows, C, C, 1.0f, atty_[l], C, P + b.proj_w, C, 1.0f, mid_[l], C));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormForward(mid_[l], P + b.ln2_w, P + b.ln2_b, rows, C,
-                                                    kLayerNormEps, ln2_[l], ln2_mean_[l],
-                                                    ln2_rstd_[l], stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 4 * C, C, 1.0f, ln2_[l], C, P + b.fc_w,
-                                       4 * C, 0.0f, fch_[l], 4 * C));
+        LayerNormInto(mid_[l], b.ln2_w, b.ln2_b, rows, ln2_[l], ln2_mean_[l], ln2_rstd_[l]));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 4 * C, C, 1.0f, ln2_[l].operand(), C,
+                                       P + b.fc_w, 4 * C, 0.0f, fch_[l], 4 * C));
+    const ProductInput& gelu = fch_gelu_[l];
     LOCKSTEP_RETURN_IF_ERROR(
-        cuda::BiasGeluTanhForward(P + b.fc_b, rows, 4 * C, fch_[l], fch_gelu_[l], stream_));
+        gelu.bf16 != nullptr
+            ? cuda::BiasGeluTanhForward(P + b.fc_b, rows, 4 * C, fch_[l], gelu.bf16, stream_)
+            : cuda::BiasGeluTanhForward(P + b.fc_b, rows, 4 * C, fch_[l], gelu.f32, stream_));
     LOCKSTEP_RETURN_IF_ERROR(
         cuda::StartWith(mid_[l], P + b.fcproj_b, rows, C, resid_[l + 1], stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, 4 * C, 1.0f, fch_gelu_[l], 4 * C,
-                                       P + b.fcproj_w, C, 1.0f, resid_[l + 1], C));
+    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, 4 * C, 1.0f, fch_gelu_[l].operand(),
+                                       4 * C, P + b.fcproj_w, C, 1.0f, resid_[l + 1], C));
   }
-  return cuda::LayerNormForward(resid_[config_.layers], P + g.lnf_w, P + g.lnf_b, rows, C,
-                                kLayerNormEps, lnf_, lnf_mean_, lnf_rstd_, stream_);
+  return LayerNormInto(resid_[config_.layers], g.lnf_w, g.lnf_b, rows, lnf_, lnf_mean_,
+                       lnf_rstd_);
 }
 
 absl::Status GpuGpt::Head(int rows, float scale, bool backward, bool count, double* loss_sum) {
@@ -225,7 +267,7 @@ absl::Status GpuGpt::Head(int rows, float scale, bool backward, bool count, doub
   const float* wte = params_ + layout_.wte;
   for (int r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int m = std::min(head_chunk_rows_, rows - r0);
-    const float* in = lnf_ + static_cast<size_t>(r0) * C;
+    const cuda::Blas::Operand in = lnf_.operand(static_cast<size_t>(r0) * C);
     LOCKSTEP_RETURN_IF_ERROR(
         blas_->Gemm(false, true, m, V, C, 1.0f, in, C, wte, C, 0.0f, logits_, V));
     LOCKSTEP_RETURN_IF_ERROR(cuda::SoftmaxCrossEntropyInPlace(
@@ -275,10 +317,10 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
   ready();
   // A linear layer out = in . W + bias over the rows, backward from its output's gradient d:
   // W's gradient (beta: added or overwritten), the bias's (column sums), and dx = d . W^T.
-  auto linear_backward = [&](const float* in, int in_cols, const float* d, int out_cols, size_t w,
-                             size_t bias, float* dx) -> absl::Status {
-    LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(true, false, in_cols, out_cols, rows, 1.0f, in, in_cols, d,
-                                         out_cols, beta, G + w, out_cols));
+  auto linear_backward = [&](const ProductInput& in, int in_cols, const float* d, int out_cols,
+                             size_t w, size_t bias, float* dx) -> absl::Status {
+    LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(true, false, in_cols, out_cols, rows, 1.0f, in.operand(),
+                                         in_cols, d, out_cols, beta, G + w, out_cols));
     LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(d, rows, out_cols, G + bias, accumulate, stream_));
     return blas_->Gemm(false, true, rows, in_cols, out_cols, 1.0f, d, out_cols, P + w, out_cols,
                        0.0f, dx, in_cols);
@@ -314,8 +356,7 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
     LOCKSTEP_RETURN_IF_ERROR(linear_backward(atty_[l], C, dmid_, C, b.proj_w, b.proj_b, scratch_));
     ready();
     // Attention, then attn.c_attn.
-    LOCKSTEP_RETURN_IF_ERROR(cuda::CausalAttentionBackward(scratch_, qkv_[l], atty_[l], lse_[l], n,
-                                                           t, C, config_.heads, dqkv_, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(AttentionBackward(scratch_, qkv_[l], atty_[l], lse_[l], n, dqkv_));
     LOCKSTEP_RETURN_IF_ERROR(
         linear_backward(ln1_[l], C, dqkv_, 3 * C, b.attn_w, b.attn_b, scratch_));
     ready();

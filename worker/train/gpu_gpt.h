@@ -4,8 +4,12 @@
 // (kernels/cuda_transformer.h). Parameters move between Gpt and GpuGpt as they are, so a GPU
 // worker can heal from a CPU worker's state and write the same checkpoints.
 //
-// FP32 throughout (no bf16 yet). GpuStep trains it as a GpuModel. Not thread-safe; all work is
-// enqueued on the stream given at creation.
+// FP32 values, but for precision "bf16" (its Blas's): the products' operands in bfloat16,
+// and the activations that only feed products (the LayerNorms' outputs, the GELU's output)
+// and the attention's output stored in bfloat16 as their kernels write them, so they take
+// half the memory and no pass rounds them again. The residual stream, q/k/v, the
+// pre-activations, the statistics and every gradient stay FP32. GpuStep trains it as a
+// GpuModel. Not thread-safe; all work is enqueued on the stream given at creation.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -82,7 +86,23 @@ class GpuGpt final : public GpuModel {
 
  private:
   GpuGpt() = default;
+  // An activation that feeds products: FP32, or bfloat16 under precision "bf16".
+  struct ProductInput {
+    float* f32 = nullptr;
+    kernels::cuda::Bf16* bf16 = nullptr;
+    // The values from `offset` on, as an operand of Blas::Gemm.
+    kernels::cuda::Blas::Operand operand(size_t offset = 0) const {
+      if (bf16 != nullptr) return kernels::cuda::Blas::Operand(bf16 + offset);
+      return kernels::cuda::Blas::Operand(f32 + offset);
+    }
+  };
   absl::Status Reserve(int rows);
+  // The kernels that write (or read) a ProductInput, in its storage.
+  absl::Status LayerNormInto(const float* x, size_t w, size_t b, int rows, const ProductInput& out,
+                             float* mean, float* rstd);
+  absl::Status AttentionForward(const float* qkv, int n, const ProductInput& out, float* lse);
+  absl::Status AttentionBackward(const float* dout, const float* qkv, const ProductInput& out,
+                                 const float* lse, int n, float* dqkv);
   // Forward over n windows (their first `context` tokens): lnf's output rows in lnf_, and
   // targets_ holds each row's next token.
   absl::Status Forward(const int32_t* tokens, int token_stride, int n);
@@ -112,12 +132,14 @@ class GpuGpt final : public GpuModel {
   // Activations for backward, for capacity_rows_ rows (n * context), carved from one
   // allocation (arena_); the integer and double buffers are their own.
   int capacity_rows_ = 0;
+  bool arena_bf16_ = false;  // the ProductInputs were laid out in bfloat16
   int head_chunk_rows_ = 0;
   float* arena_ = nullptr;
   std::vector<float*> resid_;  // layers + 1: the residual stream entering each block
-  std::vector<float*> ln1_, ln1_mean_, ln1_rstd_, qkv_, atty_, lse_, mid_, ln2_, ln2_mean_,
-      ln2_rstd_, fch_, fch_gelu_;
-  float *lnf_ = nullptr, *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr;
+  std::vector<float*> ln1_mean_, ln1_rstd_, qkv_, lse_, mid_, ln2_mean_, ln2_rstd_, fch_;
+  std::vector<ProductInput> ln1_, atty_, ln2_, fch_gelu_;
+  ProductInput lnf_;
+  float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr;
   float* logits_ = nullptr;  // head_chunk_rows_ rows of the LM head
   float *scratch_ = nullptr, *scratch4_ = nullptr, *dresid_ = nullptr, *dmid_ = nullptr,
         *dqkv_ = nullptr, *dlnf_ = nullptr;
