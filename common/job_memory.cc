@@ -79,9 +79,10 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
     // temporaries (about 13 C). Attention keeps O(T) per row, never T x T.
     const int64_t C = model.d_model(), T = model.context_length(), L = model.n_layer();
     per_sample = T * (L * (16 * C + model.n_head() + 4) + 13 * C + 3) + T + 1;
-    // What feeds the products (both LayerNorms' outputs, the attention output, the GELU's
-    // output; the final LayerNorm's): 7 C a block and C.
-    bf16_values = T * (L * 7 * C + C);
+    // All but the residual stream and the statistics: per block q/k/v, the attention output,
+    // both LayerNorms' outputs, the MLP's pre-activation and the GELU's output (14 C); the
+    // final LayerNorm's output (C).
+    bf16_values = T * (L * 14 * C + C);
     input = T + 1;
     // The LM head's logits, one chunk of rows at a time (at most 4 Mi values).
     fixed = std::min<int64_t>(int64_t{1} << 22, T * std::max(1, model.vocab_size()));

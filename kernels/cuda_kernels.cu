@@ -295,30 +295,44 @@ absl::StatusOr<const void*> Blas::ToBf16(int slot, const float* values, size_t c
 absl::Status Blas::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, Operand a,
                         int lda, Operand b, int ldb, float beta, float* c, int ldc) {
   if (m == 0 || n == 0) return absl::OkStatus();
+  if (bf16_) {
+    return GemmBf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, CUDA_R_32F, ldc);
+  }
   // Row-major C (m x n) is column-major C^T (n x m) = op(B)^T * op(A)^T: swap the operands
   // and keep each one's transpose flag.
-  if (bf16_) {
-    // An operand already in bfloat16 goes as it is; an FP32 one is rounded into its slot.
-    auto as_bf16 = [&](int slot, Operand o, size_t span) -> absl::StatusOr<const void*> {
-      if (o.bf16 != nullptr) return static_cast<const void*>(o.bf16);
-      return ToBf16(slot, o.f32, span);
-    };
-    absl::StatusOr<const void*> a16 = as_bf16(0, a, trans_a ? Span(k, m, lda) : Span(m, k, lda));
-    if (!a16.ok()) return a16.status();
-    absl::StatusOr<const void*> b16 = as_bf16(1, b, trans_b ? Span(n, k, ldb) : Span(k, n, ldb));
-    if (!b16.ok()) return b16.status();
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasGemmEx(
-        BlasHandle(blas_), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-        n, m, k, &alpha, *b16, CUDA_R_16BF, ldb, *a16, CUDA_R_16BF, lda, &beta, c, CUDA_R_32F, ldc,
-        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    return absl::OkStatus();
-  }
   if (a.bf16 != nullptr || b.bf16 != nullptr) {
     return absl::InvalidArgumentError("Gemm: a bfloat16 operand needs precision bf16");
   }
   LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSgemm(BlasHandle(blas_), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                            trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha,
                                            b.f32, ldb, a.f32, lda, &beta, c, ldc));
+  return absl::OkStatus();
+}
+
+absl::Status Blas::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, Operand a,
+                        int lda, Operand b, int ldb, float beta, Bf16* c, int ldc) {
+  if (!bf16_) return absl::InvalidArgumentError("Gemm: a bfloat16 result needs precision bf16");
+  if (m == 0 || n == 0) return absl::OkStatus();
+  return GemmBf16(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, CUDA_R_16BF, ldc);
+}
+
+absl::Status Blas::GemmBf16(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                            Operand a, int lda, Operand b, int ldb, float beta, void* c,
+                            int c_type, int ldc) {
+  // An operand already in bfloat16 goes as it is; an FP32 one is rounded into its slot.
+  auto as_bf16 = [&](int slot, Operand o, size_t span) -> absl::StatusOr<const void*> {
+    if (o.bf16 != nullptr) return static_cast<const void*>(o.bf16);
+    return ToBf16(slot, o.f32, span);
+  };
+  absl::StatusOr<const void*> a16 = as_bf16(0, a, trans_a ? Span(k, m, lda) : Span(m, k, lda));
+  if (!a16.ok()) return a16.status();
+  absl::StatusOr<const void*> b16 = as_bf16(1, b, trans_b ? Span(n, k, ldb) : Span(k, n, ldb));
+  if (!b16.ok()) return b16.status();
+  // Row-major C (m x n) is column-major C^T (n x m) = op(B)^T * op(A)^T, as in Gemm.
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasGemmEx(
+      BlasHandle(blas_), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+      n, m, k, &alpha, *b16, CUDA_R_16BF, ldb, *a16, CUDA_R_16BF, lda, &beta, c,
+      static_cast<cudaDataType_t>(c_type), ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
 }
 

@@ -39,10 +39,11 @@ class Blas {
   // rounding of the summation order):
   //  - kTf32: TF32 tensor cores for FP32 operands, about 8x the FP32 rate on Hopper, 10-bit
   //    mantissas in the products (PyTorch's allow_tf32);
-  //  - kBf16: each product's operands rounded to bfloat16 (8-bit mantissas, to nearest even)
-  //    into scratch memory the Blas owns, multiplied on bf16 tensor cores with FP32 sums and
-  //    FP32 results (about 2x TF32's rate). Inputs, outputs and the caller's buffers stay FP32:
-  //    master weights, gradients and optimizer state are never rounded.
+  //  - kBf16: each product's FP32 operands rounded to bfloat16 (8-bit mantissas, to nearest
+  //    even) into scratch memory the Blas owns (an Operand already in bfloat16 is used as it
+  //    is), multiplied on bf16 tensor cores with FP32 sums, into an FP32 result (or a bf16 one,
+  //    rounded once). The caller's FP32 buffers are never rounded in place: master weights,
+  //    gradients and optimizer state stay FP32.
   enum class Precision { kFp32, kTf32, kBf16 };
   absl::Status SetPrecision(Precision precision);
   absl::Status SetTf32(bool on) { return SetPrecision(on ? Precision::kTf32 : Precision::kFp32); }
@@ -65,6 +66,10 @@ class Blas {
   // set (FP32 unless SetPrecision).
   absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, Operand a,
                     int lda, Operand b, int ldb, float beta, float* c, int ldc);
+  // The same into a C stored in bfloat16 (kBf16 only, else INVALID_ARGUMENT): the FP32 sum
+  // alpha * op(A) * op(B) + beta * C, rounded once to nearest even.
+  absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, Operand a,
+                    int lda, Operand b, int ldb, float beta, Bf16* c, int ldc);
 
   // One layer's forward: z = x * w^T + bias, a = act(z); x is rows x in, w is out x in (as
   // stored by the CPU model), z and a are rows x out. Identity and ReLU run entirely in the
@@ -83,6 +88,10 @@ class Blas {
   size_t workspace_bytes_ = 0;
   bool tf32_ = false;
   bool bf16_ = false;
+  // kBf16's product of two bf16 operands (rounded into the scratch when FP32) into c of
+  // c_type (CUDA_R_32F or CUDA_R_16BF, a cudaDataType_t).
+  absl::Status GemmBf16(bool trans_a, bool trans_b, int m, int n, int k, float alpha, Operand a,
+                        int lda, Operand b, int ldb, float beta, void* c, int c_type, int ldc);
   // kBf16: the two operands of a product rounded to bfloat16 (uint16 storage), grown on use.
   absl::StatusOr<const void*> ToBf16(int slot, const float* values, size_t count);
   void* bf16_scratch_[2] = {nullptr, nullptr};

@@ -34,11 +34,11 @@ constexpr float kGeluCubic = 0.044715f;
 // FP32 or bfloat16 storage of an activation (kernels/bf16.h): stores round to nearest even.
 __device__ inline void Store(float* p, float v) { *p = v; }
 __device__ inline void Store(Bf16* p, float v) {
-  *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(v);
+  p->bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
 __device__ inline float Load(const float* p) { return *p; }
 __device__ inline float Load(const Bf16* p) {
-  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
+  return __bfloat162float(__ushort_as_bfloat16(p->bits));
 }
 
 __device__ double WarpSum(double v) {
@@ -131,10 +131,11 @@ __global__ void GeluTanhForwardKernel(const float* x, size_t n, float* out) {
   }
 }
 
-__global__ void GeluTanhBackwardKernel(const float* x, const float* dout, size_t n, float* dx) {
+template <typename In>
+__global__ void GeluTanhBackwardKernel(const In* x, const float* dout, size_t n, float* dx) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const float v = x[i];
+    const float v = Load(x + i);
     const float t = tanhf(kGeluScale * (v + kGeluCubic * v * v * v));
     const float sech2 = 1.0f - t * t;
     const float local =
@@ -143,15 +144,15 @@ __global__ void GeluTanhBackwardKernel(const float* x, const float* dout, size_t
   }
 }
 
-template <typename Out>
-__global__ void BiasGeluTanhForwardKernel(const float* bias, int rows, int cols, float* pre,
+// The GELU is of the stored pre-activation (rounded, in bf16), which is what its backward reads.
+template <typename Pre, typename Out>
+__global__ void BiasGeluTanhForwardKernel(const float* bias, int rows, int cols, Pre* pre,
                                           Out* out) {
   const size_t n = static_cast<size_t>(rows) * cols;
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const float v = __fadd_rn(pre[i], bias[i % cols]);
-    pre[i] = v;
-    Store(out + i, GeluTanh(v));
+    Store(pre + i, __fadd_rn(Load(pre + i), bias[i % cols]));
+    Store(out + i, GeluTanh(Load(pre + i)));
   }
 }
 
@@ -180,12 +181,14 @@ __global__ void EmbeddingForwardKernel(const int32_t* ids, const float* wte, con
   }
 }
 
+template <typename Out>
 __global__ void StartWithKernel(const float* residual, const float* bias, int rows, int cols,
-                                float* out) {
+                                Out* out) {
   const size_t n = static_cast<size_t>(rows) * cols;
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    out[i] = residual == nullptr ? bias[i % cols] : __fadd_rn(residual[i], bias[i % cols]);
+    Store(out + i,
+          residual == nullptr ? bias[i % cols] : __fadd_rn(residual[i], bias[i % cols]));
   }
 }
 
@@ -217,13 +220,16 @@ struct AttentionShape {
   int T, c, heads, hs;
   float scale;  // 1 / sqrt(hs)
   __device__ size_t Row(int b, int t) const { return static_cast<size_t>(b) * T + t; }
-  __device__ const float* Q(const float* qkv, int b, int t, int h) const {
+  template <typename T>
+  __device__ const T* Q(const T* qkv, int b, int t, int h) const {
     return qkv + Row(b, t) * 3 * c + static_cast<size_t>(h) * hs;
   }
-  __device__ const float* K(const float* qkv, int b, int t, int h) const {
+  template <typename T>
+  __device__ const T* K(const T* qkv, int b, int t, int h) const {
     return Q(qkv, b, t, h) + c;
   }
-  __device__ const float* V(const float* qkv, int b, int t, int h) const {
+  template <typename T>
+  __device__ const T* V(const T* qkv, int b, int t, int h) const {
     return Q(qkv, b, t, h) + 2 * static_cast<size_t>(c);
   }
   __device__ size_t Lse(int b, int h, int t) const {
@@ -245,12 +251,12 @@ __device__ void LoadTile(int first, int T, int hs, float (*tile)[kMaxAttentionHe
                          Source row_of) {
   for (int e = threadIdx.x; e < kTile * hs; e += blockDim.x) {
     const int row = e / hs, d = e % hs;
-    if (first + row < T) tile[row][d] = row_of(first + row)[d];
+    if (first + row < T) tile[row][d] = Load(row_of(first + row) + d);
   }
 }
 
-template <typename Out>
-__global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, Out* out, float* lse) {
+template <typename In, typename Out>
+__global__ void AttentionForwardKernel(const In* qkv, AttentionShape s, Out* out, float* lse) {
   __shared__ float keys[kTile][kMaxAttentionHead];
   __shared__ float values[kTile][kMaxAttentionHead];
   const int b = blockIdx.z, h = blockIdx.y;
@@ -260,9 +266,9 @@ __global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, Out* 
   const int last_key = min(s.T - 1, first_query + kQueryRows - 1);
   float q[kMaxAttentionHead], acc[kMaxAttentionHead];
   if (valid) {
-    const float* qt = s.Q(qkv, b, t, h);
+    const In* qt = s.Q(qkv, b, t, h);
     for (int d = 0; d < s.hs; ++d) {
-      q[d] = qt[d];
+      q[d] = Load(qt + d);
       acc[d] = 0.0f;
     }
   }
@@ -292,8 +298,8 @@ __global__ void AttentionForwardKernel(const float* qkv, AttentionShape s, Out* 
 
 // dK and dV: thread j owns key row j of its block and walks the queries i >= j in tiles
 // (queries, their dO, lse and D_i = dO_i . O_i in shared memory).
-template <typename Out>
-__global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv, const Out* out,
+template <typename In, typename Out>
+__global__ void AttentionBackwardKeysKernel(const float* dout, const In* qkv, const Out* out,
                                             const float* lse, AttentionShape s, float* dqkv) {
   __shared__ float queries[kTile][kMaxAttentionHead];
   __shared__ float grads[kTile][kMaxAttentionHead];
@@ -304,11 +310,11 @@ __global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
   const bool valid = j < s.T;
   float k[kMaxAttentionHead], v[kMaxAttentionHead], dk[kMaxAttentionHead], dv[kMaxAttentionHead];
   if (valid) {
-    const float* kj = s.K(qkv, b, j, h);
-    const float* vj = s.V(qkv, b, j, h);
+    const In* kj = s.K(qkv, b, j, h);
+    const In* vj = s.V(qkv, b, j, h);
     for (int d = 0; d < s.hs; ++d) {
-      k[d] = kj[d];
-      v[d] = vj[d];
+      k[d] = Load(kj + d);
+      v[d] = Load(vj + d);
       dk[d] = 0.0f;
       dv[d] = 0.0f;
     }
@@ -346,8 +352,8 @@ __global__ void AttentionBackwardKeysKernel(const float* dout, const float* qkv,
 }
 
 // dQ: thread i owns query row i of its block and walks the keys j <= i in tiles.
-template <typename Out>
-__global__ void AttentionBackwardQueriesKernel(const float* dout, const float* qkv, const Out* out,
+template <typename In, typename Out>
+__global__ void AttentionBackwardQueriesKernel(const float* dout, const In* qkv, const Out* out,
                                                const float* lse, AttentionShape s, float* dqkv) {
   __shared__ float keys[kTile][kMaxAttentionHead];
   __shared__ float values[kTile][kMaxAttentionHead];
@@ -359,11 +365,11 @@ __global__ void AttentionBackwardQueriesKernel(const float* dout, const float* q
   float q[kMaxAttentionHead], go[kMaxAttentionHead], dq[kMaxAttentionHead];
   float row_lse = 0.0f, row_d = 0.0f;
   if (valid) {
-    const float* qi = s.Q(qkv, b, i, h);
+    const In* qi = s.Q(qkv, b, i, h);
     const float* gi = dout + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
     const Out* oi = out + s.Row(b, i) * s.c + static_cast<size_t>(h) * s.hs;
     for (int d = 0; d < s.hs; ++d) {
-      q[d] = qi[d];
+      q[d] = Load(qi + d);
       go[d] = gi[d];
       dq[d] = 0.0f;
     }
@@ -528,8 +534,8 @@ absl::Status LayerNormForwardAs(const float* x, const float* w, const float* b, 
   return LaunchStatus("LayerNormForwardKernel");
 }
 
-template <typename Out>
-absl::Status CausalAttentionForwardAs(const float* qkv, int batch, int T, int c, int heads,
+template <typename In, typename Out>
+absl::Status CausalAttentionForwardAs(const In* qkv, int batch, int T, int c, int heads,
                                       Out* out, float* lse, cudaStream_t stream) {
   AttentionShape shape;
   if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
@@ -539,8 +545,8 @@ absl::Status CausalAttentionForwardAs(const float* qkv, int batch, int T, int c,
   return LaunchStatus("AttentionForwardKernel");
 }
 
-template <typename Out>
-absl::Status CausalAttentionBackwardAs(const float* dout, const float* qkv, const Out* out,
+template <typename In, typename Out>
+absl::Status CausalAttentionBackwardAs(const float* dout, const In* qkv, const Out* out,
                                        const float* lse, int batch, int T, int c, int heads,
                                        float* dqkv, cudaStream_t stream) {
   AttentionShape shape;
@@ -555,13 +561,30 @@ absl::Status CausalAttentionBackwardAs(const float* dout, const float* qkv, cons
   return LaunchStatus("AttentionBackwardQueriesKernel");
 }
 
-template <typename Out>
-absl::Status BiasGeluTanhForwardAs(const float* bias, int rows, int cols, float* pre, Out* out,
+template <typename Pre, typename Out>
+absl::Status BiasGeluTanhForwardAs(const float* bias, int rows, int cols, Pre* pre, Out* out,
                                    cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return absl::OkStatus();
   BiasGeluTanhForwardKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(bias, rows, cols,
                                                                                   pre, out);
   return LaunchStatus("BiasGeluTanhForwardKernel");
+}
+
+template <typename In>
+absl::Status GeluTanhBackwardAs(const In* x, const float* dout, size_t n, float* dx,
+                                cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  GeluTanhBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(x, dout, n, dx);
+  return LaunchStatus("GeluTanhBackwardKernel");
+}
+
+template <typename Out>
+absl::Status StartWithAs(const float* residual, const float* bias, int rows, int cols, Out* out,
+                         cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return absl::OkStatus();
+  StartWithKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(residual, bias, rows, cols,
+                                                                        out);
+  return LaunchStatus("StartWithKernel");
 }
 
 }  // namespace
@@ -597,7 +620,7 @@ absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, i
   return CausalAttentionForwardAs(qkv, batch, T, c, heads, out, lse, stream);
 }
 
-absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads,
+absl::Status CausalAttentionForward(const Bf16* qkv, int batch, int T, int c, int heads,
                                     Bf16* out, float* lse, cudaStream_t stream) {
   return CausalAttentionForwardAs(qkv, batch, T, c, heads, out, lse, stream);
 }
@@ -608,7 +631,7 @@ absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const 
   return CausalAttentionBackwardAs(dout, qkv, out, lse, batch, T, c, heads, dqkv, stream);
 }
 
-absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const Bf16* out,
+absl::Status CausalAttentionBackward(const float* dout, const Bf16* qkv, const Bf16* out,
                                      const float* lse, int batch, int T, int c, int heads,
                                      float* dqkv, cudaStream_t stream) {
   return CausalAttentionBackwardAs(dout, qkv, out, lse, batch, T, c, heads, dqkv, stream);
@@ -622,9 +645,7 @@ absl::Status GeluTanhForward(const float* x, size_t n, float* out, cudaStream_t 
 
 absl::Status GeluTanhBackward(const float* x, const float* dout, size_t n, float* dx,
                               cudaStream_t stream) {
-  if (n == 0) return absl::OkStatus();
-  GeluTanhBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(x, dout, n, dx);
-  return LaunchStatus("GeluTanhBackwardKernel");
+  return GeluTanhBackwardAs(x, dout, n, dx, stream);
 }
 
 absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, float* out,
@@ -632,9 +653,19 @@ absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* p
   return BiasGeluTanhForwardAs(bias, rows, cols, pre, out, stream);
 }
 
-absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, Bf16* out,
+absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, Bf16* pre, Bf16* out,
                                  cudaStream_t stream) {
   return BiasGeluTanhForwardAs(bias, rows, cols, pre, out, stream);
+}
+
+absl::Status GeluTanhBackward(const Bf16* x, const float* dout, size_t n, float* dx,
+                              cudaStream_t stream) {
+  return GeluTanhBackwardAs(x, dout, n, dx, stream);
+}
+
+absl::Status StartWith(const float* residual, const float* bias, int rows, int cols, Bf16* out,
+                       cudaStream_t stream) {
+  return StartWithAs(residual, bias, rows, cols, out, stream);
 }
 
 absl::Status GatherTokens(const int32_t* tokens, int token_stride, int n, int t, int offset,
@@ -668,10 +699,7 @@ absl::Status EmbeddingForward(const int32_t* ids, const float* wte, const float*
 
 absl::Status StartWith(const float* residual, const float* bias, int rows, int cols, float* out,
                        cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return absl::OkStatus();
-  StartWithKernel<<<Blocks(size_t(rows) * cols), kThreads, 0, stream>>>(residual, bias, rows, cols,
-                                                                        out);
-  return LaunchStatus("StartWithKernel");
+  return StartWithAs(residual, bias, rows, cols, out, stream);
 }
 
 absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c, float* dtable,

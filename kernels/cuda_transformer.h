@@ -71,21 +71,26 @@ absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const 
                                      const float* lse, int batch, int T, int c, int heads,
                                      float* dqkv, cudaStream_t stream);
 
-// Precision "bf16" stores the activations that only feed matrix products (and the attention
-// output, which its backward also reads) in bfloat16: these variants write (or read) `out` as
-// bfloat16, rounded to nearest even from the FP32 value the FP32 variant computes, so their
-// output is the FP32 variant's rounded, bit for bit, and a product of it is the product
-// Blas::Gemm makes of the FP32 output under kBf16. Everything else stays FP32 (the statistics,
-// the pre-activation, lse, the residual stream, every gradient).
+// Precision "bf16" stores the GPT's activations but the residual stream in bfloat16, as
+// PyTorch's autocast does: q/k/v, the attention output, both LayerNorms' outputs, the MLP's
+// pre-activation and the GELU's output. These variants read and write them so: a bf16 value
+// is the FP32 value the FP32 variant computes from the same (bf16) inputs, rounded to nearest
+// even, so each one's output is the FP32 variant's on the rounded inputs, rounded, bit for
+// bit. The statistics, lse, the residual stream and every gradient stay FP32. For the GELU
+// the stored (rounded) pre-activation is what it is applied to, as its backward reads it.
 absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
                               float eps, Bf16* out, float* mean, float* rstd, cudaStream_t stream);
-absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, Bf16* out,
+absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, Bf16* pre, Bf16* out,
                                  cudaStream_t stream);
-absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, int heads,
+absl::Status GeluTanhBackward(const Bf16* x, const float* dout, size_t n, float* dx,
+                              cudaStream_t stream);
+absl::Status CausalAttentionForward(const Bf16* qkv, int batch, int T, int c, int heads,
                                     Bf16* out, float* lse, cudaStream_t stream);
-absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const Bf16* out,
+absl::Status CausalAttentionBackward(const float* dout, const Bf16* qkv, const Bf16* out,
                                      const float* lse, int batch, int T, int c, int heads,
                                      float* dqkv, cudaStream_t stream);
+absl::Status StartWith(const float* residual, const float* bias, int rows, int cols, Bf16* out,
+                       cudaStream_t stream);
 
 // *out = *value * scale, or with `accumulate` *out += *value * scale (device doubles).
 absl::Status AddScaled(const double* value, double scale, bool accumulate, double* out,

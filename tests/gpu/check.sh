@@ -410,8 +410,8 @@ def load(name):
     except Exception:
         return None
 # "Same precision" is the same name, not the same work: Lockstep's bf16 runs the products in
-# bf16 and keeps what feeds them (and the attention output) in bf16, but computes LayerNorm,
-# attention and the residual stream in FP32; PyTorch's autocast also runs attention in bf16.
+# bf16 and stores the activations in bf16 (all but the residual stream, as autocast), but its
+# attention computes on FP32 CUDA cores, where PyTorch's runs on bf16 tensor cores.
 print("\n| run | step ms | tokens/s | model TFLOP/s | MFU (989 TFLOP/s bf16 peak) | vs PyTorch eager (same precision name) | vs PyTorch bf16 eager | vs PyTorch bf16 compile |")
 print("|---|---|---|---|---|---|---|---|")
 eager_bf16, compiled = load("torch-gpt-bf16"), load("torch-gpt-bf16-compile")

@@ -499,10 +499,12 @@ std::vector<cuda::Bf16> ToBf16Values(const std::vector<float>& v) {
   return out;
 }
 
-// Precision "bf16"'s activations: each bf16 variant writes the FP32 variant's output rounded
-// to nearest even, bit for bit (everything else it writes is the FP32 variant's bits); the
-// attention backward reading a bf16 output is the FP32 backward of that output's floats; and
-// a bf16 operand in a product is the FP32 operand it was rounded from (refused outside bf16).
+// Precision "bf16"'s activations: each bf16 variant writes the FP32 variant's output on the
+// same (rounded) inputs, rounded to nearest even, bit for bit, and the FP32 values beside it
+// (statistics, lse, gradients) are the FP32 variant's bits; a bf16 operand in a product is the
+// FP32 operand it was rounded from; a product into bf16 is the FP32 product rounded (to
+// bf16's precision: cuBLAS may pick another kernel for another output type); bf16 operands
+// and results are refused outside precision bf16.
 TEST(CudaTransformerTest, Bf16ActivationsAreTheFp32OutputsRounded) {
   LOCKSTEP_REQUIRE_GPU();
   const int rows = 37, c = 96;
@@ -523,54 +525,103 @@ TEST(CudaTransformerTest, Bf16ActivationsAreTheFp32OutputsRounded) {
     EXPECT_EQ(rstd16.Read(), rstd.Read());
   }
   {
-    const std::vector<float> pre = Random(size_t(rows) * 4 * c, 74, 2.0f);
-    const std::vector<float> bias = Random(4 * c, 75);
-    DeviceBuffer<float> p32(pre), p16(pre), dbias(bias), out(pre.size());
-    DeviceBuffer<cuda::Bf16> out16(pre.size());
-    ASSERT_TRUE(
-        cuda::BiasGeluTanhForward(dbias.get(), rows, 4 * c, p32.get(), out.get(), nullptr).ok());
-    ASSERT_TRUE(
-        cuda::BiasGeluTanhForward(dbias.get(), rows, 4 * c, p16.get(), out16.get(), nullptr).ok());
-    EXPECT_EQ(Bf16Values(out16.Read()), RoundedToBf16(out.Read())) << "GELU";
-    EXPECT_EQ(p16.Read(), p32.Read()) << "the pre-activation stays FP32";
+    // The MLP: bias onto the bf16 pre-activation (stored rounded), the GELU of what is stored,
+    // and the backward from it.
+    const size_t n = size_t(rows) * 4 * c;
+    const std::vector<float> pre = RoundedToBf16(Random(n, 74, 2.0f));
+    const std::vector<float> bias = Random(4 * c, 75), dout = Random(n, 80);
+    std::vector<float> summed(n);
+    for (size_t i = 0; i < n; ++i) summed[i] = RoundToBf16(pre[i] + bias[i % (4 * c)]);
+    DeviceBuffer<cuda::Bf16> pre16(ToBf16Values(pre)), out16(n);
+    DeviceBuffer<float> dbias(bias), dsummed(summed), out(n), d32(dout), d16(dout);
+    ASSERT_TRUE(cuda::BiasGeluTanhForward(dbias.get(), rows, 4 * c, pre16.get(), out16.get(),
+                                          nullptr)
+                    .ok());
+    EXPECT_EQ(Bf16Values(pre16.Read()), summed) << "the pre-activation plus bias, rounded";
+    ASSERT_TRUE(cuda::GeluTanhForward(dsummed.get(), n, out.get(), nullptr).ok());
+    EXPECT_EQ(Bf16Values(out16.Read()), RoundedToBf16(out.Read())) << "GELU of what is stored";
+    ASSERT_TRUE(cuda::GeluTanhBackward(dsummed.get(), d32.get(), n, d32.get(), nullptr).ok());
+    ASSERT_TRUE(cuda::GeluTanhBackward(pre16.get(), d16.get(), n, d16.get(), nullptr).ok());
+    EXPECT_EQ(d16.Read(), d32.Read()) << "GELU backward from the stored pre-activation";
+    // A bias to start a product on, in bf16.
+    DeviceBuffer<cuda::Bf16> start16(n);
+    ASSERT_TRUE(cuda::StartWith(nullptr, dbias.get(), rows, 4 * c, start16.get(), nullptr).ok());
+    std::vector<float> want_start(n);
+    for (size_t i = 0; i < n; ++i) want_start[i] = RoundToBf16(bias[i % (4 * c)]);
+    EXPECT_EQ(Bf16Values(start16.Read()), want_start);
   }
   {
+    // Attention on bf16 q/k/v writing a bf16 output, against the FP32 kernels on the same
+    // (rounded) q/k/v; the backward from the bf16 output against the FP32 one from its floats.
     const int batch = 2, T = 70, heads = 4;
     const size_t n = size_t(batch) * T;
-    const std::vector<float> qkv = Random(n * 3 * c, 76), dout = Random(n * c, 77);
-    DeviceBuffer<float> dqkv_in(qkv), ddout(dout), out(n * c), lse(size_t(batch) * heads * T),
+    const std::vector<float> qkv = RoundedToBf16(Random(n * 3 * c, 76));
+    const std::vector<float> dout = Random(n * c, 77);
+    DeviceBuffer<float> dqkv(qkv), ddout(dout), out(n * c), lse(size_t(batch) * heads * T),
         lse16(size_t(batch) * heads * T), grad(n * 3 * c), grad16(n * 3 * c);
-    DeviceBuffer<cuda::Bf16> out16(n * c);
-    ASSERT_TRUE(cuda::CausalAttentionForward(dqkv_in.get(), batch, T, c, heads, out.get(),
-                                             lse.get(), nullptr)
+    DeviceBuffer<cuda::Bf16> qkv16(ToBf16Values(qkv)), out16(n * c);
+    ASSERT_TRUE(cuda::CausalAttentionForward(dqkv.get(), batch, T, c, heads, out.get(), lse.get(),
+                                             nullptr)
                     .ok());
-    ASSERT_TRUE(cuda::CausalAttentionForward(dqkv_in.get(), batch, T, c, heads, out16.get(),
+    ASSERT_TRUE(cuda::CausalAttentionForward(qkv16.get(), batch, T, c, heads, out16.get(),
                                              lse16.get(), nullptr)
                     .ok());
     const std::vector<float> rounded = RoundedToBf16(out.Read());
     EXPECT_EQ(Bf16Values(out16.Read()), rounded) << "attention";
     EXPECT_EQ(lse16.Read(), lse.Read());
     DeviceBuffer<float> rounded_out(rounded);
-    ASSERT_TRUE(cuda::CausalAttentionBackward(ddout.get(), dqkv_in.get(), rounded_out.get(),
+    ASSERT_TRUE(cuda::CausalAttentionBackward(ddout.get(), dqkv.get(), rounded_out.get(),
                                               lse.get(), batch, T, c, heads, grad.get(), nullptr)
                     .ok());
-    ASSERT_TRUE(cuda::CausalAttentionBackward(ddout.get(), dqkv_in.get(), out16.get(), lse.get(),
+    ASSERT_TRUE(cuda::CausalAttentionBackward(ddout.get(), qkv16.get(), out16.get(), lse.get(),
                                               batch, T, c, heads, grad16.get(), nullptr)
                     .ok());
-    EXPECT_EQ(grad16.Read(), grad.Read()) << "attention backward from a bf16 output";
+    EXPECT_EQ(grad16.Read(), grad.Read()) << "attention backward from bf16 q/k/v and output";
   }
   {
     auto blas = cuda::Blas::Create(nullptr);
     ASSERT_TRUE(blas.ok()) << blas.status();
     const int m = 40, n = 24, k = 72;
     const std::vector<float> a = Random(size_t(m) * k, 78), b = Random(size_t(k) * n, 79);
-    DeviceBuffer<float> da(a), db(b), c32(size_t(m) * n), c16(size_t(m) * n);
-    DeviceBuffer<cuda::Bf16> a16(ToBf16Values(a));
+    const std::vector<float> start = RoundedToBf16(Random(size_t(m) * n, 81));
+    DeviceBuffer<float> da(a), db(b), c32(size_t(m) * n), c16(size_t(m) * n), sum32(start);
+    DeviceBuffer<cuda::Bf16> a16(ToBf16Values(a)), out16(ToBf16Values(start));
     const cuda::Bf16* a16_in = a16.get();
     EXPECT_TRUE(absl::IsInvalidArgument(
         (*blas)->Gemm(false, false, m, n, k, 1.0f, a16_in, k, db.get(), n, 0.0f, c16.get(), n)))
         << "a bf16 operand outside precision bf16";
+    EXPECT_TRUE(absl::IsInvalidArgument((*blas)->Gemm(false, false, m, n, k, 1.0f, da.get(), k,
+                                                       db.get(), n, 0.0f, out16.get(), n)))
+        << "a bf16 result outside precision bf16";
     ASSERT_TRUE((*blas)->SetPrecision(cuda::Blas::Precision::kBf16).ok());
+    // A bf16 operand on either side, transposed or not, with a leading dimension wider than
+    // its rows (elements are the unit) and from an odd offset (not 16-byte aligned, as the LM
+    // head's chunks of rows can be): the product of the FP32 values it was rounded from.
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        for (int side = 0; side < 2; ++side) {
+          const int lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5, offset = 1;
+          const std::vector<float> xa = Random(size_t(ta ? k : m) * lda + offset, 82);
+          const std::vector<float> xb = Random(size_t(tb ? n : k) * ldb + offset, 83);
+          DeviceBuffer<float> fa(xa), fb(xb), want(size_t(m) * n), got(size_t(m) * n);
+          DeviceBuffer<cuda::Bf16> ha(ToBf16Values(xa)), hb(ToBf16Values(xb));
+          const cuda::Blas::Operand oa = side == 0 ? cuda::Blas::Operand(ha.get() + offset)
+                                                   : cuda::Blas::Operand(fa.get() + offset);
+          const cuda::Blas::Operand ob = side == 1 ? cuda::Blas::Operand(hb.get() + offset)
+                                                   : cuda::Blas::Operand(fb.get() + offset);
+          ASSERT_TRUE((*blas)
+                          ->Gemm(ta, tb, m, n, k, 1.0f, fa.get() + offset, lda, fb.get() + offset,
+                                 ldb, 0.0f, want.get(), n)
+                          .ok());
+          ASSERT_TRUE((*blas)->Gemm(ta, tb, m, n, k, 1.0f, oa, lda, ob, ldb, 0.0f, got.get(), n)
+                          .ok());
+          // The bf16 operand's pointer differs in alignment from the scratch's: cuBLAS may
+          // choose another kernel, so FP32 rounding of the sums, not bits.
+          EXPECT_LT(RelativeError(got.Read(), want.Read()), 1e-5)
+              << "trans_a " << ta << " trans_b " << tb << " bf16 side " << side;
+        }
+      }
+    }
     ASSERT_TRUE((*blas)
                     ->Gemm(false, false, m, n, k, 1.0f, da.get(), k, db.get(), n, 0.0f, c32.get(),
                            n)
@@ -579,6 +630,17 @@ TEST(CudaTransformerTest, Bf16ActivationsAreTheFp32OutputsRounded) {
                     ->Gemm(false, false, m, n, k, 1.0f, a16_in, k, db.get(), n, 0.0f, c16.get(), n)
                     .ok());
     EXPECT_EQ(c16.Read(), c32.Read()) << "a bf16 operand is the FP32 one it was rounded from";
+    // Onto a bf16 C (beta 1, as onto a bias): the FP32 sum, rounded once.
+    ASSERT_TRUE((*blas)
+                    ->Gemm(false, false, m, n, k, 1.0f, a16_in, k, db.get(), n, 1.0f,
+                           sum32.get(), n)
+                    .ok());
+    ASSERT_TRUE((*blas)
+                    ->Gemm(false, false, m, n, k, 1.0f, a16_in, k, db.get(), n, 1.0f,
+                           out16.get(), n)
+                    .ok());
+    const std::vector<float> got = Bf16Values(out16.Read()), want = sum32.Read();
+    EXPECT_LT(RelativeError(got, want), 4e-3) << "within bf16's rounding of the FP32 sum";
   }
 }
 

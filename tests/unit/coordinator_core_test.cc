@@ -1459,14 +1459,14 @@ TEST(MemoryEstimateTest, GptOnGpuCountsTheHeadsChunkAndTheBuffers) {
   const int64_t e0 = EstimateWorkerMemory(spec, 0).total();
   const int64_t e1 = EstimateWorkerMemory(spec, 1).total();
   for (int64_t k : {2, 8, 32}) EXPECT_LE(EstimateWorkerMemory(spec, k).total(), e0 + k * (e1 - e0));
-  // bf16: what feeds the products (7 C a block, and the final LayerNorm's C, a token) in two
-  // bytes a value instead of four.
+  // bf16: the activations but the residual stream (14 C a block, and the final LayerNorm's C,
+  // a token) in two bytes a value instead of four.
   v1::JobSpec bf16 = spec;
   bf16.set_precision("bf16");
   for (int64_t mb : {1, 16}) {
     EXPECT_EQ(EstimateWorkerMemory(bf16, mb).activations,
               EstimateWorkerMemory(spec, mb).activations -
-                  2 * int64_t{1024} * (12 * 7 * 768 + 768) * mb)
+                  2 * int64_t{1024} * (12 * 14 * 768 + 768) * mb)
         << mb;
   }
 }

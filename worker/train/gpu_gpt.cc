@@ -128,9 +128,9 @@ absl::Status GpuGpt::Reserve(int rows) {
       used += Aligned(count);
       return p;
     };
-    // An activation that feeds products: half the floats in bfloat16.
+    // A Stored activation: half the floats in bfloat16.
     auto take_input = [&](size_t count) {
-      ProductInput in;
+      Stored in;
       if (bf16) {
         in.bf16 = reinterpret_cast<cuda::Bf16*>(take((count + 1) / 2));
       } else {
@@ -140,22 +140,22 @@ absl::Status GpuGpt::Reserve(int rows) {
     };
     resid_.assign(L + 1, nullptr);
     for (auto& p : resid_) p = take(R * C);
-    for (auto* v : {&ln1_mean_, &ln1_rstd_, &qkv_, &lse_, &mid_, &ln2_mean_, &ln2_rstd_, &fch_}) {
+    for (auto* v : {&ln1_mean_, &ln1_rstd_, &lse_, &mid_, &ln2_mean_, &ln2_rstd_}) {
       v->assign(L, nullptr);
     }
-    for (auto* v : {&ln1_, &atty_, &ln2_, &fch_gelu_}) v->assign(L, ProductInput{});
+    for (auto* v : {&ln1_, &qkv_, &atty_, &ln2_, &fch_, &fch_gelu_}) v->assign(L, Stored{});
     for (size_t l = 0; l < L; ++l) {
       ln1_[l] = take_input(R * C);
       ln1_mean_[l] = take(R);
       ln1_rstd_[l] = take(R);
-      qkv_[l] = take(3 * R * C);
+      qkv_[l] = take_input(3 * R * C);
       atty_[l] = take_input(R * C);
       lse_[l] = take(R * H);
       mid_[l] = take(R * C);
       ln2_[l] = take_input(R * C);
       ln2_mean_[l] = take(R);
       ln2_rstd_[l] = take(R);
-      fch_[l] = take(4 * R * C);
+      fch_[l] = take_input(4 * R * C);
       fch_gelu_[l] = take_input(4 * R * C);
     }
     lnf_ = take_input(R * C);
@@ -181,7 +181,7 @@ absl::Status GpuGpt::Reserve(int rows) {
 }
 
 absl::Status GpuGpt::LayerNormInto(const float* x, size_t w, size_t b, int rows,
-                                   const ProductInput& out, float* mean, float* rstd) {
+                                   const Stored& out, float* mean, float* rstd) {
   const int C = config_.d_model;
   if (out.bf16 != nullptr) {
     return cuda::LayerNormForward(x, params_ + w, params_ + b, rows, C, kLayerNormEps, out.bf16,
@@ -191,23 +191,51 @@ absl::Status GpuGpt::LayerNormInto(const float* x, size_t w, size_t b, int rows,
                                 rstd, stream_);
 }
 
-absl::Status GpuGpt::AttentionForward(const float* qkv, int n, const ProductInput& out,
-                                      float* lse) {
-  const int t = config_.context, C = config_.d_model, H = config_.heads;
+absl::Status GpuGpt::StartWithBias(size_t bias, int rows, int cols, const Stored& out) {
   if (out.bf16 != nullptr) {
-    return cuda::CausalAttentionForward(qkv, n, t, C, H, out.bf16, lse, stream_);
+    return cuda::StartWith(nullptr, params_ + bias, rows, cols, out.bf16, stream_);
   }
-  return cuda::CausalAttentionForward(qkv, n, t, C, H, out.f32, lse, stream_);
+  return cuda::StartWith(nullptr, params_ + bias, rows, cols, out.f32, stream_);
 }
 
-absl::Status GpuGpt::AttentionBackward(const float* dout, const float* qkv,
-                                       const ProductInput& out, const float* lse, int n,
-                                       float* dqkv) {
+absl::Status GpuGpt::GemmInto(int m, int n, int k, cuda::Blas::Operand a, size_t w, float beta,
+                              const Stored& c) {
+  // c (m x n) = a (m x k) . W (k x n) + beta c, W a parameter as the CPU stores it.
+  if (c.bf16 != nullptr) {
+    return blas_->Gemm(false, false, m, n, k, 1.0f, a, k, params_ + w, n, beta, c.bf16, n);
+  }
+  return blas_->Gemm(false, false, m, n, k, 1.0f, a, k, params_ + w, n, beta, c.f32, n);
+}
+
+absl::Status GpuGpt::BiasGeluInto(size_t bias, int rows, int cols, const Stored& pre,
+                                  const Stored& out) {
+  if (pre.bf16 != nullptr) {
+    return cuda::BiasGeluTanhForward(params_ + bias, rows, cols, pre.bf16, out.bf16, stream_);
+  }
+  return cuda::BiasGeluTanhForward(params_ + bias, rows, cols, pre.f32, out.f32, stream_);
+}
+
+absl::Status GpuGpt::GeluBackward(const Stored& pre, size_t count, float* d) {
+  if (pre.bf16 != nullptr) return cuda::GeluTanhBackward(pre.bf16, d, count, d, stream_);
+  return cuda::GeluTanhBackward(pre.f32, d, count, d, stream_);
+}
+
+absl::Status GpuGpt::AttentionForward(const Stored& qkv, int n, const Stored& out, float* lse) {
   const int t = config_.context, C = config_.d_model, H = config_.heads;
   if (out.bf16 != nullptr) {
-    return cuda::CausalAttentionBackward(dout, qkv, out.bf16, lse, n, t, C, H, dqkv, stream_);
+    return cuda::CausalAttentionForward(qkv.bf16, n, t, C, H, out.bf16, lse, stream_);
   }
-  return cuda::CausalAttentionBackward(dout, qkv, out.f32, lse, n, t, C, H, dqkv, stream_);
+  return cuda::CausalAttentionForward(qkv.f32, n, t, C, H, out.f32, lse, stream_);
+}
+
+absl::Status GpuGpt::AttentionBackward(const float* dout, const Stored& qkv, const Stored& out,
+                                       const float* lse, int n, float* dqkv) {
+  const int t = config_.context, C = config_.d_model, H = config_.heads;
+  if (out.bf16 != nullptr) {
+    return cuda::CausalAttentionBackward(dout, qkv.bf16, out.bf16, lse, n, t, C, H, dqkv,
+                                         stream_);
+  }
+  return cuda::CausalAttentionBackward(dout, qkv.f32, out.f32, lse, n, t, C, H, dqkv, stream_);
 }
 
 absl::Status GpuGpt::CheckWindows(int token_stride) const {
@@ -237,22 +265,17 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
     LOCKSTEP_RETURN_IF_ERROR(
         LayerNormInto(resid_[l], b.ln1_w, b.ln1_b, rows, ln1_[l], ln1_mean_[l], ln1_rstd_[l]));
     // Each product adds onto its bias (and residual) already in place, as on the CPU.
-    LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(nullptr, P + b.attn_b, rows, 3 * C, qkv_[l], stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 3 * C, C, 1.0f, ln1_[l].operand(), C,
-                                       P + b.attn_w, 3 * C, 1.0f, qkv_[l], 3 * C));
+    LOCKSTEP_RETURN_IF_ERROR(StartWithBias(b.attn_b, rows, 3 * C, qkv_[l]));
+    LOCKSTEP_RETURN_IF_ERROR(
+        GemmInto(rows, 3 * C, C, ln1_[l].operand(), b.attn_w, 1.0f, qkv_[l]));
     LOCKSTEP_RETURN_IF_ERROR(AttentionForward(qkv_[l], n, atty_[l], lse_[l]));
     LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(resid_[l], P + b.proj_b, rows, C, mid_[l], stream_));
     LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, C, 1.0f, atty_[l].operand(), C,
                                        P + b.proj_w, C, 1.0f, mid_[l], C));
     LOCKSTEP_RETURN_IF_ERROR(
         LayerNormInto(mid_[l], b.ln2_w, b.ln2_b, rows, ln2_[l], ln2_mean_[l], ln2_rstd_[l]));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, 4 * C, C, 1.0f, ln2_[l].operand(), C,
-                                       P + b.fc_w, 4 * C, 0.0f, fch_[l], 4 * C));
-    const ProductInput& gelu = fch_gelu_[l];
-    LOCKSTEP_RETURN_IF_ERROR(
-        gelu.bf16 != nullptr
-            ? cuda::BiasGeluTanhForward(P + b.fc_b, rows, 4 * C, fch_[l], gelu.bf16, stream_)
-            : cuda::BiasGeluTanhForward(P + b.fc_b, rows, 4 * C, fch_[l], gelu.f32, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(GemmInto(rows, 4 * C, C, ln2_[l].operand(), b.fc_w, 0.0f, fch_[l]));
+    LOCKSTEP_RETURN_IF_ERROR(BiasGeluInto(b.fc_b, rows, 4 * C, fch_[l], fch_gelu_[l]));
     LOCKSTEP_RETURN_IF_ERROR(
         cuda::StartWith(mid_[l], P + b.fcproj_b, rows, C, resid_[l + 1], stream_));
     LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, 4 * C, 1.0f, fch_gelu_[l].operand(),
@@ -317,7 +340,7 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
   ready();
   // A linear layer out = in . W + bias over the rows, backward from its output's gradient d:
   // W's gradient (beta: added or overwritten), the bias's (column sums), and dx = d . W^T.
-  auto linear_backward = [&](const ProductInput& in, int in_cols, const float* d, int out_cols,
+  auto linear_backward = [&](const Stored& in, int in_cols, const float* d, int out_cols,
                              size_t w, size_t bias, float* dx) -> absl::Status {
     LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(true, false, in_cols, out_cols, rows, 1.0f, in.operand(),
                                          in_cols, d, out_cols, beta, G + w, out_cols));
@@ -343,8 +366,7 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
         linear_backward(fch_gelu_[l], 4 * C, dresid_, C, b.fcproj_w, b.fcproj_b, scratch4_));
     ready();
     // GELU, then mlp.c_fc.
-    LOCKSTEP_RETURN_IF_ERROR(
-        cuda::GeluTanhBackward(fch_[l], scratch4_, 4 * RC, scratch4_, stream_));
+    LOCKSTEP_RETURN_IF_ERROR(GeluBackward(fch_[l], 4 * RC, scratch4_));
     LOCKSTEP_RETURN_IF_ERROR(
         linear_backward(ln2_[l], C, scratch4_, 4 * C, b.fc_w, b.fc_b, scratch_));
     ready();

@@ -4,12 +4,13 @@
 // (kernels/cuda_transformer.h). Parameters move between Gpt and GpuGpt as they are, so a GPU
 // worker can heal from a CPU worker's state and write the same checkpoints.
 //
-// FP32 values, but for precision "bf16" (its Blas's): the products' operands in bfloat16,
-// and the activations that only feed products (the LayerNorms' outputs, the GELU's output)
-// and the attention's output stored in bfloat16 as their kernels write them, so they take
-// half the memory and no pass rounds them again. The residual stream, q/k/v, the
-// pre-activations, the statistics and every gradient stay FP32. GpuStep trains it as a
-// GpuModel. Not thread-safe; all work is enqueued on the stream given at creation.
+// FP32 values, but for precision "bf16" (its Blas's): the products' operands in bfloat16, and
+// the activations but the residual stream stored in bfloat16 as their kernels and products
+// write them (q/k/v, the attention output, the LayerNorms' outputs, the MLP's pre-activation
+// and the GELU's output, as PyTorch's autocast keeps them), so they take half the memory and
+// no pass rounds them again. The residual stream, the statistics and every gradient stay
+// FP32. GpuStep trains it as a GpuModel. Not thread-safe; all work is enqueued on the stream
+// given at creation.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -86,8 +87,8 @@ class GpuGpt final : public GpuModel {
 
  private:
   GpuGpt() = default;
-  // An activation that feeds products: FP32, or bfloat16 under precision "bf16".
-  struct ProductInput {
+  // An activation stored in FP32, or in bfloat16 under precision "bf16".
+  struct Stored {
     float* f32 = nullptr;
     kernels::cuda::Bf16* bf16 = nullptr;
     // The values from `offset` on, as an operand of Blas::Gemm.
@@ -97,11 +98,17 @@ class GpuGpt final : public GpuModel {
     }
   };
   absl::Status Reserve(int rows);
-  // The kernels that write (or read) a ProductInput, in its storage.
-  absl::Status LayerNormInto(const float* x, size_t w, size_t b, int rows, const ProductInput& out,
+  // The kernels and products that write (or read) Stored activations, in their storage; `w`,
+  // `b` and `bias` are offsets of parameters.
+  absl::Status LayerNormInto(const float* x, size_t w, size_t b, int rows, const Stored& out,
                              float* mean, float* rstd);
-  absl::Status AttentionForward(const float* qkv, int n, const ProductInput& out, float* lse);
-  absl::Status AttentionBackward(const float* dout, const float* qkv, const ProductInput& out,
+  absl::Status StartWithBias(size_t bias, int rows, int cols, const Stored& out);
+  absl::Status GemmInto(int m, int n, int k, kernels::cuda::Blas::Operand a, size_t w, float beta,
+                        const Stored& c);
+  absl::Status BiasGeluInto(size_t bias, int rows, int cols, const Stored& pre, const Stored& out);
+  absl::Status GeluBackward(const Stored& pre, size_t count, float* d);
+  absl::Status AttentionForward(const Stored& qkv, int n, const Stored& out, float* lse);
+  absl::Status AttentionBackward(const float* dout, const Stored& qkv, const Stored& out,
                                  const float* lse, int n, float* dqkv);
   // Forward over n windows (their first `context` tokens): lnf's output rows in lnf_, and
   // targets_ holds each row's next token.
@@ -132,13 +139,13 @@ class GpuGpt final : public GpuModel {
   // Activations for backward, for capacity_rows_ rows (n * context), carved from one
   // allocation (arena_); the integer and double buffers are their own.
   int capacity_rows_ = 0;
-  bool arena_bf16_ = false;  // the ProductInputs were laid out in bfloat16
+  bool arena_bf16_ = false;  // the Stored activations were laid out in bfloat16
   int head_chunk_rows_ = 0;
   float* arena_ = nullptr;
   std::vector<float*> resid_;  // layers + 1: the residual stream entering each block
-  std::vector<float*> ln1_mean_, ln1_rstd_, qkv_, lse_, mid_, ln2_mean_, ln2_rstd_, fch_;
-  std::vector<ProductInput> ln1_, atty_, ln2_, fch_gelu_;
-  ProductInput lnf_;
+  std::vector<float*> ln1_mean_, ln1_rstd_, lse_, mid_, ln2_mean_, ln2_rstd_;
+  std::vector<Stored> ln1_, qkv_, atty_, ln2_, fch_, fch_gelu_;
+  Stored lnf_;
   float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr;
   float* logits_ = nullptr;  // head_chunk_rows_ rows of the LM head
   float *scratch_ = nullptr, *scratch4_ = nullptr, *dresid_ = nullptr, *dmid_ = nullptr,
