@@ -6,9 +6,10 @@
 //   on every run. Products are written with explicit round-to-nearest intrinsics (__fmul_rn,
 //   __fadd_rn) where the CPU twin rounds each operation, so nvcc does not contract them into
 //   fused multiply-adds and the outputs stay within an ulp or two of the CPU's.
-// - Sums over rows (dw, db, column sums, the embedding table): one thread per column, looping
-//   over the rows in order; neighbouring threads read neighbouring columns, so every row is
-//   read coalesced. No atomics anywhere.
+// - Sums over rows (dw, db, column sums): a block of 32 columns by 32 row groups, each group's
+//   rows in order, then the groups in order; a warp reads 32 neighbouring columns of a row,
+//   coalesced. The embedding table: a block per 256 columns and class of ids, rows in order
+//   (the CPU's bits). No atomics anywhere.
 // - Softmax cross-entropy: one block per row (vocabularies of 50,000 and more), block trees for
 //   the maximum, the first argmax and the sum of exponentials (in double), then one thread
 //   adds the rows' losses in row order.
@@ -19,6 +20,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_flash_attention.h"
 #include "kernels/cuda_launch.h"
 #include "kernels/cuda_transformer.h"
 
@@ -102,22 +104,46 @@ __global__ void LayerNormBackwardInputKernel(const float* dout, const float* x, 
   }
 }
 
-// dw and db, a thread per column over the rows in order (the CPU's order and roundings).
+// Sums over the rows by column (LayerNorm's dw and db, bias gradients): a block of kSumColumns
+// columns by kSumGroups row groups. Thread (x, y) sums column x's rows y, y + kSumGroups, ...
+// in order; then the groups' sums are added in group order, and onto what was there when
+// accumulating. A fixed order, so the same bits every run, but not the CPU's (which adds the
+// rows in order): its rows are spread over 1024 threads instead of one.
+constexpr int kSumColumns = 32, kSumGroups = 32;
+
+// The total of the block's group sums for column threadIdx.x, in group order (valid in row
+// group 0). All of the block's threads take part.
+__device__ float AddGroups(float partial) {
+  __shared__ float sums[kSumGroups][kSumColumns + 1];
+  sums[threadIdx.y][threadIdx.x] = partial;
+  __syncthreads();
+  float total = 0.0f;
+  if (threadIdx.y == 0) {
+    for (int g = 0; g < kSumGroups; ++g) total = __fadd_rn(total, sums[g][threadIdx.x]);
+  }
+  __syncthreads();  // the array is reused by the next call
+  return total;
+}
+
 __global__ void LayerNormBackwardParamsKernel(const float* dout, const float* x, const float* mean,
                                               const float* rstd, int rows, int c, float* dw,
                                               float* db) {
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < c; j += gridDim.x * blockDim.x) {
-    float sum_w = dw != nullptr ? dw[j] : 0.0f;
-    float sum_b = db != nullptr ? db[j] : 0.0f;
-    for (int r = 0; r < rows; ++r) {
+  const int j = blockIdx.x * kSumColumns + threadIdx.x;
+  float sum_w = 0.0f, sum_b = 0.0f;
+  if (j < c) {
+#pragma unroll 8
+    for (int r = threadIdx.y; r < rows; r += kSumGroups) {
       const size_t i = static_cast<size_t>(r) * c + j;
       const float d = dout[i];
       sum_b = __fadd_rn(sum_b, d);
       sum_w = __fadd_rn(sum_w, __fmul_rn(__fmul_rn(__fsub_rn(x[i], mean[r]), rstd[r]), d));
     }
-    if (dw != nullptr) dw[j] = sum_w;
-    if (db != nullptr) db[j] = sum_b;
   }
+  sum_w = AddGroups(sum_w);
+  sum_b = AddGroups(sum_b);
+  if (threadIdx.y != 0 || j >= c) return;
+  if (dw != nullptr) dw[j] = __fadd_rn(dw[j], sum_w);
+  if (db != nullptr) db[j] = __fadd_rn(db[j], sum_b);
 }
 
 __device__ float GeluTanh(float v) {
@@ -192,22 +218,45 @@ __global__ void StartWithKernel(const float* residual, const float* bias, int ro
   }
 }
 
+// dtable[ids[r]] += dx[r] with each table row's sums in row order (the CPU's bits) and
+// without atomics: block (x, y) takes columns [256 x, 256 x + 256) of the ids with
+// id % kEmbeddingClasses == y; its threads walk all the rows (their ids staged in shared memory)
+// and add the rows of their class. Frequent tokens spread over the classes.
+constexpr int kEmbeddingClasses = 128;
+constexpr int kIdChunk = 1024;
+
 __global__ void EmbeddingBackwardKernel(const int32_t* ids, const float* dx, int rows, int c,
                                         float* dtable) {
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < c; j += gridDim.x * blockDim.x) {
-    for (int r = 0; r < rows; ++r) {
-      float* t = dtable + static_cast<size_t>(ids[r]) * c + j;
-      *t = __fadd_rn(*t, dx[static_cast<size_t>(r) * c + j]);
+  __shared__ int32_t chunk[kIdChunk];
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  const int32_t id_class = blockIdx.y;
+  for (int first = 0; first < rows; first += kIdChunk) {
+    const int n = min(kIdChunk, rows - first);
+    __syncthreads();  // the previous chunk is no longer read
+    for (int i = threadIdx.x; i < n; i += blockDim.x) chunk[i] = ids[first + i];
+    __syncthreads();
+    if (j >= c) continue;
+    for (int i = 0; i < n; ++i) {
+      const int32_t id = chunk[i];
+      if (id % kEmbeddingClasses != id_class) continue;
+      float* t = dtable + static_cast<size_t>(id) * c + j;
+      *t = __fadd_rn(*t, dx[static_cast<size_t>(first + i) * c + j]);
     }
   }
 }
 
 __global__ void ColumnSumsKernel(const float* d, int rows, int cols, float* out, bool accumulate) {
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < cols; j += gridDim.x * blockDim.x) {
-    float sum = accumulate ? out[j] : 0.0f;
-    for (int r = 0; r < rows; ++r) sum = __fadd_rn(sum, d[static_cast<size_t>(r) * cols + j]);
-    out[j] = sum;
+  const int j = blockIdx.x * kSumColumns + threadIdx.x;
+  float sum = 0.0f;
+  if (j < cols) {
+#pragma unroll 8
+    for (int r = threadIdx.y; r < rows; r += kSumGroups) {
+      sum = __fadd_rn(sum, d[static_cast<size_t>(r) * cols + j]);
+    }
   }
+  sum = AddGroups(sum);
+  if (threadIdx.y != 0 || j >= cols) return;
+  out[j] = accumulate ? __fadd_rn(out[j], sum) : sum;
 }
 
 // --- Causal attention ---
@@ -497,15 +546,32 @@ __global__ void SoftmaxCrossEntropyInPlaceKernel(float* logits, const int32_t* t
 }
 
 // The rows' losses added in row order (the same bits every run), and the correct rows counted.
+// The block stages the rows in shared memory a chunk at a time (coalesced, all loads in
+// flight at once) and one thread adds them in order, so the serial part never waits on global
+// memory.
 __global__ void SumRowsKernel(const double* row_loss, const int32_t* row_correct, int rows,
                               double* loss_sum, bool accumulate, int64_t* correct) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  __shared__ double losses[kThreads];
+  __shared__ int32_t hits_of[kThreads];
   double sum = 0;
   int64_t hits = 0;
-  for (int r = 0; r < rows; ++r) {
-    sum += row_loss[r];
-    if (row_correct != nullptr) hits += row_correct[r];
+  for (int first = 0; first < rows; first += kThreads) {
+    const int r = first + threadIdx.x;
+    __syncthreads();  // the previous chunk is added
+    if (r < rows) {
+      losses[threadIdx.x] = row_loss[r];
+      hits_of[threadIdx.x] = row_correct != nullptr ? row_correct[r] : 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int n = min(kThreads, rows - first);
+      for (int i = 0; i < n; ++i) {
+        sum += losses[i];
+        hits += hits_of[i];
+      }
+    }
   }
+  if (threadIdx.x != 0) return;
   *loss_sum = accumulate ? *loss_sum + sum : sum;
   if (correct != nullptr) *correct += hits;
 }
@@ -610,8 +676,9 @@ absl::Status LayerNormBackward(const float* dout, const float* x, const float* w
                                                                 dx);
   if (absl::Status s = LaunchStatus("LayerNormBackwardInputKernel"); !s.ok()) return s;
   if (dw == nullptr && db == nullptr) return absl::OkStatus();
-  LayerNormBackwardParamsKernel<<<Blocks(c), kThreads, 0, stream>>>(dout, x, mean, rstd, rows, c,
-                                                                    dw, db);
+  LayerNormBackwardParamsKernel<<<(c + kSumColumns - 1) / kSumColumns,
+                                  dim3(kSumColumns, kSumGroups), 0, stream>>>(dout, x, mean, rstd,
+                                                                              rows, c, dw, db);
   return LaunchStatus("LayerNormBackwardParamsKernel");
 }
 
@@ -622,7 +689,10 @@ absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, i
 
 absl::Status CausalAttentionForward(const Bf16* qkv, int batch, int T, int c, int heads,
                                     Bf16* out, float* lse, cudaStream_t stream) {
-  return CausalAttentionForwardAs(qkv, batch, T, c, heads, out, lse, stream);
+  AttentionShape s;
+  if (absl::Status st = CheckAttentionShape(batch, T, c, heads, &s); !st.ok()) return st;
+  if (batch == 0 || T == 0) return absl::OkStatus();
+  return FlashAttentionForward(qkv, {batch, T, c, heads, s.hs, s.scale}, out, lse, stream);
 }
 
 absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const float* out,
@@ -634,7 +704,11 @@ absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const 
 absl::Status CausalAttentionBackward(const float* dout, const Bf16* qkv, const Bf16* out,
                                      const float* lse, int batch, int T, int c, int heads,
                                      float* dqkv, cudaStream_t stream) {
-  return CausalAttentionBackwardAs(dout, qkv, out, lse, batch, T, c, heads, dqkv, stream);
+  AttentionShape s;
+  if (absl::Status st = CheckAttentionShape(batch, T, c, heads, &s); !st.ok()) return st;
+  if (batch == 0 || T == 0) return absl::OkStatus();
+  return FlashAttentionBackward(dout, qkv, out, lse, {batch, T, c, heads, s.hs, s.scale}, dqkv,
+                                stream);
 }
 
 absl::Status GeluTanhForward(const float* x, size_t n, float* out, cudaStream_t stream) {
@@ -705,15 +779,16 @@ absl::Status StartWith(const float* residual, const float* bias, int rows, int c
 absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c, float* dtable,
                                cudaStream_t stream) {
   if (rows <= 0 || c <= 0) return absl::OkStatus();
-  EmbeddingBackwardKernel<<<Blocks(c), kThreads, 0, stream>>>(ids, dx, rows, c, dtable);
+  const dim3 grid((c + kThreads - 1) / kThreads, kEmbeddingClasses);
+  EmbeddingBackwardKernel<<<grid, kThreads, 0, stream>>>(ids, dx, rows, c, dtable);
   return LaunchStatus("EmbeddingBackwardKernel");
 }
 
 absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
                         cudaStream_t stream) {
   if (cols <= 0) return absl::OkStatus();
-  ColumnSumsKernel<<<Blocks(cols), kThreads, 0, stream>>>(d, std::max(rows, 0), cols, out,
-                                                          accumulate);
+  ColumnSumsKernel<<<(cols + kSumColumns - 1) / kSumColumns, dim3(kSumColumns, kSumGroups), 0,
+                     stream>>>(d, std::max(rows, 0), cols, out, accumulate);
   return LaunchStatus("ColumnSumsKernel");
 }
 
@@ -731,8 +806,9 @@ absl::Status SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, i
                                                                     row_loss, row_correct);
     if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyInPlaceKernel"); !s.ok()) return s;
   }
-  SumRowsKernel<<<1, 1, 0, stream>>>(row_loss, correct != nullptr ? row_correct : nullptr,
-                                     std::max(rows, 0), loss_sum, accumulate, correct);
+  SumRowsKernel<<<1, kThreads, 0, stream>>>(row_loss,
+                                            correct != nullptr ? row_correct : nullptr,
+                                            std::max(rows, 0), loss_sum, accumulate, correct);
   return LaunchStatus("SumRowsKernel");
 }
 

@@ -7,10 +7,10 @@
 // meanings) and as cuda_kernels.h: non-owning device pointers, everything enqueued on `stream`,
 // a Status for launch errors (kernels/gpu_check.h), never a crash. Every reduction that feeds
 // the training state runs in a fixed order, so a rank gets the same bits on every run (what
-// deterministic mode needs): row statistics as fixed warp/block trees in double, and the
-// gradients summed over rows (dw, db, column sums, the embedding table) one column per thread
-// in row order, in float, as the CPU twin does. tests/gpu/cuda_kernels_test.cc compares every
-// function with its CPU twin on random data.
+// deterministic mode needs): row statistics as fixed warp/block trees in double, the gradients
+// summed over rows (dw, db, column sums) by fixed groups of rows added in a fixed order, and
+// the embedding table row by row in row order, as the CPU twin does. No atomics anywhere.
+// tests/gpu/cuda_kernels_test.cc compares every function with its CPU twin on random data.
 #ifndef LOCKSTEP_KERNELS_CUDA_TRANSFORMER_H_
 #define LOCKSTEP_KERNELS_CUDA_TRANSFORMER_H_
 
@@ -31,7 +31,7 @@ absl::Status LayerNormForward(const float* x, const float* w, const float* b, in
                               float eps, float* out, float* mean, float* rstd, cudaStream_t stream);
 
 // Twin of kernels::LayerNormBackward: ADDS to dx (rows x c), dw and db (c each; null when that
-// gradient is not wanted). dw and db are summed over rows in row order.
+// gradient is not wanted). dw and db are summed over rows in a fixed order (see ColumnSums).
 absl::Status LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
                                const float* rstd, int rows, int c, float* dx, float* dw, float* db,
                                cudaStream_t stream);
@@ -44,13 +44,17 @@ absl::Status GeluTanhBackward(const float* x, const float* dout, size_t n, float
                               cudaStream_t stream);
 
 // Twin of kernels::EmbeddingBackward: dtable[ids[r]] += dx[r] for every row r, in row order
-// per column, with no atomics: the same bits on every run and on the CPU. ids must be valid
-// rows of dtable (the trainer checks tokens against the vocabulary when it loads them).
+// per column, with no atomics: the same bits on every run and on the CPU. A block per 256
+// columns and class of ids (id mod 128) walks all the rows and adds those of its class, so
+// 128 times as many threads as columns take part. ids must be valid rows of dtable (the
+// trainer checks tokens against the vocabulary when it loads them).
 absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, int c, float* dtable,
                                cudaStream_t stream);
 
 // Twin of kernels::ColumnSums: out (cols) = (or += with `accumulate`) the column sums of d
-// (rows x cols), row by row in float: the CPU's bits.
+// (rows x cols), in float. A block of 32 columns by 32 groups of rows: group g sums rows g,
+// g + 32, ... in order, then the groups' sums are added in order (and onto out when
+// accumulating). The same bits every run; not the CPU's row-order bits (FP32 rounding apart).
 absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
                         cudaStream_t stream);
 
@@ -73,11 +77,14 @@ absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const 
 
 // Precision "bf16" stores the GPT's activations but the residual stream in bfloat16, as
 // PyTorch's autocast does: q/k/v, the attention output, both LayerNorms' outputs, the MLP's
-// pre-activation and the GELU's output. These variants read and write them so: a bf16 value
-// is the FP32 value the FP32 variant computes from the same (bf16) inputs, rounded to nearest
-// even, so each one's output is the FP32 variant's on the rounded inputs, rounded, bit for
-// bit. The statistics, lse, the residual stream and every gradient stay FP32. For the GELU
-// the stored (rounded) pre-activation is what it is applied to, as its backward reads it.
+// pre-activation and the GELU's output. These variants read and write them so. LayerNorm, the
+// GELU and StartWith write the FP32 value the FP32 variant computes from the same (bf16)
+// inputs, rounded to nearest even, bit for bit. Attention runs on bf16 tensor cores instead
+// (kernels/cuda_flash_attention.h): FP32 sums and softmax, with the probabilities rounded to
+// bf16 before they multiply V, and dO and dS rounded for the backward's products, as
+// PyTorch's flash kernels do; it agrees with the FP32 kernels to bf16's precision. The
+// statistics, lse, the residual stream and every gradient stay FP32. For the GELU the stored
+// (rounded) pre-activation is what it is applied to, as its backward reads it.
 absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
                               float eps, Bf16* out, float* mean, float* rstd, cudaStream_t stream);
 absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, Bf16* pre, Bf16* out,
