@@ -124,21 +124,21 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
                                     std::max<int64_t>(1, model.vocab_size()) * micro_batch)
             : 0;
     e.device += 4 * head_values;
-    // bf16: a product's two operands rounded into two scratch slots (2 bytes a value); either
-    // slot may hold the largest activation or the largest weight (a sum, not a max, so the
-    // estimate stays a line ChooseMicroBatch can solve).
-    if (spec.precision() == "bf16") {
+    // bf16 (2 bytes a value). The GPT: the parameters' bf16 copy, and a linear layer's output
+    // gradient (at most 4 C a row) and a chunk of logit gradients, each rounded once for its
+    // two products; its products never round an operand of their own. The MLP: a product's
+    // two operands rounded into two scratch slots; either slot may hold the largest
+    // activation or the largest weight (a sum, not a max, so the estimate stays a line
+    // ChooseMicroBatch can solve).
+    if (spec.precision() == "bf16" && gpt) {
+      e.device += 2 * (params + micro_batch * model.context_length() * 4 * model.d_model() +
+                       head_values);
+    } else if (spec.precision() == "bf16") {
       int64_t widest_rows = 0, largest_weight = 0;
-      if (gpt) {
-        const int64_t C = model.d_model();
-        widest_rows = std::max<int64_t>(head_values, micro_batch * model.context_length() * 4 * C);
-        largest_weight = std::max<int64_t>(int64_t{model.vocab_size()} * C, 4 * C * C);
-      } else {
-        const std::vector<int64_t> dims = LayerWidths(spec);
-        for (size_t i = 0; i + 1 < dims.size(); ++i) {
-          widest_rows = std::max(widest_rows, micro_batch * std::max(dims[i], dims[i + 1]));
-          largest_weight = std::max(largest_weight, dims[i] * dims[i + 1]);
-        }
+      const std::vector<int64_t> dims = LayerWidths(spec);
+      for (size_t i = 0; i + 1 < dims.size(); ++i) {
+        widest_rows = std::max(widest_rows, micro_batch * std::max(dims[i], dims[i + 1]));
+        largest_weight = std::max(largest_weight, dims[i] * dims[i + 1]);
       }
       e.device += 2 * 2 * (widest_rows + largest_weight);
     }

@@ -284,11 +284,8 @@ absl::StatusOr<const void*> Blas::ToBf16(int slot, const float* values, size_t c
     LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&bf16_scratch_[slot], count * sizeof(__nv_bfloat16)));
     bf16_capacity_[slot] = count;
   }
-  auto* out = static_cast<__nv_bfloat16*>(bf16_scratch_[slot]);
-  if (count > 0) {
-    ToBf16Kernel<<<Blocks(count), kThreads, 0, stream_>>>(values, count, out);
-    if (absl::Status s = LaunchStatus("ToBf16Kernel"); !s.ok()) return s;
-  }
+  Bf16* out = static_cast<Bf16*>(bf16_scratch_[slot]);
+  if (absl::Status s = RoundToBf16(values, count, out, stream_); !s.ok()) return s;
   return static_cast<const void*>(out);
 }
 
@@ -428,6 +425,13 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
     return LaunchStatus("GeluKernel");
   }
   return absl::OkStatus();
+}
+
+absl::Status RoundToBf16(const float* values, size_t n, Bf16* out, cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  ToBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(values, n,
+                                                   reinterpret_cast<__nv_bfloat16*>(out));
+  return LaunchStatus("ToBf16Kernel");
 }
 
 absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activation act, float* z,

@@ -134,6 +134,10 @@ inline constexpr int kClipWorkspace = 1024;
 absl::Status ClipByGlobalNorm(float* g, size_t n, float clip_norm, double* workspace,
                               cudaStream_t stream);
 
+// out[i] = values[i] rounded to bfloat16, to nearest even (what Blas does to an FP32 operand
+// under kBf16): a caller that uses the same FP32 values in several products rounds them once.
+absl::Status RoundToBf16(const float* values, size_t n, Bf16* out, cudaStream_t stream);
+
 // Twins of StoreFixedPoint / AccumulateFixedPoint / FromFixedPoint: bit-identical results
 // (round half to even, the same 2^51 limit). The number of rejected values is ADDED to the
 // device counter *rejected (unsigned long long; integer atomics, so the total is exact).

@@ -1468,6 +1468,14 @@ TEST(MemoryEstimateTest, GptOnGpuCountsTheHeadsChunkAndTheBuffers) {
               EstimateWorkerMemory(spec, mb).activations -
                   2 * int64_t{1024} * (12 * 14 * 768 + 768) * mb)
         << mb;
+    // The GPU buffers add, in bf16: the parameters' copy, a layer's output gradient (4 C a
+    // token) and a chunk of the logits' gradient, rounded once for their two products.
+    const int64_t params = EstimateWorkerMemory(spec, mb).parameters / 4;
+    EXPECT_EQ(EstimateWorkerMemory(bf16, mb).device,
+              EstimateWorkerMemory(spec, mb).device +
+                  2 * (params + int64_t{1024} * 4 * 768 * mb +
+                       std::min<int64_t>(int64_t{1} << 26, head * mb)))
+        << mb;
   }
 }
 

@@ -78,6 +78,7 @@ absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(const Gpt& host, cudaStre
 GpuGpt::~GpuGpt() {
   Free(&params_);
   Free(&grads_);
+  Free(&params16_);
   Free(&head_loss_);
   Free(&loss_sum_);
   Free(&eval_loss_sum_);
@@ -168,6 +169,8 @@ absl::Status GpuGpt::Reserve(int rows) {
     dmid_ = take(R * C);
     dqkv_ = take(3 * R * C);
     dlnf_ = take(R * C);
+    d16_ = bf16 ? take_input(4 * R * C).bf16 : nullptr;
+    dlogits16_ = bf16 ? take_input(static_cast<size_t>(head_chunk_rows_) * V).bf16 : nullptr;
     if (pass == 0) LOCKSTEP_RETURN_IF_ERROR(Allocate(&arena_, used));
   }
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&ids_, R));
@@ -178,6 +181,11 @@ absl::Status GpuGpt::Reserve(int rows) {
   capacity_rows_ = rows;
   arena_bf16_ = bf16;
   return absl::OkStatus();
+}
+
+cuda::Blas::Operand GpuGpt::Weight(size_t offset) const {
+  if (params16_ != nullptr && blas_->bf16()) return cuda::Blas::Operand(params16_ + offset);
+  return cuda::Blas::Operand(params_ + offset);
 }
 
 absl::Status GpuGpt::LayerNormInto(const float* x, size_t w, size_t b, int rows,
@@ -202,9 +210,9 @@ absl::Status GpuGpt::GemmInto(int m, int n, int k, cuda::Blas::Operand a, size_t
                               const Stored& c) {
   // c (m x n) = a (m x k) . W (k x n) + beta c, W a parameter as the CPU stores it.
   if (c.bf16 != nullptr) {
-    return blas_->Gemm(false, false, m, n, k, 1.0f, a, k, params_ + w, n, beta, c.bf16, n);
+    return blas_->Gemm(false, false, m, n, k, 1.0f, a, k, Weight(w), n, beta, c.bf16, n);
   }
-  return blas_->Gemm(false, false, m, n, k, 1.0f, a, k, params_ + w, n, beta, c.f32, n);
+  return blas_->Gemm(false, false, m, n, k, 1.0f, a, k, Weight(w), n, beta, c.f32, n);
 }
 
 absl::Status GpuGpt::BiasGeluInto(size_t bias, int rows, int cols, const Stored& pre,
@@ -253,6 +261,10 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
   LOCKSTEP_RETURN_IF_ERROR(Reserve(rows));
   const float* P = params_;
   const Gpt::Layout& g = layout_;
+  if (blas_->bf16()) {
+    if (params16_ == nullptr) LOCKSTEP_RETURN_IF_ERROR(Allocate(&params16_, num_params_));
+    LOCKSTEP_RETURN_IF_ERROR(cuda::RoundToBf16(params_, num_params_, params16_, stream_));
+  }
   LOCKSTEP_RETURN_IF_ERROR(cuda::GatherTokens(tokens, token_stride, n, t, 0, ids_, stream_));
   LOCKSTEP_RETURN_IF_ERROR(cuda::GatherTokens(tokens, token_stride, n, t, 1, targets_, stream_));
   LOCKSTEP_RETURN_IF_ERROR(cuda::Positions(rows, t, positions_, stream_));
@@ -271,7 +283,7 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
     LOCKSTEP_RETURN_IF_ERROR(AttentionForward(qkv_[l], n, atty_[l], lse_[l]));
     LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(resid_[l], P + b.proj_b, rows, C, mid_[l], stream_));
     LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, C, 1.0f, atty_[l].operand(), C,
-                                       P + b.proj_w, C, 1.0f, mid_[l], C));
+                                       Weight(b.proj_w), C, 1.0f, mid_[l], C));
     LOCKSTEP_RETURN_IF_ERROR(
         LayerNormInto(mid_[l], b.ln2_w, b.ln2_b, rows, ln2_[l], ln2_mean_[l], ln2_rstd_[l]));
     LOCKSTEP_RETURN_IF_ERROR(GemmInto(rows, 4 * C, C, ln2_[l].operand(), b.fc_w, 0.0f, fch_[l]));
@@ -279,7 +291,7 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
     LOCKSTEP_RETURN_IF_ERROR(
         cuda::StartWith(mid_[l], P + b.fcproj_b, rows, C, resid_[l + 1], stream_));
     LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, 4 * C, 1.0f, fch_gelu_[l].operand(),
-                                       4 * C, P + b.fcproj_w, C, 1.0f, resid_[l + 1], C));
+                                       4 * C, Weight(b.fcproj_w), C, 1.0f, resid_[l + 1], C));
   }
   return LayerNormInto(resid_[config_.layers], g.lnf_w, g.lnf_b, rows, lnf_, lnf_mean_,
                        lnf_rstd_);
@@ -287,7 +299,7 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
 
 absl::Status GpuGpt::Head(int rows, float scale, bool backward, bool count, double* loss_sum) {
   const int C = config_.d_model, V = config_.vocab;
-  const float* wte = params_ + layout_.wte;
+  const cuda::Blas::Operand wte = Weight(layout_.wte);
   for (int r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int m = std::min(head_chunk_rows_, rows - r0);
     const cuda::Blas::Operand in = lnf_.operand(static_cast<size_t>(r0) * C);
@@ -299,10 +311,17 @@ absl::Status GpuGpt::Head(int rows, float scale, bool backward, bool count, doub
     if (!backward) continue;
     // logits_ now holds the loss's gradient for these rows: through the tied head into lnf's
     // output, and into wte (added: ForwardBackward zeroed or kept wte's gradient before).
-    LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(false, false, m, C, V, 1.0f, logits_, V, wte, C, 0.0f,
+    // Under bf16 it is rounded once for both products.
+    cuda::Blas::Operand dlogits = logits_;
+    if (dlogits16_ != nullptr) {
+      LOCKSTEP_RETURN_IF_ERROR(
+          cuda::RoundToBf16(logits_, static_cast<size_t>(m) * V, dlogits16_, stream_));
+      dlogits = dlogits16_;
+    }
+    LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(false, false, m, C, V, 1.0f, dlogits, V, wte, C, 0.0f,
                                          dlnf_ + static_cast<size_t>(r0) * C, C));
     LOCKSTEP_RETURN_IF_ERROR(
-        blas_->Gemm(true, false, V, C, m, 1.0f, logits_, V, in, C, 1.0f, grads_ + layout_.wte, C));
+        blas_->Gemm(true, false, V, C, m, 1.0f, dlogits, V, in, C, 1.0f, grads_ + layout_.wte, C));
   }
   return absl::OkStatus();
 }
@@ -340,13 +359,20 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
   ready();
   // A linear layer out = in . W + bias over the rows, backward from its output's gradient d:
   // W's gradient (beta: added or overwritten), the bias's (column sums), and dx = d . W^T.
+  // Under bf16, d is rounded once for both products (the bias's sums take it in FP32).
   auto linear_backward = [&](const Stored& in, int in_cols, const float* d, int out_cols,
                              size_t w, size_t bias, float* dx) -> absl::Status {
+    cuda::Blas::Operand d_in = d;
+    if (d16_ != nullptr) {
+      LOCKSTEP_RETURN_IF_ERROR(
+          cuda::RoundToBf16(d, static_cast<size_t>(rows) * out_cols, d16_, stream_));
+      d_in = d16_;
+    }
     LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(true, false, in_cols, out_cols, rows, 1.0f, in.operand(),
-                                         in_cols, d, out_cols, beta, G + w, out_cols));
+                                         in_cols, d_in, out_cols, beta, G + w, out_cols));
     LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(d, rows, out_cols, G + bias, accumulate, stream_));
-    return blas_->Gemm(false, true, rows, in_cols, out_cols, 1.0f, d, out_cols, P + w, out_cols,
-                       0.0f, dx, in_cols);
+    return blas_->Gemm(false, true, rows, in_cols, out_cols, 1.0f, d_in, out_cols, Weight(w),
+                       out_cols, 0.0f, dx, in_cols);
   };
   // A LayerNorm over the stream x, whose output's gradient is in scratch_, inside a residual
   // block: the stream's gradient `dx` starts as the residual's (`d_residual`) and gets the

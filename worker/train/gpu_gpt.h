@@ -98,6 +98,9 @@ class GpuGpt final : public GpuModel {
     }
   };
   absl::Status Reserve(int rows);
+  // Parameter `offset` as an operand of a product: the bf16 copy under precision "bf16"
+  // (rounded once per Forward), else the FP32 values.
+  kernels::cuda::Blas::Operand Weight(size_t offset) const;
   // The kernels and products that write (or read) Stored activations, in their storage; `w`,
   // `b` and `bias` are offsets of parameters.
   absl::Status LayerNormInto(const float* x, size_t w, size_t b, int rows, const Stored& out,
@@ -130,6 +133,9 @@ class GpuGpt final : public GpuModel {
   std::unique_ptr<kernels::cuda::Blas> blas_;
   float* params_ = nullptr;
   float* grads_ = nullptr;
+  // bf16: the parameters rounded to bfloat16 at the start of each Forward (they do not change
+  // within one), so each product takes its weight as it is instead of rounding it every time.
+  kernels::cuda::Bf16* params16_ = nullptr;
   size_t head_chunk_values_ = kHeadChunkValues;
   double* head_loss_ = nullptr;      // the LM head's sum over the rows of one ForwardBackward
   double* loss_sum_ = nullptr;       // over the samples, accumulated (LossSum)
@@ -150,6 +156,9 @@ class GpuGpt final : public GpuModel {
   float* logits_ = nullptr;  // head_chunk_rows_ rows of the LM head
   float *scratch_ = nullptr, *scratch4_ = nullptr, *dresid_ = nullptr, *dmid_ = nullptr,
         *dqkv_ = nullptr, *dlnf_ = nullptr;
+  // bf16: a linear layer's output gradient and the LM head's logit gradient rounded once for
+  // the two products that take each (null otherwise).
+  kernels::cuda::Bf16 *d16_ = nullptr, *dlogits16_ = nullptr;
   int32_t* ids_ = nullptr;        // each row's token
   int32_t* targets_ = nullptr;    // each row's next token
   int32_t* positions_ = nullptr;  // each row's position
