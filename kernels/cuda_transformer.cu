@@ -10,9 +10,10 @@
 //   rows in order, then the groups in order; a warp reads 32 neighbouring columns of a row,
 //   coalesced. The embedding table: a block per 256 columns and class of ids, rows in order
 //   (the CPU's bits). No atomics anywhere.
-// - Softmax cross-entropy: one block per row (vocabularies of 50,000 and more), block trees for
-//   the maximum, the first argmax and the sum of exponentials (in double), then one thread
-//   adds the rows' losses in row order.
+// - Softmax cross-entropy: one block per row (vocabularies of 50,000 and more), two reads of
+//   the row (an online sum of exponentials beside the first argmax, then the gradient), block
+//   trees for the maximum and the sum (in double), then one thread adds the rows' losses in
+//   row order.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -505,44 +506,51 @@ __device__ double BlockSum(double v) {
   return total;
 }
 
-// One block per row. The CPU takes exp(x - max) as float and sums in double; so does this, with
-// the device's expf.
-__global__ void SoftmaxCrossEntropyInPlaceKernel(float* logits, const int32_t* targets, int v,
-                                                 float grad_scale, double* row_loss,
-                                                 int32_t* row_correct) {
+// One block per row, in two reads of the row. The first finds the first maximum and, per
+// thread, an online sum of exponentials: exp(x - the thread's running maximum) in float (the
+// device's expf), summed in double and rescaled in double when that maximum grows; the block
+// takes each thread's sum to the row's maximum and adds them in a fixed tree. The second
+// writes grad_scale * (softmax - onehot(target)) into grad (over the logits in place, or in
+// bf16), or nothing when grad is null (a forward only).
+template <typename Out>
+__global__ void SoftmaxCrossEntropyKernel(float* logits, const int32_t* targets, int v,
+                                          float grad_scale, Out* grad, double* row_loss,
+                                          int32_t* row_correct) {
   const int r = blockIdx.x;
-  float* x = logits + static_cast<size_t>(r) * v;
+  const float* x = logits + static_cast<size_t>(r) * v;
   const int target = targets[r];
   float best = -INFINITY;
   int best_index = v;  // no element yet: loses every comparison
+  double sum = 0;      // of exp(x - best) over this thread's elements
   for (int i = threadIdx.x; i < v; i += kThreads) {
     const float xi = x[i];
     if (xi > best || best_index == v) {  // strided in increasing i: the first maximum stays
+      sum = best_index == v ? 1.0 : sum * exp(static_cast<double>(best) - xi) + 1.0;
       best = xi;
       best_index = i;
+    } else {
+      sum += static_cast<double>(expf(xi - best));
     }
   }
+  const float my_best = best;
+  const bool mine = best_index != v;  // this thread saw an element
   BlockArgMax(&best, &best_index);
   const float max = best;
-  __shared__ float at_target;
-  if (threadIdx.x == 0) at_target = x[target];
-  __syncthreads();  // read before the loop below overwrites it
-  double sum = 0;
-  for (int i = threadIdx.x; i < v; i += kThreads) {
-    const float e = expf(x[i] - max);
-    x[i] = e;
-    sum += static_cast<double>(e);
-  }
-  sum = BlockSum(sum);
+  // Read before the second pass may overwrite it (BlockSum waits for every thread).
+  const float at_target = threadIdx.x == 0 ? x[target] : 0.0f;
+  sum = BlockSum(mine ? sum * exp(static_cast<double>(my_best) - max) : 0.0);
   // -log softmax[target] = log(sum) - (x_target - max), the difference in double.
   const float scale = static_cast<float>(static_cast<double>(grad_scale) / sum);
   if (threadIdx.x == 0) {
     row_loss[r] = log(sum) - (static_cast<double>(at_target) - max);
     if (row_correct != nullptr) row_correct[r] = best_index == target ? 1 : 0;
   }
-  for (int i = threadIdx.x; i < v; i += kThreads) x[i] *= scale;
-  __syncthreads();
-  if (threadIdx.x == 0) x[target] -= grad_scale;
+  if (grad == nullptr) return;
+  Out* g = grad + static_cast<size_t>(r) * v;
+  for (int i = threadIdx.x; i < v; i += kThreads) {
+    const float p = expf(x[i] - max) * scale;
+    Store(g + i, i == target ? p - grad_scale : p);
+  }
 }
 
 // The rows' losses added in row order (the same bits every run), and the correct rows counted.
@@ -792,24 +800,46 @@ absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool acc
   return LaunchStatus("ColumnSumsKernel");
 }
 
-absl::Status SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, int rows, int v,
-                                        float grad_scale, double* row_loss, double* loss_sum,
-                                        bool accumulate, int32_t* row_correct, int64_t* correct,
-                                        cudaStream_t stream) {
+namespace {
+
+template <typename Out>
+absl::Status SoftmaxCrossEntropyAs(const float* logits, const int32_t* targets, int rows, int v,
+                                   float grad_scale, Out* grad, double* row_loss,
+                                   double* loss_sum, bool accumulate, int32_t* row_correct,
+                                   int64_t* correct, cudaStream_t stream) {
   if (v <= 0) return absl::InvalidArgumentError("softmax cross-entropy over 0 classes");
   if (correct != nullptr && row_correct == nullptr) {
     return absl::InvalidArgumentError(
         "softmax cross-entropy: counting correct rows needs row_correct");
   }
   if (rows > 0) {
-    SoftmaxCrossEntropyInPlaceKernel<<<rows, kThreads, 0, stream>>>(logits, targets, v, grad_scale,
-                                                                    row_loss, row_correct);
-    if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyInPlaceKernel"); !s.ok()) return s;
+    // The kernel writes through grad only; in place, grad is the logits.
+    SoftmaxCrossEntropyKernel<<<rows, kThreads, 0, stream>>>(
+        const_cast<float*>(logits), targets, v, grad_scale, grad, row_loss, row_correct);
+    if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyKernel"); !s.ok()) return s;
   }
   SumRowsKernel<<<1, kThreads, 0, stream>>>(row_loss,
                                             correct != nullptr ? row_correct : nullptr,
                                             std::max(rows, 0), loss_sum, accumulate, correct);
   return LaunchStatus("SumRowsKernel");
+}
+
+}  // namespace
+
+absl::Status SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, int rows, int v,
+                                        float grad_scale, double* row_loss, double* loss_sum,
+                                        bool accumulate, int32_t* row_correct, int64_t* correct,
+                                        cudaStream_t stream) {
+  return SoftmaxCrossEntropyAs(logits, targets, rows, v, grad_scale, logits, row_loss, loss_sum,
+                               accumulate, row_correct, correct, stream);
+}
+
+absl::Status SoftmaxCrossEntropyInto(const float* logits, const int32_t* targets, int rows, int v,
+                                     float grad_scale, Bf16* grad, double* row_loss,
+                                     double* loss_sum, bool accumulate, int32_t* row_correct,
+                                     int64_t* correct, cudaStream_t stream) {
+  return SoftmaxCrossEntropyAs(logits, targets, rows, v, grad_scale, grad, row_loss, loss_sum,
+                               accumulate, row_correct, correct, stream);
 }
 
 }  // namespace lockstep::kernels::cuda

@@ -115,6 +115,15 @@ absl::Status SoftmaxCrossEntropyInPlace(float* logits, const int32_t* targets, i
                                         float grad_scale, double* row_loss, double* loss_sum,
                                         bool accumulate, int32_t* row_correct, int64_t* correct,
                                         cudaStream_t stream);
+// The same with the logits left as they are and the gradient written in bfloat16 to grad
+// (rows x v, rounded to nearest even: the LM head's operand under precision "bf16"), or not
+// at all when grad is null (a forward only). The exponentials' sum is taken online (each
+// thread's rescaled to the row's maximum), so the loss agrees with the CPU's to double
+// rounding, not bit for bit; so does the in-place variant.
+absl::Status SoftmaxCrossEntropyInto(const float* logits, const int32_t* targets, int rows, int v,
+                                     float grad_scale, Bf16* grad, double* row_loss,
+                                     double* loss_sum, bool accumulate, int32_t* row_correct,
+                                     int64_t* correct, cudaStream_t stream);
 
 // Twin of kernels::BiasGeluTanhForward: pre += bias (per column), then out = GELU(pre).
 absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, float* out,

@@ -409,9 +409,9 @@ def load(name):
             return json.loads(f.read().strip().splitlines()[-1])
     except Exception:
         return None
-# "Same precision" is the same name, not the same work: Lockstep's bf16 runs the products in
-# bf16 and stores the activations in bf16 (all but the residual stream, as autocast), but its
-# attention computes on FP32 CUDA cores, where PyTorch's runs on bf16 tensor cores.
+# "Same precision" is the same name: Lockstep's bf16 runs the products and attention on bf16
+# tensor cores and stores the activations in bf16 (all but the residual stream, as autocast);
+# its fp32 and tf32 attention computes on FP32 CUDA cores, where PyTorch's uses its own kernels.
 print("\n| run | step ms | tokens/s | model TFLOP/s | MFU (989 TFLOP/s bf16 peak) | vs PyTorch eager (same precision name) | vs PyTorch bf16 eager | vs PyTorch bf16 compile |")
 print("|---|---|---|---|---|---|---|---|")
 eager_bf16, compiled = load("torch-gpt-bf16"), load("torch-gpt-bf16-compile")

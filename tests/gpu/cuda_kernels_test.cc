@@ -774,8 +774,8 @@ TEST(CudaTransformerTest, SoftmaxCrossEntropyInPlaceMatchesCpu) {
     EXPECT_LT(RelativeError(fresh.Read(), cpu), 1e-5) << "the gradient, in place";
   }
   // First call set the sum, the second added to it; the count was added to twice. The
-  // device's expf is not the CPU's polynomial: the sums agree to about 1e-8, and a wrong row,
-  // maximum or target would move them by O(1).
+  // device's expf is not the CPU's polynomial and its sum is taken online: the sums agree to
+  // about 1e-8, and a wrong row, maximum or target would move them by O(1).
   const double loss = dev_loss.Read()[0];
   EXPECT_NEAR(loss, 2 * cpu_loss, 1e-7 * std::abs(2 * cpu_loss));
   const std::vector<double> row_loss = dev_row_loss.Read();
@@ -788,6 +788,30 @@ TEST(CudaTransformerTest, SoftmaxCrossEntropyInPlaceMatchesCpu) {
   EXPECT_EQ(cpu_correct, 1) << "the row with its target as the only maximum";
   const std::vector<int32_t> row_correct = dev_row_correct.Read();
   EXPECT_EQ(row_correct, (std::vector<int32_t>{0, 0, 0, 0, 1, 0})) << "random rows rarely hit";
+  // Into bf16: the logits stay, the gradient is the in-place one rounded (the same float
+  // arithmetic), the loss the same bits; with no gradient buffer only the loss is written.
+  {
+    DeviceBuffer<float> in_place(logits), kept(logits);
+    DeviceBuffer<cuda::Bf16> grad16(logits.size());
+    DeviceBuffer<double> loss32(1), loss16(1), loss_only(1);
+    ASSERT_TRUE(cuda::SoftmaxCrossEntropyInPlace(in_place.get(), dev_targets.get(), rows, v, scale,
+                                                 dev_row_loss.get(), loss32.get(), false, nullptr,
+                                                 nullptr, nullptr)
+                    .ok());
+    ASSERT_TRUE(cuda::SoftmaxCrossEntropyInto(kept.get(), dev_targets.get(), rows, v, scale,
+                                              grad16.get(), dev_row_loss.get(), loss16.get(),
+                                              false, nullptr, nullptr, nullptr)
+                    .ok());
+    EXPECT_EQ(Bf16Values(grad16.Read()), RoundedToBf16(in_place.Read()));
+    EXPECT_EQ(kept.Read(), logits) << "the logits are left as they are";
+    EXPECT_EQ(loss16.Read(), loss32.Read());
+    ASSERT_TRUE(cuda::SoftmaxCrossEntropyInto(kept.get(), dev_targets.get(), rows, v, scale,
+                                              nullptr, dev_row_loss.get(), loss_only.get(), false,
+                                              nullptr, nullptr, nullptr)
+                    .ok());
+    EXPECT_EQ(loss_only.Read(), loss32.Read()) << "a forward only";
+    EXPECT_EQ(kept.Read(), logits);
+  }
   // A count needs the per-row flags to count from.
   EXPECT_TRUE(absl::IsInvalidArgument(cuda::SoftmaxCrossEntropyInPlace(
       dev_logits.get(), dev_targets.get(), rows, v, scale, dev_row_loss.get(), dev_loss.get(),

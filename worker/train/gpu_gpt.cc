@@ -305,19 +305,25 @@ absl::Status GpuGpt::Head(int rows, float scale, bool backward, bool count, doub
     const cuda::Blas::Operand in = lnf_.operand(static_cast<size_t>(r0) * C);
     LOCKSTEP_RETURN_IF_ERROR(
         blas_->Gemm(false, true, m, V, C, 1.0f, in, C, wte, C, 0.0f, logits_, V));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::SoftmaxCrossEntropyInPlace(
-        logits_, targets_ + r0, m, V, scale, row_loss_, loss_sum, /*accumulate=*/r0 > 0,
-        count ? row_correct_ : nullptr, count ? correct_ : nullptr, stream_));
-    if (!backward) continue;
-    // logits_ now holds the loss's gradient for these rows: through the tied head into lnf's
-    // output, and into wte (added: ForwardBackward zeroed or kept wte's gradient before).
-    // Under bf16 it is rounded once for both products.
+    // The loss's gradient for these rows: in place of the logits, or under bf16 into its bf16
+    // buffer (the operand of both products below); none for a forward only.
+    int32_t* row_correct = count ? row_correct_ : nullptr;
+    int64_t* correct = count ? correct_ : nullptr;
     cuda::Blas::Operand dlogits = logits_;
-    if (dlogits16_ != nullptr) {
-      LOCKSTEP_RETURN_IF_ERROR(
-          cuda::RoundToBf16(logits_, static_cast<size_t>(m) * V, dlogits16_, stream_));
-      dlogits = dlogits16_;
+    if (backward && dlogits16_ == nullptr) {
+      LOCKSTEP_RETURN_IF_ERROR(cuda::SoftmaxCrossEntropyInPlace(
+          logits_, targets_ + r0, m, V, scale, row_loss_, loss_sum, /*accumulate=*/r0 > 0,
+          row_correct, correct, stream_));
+    } else {
+      cuda::Bf16* grad = backward ? dlogits16_ : nullptr;
+      LOCKSTEP_RETURN_IF_ERROR(cuda::SoftmaxCrossEntropyInto(
+          logits_, targets_ + r0, m, V, scale, grad, row_loss_, loss_sum, /*accumulate=*/r0 > 0,
+          row_correct, correct, stream_));
+      dlogits = grad;
     }
+    if (!backward) continue;
+    // Through the tied head into lnf's output, and into wte (added: ForwardBackward zeroed or
+    // kept wte's gradient before).
     LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(false, false, m, C, V, 1.0f, dlogits, V, wte, C, 0.0f,
                                          dlnf_ + static_cast<size_t>(r0) * C, C));
     LOCKSTEP_RETURN_IF_ERROR(

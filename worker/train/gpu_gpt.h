@@ -117,9 +117,9 @@ class GpuGpt final : public GpuModel {
   // targets_ holds each row's next token.
   absl::Status Forward(const int32_t* tokens, int token_stride, int n);
   // The LM head over the rows of lnf_: the loss sum into *loss_sum (row order, in chunks of
-  // rows), the gradient scaled by `scale` in place of the logits; with `backward` also
-  // dlnf_ = dlogits . wte and wte's gradient += dlogits^T . lnf; with `count` the correct rows
-  // into correct_.
+  // rows); with `backward` the gradient scaled by `scale` (in place of the logits, or in
+  // dlogits16_ under bf16), dlnf_ = dlogits . wte and wte's gradient += dlogits^T . lnf; with
+  // `count` the correct rows into correct_.
   absl::Status Head(int rows, float scale, bool backward, bool count, double* loss_sum);
   absl::Status CheckWindows(int token_stride) const;
   // A device double's value over the context (waits for the stream).
