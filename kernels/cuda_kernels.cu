@@ -333,6 +333,71 @@ absl::Status Blas::GemmBf16(bool trans_a, bool trans_b, int m, int n, int k, flo
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> Blas::LtMatmul(const LtProduct& p) {
+  LtDescriptors desc;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescCreate(
+      &desc.op, tf32_ && p.type == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
+      CUDA_R_32F));
+  const cublasOperation_t trans_w = p.trans_w ? CUBLAS_OP_T : CUBLAS_OP_N, keep = CUBLAS_OP_N;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                              &trans_w, sizeof(trans_w)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)));
+  const cublasLtEpilogue_t epilogue = static_cast<cublasLtEpilogue_t>(p.epilogue);
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+      desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  if (p.bias != nullptr) {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof(p.bias)));
+  }
+  if (p.aux != nullptr) {
+    const int64_t ld_aux = p.ld_aux;
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &p.aux, sizeof(p.aux)));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
+        desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld_aux, sizeof(ld_aux)));
+  }
+  const cudaDataType_t type = static_cast<cudaDataType_t>(p.type);
+  const cudaDataType_t d_type = static_cast<cudaDataType_t>(p.d_type);
+  // op(W) is rows x k, X is k x cols, C and D rows x cols (column-major).
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
+      &desc.a, type, p.trans_w ? p.k : p.rows, p.trans_w ? p.rows : p.k, p.ld_w));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.b, type, p.k, p.cols, p.ld_x));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cublasLtMatrixLayoutCreate(&desc.d, d_type, p.rows, p.cols, p.ld_d));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc.preference));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
+      sizeof(workspace_bytes_)));
+  // Parameters sit back to back in one flat buffer, so weights are not always 16-byte
+  // aligned: tell the heuristic what the pointers really are, or it may pick a kernel that
+  // needs more and the matmul fails.
+  const void* c = p.c != nullptr ? p.c : p.d;
+  const uint32_t align_w = Alignment(p.w), align_x = Alignment(p.x),
+                 align_c = std::min(Alignment(c), Alignment(p.d)), align_d = Alignment(p.d);
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_w, sizeof(align_w)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_x, sizeof(align_x)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  // C shares D's layout (and type).
+  LOCKSTEP_GPU_RETURN_IF_ERROR(
+      cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a, desc.b, desc.d, desc.d,
+                                     desc.preference, 1, &heuristic, &found));
+  if (found == 0) return false;
+  const float alpha = 1.0f;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, p.w, desc.a, p.x,
+                                              desc.b, &p.beta, c, desc.d, p.d, desc.d,
+                                              &heuristic.algo, workspace_, workspace_bytes_,
+                                              stream_));
+  return true;
+}
+
 absl::Status Blas::LinearForward(const float* x, const float* w, const float* bias, int rows,
                                  int in, int out, Activation act, float* z, float* a) {
   if (rows == 0 || out == 0) return absl::OkStatus();
@@ -341,27 +406,10 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
   }
   // Column-major view: W is stored (in x out), X (in x rows), the output (out x rows). The
   // output's "rows" are the layer's features, which is what cuBLASLt's bias runs along.
-  LtDescriptors desc;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescCreate(
-      &desc.op, tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA,
-                                                              &transpose, sizeof(transpose)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)));
   // The bias epilogue wants a 16-byte aligned bias, which layers packed back to back in one
   // flat buffer do not always have (and there is no preference attribute to say so): then the
   // matmul runs plain and a kernel adds bias and activation.
   bool fused = Alignment(bias) >= 16;
-  const cublasLtEpilogue_t epilogue = !fused                     ? CUBLASLT_EPILOGUE_DEFAULT
-                                      : act == Activation::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS
-                                                                 : CUBLASLT_EPILOGUE_BIAS;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-      desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  if (fused) {
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-        desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  }
   // kBf16: the weights and the input rounded to bfloat16 (FP32 sums, bias and output).
   const void* w_in = w;
   const void* x_in = x;
@@ -373,51 +421,41 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
     w_in = *w16;
     x_in = *x16;
   }
-  const cudaDataType_t operands = bf16_ ? CUDA_R_16BF : CUDA_R_32F;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.a, operands, in, out, in));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.b, operands, in, rows, in));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&desc.d, CUDA_R_32F, out, rows, out));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&desc.preference));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      desc.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
-      sizeof(workspace_bytes_)));
-  // Layers sit back to back in one flat buffer, so their weights are not always 16-byte
-  // aligned: tell the heuristic what the pointers really are, or it may pick a kernel that
-  // needs more and the matmul fails.
   float* d = act == Activation::kGelu ? z : a;
-  const uint32_t align_w = Alignment(w_in), align_x = Alignment(x_in), align_d = Alignment(d);
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_w, sizeof(align_w)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_x, sizeof(align_x)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      desc.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)));
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
-      cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a, desc.b, desc.d, desc.d,
-                                     desc.preference, 1, &heuristic, &found));
-  if (found == 0 && fused) {
+  LtProduct p;
+  p.trans_w = true;
+  p.rows = out;
+  p.cols = rows;
+  p.k = in;
+  p.type = bf16_ ? CUDA_R_16BF : CUDA_R_32F;
+  p.w = w_in;
+  p.ld_w = in;
+  p.x = x_in;
+  p.ld_x = in;
+  p.d = d;
+  p.d_type = CUDA_R_32F;
+  p.ld_d = out;
+  p.epilogue = !fused                     ? CUBLASLT_EPILOGUE_DEFAULT
+               : act == Activation::kRelu ? CUBLASLT_EPILOGUE_RELU_BIAS
+                                          : CUBLASLT_EPILOGUE_BIAS;
+  p.bias = fused ? bias : nullptr;
+  absl::StatusOr<bool> fused_ran = LtMatmul(p);
+  if (!fused_ran.ok()) return fused_ran.status();
+  bool ran = *fused_ran;
+  if (!ran && fused) {
     // No kernel with the fused epilogue for these shapes and alignments: the plain product,
     // then the bias kernel.
     fused = false;
-    const cublasLtEpilogue_t plain = CUBLASLT_EPILOGUE_DEFAULT;
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(
-        desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &plain, sizeof(plain)));
-    LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a, desc.b, desc.d, desc.d,
-                                       desc.preference, 1, &heuristic, &found));
+    p.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    p.bias = nullptr;
+    absl::StatusOr<bool> plain_ran = LtMatmul(p);
+    if (!plain_ran.ok()) return plain_ran.status();
+    ran = *plain_ran;
   }
-  if (found == 0) {
+  if (!ran) {
     return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for a ", rows, "x", in,
                                             " by ", in, "x", out, " product"));
   }
-  const float alpha = 1.0f, beta = 0.0f;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, w_in, desc.a, x_in, desc.b,
-                                              &beta, d, desc.d, d, desc.d, &heuristic.algo,
-                                              workspace_, workspace_bytes_, stream_));
   if (!fused) return BiasActivationForward(bias, rows, out, act, d, a, stream_);
   if (act == Activation::kGelu) {
     const size_t n = static_cast<size_t>(rows) * out;
@@ -425,6 +463,44 @@ absl::Status Blas::LinearForward(const float* x, const float* w, const float* bi
     return LaunchStatus("GeluKernel");
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Blas::GemmBiasBf16(int m, int n, int k, const Bf16* a, const Bf16* w,
+                                        const void* bias, const float* residual, void* c,
+                                        bool c_bf16, Bf16* pre) {
+  if (!bf16_) return absl::InvalidArgumentError("GemmBiasBf16: needs precision bf16");
+  if (m == 0 || n == 0) return true;
+  if (c_bf16 == (residual != nullptr) || (pre != nullptr && !c_bf16)) {
+    return absl::InvalidArgumentError(
+        "GemmBiasBf16: a residual goes with an FP32 result, a pre-activation with a bf16 one");
+  }
+  // The epilogue's bias and pre-activation want 16-byte alignment and the pre-activation a
+  // leading dimension of a multiple of 8: otherwise the caller's unfused path.
+  if (Alignment(bias) < 16 || (pre != nullptr && (Alignment(pre) < 16 || n % 8 != 0))) {
+    return false;
+  }
+  // Row-major C (m x n) = A (m x k) W (k x n) is column-major C^T (n x m) = W' (n x k) A'
+  // (k x m), where W' and A' are the row-major W and A read column-major, as they are.
+  LtProduct p;
+  p.trans_w = false;
+  p.rows = n;
+  p.cols = m;
+  p.k = k;
+  p.type = CUDA_R_16BF;
+  p.w = w;
+  p.ld_w = n;
+  p.x = a;
+  p.ld_x = k;
+  p.c = residual;
+  p.beta = residual != nullptr ? 1.0f : 0.0f;
+  p.d = c;
+  p.d_type = c_bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  p.ld_d = n;
+  p.epilogue = pre != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
+  p.bias = bias;
+  p.aux = pre;
+  p.ld_aux = n;
+  return LtMatmul(p);
 }
 
 absl::Status RoundToBf16(const float* values, size_t n, Bf16* out, cudaStream_t stream) {

@@ -79,6 +79,21 @@ class Blas {
   absl::Status LinearForward(const float* x, const float* w, const float* bias, int rows, int in,
                              int out, Activation act, float* z, float* a);
 
+  // kBf16's product with its bias in cuBLASLt's epilogue, for the GPT's layers (row-major, W
+  // stored k x n as the CPU model keeps it): c (m x n) = a (m x k) . w + bias (n, per column,
+  // of c's type: bf16 or FP32, as cuBLASLt wants it), in FP32 sums, then
+  //  - c_bf16 and pre == null: c in bfloat16 (q/k/v);
+  //  - c_bf16 and pre: c = GELU(the sum) in bfloat16 (GPT-2's tanh form, the epilogue's) and
+  //    the sum itself into pre (m x n, bf16), what the GELU's backward reads;
+  //  - residual (m x n, FP32, may not be c): c = residual + the sum, in FP32 (the stream).
+  // Returns false, having done nothing, where the epilogue does not apply (a bias or
+  // pre-activation not 16-byte aligned, n not a multiple of 8 with a pre-activation, or no
+  // cuBLASLt algorithm for it): the caller then adds the bias itself. INVALID_ARGUMENT outside
+  // kBf16 or for a residual with a bf16 result or a pre-activation with an FP32 one.
+  absl::StatusOr<bool> GemmBiasBf16(int m, int n, int k, const Bf16* a, const Bf16* w,
+                                    const void* bias, const float* residual, void* c, bool c_bf16,
+                                    Bf16* pre);
+
  private:
   Blas() = default;
   cudaStream_t stream_ = nullptr;
@@ -92,6 +107,28 @@ class Blas {
   // c_type (CUDA_R_32F or CUDA_R_16BF, a cudaDataType_t).
   absl::Status GemmBf16(bool trans_a, bool trans_b, int m, int n, int k, float alpha, Operand a,
                         int lda, Operand b, int ldb, float beta, void* c, int c_type, int ldc);
+  // One cuBLASLt product, column-major as cuBLASLt sees it: D (rows x cols) = op(W) (rows x k)
+  // . X (k x cols) + beta C, with an epilogue (a cublasLtEpilogue_t) and its bias (and its
+  // auxiliary output); C (null: D) has D's layout and type. W and X are of `type` (a
+  // cudaDataType_t), D of d_type. False when cuBLASLt has no algorithm for it (nothing ran).
+  struct LtProduct {
+    bool trans_w = false;
+    int rows = 0, cols = 0, k = 0;
+    int type = 0, d_type = 0;
+    const void* w = nullptr;
+    int ld_w = 0;
+    const void* x = nullptr;
+    int ld_x = 0;
+    const void* c = nullptr;
+    float beta = 0.0f;
+    void* d = nullptr;
+    int ld_d = 0;
+    int epilogue = 1;  // CUBLASLT_EPILOGUE_DEFAULT
+    const void* bias = nullptr;
+    void* aux = nullptr;
+    int ld_aux = 0;
+  };
+  absl::StatusOr<bool> LtMatmul(const LtProduct& p);
   // kBf16: the two operands of a product rounded to bfloat16 (uint16 storage), grown on use.
   absl::StatusOr<const void*> ToBf16(int slot, const float* values, size_t count);
   void* bf16_scratch_[2] = {nullptr, nullptr};

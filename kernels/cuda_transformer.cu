@@ -126,9 +126,9 @@ __device__ float AddGroups(float partial) {
   return total;
 }
 
-__global__ void LayerNormBackwardParamsKernel(const float* dout, const float* x, const float* mean,
-                                              const float* rstd, int rows, int c, float* dw,
-                                              float* db) {
+__global__ void __launch_bounds__(kSumColumns * kSumGroups)
+    LayerNormBackwardParamsKernel(const float* dout, const float* x, const float* mean,
+                                  const float* rstd, int rows, int c, float* dw, float* db) {
   const int j = blockIdx.x * kSumColumns + threadIdx.x;
   float sum_w = 0.0f, sum_b = 0.0f;
   if (j < c) {
@@ -246,7 +246,8 @@ __global__ void EmbeddingBackwardKernel(const int32_t* ids, const float* dx, int
   }
 }
 
-__global__ void ColumnSumsKernel(const float* d, int rows, int cols, float* out, bool accumulate) {
+__global__ void __launch_bounds__(kSumColumns * kSumGroups)
+    ColumnSumsKernel(const float* d, int rows, int cols, float* out, bool accumulate) {
   const int j = blockIdx.x * kSumColumns + threadIdx.x;
   float sum = 0.0f;
   if (j < cols) {

@@ -570,6 +570,84 @@ TEST(CudaTransformerTest, Bf16AttentionOnTensorCoresMatchesCpu) {
   }
 }
 
+// The GPT's bf16 products with their bias in cuBLASLt's epilogue, against the same product
+// without it plus the bias on the host: into bf16, into bf16 through GPT-2's tanh GELU with the
+// pre-activation beside it, and onto an FP32 residual. A bias the epilogue cannot take (not
+// 16-byte aligned) is declined, with nothing written; outside bf16, INVALID_ARGUMENT.
+TEST(CudaKernelsTest, GemmBiasBf16FusesBiasGeluAndResidual) {
+  LOCKSTEP_REQUIRE_GPU();
+  auto blas = cuda::Blas::Create(nullptr);
+  ASSERT_TRUE(blas.ok()) << blas.status();
+  const int m = 40, n = 24, k = 72;
+  const std::vector<float> a = RoundedToBf16(Random(size_t(m) * k, 101));
+  const std::vector<float> w = RoundedToBf16(Random(size_t(k) * n, 102));
+  const std::vector<float> bias = RoundedToBf16(Random(n + 8, 103));  // from 0 or 1: aligned or not
+  const std::vector<float> residual = Random(size_t(m) * n, 104);
+  DeviceBuffer<cuda::Bf16> a16(ToBf16Values(a)), w16(ToBf16Values(w)), bias16(ToBf16Values(bias));
+  DeviceBuffer<float> bias32(bias), dev_residual(residual), product(size_t(m) * n);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      (*blas)
+          ->GemmBiasBf16(m, n, k, a16.get(), w16.get(), bias16.get(), nullptr, product.get(),
+                         true, nullptr)
+          .status()))
+      << "outside precision bf16";
+  ASSERT_TRUE((*blas)->SetPrecision(cuda::Blas::Precision::kBf16).ok());
+  const cuda::Bf16* a_in = a16.get();
+  const cuda::Bf16* w_in = w16.get();
+  ASSERT_TRUE(
+      (*blas)->Gemm(false, false, m, n, k, 1.0f, a_in, k, w_in, n, 0.0f, product.get(), n).ok());
+  const std::vector<float> ab = product.Read();
+  std::vector<float> sum(ab.size()), gelu(ab.size()), onto(ab.size());
+  for (size_t i = 0; i < ab.size(); ++i) {
+    sum[i] = ab[i] + bias[i % n];
+    const float x = sum[i];
+    gelu[i] = 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    onto[i] = residual[i] + sum[i];
+  }
+  {
+    DeviceBuffer<cuda::Bf16> c(size_t(m) * n);
+    absl::StatusOr<bool> ran = (*blas)->GemmBiasBf16(m, n, k, a16.get(), w16.get(), bias16.get(),
+                                                     nullptr, c.get(), true, nullptr);
+    ASSERT_TRUE(ran.ok()) << ran.status();
+    ASSERT_TRUE(*ran) << "an aligned bias in bf16 is the epilogue's case";
+    EXPECT_LT(RelativeError(Bf16Values(c.Read()), sum), 1e-2) << "bias";
+  }
+  {
+    DeviceBuffer<cuda::Bf16> c(size_t(m) * n), pre(size_t(m) * n);
+    absl::StatusOr<bool> ran = (*blas)->GemmBiasBf16(m, n, k, a16.get(), w16.get(), bias16.get(),
+                                                     nullptr, c.get(), true, pre.get());
+    ASSERT_TRUE(ran.ok()) << ran.status();
+    ASSERT_TRUE(*ran);
+    EXPECT_LT(RelativeError(Bf16Values(pre.Read()), sum), 1e-2) << "the pre-activation";
+    EXPECT_LT(RelativeError(Bf16Values(c.Read()), gelu), 1e-2) << "GELU (tanh)";
+  }
+  {
+    DeviceBuffer<float> c(size_t(m) * n);
+    absl::StatusOr<bool> ran = (*blas)->GemmBiasBf16(m, n, k, a16.get(), w16.get(), bias32.get(),
+                                                     dev_residual.get(), c.get(), false, nullptr);
+    ASSERT_TRUE(ran.ok()) << ran.status();
+    ASSERT_TRUE(*ran);
+    EXPECT_LT(RelativeError(c.Read(), onto), 1e-5) << "onto the FP32 residual";
+    EXPECT_EQ(dev_residual.Read(), residual) << "the residual is read, not written";
+  }
+  {
+    const std::vector<float> garbage = Random(size_t(m) * n, 105);
+    DeviceBuffer<float> c(garbage);
+    absl::StatusOr<bool> ran = (*blas)->GemmBiasBf16(m, n, k, a16.get(), w16.get(),
+                                                     bias32.get() + 1, dev_residual.get(), c.get(),
+                                                     false, nullptr);
+    ASSERT_TRUE(ran.ok()) << ran.status();
+    EXPECT_FALSE(*ran) << "a bias 4 bytes off its alignment";
+    EXPECT_EQ(c.Read(), garbage);
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      (*blas)
+          ->GemmBiasBf16(m, n, k, a16.get(), w16.get(), bias16.get(), dev_residual.get(),
+                         product.get(), true, nullptr)
+          .status()))
+      << "a residual with a bf16 result";
+}
+
 // Precision "bf16"'s activations: each bf16 variant but attention's (tested above) writes the
 // FP32 variant's output on the same (rounded) inputs, rounded to nearest even, bit for bit,
 // and the FP32 values beside it (statistics, gradients) are the FP32 variant's bits; a bf16
@@ -701,14 +779,14 @@ TEST(CudaTransformerTest, GeluTanhMatchesCpu) {
   ASSERT_TRUE(cuda::GeluTanhForward(dev_x.get(), x.size(), dev_out.get(), nullptr).ok());
   EXPECT_LT(RelativeError(dev_out.Read(), out), 1e-6);
   // In place, as the step engine uses it (dx aliasing dout).
-  ASSERT_TRUE(cuda::GeluTanhBackward(dev_x.get(), dev_d.get(), x.size(), dev_d.get(), nullptr).ok());
+  ASSERT_TRUE(
+      cuda::GeluTanhBackward(dev_x.get(), dev_d.get(), x.size(), dev_d.get(), nullptr).ok());
   EXPECT_LT(RelativeError(dev_d.Read(), dx), 1e-5);
 }
 
-// Repeated ids (every token of a small vocabulary many times): the sums of one table row come
-// from many rows of dx, in row order on both sides, so the bits agree.
-// The embedding gradient is the CPU's bits: more ids than the classes a block takes (so most
-// classes hold several), more rows than a chunk of staged ids, more columns than a block. The
+// The embedding gradient is the CPU's bits: a small vocabulary (every id many times) and more
+// ids than the classes a block takes (so most classes hold several), more rows than a chunk of
+// staged ids, more columns than a block. The
 // column sums add groups of rows in a fixed order: close to the CPU's, the same bits twice.
 TEST(CudaTransformerTest, EmbeddingBackwardIsTheCpuBitsAndColumnSumsAreFixed) {
   LOCKSTEP_REQUIRE_GPU();

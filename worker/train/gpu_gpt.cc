@@ -215,6 +215,17 @@ absl::Status GpuGpt::GemmInto(int m, int n, int k, cuda::Blas::Operand a, size_t
   return blas_->Gemm(false, false, m, n, k, 1.0f, a, k, Weight(w), n, beta, c.f32, n);
 }
 
+absl::StatusOr<bool> GpuGpt::Fused(int rows, int n, int k, const Stored& in, size_t w,
+                                   size_t bias, const float* residual, void* out, cuda::Bf16* pre) {
+  if (!blas_->bf16() || params16_ == nullptr || in.bf16 == nullptr) return false;
+  // A bf16 result takes the bias in bf16, the FP32 stream in FP32 (cuBLASLt's rule: the bias
+  // has the result's type).
+  const bool out_bf16 = residual == nullptr;
+  const void* b = out_bf16 ? static_cast<const void*>(params16_ + bias)
+                           : static_cast<const void*>(params_ + bias);
+  return blas_->GemmBiasBf16(rows, n, k, in.bf16, params16_ + w, b, residual, out, out_bf16, pre);
+}
+
 absl::Status GpuGpt::BiasGeluInto(size_t bias, int rows, int cols, const Stored& pre,
                                   const Stored& out) {
   if (pre.bf16 != nullptr) {
@@ -276,22 +287,46 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
     const Gpt::Block& b = g.blocks[l];
     LOCKSTEP_RETURN_IF_ERROR(
         LayerNormInto(resid_[l], b.ln1_w, b.ln1_b, rows, ln1_[l], ln1_mean_[l], ln1_rstd_[l]));
-    // Each product adds onto its bias (and residual) already in place, as on the CPU.
-    LOCKSTEP_RETURN_IF_ERROR(StartWithBias(b.attn_b, rows, 3 * C, qkv_[l]));
-    LOCKSTEP_RETURN_IF_ERROR(
-        GemmInto(rows, 3 * C, C, ln1_[l].operand(), b.attn_w, 1.0f, qkv_[l]));
+    // Under bf16 each product adds its bias (and residual, or applies the GELU) in cuBLASLt's
+    // epilogue (Fused: true when it ran). Otherwise each product adds onto its bias (and
+    // residual) already in place, as on the CPU, and a kernel adds the MLP's bias and GELU.
+    absl::StatusOr<bool> fused = Fused(rows, 3 * C, C, ln1_[l], b.attn_w, b.attn_b, nullptr,
+                                       qkv_[l].bf16, nullptr);
+    if (!fused.ok()) return fused.status();
+    if (!*fused) {
+      LOCKSTEP_RETURN_IF_ERROR(StartWithBias(b.attn_b, rows, 3 * C, qkv_[l]));
+      LOCKSTEP_RETURN_IF_ERROR(
+          GemmInto(rows, 3 * C, C, ln1_[l].operand(), b.attn_w, 1.0f, qkv_[l]));
+    }
     LOCKSTEP_RETURN_IF_ERROR(AttentionForward(qkv_[l], n, atty_[l], lse_[l]));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::StartWith(resid_[l], P + b.proj_b, rows, C, mid_[l], stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, C, 1.0f, atty_[l].operand(), C,
-                                       Weight(b.proj_w), C, 1.0f, mid_[l], C));
+    fused = Fused(rows, C, C, atty_[l], b.proj_w, b.proj_b, resid_[l], mid_[l], nullptr);
+    if (!fused.ok()) return fused.status();
+    if (!*fused) {
+      LOCKSTEP_RETURN_IF_ERROR(
+          cuda::StartWith(resid_[l], P + b.proj_b, rows, C, mid_[l], stream_));
+      LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, C, 1.0f, atty_[l].operand(), C,
+                                         Weight(b.proj_w), C, 1.0f, mid_[l], C));
+    }
     LOCKSTEP_RETURN_IF_ERROR(
         LayerNormInto(mid_[l], b.ln2_w, b.ln2_b, rows, ln2_[l], ln2_mean_[l], ln2_rstd_[l]));
-    LOCKSTEP_RETURN_IF_ERROR(GemmInto(rows, 4 * C, C, ln2_[l].operand(), b.fc_w, 0.0f, fch_[l]));
-    LOCKSTEP_RETURN_IF_ERROR(BiasGeluInto(b.fc_b, rows, 4 * C, fch_[l], fch_gelu_[l]));
-    LOCKSTEP_RETURN_IF_ERROR(
-        cuda::StartWith(mid_[l], P + b.fcproj_b, rows, C, resid_[l + 1], stream_));
-    LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, 4 * C, 1.0f, fch_gelu_[l].operand(),
-                                       4 * C, Weight(b.fcproj_w), C, 1.0f, resid_[l + 1], C));
+    fused = Fused(rows, 4 * C, C, ln2_[l], b.fc_w, b.fc_b, nullptr, fch_gelu_[l].bf16,
+                  fch_[l].bf16);
+    if (!fused.ok()) return fused.status();
+    if (!*fused) {
+      LOCKSTEP_RETURN_IF_ERROR(
+          GemmInto(rows, 4 * C, C, ln2_[l].operand(), b.fc_w, 0.0f, fch_[l]));
+      LOCKSTEP_RETURN_IF_ERROR(BiasGeluInto(b.fc_b, rows, 4 * C, fch_[l], fch_gelu_[l]));
+    }
+    fused = Fused(rows, C, 4 * C, fch_gelu_[l], b.fcproj_w, b.fcproj_b, mid_[l], resid_[l + 1],
+                  nullptr);
+    if (!fused.ok()) return fused.status();
+    if (!*fused) {
+      LOCKSTEP_RETURN_IF_ERROR(
+          cuda::StartWith(mid_[l], P + b.fcproj_b, rows, C, resid_[l + 1], stream_));
+      LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, 4 * C, 1.0f,
+                                         fch_gelu_[l].operand(), 4 * C, Weight(b.fcproj_w), C,
+                                         1.0f, resid_[l + 1], C));
+    }
   }
   return LayerNormInto(resid_[config_.layers], g.lnf_w, g.lnf_b, rows, lnf_, lnf_mean_,
                        lnf_rstd_);

@@ -109,6 +109,12 @@ class GpuGpt final : public GpuModel {
   absl::Status GemmInto(int m, int n, int k, kernels::cuda::Blas::Operand a, size_t w, float beta,
                         const Stored& c);
   absl::Status BiasGeluInto(size_t bias, int rows, int cols, const Stored& pre, const Stored& out);
+  // Under bf16: out (rows x n) = in . W + bias through cuBLASLt's epilogue, in bf16; with
+  // `residual` (FP32) out = residual + that, in FP32; with `pre` out = GELU(that) and that
+  // into pre. True when it ran; false (nothing done) outside bf16 or where the epilogue does
+  // not apply (Blas::GemmBiasBf16), and the caller adds bias, residual and GELU itself.
+  absl::StatusOr<bool> Fused(int rows, int n, int k, const Stored& in, size_t w, size_t bias,
+                             const float* residual, void* out, kernels::cuda::Bf16* pre);
   absl::Status GeluBackward(const Stored& pre, size_t count, float* d);
   absl::Status AttentionForward(const Stored& qkv, int n, const Stored& out, float* lse);
   absl::Status AttentionBackward(const float* dout, const Stored& qkv, const Stored& out,
