@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -386,15 +387,21 @@ absl::StatusOr<bool> Blas::LtMatmul(const LtProduct& p) {
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
   // C shares D's layout (and type).
-  LOCKSTEP_GPU_RETURN_IF_ERROR(
+  // "Not supported" (from the heuristic, or the matmul refusing what it chose) means nothing
+  // ran: the caller's fallback, not an error.
+  const cublasStatus_t searched =
       cublasLtMatmulAlgoGetHeuristic(LtHandle(lt_), desc.op, desc.a, desc.b, desc.d, desc.d,
-                                     desc.preference, 1, &heuristic, &found));
-  if (found == 0) return false;
+                                     desc.preference, 1, &heuristic, &found);
+  const bool none = searched == CUBLAS_STATUS_SUCCESS &&
+                    (found == 0 || heuristic.state != CUBLAS_STATUS_SUCCESS);
+  if (searched == CUBLAS_STATUS_NOT_SUPPORTED || none) return false;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(searched);
   const float alpha = 1.0f;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, p.w, desc.a, p.x,
-                                              desc.b, &p.beta, c, desc.d, p.d, desc.d,
-                                              &heuristic.algo, workspace_, workspace_bytes_,
-                                              stream_));
+  const cublasStatus_t ran = cublasLtMatmul(LtHandle(lt_), desc.op, &alpha, p.w, desc.a, p.x,
+                                            desc.b, &p.beta, c, desc.d, p.d, desc.d,
+                                            &heuristic.algo, workspace_, workspace_bytes_, stream_);
+  if (ran == CUBLAS_STATUS_NOT_SUPPORTED) return false;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(ran);
   return true;
 }
 

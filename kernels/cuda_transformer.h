@@ -84,7 +84,9 @@ absl::Status CausalAttentionBackward(const float* dout, const float* qkv, const 
 // bf16 before they multiply V, and dO and dS rounded for the backward's products, as
 // PyTorch's flash kernels do; it agrees with the FP32 kernels to bf16's precision. The
 // statistics, lse, the residual stream and every gradient stay FP32. For the GELU the stored
-// (rounded) pre-activation is what it is applied to, as its backward reads it.
+// (rounded) pre-activation is what it is applied to, as its backward reads it. (The GPT's
+// bf16 forward uses these where cuBLASLt's epilogue does not apply: Blas::GemmBiasBf16 adds
+// the bf16 bias and applies the GELU to the FP32 sum before either is rounded.)
 absl::Status LayerNormForward(const float* x, const float* w, const float* b, int rows, int c,
                               float eps, Bf16* out, float* mean, float* rstd, cudaStream_t stream);
 absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, Bf16* pre, Bf16* out,

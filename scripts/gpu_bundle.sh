@@ -14,12 +14,13 @@ if [[ ! -f "$build/build.ninja" ]]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" >/dev/null
 fi
-targets=(cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test nccl_id_test mlp_step_bench gpu_gpt_step_bench lockstep-coordinator lockstep-worker lockstepctl)
+targets=(cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test nccl_id_test mlp_step_bench gpu_gpt_step_bench attention_bench lockstep-coordinator lockstep-worker lockstepctl)
 ninja -C "$build" -j "${LOCKSTEP_JOBS:-2}" "${targets[@]}"
 rm -rf "$out/gpu-bundle" "$out/gpu-bundle.tar.xz"
 LOCKSTEP_BUNDLE_SYSTEM_CUDA=1 "$root/scripts/bundle.sh" --build "$build" "$out/gpu-bundle" "${targets[@]}"
 install -m 0755 "$root/tests/gpu/check.sh" "$out/gpu-bundle/check.sh"
 install -m 0644 "$root/bench/torch/gpu_mlp_step.py" "$out/gpu-bundle/gpu_mlp_step.py"
 install -m 0644 "$root/bench/torch/gpu_gpt_step.py" "$out/gpu-bundle/gpu_gpt_step.py"
+install -m 0644 "$root/bench/torch/gpu_attention.py" "$out/gpu-bundle/gpu_attention.py"
 tar -C "$out" -cJf "$out/gpu-bundle.tar.xz" gpu-bundle
 echo "gpu_bundle.sh: $out/gpu-bundle.tar.xz ($(du -h "$out/gpu-bundle.tar.xz" | cut -f1))"

@@ -5,7 +5,8 @@
 # worker; two workers of one GPU kept out of one group when NCCL may not share it; a group of
 # 3 ranks on the one GPU (when NCCL allows it) with one SIGKILLed mid-run,
 # which must end with exact steps and the one-worker run's checksum; the GPT step benchmark
-# (GPT-2 124M shape) and the MLP's, each next to PyTorch on the same GPU, as tables.
+# (GPT-2 124M shape), attention alone and the MLP's, each next to PyTorch on the same GPU, as
+# tables.
 # Exit status: 0 when every test and job that ran passed (the benchmarks are measurements: a
 # failed one shows as "failed" in its table, not in the status).
 #   check.sh [BUNDLE_DIR]   (default: the folder holding this script, i.e. gpu-bundle/)
@@ -381,6 +382,33 @@ else
   fi
   stop_all
 fi
+
+echo "== attention alone: 16 x 1024 tokens, 12 heads of 64, causal" | tee -a "$log"
+timeout 300 python3 "$bundle/gpu_attention.py" >"$out/torch-attention.json" 2>>"$log" ||
+  echo "PyTorch attention baseline failed (see $log)" | tee -a "$log"
+timeout 300 "$bundle/bin/attention_bench" --json="$out/lockstep-attention.json" 2>&1 | tee -a "$log"
+python3 - "$out" <<'PY' | tee -a "$log"
+import json, os, sys
+def load(name):
+    try:
+        with open(os.path.join(sys.argv[1], f"{name}.json")) as f:
+            return json.loads(f.read().strip().splitlines()[-1])
+    except Exception:
+        return None
+ls, pt = load("lockstep-attention"), load("torch-attention")
+print("\n| attention (bf16) | forward ms | forward TFLOP/s | backward ms | backward TFLOP/s |")
+print("|---|---|---|---|---|")
+if ls:
+    print(f"| Lockstep tensor-core kernels | {ls['bf16_forward_ms']:.3f} | {ls['bf16_forward_tflops']:.1f} | "
+          f"{ls['bf16_backward_ms']:.3f} | {ls['bf16_backward_tflops']:.1f} |")
+else:
+    print("| Lockstep tensor-core kernels | failed | | | |")
+if pt:
+    print(f"| PyTorch SDPA ({pt['torch']}) | {pt['forward_ms']:.3f} | {pt['forward_tflops']:.1f} | "
+          f"{pt['backward_ms']:.3f} | {pt['backward_tflops']:.1f} |")
+else:
+    print("| PyTorch SDPA | failed | | | |")
+PY
 
 echo "== GPT step benchmark: GPT-2 124M shape, context 1024, AdamW" | tee -a "$log"
 gpt_configs=(
