@@ -6,7 +6,7 @@
 // bench/torch/gpu_gpt_step.py is the PyTorch twin; tests/gpu/check.sh puts them side by side.
 //   gpu_gpt_step_bench [--layers=12 --heads=12 --d_model=768 --context=1024 --vocab=50257]
 //                  [--batch=16] [--micro_batch=N] [--steps=10] [--precision=fp32|tf32|bf16]
-//                  [--deterministic --micro_shards=8] [--json=F]
+//                  [--deterministic --micro_shards=8] [--phases] [--json=F]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -17,6 +17,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -24,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/gpu_check.h"
+#include "kernels/phase_timer.h"
 #include "worker/train/gpt.h"
 #include "worker/train/gpu_step.h"
 #include "worker/train/optimizer.h"
@@ -40,6 +42,9 @@ ABSL_FLAG(std::string, precision, "bf16", "fp32, tf32 or bf16 (the products' ari
 ABSL_FLAG(bool, deterministic, false, "deterministic mode (fixed-point sums per micro-shard)");
 ABSL_FLAG(int, micro_shards, 8, "micro-shards of the batch (deterministic mode)");
 ABSL_FLAG(std::string, json, "", "write the results here as JSON");
+ABSL_FLAG(bool, phases, false,
+          "also time each phase of the step on the device (events between phases; a separate "
+          "run after the timed one) and print where the time goes");
 
 namespace {
 
@@ -141,7 +146,7 @@ absl::Status Run() {
 
   lockstep::worker::Gpt model(config);
   model.Initialize(1);
-  lockstep::worker::Optimizer optimizer(spec.optimizer(), model.segments(), steps + 2);
+  lockstep::worker::Optimizer optimizer(spec.optimizer(), model.segments(), 2 * steps + 2);
   auto step = GpuStep::ForHost(spec, &model, &optimizer, nullptr);
   if (!step.ok()) return step.status();
   LOCKSTEP_RETURN_IF_ERROR((*step)->Begin(nullptr));
@@ -177,6 +182,20 @@ absl::Status Run() {
   const double step_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
       steps;
+  // Where the time goes: the same steps again with events between the phases (not in the
+  // timed run above, so the events cost it nothing).
+  lockstep::kernels::cuda::PhaseTimer timer((*step)->compute_stream());
+  std::vector<std::pair<std::string, double>> phases;
+  if (absl::GetFlag(FLAGS_phases)) {
+    (*step)->set_phase_timer(&timer);
+    for (int i = 0; i < steps; ++i) {
+      LOCKSTEP_RETURN_IF_ERROR(one_step(3 + steps + i));
+      LOCKSTEP_RETURN_IF_ERROR(timer.Collect());
+    }
+    (*step)->set_phase_timer(nullptr);
+    phases = timer.totals_ms();
+    for (auto& [name, ms] : phases) ms /= steps;
+  }
   LOCKSTEP_RETURN_IF_ERROR((*step)->End());
 
   // Model FLOPs per token: 6 per parameter (forward and backward of every product, the tied
@@ -207,6 +226,18 @@ absl::Status Run() {
               "in use; batch in %s host memory\n",
               first_loss, loss, (total_bytes - free_bytes) / 1048576.0,
               (*step)->pinned() ? "pinned" : "ordinary");
+  std::string phases_json;
+  if (!phases.empty()) {
+    double marked = 0;
+    for (const auto& [name, ms] : phases) marked += ms;
+    std::printf("\n| phase (%s) | ms per step | share of the marked time |\n|---|---|---|\n",
+                precision.c_str());
+    for (const auto& [name, ms] : phases) {
+      std::printf("| %s | %.2f | %.1f%% |\n", name.c_str(), ms, 100 * ms / marked);
+      phases_json += absl::StrCat(phases_json.empty() ? "" : ", ", "\"", name, "\": ", ms);
+    }
+    std::printf("| (all marked) | %.2f | of a %.2f ms step |\n", marked, step_ms);
+  }
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream(path) << "{\"gpu\": \"" << props.name << "\", \"model\": \"" << model.Describe()
                         << "\", \"params\": " << model.num_params() << ", \"precision\": \""
@@ -217,7 +248,8 @@ absl::Status Run() {
                         << ", \"model_tflops\": " << tflops
                         << ", \"mfu\": " << tflops / kH200Bf16PeakTflops
                         << ", \"gemm_tflops\": " << *gemm << ", \"first_loss\": " << first_loss
-                        << ", \"last_loss\": " << loss << "}\n";
+                        << ", \"last_loss\": " << loss << ", \"phases_ms\": {" << phases_json
+                        << "}}\n";
   }
   return absl::OkStatus();
 }

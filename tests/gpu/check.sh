@@ -412,7 +412,7 @@ PY
 
 echo "== GPT step benchmark: GPT-2 124M shape, context 1024, AdamW" | tee -a "$log"
 gpt_configs=(
-  "bf16|--precision=bf16 --batch=16|bf16"
+  "bf16|--precision=bf16 --batch=16 --phases|bf16"
   "tf32|--precision=tf32 --batch=16|tf32"
   "fp32|--precision=fp32 --batch=16|fp32"
 )

@@ -19,6 +19,7 @@
 #include "kernels/cpu_transformer.h"
 #include "kernels/cuda_transformer.h"
 #include "kernels/gpu_check.h"
+#include "kernels/phase_timer.h"
 
 namespace lockstep::kernels {
 namespace {
@@ -568,6 +569,37 @@ TEST(CudaTransformerTest, Bf16AttentionOnTensorCoresMatchesCpu) {
                     .ok());
     EXPECT_EQ(dev_dqkv.Read(), got) << shape;
   }
+}
+
+// The benchmarks' phase timer: each span goes to the phase that opened it, in the order the
+// phases were first marked, summed over collections; a span after Mark(nullptr) to nowhere.
+TEST(CudaKernelsTest, PhaseTimerAddsSpansToTheirPhases) {
+  LOCKSTEP_REQUIRE_GPU();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const size_t n = size_t{1} << 24;
+  DeviceBuffer<float> values(n);
+  DeviceBuffer<cuda::Bf16> rounded(n);
+  {
+    cuda::PhaseTimer timer(stream);
+    for (int round = 0; round < 2; ++round) {
+      timer.Mark("round");
+      ASSERT_TRUE(cuda::RoundToBf16(values.get(), n, rounded.get(), stream).ok());
+      timer.Mark("round twice");
+      ASSERT_TRUE(cuda::RoundToBf16(values.get(), n, rounded.get(), stream).ok());
+      ASSERT_TRUE(cuda::RoundToBf16(values.get(), n, rounded.get(), stream).ok());
+      timer.Mark(nullptr);
+      ASSERT_TRUE(cuda::RoundToBf16(values.get(), n, rounded.get(), stream).ok());  // untimed
+      ASSERT_TRUE(timer.Collect().ok());
+    }
+    const auto& totals = timer.totals_ms();
+    ASSERT_EQ(totals.size(), 2u);
+    EXPECT_EQ(totals[0].first, "round");
+    EXPECT_EQ(totals[1].first, "round twice");
+    EXPECT_GT(totals[0].second, 0.0);
+    EXPECT_GT(totals[1].second, 0.0);
+  }
+  cudaStreamDestroy(stream);
 }
 
 // The GPT's bf16 products with their bias in cuBLASLt's epilogue, against the same product

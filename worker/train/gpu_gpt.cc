@@ -273,9 +273,11 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
   const float* P = params_;
   const Gpt::Layout& g = layout_;
   if (blas_->bf16()) {
+    Phase("weights to bf16");
     if (params16_ == nullptr) LOCKSTEP_RETURN_IF_ERROR(Allocate(&params16_, num_params_));
     LOCKSTEP_RETURN_IF_ERROR(cuda::RoundToBf16(params_, num_params_, params16_, stream_));
   }
+  Phase("embedding");
   LOCKSTEP_RETURN_IF_ERROR(cuda::GatherTokens(tokens, token_stride, n, t, 0, ids_, stream_));
   LOCKSTEP_RETURN_IF_ERROR(cuda::GatherTokens(tokens, token_stride, n, t, 1, targets_, stream_));
   LOCKSTEP_RETURN_IF_ERROR(cuda::Positions(rows, t, positions_, stream_));
@@ -285,8 +287,10 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
   cuda::Blas& blas = *blas_;
   for (int l = 0; l < config_.layers; ++l) {
     const Gpt::Block& b = g.blocks[l];
+    Phase("layernorm");
     LOCKSTEP_RETURN_IF_ERROR(
         LayerNormInto(resid_[l], b.ln1_w, b.ln1_b, rows, ln1_[l], ln1_mean_[l], ln1_rstd_[l]));
+    Phase("products forward");
     // Under bf16 each product adds its bias (and residual, or applies the GELU) in cuBLASLt's
     // epilogue (Fused: true when it ran). Otherwise each product adds onto its bias (and
     // residual) already in place, as on the CPU, and a kernel adds the MLP's bias and GELU.
@@ -298,7 +302,9 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
       LOCKSTEP_RETURN_IF_ERROR(
           GemmInto(rows, 3 * C, C, ln1_[l].operand(), b.attn_w, 1.0f, qkv_[l]));
     }
+    Phase("attention forward");
     LOCKSTEP_RETURN_IF_ERROR(AttentionForward(qkv_[l], n, atty_[l], lse_[l]));
+    Phase("products forward");
     fused = Fused(rows, C, C, atty_[l], b.proj_w, b.proj_b, resid_[l], mid_[l], nullptr);
     if (!fused.ok()) return fused.status();
     if (!*fused) {
@@ -307,8 +313,10 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
       LOCKSTEP_RETURN_IF_ERROR(blas.Gemm(false, false, rows, C, C, 1.0f, atty_[l].operand(), C,
                                          Weight(b.proj_w), C, 1.0f, mid_[l], C));
     }
+    Phase("layernorm");
     LOCKSTEP_RETURN_IF_ERROR(
         LayerNormInto(mid_[l], b.ln2_w, b.ln2_b, rows, ln2_[l], ln2_mean_[l], ln2_rstd_[l]));
+    Phase("products forward");
     fused = Fused(rows, 4 * C, C, ln2_[l], b.fc_w, b.fc_b, nullptr, fch_gelu_[l].bf16,
                   fch_[l].bf16);
     if (!fused.ok()) return fused.status();
@@ -328,12 +336,14 @@ absl::Status GpuGpt::Forward(const int32_t* tokens, int token_stride, int n) {
                                          1.0f, resid_[l + 1], C));
     }
   }
+  Phase("layernorm");
   return LayerNormInto(resid_[config_.layers], g.lnf_w, g.lnf_b, rows, lnf_, lnf_mean_,
                        lnf_rstd_);
 }
 
 absl::Status GpuGpt::Head(int rows, float scale, bool backward, bool count, double* loss_sum) {
   const int C = config_.d_model, V = config_.vocab;
+  Phase("LM head");
   const cuda::Blas::Operand wte = Weight(layout_.wte);
   for (int r0 = 0; r0 < rows; r0 += head_chunk_rows_) {
     const int m = std::min(head_chunk_rows_, rows - r0);
@@ -393,6 +403,7 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
   LOCKSTEP_RETURN_IF_ERROR(
       Head(rows, grad_scale / t, /*backward=*/true, /*count=*/false, head_loss_));
   LOCKSTEP_RETURN_IF_ERROR(cuda::AddScaled(head_loss_, 1.0 / t, accumulate, loss_sum_, stream_));
+  Phase("layernorm backward");
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(dresid_, 0, RC * sizeof(float), stream_));
   LOCKSTEP_RETURN_IF_ERROR(cuda::LayerNormBackward(dlnf_, resid_[config_.layers], P + g.lnf_w,
                                                    lnf_mean_, lnf_rstd_, rows, C, dresid_,
@@ -429,37 +440,47 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
   for (int l = config_.layers - 1; l >= 0; --l) {
     const Gpt::Block& b = g.blocks[l];
     // mlp.c_proj: out = fch_gelu . W + b (+ the residual, whose gradient passes through).
+    Phase("products backward");
     LOCKSTEP_RETURN_IF_ERROR(
         linear_backward(fch_gelu_[l], 4 * C, dresid_, C, b.fcproj_w, b.fcproj_b, scratch4_));
     ready();
     // GELU, then mlp.c_fc.
+    Phase("GELU backward");
     LOCKSTEP_RETURN_IF_ERROR(GeluBackward(fch_[l], 4 * RC, scratch4_));
+    Phase("products backward");
     LOCKSTEP_RETURN_IF_ERROR(
         linear_backward(ln2_[l], C, scratch4_, 4 * C, b.fc_w, b.fc_b, scratch_));
     ready();
     // ln_2: into the gradient of the stream after attention, which also gets the residual's.
+    Phase("layernorm backward");
     LOCKSTEP_RETURN_IF_ERROR(residual_layer_norm_backward(dresid_, mid_[l], b.ln2_w, b.ln2_b,
                                                           ln2_mean_[l], ln2_rstd_[l], dmid_));
     ready();
     // attn.c_proj.
+    Phase("products backward");
     LOCKSTEP_RETURN_IF_ERROR(linear_backward(atty_[l], C, dmid_, C, b.proj_w, b.proj_b, scratch_));
     ready();
     // Attention, then attn.c_attn.
+    Phase("attention backward");
     LOCKSTEP_RETURN_IF_ERROR(AttentionBackward(scratch_, qkv_[l], atty_[l], lse_[l], n, dqkv_));
+    Phase("products backward");
     LOCKSTEP_RETURN_IF_ERROR(
         linear_backward(ln1_[l], C, dqkv_, 3 * C, b.attn_w, b.attn_b, scratch_));
     ready();
     // ln_1: into the gradient of the stream entering the block.
+    Phase("layernorm backward");
     LOCKSTEP_RETURN_IF_ERROR(residual_layer_norm_backward(dmid_, resid_[l], b.ln1_w, b.ln1_b,
                                                           ln1_mean_[l], ln1_rstd_[l], dresid_));
     ready();
   }
   // The embeddings, in row order (deterministic): positions, then tokens (wte's gradient also
   // holds the LM head's share by now).
+  Phase("embedding backward");
   LOCKSTEP_RETURN_IF_ERROR(
       cuda::EmbeddingBackward(positions_, dresid_, rows, C, G + g.wpe, stream_));
   ready();
   LOCKSTEP_RETURN_IF_ERROR(cuda::EmbeddingBackward(ids_, dresid_, rows, C, G + g.wte, stream_));
+  Phase(nullptr);
   ready();
   return absl::OkStatus();
 }

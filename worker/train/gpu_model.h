@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cuda_kernels.h"
+#include "kernels/phase_timer.h"
 #include "worker/train/model.h"
 
 namespace lockstep::worker {
@@ -54,7 +55,15 @@ class GpuModel {
   // predictions to *correct. Waits for the stream; may overwrite loss_sum_device().
   virtual absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) = 0;
 
+  // Benchmarks: mark the model's phases on this timer (not owned; null: none, the default).
+  void set_phase_timer(kernels::cuda::PhaseTimer* timer) { timer_ = timer; }
+
  protected:
+  // The phase that starts now on the model's stream, when a benchmark times them.
+  void Phase(const char* phase) const {
+    if (timer_ != nullptr) timer_->Mark(phase);
+  }
+  kernels::cuda::PhaseTimer* timer_ = nullptr;
   // `bytes` from `from` to `to` on `stream`, then waits for the stream (the models' host <->
   // device copies of whole buffers).
   static absl::Status CopyAndWait(void* to, const void* from, size_t bytes, cudaMemcpyKind kind,

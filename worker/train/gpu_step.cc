@@ -475,6 +475,13 @@ absl::StatusOr<double> GpuStep::Step(const float* x, const int32_t* y, int n, in
 }
 
 absl::Status GpuStep::Update(float lr, int64_t step) {
+  if (timer_ != nullptr) timer_->Mark("clip and optimizer");
+  absl::Status s = UpdateSegments(lr, step);
+  if (timer_ != nullptr) timer_->Mark(nullptr);
+  return s;
+}
+
+absl::Status GpuStep::UpdateSegments(float lr, int64_t step) {
   const size_t params = model_->num_params();
   // The summed gradient's global norm, clipped on the device as the CPU optimizer does it.
   if (optimizer_.grad_clip_norm() > 0) {

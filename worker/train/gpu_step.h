@@ -114,6 +114,13 @@ class GpuStep final : public StepEngine {
                                                           int shard, float grad_scale,
                                                           int frac_bits);
   bool pinned() const { return pinned_; }
+  // Benchmarks: time the model's phases and the update on `timer` (not owned; null: off),
+  // which must be on this engine's compute stream (compute_stream()).
+  void set_phase_timer(kernels::cuda::PhaseTimer* timer) {
+    timer_ = timer;
+    model_->set_phase_timer(timer);
+  }
+  cudaStream_t compute_stream() const { return stream_; }
 
  private:
   GpuStep() = default;
@@ -156,7 +163,8 @@ class GpuStep final : public StepEngine {
   absl::StatusOr<DeterministicResult> RunDeterministic(const float* x, const int32_t* y, int n,
                                                        int shard, float grad_scale,
                                                        int frac_bits, float lr, int64_t step);
-  absl::Status Update(float lr, int64_t step);
+  absl::Status Update(float lr, int64_t step);  // UpdateSegments, timed as one phase
+  absl::Status UpdateSegments(float lr, int64_t step);
 
   v1::OptimizerSpec optimizer_;
   // What the update trains and where weight decay applies (all of it, decayed, unless
@@ -185,6 +193,7 @@ class GpuStep final : public StepEngine {
   cudaEvent_t consumed_[2] = {nullptr, nullptr};
   SampleLayout layout_;
   std::unique_ptr<GpuModel> model_;
+  kernels::cuda::PhaseTimer* timer_ = nullptr;
   size_t state_floats_ = 0;
   float* state_ = nullptr;  // momentum, or AdamW's m then v (Optimizer's layout)
   double* clip_workspace_ = nullptr;  // grad_clip_norm: ClipByGlobalNorm's workspace
