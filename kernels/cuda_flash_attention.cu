@@ -34,6 +34,10 @@ constexpr int kRows = 64;  // rows of a block and of a tile
 constexpr int kWarps = kRows / 16;
 constexpr int kBlockThreads = kWarps * 32;
 constexpr int kScoreLd = kRows + 4;  // floats of a scores row
+// Exponentials are taken base 2 (exp2f is one special-function instruction, expf several):
+// scores scaled by log2(e) as well, lse kept in base 2 inside the kernels.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kProbLd = kRows + 8;   // bf16 values of a probabilities row
 
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
@@ -122,9 +126,9 @@ __device__ void LoadTileRounded(Row row, int first, int T, int hs, bool vectors,
   }
 }
 
-// lse and D = dO . O of rows [first, first + kRows), in FP32 from dO rounded to bf16 (the dO
-// the products see, so that dS sums to zero over a row as it should) and O as stored; two
-// threads a row, rows past T get zeros. All of the block's threads take part.
+// lse (in base 2) and D = dO . O of rows [first, first + kRows), in FP32 from dO rounded to
+// bf16 (the dO the products see, so that dS sums to zero over a row as it should) and O as
+// stored; two threads a row, rows past T get zeros. All of the block's threads take part.
 template <typename GradRow, typename OutRow>
 __device__ void LoadRowStats(GradRow grad_row, OutRow out_row, const float* lse, size_t lse_first,
                              int first, int T, int hs, float* tile_lse, float* tile_d) {
@@ -142,7 +146,7 @@ __device__ void LoadRowStats(GradRow grad_row, OutRow out_row, const float* lse,
   dot += __shfl_xor_sync(0xffffffffu, dot, 1);
   if (part == 0) {
     tile_d[r] = dot;
-    tile_lse[r] = i < T ? lse[lse_first + r] : 0.0f;
+    tile_lse[r] = i < T ? lse[lse_first + r] * kLog2e : 0.0f;  // base 2
   }
 }
 
@@ -163,6 +167,27 @@ __device__ void RowDots(const bf16* a, const bf16* b, float* out) {
     }
     wmma::store_matrix_sync(out + n * 16, acc, kScoreLd, wmma::mem_row_major);
   }
+}
+
+// The same with the warp's 16 rows already in fragments (loaded once per block by LoadRows).
+template <int D>
+__device__ void RowDots(const FragA* fa, const bf16* b, float* out) {
+  constexpr int kLd = Layout<D>::kLd;
+  for (int n = 0; n < kRows / 16; ++n) {
+    FragC acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int k = 0; k < D / 16; ++k) {
+      FragBt fb;
+      wmma::load_matrix_sync(fb, b + n * 16 * kLd + k * 16, kLd);
+      wmma::mma_sync(acc, fa[k], fb, acc);
+    }
+    wmma::store_matrix_sync(out + n * 16, acc, kScoreLd, wmma::mem_row_major);
+  }
+}
+
+template <int D>
+__device__ void LoadRows(const bf16* a, FragA* fa) {
+  for (int k = 0; k < D / 16; ++k) wmma::load_matrix_sync(fa[k], a + k * 16, Layout<D>::kLd);
 }
 
 // acc[n] += P (16 x 64 bf16 at p, ld kProbLd) times the tile (64 x D at tile), for D / 16
@@ -229,12 +254,14 @@ __global__ void __launch_bounds__(kBlockThreads)
   float* srow = scores + row * kScoreLd + half;
   bf16* prow = probs + row * kProbLd + half;
   float* orow = acc_out + row * L::kOutLd + half;
-  const bf16* my_queries = q_tile + warp * 16 * L::kLd;
+  const float scale2 = a.scale * kLog2e;
+  FragA my_queries[D / 16];
   for (int kt = 0; kt <= tile; ++kt) {
     __syncthreads();  // the previous K and V (and at first Q) are written or no longer read
     LoadTile<D>(k_row, kt * kRows, a.T, a.hs, a.vectors, k_tile);
     LoadTile<D>(v_row, kt * kRows, a.T, a.hs, a.vectors, v_tile);
     __syncthreads();
+    if (kt == 0) LoadRows<D>(q_tile + warp * 16 * L::kLd, my_queries);
     RowDots<D>(my_queries, k_tile, scores);
     __syncwarp();
     // The online softmax. Key kt * 64 is at or before every query of this block (and before
@@ -243,16 +270,16 @@ __global__ void __launch_bounds__(kBlockThreads)
     float tile_max = -INFINITY;
     for (int j = 0; j < kRows; j += 2) {
       const int key = key0 + j;
-      const float x = key <= t && key < a.T ? srow[j] * a.scale : -INFINITY;
+      const float x = key <= t && key < a.T ? srow[j] * scale2 : -INFINITY;
       srow[j] = x;
       tile_max = fmaxf(tile_max, x);
     }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
     const float m_new = fmaxf(m, tile_max);
-    const float alpha = expf(m - m_new);  // 0 on the first tile (m = -inf)
+    const float alpha = exp2f(m - m_new);  // 0 on the first tile (m = -inf)
     float sum = 0.0f;
     for (int j = 0; j < kRows; j += 2) {
-      const float p = expf(srow[j] - m_new);  // 0 where masked
+      const float p = exp2f(srow[j] - m_new);  // 0 where masked
       sum += p;
       prow[j] = __float2bfloat16_rn(p);
     }
@@ -273,7 +300,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
   const float inv = 1.0f / l;
   for (int d = 0; d < D; d += 2) orow[d] *= inv;
-  if (half == 0 && t < a.T) lse[a.Lse(b, h, t)] = m + logf(l);
+  if (half == 0 && t < a.T) lse[a.Lse(b, h, t)] = m * kLn2 + logf(l);  // natural, as the CPU
   __syncwarp();
   const int warp_first = first + warp * 16;
   for (int e = lane; e < 16 * a.hs; e += 32) {
@@ -324,6 +351,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
   const int row = lane / 2, half = lane % 2;
   const int j = first + warp * 16 + row;  // this lane pair's key
+  const float scale2 = a.scale * kLog2e;
   const bf16* my_keys = k_tile + warp * 16 * L::kLd;
   const bf16* my_values = v_tile + warp * 16 * L::kLd;
   for (int qt = tile; qt < tiles; ++qt) {
@@ -339,7 +367,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int col = half; col < kRows; col += 2) {  // alternate columns per lane
       const int i = qt * kRows + col;
       const bool visible = i >= j && i < a.T && j < a.T;
-      const float p = visible ? expf(scores[row * kScoreLd + col] * a.scale - tile_lse[col]) : 0.0f;
+      const float p =
+          visible ? exp2f(fmaf(scores[row * kScoreLd + col], scale2, -tile_lse[col])) : 0.0f;
       const float ds = p * (dprobs[row * kScoreLd + col] - tile_d[col]) * a.scale;
       probs[row * kProbLd + col] = __float2bfloat16_rn(p);
       dscores[row * kProbLd + col] = __float2bfloat16_rn(ds);
@@ -389,13 +418,17 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int row = lane / 2, half = lane % 2;
   const int local = warp * 16 + row;
   const int i = first + local;  // this lane pair's query
-  const bf16* my_queries = q_tile + warp * 16 * L::kLd;
-  const bf16* my_grads = g_tile + warp * 16 * L::kLd;
+  const float scale2 = a.scale * kLog2e;
+  FragA my_queries[D / 16], my_grads[D / 16];
   for (int kt = 0; kt <= tile; ++kt) {
     __syncthreads();  // the previous K and V (and at first Q, dO, stats) are done
     LoadTile<D>(k_row, kt * kRows, a.T, a.hs, a.vectors, k_tile);
     LoadTile<D>(v_row, kt * kRows, a.T, a.hs, a.vectors, v_tile);
     __syncthreads();
+    if (kt == 0) {
+      LoadRows<D>(q_tile + warp * 16 * L::kLd, my_queries);
+      LoadRows<D>(g_tile + warp * 16 * L::kLd, my_grads);
+    }
     RowDots<D>(my_queries, k_tile, scores);  // S = Q K^T
     RowDots<D>(my_grads, v_tile, dprobs);    // dP = dO V^T
     __syncwarp();
@@ -403,7 +436,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int col = half; col < kRows; col += 2) {  // alternate columns per lane
       const int key = kt * kRows + col;
       const bool visible = key <= i && key < a.T && i < a.T;
-      const float p = visible ? expf(scores[row * kScoreLd + col] * a.scale - row_lse) : 0.0f;
+      const float p =
+          visible ? exp2f(fmaf(scores[row * kScoreLd + col], scale2, -row_lse)) : 0.0f;
       const float ds = p * (dprobs[row * kScoreLd + col] - row_d) * a.scale;
       dscores[row * kProbLd + col] = __float2bfloat16_rn(ds);
     }

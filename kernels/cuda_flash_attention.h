@@ -16,7 +16,9 @@
 //    dS = P (dO.V - D) scale with D = dO.O per query in FP32 (from the same rounded dO).
 // Shared memory per block: up to 121 KiB (head size 128), which sm_90 has; GPUs with less
 // (sm_86 and sm_89 have 99 KiB) get the launch's error as a Status.
-// Head sizes are padded with zeros to 32, 64 or 128 columns in shared memory.
+// Head sizes are padded with zeros to 32, 64 or 128 columns in shared memory. Exponentials
+// are taken in base 2 (exp2f, one special-function instruction) on scores scaled by log2(e);
+// lse goes out in natural log, as the CPU twin's.
 #ifndef LOCKSTEP_KERNELS_CUDA_FLASH_ATTENTION_H_
 #define LOCKSTEP_KERNELS_CUDA_FLASH_ATTENTION_H_
 
