@@ -246,14 +246,19 @@ __global__ void EmbeddingBackwardKernel(const int32_t* ids, const float* dx, int
   }
 }
 
+// With `rounded`, each value read is also written there rounded to bf16 (the same pass).
 __global__ void __launch_bounds__(kSumColumns * kSumGroups)
-    ColumnSumsKernel(const float* d, int rows, int cols, float* out, bool accumulate) {
+    ColumnSumsKernel(const float* d, int rows, int cols, float* out, bool accumulate,
+                     Bf16* rounded) {
   const int j = blockIdx.x * kSumColumns + threadIdx.x;
   float sum = 0.0f;
   if (j < cols) {
 #pragma unroll 8
     for (int r = threadIdx.y; r < rows; r += kSumGroups) {
-      sum = __fadd_rn(sum, d[static_cast<size_t>(r) * cols + j]);
+      const size_t i = static_cast<size_t>(r) * cols + j;
+      const float v = d[i];
+      if (rounded != nullptr) Store(rounded + i, v);
+      sum = __fadd_rn(sum, v);
     }
   }
   sum = AddGroups(sum);
@@ -795,9 +800,14 @@ absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, in
 
 absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
                         cudaStream_t stream) {
+  return ColumnSums(d, rows, cols, out, accumulate, nullptr, stream);
+}
+
+absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
+                        Bf16* rounded, cudaStream_t stream) {
   if (cols <= 0) return absl::OkStatus();
   ColumnSumsKernel<<<(cols + kSumColumns - 1) / kSumColumns, dim3(kSumColumns, kSumGroups), 0,
-                     stream>>>(d, std::max(rows, 0), cols, out, accumulate);
+                     stream>>>(d, std::max(rows, 0), cols, out, accumulate, rounded);
   return LaunchStatus("ColumnSumsKernel");
 }
 

@@ -57,6 +57,10 @@ absl::Status EmbeddingBackward(const int32_t* ids, const float* dx, int rows, in
 // accumulating). The same bits every run; not the CPU's row-order bits (FP32 rounding apart).
 absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
                         cudaStream_t stream);
+// The same, and d rounded to bfloat16 into `rounded` (rows x cols) in the same pass: a linear
+// layer's output gradient as the operand of its products under precision "bf16".
+absl::Status ColumnSums(const float* d, int rows, int cols, float* out, bool accumulate,
+                        Bf16* rounded, cudaStream_t stream);
 
 // Twin of kernels::CausalAttentionForward (same qkv layout, out and lse): tiled, as flash
 // attention, so the T x T scores never exist in memory. A block of 64 query rows of one

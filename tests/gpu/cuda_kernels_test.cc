@@ -847,6 +847,14 @@ TEST(CudaTransformerTest, EmbeddingBackwardIsTheCpuBitsAndColumnSumsAreFixed) {
       const std::vector<float> got = dev_sums.Read();
       EXPECT_LT(RelativeError(got, sums), 1e-5) << "accumulate " << accumulate;
       EXPECT_EQ(again.Read(), got) << "accumulate " << accumulate;
+      // Rounding d to bf16 in the same pass changes nothing of the sums.
+      DeviceBuffer<float> with_rounding(dev_start);
+      DeviceBuffer<cuda::Bf16> rounded(dx.size());
+      ASSERT_TRUE(cuda::ColumnSums(dev_dx.get(), rows, c, with_rounding.get(), accumulate,
+                                   rounded.get(), nullptr)
+                      .ok());
+      EXPECT_EQ(with_rounding.Read(), got);
+      EXPECT_EQ(Bf16Values(rounded.Read()), RoundedToBf16(dx));
     }
   }
 }

@@ -411,18 +411,16 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
   ready();
   // A linear layer out = in . W + bias over the rows, backward from its output's gradient d:
   // W's gradient (beta: added or overwritten), the bias's (column sums), and dx = d . W^T.
-  // Under bf16, d is rounded once for both products (the bias's sums take it in FP32).
+  // Under bf16, d is rounded once for both products, in the pass that sums it for the bias (in
+  // FP32).
   auto linear_backward = [&](const Stored& in, int in_cols, const float* d, int out_cols,
                              size_t w, size_t bias, float* dx) -> absl::Status {
-    cuda::Blas::Operand d_in = d;
-    if (d16_ != nullptr) {
-      LOCKSTEP_RETURN_IF_ERROR(
-          cuda::RoundToBf16(d, static_cast<size_t>(rows) * out_cols, d16_, stream_));
-      d_in = d16_;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(
+        cuda::ColumnSums(d, rows, out_cols, G + bias, accumulate, d16_, stream_));
+    const cuda::Blas::Operand d_in =
+        d16_ != nullptr ? cuda::Blas::Operand(d16_) : cuda::Blas::Operand(d);
     LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(true, false, in_cols, out_cols, rows, 1.0f, in.operand(),
                                          in_cols, d_in, out_cols, beta, G + w, out_cols));
-    LOCKSTEP_RETURN_IF_ERROR(cuda::ColumnSums(d, rows, out_cols, G + bias, accumulate, stream_));
     return blas_->Gemm(false, true, rows, in_cols, out_cols, 1.0f, d_in, out_cols, Weight(w),
                        out_cols, 0.0f, dx, in_cols);
   };
