@@ -80,10 +80,10 @@ __global__ void LayerNormForwardKernel(const float* x, const float* w, const flo
 }
 
 // The input gradient, a warp per row: the row's two reductions, mean(w * dout) and
-// mean(w * dout * xhat), then dx += (w * dout - a - xhat * b) * rstd.
+// mean(w * dout * xhat), then dx = base + (w * dout - a - xhat * b) * rstd (base may be dx).
 __global__ void LayerNormBackwardInputKernel(const float* dout, const float* x, const float* w,
                                              const float* mean, const float* rstd, int rows, int c,
-                                             float* dx) {
+                                             const float* base, float* dx) {
   const int r = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (r >= rows) return;
@@ -101,7 +101,7 @@ __global__ void LayerNormBackwardInputKernel(const float* dout, const float* x, 
   for (int j = lane; j < c; j += kWarp) {
     const float xhat = __fmul_rn(__fsub_rn(x[row + j], m), s);
     const float g = __fsub_rn(__fsub_rn(__fmul_rn(w[j], dout[row + j]), a), __fmul_rn(xhat, bterm));
-    dx[row + j] = __fadd_rn(dx[row + j], __fmul_rn(g, s));
+    dx[row + j] = __fadd_rn(base[row + j], __fmul_rn(g, s));
   }
 }
 
@@ -684,10 +684,16 @@ absl::Status LayerNormForward(const float* x, const float* w, const float* b, in
 absl::Status LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
                                const float* rstd, int rows, int c, float* dx, float* dw, float* db,
                                cudaStream_t stream) {
+  return LayerNormBackward(dout, x, w, mean, rstd, rows, c, dx, dx, dw, db, stream);
+}
+
+absl::Status LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
+                               const float* rstd, int rows, int c, const float* base, float* dx,
+                               float* dw, float* db, cudaStream_t stream) {
   if (rows <= 0 || c <= 0) return absl::OkStatus();
   const int blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   LayerNormBackwardInputKernel<<<blocks, kThreads, 0, stream>>>(dout, x, w, mean, rstd, rows, c,
-                                                                dx);
+                                                                base, dx);
   if (absl::Status s = LaunchStatus("LayerNormBackwardInputKernel"); !s.ok()) return s;
   if (dw == nullptr && db == nullptr) return absl::OkStatus();
   LayerNormBackwardParamsKernel<<<(c + kSumColumns - 1) / kSumColumns,

@@ -35,6 +35,11 @@ absl::Status LayerNormForward(const float* x, const float* w, const float* b, in
 absl::Status LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
                                const float* rstd, int rows, int c, float* dx, float* dw, float* db,
                                cudaStream_t stream);
+// The same with dx = base + the input gradient (base: rows x c, may be dx), the LayerNorm of a
+// residual block writing the stream's gradient onto the residual's without a copy first.
+absl::Status LayerNormBackward(const float* dout, const float* x, const float* w, const float* mean,
+                               const float* rstd, int rows, int c, const float* base, float* dx,
+                               float* dw, float* db, cudaStream_t stream);
 
 // Twins of kernels::GeluTanhForward / GeluTanhBackward (GPT-2's tanh approximation; dx may
 // alias dout). The device's tanhf stands in for the CPU's polynomial: results agree to a few

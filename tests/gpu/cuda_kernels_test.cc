@@ -421,6 +421,14 @@ TEST(CudaTransformerTest, LayerNormForwardAndBackwardMatchCpu) {
     EXPECT_LT(RelativeError(dev_dx.Read(), dx), 1e-5) << "dx adds onto what was there";
     EXPECT_LT(RelativeError(dev_dw.Read(), dw), 1e-5);
     EXPECT_LT(RelativeError(dev_db.Read(), db), 1e-5);
+    // Onto a base in another buffer: the same bits as adding onto it in place.
+    DeviceBuffer<float> base(dx_gpu_start), onto(Random(x.size(), 18));
+    ASSERT_TRUE(cuda::LayerNormBackward(dev_dout.get(), dev_x.get(), dev_w.get(), cpu_mean.get(),
+                                        cpu_rstd.get(), rows, c, base.get(), onto.get(), nullptr,
+                                        nullptr, nullptr)
+                    .ok());
+    EXPECT_EQ(onto.Read(), dev_dx.Read());
+    EXPECT_EQ(base.Read(), dx_gpu_start) << "the base is read, not written";
     // Without the parameter gradients only dx is written.
     DeviceBuffer<float> only_dx(dx_gpu_start);
     ASSERT_TRUE(cuda::LayerNormBackward(dev_dout.get(), dev_x.get(), dev_w.get(), cpu_mean.get(),

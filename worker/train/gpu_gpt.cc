@@ -425,15 +425,13 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
                        out_cols, 0.0f, dx, in_cols);
   };
   // A LayerNorm over the stream x, whose output's gradient is in scratch_, inside a residual
-  // block: the stream's gradient `dx` starts as the residual's (`d_residual`) and gets the
-  // LayerNorm's added; its weight and bias gradients at w and bias.
+  // block: the stream's gradient `dx` is the residual's (`d_residual`) plus the LayerNorm's;
+  // its weight and bias gradients at w and bias.
   auto residual_layer_norm_backward = [&](const float* d_residual, const float* x, size_t w,
                                           size_t bias, const float* mean, const float* rstd,
                                           float* dx) -> absl::Status {
-    LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpyAsync(dx, d_residual, RC * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-    return cuda::LayerNormBackward(scratch_, x, P + w, mean, rstd, rows, C, dx, G + w, G + bias,
-                                   stream_);
+    return cuda::LayerNormBackward(scratch_, x, P + w, mean, rstd, rows, C, d_residual, dx,
+                                   G + w, G + bias, stream_);
   };
   for (int l = config_.layers - 1; l >= 0; --l) {
     const Gpt::Block& b = g.blocks[l];
