@@ -176,6 +176,7 @@ __device__ void RowDots(const FragA* fa, const bf16* b, float* out) {
   for (int n = 0; n < kRows / 16; ++n) {
     FragC acc;
     wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
     for (int k = 0; k < D / 16; ++k) {
       FragBt fb;
       wmma::load_matrix_sync(fb, b + n * 16 * kLd + k * 16, kLd);
@@ -187,6 +188,7 @@ __device__ void RowDots(const FragA* fa, const bf16* b, float* out) {
 
 template <int D>
 __device__ void LoadRows(const bf16* a, FragA* fa) {
+#pragma unroll
   for (int k = 0; k < D / 16; ++k) wmma::load_matrix_sync(fa[k], a + k * 16, Layout<D>::kLd);
 }
 

@@ -29,17 +29,21 @@ void PhaseTimer::Mark(const char* phase) {
 }
 
 absl::Status PhaseTimer::Collect() {
-  const cudaError_t error = error_;
+  absl::Status status =
+      error_ == cudaSuccess ? absl::OkStatus() : GpuStatus(error_, "PhaseTimer::Mark", __FILE__,
+                                                           __LINE__);
   error_ = cudaSuccess;
-  if (!marks_.empty()) {
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventSynchronize(marks_.back().second));
+  if (status.ok() && !marks_.empty()) {
+    status = GpuStatus(cudaEventSynchronize(marks_.back().second), "cudaEventSynchronize",
+                       __FILE__, __LINE__);
   }
-  for (size_t i = 0; i + 1 < marks_.size(); ++i) {
+  for (size_t i = 0; status.ok() && i + 1 < marks_.size(); ++i) {
     const char* phase = marks_[i].first;
     if (phase == nullptr) continue;
     float ms = 0;
-    LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaEventElapsedTime(&ms, marks_[i].second, marks_[i + 1].second));
+    status = GpuStatus(cudaEventElapsedTime(&ms, marks_[i].second, marks_[i + 1].second),
+                       "cudaEventElapsedTime", __FILE__, __LINE__);
+    if (!status.ok()) break;
     auto it = totals_.begin();
     while (it != totals_.end() && it->first != phase) ++it;
     if (it == totals_.end()) {
@@ -48,17 +52,13 @@ absl::Status PhaseTimer::Collect() {
       it->second += ms;
     }
   }
-  // The last mark starts the next spans' chain only if it opened a phase.
-  const bool keep_last = !marks_.empty() && marks_.back().first != nullptr;
+  // The last mark starts the next spans' chain only if it opened a phase (and all went well:
+  // after an error every span is dropped, never counted twice).
+  const bool keep_last = status.ok() && !marks_.empty() && marks_.back().first != nullptr;
   const size_t spent = marks_.size() - (keep_last ? 1 : 0);
   for (size_t i = 0; i < spent; ++i) free_.push_back(marks_[i].second);
-  if (keep_last) {
-    marks_.erase(marks_.begin(), marks_.end() - 1);
-  } else {
-    marks_.clear();
-  }
-  LOCKSTEP_GPU_RETURN_IF_ERROR(error);
-  return absl::OkStatus();
+  marks_.erase(marks_.begin(), marks_.begin() + spent);
+  return status;
 }
 
 }  // namespace lockstep::kernels::cuda

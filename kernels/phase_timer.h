@@ -28,7 +28,9 @@ class PhaseTimer {
   // The phase that starts now on the stream (null: none, the previous one ends here).
   void Mark(const char* phase);
   // Waits for the last mark's event, then adds the spans marked since the last Collect to
-  // their phases. The first error of any event call since then, if any.
+  // their phases; a phase still open then goes on into the next Collect's spans (idle time
+  // included), so mark null when the timed work ends. The first error of any event call since
+  // the last Collect, if any (those spans are then dropped).
   absl::Status Collect();
   // Milliseconds per phase, in the order the phases were first marked.
   const std::vector<std::pair<std::string, double>>& totals_ms() const { return totals_; }

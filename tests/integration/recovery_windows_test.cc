@@ -110,13 +110,16 @@ TEST(RecoveryWindowsTest, HealSourceKilledMidBroadcastLeavesNoMixedState) {
   const v1::JobSpec spec = DeterministicJob(1, 2, 1500);
   const std::string reference = ReferenceChecksum(*cluster, spec);
   ASSERT_EQ(reference.size(), 16u);
-  // w0 is the source of the next heal; it holds between the two halves of its broadcast.
+  // w0 is the source of the next heal; it holds between the two halves of its broadcast. It
+  // also holds before step 300 until the spare's scale-up aborts that generation, so the job
+  // cannot end before the spare has joined, however loaded the machine is.
   cluster->worker("w0")->Signal(SIGKILL);
   ASSERT_TRUE(cluster->WaitForWorker("w0", "lost", absl::Seconds(10)).ok());
-  ASSERT_TRUE(cluster->StartWorker("w0", {"--test_hooks=heal_broadcast"}).ok());
+  ASSERT_TRUE(
+      cluster->StartWorker("w0", {"--test_hooks=heal_broadcast,before_step@300"}).ok());
   auto job = cluster->Submit(spec);
   ASSERT_TRUE(job.ok()) << job.status();
-  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 300).ok());
+  ASSERT_TRUE(cluster->WaitForHook("w0", "before_step", kHookWait).ok());
   ASSERT_TRUE(cluster->StartWorker("w1").ok());  // a spare: the group grows and heals it
   ASSERT_TRUE(cluster->WaitForHook("w0", "heal_broadcast", kHookWait).ok());
   cluster->worker("w0")->Signal(SIGKILL);

@@ -503,6 +503,7 @@ absl::StatusOr<double> GpuGpt::Evaluate(const int32_t* tokens, int token_stride,
   LOCKSTEP_RETURN_IF_ERROR(Forward(tokens, token_stride, n));
   LOCKSTEP_RETURN_IF_ERROR(
       Head(n * config_.context, 0.0f, /*backward=*/false, /*count=*/true, eval_loss_sum_));
+  Phase(nullptr);
   int64_t hits = 0;
   LOCKSTEP_GPU_RETURN_IF_ERROR(
       cudaMemcpyAsync(&hits, correct_, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
