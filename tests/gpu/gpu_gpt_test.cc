@@ -127,6 +127,59 @@ TEST(GpuGptTest, MatchesCpuGptForwardBackwardAndEvaluate) {
       << "windows one token short";
 }
 
+// Precision bf16 (products on tensor cores, bf16 activations, the forward's bias and GELU in
+// cuBLASLt's epilogue, tensor-core attention) against the CPU GPT in FP32: close to bf16's
+// precision, per tensor too, so a wrong epilogue, transpose or bias shows as an O(1) error. A
+// width that is a multiple of 8 (every epilogue applies) and one that is not (half the bf16
+// biases then sit off 16-byte alignment and take the kernels' path; heads of 12, loaded
+// element by element).
+TEST(GpuGptTest, Bf16IsCloseToTheCpuInFp32) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
+  for (const GptConfig& config : {GptConfig{/*vocab=*/97, /*context=*/70, /*layers=*/2,
+                                            /*heads=*/2, /*d_model=*/64},
+                                  GptConfig{/*vocab=*/61, /*context=*/33, /*layers=*/2,
+                                            /*heads=*/3, /*d_model=*/36}}) {
+    SCOPED_TRACE(config.d_model);
+    const int n = 4, stride = config.context + 1;
+    std::mt19937 rng(5);
+    std::vector<int32_t> tokens(static_cast<size_t>(n) * stride);
+    for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % config.vocab);
+    Gpt cpu(config);
+    cpu.Initialize(11);
+    Batch batch;
+    batch.n = n;
+    batch.tokens = tokens.data();
+    batch.token_stride = stride;
+    const double cpu_loss =
+        cpu.ForwardBackward(batch, 1.0f / n, std::numeric_limits<size_t>::max(), nullptr, nullptr);
+    std::vector<float> cpu_grads(cpu.grads(), cpu.grads() + cpu.num_params());
+    auto gpu = GpuGpt::Create(cpu, nullptr);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    ASSERT_TRUE((*gpu)->blas().SetPrecision(kernels::cuda::Blas::Precision::kBf16).ok());
+    ASSERT_TRUE((*gpu)->UploadParams(cpu.params()).ok());
+    DeviceTokens device(tokens);
+    ASSERT_TRUE(device.ok);
+    ASSERT_TRUE((*gpu)->ForwardBackward(device.ptr, stride, n, 1.0f / n, nullptr, false).ok());
+    auto loss = (*gpu)->LossSum();
+    ASSERT_TRUE(loss.ok()) << loss.status();
+    EXPECT_NEAR(*loss, cpu_loss, 1e-2 * std::abs(cpu_loss));
+    std::vector<float> grads((*gpu)->num_params());
+    ASSERT_TRUE((*gpu)->DownloadGrads(grads.data()).ok());
+    EXPECT_LT(RelativeError(grads.data(), cpu_grads.data(), grads.size()), 5e-2);
+    for (const Tensor& t : cpu.tensors()) {
+      EXPECT_LT(RelativeError(grads.data() + t.offset, cpu_grads.data() + t.offset, t.count),
+                0.15)
+          << t.name;
+    }
+    int64_t cpu_correct = 0, gpu_correct = 0;
+    const double cpu_eval = cpu.Evaluate(batch, &cpu_correct);
+    auto gpu_eval = (*gpu)->Evaluate(device.ptr, stride, n, &gpu_correct);
+    ASSERT_TRUE(gpu_eval.ok()) << gpu_eval.status();
+    EXPECT_NEAR(*gpu_eval, cpu_eval, 1e-2 * std::abs(cpu_eval));
+  }
+}
+
 // Refused before any device work, so this runs without a GPU too.
 TEST(GpuGptTest, RefusesHeadsLargerThanTheAttentionKernelTakes) {
   Gpt wide(GptConfig{/*vocab=*/10, /*context=*/4, /*layers=*/1, /*heads=*/2, /*d_model=*/512});
