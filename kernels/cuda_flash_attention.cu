@@ -267,28 +267,32 @@ __global__ void __launch_bounds__(kBlockThreads)
     RowDots<D>(my_queries, k_tile, scores);
     __syncwarp();
     // The online softmax. Key kt * 64 is at or before every query of this block (and before
-    // T), so each row sees at least one key of every tile and m_new is finite.
+    // T), so each row sees at least one key of every tile and m_new is finite. Only the
+    // diagonal tile (the block's own, which also holds the keys past T) masks anything.
     const int key0 = kt * kRows + half;
-    float tile_max = -INFINITY;
+    const bool diagonal = kt == tile;
+    auto visible = [&](int j) { return !diagonal || (key0 + j <= t && key0 + j < a.T); };
+    float raw_max = -INFINITY;
     for (int j = 0; j < kRows; j += 2) {
-      const int key = key0 + j;
-      const float x = key <= t && key < a.T ? srow[j] * scale2 : -INFINITY;
-      srow[j] = x;
-      tile_max = fmaxf(tile_max, x);
+      if (visible(j)) raw_max = fmaxf(raw_max, srow[j]);
     }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    const float m_new = fmaxf(m, tile_max);
+    raw_max = fmaxf(raw_max, __shfl_xor_sync(0xffffffffu, raw_max, 1));
+    const float m_new = fmaxf(m, raw_max * scale2);  // scale2 > 0: the scaled maximum
     const float alpha = exp2f(m - m_new);  // 0 on the first tile (m = -inf)
     float sum = 0.0f;
     for (int j = 0; j < kRows; j += 2) {
-      const float p = exp2f(srow[j] - m_new);  // 0 where masked
+      const float p = visible(j) ? exp2f(fmaf(srow[j], scale2, -m_new)) : 0.0f;
       sum += p;
       prow[j] = __float2bfloat16_rn(p);
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     l = l * alpha + sum;
     m = m_new;
-    for (int d = 0; d < D; d += 2) orow[d] *= alpha;
+    // Rows whose maximum stayed keep their output as it is (alpha is exactly 1); the warp
+    // skips the pass when all 16 did.
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+      for (int d = 0; d < D; d += 2) orow[d] *= alpha;
+    }
     __syncwarp();
     FragC acc[D / 16];
     for (int n = 0; n < D / 16; ++n) {
