@@ -12,6 +12,7 @@
 #include "common/gpu_limits.h"
 #include "kernels/cuda_kernels.h"
 #include "kernels/cuda_launch.h"
+#include "kernels/cuda_reduce.h"
 #include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
 
@@ -60,12 +61,21 @@ __global__ void ActivationBackwardKernel(Activation act, const float* z, const f
 }
 
 // One thread per column; consecutive threads read consecutive addresses of each row.
-__global__ void BiasGradientKernel(const float* dz, int rows, int cols, float* db,
-                                   bool accumulate) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
+// In double, by kernels/cuda_reduce.h's fixed groups of rows: the double sum differs from the
+// CPU's row-order one by about rows * 1e-16 relative, far below a float ulp, so the float is
+// the same but in rare near-ties.
+__global__ void __launch_bounds__(kSumColumns * kSumGroups)
+    BiasGradientKernel(const float* dz, int rows, int cols, float* db, bool accumulate) {
+  const int c = blockIdx.x * kSumColumns + threadIdx.x;
   double sum = 0.0;
-  for (int r = 0; r < rows; ++r) sum += dz[static_cast<size_t>(r) * cols + c];
+  if (c < cols) {
+#pragma unroll 8
+    for (int r = threadIdx.y; r < rows; r += kSumGroups) {
+      sum = AddRounded(sum, static_cast<double>(dz[static_cast<size_t>(r) * cols + c]));
+    }
+  }
+  sum = AddGroups(sum);
+  if (threadIdx.y != 0 || c >= cols) return;
   db[c] = accumulate ? db[c] + static_cast<float>(sum) : static_cast<float>(sum);
 }
 
@@ -535,8 +545,8 @@ absl::Status ActivationBackward(Activation act, const float* z, const float* da,
 absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, bool accumulate,
                           cudaStream_t stream) {
   if (cols == 0) return absl::OkStatus();
-  BiasGradientKernel<<<(cols + kThreads - 1) / kThreads, kThreads, 0, stream>>>(dz, rows, cols, db,
-                                                                                accumulate);
+  BiasGradientKernel<<<(cols + kSumColumns - 1) / kSumColumns, dim3(kSumColumns, kSumGroups), 0,
+                       stream>>>(dz, std::max(rows, 0), cols, db, accumulate);
   return LaunchStatus("BiasGradientKernel");
 }
 

@@ -139,7 +139,8 @@ absl::Status BiasActivationForward(const float* bias, int rows, int cols, Activa
                                    float* a, cudaStream_t stream);
 absl::Status ActivationBackward(Activation act, const float* z, const float* da, float* dz,
                                 size_t n, cudaStream_t stream);
-// db[c] = sum over r of dz[r][c], accumulated in double in row order (deterministic); with
+// db[c] = sum over r of dz[r][c], accumulated in double in a fixed order (32 groups of rows,
+// then the groups: deterministic, and the CPU's float but in rare near-ties); with
 // `accumulate` the float sum is added to db (as the CPU twin does).
 absl::Status BiasGradient(const float* dz, int rows, int cols, float* db, bool accumulate,
                           cudaStream_t stream);

@@ -7,8 +7,8 @@
 //   __fadd_rn) where the CPU twin rounds each operation, so nvcc does not contract them into
 //   fused multiply-adds and the outputs stay within an ulp or two of the CPU's.
 // - Sums over rows (dw, db, column sums): a block of 32 columns by 32 row groups, each group's
-//   rows in order, then the groups in order; a warp reads 32 neighbouring columns of a row,
-//   coalesced. The embedding table: a block per 256 columns and class of ids, rows in order
+//   rows in order, then the groups in order (kernels/cuda_reduce.h); a warp reads 32
+//   neighbouring columns of a row, coalesced. The embedding table: a block per 256 columns and class of ids, rows in order
 //   (the CPU's bits). No atomics anywhere.
 // - Softmax cross-entropy: one block per row (vocabularies of 50,000 and more), two reads of
 //   the row (an online sum of exponentials beside the first argmax, then the gradient), block
@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_flash_attention.h"
 #include "kernels/cuda_launch.h"
+#include "kernels/cuda_reduce.h"
 #include "kernels/cuda_transformer.h"
 
 namespace lockstep::kernels::cuda {
@@ -105,26 +106,8 @@ __global__ void LayerNormBackwardInputKernel(const float* dout, const float* x, 
   }
 }
 
-// Sums over the rows by column (LayerNorm's dw and db, bias gradients): a block of kSumColumns
-// columns by kSumGroups row groups. Thread (x, y) sums column x's rows y, y + kSumGroups, ...
-// in order; then the groups' sums are added in group order, and onto what was there when
-// accumulating. A fixed order, so the same bits every run, but not the CPU's (which adds the
-// rows in order): its rows are spread over 1024 threads instead of one.
-constexpr int kSumColumns = 32, kSumGroups = 32;
-
-// The total of the block's group sums for column threadIdx.x, in group order (valid in row
-// group 0). All of the block's threads take part.
-__device__ float AddGroups(float partial) {
-  __shared__ float sums[kSumGroups][kSumColumns + 1];
-  sums[threadIdx.y][threadIdx.x] = partial;
-  __syncthreads();
-  float total = 0.0f;
-  if (threadIdx.y == 0) {
-    for (int g = 0; g < kSumGroups; ++g) total = __fadd_rn(total, sums[g][threadIdx.x]);
-  }
-  __syncthreads();  // the array is reused by the next call
-  return total;
-}
+// LayerNorm's dw and db and the bias gradients sum over the rows in kernels/cuda_reduce.h's
+// fixed order (and onto what was there when accumulating).
 
 __global__ void __launch_bounds__(kSumColumns * kSumGroups)
     LayerNormBackwardParamsKernel(const float* dout, const float* x, const float* mean,
