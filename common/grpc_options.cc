@@ -1,5 +1,6 @@
 // Keepalive: the server must permit frequent pings without data, or it answers "too many
-// pings" and drops the call (docs/platform_notes.md).
+// pings" and drops the call (docs/platform_notes.md). The timeouts are ones a loaded machine
+// meets: a peer that answers a ping late is not a dead one (see kClientKeepaliveTimeout).
 #include "common/grpc_options.h"
 
 #include <utility>
@@ -13,6 +14,19 @@
 
 namespace lockstep {
 namespace {
+
+// Clients (workers, lockstepctl, dashboards' watchers) ping every second and give up on a
+// connection whose ping goes unanswered for 5 s. A frozen or unreachable coordinator is
+// noticed within about 6 s; a shorter timeout broke healthy sessions whenever the machine was
+// loaded (the coordinator answered a ping late), and every broken session aborts its worker's
+// run. A hung worker is the coordinator's to find, by the job's heartbeat_timeout.
+constexpr int kClientKeepaliveTimeMs = 1000;
+constexpr int kClientKeepaliveTimeoutMs = 5000;
+// The server pings only to drop dead connections: rarely, and with a timeout longer than an
+// idle client channel's backup poll (5 s in gRPC), which is when such a channel acks a ping.
+// (A 1 s timeout dropped idle lockstepctl and Python channels after 2-3 s.)
+constexpr int kServerKeepaliveTimeMs = 10000;
+constexpr int kServerKeepaliveTimeoutMs = 20000;
 
 // Adds the token and the client's name to the initial metadata of every call.
 class AuthInterceptor final : public grpc::experimental::Interceptor {
@@ -81,8 +95,8 @@ class MalformedRequestFactory final
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const ClientAuth& auth) {
   grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 500);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 1000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kClientKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kClientKeepaliveTimeoutMs);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, kMaxMessageBytes);
@@ -105,8 +119,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Clie
 }
 
 void ConfigureServer(grpc::ServerBuilder& builder) {
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 500);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kServerKeepaliveTimeMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kServerKeepaliveTimeoutMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 100);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
