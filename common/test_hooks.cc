@@ -1,5 +1,5 @@
 // Test hooks: a process-wide table of armed names, and a file barrier per hook.
-#include "worker/test_hooks.h"
+#include "common/test_hooks.h"
 
 #include <unistd.h>
 
@@ -14,7 +14,7 @@
 #include "common/atomic_file.h"
 #include "glog/logging.h"
 
-namespace lockstep::worker::test_hooks {
+namespace lockstep::test_hooks {
 namespace {
 
 constexpr absl::Duration kMaxHold = absl::Seconds(120);
@@ -86,4 +86,4 @@ bool Reach(const char* name, int64_t value, const std::atomic<bool>* abort) {
   return true;
 }
 
-}  // namespace lockstep::worker::test_hooks
+}  // namespace lockstep::test_hooks

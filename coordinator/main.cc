@@ -17,6 +17,7 @@
 #include "common/auth.h"
 #include "common/grpc_options.h"
 #include "common/metrics.h"
+#include "common/test_hooks.h"
 #include "common/tls.h"
 #include "coordinator/dashboard/dashboard.h"
 #include "coordinator/service/services.h"
@@ -72,6 +73,14 @@ ABSL_FLAG(bool, grpc_reflection, false,
           "without the token, so it is off unless asked for.");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
           "Silence after which a worker is declared lost (jobs may set their own).");
+ABSL_FLAG(int64_t, restart_grace_ms, 5000,
+          "After a restart, how long a running job waits for the members of its last generation "
+          "to register again before it re-forms without them (it re-forms at once when they are "
+          "all back).");
+ABSL_FLAG(std::string, test_hooks, "",
+          "For tests only: hook points where the coordinator holds until a test releases it "
+          "(NAME or NAME@N, comma-separated; see common/test_hooks.h).");
+ABSL_FLAG(std::string, test_hooks_dir, "", "For tests only: where --test_hooks' files go.");
 
 namespace {
 
@@ -133,6 +142,16 @@ int main(int argc, char** argv) {
     LOG(ERROR) << "--heartbeat_timeout_ms must be > 0";
     return 1;
   }
+  if (absl::GetFlag(FLAGS_restart_grace_ms) < 0) {
+    LOG(ERROR) << "--restart_grace_ms must be >= 0";
+    return 1;
+  }
+  if (absl::Status s = lockstep::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
+                                                absl::GetFlag(FLAGS_test_hooks_dir));
+      !s.ok()) {
+    LOG(ERROR) << s.message();
+    return 1;
+  }
 
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {
@@ -177,6 +196,7 @@ int main(int argc, char** argv) {
   lockstep::coordinator::CoreOptions options;
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
   options.tick_interval = kTickInterval;
+  options.restart_grace = absl::Milliseconds(absl::GetFlag(FLAGS_restart_grace_ms));
   if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
                                                 absl::GetFlag(FLAGS_checkpoint_root),
                                                 &options.data_roots, &options.checkpoint_roots);

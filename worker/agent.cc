@@ -26,7 +26,7 @@
 #include "worker/comm/shm_communicator.h"
 #include "worker/comm/store_client.h"
 #include "worker/device.h"
-#include "worker/test_hooks.h"
+#include "common/test_hooks.h"
 #include "worker/train/dataset.h"
 #ifdef LOCKSTEP_HAVE_CUDA
 #include "kernels/device_memory.h"
@@ -269,6 +269,15 @@ absl::Status Agent::RunSession(bool* registered) {
 #endif
   reg->set_incarnation(incarnation_);
   reg->set_comm_address(options_.comm_address);
+  {
+    // What this worker keeps for a job: the coordinator keeps it for that job, or tells it to
+    // drop the state when the job has ended.
+    absl::MutexLock lock(&mu_);
+    if (kept_ != nullptr && lifecycle_.kept().has_value()) {
+      reg->mutable_held()->set_job_id(lifecycle_.kept()->job_id);
+      reg->mutable_held()->set_step(kept_->completed_step());
+    }
+  }
 
   absl::Status result;
   v1::CoordinatorMessage message;
@@ -662,6 +671,7 @@ absl::Status Agent::TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& tr
     if (sample.ok()) {
       *f->mutable_sample() = *std::move(sample);
     } else {
+      f->set_sample_error(std::string(sample.status().message()));
       LOG(WARNING) << a.job_id() << ": no sample: " << sample.status();
     }
   }

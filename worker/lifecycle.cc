@@ -193,8 +193,6 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
   std::string drop_why;
   if (!result.holds_state) {
     drop_why = "";
-  } else if (result.kind == RunResult::kFinished) {
-    drop_why = "the job finished";
   } else if (result.kind == RunResult::kFatal) {
     drop_why = "the failure is fatal";
   } else if (JobEnded(a.job_id())) {
@@ -216,7 +214,9 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
     kept_ = run.key;
     out.keep_state_of = id;
     out.log.push_back(absl::StrCat("keeping the state of ", a.job_id(), " at step ", result.step,
-                                   " for its next generation"));
+                                   result.kind == RunResult::kFinished
+                                       ? " until the coordinator has recorded the job's end"
+                                       : " for its next generation"));
   } else if (result.holds_state) {
     out.log.push_back(
         absl::StrCat("dropping the state of ", a.job_id(), " generation ", a.generation(), ": ",

@@ -15,10 +15,12 @@
 //  3. State is only ever used by the job it belongs to: same job id (unique across coordinator
 //     incarnations) and same training fingerprint (JobKey). A run starts with the kept state
 //     when the keys match; state of another job is dropped when an assignment arrives.
-//  4. A run that ends without a fatal error (aborted, or failed, e.g. a peer died) hands its
-//     state on: to the run of the same job that waits for it, else to the kept slot. A fatal
-//     failure, a finished job, or an abort saying the job ended drops it; so does a newer run of
-//     the same job that had to start without it (rule 1's timeout): then it is stale.
+//  4. A run that ends without a fatal error (finished, aborted, or failed, e.g. a peer died)
+//     hands its state on: to the run of the same job that waits for it, else to the kept slot.
+//     A finished run's state too: the coordinator may lose the job's end before it is durable
+//     (a restart), and then finishes the job from its members' memory. A fatal failure, or an
+//     abort saying the job ended (sent once the end is recorded), drops it; so does a newer
+//     run of the same job that had to start without it (rule 1's timeout): then it is stale.
 //  5. A run's failure is reported to the coordinator unless the run was aborted (the
 //     coordinator already knows why it stopped). Its heal result is reported unless aborted.
 //  6. The session ending aborts every run; their state is kept as rule 4 says. A new session

@@ -20,7 +20,7 @@
 #include "worker/comm/shm_communicator.h"
 #include "worker/device.h"
 #include "worker/metrics.h"
-#include "worker/test_hooks.h"
+#include "common/test_hooks.h"
 #include "worker/train/dataset.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
@@ -62,7 +62,7 @@ ABSL_FLAG(std::string, metrics_port_file, "",
           "If set, the metrics port is written to this file once serving.");
 ABSL_FLAG(std::string, test_hooks, "",
           "For tests only: hook points where the worker holds until a test releases it "
-          "(NAME or NAME@N, comma-separated; see worker/test_hooks.h).");
+          "(NAME or NAME@N, comma-separated; see common/test_hooks.h).");
 ABSL_FLAG(std::string, test_hooks_dir, "", "For tests only: where --test_hooks' files go.");
 
 namespace {
@@ -172,8 +172,8 @@ int main(int argc, char** argv) {
   }
   options.name_conflict_timeout = absl::GetFlag(FLAGS_name_conflict_timeout);
   options.status_file = absl::GetFlag(FLAGS_status_file);
-  if (absl::Status s = lockstep::worker::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
-                                                        absl::GetFlag(FLAGS_test_hooks_dir));
+  if (absl::Status s = lockstep::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
+                                                absl::GetFlag(FLAGS_test_hooks_dir));
       !s.ok()) {
     LOG(ERROR) << s.message();
     return 2;

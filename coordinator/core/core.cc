@@ -1,5 +1,7 @@
 // The coordinator's state machine. Invariants:
-//  - a worker is kBusy iff it is a member of the current generation of a non-terminal job;
+//  - a worker is kBusy iff it is a member of the current generation of a non-terminal job, or
+//    of a job that succeeded and whose end the shell has not saved yet (JobEndRecorded);
+//  - a worker is reserved_for a job iff it is idle and in that job's `reserved`;
 //  - a job's `members` always describe its current generation (empty when not running);
 //  - every state change of a job appends an event and marks the job changed.
 #include "coordinator/core/core.h"
@@ -143,9 +145,85 @@ absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& requ
   worker.last_heartbeat = now;
   std::string id = worker.id;
   live_names_[request.name()] = id;
-  workers_.emplace(id, std::move(worker));
+  ReserveOrRelease(workers_.emplace(id, std::move(worker)).first->second, out);
   Schedule(now, out);
   return id;
+}
+
+void Core::ReserveOrRelease(Worker& worker, Decisions* out) {
+  const v1::HeldState& held = worker.info.held();
+  JobRecord* job = nullptr;
+  if (!held.job_id().empty()) {
+    job = FindJob(held.job_id());
+    if (job == nullptr || (IsTerminal(job->job.state()) && job->end_recorded)) {
+      // Its job is over (or was never this coordinator's: job ids do not repeat): nothing
+      // will ever resume from that state.
+      out->messages.push_back(
+          {worker.id, AbortMessage(held.job_id(), 0,
+                                   job == nullptr ? "this coordinator does not know the job"
+                                                  : absl::StrCat("the job has ended (",
+                                                                 v1::JobState_Name(job->job.state()),
+                                                                 ")"),
+                                   /*job_ended=*/true)});
+      job = nullptr;
+    } else {
+      worker.held_step = held.step();
+    }
+  }
+  if (job == nullptr) {
+    // A member of a job that the restarted coordinator is re-forming, back without state (a
+    // restarted worker) or without saying so: still the job's first.
+    auto awaited = awaited_names_.find(worker.info.name());
+    if (awaited != awaited_names_.end()) job = FindJob(awaited->second);
+  }
+  if (job == nullptr) return;
+  worker.reserved_for = job->job.job_id();
+  job->reserved.insert(worker.id);
+}
+
+void Core::ReleaseReserved(JobRecord& job, bool job_ended, const std::string& reason,
+                           Decisions* out) {
+  for (const std::string& id : job.reserved) {
+    Worker* w = FindWorker(id);
+    if (w == nullptr || w->reserved_for != job.job.job_id()) continue;
+    w->reserved_for.clear();
+    if (job_ended && w->held_step >= 0 && w->state != WorkerState::kLost) {
+      out->messages.push_back({id, AbortMessage(job.job.job_id(), 0, reason, /*job_ended=*/true)});
+    }
+    w->held_step = -1;
+  }
+  job.reserved.clear();
+  for (const std::string& name : job.previous_names) {
+    auto it = awaited_names_.find(name);
+    if (it != awaited_names_.end() && it->second == job.job.job_id()) awaited_names_.erase(it);
+  }
+  job.previous_names.clear();
+  job.restart_grace_until = absl::InfinitePast();
+}
+
+bool Core::PreviousMembersBack(const JobRecord& job) const {
+  for (const std::string& name : job.previous_names) {
+    if (live_names_.count(name) == 0) return false;
+  }
+  return true;
+}
+
+bool Core::AtLastStep(const JobRecord& job, const std::string& except) const {
+  const int64_t total = job.job.total_steps();
+  bool any = false;
+  for (const MemberState& m : job.members) {
+    if (m.worker_id == except) continue;
+    if (!m.finished && (total <= 0 || m.step < total)) return false;
+    any = true;
+  }
+  return any;
+}
+
+bool Core::AnyMemberAtLastStep(const JobRecord& job) const {
+  const int64_t total = job.job.total_steps();
+  return std::any_of(job.members.begin(), job.members.end(), [&](const MemberState& m) {
+    return m.finished || (total > 0 && m.step >= total);
+  });
 }
 
 void Core::MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time now,
@@ -155,6 +233,10 @@ void Core::MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time 
   worker.state = WorkerState::kLost;
   ++lost_workers_;
   live_names_.erase(worker.info.name());
+  if (!worker.reserved_for.empty()) {
+    if (JobRecord* job = FindJob(worker.reserved_for)) job->reserved.erase(worker.id);
+    worker.reserved_for.clear();
+  }
   out->close_sessions.push_back(worker.id);
   if (was_busy) {
     if (JobRecord* job = FindJob(worker.job_id)) {
@@ -409,28 +491,17 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
   JobRecord& job = **job_or;
   bool all_finished = true;
   for (MemberState& m : job.members) {
-    if (m.worker_id == worker_id) {
+    if (m.worker_id == worker_id && !m.finished) {
+      // Kept as reported: nothing of it is the job's until the members agree (FinishAgreed).
       m.finished = true;
-      m.step = std::max(m.step, report.step());
+      m.step = report.step();
       m.checksum = report.parameter_checksum();
       m.peak_memory_bytes = std::max(m.peak_memory_bytes, report.peak_memory_bytes());
       m.eval = report.has_eval() ? report.eval().SerializeAsString() : "";
-      // Every rank reports the same reduced evaluation; rank 0's throughput is the job's.
-      if (report.has_eval() && (&m == &job.members.front() || !job.job.has_eval())) {
-        *job.job.mutable_eval() = report.eval();
-      }
-      if (&m == &job.members.front() || job.job.train_samples_per_second() == 0) {
-        job.job.set_train_samples_per_second(report.train_samples_per_second());
-        job.job.set_train_tokens_per_second(report.train_tokens_per_second());
-      }
-      // Rank 0 alone generates the sample and writes the export.
-      if (report.has_sample()) *job.job.mutable_sample() = report.sample();
-      if (!report.export_path().empty()) job.job.set_export_path(report.export_path());
-      if (!report.export_error().empty()) job.job.set_export_error(report.export_error());
+      m.report = report;
     }
     all_finished = all_finished && m.finished;
   }
-  if (report.step() > job.job.step()) job.job.set_step(report.step());
   RefreshMembers(job);
   out->changed_jobs.insert(job.job.job_id());
   // The result stands only when every member of the generation reported it, and they agree.
@@ -467,13 +538,67 @@ void Core::FinishAgreed(JobRecord& job, const std::string& except, const std::st
   if (std::string disagreement = Disagreement(job, except); !disagreement.empty()) {
     return FinishJob(job, v1::JOB_STATE_FAILED, disagreement + note, now, out);
   }
-  // The evaluation is the agreeing members' (not one left out); throughput, sample and export
-  // came with rank 0's report.
-  for (const MemberState& m : job.members) {
-    if (m.worker_id == except || !m.finished || m.eval.empty()) continue;
-    job.job.mutable_eval()->ParseFromString(m.eval);
-    break;
+  // Every field of the outcome comes from the members that finished and agree: the step and
+  // the evaluation are theirs (equal by Disagreement), throughput, sample and export rank 0's,
+  // the only one that writes them, when it is among them. A member left out (lost before it
+  // reported) is no final member.
+  const std::string rank0_id = job.members.empty() ? "" : job.members.front().worker_id;
+  std::string rank0_name = rank0_id;
+  if (const auto it = workers_.find(rank0_id); it != workers_.end()) {
+    rank0_name = absl::StrCat(it->second.info.name(), " (", rank0_id, ")");
   }
+  if (!except.empty()) {
+    job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
+                                     [&](const MemberState& m) { return m.worker_id == except; }),
+                      job.members.end());
+  }
+  const MemberState* agreed = nullptr;
+  for (const MemberState& m : job.members) {
+    if (m.finished) {
+      agreed = &m;
+      break;
+    }
+  }
+  job.job.clear_eval();
+  if (agreed != nullptr) {
+    job.job.set_step(agreed->step);
+    if (!agreed->eval.empty()) job.job.mutable_eval()->ParseFromString(agreed->eval);
+  }
+  const MemberState* rank0 =
+      !job.members.empty() && job.members.front().worker_id == rank0_id && job.members.front().finished
+          ? &job.members.front()
+          : nullptr;
+  const std::string rank0_lost =
+      absl::StrCat("not written: rank 0, ", rank0_name, ", was lost before writing it");
+  job.job.set_train_samples_per_second(rank0 ? rank0->report.train_samples_per_second() : 0);
+  job.job.set_train_tokens_per_second(rank0 ? rank0->report.train_tokens_per_second() : 0);
+  job.job.clear_sample();
+  job.job.clear_sample_error();
+  if (job.job.spec().sample().max_tokens() > 0) {
+    if (rank0 == nullptr) {
+      job.job.set_sample_error(rank0_lost);
+    } else if (rank0->report.has_sample()) {
+      *job.job.mutable_sample() = rank0->report.sample();
+    } else {
+      job.job.set_sample_error(rank0->report.sample_error().empty()
+                                   ? "not written: rank 0 reported no sample"
+                                   : rank0->report.sample_error());
+    }
+  }
+  job.job.clear_export_path();
+  job.job.clear_export_error();
+  if (!job.job.spec().output_dir().empty()) {
+    if (rank0 == nullptr) {
+      job.job.set_export_error(rank0_lost);
+    } else if (!rank0->report.export_path().empty()) {
+      job.job.set_export_path(rank0->report.export_path());
+    } else {
+      job.job.set_export_error(rank0->report.export_error().empty()
+                                   ? "not written: rank 0 reported no export"
+                                   : rank0->report.export_error());
+    }
+  }
+  RefreshMembers(job);
   std::string reason = absl::StrCat("trained ", job.job.step(), " steps");
   if (job.job.has_eval() && IsLanguageModel(job.job.spec())) {
     absl::StrAppend(&reason,
@@ -495,6 +620,10 @@ absl::Status Core::ReportResumed(const std::string& worker_id, const v1::Resumed
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
   if (!job_or.ok()) return job_or.status();
   JobRecord& job = **job_or;
+  // Each member holds the state it resumed from (a finishing generation reports no step).
+  for (MemberState& m : job.members) {
+    if (m.worker_id == worker_id) m.step = std::max(m.step, report.resumed_from_step());
+  }
   // Every member reports the same agreement; the first one speaks for the group.
   if (job.resumed_report_seen) return absl::OkStatus();
   job.resumed_report_seen = true;
@@ -654,8 +783,18 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
       AddEvent(job, v1::JobEvent::STATE, "coordinator restarted; queued again", now, out);
       continue;
     }
-    // Its members are unknown to this coordinator until they register again.
+    // Its members are unknown to this coordinator until they register again: the job waits a
+    // while for those of its last generation (they keep its state), so that one restart costs
+    // one re-formation. A job that had trained its last step only finishes.
     job.members.clear();
+    if (job.job.generations_size() > 0) {
+      const v1::Generation& last = *job.job.generations().rbegin();
+      for (const std::string& name : last.members()) {
+        if (awaited_names_.emplace(name, id).second) job.previous_names.push_back(name);
+      }
+    }
+    job.restart_grace_until = now + options_.restart_grace;
+    job.finishing = job.job.total_steps() > 0 && job.job.step() >= job.job.total_steps();
     BeginReconfiguration(job, "coordinator restarted", /*scale_up=*/false,
                          /*coordinator_caused=*/true, now, now, out);
   }
@@ -809,7 +948,10 @@ void Core::Tick(absl::Time now, Decisions* out) {
     const v1::JobSpec& spec = job.job.spec();
     if (job.job.state() == v1::JOB_STATE_RUNNING) {
       const absl::Duration step_timeout = absl::Milliseconds(spec.step_timeout_ms());
-      if (now - job.last_advance > step_timeout) {
+      // After the last step no step is left to complete: the evaluation, the sample and the
+      // export take what they take (a hung member is found by its heartbeats, a dead one by
+      // its peers' collective errors).
+      if (now - job.last_advance > step_timeout && !job.finishing && !AtLastStep(job)) {
         // Nobody is known to be at fault (members still heartbeat): abort and re-form the
         // group, which max_restarts bounds like any other recovery.
         HandleMemberLoss(job, /*worker_id=*/"",
@@ -860,7 +1002,10 @@ std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t 
   std::vector<RankCandidate> idle;
   for (const auto& [id, w] : workers_) {
     const int64_t free = w.info.free_memory_bytes();
-    if (w.state == WorkerState::kIdle && (job == nullptr || job->excluded.count(id) == 0) &&
+    const bool kept_elsewhere =
+        !w.reserved_for.empty() && (job == nullptr || w.reserved_for != job->job.job_id());
+    if (w.state == WorkerState::kIdle && !kept_elsewhere &&
+        (job == nullptr || job->excluded.count(id) == 0) &&
         (device.empty() || DeviceKind(w.info.device()) == device) &&
         (free == 0 || free >= memory_needed)) {
       idle.push_back(Candidate(w));
@@ -931,11 +1076,13 @@ void Core::Schedule(absl::Time now, Decisions* out) {
     StartGeneration(job, AssignRanks({}, std::move(idle)), now, out);
   }
   // 3. Spares: a running job below max_workers grows onto idle workers, once its current
-  // generation has completed a step (so every re-formation is followed by progress).
+  // generation has completed a step (so every re-formation is followed by progress), and
+  // never once it has trained its last step (there is nothing left to share).
   for (const std::string& id : live) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() != v1::JOB_STATE_RUNNING || !job.first_report_of_generation_seen ||
-        static_cast<int>(job.members.size()) >= job.job.spec().max_workers()) {
+        static_cast<int>(job.members.size()) >= job.job.spec().max_workers() || job.finishing ||
+        AnyMemberAtLastStep(job)) {
       continue;
     }
     std::vector<RankCandidate> idle =
@@ -957,6 +1104,8 @@ void Core::Schedule(absl::Time now, Decisions* out) {
 
 void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
                            Decisions* out) {
+  // The workers kept for the job are in this generation now, or free for other jobs.
+  ReleaseReserved(job, /*job_ended=*/false, "", out);
   const int64_t generation = job.job.generation() + 1;
   job.job.set_generation(generation);
   job.members.clear();
@@ -1088,27 +1237,49 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
     }
     // From here on like the loss of the reporter.
   }
-  // A member that reported Finished holds the final state (every rank applies the same last
-  // step and evaluation), so a loss after that point needs no re-formation when every other
-  // member has finished too: the result is theirs, if they agree. While one of them has not,
-  // the job re-forms like after any loss (so a lone Finished, true or forged, followed by a
-  // disconnect never decides a job for the others).
-  const bool some_finished = std::any_of(job.members.begin(), job.members.end(),
-                                         [](const MemberState& m) { return m.finished; });
-  const bool others_finished =
-      !worker_id.empty() &&
-      std::all_of(job.members.begin(), job.members.end(), [&](const MemberState& m) {
-        return m.finished || m.worker_id == worker_id;
-      });
-  if (some_finished && others_finished && job.job.state() == v1::JOB_STATE_RUNNING) {
-    // Rank 0 writes the sample and the export after the evaluation: lost in between, they are
-    // missing, and the job says so (the trained state is complete on the members that finished).
-    if (!job.job.spec().output_dir().empty() && job.job.export_path().empty() &&
-        job.job.export_error().empty()) {
-      job.job.set_export_error(absl::StrCat("not written: ", reason, " before writing it"));
+  // After the last step (every member but the lost one has completed it, or the generation only
+  // finishes) the job is never trained again; it finishes. A lone Finished, true or forged,
+  // before the others reach the last step decides nothing: the job re-forms below like after
+  // any loss, without it.
+  if (job.job.state() == v1::JOB_STATE_RUNNING && (job.finishing || AtLastStep(job, worker_id))) {
+    const auto lost = std::find_if(job.members.begin(), job.members.end(),
+                                   [&](const MemberState& m) { return m.worker_id == worker_id; });
+    const bool lost_finished = lost != job.members.end() && lost->finished;
+    const bool others_finished =
+        !worker_id.empty() &&
+        std::all_of(job.members.begin(), job.members.end(), [&](const MemberState& m) {
+          return m.finished || m.worker_id == worker_id;
+        });
+    if (lost_finished) {
+      // Its report stands (it came from a member); the others are past every collective it
+      // took part in and finish without it.
+      if (others_finished) {
+        return FinishAgreed(job, /*except=*/"", absl::StrCat("; ", reason, " after it finished"),
+                            now, out);
+      }
+      return;
     }
-    return FinishAgreed(job, /*except=*/worker_id,
-                        absl::StrCat("; ", reason, " after the last step"), now, out);
+    if (others_finished) {
+      // Lost before it reported (rank 0 writing the sample or the export, say): the others'
+      // result stands, and what only rank 0 writes says it was not written.
+      return FinishAgreed(job, /*except=*/worker_id,
+                          absl::StrCat("; ", reason, " after the last step"), now, out);
+    }
+    // The others may wait in an evaluation's collective with it: they form the next
+    // generation by themselves, which heals from their memory, trains nothing and finishes.
+    job.finishing = true;
+    const bool coordinator_caused = CoordinatorWasAway(now);
+    job.members.erase(
+        std::remove_if(job.members.begin(), job.members.end(),
+                       [&](const MemberState& m) { return m.worker_id == worker_id; }),
+        job.members.end());
+    if (!coordinator_caused) job.job.set_recoveries(job.job.recoveries() + 1);
+    BeginReconfiguration(job,
+                         absl::StrCat(reason, " after the last step (the members that hold the "
+                                              "final state finish the job)"),
+                         /*scale_up=*/false, coordinator_caused,
+                         worker_id.empty() ? now + absl::Milliseconds(300) : now, now, out);
+    return TryReform(job, now, out);
   }
   if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
     // Lost while re-forming: drop it from the survivors and carry on with the same recovery.
@@ -1204,6 +1375,51 @@ std::vector<RankCandidate> Core::MemberCandidates(const JobRecord& job) const {
 void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
   if (now < job.reform_after) return;
   const v1::JobSpec& spec = job.job.spec();
+  if (now < job.restart_grace_until && !PreviousMembersBack(job)) {
+    size_t back = 0;
+    for (const std::string& name : job.previous_names) back += live_names_.count(name);
+    const std::string reason = absl::StrCat(
+        "waiting up to ", Seconds1(job.restart_grace_until - job.reconfigure_since),
+        " for the members of its last generation to register again after the coordinator "
+        "restarted (", back, " of ", job.previous_names.size(), " back)");
+    if (reason != job.job.reason()) {
+      job.job.set_reason(reason);
+      out->changed_jobs.insert(job.job.job_id());
+    }
+    return;
+  }
+  if (job.finishing) {
+    // Only the workers that hold the final state: the survivors, or after a restart those that
+    // came back with it. Spares would only be healed to that state; min_workers no longer
+    // matters, as nothing is trained.
+    std::vector<RankCandidate> survivors = MemberCandidates(job);
+    std::vector<RankCandidate> back;
+    if (survivors.empty()) {
+      for (const std::string& id : job.reserved) {
+        const Worker* w = FindWorker(id);
+        if (w != nullptr && w->state == WorkerState::kIdle && job.job.total_steps() > 0 &&
+            w->held_step >= job.job.total_steps()) {
+          back.push_back(Candidate(*w));
+        }
+      }
+    }
+    if (!survivors.empty() || !back.empty()) {
+      StartGeneration(job, AssignRanks(survivors, std::move(back)), now, out);
+      if (job.open_recovery >= 0) {
+        v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
+        r->set_to_generation(job.job.generation());
+        r->set_reformed_unix_ms(UnixMs(now));
+      }
+      return;
+    }
+    // Nobody holds the final state any more: the job recovers like any other, from its last
+    // checkpoint (or from the start), with min_workers.
+    job.finishing = false;
+    AddEvent(job, v1::JobEvent::MEMBERSHIP,
+             "no worker holds the state of the last step any more: the job re-forms from its "
+             "last checkpoint",
+             now, out);
+  }
   const std::vector<RankCandidate> survivors = MemberCandidates(job);
   std::vector<RankCandidate> left_out;
   std::vector<RankCandidate> idle = OneRankPerGpu(
@@ -1241,6 +1457,10 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
     return;
   }
   job.reforming_after_fatal = false;
+  // Those kept for the job (after a coordinator restart) come first: they hold its state.
+  std::stable_partition(idle.begin(), idle.end(), [&](const RankCandidate& c) {
+    return job.reserved.count(c.worker_id) > 0;
+  });
   StartGeneration(job, AssignRanks(survivors, std::move(idle)), now, out);
   if (job.open_recovery >= 0) {
     v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
@@ -1251,18 +1471,27 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
 
 void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,
                      Decisions* out) {
+  // A job that succeeded keeps its members, and their trained state, until the shell has saved
+  // its end (JobEndRecorded): a coordinator lost before that finishes the job from them. Any
+  // other end stops the members now, and they may drop what they keep for the job.
+  const bool succeeded = state == v1::JOB_STATE_SUCCEEDED;
   for (const MemberState& m : job.members) {
     Worker* w = FindWorker(m.worker_id);
-    if (w == nullptr || w->job_id != job.job.job_id()) continue;
+    if (succeeded || w == nullptr || w->job_id != job.job.job_id()) continue;
     if (w->state == WorkerState::kBusy) {
-      // A member that has not finished (still evaluating, or the job failed or was cancelled)
-      // stops, and may drop what it keeps for the job.
-      if (!m.finished) PushAbort(job, w->id, reason, out, /*job_ended=*/true);
+      PushAbort(job, w->id, reason, out, /*job_ended=*/true);
       w->state = WorkerState::kIdle;
     }
     w->job_id.clear();
     w->generation = 0;
   }
+  if (succeeded) {
+    job.end_recorded = false;
+    out->ends_to_record.push_back(job.job.job_id());
+  } else {
+    ReleaseReserved(job, /*job_ended=*/true, reason, out);
+  }
+  job.finishing = false;
   if (job.job.generation() > 0) {
     out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
   }
@@ -1273,6 +1502,25 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
   job.job.set_eta_ms(0);
   RefreshMembers(job);
   AddEvent(job, v1::JobEvent::STATE, reason, now, out);
+  Schedule(now, out);
+}
+
+void Core::JobEndRecorded(const std::string& job_id, absl::Time now, Decisions* out) {
+  ObserveTime(now);
+  JobRecord* job = FindJob(job_id);
+  if (job == nullptr || job->end_recorded || !IsTerminal(job->job.state())) return;
+  job->end_recorded = true;
+  for (const MemberState& m : job->members) {
+    Worker* w = FindWorker(m.worker_id);
+    if (w == nullptr || w->job_id != job_id) continue;
+    if (w->state == WorkerState::kBusy) {
+      PushAbort(*job, w->id, job->job.reason(), out, /*job_ended=*/true);
+      w->state = WorkerState::kIdle;
+    }
+    w->job_id.clear();
+    w->generation = 0;
+  }
+  ReleaseReserved(*job, /*job_ended=*/true, job->job.reason(), out);
   Schedule(now, out);
 }
 

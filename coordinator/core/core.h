@@ -55,6 +55,11 @@ struct CoreOptions {
   // reporter, so the other members' reports of the same error (a data set none of them can
   // load) arrive first and fail the job together (see HandleMemberLoss).
   absl::Duration fatal_report_grace = absl::Seconds(2);
+  // After RestoreJobs, a running job waits up to this long for the members of its last
+  // generation to register again before it re-forms without them (so one coordinator restart
+  // is one re-formation, not one per worker that comes back late). A job whose previous
+  // members are all back re-forms at once.
+  absl::Duration restart_grace = absl::Seconds(5);
 };
 
 // What the shell must do after an input: messages to push to workers, sessions to close
@@ -71,6 +76,9 @@ struct Decisions {
   std::vector<std::pair<std::string, int64_t>> started_generations;
   std::vector<std::pair<std::string, int64_t>> ended_generations;
   std::set<std::string> changed_jobs;
+  // Jobs that succeeded in this decision: once the shell has saved them (changed_jobs), it
+  // calls Core::JobEndRecorded for each, which lets their members drop their state.
+  std::vector<std::string> ends_to_record;
 };
 
 // Folds each Abort that is followed, in the same decisions and with nothing for that worker
@@ -108,7 +116,11 @@ class Core {
 
   // --- Workers ---
   // A new session registered. Returns the new worker id; ALREADY_EXISTS when a connected worker
-  // already uses the name; INVALID_ARGUMENT for an empty name or device.
+  // already uses the name; INVALID_ARGUMENT for an empty name or device. A worker that keeps
+  // state for a live job (RegisterRequest.held), or that was a member of a job this
+  // coordinator restored and is re-forming, is kept for that job: no other job gets it until
+  // the job re-forms or ends. One that keeps state for a job that has ended, or that this
+  // coordinator does not know, is told to drop it (Abort.job_ended).
   absl::StatusOr<std::string> RegisterWorker(const v1::RegisterRequest& request, absl::Time now,
                                              Decisions* out);
   // The worker's session ended (stream closed or broken). Unknown ids are ignored.
@@ -178,6 +190,13 @@ class Core {
   static v1::CoordinatorMessage AbortMessage(const std::string& job_id, int64_t generation,
                                              const std::string& reason, bool job_ended = false);
 
+  // The shell has saved a job that succeeded (Decisions::ends_to_record). Until then its final
+  // members keep the trained state in memory and stay the job's (busy), so a coordinator lost
+  // before the end was durable finishes the job from their memory instead of training it
+  // again; now they are told the job ended (Abort.job_ended) and freed. Unknown jobs and ends
+  // already recorded change nothing.
+  void JobEndRecorded(const std::string& job_id, absl::Time now, Decisions* out);
+
   // Timeouts (heartbeat, step, rendezvous) and scheduling. Call periodically.
   void Tick(absl::Time now, Decisions* out);
 
@@ -194,6 +213,10 @@ class Core {
     absl::Time last_heartbeat;
     std::string job_id;
     int64_t generation = 0;
+    // Idle, but kept for this job (RegisterWorker): it holds the job's state (of step
+    // held_step, -1 when unknown) or was a member of the job before the coordinator restarted.
+    std::string reserved_for;
+    int64_t held_step = -1;
   };
   struct MemberState {
     std::string worker_id;
@@ -204,6 +227,9 @@ class Core {
     // The evaluation this member reported with Finished (serialized; every rank reports the
     // same reduced one, so they must be equal byte for byte).
     std::string eval;
+    // Its FinishedReport: the job's outcome is taken from the agreeing members' reports (and
+    // rank 0's, for what only rank 0 writes) when the job ends, never as a report arrives.
+    v1::FinishedReport report;
   };
   struct JobRecord {
     v1::Job job;                       // state, reason, spec and the reported metrics
@@ -240,6 +266,20 @@ class Core {
     std::vector<std::string> fatal_reports;
     // RECONFIGURING because of a fatal report: fails when the rest cannot re-form (TryReform).
     bool reforming_after_fatal = false;
+    // RECONFIGURING after the last step (AtLastStep): the next generation is formed only of
+    // the workers that hold the final state, whatever min_workers says, and trains nothing
+    // (it evaluates, and rank 0 writes the sample and the export). Cleared when nobody holding
+    // that state is left (the job then recovers like any other, from a checkpoint).
+    bool finishing = false;
+    // SUCCEEDED, but the shell has not saved it yet (JobEndRecorded): its members keep their
+    // state and stay busy.
+    bool end_recorded = true;
+    // Idle workers kept for this job (Worker::reserved_for).
+    std::set<std::string> reserved;
+    // Restored by a restarted coordinator: the names of its last generation's members, awaited
+    // until restart_grace_until (CoreOptions::restart_grace).
+    std::vector<std::string> previous_names;
+    absl::Time restart_grace_until = absl::InfinitePast();
   };
 
   // RESOURCE_EXHAUSTED with the numbers when every registered worker reports less free memory
@@ -275,6 +315,21 @@ class Core {
                             Decisions* out);
   // Forms the next generation when enough workers are available.
   void TryReform(JobRecord& job, absl::Time now, Decisions* out);
+  // Every member of the current generation but `except` has completed the job's last step
+  // (by its own progress, heal or Finished report). From then on the job is never trained
+  // again: no scale-up, no step timeout, and a loss re-forms only the members (finishing).
+  bool AtLastStep(const JobRecord& job, const std::string& except = "") const;
+  // Some member reported the last step (or Finished): spares wait (a forged report only
+  // delays a scale-up).
+  bool AnyMemberAtLastStep(const JobRecord& job) const;
+  // RegisterWorker's part for what the worker keeps: reserve it for a live job, or tell it to
+  // drop the state of a job that ended.
+  void ReserveOrRelease(Worker& worker, Decisions* out);
+  // Frees the workers kept for `job` (Worker::reserved_for); with `job_ended`, those that
+  // hold its state are told to drop it.
+  void ReleaseReserved(JobRecord& job, bool job_ended, const std::string& reason, Decisions* out);
+  // Every previous member of a restored job (previous_names) is registered again.
+  bool PreviousMembersBack(const JobRecord& job) const;
   // The job as an event records it (JobEvent.job): everything but what grows with its size
   // (spec but its name, members, recoveries, generations, sample; the latest validation only).
   // `job` is only borrowed: it is the same again on return.
@@ -283,7 +338,8 @@ class Core {
   std::string FatalReason(const JobRecord& job, const std::string& last) const;
   // Idle workers of `device` ("cpu", "cuda"; empty: any) in registration order; with
   // `memory_needed`, only those that report at least that much free memory (or report none:
-  // 0 means unknown); with `job`, not the workers it excluded.
+  // 0 means unknown); with `job`, not the workers it excluded; never a worker kept for another
+  // job (Worker::reserved_for).
   std::vector<RankCandidate> IdleWorkers(const std::string& device = "",
                                          int64_t memory_needed = 0,
                                          const JobRecord* job = nullptr) const;
@@ -294,7 +350,9 @@ class Core {
   // What a waiting job's reason adds for candidates OneRankPerGpu left out ("" for none).
   static std::string SharedGpuNote(size_t left_out);
   int64_t MaxRestarts(const JobRecord& job) const;
-  // Ends the job: aborts the current generation's members that are still connected, frees them.
+  // Ends the job. SUCCEEDED: the members stay the job's, holding the final state, until
+  // JobEndRecorded. Otherwise: aborts the members that are still connected (job_ended), frees
+  // them and the workers kept for the job.
   void FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,
                  Decisions* out);
   // Records the end of the job's current generation in its timeline (job.generations).
@@ -333,6 +391,8 @@ class Core {
   std::vector<std::string> pending_;       // FIFO of pending job ids
   std::vector<std::string> order_;         // every job id in submission order
   std::vector<std::string> live_;          // the ones not ended (pruned by Schedule), in order
+  // Name -> id of a restored job that awaits a member of that name (previous_names).
+  std::map<std::string, std::string> awaited_names_;
 };
 
 }  // namespace lockstep::coordinator

@@ -5,7 +5,10 @@
 
 #include <tuple>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/test_hooks.h"
 #include "glog/logging.h"
 
 namespace lockstep::coordinator {
@@ -132,18 +135,39 @@ void Coordinator::Apply(const Decisions& decisions) {
     }
   }
   for (auto& outbox : closes) outbox->Close();
-  // Snapshots are taken in decision order under mu_ but saved after it, by whichever threads
-  // decided: a slower thread must never overwrite a job's newer snapshot with its older one
-  // (a restarted coordinator would then resume from stale state).
-  absl::MutexLock lock(&save_mu_);
-  for (const auto& [version, job] : changed) {
-    uint64_t& saved = saved_versions_[job.job_id()];
-    if (version < saved) continue;
-    saved = version;
-    if (metrics_ != nullptr) metrics_->ObserveJob(job);
-    if (absl::Status s = job_store_->Save(job); !s.ok()) {
-      LOG(ERROR) << "saving job " << job.job_id() << ": " << s;
+  // The window between a job's end in memory and on disk: tests hold the coordinator here
+  // (save_end@N: the end of job-N).
+  for (const std::string& id : decisions.ends_to_record) {
+    int64_t seq = -1;
+    if (!absl::StartsWith(id, "job-") ||
+        !absl::SimpleAtoi(id.substr(4, id.find('-', 4) - 4), &seq)) {  // "job-N-SUFFIX"
+      seq = -1;
     }
+    test_hooks::Reach("save_end", seq);
+  }
+  {
+    // Snapshots are taken in decision order under mu_ but saved after it, by whichever threads
+    // decided: a slower thread must never overwrite a job's newer snapshot with its older one
+    // (a restarted coordinator would then resume from stale state).
+    absl::MutexLock lock(&save_mu_);
+    for (const auto& [version, job] : changed) {
+      uint64_t& saved = saved_versions_[job.job_id()];
+      if (version < saved) continue;
+      saved = version;
+      if (metrics_ != nullptr) metrics_->ObserveJob(job);
+      if (absl::Status s = job_store_->Save(job); !s.ok()) {
+        LOG(ERROR) << "saving job " << job.job_id() << ": " << s;
+      }
+    }
+  }
+  // Only now may the members of a job that succeeded drop its state: before, a restarted
+  // coordinator would find the job running and nobody holding what it trained. (A save that
+  // failed was logged; holding the members would not make it durable.)
+  for (const std::string& id : decisions.ends_to_record) {
+    Call([&](Core& core, absl::Time now, Decisions* d) {
+      core.JobEndRecorded(id, now, d);
+      return 0;
+    });
   }
 }
 

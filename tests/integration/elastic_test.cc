@@ -190,26 +190,41 @@ TEST(ElasticTest, SpareJoinsMidRun) {
   ExpectHealedWithoutRedo(*done);
 }
 
+// The survivor holds before a late step (a test hook) until the restarted worker's scale-up
+// aborts that generation (or the test sees it rejoined): the job cannot end before it
+// rejoins, however loaded the machine.
 TEST(ElasticTest, KilledWorkerRestartedRejoins) {
-  auto cluster = StartCluster(2);
-  ASSERT_NE(cluster, nullptr);
-  auto job = cluster->Submit(ElasticJob(1, 2));
+  auto cluster = Cluster::Start();
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  ASSERT_TRUE((*cluster)->StartWorker("w0", {absl::StrCat("--test_hooks=before_step@", kSteps - 100)})
+                  .ok());
+  ASSERT_TRUE((*cluster)->StartWorker("w1").ok());
+  v1::JobSpec spec = ElasticJob(1, 2);
+  spec.set_heartbeat_timeout_ms(5000);  // the kill is seen by the stream; no false losses
+  auto job = (*cluster)->Submit(spec);
   ASSERT_TRUE(job.ok()) << job.status();
-  ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 200).ok());
-  cluster->worker("w1")->Signal(SIGKILL);
-  ASSERT_TRUE(cluster
-                  ->WaitFor(
-                      job->job_id(),
-                      [](const v1::Job& j) {
-                        return j.generation() >= 2 && j.state() == v1::JOB_STATE_RUNNING;
-                      },
-                      absl::Seconds(30))
+  Cluster& c = **cluster;
+  ASSERT_TRUE(WaitForStep(c, job->job_id(), 200).ok());
+  c.worker("w1")->Signal(SIGKILL);
+  ASSERT_TRUE(c.WaitFor(
+                   job->job_id(),
+                   [](const v1::Job& j) {
+                     return j.generation() >= 2 && j.state() == v1::JOB_STATE_RUNNING;
+                   },
+                   absl::Seconds(30))
                   .ok());
   // Its service manager restarts it: a new incarnation under the same name.
-  ASSERT_TRUE(cluster->StartWorker("w1").ok());
-  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(c.StartWorker("w1").ok());
+  ASSERT_TRUE(c.WaitFor(
+                   job->job_id(),
+                   [](const v1::Job& j) { return j.generation() >= 3 && j.members_size() == 2; },
+                   absl::Seconds(120))
+                  .ok());
+  // Rejoined (the hook, if reached, was released by the scale-up): it must not hold later.
+  c.ReleaseHook("w0", "before_step");
+  auto done = c.WaitForEnd(job->job_id(), absl::Seconds(180));
   ASSERT_TRUE(done.ok()) << done.status();
-  ExpectCompleted(*cluster, *done);
+  ExpectCompleted(c, *done);
   EXPECT_EQ(done->members_size(), 2) << "the restarted worker rejoined";
   EXPECT_EQ(done->recoveries(), 1);
   ExpectHealedWithoutRedo(*done);

@@ -122,7 +122,7 @@ TEST(GptIntegrationTest, KilledWorkerMidRunFinishesWithNothingRedone) {
   auto cluster = StartCluster(3);
   ASSERT_NE(cluster, nullptr);
   v1::JobSpec spec = FortunesJob(1, 3, 400);
-  spec.set_heartbeat_timeout_ms(1500);
+  spec.set_heartbeat_timeout_ms(5000);  // no false losses on a loaded machine
   spec.set_collective_timeout_ms(5000);
   auto job = cluster->Submit(spec);
   ASSERT_TRUE(job.ok()) << job.status();
@@ -153,7 +153,7 @@ TEST(GptIntegrationTest, DeterministicModeIsBitwiseIdenticalAcrossWorldSizesAndA
     v1::JobSpec spec = FortunesJob(min_workers, max_workers, 150);
     spec.set_deterministic(true);
     spec.set_skip_evaluation(true);
-    spec.set_heartbeat_timeout_ms(1500);
+    spec.set_heartbeat_timeout_ms(5000);  // no false losses on a loaded machine
     spec.set_collective_timeout_ms(5000);
     auto job = cluster->Submit(spec);
     EXPECT_TRUE(job.ok()) << job.status();
@@ -299,7 +299,7 @@ TEST(GptIntegrationTest, RankZeroLostWhileWritingTheSampleKeepsTheTrainedResult)
   ASSERT_NE(cluster, nullptr);
   v1::JobSpec spec = FortunesJob(2, 2, 30);
   spec.set_skip_evaluation(true);
-  spec.set_heartbeat_timeout_ms(1500);
+  spec.set_heartbeat_timeout_ms(5000);  // no false losses on a loaded machine
   auto reference = cluster->Submit(spec);
   ASSERT_TRUE(reference.ok()) << reference.status();
   auto undisturbed = cluster->WaitForEnd(reference->job_id(), absl::Seconds(120));
@@ -333,66 +333,17 @@ TEST(GptIntegrationTest, RankZeroLostWhileWritingTheSampleKeepsTheTrainedResult)
   ASSERT_TRUE(done.ok()) << done.status();
   ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
   EXPECT_EQ(done->step(), 30);
-  EXPECT_EQ(done->members(1).parameter_checksum(), undisturbed->members(0).parameter_checksum());
+  ASSERT_EQ(done->members_size(), 1) << "rank 0, lost before it reported, is no final member";
+  EXPECT_NE(done->members(0).worker_name(), rank0);
+  EXPECT_EQ(done->members(0).parameter_checksum(), undisturbed->members(0).parameter_checksum());
+  EXPECT_EQ(done->recovery_history_size(), 0) << "nothing re-formed, nothing trained again";
   EXPECT_FALSE(done->has_sample());
+  EXPECT_NE(done->sample_error().find("not written: rank 0"), std::string::npos)
+      << done->sample_error();
   EXPECT_TRUE(done->export_path().empty());
-  EXPECT_NE(done->export_error().find("not written"), std::string::npos) << done->export_error();
+  EXPECT_NE(done->export_error().find("not written: rank 0"), std::string::npos)
+      << done->export_error();
   EXPECT_FALSE(std::filesystem::exists(cluster->dir() + "/export/model.safetensors"));
-}
-
-// The same window with three members: ranks 1 and 2 have reported their result while rank 0
-// is held before writing the sample, and a member that already finished (rank 1) is killed.
-// Rank 0 had not finished, so the job re-forms from rank 0 and rank 2 (both hold the final
-// state), trains nothing again, and ends SUCCEEDED with the undisturbed run's bits and a sample.
-TEST(GptIntegrationTest, AFinishedMemberLostWhileRankZeroWritesTheSampleReforms) {
-  auto cluster = StartCluster(3);
-  ASSERT_NE(cluster, nullptr);
-  v1::JobSpec spec = FortunesJob(2, 3, 30);
-  spec.set_skip_evaluation(true);
-  spec.set_heartbeat_timeout_ms(1500);
-  auto reference = cluster->Submit(spec);
-  ASSERT_TRUE(reference.ok()) << reference.status();
-  auto undisturbed = cluster->WaitForEnd(reference->job_id(), absl::Seconds(120));
-  ASSERT_TRUE(undisturbed.ok()) << undisturbed.status();
-  ExpectSucceeded(*cluster, *undisturbed, 30);
-  ASSERT_EQ(undisturbed->members_size(), 3);
-
-  for (const char* name : {"w0", "w1", "w2"}) {
-    cluster->worker(name)->Signal(SIGKILL);
-    ASSERT_TRUE(cluster->WaitForWorker(name, "lost", absl::Seconds(10)).ok());
-    ASSERT_TRUE(cluster->StartWorker(name, {"--test_hooks=before_sample"}).ok());
-  }
-  spec.mutable_sample()->set_max_tokens(20);
-  auto job = cluster->Submit(spec);
-  ASSERT_TRUE(job.ok()) << job.status();
-  auto running = cluster->WaitFor(
-      job->job_id(), [](const v1::Job& j) { return j.members_size() == 3 && j.step() >= 30; },
-      absl::Seconds(120));
-  ASSERT_TRUE(running.ok()) << running.status();
-  const std::string rank0 = running->members(0).worker_name();
-  ASSERT_TRUE(cluster->WaitForHook(rank0, "before_sample", absl::Seconds(60)).ok());
-  auto finished = cluster->WaitFor(
-      job->job_id(),
-      [](const v1::Job& j) {
-        return j.members_size() == 3 && !j.members(1).parameter_checksum().empty() &&
-               !j.members(2).parameter_checksum().empty();
-      },
-      absl::Seconds(30));
-  ASSERT_TRUE(finished.ok()) << finished.status();
-  const std::string victim = finished->members(1).worker_name();
-  cluster->worker(victim)->Signal(SIGKILL);
-  auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(60));
-  ASSERT_TRUE(done.ok()) << done.status();
-  ExpectSucceeded(*cluster, *done, 30);
-  ASSERT_EQ(done->members_size(), 2);
-  for (const v1::Member& m : done->members()) {
-    EXPECT_NE(m.worker_name(), victim);
-    EXPECT_EQ(m.parameter_checksum(), undisturbed->members(0).parameter_checksum())
-        << m.worker_name();
-  }
-  ASSERT_EQ(done->recovery_history_size(), 1);
-  EXPECT_EQ(done->recovery_history(0).steps_redone(), 0);
-  EXPECT_TRUE(done->has_sample()) << "the re-formed rank 0 wrote it";
 }
 
 }  // namespace

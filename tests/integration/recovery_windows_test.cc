@@ -1,4 +1,4 @@
-// Recovery inside its windows: each test holds a worker at a test hook (worker/test_hooks.h)
+// Recovery inside its windows: each test holds a worker at a test hook (common/test_hooks.h)
 // inside one failure window (a heal broadcast, a group that is connecting, the final
 // evaluation, a coordinator that is away or lost its state, ...) and kills or freezes a real
 // process there. The invariant is the user's: the job ends with exactly its steps and one
@@ -396,7 +396,7 @@ TEST(RecoveryWindowsTest, PausedCoordinatorIsNotChargedToTheWorkers) {
   ASSERT_TRUE(job.ok()) << job.status();
   ASSERT_TRUE(WaitForStep(*cluster, job->job_id(), 300).ok());
   cluster->coordinator()->Signal(SIGSTOP);
-  absl::SleepFor(absl::Seconds(4));
+  absl::SleepFor(absl::Seconds(8));
   cluster->coordinator()->Signal(SIGCONT);
   auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
   ASSERT_TRUE(done.ok()) << done.status();

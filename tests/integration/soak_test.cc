@@ -1,8 +1,11 @@
 // A bounded randomized soak of recovery: trials of random kill schedules (single kills, double
-// kills a few milliseconds apart, kills of the member that is healing a rejoined worker) on a
+// kills a few milliseconds apart, kills of the member that is healing a rejoined worker, kills
+// and spares at the job's last step, coordinator restarts mid-run or at the end) on a
 // deterministic job, whose parameters must then be bitwise those of an undisturbed run. Every
 // trial ends SUCCEEDED with exactly its steps and that one checksum on every member, or FAILED
-// with a reason; never SUCCEEDED with other bits. LOCKSTEP_SOAK_TRIALS=N runs more (30 in CI).
+// with a reason; never SUCCEEDED with other bits, and a job that had trained its last step is
+// never trained again while a member holds its state. LOCKSTEP_SOAK_TRIALS=N runs more (30 in
+// CI).
 #include <signal.h>
 
 #include <cstdlib>
@@ -29,7 +32,7 @@ bool Ended(v1::JobState state) {
 v1::JobSpec SoakJob() {
   v1::JobSpec spec = testing::SyntheticJob(1, 3, kSteps);
   spec.set_deterministic(true);
-  spec.set_heartbeat_timeout_ms(1500);
+  spec.set_heartbeat_timeout_ms(3000);
   spec.set_collective_timeout_ms(5000);
   spec.set_max_restarts(20);
   return spec;
@@ -58,17 +61,35 @@ TEST(SoakTest, RandomKillSchedulesNeverSucceedWithWrongBits) {
 
   std::map<std::string, int> outcomes;
   for (int trial = 0; trial < trials; ++trial) {
-    const int kind = static_cast<int>(rng() % 3);
-    const char* kinds[] = {"single kill", "double kill", "heal-source kill"};
+    const int kind = static_cast<int>(rng() % 6);
+    const char* kinds[] = {"single kill",           "double kill",
+                           "heal-source kill",      "kill at the last step",
+                           "spares at the last step", "coordinator restart"};
     SCOPED_TRACE(absl::StrCat("trial ", trial, ": ", kinds[kind]));
+    if (kind == 4) {
+      // Two members only: the others come back as spares once the last step is done.
+      for (const char* name : {"w2", "w3"}) {
+        cluster.worker(name)->Signal(SIGKILL);
+        ASSERT_TRUE(cluster.WaitForWorker(name, "lost", absl::Seconds(30)).ok()) << name;
+      }
+    }
     auto job = cluster.Submit(spec);
     ASSERT_TRUE(job.ok()) << job.status();
-    const int64_t at = 100 + static_cast<int64_t>(rng() % 900);
+    // The end-of-job kinds act once the last step is done (the members are evaluating, or
+    // have reported Finished), the restart half the time there and half mid-run.
+    const bool at_end = kind == 3 || kind == 4 || (kind == 5 && rng() % 2 == 0);
+    const int64_t at = at_end ? kSteps : 100 + static_cast<int64_t>(rng() % 900);
     auto running = cluster.WaitFor(
         job->job_id(), [&](const v1::Job& j) { return j.step() >= at; }, absl::Seconds(60));
     ASSERT_TRUE(running.ok()) << running.status();
     std::vector<std::string> victims;
-    if (running->state() == v1::JOB_STATE_RUNNING && running->members_size() > 0) {
+    if (kind == 4) {
+      for (const char* name : {"w2", "w3"}) {
+        ASSERT_TRUE(cluster.StartWorker(name).ok()) << name << " did not come back";
+      }
+    } else if (kind == 5) {
+      ASSERT_TRUE(cluster.RestartCoordinator(/*keep_state=*/true).ok()) << cluster.Logs();
+    } else if (running->state() == v1::JOB_STATE_RUNNING && running->members_size() > 0) {
       const int n = running->members_size();
       const std::string first = running->members(static_cast<int>(rng() % n)).worker_name();
       cluster.worker(first)->Signal(SIGKILL);
@@ -104,6 +125,16 @@ TEST(SoakTest, RandomKillSchedulesNeverSucceedWithWrongBits) {
     }
     auto done = cluster.WaitForEnd(job->job_id(), absl::Seconds(120));
     ASSERT_TRUE(done.ok()) << done.status() << "\n" << cluster.Logs();
+    // A re-formation after the last step resumes from it, unless nobody held the state (one
+    // superseded before it resumed has nothing to say).
+    for (const v1::Recovery& r : done->recovery_history()) {
+      if (r.step_at_detection() < kSteps || r.steps_redone_lower_bound() ||
+          r.first_step_unix_ms() == 0) {
+        continue;
+      }
+      EXPECT_EQ(r.resumed_from_step(), kSteps)
+          << "trained again after the last step: " << r.reason() << "\n" << cluster.Logs();
+    }
     if (done->state() == v1::JOB_STATE_SUCCEEDED) {
       ++outcomes["succeeded"];
       EXPECT_EQ(done->step(), kSteps);

@@ -185,8 +185,12 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
 absl::Status Cluster::StartCoordinator(const std::string& listen) {
   const std::string port_file = dir_ + "/port";
   std::filesystem::remove(port_file);
+  // Its test hooks' files, from a clean slate for every coordinator process.
+  const std::string hooks = dir_ + "/hooks/coordinator";
+  std::filesystem::remove_all(hooks);
   std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=" + listen,
-                                   "--port_file=" + port_file, "--state_dir=" + dir_ + "/state"};
+                                   "--port_file=" + port_file, "--state_dir=" + dir_ + "/state",
+                                   "--test_hooks_dir=" + hooks};
   argv.insert(argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
   auto process = Process::Spawn(argv, dir_ + "/coordinator.log");
   if (!process.ok()) return process.status();
@@ -320,6 +324,11 @@ absl::StatusOr<v1::Job> Cluster::WaitFor(const std::string& job_id,
   v1::Job last;
   while (absl::Now() < deadline) {
     absl::StatusOr<v1::Job> job = Get(job_id);
+    // A coordinator that is restarting (or was just frozen) is asked again.
+    if (absl::IsUnavailable(job.status()) || absl::IsDeadlineExceeded(job.status())) {
+      absl::SleepFor(absl::Milliseconds(50));
+      continue;
+    }
     if (!job.ok()) return job.status();
     if (pred(*job)) return job;
     last = *job;

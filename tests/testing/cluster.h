@@ -81,10 +81,15 @@ class Cluster {
   // --state_dir (keep_state) or with that directory wiped first (a coordinator that lost its
   // state, or runs without one).
   absl::Status RestartCoordinator(bool keep_state = true);
+  // The flags the coordinator is started with from now on (a restart), after the cluster's own.
+  void set_coordinator_flags(std::vector<std::string> flags) {
+    coordinator_flags_ = std::move(flags);
+  }
   Process* coordinator() { return coordinator_.get(); }
   absl::Status StartWorkers(int n);  // w0 .. w{n-1}
-  // Test hooks (worker/test_hooks.h) of a worker started with --test_hooks=...: waits until it
-  // holds at `hook`, and lets it go on.
+  // Test hooks (common/test_hooks.h) of a worker started with --test_hooks=...: waits until it
+  // holds at `hook`, and lets it go on. The coordinator's (its flag --test_hooks=...) go by the
+  // name "coordinator".
   absl::Status WaitForHook(const std::string& worker, const std::string& hook,
                            absl::Duration timeout);
   void ReleaseHook(const std::string& worker, const std::string& hook);
@@ -92,7 +97,8 @@ class Cluster {
 
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);
   absl::StatusOr<v1::Job> Get(const std::string& job_id);
-  // Polls until pred(job) holds; DEADLINE_EXCEEDED (with the job's last state) otherwise.
+  // Polls until pred(job) holds (asking again while the coordinator is unavailable, e.g.
+  // restarting); DEADLINE_EXCEEDED (with the job's last state) otherwise.
   absl::StatusOr<v1::Job> WaitFor(const std::string& job_id,
                                   const std::function<bool(const v1::Job&)>& pred,
                                   absl::Duration timeout);

@@ -4,7 +4,9 @@
 #include <filesystem>
 #include <functional>
 #include <fstream>
+#include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "coordinator/core/core.h"
 #include "coordinator/core/job_spec.h"
 #include "common/gpu_limits.h"
@@ -67,6 +69,14 @@ class CoreTest : public ::testing::Test {
   void Collect(const Decisions& d) {
     for (const auto& m : d.messages) sent_.push_back(m);
     for (const auto& c : d.close_sessions) closed_.push_back(c);
+    for (const auto& e : d.ends_to_record) ends_.push_back(e);
+  }
+  // What the shell does once it has saved the jobs that succeeded: their members may go.
+  void RecordEnds() {
+    Decisions d;
+    for (const std::string& id : ends_) core_.JobEndRecorded(id, now_, &d);
+    ends_.clear();
+    Collect(d);
   }
   v1::Job Job(const std::string& id) { return core_.GetJob(id).value(); }
   // Assignments sent since the last call, by worker id.
@@ -126,6 +136,7 @@ class CoreTest : public ::testing::Test {
   Core core_;
   std::vector<Decisions::Outgoing> sent_;
   std::vector<std::string> closed_;
+  std::vector<std::string> ends_;  // Decisions::ends_to_record not yet recorded
 };
 
 TEST_F(CoreTest, RegistrationAssignsIdsAndRefusesDuplicateLiveNames) {
@@ -236,6 +247,7 @@ TEST_F(CoreTest, FinishedByAllMembersSucceedsAndFreesWorkers) {
   EXPECT_EQ(Job(job).total_steps(), 100);
   ASSERT_TRUE(Finished(w0, job, 1, "abc").ok());
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING) << "one member is still training";
+  TakeAborts();
   ASSERT_TRUE(Finished(w1, job, 1, "abc").ok());
   v1::Job j = Job(job);
   EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED);
@@ -243,8 +255,22 @@ TEST_F(CoreTest, FinishedByAllMembersSucceedsAndFreesWorkers) {
   EXPECT_DOUBLE_EQ(j.eval().test_accuracy(), 0.9);
   EXPECT_EQ(j.members(0).parameter_checksum(), "abc");
   EXPECT_EQ(j.members(1).parameter_checksum(), "abc");
-  // Both are idle again: the next job starts at once.
+  // Two-phase finish: until the shell has saved the end, the members keep the trained state
+  // and stay the job's (a coordinator lost now finishes the job from them).
+  EXPECT_EQ(ends_, std::vector<std::string>{job});
+  EXPECT_TRUE(TakeAborts().empty()) << "nobody is told to drop the state before the record";
   const std::string next = Submit(Spec(2, 2));
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_PENDING);
+  for (const v1::WorkerInfo& w : core_.ListWorkers()) EXPECT_EQ(w.state(), "busy") << w.name();
+  // Recorded: both are told the job ended (they drop its state) and the next job starts.
+  sent_.clear();
+  RecordEnds();
+  int told = 0;
+  for (const auto& m : sent_) {
+    told += m.message.has_abort() && m.message.abort().job_ended() &&
+            m.message.abort().job_id() == job && (m.worker_id == w0 || m.worker_id == w1);
+  }
+  EXPECT_EQ(told, 2);
   EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING);
 }
 
@@ -1258,6 +1284,7 @@ TEST_F(CoreTest, RestoredJobsResumeAsWorkersRegister) {
   ASSERT_TRUE(Finished(a, done, 1, "c").ok());
   ASSERT_TRUE(Finished(b, done, 1, "c").ok());
   ASSERT_EQ(Job(done).state(), v1::JOB_STATE_SUCCEEDED);
+  RecordEnds();
   const std::string running = Submit(Spec(2, 2));
   std::map<std::string, v1::Assignment> first = TakeAssignments();
   ASSERT_EQ(first.size(), 2u);
@@ -1333,6 +1360,11 @@ TEST_F(CoreTest, TimelineAfterACoordinatorRestartComparesNames) {
     ids.push_back(*id);
   }
   EXPECT_EQ(ids, (std::vector<std::string>{a, b})) << "the ids collide";
+  // b does not come back: the job re-forms without it once the restart's grace is over.
+  EXPECT_EQ(fresh.GetJob(running).value().state(), v1::JOB_STATE_RECONFIGURING);
+  now_ += Options().restart_grace;
+  Decisions td;
+  fresh.Tick(now_, &td);
   v1::Job j = fresh.GetJob(running).value();
   ASSERT_EQ(j.state(), v1::JOB_STATE_RUNNING);
   ASSERT_EQ(j.generations_size(), 2);
@@ -1939,6 +1971,363 @@ TEST_F(CoreTest, EndedJobsTellTheirMembersAndGenerationsAreListed) {
   EXPECT_TRUE(told);
   ASSERT_EQ(c.ended_generations.size(), 1u);
   EXPECT_EQ(core_.Fence(job->job_id(), 1, w0).code(), absl::StatusCode::kAborted);
+}
+
+
+// --- A finished job stays finished: nothing after the last step trains the job again. ---
+
+class FinishTest : public CoreTest {
+ protected:
+  // A small language model: rank 0 writes a sample of its text at the end.
+  static v1::JobSpec GptSpec(int min_workers, int max_workers) {
+    v1::JobSpec spec = Spec(min_workers, max_workers);
+    v1::ModelSpec* m = spec.mutable_model();
+    m->set_type("gpt");
+    m->set_vocab_size(256);
+    m->set_context_length(32);
+    m->set_n_layer(1);
+    m->set_n_head(2);
+    m->set_d_model(32);
+    spec.mutable_dataset()->Clear();
+    spec.mutable_dataset()->set_type("text");
+    spec.mutable_dataset()->set_path("/usr/share/games/fortunes");
+    spec.mutable_sample()->set_max_tokens(16);
+    return spec;
+  }
+  absl::Status LastStep(const std::string& worker, const std::string& job, int64_t generation) {
+    v1::ProgressReport p;
+    p.set_job_id(job);
+    p.set_generation(generation);
+    p.set_step(100);
+    p.set_total_steps(100);
+    p.set_first_of_generation(true);
+    Decisions d;
+    absl::Status s = core_.ReportProgress(worker, p, now_, &d);
+    Collect(d);
+    return s;
+  }
+  void Lose(const std::string& worker) {
+    Decisions d;
+    core_.WorkerDisconnected(worker, "stream closed", now_, &d);
+    Collect(d);
+  }
+  absl::Status Resumed(const std::string& worker, const std::string& job, int64_t generation) {
+    v1::ResumedReport r;
+    r.set_job_id(job);
+    r.set_generation(generation);
+    r.set_resumed_from_step(100);
+    r.set_source_rank(0);
+    Decisions d;
+    absl::Status s = core_.ReportResumed(worker, r, now_, &d);
+    Collect(d);
+    return s;
+  }
+  // A job saved by a coordinator that then died, and a fresh core that restored it.
+  std::unique_ptr<Core> Restart(const std::vector<std::string>& job_ids) {
+    std::vector<v1::Job> saved;
+    for (const std::string& id : job_ids) saved.push_back(Job(id));
+    auto fresh = std::make_unique<Core>(Options());
+    Decisions d;
+    fresh->RestoreJobs(saved, now_, &d);
+    return fresh;
+  }
+  static absl::StatusOr<std::string> RegisterOn(Core& core, const std::string& name,
+                                                absl::Time now, Decisions* d,
+                                                const std::string& held_job = "",
+                                                int64_t held_step = 0) {
+    v1::RegisterRequest r;
+    r.set_name(name);
+    r.set_host("h1");
+    r.set_device("cpu");
+    if (!held_job.empty()) {
+      r.mutable_held()->set_job_id(held_job);
+      r.mutable_held()->set_step(held_step);
+    }
+    return core.RegisterWorker(r, now, d);
+  }
+  static std::map<std::string, v1::Assignment> Assignments(const Decisions& d) {
+    std::map<std::string, v1::Assignment> out;
+    for (const auto& m : d.messages) {
+      if (m.message.has_assignment()) out[m.worker_id] = m.message.assignment();
+    }
+    return out;
+  }
+};
+
+TEST_F(FinishTest, ASpareArrivingAfterTheLastStepDoesNotScaleTheJobUp) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(1, 2));
+  TakeAssignments();
+  ASSERT_TRUE(LastStep(w0, job, 1).ok());
+  const std::string w1 = Register("w1");  // while rank 0 evaluates and writes its sample
+  Tick();
+  EXPECT_TRUE(TakeAssignments().empty()) << "a spare never joins a job that has trained every step";
+  EXPECT_EQ(Job(job).generation(), 1);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  ASSERT_TRUE(Finished(w0, job, 1, "abc").ok());
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_SUCCEEDED) << Job(job).reason();
+  EXPECT_EQ(Job(job).recovery_history_size(), 0);
+}
+
+TEST_F(FinishTest, AStepTimeoutDoesNotApplyAfterTheLastStep) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(LastStep(w0, job, 1).ok());
+  ASSERT_TRUE(LastStep(w1, job, 1).ok());
+  // A long evaluation and sample: the members still beat, no step is left to complete.
+  for (int i = 0; i < 70; ++i) {
+    now_ += absl::Seconds(1);
+    Heartbeats({w0, w1});
+    Tick();
+  }
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING) << Job(job).reason();
+  EXPECT_EQ(Job(job).generation(), 1);
+}
+
+// A member that finished and is then lost (rank 0 is still writing its sample) costs nothing:
+// no re-formation, no waiting for workers at the last step.
+TEST_F(FinishTest, AFinishedMemberLostWhileRankZeroSamplesChangesNothing) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(LastStep(w0, job, 1).ok());
+  ASSERT_TRUE(LastStep(w1, job, 1).ok());
+  ASSERT_TRUE(Finished(w1, job, 1, "abc").ok());
+  Lose(w1);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING) << Job(job).reason();
+  EXPECT_EQ(Job(job).generation(), 1);
+  EXPECT_TRUE(TakeAborts().empty()) << "rank 0 is not disturbed";
+  ASSERT_TRUE(Finished(w0, job, 1, "abc").ok());
+  const v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_EQ(j.recoveries(), 0);
+  EXPECT_EQ(j.members_size(), 2) << "both finished: both are final members";
+}
+
+// Rank 0 lost after the last step, before its sample and export: the others' result stands,
+// the job says what was not written and why, and the lost member is no final member.
+TEST_F(FinishTest, RankZeroLostBeforeItsSampleSucceedsSayingWhy) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  v1::JobSpec spec = GptSpec(2, 2);
+  spec.set_output_dir("/tmp/out");
+  const std::string job = Submit(spec);
+  TakeAssignments();
+  ASSERT_TRUE(LastStep(w0, job, 1).ok());
+  ASSERT_TRUE(LastStep(w1, job, 1).ok());
+  ASSERT_TRUE(Finished(w1, job, 1, "abc").ok());
+  Lose(w0);
+  const v1::Job j = Job(job);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_EQ(j.step(), 100);
+  EXPECT_EQ(j.recoveries(), 0);
+  EXPECT_FALSE(j.has_sample());
+  EXPECT_NE(j.sample_error().find("not written: rank 0, w0"), std::string::npos)
+      << j.sample_error();
+  EXPECT_NE(j.export_error().find("not written: rank 0, w0"), std::string::npos)
+      << j.export_error();
+  ASSERT_EQ(j.members_size(), 1) << "a member lost before it reported is no final member";
+  EXPECT_EQ(j.members(0).worker_name(), "w1");
+}
+
+// A member lost during the final evaluation (the others wait in its collective): the others
+// finish by themselves, below min_workers, without a spare, and train nothing.
+TEST_F(FinishTest, AMemberLostDuringTheFinalEvaluationLeavesTheOthersToFinish) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
+  const std::string job = Submit(Spec(3, 4));
+  TakeAssignments();
+  const std::string spare = Register("w3");  // arrives at the last step: stays a spare
+  for (const std::string& w : {w0, w1, w2}) ASSERT_TRUE(LastStep(w, job, 1).ok());
+  Lose(w2);
+  auto next = TakeAssignments();
+  ASSERT_EQ(next.size(), 2u) << "w0 and w1 alone, below min_workers 3";
+  EXPECT_EQ(next.count(spare), 0u);
+  EXPECT_EQ(next[w0].start_step(), 101) << "nothing is left to train";
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING) << j.reason();
+  EXPECT_EQ(j.generation(), 2);
+  // The finishing generation: healed at 100, evaluates (longer than any step timeout), ends.
+  ASSERT_TRUE(Resumed(w0, job, 2).ok());
+  ASSERT_TRUE(Resumed(w1, job, 2).ok());
+  now_ += absl::Seconds(120);
+  Heartbeats({w0, w1, spare});
+  Tick();
+  EXPECT_EQ(Job(job).generation(), 2) << Job(job).reason();
+  // A second loss in the finishing generation: the last one finishes alone.
+  Lose(w1);
+  next = TakeAssignments();
+  ASSERT_EQ(next.size(), 1u);
+  EXPECT_EQ(next.count(w0), 1u);
+  ASSERT_TRUE(Finished(w0, job, 3, "abc").ok());
+  j = Job(job);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_EQ(j.step(), 100);
+  for (const v1::Recovery& r : j.recovery_history()) {
+    EXPECT_EQ(r.steps_redone(), 0) << r.reason();
+  }
+}
+
+// The coordinator is lost after the members reported Finished but before the end was saved:
+// the members kept the trained state; the restarted coordinator waits for them and the
+// finishing generation they form trains nothing.
+TEST_F(FinishTest, AnEndLostWithTheCoordinatorIsFinishedFromTheMembersMemory) {
+  const std::string a = Register("a"), b = Register("b");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(LastStep(a, job, 1).ok());
+  ASSERT_TRUE(LastStep(b, job, 1).ok());
+  const std::vector<std::string> saved = {job};  // the last save: RUNNING at step 100
+  const std::unique_ptr<Core> fresh = Restart(saved);
+  ASSERT_EQ(fresh->GetJob(job)->state(), v1::JOB_STATE_RECONFIGURING);
+  Decisions d;
+  // A spare registers first; then a and b, holding the job's state of step 100.
+  ASSERT_TRUE(RegisterOn(*fresh, "c", now_, &d).ok());
+  ASSERT_TRUE(Assignments(d).empty()) << "the job waits for the members that hold its state";
+  d = {};
+  ASSERT_TRUE(RegisterOn(*fresh, "a", now_, &d, job, 100).ok());
+  ASSERT_TRUE(Assignments(d).empty());
+  EXPECT_NE(fresh->GetJob(job)->reason().find("1 of 2 back"), std::string::npos)
+      << fresh->GetJob(job)->reason();
+  d = {};
+  ASSERT_TRUE(RegisterOn(*fresh, "b", now_, &d, job, 100).ok());
+  const auto assigned = Assignments(d);
+  ASSERT_EQ(assigned.size(), 2u) << "one re-formation, once both are back";
+  for (const auto& [worker, assignment] : assigned) {
+    EXPECT_EQ(assignment.start_step(), 101);
+    EXPECT_EQ(fresh->ListWorkers()[0].name(), "c");
+    EXPECT_NE(worker, fresh->ListWorkers()[0].worker_id()) << "the spare stays out";
+  }
+  for (const auto& [worker, assignment] : assigned) {
+    v1::FinishedReport f;
+    f.set_job_id(job);
+    f.set_generation(assignment.generation());
+    f.set_step(100);
+    f.set_parameter_checksum("abc");
+    d = {};
+    ASSERT_TRUE(fresh->ReportFinished(worker, f, now_, &d).ok());
+  }
+  const v1::Job j = fresh->GetJob(job).value();
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_EQ(j.step(), 100);
+}
+
+// After a restart only the workers that came back holding the last step's state finish the
+// job, however few: the others' absence never makes it wait at its last step.
+TEST_F(FinishTest, AfterARestartTheWorkersHoldingTheLastStepFinishAloneOnceTheGraceIsOver) {
+  const std::string a = Register("a"), b = Register("b");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(LastStep(a, job, 1).ok());
+  ASSERT_TRUE(LastStep(b, job, 1).ok());
+  const std::unique_ptr<Core> fresh = Restart({job});
+  Decisions d;
+  ASSERT_TRUE(RegisterOn(*fresh, "a", now_, &d, job, 100).ok());
+  ASSERT_TRUE(RegisterOn(*fresh, "c", now_, &d).ok());
+  ASSERT_TRUE(Assignments(d).empty());
+  now_ += Options().restart_grace;
+  d = {};
+  fresh->Tick(now_, &d);
+  const auto assigned = Assignments(d);
+  ASSERT_EQ(assigned.size(), 1u) << "a alone: b is gone, and the spare holds nothing";
+  EXPECT_EQ(fresh->ListWorkers()[0].name(), "a");
+  EXPECT_EQ(assigned.begin()->first, fresh->ListWorkers()[0].worker_id());
+}
+
+// A job restored in the middle of training waits for its members too, and a pending job does
+// not take them meanwhile; a member that does not come back is not waited for past the grace.
+TEST_F(FinishTest, ARestartedCoordinatorKeepsTheMembersForTheirJobAndReformsOnce) {
+  const std::string a = Register("a"), b = Register("b");
+  const std::string job = Submit(Spec(1, 2));
+  TakeAssignments();
+  ASSERT_TRUE(Progress(a, job, 1, 40).ok());
+  const std::unique_ptr<Core> fresh = Restart({job});
+  Decisions d;
+  absl::StatusOr<v1::Job> other = fresh->SubmitJob(Spec(1, 1), now_, &d);
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(RegisterOn(*fresh, "a", now_, &d, job, 40).ok());
+  EXPECT_TRUE(Assignments(d).empty()) << "a is kept for its job, which waits for b";
+  EXPECT_EQ(fresh->GetJob(other->job_id())->state(), v1::JOB_STATE_PENDING);
+  now_ += absl::Seconds(1);
+  d = {};
+  ASSERT_TRUE(RegisterOn(*fresh, "b", now_, &d, job, 40).ok());
+  auto assigned = Assignments(d);
+  ASSERT_EQ(assigned.size(), 2u);
+  for (const auto& [worker, assignment] : assigned) EXPECT_EQ(assignment.job_id(), job);
+  const v1::Job j = fresh->GetJob(job).value();
+  EXPECT_EQ(j.recovery_history_size(), 1) << "one re-formation for one restart";
+  EXPECT_EQ(fresh->GetJob(other->job_id())->state(), v1::JOB_STATE_PENDING);
+}
+
+// A worker that keeps the state of a job that has ended (its job_ended abort went to a session
+// that broke), or of a job this coordinator does not know, is told to drop it.
+TEST_F(FinishTest, AWorkerHoldingAnEndedOrUnknownJobsStateIsToldToDropIt) {
+  const std::string a = Register("a");
+  const std::string job = Submit(Spec(1, 1));
+  TakeAssignments();
+  ASSERT_TRUE(Finished(a, job, 1, "abc").ok());
+  RecordEnds();
+  Lose(a);
+  for (const std::string& held : {job, std::string("job-9-ffffff")}) {
+    Decisions d;
+    absl::StatusOr<std::string> id =
+        RegisterOn(core_, absl::StrCat("a", held.size()), now_, &d, held, 100);
+    ASSERT_TRUE(id.ok());
+    bool told = false;
+    for (const auto& m : d.messages) {
+      told = told || (m.worker_id == *id && m.message.has_abort() &&
+                      m.message.abort().job_ended() && m.message.abort().job_id() == held);
+    }
+    EXPECT_TRUE(told) << held;
+  }
+}
+
+// Results only from the members' agreement: a member that reports a forged Finished (an
+// evaluation the job never ran, a sample, an export path) and disconnects leaves nothing of it
+// in the job, which finishes with what its real members report.
+TEST_F(FinishTest, AForgedFinishedLeavesNothingInTheResult) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
+  v1::JobSpec spec = GptSpec(2, 2);
+  spec.set_skip_evaluation(true);
+  const std::string job = Submit(spec);
+  auto first = TakeAssignments();
+  ASSERT_EQ(first.size(), 2u);
+  std::string forger, honest;
+  for (const auto& [w, a] : first) (a.rank() == 0 ? forger : honest) = w;
+  ASSERT_TRUE(Progress(honest, job, 1, 50).ok());
+  v1::FinishedReport forged;
+  forged.set_job_id(job);
+  forged.set_generation(1);
+  forged.set_step(100);
+  forged.set_parameter_checksum("deadbeefdeadbeef");
+  forged.mutable_eval()->set_test_accuracy(0.9999);
+  forged.mutable_sample()->set_text("forged");
+  forged.set_export_path("/etc/passwd");
+  forged.set_train_samples_per_second(1e12);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFinished(forger, forged, now_, &d).ok());
+  EXPECT_FALSE(Job(job).has_eval());
+  EXPECT_FALSE(Job(job).has_sample());
+  Lose(forger);
+  auto next = TakeAssignments();
+  ASSERT_EQ(next.size(), 2u) << "re-formed with the spare";
+  for (const auto& [w, a] : next) {
+    v1::FinishedReport f;
+    f.set_job_id(job);
+    f.set_generation(a.generation());
+    f.set_step(100);
+    f.set_parameter_checksum("abc");
+    if (a.rank() == 0) f.mutable_sample()->set_text("real");
+    f.set_train_samples_per_second(a.rank() == 0 ? 500 : 600);
+    d = {};
+    ASSERT_TRUE(core_.ReportFinished(w, f, now_, &d).ok());
+  }
+  const v1::Job j = Job(job);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_FALSE(j.has_eval()) << "a job without evaluation shows none";
+  EXPECT_EQ(j.reason().find("accuracy"), std::string::npos) << j.reason();
+  EXPECT_EQ(j.sample().text(), "real");
+  EXPECT_EQ(j.export_path(), "");
+  EXPECT_EQ(j.train_samples_per_second(), 500) << "rank 0's";
 }
 
 }  // namespace

@@ -181,9 +181,23 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"AFailureWithoutStateKeepsNothing",
              {Assign("job-1", 1), Ended(1, K::kFailed, /*holds_state=*/false)},
              {"start #1 job-1/1 fresh", "report failure at step 0"}},
-        Case{"AFinishedJobDropsItsState",
-             {Assign("job-1", 1), Ended(1, K::kFinished), Assign("job-1", 2)},
-             {"start #1 job-1/1 fresh", "nothing", "start #2 job-1/2 fresh"}},
+        // Rule 4, two-phase finish: a finished run keeps its state until the coordinator says
+        // the job's end is recorded; a coordinator that lost the end (a restart) re-forms the
+        // job, and the members finish it from that state instead of training it again.
+        Case{"AFinishedRunKeepsItsStateUntilTheEndIsRecorded",
+             {Assign("job-1", 1), Ended(1, K::kFinished), JobEnded("job-1"), Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "keep #1", "drop kept", "start #2 job-1/2 fresh"}},
+        Case{"AFinishedRunsStateFinishesTheJobAfterACoordinatorRestart",
+             {Assign("job-1", 3), Ended(1, K::kFinished), SessionEnded(), Assign("job-1", 4)},
+             {"start #1 job-1/3 fresh", "keep #1", "nothing", "start #2 job-1/4 with state"}},
+        // The end recorded before the run has returned: nothing is kept.
+        Case{"AnEndRecordedBeforeTheFinishedRunReturnsDropsItsState",
+             {Assign("job-1", 1), JobEnded("job-1"), Ended(1, K::kFinished)},
+             {"start #1 job-1/1 fresh", "abort #1 (job ended)", "nothing"}},
+        // The next job assigned (the coordinator freed the worker after the record) drops it.
+        Case{"AFinishedRunsStateGoesWithTheNextJob",
+             {Assign("job-1", 1), Ended(1, K::kFinished), Assign("job-2", 1)},
+             {"start #1 job-1/1 fresh", "keep #1", "drop kept, start #2 job-2/1 fresh"}},
         Case{"AnEndedJobDropsWhatIsKept",
              {Assign("job-1", 1), Abort("job-1", 1), Ended(1, K::kStopped), JobEnded("job-1")},
              {"start #1 job-1/1 fresh", "abort #1", "keep #1", "drop kept"}},

@@ -30,7 +30,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "glog/logging.h"
-#include "worker/test_hooks.h"
+#include "common/test_hooks.h"
 
 namespace lockstep::worker {
 namespace {

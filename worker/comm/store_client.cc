@@ -5,7 +5,7 @@
 #include "common/auth.h"
 #include "common/grpc_status.h"
 #include "grpcpp/client_context.h"
-#include "worker/test_hooks.h"
+#include "common/test_hooks.h"
 
 namespace lockstep::worker {
 namespace {

@@ -21,7 +21,7 @@
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "worker/job_identity.h"
-#include "worker/test_hooks.h"
+#include "common/test_hooks.h"
 #include "xxhash.h"
 
 namespace lockstep::worker {
@@ -31,6 +31,11 @@ bool Trainer::IsFatal(const absl::Status& status) {
 }
 
 namespace {
+
+// The evaluation's loss is summed in fixed point with this resolution: a chunk's loss sum (at
+// most about 1024 samples, or a micro-batch of windows, times a loss near ln(vocabulary))
+// stays far below the 2^51 limit, and its rounding (2^-25 per chunk) far below what is shown.
+constexpr int kEvalFracBits = 24;
 
 // The samples of an epoch: a classifier's training samples, or a language model's windows.
 int64_t TrainSamples(const v1::JobSpec& spec, const Dataset& data) {
@@ -463,7 +468,9 @@ absl::StatusOr<Trainer::HealInfo> Trainer::Heal(const std::vector<std::string>& 
 absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
                             const ProgressFn& progress, const CheckpointFn& checkpoint,
                             absl::Duration report_interval) {
-  timing_ = Timing{};
+  // A generation with no step left (it only finishes the job) keeps the figures of the one
+  // that trained: they are what the job reports as its throughput.
+  if (start_step <= total_steps_) timing_ = Timing{};
   // The engine sums over this generation's communicator: it must have let go of it (its
   // threads joined) before Train returns, whatever the outcome. A device's state comes back to
   // the host on the way out too, so that healing, evaluation and checksums see the last
@@ -555,22 +562,28 @@ absl::Status Trainer::TrainSteps(int64_t start_step, const std::atomic<bool>& ab
 }
 
 absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
-  // Classifiers: the test split's samples; language models: the validation windows. Each rank
-  // takes a contiguous share; the sums are reduced.
+  // Classifiers: the test split's samples; language models: the validation windows. They go in
+  // fixed chunks of the whole set (a classifier's 1024 samples, or as many windows as a
+  // training micro-batch: a language model's forward keeps every layer's activations, and the
+  // memory preflight sized them for the micro-batch), each rank a contiguous run of chunks.
+  // A chunk's loss is the same bits on whichever rank evaluates it, and the chunks' losses are
+  // summed in fixed point (exact, so in no particular order): in deterministic mode, where the
+  // micro-batch is the spec's micro-shard, the evaluation is bit for bit the same for every
+  // world size.
   const bool language = data_->language;
   const int context = spec_.model().context_length();
   const int64_t total = language ? data_->valid_tokens.Windows(context) : data_->test.samples;
-  const int64_t begin = total * comm_->rank() / comm_->size();
-  const int64_t end = total * (comm_->rank() + 1) / comm_->size();
-  // Rows per forward pass: a classifier's 1024 samples, or as many windows as a training
-  // micro-batch (a language model's forward keeps every layer's activations: the memory
-  // preflight sized them for the micro-batch).
   const int64_t chunk = language ? std::max<int64_t>(1, micro_batch_) : 1024;
-  double sums[3] = {0, 0, static_cast<double>(end - begin)};  // loss, correct, count
+  const int64_t chunks = (total + chunk - 1) / chunk;
+  const int64_t first = chunks * comm_->rank() / comm_->size();
+  const int64_t last = chunks * (comm_->rank() + 1) / comm_->size();
+  // Loss in fixed point (2^-kEvalFracBits), correct predictions, items, rejected losses.
+  int64_t sums[4] = {0, 0, 0, 0};
   std::vector<float> x(language ? 0 : static_cast<size_t>(chunk) * data_->dim);
   std::vector<int32_t> tokens(language ? static_cast<size_t>(chunk) * (context + 1) : 0);
-  for (int64_t i = begin; i < end; i += chunk) {
-    const int n = static_cast<int>(std::min(chunk, end - i));
+  for (int64_t c = first; c < last; ++c) {
+    const int64_t i = c * chunk;
+    const int n = static_cast<int>(std::min(chunk, total - i));
     int64_t correct = 0;
     Batch batch;
     if (language) {
@@ -584,18 +597,23 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
     }
     absl::StatusOr<double> loss = engine_->Evaluate(batch, &correct);
     if (!loss.ok()) return loss.status();
-    sums[0] += *loss;
-    sums[1] += static_cast<double>(correct);
+    sums[3] += kernels::AccumulateLossFixedPoint(*loss, 1.0f, kEvalFracBits, &sums[0]);
+    sums[1] += correct;
+    sums[2] += n;
   }
-  if (absl::Status s = comm_->AllreduceSum(sums, 3); !s.ok()) {
+  if (absl::Status s = comm_->AllreduceSum(sums, 4); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("evaluation: ", s.message()));
   }
   v1::EvalResult result;
-  result.set_test_samples(static_cast<int64_t>(sums[2]));
+  result.set_test_samples(sums[2]);
   if (sums[2] > 0) {
-    result.set_test_loss(sums[0] / sums[2]);
+    const double count = static_cast<double>(sums[2]);
+    // A loss that is not finite (or beyond the fixed-point range) makes the whole one so.
+    result.set_test_loss(sums[3] > 0 ? std::numeric_limits<double>::quiet_NaN()
+                                     : std::ldexp(static_cast<double>(sums[0]), -kEvalFracBits) /
+                                           count);
     // A language model's accuracy is over predicted tokens, `context` per window.
-    result.set_test_accuracy(sums[1] / (sums[2] * (language ? context : 1)));
+    result.set_test_accuracy(static_cast<double>(sums[1]) / (count * (language ? context : 1)));
     if (language && data_->text) result.set_bits_per_byte(result.test_loss() / std::log(2.0));
   }
   return result;
