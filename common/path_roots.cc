@@ -31,6 +31,13 @@ bool PathIsWithin(const std::string& path, const std::string& root) {
                           path[root.size()] == '/');
 }
 
+bool PathRoots::allows_any_path() const {
+  for (const std::string& root : roots_) {
+    if (root == "/") return true;
+  }
+  return false;
+}
+
 absl::StatusOr<PathRoots> PathRoots::Parse(const std::string& flag) {
   PathRoots roots;
   for (absl::string_view entry : absl::StrSplit(flag, ',', absl::SkipWhitespace())) {
@@ -52,6 +59,10 @@ absl::Status ParseRootFlags(const std::string& data_root_flag,
        {std::tuple<const char*, const std::string&, PathRoots*>{"--data_root", data_root_flag, data},
         {"--checkpoint_root", checkpoint_root_flag, checkpoints}}) {
     absl::StatusOr<PathRoots> parsed = PathRoots::Parse(value);
+    if (parsed.ok() && !parsed->restricted()) {
+      parsed = absl::InvalidArgumentError(
+          "empty: name the directories jobs may use, comma-separated, or \"/\" for any path");
+    }
     if (!parsed.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(flag, ": ", parsed.status().message()));
     }

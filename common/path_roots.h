@@ -11,6 +11,13 @@
 
 namespace lockstep {
 
+// The daemons' defaults (--data_root, --checkpoint_root): Lockstep's own directories, and the
+// Debian data the examples use (Fashion-MNIST from dataset-fashion-mnist, the fortunes text).
+// Out of the box a job reads and writes nowhere else; "/" opts out, on purpose.
+inline constexpr char kDefaultDataRoots[] =
+    "/var/lib/lockstep/data,/usr/share/datasets,/usr/share/games/fortunes";
+inline constexpr char kDefaultCheckpointRoots[] = "/var/lib/lockstep/checkpoints";
+
 class PathRoots {
  public:
   // From a flag: comma-separated absolute directories. Empty: no restriction. INVALID_ARGUMENT
@@ -18,6 +25,8 @@ class PathRoots {
   static absl::StatusOr<PathRoots> Parse(const std::string& flag);
 
   bool restricted() const { return !roots_.empty(); }
+  // A root is "/": any absolute path is allowed.
+  bool allows_any_path() const;
   const std::vector<std::string>& roots() const { return roots_; }
   // "/data, /srv/lockstep" (for messages).
   std::string Describe() const;
@@ -36,7 +45,8 @@ class PathRoots {
 };
 
 // Both daemons' --data_root and --checkpoint_root, parsed into `data` and `checkpoints`;
-// INVALID_ARGUMENT naming the flag.
+// INVALID_ARGUMENT naming the flag, also for an empty one (a daemon always has roots: "/" is
+// how an operator allows any path).
 absl::Status ParseRootFlags(const std::string& data_root_flag,
                             const std::string& checkpoint_root_flag, PathRoots* data,
                             PathRoots* checkpoints);

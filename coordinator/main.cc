@@ -17,6 +17,7 @@
 #include "common/auth.h"
 #include "common/grpc_options.h"
 #include "common/metrics.h"
+#include "common/path_roots.h"
 #include "common/test_hooks.h"
 #include "common/tls.h"
 #include "coordinator/dashboard/dashboard.h"
@@ -60,14 +61,14 @@ ABSL_FLAG(std::string, http_listen, "",
           "--http_port_file).");
 ABSL_FLAG(std::string, http_port_file, "",
           "If set, the dashboard's port is written to this file once serving.");
-ABSL_FLAG(std::string, data_root, "",
+ABSL_FLAG(std::string, data_root, lockstep::kDefaultDataRoots,
           "Comma-separated directories jobs may read data from (dataset.path, "
           "dataset.validation_path, init_from_checkpoint.path); a spec outside them is refused "
-          "naming the field. Empty: anywhere (a warning at start). The workers check the same "
+          "naming the field. \"/\": anywhere (a warning at start). The workers check the same "
           "with their own --data_root.");
-ABSL_FLAG(std::string, checkpoint_root, "",
+ABSL_FLAG(std::string, checkpoint_root, lockstep::kDefaultCheckpointRoots,
           "Comma-separated directories jobs may write checkpoints and outputs to "
-          "(checkpoint_dir, output_dir) and resume from; empty: anywhere.");
+          "(checkpoint_dir, output_dir) and resume from; \"/\": anywhere.");
 ABSL_FLAG(bool, grpc_reflection, false,
           "Serve gRPC server reflection (the API's schema, for grpcurl and the like). It answers "
           "without the token, so it is off unless asked for.");
@@ -204,10 +205,12 @@ int main(int argc, char** argv) {
     LOG(ERROR) << s.message();
     return 1;
   }
-  if (!options.data_roots.restricted() || !options.checkpoint_roots.restricted()) {
-    LOG(WARNING) << "no --data_root or no --checkpoint_root: jobs may name any path the workers "
-                    "can read or write";
+  if (options.data_roots.allows_any_path() || options.checkpoint_roots.allows_any_path()) {
+    LOG(WARNING) << "a --data_root or --checkpoint_root of \"/\": jobs may name any path the "
+                    "workers can read or write";
   }
+  LOG(INFO) << "jobs read data in " << options.data_roots.Describe()
+            << " and write checkpoints and outputs in " << options.checkpoint_roots.Describe();
   absl::StatusOr<std::string> cluster_id = lockstep::coordinator::ClusterId(state_dir);
   if (!cluster_id.ok()) {
     LOG(ERROR) << "--state_dir: " << cluster_id.status().message();

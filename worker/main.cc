@@ -14,13 +14,14 @@
 #include "absl/time/time.h"
 #include "common/auth.h"
 #include "common/metrics.h"
+#include "common/path_roots.h"
+#include "common/test_hooks.h"
 #include "common/tls_flags.h"
 #include "glog/logging.h"
 #include "worker/agent.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/device.h"
 #include "worker/metrics.h"
-#include "common/test_hooks.h"
 #include "worker/train/dataset.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
@@ -29,12 +30,12 @@ ABSL_FLAG(std::string, name, "", "Worker name, unique in the cluster (default HO
 ABSL_FLAG(std::string, host, "", "Host name reported to the coordinator (default gethostname).");
 ABSL_FLAG(std::string, data_cache_dir, "/dev/shm/lockstep-cache",
           "Where decoded data sets are cached and shared by this host's workers (empty: off).");
-ABSL_FLAG(std::string, data_root, "",
+ABSL_FLAG(std::string, data_root, lockstep::kDefaultDataRoots,
           "Comma-separated directories jobs may read data from on this host (symbolic links "
-          "resolved); a job that names anything else fails naming the field. Empty: anywhere.");
-ABSL_FLAG(std::string, checkpoint_root, "",
+          "resolved); a job that names anything else fails naming the field. \"/\": anywhere.");
+ABSL_FLAG(std::string, checkpoint_root, lockstep::kDefaultCheckpointRoots,
           "Comma-separated directories jobs may write checkpoints and outputs to (and resume "
-          "from); empty: anywhere.");
+          "from); \"/\": anywhere.");
 ABSL_FLAG(bool, shared_memory_collectives, true,
           "Sum gradients through shared memory when all ranks of a group run on this host "
           "(Gloo over TCP otherwise).");
@@ -150,6 +151,16 @@ int main(int argc, char** argv) {
       !s.ok()) {
     LOG(ERROR) << s.message();
     return 2;
+  }
+  if (geteuid() == 0) {
+    LOG(WARNING) << "running as root: jobs read and write inside --data_root ("
+                 << options.data_roots.Describe() << ") and --checkpoint_root ("
+                 << options.checkpoint_roots.Describe()
+                 << ") with root's rights; run workers as an unprivileged user (the lockstep "
+                    "user of deploy/systemd and the images)";
+  }
+  if (options.data_roots.allows_any_path() || options.checkpoint_roots.allows_any_path()) {
+    LOG(WARNING) << "a root of \"/\": jobs may read or write any path this worker can";
   }
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {

@@ -4,15 +4,20 @@
 # file and the systemd units (docs/deploy.md); the demo and the benchmarks use it.
 #   cluster.sh start --dir DIR [--workers N] [--listen HOST:PORT] [--bin BUILD_DIR]
 #                    [--token_file FILE] [--http_listen HOST:PORT]
+#                    [--data_root DIRS] [--checkpoint_root DIRS]
 #   cluster.sh stop  --dir DIR      (returns once every process has exited)
 # After start, DIR/address holds the coordinator address (HOST:PORT). With --token_file, every
 # process (and lockstepctl, given the same file or $LOCKSTEP_TOKEN) uses that token. With
 # --http_listen the coordinator serves its web dashboard there (port 0: any), and
-# DIR/dashboard holds its address (http://HOST:PORT/).
+# DIR/dashboard holds its address (http://HOST:PORT/). Jobs read data only in the daemons'
+# default data roots (/var/lib/lockstep/data, /usr/share/datasets, /usr/share/games/fortunes)
+# or --data_root, and write checkpoints and exports only in DIR/checkpoints and
+# /var/lib/lockstep/checkpoints or --checkpoint_root (comma-separated; "/" allows any path).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cmd="${1:-}"; shift || true
 dir=""; workers=2; listen="127.0.0.1:0"; bin="$root/build"; token_file=""; http_listen=""
+data_root=""; checkpoint_root=""
 while (($#)); do
   case "$1" in
     --dir) dir="$2"; shift ;;
@@ -21,6 +26,8 @@ while (($#)); do
     --bin) bin="$2"; shift ;;
     --token_file) token_file="$(realpath "$2")"; shift ;;
     --http_listen) http_listen="$2"; shift ;;
+    --data_root) data_root="$2"; shift ;;
+    --checkpoint_root) checkpoint_root="$2"; shift ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -29,14 +36,16 @@ done
 
 case "$cmd" in
   start)
-    mkdir -p "$dir/state"
+    mkdir -p "$dir/state" "$dir/checkpoints"
+    roots=(--checkpoint_root="${checkpoint_root:-$(realpath "$dir")/checkpoints,/var/lib/lockstep/checkpoints}")
+    [[ -n "$data_root" ]] && roots+=(--data_root="$data_root")
     rm -f "$dir/port" "$dir/address" "$dir/http_port" "$dir/dashboard"
     auth=()
     [[ -n "$token_file" ]] && auth=(--token_file="$token_file")
     http=()
     [[ -n "$http_listen" ]] && http=(--http_listen="$http_listen" --http_port_file="$dir/http_port")
     "$bin/coordinator/lockstep-coordinator" --listen="$listen" --state_dir="$dir/state" \
-      --port_file="$dir/port" "${auth[@]}" "${http[@]}" >"$dir/coordinator.log" 2>&1 &
+      --port_file="$dir/port" "${auth[@]}" "${http[@]}" "${roots[@]}" >"$dir/coordinator.log" 2>&1 &
     echo $! >"$dir/coordinator.pid"
     for _ in $(seq 1 200); do [[ -f "$dir/port" ]] && break; sleep 0.05; done
     if [[ ! -f "$dir/port" ]]; then
@@ -51,7 +60,7 @@ case "$cmd" in
     fi
     for ((i = 0; i < workers; i++)); do
       "$bin/worker/lockstep-worker" --coordinator="$address" --device=cpu --name="w$i" \
-        --status_file="$dir/w$i.status" "${auth[@]}" >"$dir/w$i.log" 2>&1 &
+        --status_file="$dir/w$i.status" "${auth[@]}" "${roots[@]}" >"$dir/w$i.log" 2>&1 &
       echo $! >"$dir/w$i.pid"
     done
     # Wait until every worker has registered.

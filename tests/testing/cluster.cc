@@ -157,13 +157,21 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
   return result;
 }
 
+std::vector<std::string> Cluster::TestRootFlags() {
+  std::string tmp = ::testing::TempDir();
+  while (tmp.size() > 1 && tmp.back() == '/') tmp.pop_back();
+  return {absl::StrCat("--data_root=", tmp, ",/usr/share/datasets,/usr/share/games/fortunes"),
+          "--checkpoint_root=" + tmp};
+}
+
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
     const std::vector<std::string>& coordinator_flags, const std::string& token,
-    const TlsFiles& client_tls) {
+    const TlsFiles& client_tls, bool test_roots) {
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(client_tls);
   if (!credentials.ok()) return credentials.status();
   std::unique_ptr<Cluster> cluster(new Cluster());
+  cluster->test_roots_ = test_roots;
   static int counter = 0;
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   cluster->dir_ = absl::StrCat(::testing::TempDir(), "/lockstep-", getpid(), "-",
@@ -191,6 +199,9 @@ absl::Status Cluster::StartCoordinator(const std::string& listen) {
   std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=" + listen,
                                    "--port_file=" + port_file, "--state_dir=" + dir_ + "/state",
                                    "--test_hooks_dir=" + hooks};
+  if (test_roots_) {
+    for (const std::string& flag : TestRootFlags()) argv.push_back(flag);
+  }
   argv.insert(argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
   auto process = Process::Spawn(argv, dir_ + "/coordinator.log");
   if (!process.ok()) return process.status();
@@ -251,6 +262,9 @@ absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std
     argv.push_back(arg);
   }
   if (!token_file_.empty()) argv.push_back("--token_file=" + token_file_);
+  if (test_roots_) {
+    for (const std::string& flag : TestRootFlags()) argv.push_back(flag);
+  }
   argv.insert(argv.end(), flags.begin(), flags.end());
   auto process = Process::Spawn(argv, absl::StrCat(dir_, "/", name, ".log"));
   if (!process.ok()) return process.status();

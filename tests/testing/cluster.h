@@ -56,9 +56,14 @@ class Cluster {
   // Starts the coordinator (extra flags appended) and waits until it serves. With a `token`,
   // the coordinator requires it, and the cluster's own stub and StartWorker send it.
   // `client_tls`: the credentials the cluster's own stub uses (a coordinator with TLS).
+  // `test_roots`: the coordinator and every worker get TestRootFlags() (before the test's own
+  // flags, which override them); without, the daemons' own defaults apply.
   static absl::StatusOr<std::unique_ptr<Cluster>> Start(
       const std::vector<std::string>& coordinator_flags = {}, const std::string& token = "",
-      const TlsFiles& client_tls = {});
+      const TlsFiles& client_tls = {}, bool test_roots = true);
+  // --data_root and --checkpoint_root for tests: the test temporary directory (where they
+  // write their data, checkpoints and exports) and the Debian data the examples use.
+  static std::vector<std::string> TestRootFlags();
   ~Cluster();
 
   const std::string& address() const { return address_; }
@@ -114,6 +119,7 @@ class Cluster {
   Cluster() = default;
   absl::Status StartCoordinator(const std::string& listen);
   std::vector<std::string> coordinator_flags_;
+  bool test_roots_ = true;
   std::string dir_;
   std::string token_file_;
   std::string address_;

@@ -281,10 +281,10 @@ TEST_F(DatasetTest, BadTokenFilesAreDataLossNamingFileAndReason) {
   struct Case {
     std::string name, contents, reason;
   } cases[] = {
-      {"magic.bin", LlmcFile(t, 20240521), "magic 20240521"},
-      {"version.bin", LlmcFile(t, 20240520, 2), "version 2"},
-      {"count.bin", LlmcFile(t, 20240520, 1, 150), "counts 150 tokens"},
-      {"odd.bin", std::string(201, 'x'), "odd length"},
+      {"magic.bin", LlmcFile(t, 20240521), "damaged header"},
+      {"version.bin", LlmcFile(t, 20240520, 2), "another version"},
+      {"count.bin", LlmcFile(t, 20240520, 1, 150), "count does not match"},
+      {"odd.bin", std::string(201, 'x'), "odd number of bytes"},
       {"empty.bin", "", "no tokens"},
   };
   for (const Case& c : cases) {
@@ -295,6 +295,12 @@ TEST_F(DatasetTest, BadTokenFilesAreDataLossNamingFileAndReason) {
       EXPECT_EQ(ds.status().code(), absl::StatusCode::kDataLoss) << c.name << ": " << ds.status();
       EXPECT_NE(ds.status().message().find(c.name), std::string::npos) << ds.status();
       EXPECT_NE(ds.status().message().find(c.reason), std::string::npos) << ds.status();
+      // What is wrong, never what the file holds or how big it is.
+      const std::string message(ds.status().message());
+      const std::string after_path = message.substr(message.find(c.name) + c.name.size());
+      for (const char* leak : {"20240521", "150", "201", "200", "1224"}) {
+        EXPECT_EQ(after_path.find(leak), std::string::npos) << ds.status();
+      }
     }
   }
   absl::StatusOr<Dataset> missing = LoadTokenDataset(dir + "/ok.bin", dir + "/none.bin");

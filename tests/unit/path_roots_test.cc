@@ -6,6 +6,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "coordinator/core/job_spec.h"
 #include "gtest/gtest.h"
@@ -85,6 +89,30 @@ TEST(PathRootsTest, JobPathsGoToTheirRoots) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
     EXPECT_NE(s.message().find(field), std::string::npos) << s;
   }
+}
+
+// The daemons' flags always give roots: the defaults are Lockstep's directories and the
+// examples' Debian data; an empty flag is refused naming it ("/" allows any path, on purpose).
+TEST(PathRootsTest, DaemonFlagsHaveSecureDefaultsAndRefuseEmptyRoots) {
+  PathRoots data, checkpoints;
+  ASSERT_TRUE(ParseRootFlags(kDefaultDataRoots, kDefaultCheckpointRoots, &data, &checkpoints).ok());
+  EXPECT_TRUE(data.Check("dataset.path", "/usr/share/datasets/fashion-mnist").ok());
+  EXPECT_TRUE(data.Check("dataset.path", "/usr/share/games/fortunes").ok());
+  EXPECT_FALSE(data.Check("dataset.path", "/etc/shadow").ok());
+  EXPECT_TRUE(checkpoints.Check("checkpoint_dir", "/var/lib/lockstep/checkpoints/run").ok());
+  EXPECT_FALSE(checkpoints.Check("checkpoint_dir", "/root/run").ok());
+  EXPECT_FALSE(data.allows_any_path());
+  for (const auto& [d, c, flag] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"", "/ckpt", "--data_root"}, {"/data", " , ", "--checkpoint_root"}}) {
+    absl::Status s = ParseRootFlags(d, c, &data, &checkpoints);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << flag;
+    EXPECT_NE(s.message().find(flag), std::string::npos) << s;
+    EXPECT_NE(s.message().find("\"/\" for any path"), std::string::npos) << s;
+  }
+  ASSERT_TRUE(ParseRootFlags("/", "/", &data, &checkpoints).ok());
+  EXPECT_TRUE(data.allows_any_path());
+  EXPECT_TRUE(data.Check("dataset.path", "/etc/shadow").ok());
 }
 
 }  // namespace

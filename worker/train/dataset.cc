@@ -88,8 +88,7 @@ absl::StatusOr<std::vector<uint32_t>> ParseIdxHeader(const std::string& path,
   if (data.size() < 4) return absl::DataLossError(absl::StrCat(path, ": file too short"));
   const uint32_t magic = BigEndian32(data, 0);
   if ((magic >> 8) != 0x08) {
-    return absl::DataLossError(absl::StrCat(path, ": not an unsigned-byte IDX file (magic 0x",
-                                            absl::Hex(magic), ")"));
+    return absl::DataLossError(absl::StrCat(path, ": not an unsigned-byte IDX file"));
   }
   const int dims = static_cast<int>(magic & 0xff);
   if (dims != want_dims) {
@@ -107,8 +106,8 @@ absl::StatusOr<std::vector<uint32_t>> ParseIdxHeader(const std::string& path,
   }
   *payload = 4 + 4 * static_cast<size_t>(dims);
   if (data.size() - *payload != count) {
-    return absl::DataLossError(absl::StrCat(path, ": expected ", count, " data bytes, found ",
-                                            data.size() - *payload));
+    return absl::DataLossError(
+        absl::StrCat(path, ": its size does not match the shape its header gives"));
   }
   return shape;
 }
@@ -579,14 +578,14 @@ absl::StatusOr<TokenSplit> MapTokenFile(const std::string& path, std::shared_ptr
   if (m->size >= kLlmcHeaderBytes) std::memcpy(header, m->data, sizeof(header));
   if (header[0] == kLlmcMagic) {
     if (header[1] != 1) {
-      return absl::DataLossError(absl::StrCat(path, ": llm.c token file version ", header[1],
-                                              ", expected 1"));
+      return absl::DataLossError(
+          absl::StrCat(path, ": an llm.c token file of another version (expected 1)"));
     }
     const size_t payload = m->size - kLlmcHeaderBytes;
     if (header[2] < 0 || payload != static_cast<size_t>(header[2]) * sizeof(uint16_t)) {
-      return absl::DataLossError(absl::StrCat(path, ": the header counts ", header[2],
-                                              " tokens but ", payload,
-                                              " bytes follow it (expected 2 per token)"));
+      return absl::DataLossError(absl::StrCat(
+          path, ": the llm.c header's token count does not match the file's size (2 bytes a "
+                "token)"));
     }
     split.ids = reinterpret_cast<const uint16_t*>(m->data + kLlmcHeaderBytes);
     split.tokens = header[2];
@@ -595,13 +594,13 @@ absl::StatusOr<TokenSplit> MapTokenFile(const std::string& path, std::shared_ptr
     // is a damaged or foreign header, not tokens.
     if (m->size >= kLlmcHeaderBytes && header[1] == 1 && header[2] > 0 &&
         m->size - kLlmcHeaderBytes == static_cast<size_t>(header[2]) * sizeof(uint16_t)) {
-      return absl::DataLossError(absl::StrCat(path, ": header magic ", header[0],
-                                              ", expected 20240520 (llm.c token file)"));
+      return absl::DataLossError(
+          absl::StrCat(path, ": a damaged header (its magic is not llm.c's 20240520)"));
     }
     if (m->size % sizeof(uint16_t) != 0) {
       return absl::DataLossError(absl::StrCat(
-          path, ": odd length (", m->size,
-          " bytes): not uint16 tokens, and no llm.c header (magic 20240520)"));
+          path, ": an odd number of bytes: not uint16 tokens, and no llm.c header (magic "
+                "20240520)"));
     }
     split.ids = reinterpret_cast<const uint16_t*>(m->data);
     split.tokens = static_cast<int64_t>(m->size / sizeof(uint16_t));
