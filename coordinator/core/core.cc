@@ -219,6 +219,45 @@ bool Core::AtLastStep(const JobRecord& job, const std::string& except) const {
   return any;
 }
 
+bool Core::Excluded(const JobRecord& job, const std::string& worker_id, const std::string& name) {
+  return job.excluded.count(worker_id) > 0 || job.excluded_names.count(name) > 0;
+}
+
+bool Core::ChargeWorker(JobRecord& job, const Worker& worker) {
+  const std::string& name = worker.info.name();
+  if (++job.charges[name] <= kMaxChargesPerWorker) return true;
+  job.excluded_names.insert(name);
+  return false;
+}
+
+void Core::NoteMemberActivity(const std::string& worker_id, const std::string& job_id,
+                              int64_t generation) {
+  Worker* w = FindWorker(worker_id);
+  if (w == nullptr || w->state != WorkerState::kBusy || w->job_id != job_id ||
+      w->generation != generation) {
+    return;
+  }
+  w->spoke_job = job_id;
+  w->spoke_generation = generation;
+}
+
+std::vector<std::string> Core::SilentMembers(const JobRecord& job) const {
+  std::vector<std::string> silent;
+  bool anyone_spoke = false;
+  for (const MemberState& m : job.members) {
+    const auto it = workers_.find(m.worker_id);
+    if (it == workers_.end() || it->second.state != WorkerState::kBusy) continue;
+    const Worker& w = it->second;
+    if (w.spoke_job == job.job.job_id() && w.spoke_generation == job.job.generation()) {
+      anyone_spoke = true;
+    } else {
+      silent.push_back(m.worker_id);
+    }
+  }
+  if (!anyone_spoke) silent.clear();
+  return silent;
+}
+
 bool Core::AnyMemberAtLastStep(const JobRecord& job) const {
   const int64_t total = job.job.total_steps();
   return std::any_of(job.members.begin(), job.members.end(), [&](const MemberState& m) {
@@ -329,6 +368,8 @@ absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
   absl::Status status;
   const JobRecord* job = FencedJob(job_id, generation, worker_id, &status);
   if (job == nullptr) return status;
+  // A member that reports takes part in its generation.
+  NoteMemberActivity(worker_id, job_id, generation);
   return const_cast<JobRecord*>(job);
 }
 
@@ -399,6 +440,7 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
     // The first step of a new generation: detection-to-first-step ends here.
     job.first_report_of_generation_seen = true;
     job.last_advance = now;
+    job.benched.clear();
     CloseRecovery(job, now, "", out);
   }
   if (report.step() > job.job.step()) {
@@ -1005,7 +1047,8 @@ std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t 
     const bool kept_elsewhere =
         !w.reserved_for.empty() && (job == nullptr || w.reserved_for != job->job.job_id());
     if (w.state == WorkerState::kIdle && !kept_elsewhere &&
-        (job == nullptr || job->excluded.count(id) == 0) &&
+        (job == nullptr ||
+         (!Excluded(*job, id, w.info.name()) && job->benched.count(id) == 0)) &&
         (device.empty() || DeviceKind(w.info.device()) == device) &&
         (free == 0 || free >= memory_needed)) {
       idle.push_back(Candidate(w));
@@ -1220,6 +1263,7 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
   if (fatal) {
     job.excluded.insert(worker_id);
+    if (const Worker* w = FindWorker(worker_id)) job.excluded_names.insert(w->info.name());
     if (job.fatal_reports.size() < 4) job.fatal_reports.push_back(reason);
     const bool others_left = std::any_of(job.members.begin(), job.members.end(),
                                          [&](const MemberState& m) { return m.worker_id != worker_id; });
@@ -1290,9 +1334,51 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
     RefreshMembers(job);
     return TryReform(job, now, out);
   }
-  // Losses the coordinator's own absence caused are recovered, but not charged to the job.
+  // Losses the coordinator's own absence caused are recovered, but not charged to the job; nor
+  // is a fatal report (the reporter leaves the job for good); nor a worker's loss beyond its
+  // own kMaxChargesPerWorker (it leaves the job instead).
   const bool coordinator_caused = CoordinatorWasAway(now);
-  if (!coordinator_caused && job.job.recoveries() >= MaxRestarts(job)) {
+  bool charged = !coordinator_caused && !fatal;
+  std::string why_not_charged;
+  if (charged && !worker_id.empty()) {
+    if (const Worker* w = FindWorker(worker_id); w != nullptr && !ChargeWorker(job, *w)) {
+      charged = false;
+      why_not_charged = absl::StrCat("; ", w->info.name(), " was lost ", kMaxChargesPerWorker,
+                                     " times before in this job: no longer one of its members, "
+                                     "and not counted");
+    }
+  }
+  if (charged && worker_id.empty()) {
+    // Nobody is known to be at fault, but a member that took no part at all in a generation
+    // where the others did (it never wrote to the generation's store, never reported) is
+    // what the others waited for: it is left out of the next generation, and the failure is
+    // its own, not the job's.
+    const std::vector<std::string> silent = SilentMembers(job);
+    std::vector<std::string> names;
+    for (const std::string& id : silent) {
+      Worker* w = FindWorker(id);
+      if (w == nullptr) continue;
+      names.push_back(w->info.name());
+      if (ChargeWorker(job, *w) && job.charges[w->info.name()] == kMaxChargesPerWorker) {
+        job.excluded_names.insert(w->info.name());
+      }
+      job.benched.insert(id);
+      PushAbort(job, id, absl::StrCat(reason, "; this worker took no part in the generation"),
+                out);
+      w->state = WorkerState::kIdle;
+      w->job_id.clear();
+      w->generation = 0;
+      job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
+                                       [&](const MemberState& m) { return m.worker_id == id; }),
+                        job.members.end());
+    }
+    if (!names.empty()) {
+      charged = false;
+      why_not_charged = absl::StrCat("; left out, not counted: ", absl::StrJoin(names, ", "),
+                                     " took no part in the generation while the others did");
+    }
+  }
+  if (charged && job.job.recoveries() >= MaxRestarts(job)) {
     return FinishJob(job, v1::JOB_STATE_FAILED,
                      absl::StrCat(reason, " (max_restarts ", MaxRestarts(job),
                                   job.job.recoveries() > 0 ? " used up)" : ": recovery disabled)"),
@@ -1301,7 +1387,7 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
                                    [&](const MemberState& m) { return m.worker_id == worker_id; }),
                     job.members.end());
-  if (!coordinator_caused) job.job.set_recoveries(job.job.recoveries() + 1);
+  if (charged) job.job.set_recoveries(job.job.recoveries() + 1);
   // After a reported collective error give the culprit a moment to be detected (its stream
   // closes within milliseconds when it died), so the next generation does not include it.
   // After a fatal report, the others' reports of the same error come first (see
@@ -1313,7 +1399,7 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
                        coordinator_caused
                            ? absl::StrCat(reason, " (the coordinator had been unresponsive for ",
                                           Seconds1(last_absence_), "; not counted)")
-                           : reason,
+                           : reason + why_not_charged,
                        /*scale_up=*/false, coordinator_caused, reform_after, now, out);
   TryReform(job, now, out);
 }
@@ -1434,7 +1520,7 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
       // waiting for workers that do not exist.
       int64_t could = 0;
       for (const auto& [id, w] : workers_) {
-        could += w.state != WorkerState::kLost && job.excluded.count(id) == 0 &&
+        could += w.state != WorkerState::kLost && !Excluded(job, id, w.info.name()) &&
                  (spec.device().empty() || DeviceKind(w.info.device()) == spec.device());
       }
       if (could < spec.min_workers()) {

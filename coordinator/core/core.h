@@ -110,6 +110,11 @@ class Core {
   // ListJobs pages: the default and largest job counts, and the bytes a page stays under.
   static constexpr int kDefaultJobsPerPage = 100;
   static constexpr int kMaxJobsPerPage = 1000;
+  // Re-formations one worker (by name) may cost a job's max_restarts: a worker lost more often
+  // than this, or left out this often for saying nothing in a generation that failed, is no
+  // longer one of the job's members (other jobs still take it), and its further losses are
+  // not charged, so one failing or malicious worker cannot use up a job's restarts.
+  static constexpr int kMaxChargesPerWorker = 3;
   static constexpr size_t kMaxJobsPageBytes = 4 << 20;
 
   explicit Core(CoreOptions options = {});
@@ -145,6 +150,12 @@ class Core {
   // once when no step is left to train).
   absl::Status ReportResumed(const std::string& worker_id, const v1::ResumedReport& report,
                              absl::Time now, Decisions* out);
+  // The worker took part in (job, generation) through the shell (a bootstrap-store write):
+  // recorded so that, when the generation fails and nobody is known to be at fault, a member
+  // that said nothing at all while the others did is the one left out (HandleMemberLoss).
+  // Reports count too. Anything but a current member is ignored.
+  void NoteMemberActivity(const std::string& worker_id, const std::string& job_id,
+                          int64_t generation);
   // Rank 0 wrote (or failed to write) a checkpoint; a failure is an event of the job.
   absl::Status ReportCheckpoint(const std::string& worker_id, const v1::CheckpointReport& report,
                                 absl::Time now, Decisions* out);
@@ -217,6 +228,9 @@ class Core {
     // held_step, -1 when unknown) or was a member of the job before the coordinator restarted.
     std::string reserved_for;
     int64_t held_step = -1;
+    // The last (job, generation) it took part in (NoteMemberActivity).
+    std::string spoke_job;
+    int64_t spoke_generation = 0;
   };
   struct MemberState {
     std::string worker_id;
@@ -263,6 +277,13 @@ class Core {
     // incarnation; a restarted worker has a new id). Their reports, first ones kept, name the
     // reason when nobody is left.
     std::set<std::string> excluded;
+    // Names never taken again either (a worker back under its name is a new id), and the
+    // re-formations charged to each name (kMaxChargesPerWorker).
+    std::set<std::string> excluded_names;
+    std::map<std::string, int> charges;
+    // Left out for taking no part in a failed generation: not in the re-formation that
+    // follows; a spare again once the job has completed a step without it.
+    std::set<std::string> benched;
     std::vector<std::string> fatal_reports;
     // RECONFIGURING because of a fatal report: fails when the rest cannot re-form (TryReform).
     bool reforming_after_fatal = false;
@@ -322,6 +343,15 @@ class Core {
   // Some member reported the last step (or Finished): spares wait (a forged report only
   // delays a scale-up).
   bool AnyMemberAtLastStep(const JobRecord& job) const;
+  // Whether `worker` may never serve `job` again (a fatal report, or too many charges).
+  static bool Excluded(const JobRecord& job, const std::string& worker_id,
+                       const std::string& name);
+  // Charges one re-formation of `job` to `worker` (by name): false once it has had
+  // kMaxChargesPerWorker, when it is excluded from the job instead (the job is not charged).
+  bool ChargeWorker(JobRecord& job, const Worker& worker);
+  // Members of the current generation that took no part in it (NoteMemberActivity) while
+  // another member did; empty when nobody did (a stall says nothing about anyone).
+  std::vector<std::string> SilentMembers(const JobRecord& job) const;
   // RegisterWorker's part for what the worker keeps: reserve it for a live job, or tell it to
   // drop the state of a job that ended.
   void ReserveOrRelease(Worker& worker, Decisions* out);

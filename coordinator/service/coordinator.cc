@@ -114,6 +114,10 @@ void Coordinator::QueueMessages(Decisions& decisions,
 }
 
 void Coordinator::Apply(const Decisions& decisions) {
+  if (decisions.close_sessions.empty() && decisions.changed_jobs.empty() &&
+      decisions.ended_generations.empty() && decisions.ends_to_record.empty()) {
+    return;  // a read, or a report that changed nothing durable: no second lock
+  }
   std::vector<std::shared_ptr<SessionOutbox>> closes;
   std::vector<std::pair<uint64_t, v1::Job>> changed;  // (snapshot version, job)
   {
@@ -145,7 +149,9 @@ void Coordinator::Apply(const Decisions& decisions) {
     }
     test_hooks::Reach("save_end", seq);
   }
-  {
+  // A call that changed no job (a read, most reports) never waits for another's save: a slow
+  // disk (fsync) holds up only what it must make durable.
+  if (!changed.empty()) {
     // Snapshots are taken in decision order under mu_ but saved after it, by whichever threads
     // decided: a slower thread must never overwrite a job's newer snapshot with its older one
     // (a restarted coordinator would then resume from stale state).
@@ -187,6 +193,8 @@ absl::Status Coordinator::StoreSet(const std::string& session_key, const std::st
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = StoreFence(session_key, job_id, generation); !s.ok()) return s;
+    // Writing to its generation's store is taking part in it (Core::NoteMemberActivity).
+    core_.NoteMemberActivity(session_keys_.at(session_key), job_id, generation);
   }
   // Outside mu_: the Set may finish thousands of waits. The fence held just now; a generation
   // that ended since has its scope closed, and the Set is refused with ABORTED.

@@ -4,6 +4,9 @@
 // same parameter checksum as an undisturbed run), or fails with a reason; no daemon dies.
 #include <filesystem>
 #include <fstream>
+#include <atomic>
+#include <functional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -14,6 +17,7 @@
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
 #include "tests/testing/cluster.h"
+#include "tests/testing/gpt_job.h"
 
 namespace lockstep {
 namespace {
@@ -183,6 +187,155 @@ TEST(TrustTest, ForgedFinishedAndFatalReportsDoNotDecideTheJob) {
       << ended->recovery_history(0).reason();
   EXPECT_NE(ended->recovery_history(0).reason().find("(forged)"), std::string::npos);
   EXPECT_TRUE(cluster->coordinator()->running());
+}
+
+// No forged value sticks to a job: a member that reports Finished with an evaluation the job
+// never ran, a sample and an export path, then disconnects, leaves nothing of them (the job
+// has no evaluation, and rank 0's own sample); and fatal reports from a worker token holder
+// that rejoins again and again under new names never use up the job's max_restarts.
+TEST(TrustTest, ForgedValuesNeverStickAndFatalReportsCannotFailAJob) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorkers(2).ok());
+  FakeWorker fake(cluster->address(), "fake");
+  v1::CoordinatorMessage message;
+  ASSERT_TRUE(fake.Read(&message));
+  ASSERT_TRUE(message.has_registered());
+  v1::JobSpec gpt = testing::SmallGptSpec();
+  gpt.set_min_workers(2);
+  gpt.set_max_workers(3);
+  gpt.set_skip_evaluation(true);
+  gpt.mutable_sample()->set_max_tokens(16);
+  auto victim = cluster->Submit(gpt);
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  ASSERT_TRUE(fake.Read(&message));
+  ASSERT_TRUE(message.has_assignment()) << message.DebugString();
+  v1::WorkerMessage forged = ForgedFinished(victim->job_id(), message.assignment().generation(),
+                                            gpt.max_steps());
+  forged.mutable_finished()->mutable_sample()->set_text("forged sample");
+  forged.mutable_finished()->set_export_path("/etc/passwd");
+  forged.mutable_finished()->set_train_samples_per_second(1e12);
+  ASSERT_TRUE(fake.Send(forged));
+  absl::SleepFor(absl::Milliseconds(200));
+  fake.Close();
+  auto ended = cluster->WaitForEnd(victim->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(ended.ok()) << cluster->Logs();
+  ASSERT_EQ(ended->state(), v1::JOB_STATE_SUCCEEDED) << ended->reason();
+  EXPECT_FALSE(ended->has_eval()) << "a job without evaluation shows none";
+  EXPECT_EQ(ended->reason().find("accuracy"), std::string::npos) << ended->reason();
+  EXPECT_FALSE(ended->sample().text().empty()) << ended->sample_error();
+  EXPECT_NE(ended->sample().text(), "forged sample");
+  EXPECT_EQ(ended->export_path(), "");
+  EXPECT_LT(ended->train_samples_per_second(), 1e12);
+  for (const v1::Member& m : ended->members()) EXPECT_NE(m.worker_name(), "fake");
+
+  // Fatal reports, one per new identity: each reporter leaves the job, which is not charged.
+  v1::JobSpec long_job = Deterministic(2, 3, 1'000'000);
+  long_job.set_max_restarts(1);
+  auto job = cluster->Submit(long_job);
+  ASSERT_TRUE(job.ok()) << job.status();
+  for (int i = 0; i < 5; ++i) {
+    // It joins as a spare once the current generation has stepped.
+    FakeWorker rejoining(cluster->address(), absl::StrCat("rejoining-", i));
+    ASSERT_TRUE(rejoining.Read(&message));
+    ASSERT_TRUE(message.has_registered());
+    ASSERT_TRUE(rejoining.Read(&message));
+    ASSERT_TRUE(message.has_assignment()) << i << ": " << message.DebugString();
+    v1::WorkerMessage fatal;
+    fatal.mutable_failure()->set_job_id(job->job_id());
+    fatal.mutable_failure()->set_generation(message.assignment().generation());
+    fatal.mutable_failure()->set_fatal(true);
+    fatal.mutable_failure()->set_message(absl::StrCat("forged fatal error ", i));
+    ASSERT_TRUE(rejoining.Send(fatal));
+    // The job re-forms without it after the fatal report's grace (2 s).
+    auto reformed = cluster->WaitFor(
+        job->job_id(),
+        [&](const v1::Job& j) {
+          return j.generation() > message.assignment().generation() &&
+                 j.state() == v1::JOB_STATE_RUNNING;
+        },
+        absl::Seconds(60));
+    ASSERT_TRUE(reformed.ok()) << reformed.status();
+    EXPECT_EQ(reformed->recoveries(), 0) << reformed->reason();
+  }
+  auto running = cluster->Get(job->job_id());
+  ASSERT_TRUE(running.ok());
+  EXPECT_EQ(running->state(), v1::JOB_STATE_RUNNING) << running->reason();
+  EXPECT_EQ(running->recoveries(), 0);
+  grpc::ClientContext context;
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job->job_id());
+  v1::Job cancelled;
+  EXPECT_TRUE(cluster->jobs().CancelJob(&context, cancel, &cancelled).ok());
+}
+
+// A worker token holder that joins a job and stays connected and silent (heartbeats, but never
+// takes part in the group) is left out of the next generation each time, without charge, and
+// after kMaxChargesPerWorker times no longer taken: a job with max_restarts 0 trains on.
+TEST(TrustTest, ASilentMemberCannotUseUpTheJobsRestarts) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorker("w0").ok());
+  v1::JobSpec spec = Deterministic(1, 2, 1'000'000);
+  spec.set_max_restarts(0);
+  spec.set_collective_timeout_ms(2000);  // how long the group waits for the silent one
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(cluster->WaitFor(job->job_id(), [](const v1::Job& j) { return j.step() > 0; },
+                               absl::Seconds(60))
+                  .ok());
+  FakeWorker silent(cluster->address(), "silent");
+  std::atomic<bool> done{false};
+  std::thread beats([&] {
+    v1::WorkerMessage beat;
+    beat.mutable_heartbeat();
+    while (!done) {
+      silent.Send(beat);
+      absl::SleepFor(absl::Milliseconds(300));
+    }
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(90);
+  // Taken as a spare, left out, taken again... until it is no longer taken.
+  while (absl::Now() < deadline) {
+    auto j = cluster->Get(job->job_id());
+    ASSERT_TRUE(j.ok()) << j.status();
+    ASSERT_TRUE(j->state() == v1::JOB_STATE_RUNNING ||
+                j->state() == v1::JOB_STATE_RECONFIGURING)
+        << j->reason() << cluster->Logs();
+    EXPECT_EQ(j->recoveries(), 0) << j->reason();
+    bool member = false;
+    for (const v1::Member& m : j->members()) member = member || m.worker_name() == "silent";
+    int left_out = 0;
+    for (const v1::Recovery& r : j->recovery_history()) {
+      left_out += r.reason().find("took no part") != std::string::npos;
+    }
+    if (left_out >= 3 && !member) break;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  done = true;
+  beats.join();
+  auto j = cluster->WaitFor(
+      job->job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_RUNNING; },
+      absl::Seconds(30));
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->recoveries(), 0);
+  int left_out = 0;
+  for (const v1::Recovery& r : j->recovery_history()) {
+    left_out += r.reason().find("took no part") != std::string::npos;
+  }
+  EXPECT_EQ(left_out, 3) << "left out three times, then no longer taken";
+  // Still not taken a while later.
+  absl::SleepFor(absl::Seconds(1));
+  j = cluster->Get(job->job_id());
+  ASSERT_TRUE(j.ok());
+  for (const v1::Member& m : j->members()) EXPECT_NE(m.worker_name(), "silent");
+  grpc::ClientContext context;
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job->job_id());
+  v1::Job cancelled;
+  EXPECT_TRUE(cluster->jobs().CancelJob(&context, cancel, &cancelled).ok());
 }
 
 TEST(TrustTest, OversizedAndMalformedInputIsRefusedNamingTheField) {
@@ -416,6 +569,69 @@ TEST(TrustTest, JobPathsStayInsideTheAllowedDirectories) {
   EXPECT_TRUE(cluster->worker("w0")->running());
   cluster.reset();
   std::filesystem::remove_all(dir);
+}
+
+// Secure by default: with the daemons' own flags, a job cannot read a file outside the data
+// roots (/etc/shadow, read as root, once printed in a GPT's sample) nor write checkpoints or
+// exports outside the checkpoint roots; the refusal names the field and the roots, and says
+// nothing of the file itself.
+TEST(TrustTest, OutOfTheBoxJobsReadAndWriteOnlyInsideTheDefaultRoots) {
+  auto started = Cluster::Start({}, "", {}, /*test_roots=*/false);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorker("w0").ok());
+  v1::JobSpec gpt = testing::SmallGptSpec();
+  gpt.mutable_dataset()->set_path("/usr/share/games/fortunes");
+  gpt.set_max_steps(300);
+  gpt.mutable_model()->set_context_length(8);
+  gpt.mutable_sample()->set_max_tokens(64);
+  struct Case {
+    std::string field;
+    std::function<void(v1::JobSpec*)> set;
+  } cases[] = {
+      {"dataset.path", [](v1::JobSpec* s) { s->mutable_dataset()->set_path("/etc/shadow"); }},
+      {"dataset.path",
+       [](v1::JobSpec* s) {
+         s->mutable_dataset()->set_type("tokens");
+         s->mutable_dataset()->set_path("/etc/passwd");
+         s->mutable_dataset()->set_validation_path("/etc/passwd");
+       }},
+      {"dataset.path",
+       [](v1::JobSpec* s) {
+         s->mutable_dataset()->set_path("/usr/share/datasets/../../../etc/shadow");
+       }},
+      {"checkpoint_dir",
+       [](v1::JobSpec* s) {
+         s->set_checkpoint_every_steps(10);
+         s->set_checkpoint_dir("/root/lockstep-was-here");
+       }},
+      {"output_dir", [](v1::JobSpec* s) { s->set_output_dir("/etc/lockstep-was-here"); }},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec spec = gpt;
+    c.set(&spec);
+    auto refused = cluster->Submit(spec);
+    ASSERT_FALSE(refused.ok()) << c.field << ": the job was accepted";
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    const std::string message(refused.status().message());
+    EXPECT_NE(message.find(c.field), std::string::npos) << message;
+    EXPECT_NE(message.find(c.field == "dataset.path" ? "/usr/share/datasets"
+                                                     : "/var/lib/lockstep/checkpoints"),
+              std::string::npos)
+        << "the refusal names the allowed directories: " << message;
+    EXPECT_EQ(message.find("root:"), std::string::npos) << message;
+    EXPECT_EQ(message.find("bytes"), std::string::npos) << message;
+  }
+  // The examples' own data is inside the defaults.
+  v1::JobSpec fortunes = gpt;
+  fortunes.set_max_steps(5);
+  if (std::filesystem::exists("/usr/share/games/fortunes")) {
+    auto job = cluster->Submit(fortunes);
+    ASSERT_TRUE(job.ok()) << job.status();
+    auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(120));
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  }
 }
 
 // A cancelled job stops its worker's data loading at once: the worker is held just before the

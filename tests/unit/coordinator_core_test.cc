@@ -79,6 +79,13 @@ class CoreTest : public ::testing::Test {
     Collect(d);
   }
   v1::Job Job(const std::string& id) { return core_.GetJob(id).value(); }
+  // The id of the live worker named `name`.
+  std::string FindId(const std::string& name) {
+    for (const v1::WorkerInfo& w : core_.ListWorkers()) {
+      if (w.name() == name && w.state() != "lost") return w.worker_id();
+    }
+    return "";
+  }
   // Assignments sent since the last call, by worker id.
   std::map<std::string, v1::Assignment> TakeAssignments() {
     std::map<std::string, v1::Assignment> out;
@@ -1066,6 +1073,8 @@ TEST_F(CoreTest, CollectiveErrorReportWaitsForTheCulpritThenReforms) {
   const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
   const std::string job = Submit(Spec(1, 3));
   TakeAssignments();
+  // All three formed their group (they wrote to the generation's store).
+  for (const std::string& w : {w0, w1, w2}) core_.NoteMemberActivity(w, job, 1);
   v1::FailureReport f;
   f.set_job_id(job);
   f.set_generation(1);
@@ -2328,6 +2337,138 @@ TEST_F(FinishTest, AForgedFinishedLeavesNothingInTheResult) {
   EXPECT_EQ(j.sample().text(), "real");
   EXPECT_EQ(j.export_path(), "");
   EXPECT_EQ(j.train_samples_per_second(), 500) << "rank 0's";
+}
+
+
+// --- One worker cannot use up a job's restarts (fatal reports, losses, silence). ---
+
+class ChargeTest : public CoreTest {
+ protected:
+  // The job's current generation completed a step (spares may join after that).
+  void Stepped(const std::string& worker, const std::string& job) {
+    v1::ProgressReport p;
+    p.set_job_id(job);
+    p.set_generation(Job(job).generation());
+    p.set_step(Job(job).step() + 1);
+    p.set_total_steps(100);
+    p.set_first_of_generation(true);
+    Decisions d;
+    ASSERT_TRUE(core_.ReportProgress(worker, p, now_, &d).ok());
+    Collect(d);
+  }
+  absl::Status Fatal(const std::string& worker, const std::string& job) {
+    v1::FailureReport f;
+    f.set_job_id(job);
+    f.set_generation(Job(job).generation());
+    f.set_message("cannot load the data set");
+    f.set_fatal(true);
+    Decisions d;
+    absl::Status s = core_.ReportFailure(worker, f, now_, &d);
+    Collect(d);
+    return s;
+  }
+  // Passes the grace after a fatal report, with heartbeats, so the job re-forms.
+  void Later(const std::vector<std::string>& alive) {
+    now_ += absl::Seconds(3);
+    for (const std::string& w : alive) ASSERT_TRUE(core_.Heartbeat(w, now_).ok());
+    Tick();
+  }
+};
+
+TEST_F(ChargeTest, FatalReportsFromWorkersThatKeepRejoiningDoNotUseUpMaxRestarts) {
+  const std::string w0 = Register("w0");
+  v1::JobSpec spec = Spec(1, 2);
+  spec.set_max_restarts(1);
+  const std::string job = Submit(spec);
+  TakeAssignments();
+  for (int i = 0; i < 5; ++i) {
+    Stepped(w0, job);
+    // A token holder joins as a spare (a new name each time) and reports a fatal error.
+    const std::string fake = Register(absl::StrCat("fake-", i));
+    ASSERT_EQ(TakeAssignments().count(fake), 1u) << "the spare joined";
+    ASSERT_TRUE(Fatal(fake, job).ok());
+    Later({w0, fake});
+    EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING) << i << ": " << Job(job).reason();
+    EXPECT_EQ(Job(job).members_size(), 1) << "the reporter left the job";
+  }
+  EXPECT_EQ(Job(job).recoveries(), 0) << "a fatal report is its reporter's, not the job's";
+  // Back under a name that reported a fatal error: never this job's again.
+  Stepped(w0, job);
+  Decisions d;
+  core_.WorkerDisconnected(FindId("fake-0"), "bye", now_, &d);
+  const std::string again = Register("fake-0");
+  Tick();
+  EXPECT_EQ(TakeAssignments().count(again), 0u);
+}
+
+TEST_F(ChargeTest, AWorkerLostAgainAndAgainCostsTheJobAtMostItsShare) {
+  const std::string w0 = Register("w0");
+  v1::JobSpec spec = Spec(1, 2);
+  spec.set_max_restarts(Core::kMaxChargesPerWorker + 1);
+  const std::string job = Submit(spec);
+  TakeAssignments();
+  for (int i = 0; i <= Core::kMaxChargesPerWorker; ++i) {
+    Stepped(w0, job);
+    const std::string flapper = Register("flapper");
+    ASSERT_EQ(TakeAssignments().count(flapper), 1u) << i;
+    Decisions d;
+    core_.WorkerDisconnected(flapper, "stream closed", now_, &d);
+    Collect(d);
+    EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING) << i << ": " << Job(job).reason();
+  }
+  const v1::Job j = Job(job);
+  EXPECT_EQ(j.recoveries(), Core::kMaxChargesPerWorker) << "its further losses are its own";
+  EXPECT_NE(j.recovery_history().rbegin()->reason().find("no longer one of its members"),
+            std::string::npos)
+      << j.recovery_history().rbegin()->reason();
+  Stepped(w0, job);
+  const std::string back = Register("flapper");
+  Tick();
+  EXPECT_EQ(TakeAssignments().count(back), 0u) << "excluded from this job";
+  // Other jobs still take it.
+  const std::string other = Submit(Spec(1, 1));
+  EXPECT_EQ(Job(other).state(), v1::JOB_STATE_RUNNING);
+}
+
+// A member that stays connected and silent (never writes to its generation's store, never
+// reports) while the others form the group: the failure that follows is its own.
+TEST_F(ChargeTest, ASilentMemberIsLeftOutWithoutChargingTheJob) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), silent = Register("silent");
+  v1::JobSpec spec = Spec(1, 3);
+  spec.set_max_restarts(0);
+  const std::string job = Submit(spec);
+  ASSERT_EQ(TakeAssignments().size(), 3u);
+  for (int round = 0; round < Core::kMaxChargesPerWorker; ++round) {
+    const int64_t g = Job(job).generation();
+    core_.NoteMemberActivity(w0, job, g);
+    core_.NoteMemberActivity(w1, job, g);
+    v1::FailureReport f;
+    f.set_job_id(job);
+    f.set_generation(g);
+    f.set_message("gloo rendezvous: timed out waiting for rank 2");
+    Decisions d;
+    ASSERT_TRUE(core_.ReportFailure(w0, f, now_, &d).ok());
+    Collect(d);
+    EXPECT_NE(Job(job).state(), v1::JOB_STATE_FAILED) << Job(job).reason();
+    now_ += absl::Milliseconds(400);
+    Heartbeats({w0, w1, silent});
+    Tick();
+    auto a = TakeAssignments();
+    ASSERT_EQ(a.size(), 2u) << round << ": " << Job(job).reason();
+    EXPECT_EQ(a.count(silent), 0u);
+    EXPECT_EQ(Job(job).recoveries(), 0);
+    // It comes back as a spare once the group has stepped (until it is excluded).
+    Stepped(w0, job);
+    Heartbeats({w0, w1, silent});
+    Tick();
+    a = TakeAssignments();
+    if (round + 1 < Core::kMaxChargesPerWorker) {
+      ASSERT_EQ(a.count(silent), 1u) << round;
+    } else {
+      EXPECT_EQ(a.count(silent), 0u) << "left out " << Core::kMaxChargesPerWorker << " times";
+    }
+  }
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
 }
 
 }  // namespace
