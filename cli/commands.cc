@@ -4,19 +4,28 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
+#include <unordered_set>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cli/watch_printer.h"
 #include "common/atomic_file.h"
-#include "common/proto_json.h"
 #include "common/grpc_status.h"
+#include "common/proto_json.h"
 #include "common/safetensors.h"
-#include "worker/train/checkpoint.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
+#include "common/utf8.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/stubs/logging.h"
+#include "google/protobuf/util/json_util.h"
 #include "grpcpp/client_context.h"
+#include "worker/train/checkpoint.h"
 
 namespace lockstep::cli {
 namespace {
@@ -73,18 +82,44 @@ absl::Status SubmitJob(v1::JobService::StubInterface& stub, const v1::JobSpec& s
 
 absl::Status ListJobs(v1::JobService::StubInterface& stub, const CommandOptions& options,
                       std::ostream& out) {
-  // Every page, newest first from the coordinator; listed oldest first.
+  // Every page, newest first from the coordinator; listed oldest first. The coordinator's pages
+  // walk back through the jobs, each holding at least one, so a repeated token or job, or an
+  // empty page that is not the last, means the next request would go on forever.
   v1::ListJobsResponse response;
   v1::ListJobsRequest request;
   request.set_page_size(1000);
-  do {
+  std::unordered_set<std::string> tokens;
+  std::unordered_set<std::string> job_ids;
+  for (int pages = 1;; ++pages) {
     v1::ListJobsResponse page;
     auto context = UnaryContext(options);
     LOCKSTEP_RETURN_IF_ERROR(ToAbslStatus(stub.ListJobs(context.get(), request, &page)));
-    for (v1::Job& job : *page.mutable_jobs()) *response.add_jobs() = std::move(job);
+    for (v1::Job& job : *page.mutable_jobs()) {
+      if (!job_ids.insert(job.job_id()).second) {
+        return absl::InternalError(absl::StrCat("the coordinator listed job ",
+                                                EscapeForTerminal(job.job_id()), " twice (page ",
+                                                pages, "); stopped following its pages"));
+      }
+      *response.add_jobs() = std::move(job);
+    }
     response.set_total_jobs(page.total_jobs());
+    if (page.next_page_token().empty()) break;
+    if (page.jobs_size() == 0) {
+      return absl::InternalError(absl::StrCat("the coordinator sent page ", pages,
+                                              " without jobs but with a next page token; "
+                                              "stopped following its pages"));
+    }
+    if (!tokens.insert(page.next_page_token()).second) {
+      return absl::InternalError(absl::StrCat(
+          "the coordinator repeated the page token \"", EscapeForTerminal(page.next_page_token()),
+          "\" (page ", pages, "); stopped following its pages"));
+    }
+    if (pages >= kMaxListPages) {
+      return absl::InternalError(absl::StrCat("the coordinator sent more than ", kMaxListPages,
+                                              " pages of jobs; stopped following them"));
+    }
     request.set_page_token(page.next_page_token());
-  } while (!request.page_token().empty());
+  }
   std::reverse(response.mutable_jobs()->begin(), response.mutable_jobs()->end());
   if (options.output == OutputFormat::kJson) return PrintJson(response, false, out);
   out << FormatJobList(response, options.clock->Now());
@@ -227,14 +262,48 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
 }
 
 absl::Status ExportCheckpoint(const std::string& checkpoint, const std::string& output,
-                              std::ostream& out) {
+                              std::ostream& out, bool force) {
   absl::StatusOr<worker::CheckpointData> data = worker::ReadCheckpoint(checkpoint);
   if (!data.ok()) return data.status();
+  if (data->manifest.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(checkpoint,
+                     " was written by an earlier Lockstep that did not record tensor names; "
+                     "export a checkpoint written by this version"));
+  }
   v1::ModelManifest manifest;
-  if (data->manifest.empty() || !manifest.ParseFromString(data->manifest)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        checkpoint, " was written by an earlier Lockstep that did not record tensor names; "
-                    "export a checkpoint written by this version"));
+  bool parsed = false;
+  {
+    // Protobuf logs a text that is not UTF-8 in a string field as an error of its own before
+    // failing the parse; the DATA_LOSS below is the one message the user needs.
+    google::protobuf::LogSilencer quiet;
+    parsed = manifest.ParseFromString(data->manifest);
+  }
+  if (!parsed) {
+    return absl::DataLossError(absl::StrCat(checkpoint, ": its model manifest does not parse"));
+  }
+  // Everything taken from the checkpoint is checked before any output is touched: the header
+  // (tensor names and shapes against the parameters it holds, the metadata) and the config.
+  const std::map<std::string, std::string> metadata = {
+      {"format", "pt"},
+      {"lockstep_job", data->job_id},
+      {"lockstep_step", absl::StrCat(data->step)},
+      {"lockstep_architecture", manifest.architecture()}};
+  if (absl::Status fits = CheckManifest(manifest, data->params.size()); !fits.ok()) {
+    return absl::DataLossError(absl::StrCat(checkpoint, ": its model manifest does not describe ",
+                                            "its parameters: ", fits.message()));
+  }
+  if (absl::StatusOr<std::string> header =
+          SafetensorsHeader(manifest, data->params.size(), metadata);
+      !header.ok()) {
+    return absl::DataLossError(absl::StrCat(checkpoint, ": ", header.status().message()));
+  }
+  if (!manifest.config_json().empty()) {
+    google::protobuf::Struct config;
+    if (!google::protobuf::util::JsonStringToMessage(manifest.config_json(), &config).ok()) {
+      return absl::DataLossError(
+          absl::StrCat(checkpoint, ": its model configuration is not a JSON object"));
+    }
   }
   if (const std::filesystem::path parent = std::filesystem::path(output).parent_path();
       !parent.empty()) {
@@ -242,17 +311,81 @@ absl::Status ExportCheckpoint(const std::string& checkpoint, const std::string& 
     std::filesystem::create_directories(parent, ec);
     if (ec) return ErrnoStatus(ec.value(), "creating directory", parent.string());
   }
-  LOCKSTEP_RETURN_IF_ERROR(WriteSafetensors(
-      output, manifest, data->params.data(), data->params.size(),
-      {{"format", "pt"},
-       {"lockstep_job", data->job_id},
-       {"lockstep_step", absl::StrCat(data->step)},
-       {"lockstep_architecture", manifest.architecture()}},
-      /*with_config=*/true));
+  absl::Status written = WriteSafetensors(
+      output, manifest, data->params.data(), data->params.size(), metadata,
+      /*with_config=*/true, force ? ExistingOutput::kReplace : ExistingOutput::kRefuse);
+  if (absl::IsAlreadyExists(written)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(written.message(), "; pass --force to replace it (export writes ", output,
+                     manifest.config_json().empty() ? "" : " and config.json beside it", ")"));
+  }
+  LOCKSTEP_RETURN_IF_ERROR(written);
+  // The job id and architecture are the file's words: escaped before they reach a terminal.
   out << "wrote " << output << " (" << manifest.tensors_size() << " tensors, "
-      << data->params.size() << " parameters of " << manifest.architecture() << " at step "
-      << data->step << " of " << data->job_id << ") and config.json beside it\n";
+      << data->params.size() << " parameters of " << EscapeForTerminal(manifest.architecture())
+      << " at step " << data->step << " of " << EscapeForTerminal(data->job_id) << ")"
+      << (manifest.config_json().empty() ? "" : absl::StrCat(" and ", ConfigJsonPathFor(output)))
+      << "\n";
   return absl::OkStatus();
+}
+
+std::string UnavailableHint(const absl::Status& status, bool tls, bool client_cert) {
+  // gRPC 1.51 over OpenSSL 3 says, under "failed to connect to all addresses; last error":
+  //   "Connection refused" (nothing listens), "Ssl handshake failed: ... certificate verify
+  //   failed" (the coordinator's certificate is not signed by --tls_ca, or has expired),
+  //   "Peer name X is not in peer certificate", "wrong version number" (TLS to a plaintext
+  //   port), and "Socket closed" when the coordinator hung up: a plaintext client at a TLS
+  //   port, or, under TLS 1.3, a coordinator that refused the client's certificate (or its
+  //   absence) after the client had finished its side of the handshake. When the refusal
+  //   arrives during the handshake (TLS 1.2) it names an alert: "alert bad certificate",
+  //   "certificate required", "unknown ca", "certificate expired". BoringSSL builds spell the
+  //   same reasons in capitals with underscores, hence the normalisation.
+  std::string text = absl::AsciiStrToLower(status.message());
+  std::replace(text.begin(), text.end(), '_', ' ');
+  auto has = [&text](absl::string_view what) { return absl::StrContains(text, what); };
+  if (has("connection refused") || has("dns resolution failed") ||
+      has("name or service not known")) {
+    return "(nothing answers at that address: is the coordinator running, and is --coordinator "
+           "(or $LOCKSTEP_COORDINATOR) right?)";
+  }
+  if (!tls) {
+    // A TLS coordinator hangs up on a plaintext client ("Socket closed").
+    return "(if the coordinator serves TLS, pass --tls_ca, and --tls_cert/--tls_key when it "
+           "requires client certificates)";
+  }
+  if (has("wrong version number") || has("packet length too long")) {
+    return "(TLS: the coordinator answered in plaintext: it serves no TLS at that address; drop "
+           "--tls_ca/--tls_cert/--tls_key or check --coordinator)";
+  }
+  if (has("peer name") && has("is not in peer certificate")) {
+    return "(TLS: the coordinator's certificate does not name the address dialled; pass "
+           "--tls_server_name with a name it holds, or dial that name)";
+  }
+  if (has("certificate verify failed")) {
+    return "(TLS: the coordinator's certificate is not trusted: --tls_ca must be the CA that "
+           "signed it, and it must not have expired)";
+  }
+  if (has("alert bad certificate") || has("certificate required") || has("unknown ca") ||
+      has("certificate expired") || has("certificate unknown") || has("certificate revoked") ||
+      has("unsupported certificate") || has("socket closed") || has("connection reset")) {
+    return client_cert
+               ? "(TLS: the coordinator refused this client's certificate: --tls_cert/--tls_key "
+                 "must be signed by the CA the coordinator was given for its clients, and not "
+                 "expired)"
+               : "(TLS: the coordinator requires a client certificate: pass --tls_cert and "
+                 "--tls_key, signed by the CA it was given for its clients)";
+  }
+  return "(TLS: --tls_ca must be the CA that signed the coordinator's certificate, and a "
+         "coordinator with a client CA needs --tls_cert/--tls_key signed by it and not "
+         "expired)";
+}
+
+std::string PlaintextTokenWarning(const std::string& coordinator, const std::string& token,
+                                  bool tls) {
+  if (token.empty() || tls || IsLoopbackAddress(coordinator)) return "";
+  return absl::StrCat("lockstepctl: warning: sending the token to ", coordinator,
+                      " without TLS: anyone on the network path can read it (pass --tls_ca "
+                      "to use TLS)");
 }
 
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,
@@ -262,15 +395,20 @@ int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub
     err << "lockstepctl: " << StatusLine(status) << "\n";
     // A refused TLS handshake reaches a gRPC client only as UNAVAILABLE with a low-level text.
     if (absl::IsUnavailable(status)) {
-      err << (options.tls ? "lockstepctl: (TLS: --tls_ca must be the CA that signed the "
-                            "coordinator's certificate, and a coordinator with a client CA "
-                            "needs --tls_cert/--tls_key signed by it and not expired)\n"
-                          : "lockstepctl: (if the coordinator serves TLS, pass --tls_ca, and "
-                            "--tls_cert/--tls_key when it requires client certificates)\n");
+      const std::string hint = UnavailableHint(status, options.tls, options.tls_client_cert);
+      if (!hint.empty()) err << "lockstepctl: " << hint << "\n";
     }
     err << std::flush;
     return kExitRpcError;
   };
+  // Once, before the first call that carries the token (help and export make none).
+  if (invocation.command != Command::kHelp && invocation.command != Command::kExport) {
+    if (const std::string warning =
+            PlaintextTokenWarning(invocation.coordinator, invocation.token, options.tls);
+        !warning.empty()) {
+      err << warning << "\n" << std::flush;
+    }
+  }
   auto watch = [&](const std::string& job_id) {
     absl::StatusOr<v1::Job> job = WatchJob(stub, job_id, options, out, err);
     if (!job.ok()) return fail(job.status());
@@ -303,7 +441,8 @@ int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub
       status = ListWorkers(stub, options, out);
       break;
     case Command::kExport:
-      status = ExportCheckpoint(invocation.checkpoint, invocation.export_output, out);
+      status =
+          ExportCheckpoint(invocation.checkpoint, invocation.export_output, out, invocation.force);
       if (!status.ok()) {
         err << "lockstepctl: " << StatusLine(status) << "\n" << std::flush;
         return kExitFileError;

@@ -23,6 +23,8 @@ struct CommandOptions {
   // The channel speaks TLS (--tls_ca): an unreachable coordinator's message then says what to
   // check, and a plaintext client's says that the coordinator may require TLS.
   bool tls = false;
+  // The channel presents a client certificate (--tls_cert/--tls_key), for the hint above.
+  bool tls_client_cert = false;
   // Deadline of each unary RPC. The watch stream has none: it lasts as long as the job.
   absl::Duration rpc_timeout = absl::Seconds(10);
   // watch: rewrite a single progress line with '\r' (stdout is a terminal). Otherwise progress
@@ -40,6 +42,10 @@ struct CommandOptions {
   absl::TimeZone time_zone = absl::LocalTimeZone();
 };
 
+// The most pages `list` follows (10^8 jobs in the full pages of 1000 it asks for): a bound on a
+// server that pages in circles with ever new tokens.
+inline constexpr int kMaxListPages = 100'000;
+
 // Each command below returns the RPC's status (or INTERNAL if the reply cannot be printed) and
 // prints nothing when it fails; the caller prints the error line.
 
@@ -50,6 +56,8 @@ absl::Status SubmitJob(v1::JobService::StubInterface& stub, const v1::JobSpec& s
                        v1::Job* job = nullptr);
 
 // Table: the job list (JOB NAME STATE STEP LOSS WORKERS AGE/DURATION). JSON: ListJobsResponse.
+// Follows every page; INTERNAL when the coordinator repeats a page token or a job, sends a page
+// with no job that is not the last, or sends more than kMaxListPages pages.
 absl::Status ListJobs(v1::JobService::StubInterface& stub, const CommandOptions& options,
                       std::ostream& out);
 
@@ -80,14 +88,31 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
                                  const CommandOptions& options, std::ostream& out,
                                  std::ostream& err);
 
+// export: the checkpoint file's parameters as safetensors at `output`, and the model's
+// config.json beside it (creating the directory). The checkpoint is untrusted input: it is read
+// and checked whole before any output is touched. NOT_FOUND for a missing checkpoint; DATA_LOSS
+// naming it for a damaged or inconsistent one (bad lengths, a manifest whose tensors do not
+// tile the parameters, repeated or reserved tensor names, a configuration that is not JSON);
+// FAILED_PRECONDITION for one without tensor names. Existing output files are not replaced
+// unless `force` (ALREADY_EXISTS naming the file and --force); with it both are replaced
+// atomically. INVALID_ARGUMENT when `output` is a directory or named config.json; the system's
+// error for the output otherwise.
+absl::Status ExportCheckpoint(const std::string& checkpoint, const std::string& output,
+                              std::ostream& out, bool force = false);
+
+// The hint printed under an UNAVAILABLE error: what to check, chosen from gRPC's text for the
+// failure (gRPC 1.51 reports every refused TLS handshake as UNAVAILABLE, with OpenSSL's reason
+// or just "Socket closed" in the message). `tls`: the channel speaks TLS; `client_cert`: it
+// presents a client certificate.
+std::string UnavailableHint(const absl::Status& status, bool tls, bool client_cert);
+
+// The warning printed before a command that sends `token` to `coordinator` in plaintext beyond
+// loopback, where anyone on the path can read it; empty otherwise (no token, TLS, loopback).
+std::string PlaintextTokenWarning(const std::string& coordinator, const std::string& token,
+                                  bool tls);
+
 // Runs a checked invocation and returns the process exit code (see invocation.h): errors are
 // printed to `err` as "lockstepctl: CODE: message". `health` serves the health command.
-// export: the checkpoint file's parameters as safetensors at `output` (config.json beside it).
-// NOT_FOUND or DATA_LOSS for a missing or damaged checkpoint; FAILED_PRECONDITION for one
-// without tensor names; the system's error for the output.
-absl::Status ExportCheckpoint(const std::string& checkpoint, const std::string& output,
-                              std::ostream& out);
-
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,
                const CommandOptions& options, std::ostream& out, std::ostream& err,
                grpc::health::v1::Health::StubInterface* health = nullptr);

@@ -37,9 +37,10 @@ constexpr char kUsageBody[] =
     "  cancel JOB             cancel a job\n"
     "  workers                list the registered workers and rejected clients\n"
     "  health                 ask the coordinator's gRPC health service (exit 0 if SERVING)\n"
-    "  export CHECKPOINT [-o FILE]\n"
+    "  export CHECKPOINT [-o FILE] [--force]\n"
     "                         convert a checkpoint file to safetensors (default\n"
-    "                         model.safetensors; config.json is written beside it); offline\n";
+    "                         model.safetensors; config.json is written beside it); offline;\n"
+    "                         refuses to replace either file unless --force\n";
 
 // Flags that absl handles itself without registering them (DeduceUsageFlags in parse.cc).
 constexpr absl::string_view kAbslUsageFlags[] = {"help",        "helpfull", "helpshort",
@@ -47,9 +48,9 @@ constexpr absl::string_view kAbslUsageFlags[] = {"help",        "helpfull", "hel
                                                  "helpon",      "helpmatch"};
 
 // The global flags, in the order --help lists them. They are defined in main.cc.
-constexpr absl::string_view kOwnFlags[] = {"coordinator", "token_file", "tls_ca",  "tls_cert",
-                                           "tls_key",     "tls_server_name", "output", "timeout_ms",
-                                           "watch",       "o"};
+constexpr absl::string_view kOwnFlags[] = {
+    "coordinator", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
+    "output",      "timeout_ms", "watch",  "o",        "force"};
 
 struct CommandInfo {
   Command command;
@@ -225,6 +226,9 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
   if (flags.export_output != "model.safetensors" && inv.command != Command::kExport) {
     return absl::InvalidArgumentError("-o only applies to export");
   }
+  if (flags.force && inv.command != Command::kExport) {
+    return absl::InvalidArgumentError("--force only applies to export");
+  }
 
   switch (inv.command) {
     case Command::kSubmit: {
@@ -244,6 +248,7 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
       if (flags.export_output.empty()) return absl::InvalidArgumentError("-o must not be empty");
       inv.checkpoint = args[1];
       inv.export_output = flags.export_output;
+      inv.force = flags.force;
       break;
     case Command::kHelp:
     case Command::kList:
@@ -324,7 +329,15 @@ std::string HelpText() {
       "  1  the watched job FAILED or was CANCELLED\n"
       "  2  usage error: bad command line, unreadable or malformed job spec\n"
       "  3  RPC error (coordinator unreachable, job not found, spec refused, stream broken)\n"
-      "  4  export: the checkpoint cannot be read, or the output cannot be written\n";
+      "  4  export: the checkpoint cannot be read or is damaged, the output exists (see\n"
+      "     --force) or cannot be written\n"
+      "\nexport reads the checkpoint whole and checks it (lengths, checksum, tensor names and\n"
+      "shapes against the parameters) before it writes anything. It writes FILE and, when the\n"
+      "checkpoint records the model's configuration, config.json in FILE's directory, each\n"
+      "atomically (a reader sees the old file or the new one). If either exists already,\n"
+      "nothing is written unless --force is given; then both are replaced.\n"
+      "\nWith a token and no TLS, a coordinator beyond loopback gets the token in plaintext;\n"
+      "lockstepctl warns on stderr when that happens.\n";
   return out;
 }
 

@@ -36,6 +36,7 @@ struct FlagValues {
   int64_t timeout_ms = 10000;
   bool watch = false;
   std::string export_output = "model.safetensors";  // export -o
+  bool force = false;                               // export --force
 };
 
 // A command line that passed every check.
@@ -45,11 +46,12 @@ struct Invocation {
   std::string token;  // sent on every call; empty sends none
   OutputFormat output = OutputFormat::kTable;
   absl::Duration rpc_timeout = absl::Seconds(10);
-  std::string job_id;  // status, watch, cancel
-  v1::JobSpec spec;    // submit
-  bool watch = false;  // submit --watch
+  std::string job_id;         // status, watch, cancel
+  v1::JobSpec spec;           // submit
+  bool watch = false;         // submit --watch
   std::string checkpoint;     // export: the checkpoint file
   std::string export_output;  // export: the safetensors file to write
+  bool force = false;         // export: replace existing output files
 };
 
 // The target to dial: the flag when set, else the environment's value when set, else

@@ -1,5 +1,6 @@
 // lockstepctl: the user's command line for Lockstep (submit, list, status, watch, cancel,
-// workers). Parses flags, dials the coordinator, and hands over to cli/commands.h.
+// workers, health, export). Parses flags, dials the coordinator, and hands over to
+// cli/commands.h.
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,8 +14,8 @@
 #include "cli/commands.h"
 #include "cli/invocation.h"
 #include "common/grpc_options.h"
-#include "common/tls_flags.h"
 #include "common/grpc_status.h"
+#include "common/tls_flags.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
 ABSL_FLAG(std::string, coordinator, "",
@@ -26,6 +27,8 @@ ABSL_FLAG(std::string, output, "table", "output format: table or json");
 ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each request in milliseconds (not of watch)");
 ABSL_FLAG(bool, watch, false, "submit: keep following the job, as the watch command does");
 ABSL_FLAG(std::string, o, "model.safetensors", "export: the safetensors file to write");
+ABSL_FLAG(bool, force, false,
+          "export: replace the output file and the config.json beside it if they exist");
 
 int main(int argc, char** argv) {
   namespace cli = lockstep::cli;
@@ -49,6 +52,7 @@ int main(int argc, char** argv) {
   flags.timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
   flags.watch = absl::GetFlag(FLAGS_watch);
   flags.export_output = absl::GetFlag(FLAGS_o);
+  flags.force = absl::GetFlag(FLAGS_force);
   absl::StatusOr<cli::Invocation> invocation =
       cli::ParseInvocation(args, flags, std::getenv(cli::kCoordinatorEnv), std::cin);
   if (!invocation.ok()) return usage_error(invocation.status());
@@ -59,8 +63,9 @@ int main(int argc, char** argv) {
   options.live_progress = isatty(STDOUT_FILENO) == 1;
   const lockstep::TlsFiles tls = lockstep::ClientTlsFilesFromFlags();
   options.tls = tls.any();
+  options.tls_client_cert = !tls.cert.empty();
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      lockstep::MakeChannelCredentials(lockstep::ClientTlsFilesFromFlags());
+      lockstep::MakeChannelCredentials(tls);
   if (!credentials.ok()) return usage_error(credentials.status());
   auto channel = lockstep::MakeChannel(
       invocation->coordinator,

@@ -8,8 +8,9 @@
 
 Jobs, workers and events are the service's protobuf messages (lockstep.v1); lockstep.to_dict
 turns one into the JSON mapping `lockstepctl --output=json` prints. Every failure is a
-LockstepError carrying the gRPC status code and the coordinator's message.
+LockstepError carrying the gRPC status code and the coordinator's message. A token sent in
+plaintext beyond loopback draws an InsecureTokenWarning.
 """
-from lockstep.client import Client, LockstepError, to_dict
+from lockstep.client import Client, InsecureTokenWarning, LockstepError, to_dict
 
-__all__ = ["Client", "LockstepError", "to_dict"]
+__all__ = ["Client", "InsecureTokenWarning", "LockstepError", "to_dict"]

@@ -1,6 +1,8 @@
 """The client: one gRPC channel to the coordinator's JobService."""
+import ipaddress
 import os
 import platform
+import warnings
 
 import grpc
 from google.protobuf import json_format
@@ -11,6 +13,15 @@ from lockstep.v1 import job_pb2, job_pb2_grpc
 # `lockstepctl workers` when a call is refused).
 _AUTHORIZATION = "authorization"
 _CLIENT = "x-lockstep-client"
+
+# list(): the most pages followed (10**8 jobs in the full pages of 1000 it asks for), a bound on a
+# server that pages in circles with ever new tokens. The same bound as lockstepctl's.
+MAX_LIST_PAGES = 100_000
+
+
+class InsecureTokenWarning(UserWarning):
+    """A token sent without TLS to a coordinator beyond loopback: anyone on the network path can
+    read it. Silence it with warnings.filterwarnings("ignore", category=InsecureTokenWarning)."""
 
 
 class LockstepError(Exception):
@@ -25,6 +36,27 @@ class LockstepError(Exception):
 def to_dict(message):
     """A protobuf message as the JSON mapping (camelCase names), e.g. for json.dumps."""
     return json_format.MessageToDict(message)
+
+
+def _is_loopback(address):
+    """True when the gRPC target `address` stays on this machine: a loopback IP address
+    (127.0.0.0/8, ::1), localhost, or a Unix socket. The rule of lockstepctl's and the
+    coordinator's IsLoopbackAddress, extended to gRPC's target prefixes."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if address.startswith(prefix):
+            address = address[len(prefix):]
+            break
+    host = address.rsplit(":", 1)[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _read(path, what):
@@ -42,6 +74,9 @@ class Client:
     none). tls: None (plaintext), True (TLS with the system's roots), or a dict with "ca" (the
     CA file that signed the coordinator's certificate) and, for mutual TLS, "cert" and "key".
     timeout: seconds for each call (watch streams are not limited).
+
+    A token sent without TLS to an address beyond loopback crosses the network in the clear: the
+    client then warns once (InsecureTokenWarning), as lockstepctl does.
     """
 
     def __init__(self, address, token=None, tls=None, timeout=30.0):
@@ -54,6 +89,11 @@ class Client:
         if token:
             self._metadata.append((_AUTHORIZATION, f"Bearer {token}"))
         if tls is None or tls is False:
+            if token and not _is_loopback(address):
+                warnings.warn(
+                    f"lockstep.Client: sending the token to {address} without TLS: anyone on "
+                    "the network path can read it (pass tls=...)",
+                    InsecureTokenWarning, stacklevel=2)
             self._channel = grpc.insecure_channel(address)
         else:
             options = {} if tls is True else dict(tls)
@@ -100,15 +140,46 @@ class Client:
         return self._call(self._stub.GetJob, job_pb2.GetJobRequest(job_id=job_id))
 
     def list(self):
-        """Every job, newest first (the coordinator pages them; this follows every page)."""
+        """Every job, newest first (the coordinator pages them; this follows every page).
+
+        The coordinator's pages walk back through its jobs, each page holding at least one, so a
+        repeated page token or job, an empty page that is not the last, or more than
+        MAX_LIST_PAGES pages mean the server would keep this paging forever: LockstepError with
+        code INTERNAL instead."""
         jobs, token = [], ""
+        tokens, job_ids = set(), set()
+        pages = 0
         while True:
             page = self._call(self._stub.ListJobs,
                               job_pb2.ListJobsRequest(page_size=1000, page_token=token))
+            pages += 1
+            for job in page.jobs:
+                if job.job_id in job_ids:
+                    raise LockstepError(
+                        grpc.StatusCode.INTERNAL,
+                        f"the coordinator listed job {job.job_id!r} twice (page {pages}); "
+                        "stopped following its pages")
+                job_ids.add(job.job_id)
             jobs.extend(page.jobs)
             token = page.next_page_token
             if not token:
                 return jobs
+            if not page.jobs:
+                raise LockstepError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the coordinator sent page {pages} without jobs but with a next page "
+                    "token; stopped following its pages")
+            if token in tokens:
+                raise LockstepError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the coordinator repeated the page token {token!r} (page {pages}); "
+                    "stopped following its pages")
+            tokens.add(token)
+            if pages >= MAX_LIST_PAGES:
+                raise LockstepError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the coordinator sent more than {MAX_LIST_PAGES} pages of jobs; stopped "
+                    "following them")
 
     def cancel(self, job_id):
         return self._call(self._stub.CancelJob, job_pb2.CancelJobRequest(job_id=job_id))

@@ -1,5 +1,8 @@
 // lockstepctl against a real cluster: submit, status, list, workers, watch and cancel, their
-// exit codes, JSON output, and one-line errors naming the gRPC code; the shared token.
+// exit codes, JSON output, and one-line errors naming the gRPC code; the shared token; export of
+// a checkpoint the cluster wrote.
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -165,6 +168,54 @@ TEST_F(CliTest, ErrorsAreOneLineWithTheCode) {
   EXPECT_TRUE(absl::StrContains(unreachable->output, "UNAVAILABLE") ||
               absl::StrContains(unreachable->output, "DEADLINE_EXCEEDED"))
       << unreachable->output;
+}
+
+// export through the real binary: a checkpoint a job wrote becomes model.safetensors and
+// config.json; a second export refuses to replace them until --force; a crafted 200-byte file
+// that announces 2^34 parameters is refused with exit 4 and DATA_LOSS, not a crash.
+TEST_F(CliTest, ExportConvertsACheckpointAndReplacesFilesOnlyWithForce) {
+  v1::JobSpec spec = testing::SyntheticJob(2, 2, 40);
+  spec.set_checkpoint_dir(cluster_->dir() + "/ckpt");
+  spec.set_checkpoint_every_steps(20);
+  absl::StatusOr<v1::Job> job = cluster_->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  absl::StatusOr<v1::Job> ended = cluster_->WaitForEnd(job->job_id(), absl::Seconds(120));
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  ASSERT_EQ(ended->state(), v1::JOB_STATE_SUCCEEDED) << ended->reason();
+  std::string checkpoint;
+  for (const auto& entry : std::filesystem::directory_iterator(cluster_->dir() + "/ckpt")) {
+    if (absl::EndsWith(entry.path().string(), ".ckpt")) checkpoint = entry.path().string();
+  }
+  ASSERT_FALSE(checkpoint.empty());
+  const std::string model = cluster_->dir() + "/export/model.safetensors";
+
+  CommandResult first = Ctl({"export", checkpoint, "-o", model});
+  EXPECT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_TRUE(absl::StrContains(first.output, "wrote " + model)) << first.output;
+  ASSERT_TRUE(std::filesystem::exists(model));
+  const auto written = std::filesystem::last_write_time(model);
+
+  CommandResult again = Ctl({"export", checkpoint, "-o", model});
+  EXPECT_EQ(again.exit_code, 4) << again.output;
+  EXPECT_TRUE(absl::StrContains(again.output, "ALREADY_EXISTS")) << again.output;
+  EXPECT_TRUE(absl::StrContains(again.output, "--force")) << again.output;
+  EXPECT_EQ(std::filesystem::last_write_time(model), written);
+
+  CommandResult forced = Ctl({"export", checkpoint, "-o", model, "--force"});
+  EXPECT_EQ(forced.exit_code, 0) << forced.output;
+
+  std::string crafted(200, '\0');
+  std::memcpy(crafted.data(), "LSCKPT3", 8);
+  const uint64_t huge = uint64_t{1} << 34;
+  std::memcpy(crafted.data() + 96, &huge, sizeof(huge));  // the header's parameter count
+  const std::string crafted_path = cluster_->dir() + "/crafted.ckpt";
+  std::ofstream(crafted_path, std::ios::binary) << crafted;
+  CommandResult refused = Ctl({"export", crafted_path, "-o", cluster_->dir() + "/c.safetensors"});
+  EXPECT_EQ(refused.exit_code, 4) << refused.output;
+  EXPECT_TRUE(absl::StrContains(refused.output, "DATA_LOSS: " + crafted_path)) << refused.output;
+
+  CommandResult misplaced = Ctl({"list", "--force"});
+  EXPECT_EQ(misplaced.exit_code, 2) << misplaced.output;
 }
 
 // A coordinator with a token: workers and lockstepctl without it, or with a wrong one, are turned

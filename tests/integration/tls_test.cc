@@ -1,8 +1,8 @@
 // TLS on the API with certificates the test makes with openssl: a coordinator with mutual TLS
 // trains a job with two workers that present their certificates, and lockstepctl works with
 // its own; a client without a certificate, with one from another CA, with an expired one, or
-// speaking plaintext is refused with a message that says so; the token is still checked over
-// TLS; bad TLS flags stop the daemons naming the flag.
+// speaking plaintext is refused with a message that names the flag to fix; the token is still
+// checked over TLS; bad TLS flags stop the daemons naming the flag.
 #include <filesystem>
 #include <fstream>
 
@@ -135,24 +135,38 @@ TEST_F(TlsTest, MutualTlsTrainsAndRefusesEveryoneWithoutAValidCertificate) {
   EXPECT_NE(wrong.output.find("UNAUTHENTICATED"), std::string::npos) << wrong.output;
   EXPECT_NE(wrong.output.find("wrong token"), std::string::npos) << wrong.output;
 
+  // Each refusal's hint names the flag to fix: the client certificate when the coordinator
+  // refused it (or its absence), the CA when the client did not trust the coordinator.
   struct Refused {
     std::string what;
     std::vector<std::string> flags;
+    std::string names;
+    std::string not_named;
   };
   const std::vector<Refused> refused = {
-      {"plaintext", {}},
-      {"no client certificate", {"--tls_ca=" + pki.Path("ca.crt")}},
-      {"a certificate from another CA", ClientFlags(pki, "stranger")},
-      {"an expired certificate", ClientFlags(pki, "expired")},
+      {"plaintext", {}, "pass --tls_ca", ""},
+      {"no client certificate", {"--tls_ca=" + pki.Path("ca.crt")},
+       "requires a client certificate: pass --tls_cert and --tls_key", "--tls_ca"},
+      {"a certificate from another CA", ClientFlags(pki, "stranger"),
+       "refused this client's certificate: --tls_cert/--tls_key", "--tls_ca"},
+      {"an expired certificate", ClientFlags(pki, "expired"),
+       "refused this client's certificate: --tls_cert/--tls_key", "--tls_ca"},
       {"a coordinator certificate from a CA it does not trust",
-       ClientFlags(pki, "ctl", "other-ca")},
+       ClientFlags(pki, "ctl", "other-ca"), "--tls_ca must be the CA that signed it",
+       "--tls_cert"},
   };
   for (const Refused& r : refused) {
     CommandResult result = Ctl(cluster, r.flags, cluster.token_file());
     EXPECT_EQ(result.exit_code, 3) << r.what << ": " << result.output;
-    EXPECT_NE(result.output.find("UNAVAILABLE"), std::string::npos) << r.what << ": " << result.output;
+    EXPECT_NE(result.output.find("UNAVAILABLE"), std::string::npos)
+        << r.what << ": " << result.output;
     EXPECT_NE(result.output.find("TLS"), std::string::npos)
         << r.what << ": the message should point at TLS: " << result.output;
+    EXPECT_NE(result.output.find(r.names), std::string::npos) << r.what << ": " << result.output;
+    if (!r.not_named.empty()) {
+      EXPECT_EQ(result.output.find(r.not_named), std::string::npos)
+          << r.what << ": the hint should not blame " << r.not_named << ": " << result.output;
+    }
   }
 
   // A worker without a valid certificate never registers, and exits saying why.

@@ -2,7 +2,8 @@
 """The Python client as a user runs it: `pip install ./python` into a fresh virtual environment
 (offline: --no-index; grpcio, protobuf and pytest from Debian's packages), two local clusters
 (deploy/local/cluster.sh with a token; the second with mutual TLS), and then pytest in that
-environment runs tests/python/test_client.py against them through the installed package.
+environment runs tests/python/test_client.py against them through the installed package, and
+tests/python/test_client_unit.py (fake servers of its own; no cluster).
 Exit 77 (skipped) where Debian's python3-grpcio, python3-venv or python3-pytest is missing.
 
 Usage: tests/python/client_test.py --build BUILD_DIR
@@ -79,8 +80,10 @@ done"""
                    LOCKSTEP_TEST_TLS_ADDRESS=tls_address, LOCKSTEP_TEST_PKI=pki)
         for key in ["LOCKSTEP_TOKEN", "LOCKSTEP_TLS_CERT", "LOCKSTEP_TLS_KEY", "LOCKSTEP_TLS_CA"]:
             env.pop(key, None)
-        test_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_client.py")
-        return subprocess.run([py, "-m", "pytest", "-v", "-p", "no:cacheprovider", test_file],
+        here = os.path.dirname(os.path.abspath(__file__))
+        test_files = [os.path.join(here, name)
+                      for name in ["test_client.py", "test_client_unit.py"]]
+        return subprocess.run([py, "-m", "pytest", "-v", "-p", "no:cacheprovider", *test_files],
                               cwd=work, env=env, timeout=600).returncode
     finally:
         for d in [cluster, tls_cluster]:

@@ -1,14 +1,22 @@
 // Checkpoint files: round trip, keep-N per job, every kind of damage detected and skipped, a
-// checkpoint used only by the job that wrote it, init_from_checkpoint's explicit loading, and
-// write errors that carry the system's reason.
+// checkpoint used only by the job that wrote it, init_from_checkpoint's explicit loading, write
+// errors that carry the system's reason, and crafted or randomly mutated files (the reader is
+// what lockstepctl export points at untrusted files) refused without a crash or a huge
+// allocation.
 #include "worker/train/checkpoint.h"
 
+#include <sys/stat.h>
+
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu_kernels.h"
 
 namespace lockstep::worker {
 namespace {
@@ -117,8 +125,7 @@ TEST_F(CheckpointTest, InitFromAFileOrTheNewestMatchingCheckpointOfADirectory) {
   EXPECT_EQ(from_file->step, 30);
   auto wrong = LoadCheckpointForInit(PathOf(90, "job-2-aaaaaa"), kModel, 100, 200);
   EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(wrong.status().message().find("another model"), std::string::npos)
-      << wrong.status();
+  EXPECT_NE(wrong.status().message().find("another model"), std::string::npos) << wrong.status();
   EXPECT_EQ(LoadCheckpointForInit(dir_ + "/nothing", kModel, 100, 200).status().code(),
             absl::StatusCode::kNotFound);
 }
@@ -128,11 +135,193 @@ TEST_F(CheckpointTest, WriteErrorsNameTheFileAndTheSystemsReason) {
   std::ofstream(dir_ + "/file") << "not a directory";
   absl::StatusOr<std::string> path = WriteCheckpoint(dir_ + "/file/ckpt", Make(10), 3);
   ASSERT_FALSE(path.ok());
-  EXPECT_NE(path.status().message().find(dir_ + "/file/ckpt"), std::string::npos)
-      << path.status();
+  EXPECT_NE(path.status().message().find(dir_ + "/file/ckpt"), std::string::npos) << path.status();
   EXPECT_NE(path.status().message().find("Not a directory"), std::string::npos) << path.status();
   EXPECT_EQ(WriteCheckpoint(dir_, Make(10, "../escape"), 3).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The version-3 layout, as WriteCheckpoint lays it out: the fields' byte offsets in the header,
+// then the manifest's length. The checksum covers the file with its own field zeroed.
+constexpr size_t kNumParamsAt = 96;
+constexpr size_t kOptimizerFloatsAt = 104;
+constexpr size_t kChecksumAt = 112;
+constexpr size_t kManifestLengthAt = 120;
+constexpr size_t kHeaderBytes = 128;  // with the manifest's length
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+void Put64(std::string& bytes, size_t at, uint64_t value) {
+  std::memcpy(bytes.data() + at, &value, sizeof(value));
+}
+// Recomputes the checksum, so that a crafted file gets past it to the checks behind it.
+void Seal(std::string& bytes) {
+  if (bytes.size() < kChecksumAt + 8) return;
+  Put64(bytes, kChecksumAt, 0);
+  Put64(bytes, kChecksumAt, kernels::Fnv1a64(bytes.data(), bytes.size()));
+}
+
+class CraftedCheckpointTest : public CheckpointTest {
+ protected:
+  // A small valid checkpoint with a manifest: 4 parameters, 8 optimizer values.
+  std::string Valid() {
+    CheckpointData d;
+    d.step = 7;
+    d.job_id = kJob;
+    d.manifest = "manifest bytes";
+    d.params = {1, 2, 3, 4};
+    d.optimizer_state = {5, 6, 7, 8, 9, 10, 11, 12};
+    absl::StatusOr<std::string> path = WriteCheckpoint(dir_, d, 1);
+    EXPECT_TRUE(path.ok()) << path.status();
+    return path.ok() ? ReadBytes(*path) : "";
+  }
+  absl::StatusOr<CheckpointData> ReadCrafted(const std::string& bytes) {
+    const std::string path = dir_ + "/crafted.ckpt";
+    WriteBytes(path, bytes);
+    return ReadCheckpoint(path);
+  }
+};
+
+TEST_F(CraftedCheckpointTest, CraftedFilesAreRefusedNamingTheFileAndTheProblem) {
+  const std::string valid = Valid();
+  ASSERT_EQ(valid.size(), kHeaderBytes + 14 + 12 * sizeof(float));
+  ASSERT_TRUE(ReadCrafted(valid).ok()) << "the layout above is WriteCheckpoint's";
+  struct Case {
+    std::string what;
+    std::string bytes;
+    std::string problem;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"empty", "", "truncated header"});
+  cases.push_back({"cut in the header", valid.substr(0, 100), "truncated header"});
+  cases.push_back({"cut in the manifest length", valid.substr(0, kHeaderBytes - 3),
+                   "truncated model manifest"});
+  cases.push_back({"cut in the values", valid.substr(0, valid.size() - 5), "truncated"});
+  cases.push_back({"garbage", std::string(200, '\x5a'), "not a Lockstep checkpoint"});
+  cases.push_back({"trailing bytes", valid + "xyz", "trailing bytes"});
+  // A 200-byte file that announces 2^34 parameters (64 GiB) and 2^35 optimizer values: the
+  // reader used to allocate them before noticing the file is short, and died of it.
+  std::string huge = valid.substr(0, 200);
+  Put64(huge, kNumParamsAt, uint64_t{1} << 34);
+  Put64(huge, kOptimizerFloatsAt, uint64_t{1} << 35);
+  cases.push_back({"gigabytes announced", huge, "truncated"});
+  Seal(huge);
+  cases.push_back({"gigabytes announced, sealed", huge, "truncated"});
+  std::string wrap = valid;
+  Put64(wrap, kNumParamsAt, ~uint64_t{0} / 4 + 1);  // times 4 bytes wraps to 0
+  Seal(wrap);
+  cases.push_back({"counts whose byte size wraps", wrap, "implausible header"});
+  std::string manifest_huge = valid;
+  Put64(manifest_huge, kManifestLengthAt, uint64_t{1} << 62);
+  Seal(manifest_huge);
+  cases.push_back({"a manifest of 2^62 bytes", manifest_huge, "implausible model manifest"});
+  std::string manifest_long = valid;
+  Put64(manifest_long, kManifestLengthAt, 1 << 20);
+  Seal(manifest_long);
+  cases.push_back({"a manifest past the end", manifest_long, "truncated model manifest"});
+  std::string job = valid;
+  std::memset(job.data() + 16, 'j', 64);
+  Seal(job);
+  cases.push_back({"an unterminated job id", job, "job id not terminated"});
+  std::string flipped = valid;
+  flipped[valid.size() - 1] ^= 1;
+  cases.push_back({"a flipped bit", flipped, "checksum mismatch"});
+  for (const Case& c : cases) {
+    absl::StatusOr<CheckpointData> read = ReadCrafted(c.bytes);
+    ASSERT_FALSE(read.ok()) << c.what;
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << c.what << ": " << read.status();
+    EXPECT_NE(read.status().message().find(dir_ + "/crafted.ckpt"), std::string::npos)
+        << c.what << ": " << read.status();
+    EXPECT_NE(read.status().message().find(c.problem), std::string::npos)
+        << c.what << ": " << read.status();
+  }
+}
+
+TEST_F(CraftedCheckpointTest, ADirectoryOrAFifoIsNotReadAsACheckpoint) {
+  std::filesystem::create_directories(dir_ + "/dir.ckpt");
+  EXPECT_EQ(ReadCheckpoint(dir_ + "/dir.ckpt").status().code(), absl::StatusCode::kDataLoss);
+  // Opening a FIFO blocks until a writer comes: the reader must not even open it.
+  ASSERT_EQ(mkfifo((dir_ + "/fifo.ckpt").c_str(), 0600), 0);
+  absl::StatusOr<CheckpointData> fifo = ReadCheckpoint(dir_ + "/fifo.ckpt");
+  EXPECT_EQ(fifo.status().code(), absl::StatusCode::kDataLoss) << fifo.status();
+  EXPECT_NE(fifo.status().message().find("not a regular file"), std::string::npos) << fifo.status();
+  EXPECT_EQ(ReadCheckpoint(dir_ + "/missing.ckpt").status().code(), absl::StatusCode::kNotFound);
+}
+
+// A few thousand random mutations of a valid file, half of them re-sealed so that they reach the
+// checks behind the checksum: the reader returns a checkpoint that agrees with the file's size,
+// or DATA_LOSS, and never crashes. Deterministic: a fixed seed.
+TEST_F(CraftedCheckpointTest, MutatedFilesNeverCrashTheReader) {
+  const std::string valid = Valid();
+  ASSERT_FALSE(valid.empty());
+  std::mt19937_64 rng(20240611);
+  const uint64_t interesting[] = {0,
+                                  1,
+                                  4,
+                                  8,
+                                  12,
+                                  255,
+                                  uint64_t{1} << 31,
+                                  uint64_t{1} << 32,
+                                  uint64_t{1} << 34,
+                                  uint64_t{1} << 35,
+                                  uint64_t{1} << 62,
+                                  ~uint64_t{0} / 4 + 1,
+                                  ~uint64_t{0}};
+  const size_t fields[] = {8, kNumParamsAt, kOptimizerFloatsAt, kChecksumAt, kManifestLengthAt};
+  int ok = 0, refused = 0;
+  for (int i = 0; i < 3000; ++i) {
+    std::string bytes = valid;
+    const int mutations = 1 + static_cast<int>(rng() % 4);
+    for (int m = 0; m < mutations; ++m) {
+      const size_t at = bytes.empty() ? 0 : rng() % bytes.size();
+      switch (rng() % 6) {
+        case 0:  // flip a bit
+          if (!bytes.empty()) bytes[at] ^= static_cast<char>(1 << (rng() % 8));
+          break;
+        case 1:  // a random byte
+          if (!bytes.empty()) bytes[at] = static_cast<char>(rng());
+          break;
+        case 2: {  // a header field set to a value that has broken readers before
+          const size_t field = fields[rng() % std::size(fields)];
+          if (bytes.size() >= field + 8) {
+            Put64(bytes, field, interesting[rng() % std::size(interesting)]);
+          }
+          break;
+        }
+        case 3:  // truncated
+          bytes.resize(at);
+          break;
+        case 4:  // bytes inserted
+          bytes.insert(at, std::string(1 + rng() % 9, static_cast<char>(rng())));
+          break;
+        case 5:  // bytes removed
+          bytes.erase(at, 1 + rng() % 9);
+          break;
+      }
+    }
+    if (rng() % 2 == 0) Seal(bytes);
+    absl::StatusOr<CheckpointData> read = ReadCrafted(bytes);
+    if (read.ok()) {
+      ++ok;
+      EXPECT_EQ(kHeaderBytes + read->manifest.size() +
+                    (read->params.size() + read->optimizer_state.size()) * sizeof(float),
+                bytes.size())
+          << "mutation " << i;
+    } else {
+      ++refused;
+      EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss)
+          << "mutation " << i << ": " << read.status();
+    }
+  }
+  // Both outcomes happen, or the loop tested less than it seems to.
+  EXPECT_GT(ok, 30);
+  EXPECT_GT(refused, 1500);
 }
 
 }  // namespace

@@ -1,18 +1,30 @@
 // lockstepctl's command logic against a fake JobService stub: formatting, watch resume and
-// backoff, exit codes, spec parsing.
+// backoff, exit codes, spec parsing, list against a server that pages in circles, the TLS hints
+// and the plaintext-token warning; export of crafted, randomly mutated and valid checkpoints,
+// and its refusal to replace files.
 #include <cstdlib>
+#include <cstring>
 #include <deque>
+#include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
+#include <random>
 #include <sstream>
 
 #include "cli/commands.h"
 #include "cli/format.h"
-#include "common/utf8.h"
 #include "cli/invocation.h"
 #include "cli/watch_printer.h"
 #include "common/auth.h"
+#include "common/safetensors.h"
+#include "common/utf8.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu_kernels.h"
+#include "worker/train/checkpoint.h"
 
 namespace lockstep::cli {
 namespace {
@@ -69,6 +81,10 @@ class FakeStub : public v1::JobService::StubInterface {
   // Serves `jobs` (newest first) in pages of `jobs_per_page`, like the coordinator.
   grpc::Status ListJobs(grpc::ClientContext*, const v1::ListJobsRequest& request,
                         v1::ListJobsResponse* r) override {
+    if (list_override) {
+      ++list_calls;
+      return list_override(request, r);
+    }
     int from = 0;
     if (!request.page_token().empty()) from = std::stoi(request.page_token());
     for (int i = from; i < jobs.jobs_size() && i < from + jobs_per_page; ++i) {
@@ -83,6 +99,8 @@ class FakeStub : public v1::JobService::StubInterface {
   }
   int jobs_per_page = 1000;
   int list_calls = 0;
+  // When set, answers ListJobs instead of `jobs` (list_calls still counts).
+  std::function<grpc::Status(const v1::ListJobsRequest&, v1::ListJobsResponse*)> list_override;
   grpc::Status CancelJob(grpc::ClientContext*, const v1::CancelJobRequest&, v1::Job*) override {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "job job-1 has already ended");
   }
@@ -520,6 +538,589 @@ TEST(Commands, ListFollowsEveryPage) {
     EXPECT_GT(next, at) << out.str();
     at = next;
   }
+}
+
+TEST(Invocation, ForceOnlyAppliesToExport) {
+  std::istringstream in;
+  FlagValues f;
+  f.force = true;
+  auto exported = ParseInvocation({"export", "a.ckpt"}, f, nullptr, in);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_TRUE(exported->force);
+  auto listed = ParseInvocation({"list"}, f, nullptr, in);
+  EXPECT_EQ(listed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(listed.status().message()), HasSubstr("--force"));
+}
+
+// A coordinator (or something posing as one) that repeats a page token, a job, or sends empty
+// pages with a token would keep `list` paging forever; it stops with INTERNAL saying why. The
+// fake refuses after 50 calls, so a client that pages forever fails here instead of hanging.
+TEST(Commands, ListStopsWhenTheCoordinatorPagesInCircles) {
+  using Pages = std::function<void(int call, v1::ListJobsResponse*)>;
+  auto job = [](v1::ListJobsResponse* r, const std::string& id) { r->add_jobs()->set_job_id(id); };
+  struct Case {
+    std::string what;
+    Pages pages;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"the same token again",
+       [&](int n, v1::ListJobsResponse* r) {
+         job(r, absl::StrCat("job-", n));
+         r->set_next_page_token("same");
+       },
+       "repeated the page token \"same\""},
+      {"tokens in a cycle",
+       [&](int n, v1::ListJobsResponse* r) {
+         job(r, absl::StrCat("job-", n));
+         r->set_next_page_token(n % 2 == 0 ? "a" : "b");
+       },
+       "repeated the page token"},
+      {"empty pages",
+       [&](int n, v1::ListJobsResponse* r) { r->set_next_page_token(absl::StrCat(n)); },
+       "without jobs"},
+      {"the same job under new tokens",
+       [&](int n, v1::ListJobsResponse* r) {
+         job(r, "job-1");
+         r->set_next_page_token(absl::StrCat(n));
+       },
+       "listed job job-1 twice"},
+  };
+  for (const Case& c : cases) {
+    FakeStub stub;
+    stub.list_override = [&](const v1::ListJobsRequest&, v1::ListJobsResponse* r) {
+      if (stub.list_calls > 50) {
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "the client paged forever");
+      }
+      c.pages(stub.list_calls, r);
+      return grpc::Status::OK;
+    };
+    FakeClock clock;
+    std::vector<absl::Duration> sleeps;
+    std::ostringstream out, err;
+    Invocation inv;
+    inv.command = Command::kList;
+    EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), kExitRpcError)
+        << c.what;
+    EXPECT_THAT(err.str(), HasSubstr("INTERNAL")) << c.what;
+    EXPECT_THAT(err.str(), HasSubstr(c.expected)) << c.what;
+    EXPECT_LE(stub.list_calls, 3) << c.what;
+    EXPECT_EQ(out.str(), "") << c.what;
+  }
+}
+
+// New tokens and new jobs forever: bounded by kMaxListPages.
+TEST(Commands, ListFollowsAtMostMaxListPages) {
+  FakeStub stub;
+  stub.list_override = [&](const v1::ListJobsRequest&, v1::ListJobsResponse* r) {
+    if (stub.list_calls > kMaxListPages + 10) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "the client paged forever");
+    }
+    r->add_jobs()->set_job_id(absl::StrCat("job-", stub.list_calls));
+    r->set_next_page_token(absl::StrCat(stub.list_calls));
+    return grpc::Status::OK;
+  };
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  absl::Status status = ListJobs(stub, TestOptions(&clock, &sleeps), out);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(absl::StrCat("more than ", kMaxListPages)));
+  EXPECT_EQ(stub.list_calls, kMaxListPages);
+}
+
+// gRPC 1.51's texts for refused TLS handshakes, as lockstepctl receives them (the first ones
+// observed against a coordinator with --tls_ca, i.e. requiring client certificates): the hint
+// names the flag that is wrong, not every TLS flag.
+TEST(Commands, UnavailableHintNamesTheFlagThatIsWrong) {
+  const std::string failed = "failed to connect to all addresses; last error: ";
+  const std::string closed = failed + "UNAVAILABLE: ipv4:127.0.0.1:4242: Socket closed";
+  const std::string handshake =
+      failed + "UNKNOWN: ipv4:127.0.0.1:4242: Ssl handshake failed: SSL_ERROR_SSL: ";
+  struct Case {
+    std::string what;
+    bool tls;
+    bool client_cert;
+    std::string message;
+    std::string names;      // the hint says this
+    std::string not_named;  // and not this
+  };
+  const std::vector<Case> cases = {
+      {"no client certificate (TLS 1.3)", true, false, closed, "pass --tls_cert and --tls_key",
+       "--tls_ca"},
+      {"a client certificate of another CA, or expired (TLS 1.3)", true, true, closed,
+       "refused this client's certificate: --tls_cert/--tls_key", "--tls_ca"},
+      {"a refused client certificate (TLS 1.2)", true, true,
+       handshake + "error:0A000412:SSL routines::sslv3 alert bad certificate", "--tls_cert",
+       "--tls_ca"},
+      {"no client certificate (TLS 1.3 alert)", true, false,
+       handshake + "error:0A00045C:SSL routines::tlsv13 alert certificate required", "--tls_cert",
+       "--tls_ca"},
+      {"BoringSSL's spelling", true, true, handshake + "SSLV3_ALERT_CERTIFICATE_EXPIRED",
+       "--tls_cert", "--tls_ca"},
+      {"a coordinator certificate from an untrusted CA", true, true,
+       handshake + "error:0A000086:SSL routines::certificate verify failed", "--tls_ca",
+       "--tls_cert"},
+      {"a name the coordinator's certificate lacks", true, false,
+       failed + "UNKNOWN: ipv4:127.0.0.1:4242: Peer name foo is not in peer certificate",
+       "--tls_server_name", "--tls_cert"},
+      {"TLS to a plaintext coordinator", true, false,
+       handshake + "error:0A00010B:SSL routines::wrong version number", "serves no TLS",
+       "--tls_cert/--tls_key signed"},
+      {"plaintext to a TLS coordinator", false, false, closed, "pass --tls_ca", ""},
+      {"nothing listens", true, false,
+       failed + "UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused",
+       "is the coordinator running", "TLS"},
+  };
+  for (const Case& c : cases) {
+    const std::string hint =
+        UnavailableHint(absl::UnavailableError(c.message), c.tls, c.client_cert);
+    EXPECT_THAT(hint, HasSubstr(c.names)) << c.what;
+    if (!c.not_named.empty()) {
+      EXPECT_THAT(hint, ::testing::Not(HasSubstr(c.not_named))) << c.what;
+    }
+  }
+  // An unknown text keeps the hint that names everything.
+  EXPECT_THAT(UnavailableHint(absl::UnavailableError("something new"), true, true),
+              HasSubstr("--tls_ca must be the CA"));
+  EXPECT_THAT(UnavailableHint(absl::UnavailableError("something new"), false, false),
+              HasSubstr("if the coordinator serves TLS, pass --tls_ca"));
+}
+
+TEST(Commands, ARefusedClientCertificateIsBlamedOnTheCertificate) {
+  FakeStub stub;
+  stub.list_override = [](const v1::ListJobsRequest&, v1::ListJobsResponse*) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "failed to connect to all addresses; last error: UNAVAILABLE: "
+                        "ipv4:127.0.0.1:4242: Socket closed");
+  };
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv;
+  inv.command = Command::kList;
+  CommandOptions options = TestOptions(&clock, &sleeps);
+  options.tls = true;
+  options.tls_client_cert = true;
+  EXPECT_EQ(RunCommand(inv, stub, options, out, err), kExitRpcError);
+  EXPECT_THAT(err.str(), HasSubstr("lockstepctl: UNAVAILABLE: failed to connect"));
+  EXPECT_THAT(err.str(), HasSubstr("--tls_cert/--tls_key must be signed by the CA"));
+  EXPECT_THAT(err.str(), ::testing::Not(HasSubstr("--tls_ca"))) << err.str();
+}
+
+// The rule the coordinator applies to its own listening address: a token in plaintext beyond
+// loopback is warned about, once, without showing the token.
+TEST(Commands, APlaintextTokenBeyondLoopbackIsWarnedAbout) {
+  struct Case {
+    std::string coordinator;
+    std::string token;
+    bool tls;
+    Command command;
+    bool warned;
+  };
+  const std::vector<Case> cases = {
+      {"coordinator.example:7070", "s3cret", false, Command::kList, true},
+      {"10.0.0.5:7070", "s3cret", false, Command::kWorkers, true},
+      {"coordinator.example:7070", "s3cret", true, Command::kList, false},
+      {"coordinator.example:7070", "", false, Command::kList, false},
+      {"127.0.0.1:7070", "s3cret", false, Command::kList, false},
+      {"localhost:7070", "s3cret", false, Command::kList, false},
+      {"[::1]:7070", "s3cret", false, Command::kList, false},
+      {"coordinator.example:7070", "s3cret", false, Command::kHelp, false},  // sends nothing
+  };
+  for (const Case& c : cases) {
+    FakeStub stub;  // nothing is dialled: the fake answers
+    FakeClock clock;
+    std::vector<absl::Duration> sleeps;
+    std::ostringstream out, err;
+    Invocation inv;
+    inv.command = c.command;
+    inv.coordinator = c.coordinator;
+    inv.token = c.token;
+    CommandOptions options = TestOptions(&clock, &sleeps);
+    options.tls = c.tls;
+    EXPECT_EQ(RunCommand(inv, stub, options, out, err), kExitOk) << c.coordinator << err.str();
+    const std::string expected =
+        absl::StrCat("lockstepctl: warning: sending the token to ", c.coordinator, " without TLS");
+    if (c.warned) {
+      EXPECT_THAT(err.str(), HasSubstr(expected));
+      EXPECT_EQ(err.str().find("warning"), err.str().rfind("warning")) << "once";
+      EXPECT_THAT(err.str(), ::testing::Not(HasSubstr(c.token)));
+    } else {
+      EXPECT_EQ(err.str(), "") << c.coordinator << " tls=" << c.tls;
+    }
+  }
+}
+
+// ---- export
+
+// The version-3 checkpoint layout (worker/train/checkpoint.cc; checkpoint_test checks the same
+// offsets against WriteCheckpoint): num_params at 96, the checksum at 112, the manifest's length
+// at 120, the manifest from 128. The checksum covers the file with its own field zeroed.
+constexpr size_t kNumParamsAt = 96;
+constexpr size_t kChecksumAt = 112;
+constexpr size_t kManifestAt = 128;
+
+void Put64(std::string& bytes, size_t at, uint64_t value) {
+  std::memcpy(bytes.data() + at, &value, sizeof(value));
+}
+void Seal(std::string& bytes) {
+  if (bytes.size() < kChecksumAt + 8) return;
+  Put64(bytes, kChecksumAt, 0);
+  Put64(bytes, kChecksumAt, kernels::Fnv1a64(bytes.data(), bytes.size()));
+}
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// "w" [2, 3] then "b" [3]: 9 parameters, and a configuration.
+v1::ModelManifest SmallManifest() {
+  v1::ModelManifest m;
+  m.set_architecture("mlp/test");
+  m.set_config_json("{\"model_type\": \"test\", \"n\": 3}");
+  v1::TensorInfo* w = m.add_tensors();
+  w->set_name("w");
+  w->add_shape(2);
+  w->add_shape(3);
+  w->set_offset(0);
+  v1::TensorInfo* b = m.add_tensors();
+  b->set_name("b");
+  b->add_shape(3);
+  b->set_offset(6);
+  return m;
+}
+
+class ExportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = absl::StrCat(::testing::TempDir(), "/export-", getpid(), "-",
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  // A checkpoint (a new file each call) of `num_params` parameters with `manifest` as bytes.
+  std::string Checkpoint(const std::string& manifest, size_t num_params = 9,
+                         const std::string& job = "job-1-abc") {
+    worker::CheckpointData d;
+    d.step = ++step_;
+    d.job_id = job;
+    d.manifest = manifest;
+    for (size_t i = 0; i < num_params; ++i) d.params.push_back(0.5f * i - 1);
+    d.optimizer_state = {1, 2};
+    absl::StatusOr<std::string> path = worker::WriteCheckpoint(dir_ + "/ckpt", d, 1000);
+    EXPECT_TRUE(path.ok()) << path.status();
+    return path.value_or("");
+  }
+  std::string Checkpoint(const v1::ModelManifest& manifest, size_t num_params = 9,
+                         const std::string& job = "job-1-abc") {
+    return Checkpoint(manifest.SerializeAsString(), num_params, job);
+  }
+  int Export(const std::string& checkpoint, const std::string& output, bool force,
+             std::string* err_text = nullptr) {
+    FakeStub stub;
+    FakeClock clock;
+    std::vector<absl::Duration> sleeps;
+    std::ostringstream out, err;
+    Invocation inv;
+    inv.command = Command::kExport;
+    inv.checkpoint = checkpoint;
+    inv.export_output = output;
+    inv.force = force;
+    const int rc = RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err);
+    if (err_text != nullptr) *err_text = err.str();
+    return rc;
+  }
+  std::string dir_;
+  int64_t step_ = 0;
+};
+
+// The safetensors file at `path` for `num_params` parameters: its size agrees with its header,
+// and the header is a JSON object with exactly one key per tensor plus "__metadata__", each
+// tensor's byte range inside the data.
+void ExpectWellFormedSafetensors(const std::string& path, size_t num_params,
+                                 const std::string& context) {
+  const std::string bytes = ReadBytes(path);
+  ASSERT_GE(bytes.size(), 8u) << context;
+  uint64_t header_bytes = 0;
+  std::memcpy(&header_bytes, bytes.data(), 8);
+  ASSERT_EQ(bytes.size(), 8 + header_bytes + num_params * sizeof(float)) << context;
+  google::protobuf::Struct header;
+  ASSERT_TRUE(
+      google::protobuf::util::JsonStringToMessage(bytes.substr(8, header_bytes), &header).ok())
+      << context << ": " << bytes.substr(8, header_bytes);
+  ASSERT_TRUE(header.fields().contains("__metadata__")) << context;
+  const std::string json = bytes.substr(8, header_bytes);
+  size_t keys = 0;  // "dtype" appears once per tensor
+  for (size_t at = json.find("\"dtype\""); at != std::string::npos;
+       at = json.find("\"dtype\"", at + 1)) {
+    ++keys;
+  }
+  EXPECT_EQ(static_cast<size_t>(header.fields_size()), keys + 1)
+      << context << ": a repeated key: " << json;
+  for (const auto& [name, value] : header.fields()) {
+    if (name == "__metadata__") continue;
+    const auto& offsets = value.struct_value().fields().at("data_offsets").list_value();
+    ASSERT_EQ(offsets.values_size(), 2) << context;
+    EXPECT_LE(offsets.values(0).number_value(), offsets.values(1).number_value()) << context;
+    EXPECT_LE(offsets.values(1).number_value(), num_params * sizeof(float)) << context;
+  }
+}
+
+TEST_F(ExportTest, WritesTheModelAndConfigAndReplacesThemOnlyWithForce) {
+  const std::string checkpoint = Checkpoint(SmallManifest());
+  const std::string model = dir_ + "/out/model.safetensors";
+  const std::string config = dir_ + "/out/config.json";
+  std::string err;
+  ASSERT_EQ(Export(checkpoint, model, false, &err), kExitOk) << err;
+  ExpectWellFormedSafetensors(model, 9, "export");
+  EXPECT_EQ(ReadBytes(config), SmallManifest().config_json() + "\n");
+
+  // A second export would replace both: refused, naming the file and --force, nothing touched.
+  std::ofstream(model, std::ios::trunc) << "precious model";
+  ASSERT_EQ(Export(checkpoint, model, false, &err), kExitFileError);
+  EXPECT_THAT(err, HasSubstr("ALREADY_EXISTS: " + model + " already exists"));
+  EXPECT_THAT(err, HasSubstr("pass --force"));
+  EXPECT_EQ(ReadBytes(model), "precious model");
+  // A config.json beside a new model is not silently replaced either, and no model appears.
+  std::filesystem::remove(model);
+  std::ofstream(config, std::ios::trunc) << "precious config";
+  ASSERT_EQ(Export(checkpoint, model, false, &err), kExitFileError);
+  EXPECT_THAT(err, HasSubstr(config + " already exists"));
+  EXPECT_FALSE(std::filesystem::exists(model));
+  EXPECT_EQ(ReadBytes(config), "precious config");
+  // A dangling link counts as a file: writing through it would create its target.
+  std::filesystem::remove(config);
+  std::filesystem::create_symlink(dir_ + "/nowhere", model);
+  EXPECT_EQ(Export(checkpoint, model, false, &err), kExitFileError);
+  EXPECT_THAT(err, HasSubstr(model + " already exists"));
+  EXPECT_FALSE(std::filesystem::exists(config));
+
+  // --force replaces both.
+  std::ofstream(config, std::ios::trunc) << "precious config";
+  ASSERT_EQ(Export(checkpoint, model, true, &err), kExitOk) << err;
+  ExpectWellFormedSafetensors(model, 9, "forced export");
+  EXPECT_EQ(ReadBytes(config), SmallManifest().config_json() + "\n");
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/nowhere")) << "the link is replaced, not followed";
+
+  // Never a directory, and never config.json itself, even with --force.
+  std::filesystem::create_directories(dir_ + "/a-directory");
+  EXPECT_EQ(Export(checkpoint, dir_ + "/a-directory", true, &err), kExitFileError);
+  EXPECT_THAT(err, HasSubstr("is a directory"));
+  EXPECT_EQ(Export(checkpoint, dir_ + "/other/config.json", true, &err), kExitFileError);
+  EXPECT_THAT(err, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/other/config.json"));
+}
+
+// Checkpoints whose manifest cannot describe their parameters, made by hand: each refused with
+// DATA_LOSS naming the file and the problem, before any output exists.
+TEST_F(ExportTest, CraftedManifestsAreRefusedBeforeAnythingIsWritten) {
+  struct Case {
+    std::string what;
+    std::string checkpoint;
+    std::string problem;
+  };
+  std::vector<Case> cases;
+  auto with = [&](const std::string& what, const std::function<void(v1::ModelManifest&)>& edit,
+                  const std::string& problem) {
+    v1::ModelManifest m = SmallManifest();
+    edit(m);
+    cases.push_back({what, Checkpoint(m), problem});
+  };
+  auto shape = [](v1::TensorInfo* t, std::vector<int64_t> dims) {
+    t->clear_shape();
+    for (int64_t d : dims) t->add_shape(d);
+  };
+  // 2^32 x 2^32 elements wraps to 0 in 64 bits: "w" would cover nothing and "b" all 9.
+  with(
+      "a shape whose element count overflows",
+      [&](v1::ModelManifest& m) {
+        shape(m.mutable_tensors(0), {int64_t{1} << 32, int64_t{1} << 32});
+        m.mutable_tensors(1)->set_offset(0);
+        shape(m.mutable_tensors(1), {9});
+      },
+      "more elements than");
+  with(
+      "a dimension of 2^63 - 1",
+      [&](v1::ModelManifest& m) {
+        shape(m.mutable_tensors(0), {std::numeric_limits<int64_t>::max()});
+      },
+      "more elements than");
+  with(
+      "a negative dimension",
+      [&](v1::ModelManifest& m) {
+        shape(m.mutable_tensors(0), {-2, -3});
+      },
+      "dimension 0 is -2");
+  with(
+      "a zero dimension",
+      [&](v1::ModelManifest& m) {
+        shape(m.mutable_tensors(0), {2, 0});
+      },
+      "dimension 1 is 0");
+  with(
+      "bytes beyond the parameters",
+      [&](v1::ModelManifest& m) { shape(m.mutable_tensors(1), {30}); }, "more elements than");
+  with(
+      "a scalar after the last parameter",
+      [&](v1::ModelManifest& m) {
+        v1::TensorInfo* s = m.add_tensors();
+        s->set_name("s");
+        s->set_offset(9);
+      },
+      "lies beyond");
+  with(
+      "an offset at 2^63",
+      [&](v1::ModelManifest& m) { m.mutable_tensors(1)->set_offset(uint64_t{1} << 63); },
+      "starts at 9223372036854775808");
+  with(
+      "a gap", [&](v1::ModelManifest& m) { m.mutable_tensors(1)->set_offset(7); }, "starts at 7");
+  with(
+      "an overlap", [&](v1::ModelManifest& m) { m.mutable_tensors(1)->set_offset(5); },
+      "starts at 5");
+  with(
+      "too few tensors", [&](v1::ModelManifest& m) { m.mutable_tensors()->RemoveLast(); },
+      "cover 6 of 9");
+  with(
+      "a repeated name", [&](v1::ModelManifest& m) { m.mutable_tensors(1)->set_name("w"); },
+      "\"w\" appears twice");
+  with(
+      "a tensor named __metadata__",
+      [&](v1::ModelManifest& m) { m.mutable_tensors(1)->set_name("__metadata__"); },
+      "reserved key");
+  with(
+      "a tensor without a name", [&](v1::ModelManifest& m) { m.mutable_tensors(1)->set_name(""); },
+      "has no name");
+  with(
+      "a configuration that is not JSON",
+      [&](v1::ModelManifest& m) { m.set_config_json("{\"model_type\": "); },
+      "configuration is not a JSON object");
+  cases.push_back({"manifest bytes that do not parse", Checkpoint(std::string("\xff\xff\xff\x0f")),
+                   "does not parse"});
+  cases.push_back(
+      {"a job id that is not UTF-8", Checkpoint(SmallManifest(), 9, "job-\xff\xfe"), "not UTF-8"});
+  // The 200-byte file that used to abort the export: it announces 2^34 parameters.
+  std::string huge = ReadBytes(Checkpoint(SmallManifest())).substr(0, 200);
+  Put64(huge, kNumParamsAt, uint64_t{1} << 34);
+  Seal(huge);
+  const std::string huge_path = dir_ + "/huge.ckpt";
+  std::ofstream(huge_path, std::ios::binary) << huge;
+  cases.push_back({"a 200-byte file announcing 64 GiB", huge_path, "truncated"});
+
+  for (const Case& c : cases) {
+    const std::string model = dir_ + "/out/model.safetensors";
+    std::ostringstream out;
+    absl::Status status = ExportCheckpoint(c.checkpoint, model, out);
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << c.what << ": " << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.checkpoint)) << c.what;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.problem)) << c.what;
+    EXPECT_FALSE(std::filesystem::exists(model)) << c.what;
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/out/config.json")) << c.what;
+    EXPECT_EQ(out.str(), "") << c.what;
+  }
+  // A checkpoint of the earlier format, without a manifest: what to do instead.
+  std::ostringstream out;
+  EXPECT_EQ(ExportCheckpoint(Checkpoint(std::string()), dir_ + "/x.safetensors", out).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// A deterministic loop over a few thousand checkpoints: random manifests (shapes, offsets and
+// names drawn from values that broke readers before) and random byte mutations of a valid
+// manifest, each sealed with a valid checksum so that it reaches export's own checks. Export
+// never crashes; it succeeds with a well-formed file, or refuses with DATA_LOSS.
+TEST_F(ExportTest, FuzzedCheckpointsNeverCrashExport) {
+  // A template file: every fuzzed checkpoint is its header with new counts, a new manifest and
+  // new values, resealed (written without fsync: thousands of them).
+  const std::string base = ReadBytes(Checkpoint(SmallManifest()));
+  ASSERT_GT(base.size(), kManifestAt);
+  const std::string serialized = SmallManifest().SerializeAsString();
+  std::mt19937_64 rng(1234567);
+  const int64_t dims[] = {-1,
+                          0,
+                          1,
+                          2,
+                          3,
+                          9,
+                          int64_t{1} << 31,
+                          int64_t{1} << 32,
+                          int64_t{1} << 62,
+                          std::numeric_limits<int64_t>::max(),
+                          std::numeric_limits<int64_t>::min()};
+  const std::string names[] = {"w", "b", "c", "__metadata__", "", "w\"\\", "\xc3\xa9"};
+  const std::string path = dir_ + "/fuzz.ckpt";
+  const std::string model = dir_ + "/fuzz-out/model.safetensors";
+  int written = 0, refused = 0;
+  for (int i = 0; i < 2000; ++i) {
+    std::string manifest;
+    size_t num_params = rng() % 13;
+    if (i % 2 == 0) {
+      v1::ModelManifest m;
+      m.set_config_json(rng() % 4 == 0 ? "[1" : "{}");
+      uint64_t next = 0;
+      const int tensors = static_cast<int>(rng() % 5);
+      for (int t = 0; t < tensors; ++t) {
+        v1::TensorInfo* info = m.add_tensors();
+        info->set_name(rng() % 3 == 0 ? names[rng() % std::size(names)] : absl::StrCat("t", t));
+        uint64_t count = 1;
+        const int rank = static_cast<int>(rng() % 3);
+        for (int d = 0; d < rank; ++d) {
+          // Mostly small and valid, so that many manifests are well-formed.
+          const int64_t dim =
+              rng() % 3 == 0 ? dims[rng() % std::size(dims)] : static_cast<int64_t>(1 + rng() % 3);
+          info->add_shape(dim);
+          count *= static_cast<uint64_t>(dim);  // may wrap: it is only a guess for the offsets
+        }
+        info->set_offset(rng() % 4 == 0 ? rng() % 16 : next);
+        next += count;
+      }
+      if (rng() % 2 == 0 && next <= 12) num_params = next;  // often exactly right
+      manifest = m.SerializeAsString();
+    } else {
+      manifest = serialized;
+      num_params = rng() % 4 == 0 ? rng() % 13 : 9;
+      const int mutations = 1 + static_cast<int>(rng() % 3);
+      for (int k = 0; k < mutations && !manifest.empty(); ++k) {
+        const size_t at = rng() % manifest.size();
+        switch (rng() % 3) {
+          case 0:
+            manifest[at] = static_cast<char>(rng());
+            break;
+          case 1:
+            manifest.resize(at);
+            break;
+          case 2:
+            manifest.insert(at, 1, static_cast<char>(rng()));
+            break;
+        }
+      }
+    }
+    std::string bytes = base.substr(0, kManifestAt - 8);
+    Put64(bytes, kNumParamsAt, num_params);
+    Put64(bytes, kNumParamsAt + 8, 0);  // no optimizer state
+    bytes.append(8, '\0');
+    Put64(bytes, kManifestAt - 8, manifest.size());
+    bytes += manifest;
+    for (size_t p = 0; p < num_params; ++p) {
+      const float value = 0.25f * static_cast<float>(p);
+      bytes.append(reinterpret_cast<const char*>(&value), sizeof(value));
+    }
+    Seal(bytes);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    std::ostringstream out;
+    const absl::Status status = ExportCheckpoint(path, model, out, /*force=*/true);
+    const std::string context = absl::StrCat("case ", i, ": ", status.ToString());
+    if (status.ok()) {
+      ++written;
+      ExpectWellFormedSafetensors(model, num_params, context);
+    } else {
+      ++refused;
+      EXPECT_TRUE(absl::IsDataLoss(status) || absl::IsFailedPrecondition(status)) << context;
+      EXPECT_THAT(std::string(status.message()), HasSubstr(path)) << context;
+    }
+  }
+  // Both outcomes happen, or the loop tested less than it seems to.
+  EXPECT_GT(written, 100);
+  EXPECT_GT(refused, 500);
 }
 
 }  // namespace

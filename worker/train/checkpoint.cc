@@ -24,6 +24,11 @@ namespace {
 constexpr char kMagic[8] = {'L', 'S', 'C', 'K', 'P', 'T', '3', '\0'};
 constexpr char kMagicV2[8] = {'L', 'S', 'C', 'K', 'P', 'T', '2', '\0'};
 constexpr char kOldMagic[8] = {'L', 'S', 'C', 'K', 'P', 'T', '1', '\0'};
+// Bounds on what a header may announce, far above any model this trains (2^34 floats are 64 GiB),
+// so that a damaged count is named as such rather than read as a size.
+constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 26;
+constexpr uint64_t kMaxParams = uint64_t{1} << 34;
+constexpr uint64_t kMaxOptimizerFloats = uint64_t{1} << 35;
 constexpr char kStepInfix[] = ".step-";
 constexpr char kSuffix[] = ".ckpt";
 
@@ -90,11 +95,31 @@ std::vector<Listed> ListCheckpoints(const std::string& dir, const std::string& j
 }  // namespace
 
 absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
+  // The file is untrusted input (lockstepctl export reads whatever it is given): every length in
+  // it is checked against the bytes the file actually holds before anything is allocated, so a
+  // small crafted file cannot ask for gigabytes, and no sum or product below can wrap.
+  std::error_code ec;
+  const std::filesystem::file_status status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status)) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  }
+  if (!std::filesystem::is_regular_file(status)) {
+    // A directory, a FIFO or a device (/dev/zero would never end) is not a checkpoint.
+    return absl::DataLossError(absl::StrCat(path, ": not a regular file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  // The size of the file opened, not of whatever the name pointed at a moment ago.
+  if (!in.seekg(0, std::ios::end)) return absl::DataLossError(absl::StrCat(path, ": unreadable"));
+  const std::streamoff end = in.tellg();
+  if (end < 0 || !in.seekg(0, std::ios::beg)) {
+    return absl::DataLossError(absl::StrCat(path, ": unreadable"));
+  }
+  const uint64_t file_size = static_cast<uint64_t>(end);
   Header h{};
-  if (!in.read(reinterpret_cast<char*>(&h), sizeof(h))) {
-    return absl::DataLossError(absl::StrCat(path, ": truncated header"));
+  if (file_size < sizeof(h) || !in.read(reinterpret_cast<char*>(&h), sizeof(h))) {
+    return absl::DataLossError(absl::StrCat(path, ": truncated header (", file_size,
+                                            " bytes, a header is ", sizeof(h), ")"));
   }
   if (std::memcmp(h.magic, kOldMagic, sizeof(kOldMagic)) == 0) {
     return absl::DataLossError(
@@ -104,20 +129,46 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
   if (!v3 && std::memcmp(h.magic, kMagicV2, sizeof(kMagicV2)) != 0) {
     return absl::DataLossError(absl::StrCat(path, ": not a Lockstep checkpoint"));
   }
+  if (h.job_id[sizeof(h.job_id) - 1] != '\0') {
+    return absl::DataLossError(absl::StrCat(path, ": implausible header (job id not terminated)"));
+  }
+  uint64_t left = file_size - sizeof(h);  // bytes after what has been read so far
   std::string manifest;
   if (v3) {
     ManifestLength length{};
-    if (!in.read(reinterpret_cast<char*>(&length), sizeof(length)) || length.bytes > (1u << 26)) {
-      return absl::DataLossError(absl::StrCat(path, ": truncated or implausible model manifest"));
+    if (left < sizeof(length) || !in.read(reinterpret_cast<char*>(&length), sizeof(length))) {
+      return absl::DataLossError(absl::StrCat(path, ": truncated model manifest length"));
+    }
+    left -= sizeof(length);
+    if (length.bytes > kMaxManifestBytes) {
+      return absl::DataLossError(absl::StrCat(path, ": implausible model manifest of ",
+                                              length.bytes, " bytes (at most ", kMaxManifestBytes,
+                                              ")"));
+    }
+    if (length.bytes > left) {
+      return absl::DataLossError(absl::StrCat(path, ": truncated model manifest (", length.bytes,
+                                              " bytes announced, ", left, " left in the file)"));
     }
     manifest.resize(length.bytes);
     if (!in.read(manifest.data(), static_cast<std::streamsize>(manifest.size()))) {
       return absl::DataLossError(absl::StrCat(path, ": truncated model manifest"));
     }
+    left -= length.bytes;
   }
-  if (h.num_params > (uint64_t{1} << 34) || h.optimizer_floats > (uint64_t{1} << 35) ||
-      h.job_id[sizeof(h.job_id) - 1] != '\0') {
-    return absl::DataLossError(absl::StrCat(path, ": implausible header"));
+  if (h.num_params > kMaxParams || h.optimizer_floats > kMaxOptimizerFloats) {
+    return absl::DataLossError(absl::StrCat(path, ": implausible header (", h.num_params,
+                                            " parameters, ", h.optimizer_floats,
+                                            " optimizer values)"));
+  }
+  // Both counts are below 2^36 here, so neither the sum nor the byte count can overflow.
+  const uint64_t payload = (h.num_params + h.optimizer_floats) * sizeof(float);
+  if (payload > left) {
+    return absl::DataLossError(absl::StrCat(path, ": truncated (the header announces ", payload,
+                                            " bytes of values, the file holds ", left, ")"));
+  }
+  if (payload < left) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": trailing bytes (", left - payload, " after the values)"));
   }
   CheckpointData data;
   data.step = h.step;
@@ -127,12 +178,15 @@ absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path) {
   data.manifest = std::move(manifest);
   data.params.resize(h.num_params);
   data.optimizer_state.resize(h.optimizer_floats);
-  if (!in.read(reinterpret_cast<char*>(data.params.data()), h.num_params * sizeof(float)) ||
+  if (!in.read(reinterpret_cast<char*>(data.params.data()),
+               static_cast<std::streamsize>(h.num_params * sizeof(float))) ||
       !in.read(reinterpret_cast<char*>(data.optimizer_state.data()),
-               h.optimizer_floats * sizeof(float))) {
+               static_cast<std::streamsize>(h.optimizer_floats * sizeof(float)))) {
+    // The file shrank while it was read.
     return absl::DataLossError(absl::StrCat(path, ": truncated"));
   }
   if (in.peek() != std::char_traits<char>::eof()) {
+    // ... or grew.
     return absl::DataLossError(absl::StrCat(path, ": trailing bytes"));
   }
   if (Checksum(h, data.manifest, data.params, data.optimizer_state) != h.checksum) {
@@ -191,8 +245,8 @@ absl::StatusOr<CheckpointData> LoadLatestCheckpoint(const std::string& dir,
     if (c.step <= after_step) break;
     std::string problem;
     if (c.step > max_step) {
-      problem = absl::StrCat(c.path, ": step ", c.step, " is beyond the job's ", max_step,
-                             " steps");
+      problem =
+          absl::StrCat(c.path, ": step ", c.step, " is beyond the job's ", max_step, " steps");
     } else if (absl::StatusOr<CheckpointData> data = ReadCheckpoint(c.path); !data.ok()) {
       problem = std::string(data.status().message());
     } else if (data->job_id != job_id) {
@@ -240,7 +294,8 @@ absl::StatusOr<CheckpointData> LoadCheckpointForInit(const std::string& path,
                                             " holds no valid checkpoint of this model"));
   }
   if (!std::filesystem::exists(path, ec)) {
-    return absl::NotFoundError(absl::StrCat("init_from_checkpoint.path: ", path, " does not exist"));
+    return absl::NotFoundError(
+        absl::StrCat("init_from_checkpoint.path: ", path, " does not exist"));
   }
   absl::StatusOr<CheckpointData> data = ReadCheckpoint(path);
   if (!data.ok()) {

@@ -16,7 +16,7 @@ namespace lockstep::worker {
 
 struct CheckpointData {
   int64_t step = 0;
-  std::string job_id;                // at most 63 bytes
+  std::string job_id;                 // at most 63 bytes
   uint64_t training_fingerprint = 0;  // TrainingFingerprint of the job's spec
   // The model's and optimizer's shapes (Trainer::ModelFingerprint): what init_from_checkpoint
   // must match.
@@ -46,7 +46,10 @@ absl::StatusOr<CheckpointData> LoadLatestCheckpoint(const std::string& dir,
                                                     std::vector<std::string>* skipped = nullptr);
 
 // Reads and verifies one checkpoint file: NOT_FOUND when it cannot be opened, DATA_LOSS naming
-// the file and what is wrong (not a checkpoint, truncated, checksum mismatch).
+// the file and what is wrong (not a regular file, not a checkpoint, truncated, trailing bytes,
+// an implausible length, checksum mismatch). Safe on untrusted files: every length in the file
+// is checked against the file's size before anything is allocated for it. The manifest comes
+// back unparsed and unchecked (CheckManifest in common/safetensors.h checks it).
 absl::StatusOr<CheckpointData> ReadCheckpoint(const std::string& path);
 
 // For LoadCheckpointForInit: any optimizer state will do (it is not loaded).

@@ -1,0 +1,123 @@
+"""pytest tests of the installed Python client that need no cluster: list() against a fake
+coordinator (an in-process gRPC server on 127.0.0.1) that pages in circles, and the warning for
+a token sent in plaintext beyond loopback. client_test.py runs them with test_client.py."""
+import warnings
+from concurrent import futures
+
+import grpc
+import pytest
+
+import lockstep
+import lockstep.client
+from lockstep.v1 import job_pb2, job_pb2_grpc
+
+# Calls the fake server answers before it refuses: a client that pages forever gets an error it
+# does not expect, instead of hanging the test.
+_CALLS_BEFORE_REFUSING = 50
+
+
+class _Pager(job_pb2_grpc.JobServiceServicer):
+    """ListJobs answered by `pages(request_token, call_number)` -> (job ids, next token)."""
+
+    def __init__(self, pages):
+        self.pages = pages
+        self.calls = 0
+
+    def ListJobs(self, request, context):
+        self.calls += 1
+        if self.calls > _CALLS_BEFORE_REFUSING:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the client paged forever")
+        ids, token = self.pages(request.page_token, self.calls)
+        return job_pb2.ListJobsResponse(jobs=[job_pb2.Job(job_id=i) for i in ids],
+                                        next_page_token=token, total_jobs=3)
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(pages):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pager = _Pager(pages)
+        job_pb2_grpc.add_JobServiceServicer_to_server(pager, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}", pager
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+def test_list_follows_every_page(serve):
+    pages = {"": (["job-3"], "2"), "2": (["job-2"], "1"), "1": (["job-1"], "")}
+    address, pager = serve(lambda token, _: pages[token])
+    with lockstep.Client(address) as c:
+        assert [j.job_id for j in c.list()] == ["job-3", "job-2", "job-1"]
+    assert pager.calls == 3
+
+
+@pytest.mark.parametrize("what,pages,expected", [
+    ("the same token again", lambda token, n: ([f"job-{n}"], "same"), "repeated the page token"),
+    ("tokens in a cycle", lambda token, n: ([f"job-{n}"], "ab"[n % 2]), "repeated the page token"),
+    ("empty pages", lambda token, n: ([], str(n)), "without jobs"),
+    ("the same jobs under new tokens", lambda token, n: (["job-1"], str(n)), "listed job"),
+])
+def test_list_stops_when_the_server_pages_in_circles(serve, what, pages, expected):
+    address, pager = serve(pages)
+    with lockstep.Client(address) as c:
+        with pytest.raises(lockstep.LockstepError) as e:
+            c.list()
+    assert e.value.code == grpc.StatusCode.INTERNAL, what
+    assert expected in e.value.message, what
+    assert pager.calls <= 3, what
+
+
+def test_list_is_bounded_in_pages(serve, monkeypatch):
+    monkeypatch.setattr(lockstep.client, "MAX_LIST_PAGES", 7)
+    address, pager = serve(lambda token, n: ([f"job-{n}"], str(n)))
+    with lockstep.Client(address) as c:
+        with pytest.raises(lockstep.LockstepError) as e:
+            c.list()
+    assert e.value.code == grpc.StatusCode.INTERNAL
+    assert "more than 7 pages" in e.value.message
+    assert pager.calls == 7
+
+
+def _warnings_of(make):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make().close()
+    return [w for w in caught if issubclass(w.category, lockstep.InsecureTokenWarning)]
+
+
+# Channels connect lazily and these clients make no call: nothing is sent to any address.
+@pytest.mark.parametrize("address", ["coordinator.invalid:7070", "dns:///coordinator.invalid:7070",
+                                     "0.0.0.0:7070"])
+def test_a_plaintext_token_beyond_loopback_warns_once(address, monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_TOKEN", raising=False)
+    caught = _warnings_of(lambda: lockstep.Client(address, token="secret"))
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert address in message and "without TLS" in message, message
+    assert "secret" not in message
+    assert caught[0].filename == __file__, "the warning points at the caller's line"
+    # The token from the environment is sent too.
+    monkeypatch.setenv("LOCKSTEP_TOKEN", "from-env")
+    assert len(_warnings_of(lambda: lockstep.Client(address))) == 1
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:7070", "127.3.2.1:7070", "localhost:7070",
+                                     "[::1]:7070", "ipv4:127.0.0.1:7070", "unix:/tmp/l.sock"])
+def test_no_warning_on_loopback(address, monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_TOKEN", raising=False)
+    assert _warnings_of(lambda: lockstep.Client(address, token="secret")) == []
+
+
+def test_no_warning_without_a_token_or_with_tls(monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_TOKEN", raising=False)
+    assert _warnings_of(lambda: lockstep.Client("coordinator.invalid:7070")) == []
+    assert _warnings_of(lambda: lockstep.Client("coordinator.invalid:7070", token="")) == []
+    assert _warnings_of(
+        lambda: lockstep.Client("coordinator.invalid:7070", token="secret", tls=True)) == []
