@@ -8,11 +8,8 @@
 //
 //   control_plane_bench --coordinator=build/coordinator/lockstep-coordinator
 //       --workers=1024,4096,10000 --out=bench/results/control_plane.json
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -39,6 +36,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/client_callback.h"
+#include "bench/coordinator_process.h"
 #include "bench/sim_workers.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
@@ -55,33 +53,11 @@ namespace lockstep {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using bench::ProcessStats;
+using bench::Stats;
 
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-struct ProcessStats {
-  double cpu_s = 0;
-  int64_t rss_bytes = 0;
-  int64_t threads = 0;
-};
-
-ProcessStats Stats(pid_t pid) {
-  ProcessStats s;
-  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
-  for (std::string line; std::getline(status, line);) {
-    std::vector<std::string> f = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
-    if (f.size() >= 2 && f[0] == "VmRSS:") s.rss_bytes = std::stoll(f[1]) * 1024;
-    if (f.size() >= 2 && f[0] == "Threads:") s.threads = std::stoll(f[1]);
-  }
-  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
-  std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  // Fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
-  std::vector<std::string> f = absl::StrSplit(all.substr(all.rfind(')') + 2), ' ');
-  if (f.size() > 12) {
-    s.cpu_s = (std::stod(f[11]) + std::stod(f[12])) / static_cast<double>(sysconf(_SC_CLK_TCK));
-  }
-  return s;
 }
 
 struct Result {
@@ -94,50 +70,25 @@ struct Result {
 Result RunOne(int n) {
   Result r;
   r.workers = n;
-  const std::string dir = absl::StrCat(std::filesystem::temp_directory_path().string(),
-                                       "/lockstep-control-plane-", getpid(), "-", n);
-  std::filesystem::create_directories(dir);
-  const std::string port_file = dir + "/port";
-  const std::string log = dir + "/coordinator.log";
-  std::vector<std::string> args = {absl::GetFlag(FLAGS_coordinator), "--listen=127.0.0.1:0",
-                                   "--port_file=" + port_file};
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  posix_spawn_file_actions_t files;
-  posix_spawn_file_actions_init(&files);
-  posix_spawn_file_actions_addopen(&files, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  const int spawned = posix_spawn(&pid, argv[0], &files, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&files);
-  if (spawned != 0) {
-    r.error = "cannot start " + args[0];
+  absl::StatusOr<std::unique_ptr<bench::CoordinatorProcess>> coordinator =
+      bench::CoordinatorProcess::Start(
+          absl::GetFlag(FLAGS_coordinator),
+          absl::StrCat(std::filesystem::temp_directory_path().string(), "/lockstep-control-plane-",
+                       getpid(), "-", n),
+          {}, absl::GetFlag(FLAGS_keep_logs));
+  if (!coordinator.ok()) {
+    r.error = std::string(coordinator.status().message());
     return r;
   }
+  const pid_t pid = (*coordinator)->pid();
+  const std::string address = (*coordinator)->address();
   auto stop = [&] {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-    if (r.error.empty() && !absl::GetFlag(FLAGS_keep_logs)) {
-      std::filesystem::remove_all(dir);
-    } else if (r.error.empty()) {
-      std::cerr << "N = " << n << ": the coordinator's log: " << log << "\n";
-    } else {
-      std::cerr << "N = " << n << ": " << r.error << "; the coordinator's log: " << log << "\n";
+    if (!r.error.empty()) {
+      std::cerr << "N = " << n << ": " << r.error << "\n";
+      (*coordinator)->KeepLog();
     }
+    coordinator->reset();
   };
-  std::string port;
-  for (int i = 0; i < 200 && port.empty(); ++i) {
-    std::ifstream(port_file) >> port;
-    int parsed = 0;
-    if (!absl::SimpleAtoi(port, &parsed) || parsed <= 0) port.clear();
-    if (port.empty()) absl::SleepFor(absl::Milliseconds(50));
-  }
-  if (port.empty()) {
-    r.error = "the coordinator wrote no port file";
-    stop();
-    return r;
-  }
-  const std::string address = "127.0.0.1:" + port;
   const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_phase_timeout_s));
 
   const auto t_register = Clock::now();

@@ -402,15 +402,26 @@ void Core::ObserveTime(absl::Time now) {
   for (auto& [id, w] : workers_) {
     if (w.state != WorkerState::kLost) w.last_heartbeat = std::min(now, w.last_heartbeat + credit);
   }
-  for (const std::string& id : live_) {
+  // (Every live job: an absence is rare, and this is the one cost that grows with them.)
+  for (const std::set<JobKey>* index : {&active_, &pending_}) {
+    for (const auto& [seq, id] : *index) {
+      JobRecord& job = jobs_.at(id);
+      if (job.last_advance != absl::InfinitePast()) {
+        job.last_advance = std::min(now, job.last_advance + credit);
+      }
+      if (job.reconfigure_since != absl::InfinitePast()) {
+        job.reconfigure_since = std::min(now, job.reconfigure_since + credit);
+      }
+      job.pending_since = std::min(now, job.pending_since + credit);
+    }
+  }
+  pending_deadlines_.clear();
+  for (const auto& [seq, id] : pending_) {
     JobRecord& job = jobs_.at(id);
-    if (job.last_advance != absl::InfinitePast()) {
-      job.last_advance = std::min(now, job.last_advance + credit);
-    }
-    if (job.reconfigure_since != absl::InfinitePast()) {
-      job.reconfigure_since = std::min(now, job.reconfigure_since + credit);
-    }
-    job.pending_since = std::min(now, job.pending_since + credit);
+    if (job.pending_deadline == absl::InfiniteFuture()) continue;
+    job.pending_deadline =
+        job.pending_since + absl::Milliseconds(job.job.spec().rendezvous_timeout_ms());
+    pending_deadlines_.emplace(job.pending_deadline, id);
   }
   last_absence_ = gap;
   // Sessions that broke during the absence (their keepalives went unanswered) are heard of
@@ -773,18 +784,16 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
                    options_.job_id_suffix.empty() ? "" : "-", options_.job_id_suffix);
   record.job.set_job_id(id);
   *record.job.mutable_spec() = std::move(spec);
-  record.job.set_state(v1::JOB_STATE_PENDING);
   record.job.set_submit_time_unix_ms(UnixMs(now));
   record.submitted = now;
   record.pending_since = now;
   record.submit_seq = next_job_seq_ - 1;
   JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
-  pending_.push_back(id);
-  order_.push_back(id);
-  live_.push_back(id);
+  order_.insert(KeyOf(job));
+  SetState(job, v1::JOB_STATE_PENDING);
   AddEvent(job, v1::JobEvent::STATE, "submitted", now, out);
   if (schedule) Schedule(now, out);
-  return job.job;
+  return View(job);
 }
 
 int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out) {
@@ -816,12 +825,11 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
         EstimateWorkerMemory(record.job.spec(), MinMicroBatch(record.job.spec())).total();
     record.timeline_ids_stale = true;
     JobRecord& job = jobs_.emplace(id, std::move(record)).first->second;
-    order_.push_back(id);
+    order_.insert(KeyOf(job));
     if (IsTerminal(job.job.state())) continue;
-    live_.push_back(id);
     ++resuming;
     if (job.job.state() == v1::JOB_STATE_PENDING) {
-      pending_.push_back(id);
+      SetState(job, v1::JOB_STATE_PENDING);
       AddEvent(job, v1::JobEvent::STATE, "coordinator restarted; queued again", now, out);
       continue;
     }
@@ -853,15 +861,46 @@ absl::StatusOr<v1::Job> Core::CancelJob(const std::string& job_id, absl::Time no
                                                       v1::JobState_Name(job->job.state()), ")"));
   }
   FinishJob(*job, v1::JOB_STATE_CANCELLED, "cancelled by user", now, out);
-  Schedule(now, out);
-  return job->job;
+  return View(*job);
 }
 
 absl::StatusOr<v1::Job> Core::GetJob(const std::string& job_id) const {
   auto it = jobs_.find(job_id);
   if (it == jobs_.end())
     return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
-  return it->second.job;
+  return View(it->second);
+}
+
+v1::Job Core::View(const JobRecord& job) const {
+  v1::Job view = job.job;
+  if (view.state() == v1::JOB_STATE_PENDING && !pending_.empty() &&
+      pending_.begin()->second != view.job_id()) {
+    const JobRecord& head = jobs_.at(pending_.begin()->second);
+    view.set_reason(absl::StrCat("queued behind ", head.job.job_id(), ", which is ",
+                                 head.job.reason()));
+  }
+  return view;
+}
+
+void Core::SetState(JobRecord& job, v1::JobState state) {
+  const JobKey key = KeyOf(job);
+  if (job.pending_deadline != absl::InfiniteFuture()) {
+    pending_deadlines_.erase({job.pending_deadline, job.job.job_id()});
+    job.pending_deadline = absl::InfiniteFuture();
+  }
+  pending_.erase(key);
+  active_.erase(key);
+  job.job.set_state(state);
+  if (state == v1::JOB_STATE_PENDING) {
+    pending_.insert(key);
+    if (job.job.spec().rendezvous_timeout_ms() > 0) {
+      job.pending_deadline =
+          job.pending_since + absl::Milliseconds(job.job.spec().rendezvous_timeout_ms());
+      pending_deadlines_.emplace(job.pending_deadline, job.job.job_id());
+    }
+  } else if (!IsTerminal(state)) {
+    active_.insert(key);
+  }
 }
 
 absl::StatusOr<v1::ListJobsResponse> Core::ListJobs(const v1::ListJobsRequest& request) const {
@@ -886,9 +925,9 @@ absl::StatusOr<v1::ListJobsResponse> Core::ListJobs(const v1::ListJobsRequest& r
   page.set_total_jobs(static_cast<int64_t>(order_.size()));
   size_t bytes = 0;
   uint64_t last = 0;
-  for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
-    const JobRecord& record = jobs_.at(*it);
-    if (record.submit_seq >= before) continue;
+  for (auto it = std::make_reverse_iterator(order_.lower_bound({before, ""}));
+       it != order_.rend(); ++it) {
+    const JobRecord& record = jobs_.at(it->second);
     const size_t size = record.job.ByteSizeLong();
     if (page.jobs_size() > 0 &&
         (static_cast<size_t>(page.jobs_size()) == page_size || bytes + size > kMaxJobsPageBytes)) {
@@ -897,7 +936,7 @@ absl::StatusOr<v1::ListJobsResponse> Core::ListJobs(const v1::ListJobsRequest& r
     }
     bytes += size;
     last = record.submit_seq;
-    *page.add_jobs() = record.job;
+    *page.add_jobs() = View(record);
   }
   return page;
 }
@@ -984,9 +1023,11 @@ void Core::Tick(absl::Time now, Decisions* out) {
                      now, out);
     }
   }
-  const std::vector<std::string> live = live_;  // a job that ends here prunes live_
-  for (const std::string& id : live) {
+  // Running and re-forming jobs (a copy: a job that ends here leaves active_).
+  const std::vector<JobKey> active(active_.begin(), active_.end());
+  for (const auto& [seq, id] : active) {
     JobRecord& job = jobs_.at(id);
+    if (IsTerminal(job.job.state())) continue;
     const v1::JobSpec& spec = job.job.spec();
     if (job.job.state() == v1::JOB_STATE_RUNNING) {
       const absl::Duration step_timeout = absl::Milliseconds(spec.step_timeout_ms());
@@ -1009,15 +1050,17 @@ void Core::Tick(absl::Time now, Decisions* out) {
                              spec.min_workers(), " workers (rendezvous_timeout_ms ",
                              spec.rendezvous_timeout_ms(), "); ", job.job.reason()),
                 now, out);
-    } else if (job.job.state() == v1::JOB_STATE_PENDING && spec.rendezvous_timeout_ms() > 0 &&
-               now - job.pending_since > absl::Milliseconds(spec.rendezvous_timeout_ms())) {
-      FinishJob(job, v1::JOB_STATE_FAILED,
-                absl::StrCat("waited ", Seconds1(now - job.pending_since), " for ",
-                             spec.min_workers(),
-                             " workers (rendezvous_timeout_ms ", spec.rendezvous_timeout_ms(),
-                             "); ", job.job.reason()),
-                now, out);
     }
+  }
+  // Queued jobs whose rendezvous_timeout passed: only those, in deadline order.
+  while (!pending_deadlines_.empty() && pending_deadlines_.begin()->first < now) {
+    JobRecord& job = jobs_.at(pending_deadlines_.begin()->second);
+    const v1::JobSpec& spec = job.job.spec();
+    FinishJob(job, v1::JOB_STATE_FAILED,
+              absl::StrCat("waited ", Seconds1(now - job.pending_since), " for ",
+                           spec.min_workers(), " workers (rendezvous_timeout_ms ",
+                           spec.rendezvous_timeout_ms(), "); ", View(job).reason()),
+              now, out);
   }
   PruneLostWorkers();
   Schedule(now, out);
@@ -1061,28 +1104,19 @@ std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t 
 }
 
 void Core::Schedule(absl::Time now, Decisions* out) {
-  // What follows costs the jobs still live, never the ones that ended.
-  live_.erase(std::remove_if(live_.begin(), live_.end(),
-                             [&](const std::string& id) {
-                               return IsTerminal(jobs_.at(id).job.state());
-                             }),
-              live_.end());
+  // What follows costs the running and re-forming jobs and the head of the queue, never the
+  // jobs queued behind it or the ones that ended.
   // 1. Jobs that lost members come first: they hold state and committed steps. (A copy: a job
-  // that fails while re-forming schedules again, which prunes live_.)
-  const std::vector<std::string> live = live_;
-  for (const std::string& id : live) {
+  // that fails while re-forming leaves active_.)
+  const std::vector<JobKey> active(active_.begin(), active_.end());
+  for (const auto& [seq, id] : active) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() == v1::JOB_STATE_RECONFIGURING) TryReform(job, now, out);
   }
   // 2. Strict FIFO gang scheduling: the head job waits until its min_workers are idle, and
-  // later jobs wait behind it so that a large job cannot starve.
-  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
-                                [&](const std::string& id) {
-                                  return jobs_.at(id).job.state() != v1::JOB_STATE_PENDING;
-                                }),
-                 pending_.end());
+  // later jobs wait behind it so that a large job cannot starve (View says so for them).
   while (!pending_.empty()) {
-    JobRecord& job = jobs_.at(pending_.front());
+    JobRecord& job = jobs_.at(pending_.begin()->second);
     const v1::JobSpec& spec = job.job.spec();
     std::vector<RankCandidate> left_out;
     const std::vector<RankCandidate> fitting =
@@ -1103,25 +1137,15 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         job.job.set_reason(reason);
         out->changed_jobs.insert(job.job.job_id());
       }
-      // The jobs behind it say what they wait for.
-      const std::string behind = absl::StrCat("queued behind ", job.job.job_id(), ", which is ", reason);
-      for (size_t i = 1; i < pending_.size(); ++i) {
-        v1::Job& queued = jobs_.at(pending_[i]).job;
-        if (queued.reason() != behind) {
-          queued.set_reason(behind);
-          out->changed_jobs.insert(queued.job_id());
-        }
-      }
-      return;  // nothing below may overtake the head job
+      break;  // nothing may overtake the head job
     }
     idle.resize(std::min<size_t>(idle.size(), spec.max_workers()));
-    pending_.erase(pending_.begin());
     StartGeneration(job, AssignRanks({}, std::move(idle)), now, out);
   }
   // 3. Spares: a running job below max_workers grows onto idle workers, once its current
   // generation has completed a step (so every re-formation is followed by progress), and
   // never once it has trained its last step (there is nothing left to share).
-  for (const std::string& id : live) {
+  for (const auto& [seq, id] : active) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() != v1::JOB_STATE_RUNNING || !job.first_report_of_generation_seen ||
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers() || job.finishing ||
@@ -1164,8 +1188,9 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
   job.last_advance = now;
   job.first_report_of_generation_seen = false;
   job.resumed_report_seen = false;
-  out->started_generations.emplace_back(job.job.job_id(), generation);
-  job.job.set_state(v1::JOB_STATE_RUNNING);
+  out->started_generations.push_back(
+      {job.job.job_id(), generation, static_cast<int>(worker_ids.size())});
+  SetState(job, v1::JOB_STATE_RUNNING);
   job.job.set_reason(absl::StrCat("generation ", generation, " training on ", worker_ids.size(),
                                   " worker", worker_ids.size() == 1 ? "" : "s"));
   // Every member's assignment is this one but for its rank.
@@ -1431,7 +1456,7 @@ void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool 
   job.open_recovery = job.job.recovery_history_size() - 1;
   job.reform_after = reform_after;
   job.reconfigure_since = now;
-  job.job.set_state(v1::JOB_STATE_RECONFIGURING);
+  SetState(job, v1::JOB_STATE_RECONFIGURING);
   job.job.set_reason(absl::StrCat("re-forming: ", reason));
   RefreshMembers(job);
   AddEvent(job, v1::JobEvent::STATE, job.job.reason(), now, out);
@@ -1582,7 +1607,7 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
     out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
   }
   EndGeneration(job, reason, now);
-  job.job.set_state(state);
+  SetState(job, state);
   job.job.set_reason(reason);
   job.job.set_end_time_unix_ms(UnixMs(now));
   job.job.set_eta_ms(0);

@@ -73,7 +73,12 @@ struct Decisions {
   std::vector<std::string> close_sessions;
   // (job_id, generation) pairs that started and ended: the shell opens and closes their
   // bootstrap-store scopes, under its lock, before the decisions' messages can be read.
-  std::vector<std::pair<std::string, int64_t>> started_generations;
+  struct StartedGeneration {
+    std::string job_id;
+    int64_t generation = 0;
+    int world_size = 0;  // sizes the generation's store scope (ScopeLimits)
+  };
+  std::vector<StartedGeneration> started_generations;
   std::vector<std::pair<std::string, int64_t>> ended_generations;
   std::set<std::string> changed_jobs;
   // Jobs that succeeded in this decision: once the shell has saved them (changed_jobs), it
@@ -215,6 +220,8 @@ class Core {
 
  private:
   enum class WorkerState { kIdle, kBusy, kLost };
+  // A job in the indices by state: (submission number, id).
+  using JobKey = std::pair<uint64_t, std::string>;
   struct Worker {
     v1::RegisterRequest info;
     std::string id;
@@ -252,6 +259,9 @@ class Core {
     // What a pending job's rendezvous_timeout counts from: the submission, moved on by any
     // time the coordinator itself was away.
     absl::Time pending_since;
+    // pending_since + rendezvous_timeout while PENDING (its key in pending_deadlines_), else
+    // InfiniteFuture.
+    absl::Time pending_deadline = absl::InfiniteFuture();
     absl::Time started = absl::InfinitePast();
     absl::Time last_advance = absl::InfinitePast();
     absl::Time last_progress_event = absl::InfinitePast();
@@ -319,6 +329,12 @@ class Core {
   // Whether a member loss at `now` may have been caused by the coordinator's own absence.
   bool CoordinatorWasAway(absl::Time now) const;
   void Schedule(absl::Time now, Decisions* out);
+  // The job's state, keeping the indices (pending_, active_, pending_deadlines_) in step.
+  void SetState(JobRecord& job, v1::JobState state);
+  static JobKey KeyOf(const JobRecord& job) { return {job.submit_seq, job.job.job_id()}; }
+  // The job as a reader sees it: a queued job that is not the head says what it waits for
+  // (computed here, so the head's changing reason costs nothing per queued job).
+  v1::Job View(const JobRecord& job) const;
   void StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
                        Decisions* out);
   // A member is gone (`worker_id`), or a member reported a failure (`worker_id` empty: nobody
@@ -417,10 +433,14 @@ class Core {
   // Name -> id of every worker not lost: a name is held by one live worker at a time.
   std::map<std::string, std::string> live_names_;
   size_t lost_workers_ = 0;  // workers_ in kLost
+  // Jobs indexed by state, so that submit, cancel and the tick cost what they change, not the
+  // number of jobs. Keys are JobKeys: submission order.
   std::map<std::string, JobRecord> jobs_;  // by job id
-  std::vector<std::string> pending_;       // FIFO of pending job ids
-  std::vector<std::string> order_;         // every job id in submission order
-  std::vector<std::string> live_;          // the ones not ended (pruned by Schedule), in order
+  std::set<JobKey> order_;                 // every job
+  std::set<JobKey> pending_;               // PENDING: the queue, FIFO
+  std::set<JobKey> active_;                // RUNNING or RECONFIGURING
+  // PENDING jobs with a rendezvous_timeout, by when it expires (JobRecord::pending_deadline).
+  std::set<std::pair<absl::Time, std::string>> pending_deadlines_;
   // Name -> id of a restored job that awaits a member of that name (previous_names).
   std::map<std::string, std::string> awaited_names_;
 };

@@ -97,8 +97,8 @@ void Coordinator::QueueMessages(Decisions& decisions,
                                 std::vector<BootstrapStore::Completions>* ended_waits) {
   // Opened first: one decision may start a generation and end it again (a second loss while
   // re-forming), and its scope must not stay open.
-  for (const auto& [job, generation] : decisions.started_generations) {
-    store_.Open({job, generation});
+  for (const Decisions::StartedGeneration& g : decisions.started_generations) {
+    store_.Open({g.job_id, g.generation}, ScopeLimits::ForWorld(g.world_size));
   }
   for (const auto& [job, generation] : decisions.ended_generations) {
     ended_waits->push_back(store_.CloseDeferred({job, generation}));

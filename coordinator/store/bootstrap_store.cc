@@ -2,6 +2,10 @@
 // and by their deadline, completed by whichever call decides them.
 #include "coordinator/store/bootstrap_store.h"
 
+#include <malloc.h>
+
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -13,18 +17,40 @@ std::string Describe(const StoreScope& scope) {
   return absl::StrCat("job ", scope.job_id, " generation ", scope.generation);
 }
 
+// A closed scope that held more than this gives its memory back to the system at once: its
+// values came from the heap (glibc raises its mmap threshold after freeing a large block), and
+// a flood's gigabyte would otherwise stay resident after the job.
+constexpr size_t kTrimAfterBytes = size_t{1} << 20;
+
 }  // namespace
 
-void BootstrapStore::Open(const StoreScope& scope) {
+ScopeLimits ScopeLimits::ForWorld(int world_size) {
+  const size_t n = static_cast<size_t>(std::max(world_size, 1));
+  // Beyond the full mesh's addresses (136 bytes per pair; NCCL's id and the heal's few keys are
+  // small): 16 MiB and 1,024 keys for the group, 64 KiB and 16 keys per member.
+  return {1024 + 16 * n, (size_t{16} << 20) + n * (size_t{64} << 10) + n * n * 256};
+}
+
+void BootstrapStore::Open(const StoreScope& scope, ScopeLimits limits) {
   absl::MutexLock lock(&mu_);
-  scopes_.try_emplace(scope);
+  scopes_.try_emplace(scope).first->second.limits = limits;
+}
+
+size_t BootstrapStore::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
 }
 
 void BootstrapStore::Run(std::vector<Outcome> outcomes) {
   for (auto& [done, result] : outcomes) done(std::move(result));
 }
 
-void BootstrapStore::Completions::Run() { BootstrapStore::Run(std::move(outcomes_)); }
+void BootstrapStore::Completions::Run() {
+  BootstrapStore::Run(std::move(outcomes_));
+  outcomes_.clear();
+  if (trim_) malloc_trim(0);
+  trim_ = false;
+}
 
 std::optional<absl::StatusOr<std::string>> BootstrapStore::Decide(Waiter& w) {
   if (shutdown_) return absl::UnavailableError("the coordinator is shutting down");
@@ -33,9 +59,9 @@ std::optional<absl::StatusOr<std::string>> BootstrapStore::Decide(Waiter& w) {
     return absl::AbortedError(absl::StrCat(Describe(w.scope), " ended while waiting for key \"",
                                            w.keys.front(), "\""));
   }
-  while (w.missing < w.keys.size() && it->second.count(w.keys[w.missing]) > 0) ++w.missing;
+  while (w.missing < w.keys.size() && it->second.keys.count(w.keys[w.missing]) > 0) ++w.missing;
   if (w.missing < w.keys.size()) return std::nullopt;
-  return it->second.at(w.keys.front());
+  return it->second.keys.at(w.keys.front());
 }
 
 BootstrapStore::Waiter BootstrapStore::Remove(WaitId id, bool keyed) {
@@ -62,8 +88,21 @@ BootstrapStore::Waiter BootstrapStore::Remove(WaitId id, bool keyed) {
 
 BootstrapStore::Completions BootstrapStore::CloseDeferred(const StoreScope& scope) {
   Completions ended;
-  absl::MutexLock lock(&mu_);
-  if (scopes_.erase(scope) == 0) return ended;
+  size_t freed = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = scopes_.find(scope);
+    if (it == scopes_.end()) return ended;
+    freed = it->second.bytes;
+    bytes_ -= freed;
+    scopes_.erase(it);
+    EndWaitsOf(scope, &ended);
+  }
+  ended.trim_ = freed > kTrimAfterBytes;
+  return ended;
+}
+
+void BootstrapStore::EndWaitsOf(const StoreScope& scope, Completions* ended) {
   // The scope's waiters are together in by_key_, which sorts by scope first.
   std::vector<WaitId> ids;
   for (auto k = by_key_.lower_bound({scope, ""});
@@ -73,9 +112,8 @@ BootstrapStore::Completions BootstrapStore::CloseDeferred(const StoreScope& scop
   for (WaitId id : ids) {
     Waiter w = Remove(id);
     absl::StatusOr<std::string> result = *Decide(w);  // ABORTED: the scope is gone
-    ended.outcomes_.emplace_back(std::move(w.done), std::move(result));
+    ended->outcomes_.emplace_back(std::move(w.done), std::move(result));
   }
-  return ended;
 }
 
 void BootstrapStore::Shutdown() {
@@ -112,7 +150,24 @@ absl::Status BootstrapStore::Set(const StoreScope& scope, const std::string& key
     if (it == scopes_.end()) {
       return absl::AbortedError(absl::StrCat(Describe(scope), " is not live"));
     }
-    it->second[key] = std::move(value);
+    Scope& held = it->second;
+    const auto old = held.keys.find(key);
+    const size_t before = old == held.keys.end() ? 0 : key.size() + old->second.size();
+    const size_t after = held.bytes - before + key.size() + value.size();
+    if (old == held.keys.end() && held.keys.size() >= held.limits.max_keys) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(Describe(scope), " holds its limit of ", held.limits.max_keys,
+                       " store keys; key \"", key.substr(0, 64), "\" is refused"));
+    }
+    if (after > held.limits.max_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          Describe(scope), " may hold at most ", held.limits.max_bytes,
+          " bytes in the store (", held.bytes, " held); a value of ", value.size(),
+          " bytes for key \"", key.substr(0, 64), "\" is refused"));
+    }
+    bytes_ = bytes_ - held.bytes + after;
+    held.bytes = after;
+    held.keys[key] = std::move(value);
     // Only the waiters waiting for this key can change; each moves on to its next missing
     // key or is done, so a waiter is looked at once per key it waits for.
     auto [first, last] = by_key_.equal_range({scope, key});

@@ -30,6 +30,16 @@ struct StoreScope {
   }
 };
 
+// What one scope may hold: a member can spend the coordinator's memory only up to this, and
+// the rest of its writes are refused with RESOURCE_EXHAUSTED naming the limit. Scaled by the
+// generation's size: Gloo's full-mesh rendezvous stores, for each rank, one address per peer
+// (about 136 bytes each), so a group of N needs about 136 N^2 bytes and N keys.
+struct ScopeLimits {
+  size_t max_keys = 0;
+  size_t max_bytes = 0;  // keys and values
+  static ScopeLimits ForWorld(int world_size);
+};
+
 // Thread-safe. Waits do not block a thread: WaitAsync registers a waiter that the call which
 // decides it (a Set, Close, Shutdown, Cancel or Expire) completes, so a generation of 10,000
 // members waiting for their peers' keys holds no thread.
@@ -41,24 +51,30 @@ class BootstrapStore {
 
   // Ended waits whose callbacks have not run yet: Run them once no lock of the caller's is
   // held (a generation's close may end thousands of waits).
+  // Also returns the memory of a large closed scope to the system (malloc_trim, which walks
+  // the heap: never under a caller's lock).
   class Completions {
    public:
     void Run();
-    bool empty() const { return outcomes_.empty(); }
+    bool empty() const { return outcomes_.empty() && !trim_; }
    private:
     friend class BootstrapStore;
     std::vector<std::pair<WaitDone, absl::StatusOr<std::string>>> outcomes_;
+    bool trim_ = false;
   };
 
-  void Open(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_);
-  // Drops the scope's keys and ends its waits with ABORTED. Unknown scopes are ignored.
+  void Open(const StoreScope& scope, ScopeLimits limits = ScopeLimits::ForWorld(1))
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops the scope's keys and ends its waits with ABORTED. Unknown scopes are ignored. The
+  // memory goes back to the system at once when the scope held much.
   void Close(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_) { CloseDeferred(scope).Run(); }
   // Close, but the ended waits' callbacks are the caller's to run.
   [[nodiscard]] Completions CloseDeferred(const StoreScope& scope) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends every wait with UNAVAILABLE and refuses later calls the same way.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // ABORTED when the scope is not open.
+  // ABORTED when the scope is not open; RESOURCE_EXHAUSTED, naming the limit, when the write
+  // would take the scope past its ScopeLimits (the scope is unchanged).
   absl::Status Set(const StoreScope& scope, const std::string& key, std::string value)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -83,6 +99,8 @@ class BootstrapStore {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   size_t open_scopes() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes of keys and values held in all scopes.
+  size_t bytes() const ABSL_LOCKS_EXCLUDED(mu_);
   size_t pending_waits() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -100,9 +118,18 @@ class BootstrapStore {
   // Unindexes the waiter and returns it; `keyed`: it is still under its key in by_key_.
   Waiter Remove(WaitId id, bool keyed = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void Run(std::vector<Outcome> outcomes);
+  // Ends the scope's waits (ABORTED: it is gone), into `ended`.
+  void EndWaitsOf(const StoreScope& scope, Completions* ended) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  struct Scope {
+    std::map<std::string, std::string> keys;
+    size_t bytes = 0;  // of keys and values
+    ScopeLimits limits;
+  };
 
   mutable absl::Mutex mu_;
-  std::map<StoreScope, std::map<std::string, std::string>> scopes_ ABSL_GUARDED_BY(mu_);
+  std::map<StoreScope, Scope> scopes_ ABSL_GUARDED_BY(mu_);
+  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   WaitId next_wait_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<WaitId, Waiter> waiters_ ABSL_GUARDED_BY(mu_);

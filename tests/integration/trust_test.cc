@@ -338,6 +338,88 @@ TEST(TrustTest, ASilentMemberCannotUseUpTheJobsRestarts) {
   EXPECT_TRUE(cluster->jobs().CancelJob(&context, cancel, &cancelled).ok());
 }
 
+// The coordinator's resident memory in bytes (VmRSS), or -1.
+int64_t ResidentBytes(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+
+// A member that floods its generation's bootstrap store (1 MiB values under new keys) is
+// refused once the generation's limit is reached, with RESOURCE_EXHAUSTED naming it; when the
+// generation closes the coordinator's memory is back within 10% of what it was.
+TEST(TrustTest, AStoreFloodIsRefusedAtTheLimitAndItsMemoryReturns) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<Cluster> cluster = *std::move(started);
+  ASSERT_TRUE(cluster->StartWorker("w0").ok());
+  auto job = cluster->Submit(Deterministic(1, 2, 1'000'000));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(cluster->WaitFor(job->job_id(), [](const v1::Job& j) { return j.step() > 0; },
+                               absl::Seconds(60))
+                  .ok());
+  FakeWorker flooder(cluster->address(), "flooder");
+  v1::CoordinatorMessage message;
+  ASSERT_TRUE(flooder.Read(&message));
+  ASSERT_TRUE(message.has_registered());
+  const std::string session = message.registered().session_key();
+  ASSERT_TRUE(flooder.Read(&message));  // taken as a spare
+  ASSERT_TRUE(message.has_assignment()) << message.DebugString();
+  const int64_t generation = message.assignment().generation();
+  const pid_t coordinator = cluster->coordinator()->pid();
+  const int64_t before = ResidentBytes(coordinator);
+  ASSERT_GT(before, 0);
+  auto store = v1::StoreService::NewStub(
+      grpc::CreateChannel(cluster->address(), grpc::InsecureChannelCredentials()));
+  int accepted = 0;
+  grpc::Status refused;
+  for (int i = 0; i < 1500; ++i) {
+    grpc::ClientContext context;
+    context.AddMetadata("x-lockstep-session", session);
+    v1::StoreSetRequest set;
+    set.set_job_id(job->job_id());
+    set.set_generation(generation);
+    set.set_key(absl::StrCat("flood-", i));
+    set.set_value(std::string(1'000'000, static_cast<char>('a' + i % 26)));
+    v1::StoreSetResponse response;
+    grpc::Status status = store->Set(&context, set, &response);
+    if (!status.ok()) {
+      refused = status;
+      break;
+    }
+    ++accepted;
+  }
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << refused.error_message();
+  EXPECT_NE(refused.error_message().find("may hold at most"), std::string::npos)
+      << refused.error_message();
+  EXPECT_LE(accepted, 40) << "a generation of 2 holds tens of MiB at most";
+  const int64_t peak = ResidentBytes(coordinator);
+  // The flooder goes; its generation closes and the job trains on without it.
+  flooder.Close();
+  ASSERT_TRUE(cluster
+                  ->WaitFor(job->job_id(),
+                            [&](const v1::Job& j) {
+                              return j.generation() > generation &&
+                                     j.state() == v1::JOB_STATE_RUNNING;
+                            },
+                            absl::Seconds(60))
+                  .ok());
+  absl::SleepFor(absl::Milliseconds(500));
+  const int64_t after = ResidentBytes(coordinator);
+  EXPECT_LE(after, before + before / 10)
+      << "resident " << before << " bytes before the flood, " << peak << " at its peak, "
+      << after << " after its generation closed";
+  grpc::ClientContext context;
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job->job_id());
+  v1::Job cancelled;
+  EXPECT_TRUE(cluster->jobs().CancelJob(&context, cancel, &cancelled).ok());
+}
+
 TEST(TrustTest, OversizedAndMalformedInputIsRefusedNamingTheField) {
   auto started = Cluster::Start();
   ASSERT_TRUE(started.ok()) << started.status();

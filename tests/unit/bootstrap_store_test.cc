@@ -210,5 +210,33 @@ TEST(BootstrapStoreTest, AWaitsCallbackMayUseTheStore) {
   EXPECT_TRUE(chained.HasBeenNotified());
 }
 
+// A member cannot spend the coordinator's memory beyond its generation's limits: a write past
+// them is refused naming the limit and changes nothing; an overwrite counts once; a closed
+// scope gives its bytes back.
+TEST(BootstrapStoreTest, ScopesHoldAtMostTheirLimits) {
+  BootstrapStore store;
+  store.Open(kG1, ScopeLimits{3, 100});
+  ASSERT_TRUE(store.Set(kG1, "a", std::string(40, 'x')).ok());
+  ASSERT_TRUE(store.Set(kG1, "a", std::string(40, 'y')).ok()) << "an overwrite replaces";
+  EXPECT_EQ(store.bytes(), 41u);
+  absl::Status too_big = store.Set(kG1, "b", std::string(60, 'x'));
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(too_big.message().find("at most 100 bytes"), std::string::npos) << too_big;
+  EXPECT_EQ(store.bytes(), 41u) << "a refused write changes nothing";
+  ASSERT_TRUE(store.Set(kG1, "b", "1").ok());
+  ASSERT_TRUE(store.Set(kG1, "c", "2").ok());
+  absl::Status too_many = store.Set(kG1, "d", "3");
+  EXPECT_EQ(too_many.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(too_many.message().find("limit of 3 store keys"), std::string::npos) << too_many;
+  EXPECT_TRUE(store.Set(kG1, "c", "22").ok()) << "an existing key may still change";
+  store.Close(kG1);
+  EXPECT_EQ(store.bytes(), 0u);
+  // A generation's limits grow with its size: Gloo's full mesh of 1,000 ranks fits.
+  const ScopeLimits big = ScopeLimits::ForWorld(1000);
+  EXPECT_GE(big.max_keys, 1000u + 16);
+  EXPECT_GE(big.max_bytes, size_t{1000} * 1000 * 136);
+  EXPECT_LE(ScopeLimits::ForWorld(2).max_bytes, size_t{32} << 20);
+}
+
 }  // namespace
 }  // namespace lockstep::coordinator

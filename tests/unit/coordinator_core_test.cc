@@ -1970,7 +1970,9 @@ TEST_F(CoreTest, EndedJobsTellTheirMembersAndGenerationsAreListed) {
   absl::StatusOr<v1::Job> job = core_.SubmitJob(Spec(1, 1), now_, &d);
   ASSERT_TRUE(job.ok());
   ASSERT_EQ(d.started_generations.size(), 1u);
-  EXPECT_EQ(d.started_generations[0], std::make_pair(job->job_id(), int64_t{1}));
+  EXPECT_EQ(d.started_generations[0].job_id, job->job_id());
+  EXPECT_EQ(d.started_generations[0].generation, 1);
+  EXPECT_EQ(d.started_generations[0].world_size, 1);
   Decisions c;
   ASSERT_TRUE(core_.CancelJob(job->job_id(), now_, &c).ok());
   bool told = false;

@@ -1,0 +1,43 @@
+// A lockstep-coordinator the benchmarks start on loopback (a free port, a directory of its
+// own), and what /proc says about a process: CPU seconds, resident memory, threads.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace lockstep::bench {
+
+struct ProcessStats {
+  double cpu_s = 0;  // user + system
+  int64_t rss_bytes = 0;
+  int64_t threads = 0;
+};
+ProcessStats Stats(pid_t pid);
+
+class CoordinatorProcess {
+ public:
+  // Starts `binary --listen=127.0.0.1:0` (plus `flags`) with its log in `dir`, and waits until
+  // it serves. The process is killed on destruction; `dir` is removed unless keep_logs.
+  static absl::StatusOr<std::unique_ptr<CoordinatorProcess>> Start(
+      const std::string& binary, const std::string& dir, const std::vector<std::string>& flags,
+      bool keep_logs);
+  ~CoordinatorProcess();
+  const std::string& address() const { return address_; }
+  pid_t pid() const { return pid_; }
+  const std::string& log() const { return log_; }
+  // Keep the directory (and say where the log is) whatever keep_logs said: something failed.
+  void KeepLog() { keep_ = true; }
+
+ private:
+  CoordinatorProcess() = default;
+  pid_t pid_ = 0;
+  std::string dir_, log_, address_;
+  bool keep_ = false;
+};
+
+}  // namespace lockstep::bench
