@@ -2,6 +2,7 @@
 #include "coordinator/core/job_spec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -347,9 +348,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   if (!(opt.momentum() >= 0 && opt.momentum() < 1)) {
     return Invalid("optimizer.momentum", absl::StrCat("must be in [0, 1), got ", opt.momentum()));
   }
-  if (!(opt.weight_decay() >= 0)) {
+  // Upper bounds on every rate: an infinite or absurd one would only train NaNs (each update
+  // multiplies the weights by 1 - lr * weight_decay).
+  if (!(opt.weight_decay() >= 0 && opt.weight_decay() <= 100)) {
     return Invalid("optimizer.weight_decay",
-                   absl::StrCat("must be >= 0, got ", opt.weight_decay()));
+                   absl::StrCat("must be in [0, 100], got ", opt.weight_decay()));
   }
   if (opt.type() == "adamw") {
     if (!(opt.beta1() >= 0 && opt.beta1() < 1)) {
@@ -358,13 +361,13 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     if (!(opt.beta2() >= 0 && opt.beta2() < 1)) {
       return Invalid("optimizer.beta2", absl::StrCat("must be in [0, 1), got ", opt.beta2()));
     }
-    if (!(opt.epsilon() > 0)) {
-      return Invalid("optimizer.epsilon", absl::StrCat("must be > 0, got ", opt.epsilon()));
+    if (!(opt.epsilon() > 0 && opt.epsilon() <= 1)) {
+      return Invalid("optimizer.epsilon", absl::StrCat("must be in (0, 1], got ", opt.epsilon()));
     }
   }
-  if (!(opt.grad_clip_norm() >= 0)) {
+  if (!(opt.grad_clip_norm() >= 0 && std::isfinite(opt.grad_clip_norm()))) {
     return Invalid("optimizer.grad_clip_norm",
-                   absl::StrCat("must be >= 0, got ", opt.grad_clip_norm()));
+                   absl::StrCat("must be finite and >= 0, got ", opt.grad_clip_norm()));
   }
   if (opt.warmup_steps() < 0) {
     return Invalid("optimizer.warmup_steps",

@@ -79,21 +79,24 @@ absl::Status ClientGate::Reject(absl::Status status, const std::string& peer,
     ++rejected_calls_;
     entry.set_last_unix_ms(now_ms);
     count = entry.count();
-    // Evict the least recently rejected entry of this address when it has too many, else of
-    // everyone when the table is full (never the entry just rejected).
+    // Evict an entry of this address when it has too many, else of everyone when the table is
+    // full (never the entry just rejected): the least often rejected, the oldest of those. A
+    // client that keeps retrying with a wrong token is what an operator looks for; a flood of
+    // made-up client names, each rejected once, then only pushes out its own entries.
     size_t of_peer = 0;
     for (const auto& [key, e] : rejected_) of_peer += key.first == peer;
     const bool peer_only = of_peer > kMaxRememberedPerAddress;
     if (peer_only || rejected_.size() > kMaxRemembered) {
-      auto oldest = rejected_.end();
+      auto victim = rejected_.end();
       for (auto e = rejected_.begin(); e != rejected_.end(); ++e) {
         if (e == it || (peer_only && e->first.first != peer)) continue;
-        if (oldest == rejected_.end() ||
-            e->second.last_unix_ms() < oldest->second.last_unix_ms()) {
-          oldest = e;
+        if (victim == rejected_.end() || e->second.count() < victim->second.count() ||
+            (e->second.count() == victim->second.count() &&
+             e->second.last_unix_ms() < victim->second.last_unix_ms())) {
+          victim = e;
         }
       }
-      if (oldest != rejected_.end()) rejected_.erase(oldest);
+      if (victim != rejected_.end()) rejected_.erase(victim);
     }
   }
   // The first rejection and then every 100th: a retrying client must not flood the log.

@@ -27,7 +27,8 @@ enum class Role { kOperator, kWorker };
 
 class ClientGate {
  public:
-  // Distinct (address, client) pairs remembered; the least recently rejected one goes first.
+  // Distinct (address, client) pairs remembered; the least often rejected (the oldest of those)
+  // goes first.
   static constexpr size_t kMaxRemembered = 64;
   // Of those, per address: one address that keeps inventing client names replaces its own
   // entries, never the other addresses'.

@@ -43,5 +43,22 @@ TEST(ClientGateTest, DecoyNamesFromOneAddressDoNotEvictTheOthers) {
   EXPECT_EQ(gate.RejectedCounts().first, 201) << "every refused call is counted";
 }
 
+// The real client shares the attacker's address (one host, or one NAT): it keeps retrying with
+// a wrong token, and 200 decoy names each rejected once do not push it out.
+TEST(ClientGateTest, DecoyNamesFromTheSameAddressDoNotEvictAClientThatKeepsFailing) {
+  ClientGate gate("token", RealClock::Get());
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_FALSE(gate.AdmitHttp("10.0.0.9", "dashboard", "Bearer old").ok());
+  }
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_FALSE(gate.AdmitHttp("10.0.0.9", absl::StrCat("decoy-", i), "").ok());
+  }
+  bool real_kept = false;
+  for (const v1::RejectedClient& r : gate.Rejected()) {
+    real_kept = real_kept || (r.client() == "dashboard" && r.count() == 3);
+  }
+  EXPECT_TRUE(real_kept);
+}
+
 }  // namespace
 }  // namespace lockstep::coordinator

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace lockstep::worker {
@@ -340,6 +341,22 @@ TEST(DatasetStopTest, LoadingStopsWhenTheFlagIsSet) {
   std::thread stopper([&] { stop.store(true); });
   absl::StatusOr<Dataset> stopped = MakeSyntheticDataset(big, &stop);
   stopper.join();
+  EXPECT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
+
+  // Wide samples take milliseconds each: the flag is seen within a sample, not 1,024 of them
+  // (fewer than that here, so a coarser check would build the whole set and succeed).
+  v1::SyntheticDatasetSpec wide;
+  wide.set_train_samples(1000);
+  wide.set_test_samples(10);
+  wide.set_input_dim(65536);
+  wide.set_num_classes(65536);
+  std::atomic<bool> soon{false};
+  std::thread later([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    soon.store(true);
+  });
+  stopped = MakeSyntheticDataset(wide, &soon);
+  later.join();
   EXPECT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
 
   v1::DatasetSpec spec;

@@ -2,6 +2,7 @@
 #include "coordinator/core/job_spec.h"
 
 #include <functional>
+#include <limits>
 
 #include "gtest/gtest.h"
 
@@ -280,6 +281,28 @@ TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {
        "dataset.type"},
       {"negative clip", [](v1::JobSpec* s) { s->mutable_optimizer()->set_grad_clip_norm(-1); },
        "optimizer.grad_clip_norm"},
+      // Infinite or absurd rates only train NaNs (weightDecay: Infinity was accepted).
+      {"infinite clip",
+       [](v1::JobSpec* s) {
+         s->mutable_optimizer()->set_grad_clip_norm(std::numeric_limits<double>::infinity());
+       },
+       "optimizer.grad_clip_norm"},
+      {"infinite decay",
+       [](v1::JobSpec* s) {
+         s->mutable_optimizer()->set_weight_decay(std::numeric_limits<double>::infinity());
+       },
+       "optimizer.weight_decay"},
+      {"NaN decay",
+       [](v1::JobSpec* s) {
+         s->mutable_optimizer()->set_weight_decay(std::numeric_limits<double>::quiet_NaN());
+       },
+       "optimizer.weight_decay"},
+      {"infinite epsilon",
+       [](v1::JobSpec* s) {
+         s->mutable_optimizer()->set_type("adamw");
+         s->mutable_optimizer()->set_epsilon(std::numeric_limits<double>::infinity());
+       },
+       "optimizer.epsilon"},
       {"too long a sample", [](v1::JobSpec* s) { s->mutable_sample()->set_max_tokens(5000); },
        "sample.max_tokens"},
       {"prompt token beyond the vocabulary",
