@@ -276,12 +276,16 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
     AddField(out, "Training tokens/s", FormatThousands(std::llround(job.train_tokens_per_second())));
   }
   if (!job.export_path().empty()) AddField(out, "Exported", job.export_path());
-  if (!job.export_error().empty()) AddField(out, "Export failed", job.export_error());
+  if (!job.export_error().empty()) {
+    AddField(out, "Export failed", EscapeForTerminal(job.export_error()));
+  }
+  if (!job.sample_error().empty()) AddField(out, "No sample", EscapeForTerminal(job.sample_error()));
   if (job.has_sample()) {
     if (!job.sample().text().empty()) {
+      // The model's text (or whatever rank 0 sent): its lines, with control bytes escaped.
       out += "Sample:\n";
       for (absl::string_view line : absl::StrSplit(job.sample().text(), '\n')) {
-        absl::StrAppend(&out, "  | ", line, "\n");
+        absl::StrAppend(&out, "  | ", EscapeForTerminal(std::string_view(line.data(), line.size())), "\n");
       }
     } else {
       AddField(out, "Sample tokens", absl::StrJoin(job.sample().tokens(), " "));
@@ -414,13 +418,19 @@ std::string FormatFinalSummary(const v1::Job& job, absl::Time now) {
                       " tokens/s\n");
     }
     if (job.has_sample() && !job.sample().text().empty()) {
-      absl::StrAppend(&out, "sample:\n", job.sample().text(), "\n");
+      absl::StrAppend(&out, "sample:\n");
+      for (absl::string_view line : absl::StrSplit(job.sample().text(), '\n')) {
+        absl::StrAppend(&out, EscapeForTerminal(std::string_view(line.data(), line.size())), "\n");
+      }
     } else if (job.has_sample()) {
       absl::StrAppend(&out, "sample tokens: ", absl::StrJoin(job.sample().tokens(), " "), "\n");
     }
     if (!job.export_path().empty()) absl::StrAppend(&out, "exported ", job.export_path(), "\n");
     if (!job.export_error().empty()) {
-      absl::StrAppend(&out, "export failed: ", job.export_error(), "\n");
+      absl::StrAppend(&out, "export failed: ", EscapeForTerminal(job.export_error()), "\n");
+    }
+    if (!job.sample_error().empty()) {
+      absl::StrAppend(&out, "no sample: ", EscapeForTerminal(job.sample_error()), "\n");
     }
     return out;
   }

@@ -220,6 +220,22 @@ TEST(Format, UntrustedTextIsEscaped) {
   job.set_reason("bad\nline");
   EXPECT_NE(FormatJobDetail(job, absl::UnixEpoch(), absl::UTCTimeZone()).find("bad\\x0aline"),
             std::string::npos);
+  // What rank 0 wrote keeps its lines but not its control bytes; a missing sample says why.
+  job.set_state(v1::JOB_STATE_SUCCEEDED);
+  job.mutable_sample()->set_text("first line\n\x1b[2Jsecond");
+  job.set_sample_error("");
+  std::string detail = FormatJobDetail(job, absl::UnixEpoch(), absl::UTCTimeZone());
+  EXPECT_EQ(detail.find('\x1b'), std::string::npos) << detail;
+  EXPECT_NE(detail.find("  | first line\n  | \\x1b[2Jsecond"), std::string::npos) << detail;
+  std::string summary = FormatFinalSummary(job, absl::UnixEpoch());
+  EXPECT_EQ(summary.find('\x1b'), std::string::npos) << summary;
+  job.clear_sample();
+  job.set_sample_error("not written: rank 0, w0 (w-1), was lost before writing it");
+  detail = FormatJobDetail(job, absl::UnixEpoch(), absl::UTCTimeZone());
+  EXPECT_NE(detail.find("No sample"), std::string::npos) << detail;
+  EXPECT_NE(detail.find("rank 0, w0 (w-1), was lost"), std::string::npos) << detail;
+  summary = FormatFinalSummary(job, absl::UnixEpoch());
+  EXPECT_NE(summary.find("no sample: not written: rank 0"), std::string::npos) << summary;
 }
 
 TEST(Format, Tables) {

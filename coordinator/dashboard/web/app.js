@@ -409,6 +409,7 @@ function extras(job) {
   }
   if (job.exportPath) items.push(h("div", {}, h("strong", { text: "Export: " }), h("span", { class: "mono", text: job.exportPath })));
   if (job.exportError) items.push(h("div", { class: "error", text: "Export " + job.exportError }));
+  if (job.sampleError) items.push(h("div", { class: "error", text: "No sample: " + job.sampleError }));
   if (job.sample && job.sample.text) items.push(h("div", {}, h("strong", { text: "Sample" }), h("pre", { class: "sample", text: job.sample.text })));
   return items.length ? h("section", { class: "card extras" }, items) : null;
 }
