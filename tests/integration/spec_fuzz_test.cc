@@ -1,11 +1,13 @@
 // A bounded spec fuzzer against a real coordinator and one worker: 2,000 mutations of the
-// example specs (docs/examples/*.json), each field set through protobuf reflection to values
+// example specs (docs/examples/*.json; half of them the GPT's, whose model, sample and data
+// fields are the most numerous), each field set through protobuf reflection to values
 // at and beyond its edges (zero, negative, huge, NaN, empty, long, control bytes, "..").
 // Every refusal must name the field it refuses; accepted specs are cancelled at once, except
 // every 100th, which trains until it ends or 20 s pass. The worker's address space is capped
 // at 6 GiB, so specs that pass the memory preflight but not the worker fail fast (out of
 // memory) instead of filling the machine. Neither daemon may die. The seed is fixed (and
 // printed), so a failure can be replayed.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -158,11 +160,16 @@ TEST(SpecFuzzTest, TwoThousandMutatedSpecsNeitherCrashADaemonNorGoUnnamed) {
           .ok());
   std::cout << "seed " << kSeed << std::endl;
 
+  const auto gpt = std::find_if(examples.begin(), examples.end(), [](const v1::JobSpec& s) {
+    return s.model().type() == "gpt";
+  });
+  ASSERT_NE(gpt, examples.end()) << "docs/examples has no GPT spec";
   Mutator mutator(kSeed);
   int refused = 0, accepted = 0, trained = 0;
   std::map<std::string, int> refused_fields;
   for (int i = 0; i < kSpecs; ++i) {
-    v1::JobSpec spec = examples[mutator.Pick(static_cast<int>(examples.size()))];
+    v1::JobSpec spec =
+        i % 2 == 0 ? *gpt : examples[mutator.Pick(static_cast<int>(examples.size()))];
     const int mutations = 1 + mutator.Pick(3);
     for (int m = 0; m < mutations; ++m) mutator.MutateOnce(&spec);
     // One worker: the job must fit it.
