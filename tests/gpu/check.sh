@@ -68,9 +68,11 @@ job_field() {
 }
 # The members' parameter checksums, distinct, space-separated (one: they agree).
 checksums() { job_field "$1" "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))"; }
+# The check's jobs read and write in their mktemp directories: the daemons' roots.
+roots=(--data_root="${TMPDIR:-/tmp}" --checkpoint_root="${TMPDIR:-/tmp}")
 start_coordinator() {  # DIR: sets address and coordinator_pid
   "$bundle/bin/lockstep-coordinator" --listen=127.0.0.1:0 --port_file="$1/port" \
-    --state_dir="$1/state" >"$1/coordinator.log" 2>&1 &
+    --state_dir="$1/state" "${roots[@]}" >"$1/coordinator.log" 2>&1 &
   coordinator_pid=$!
   for _ in $(seq 1 100); do [[ -s "$1/port" ]] && break; sleep 0.1; done
   address="127.0.0.1:$(cat "$1/port" 2>/dev/null)"
@@ -84,7 +86,7 @@ start_worker() {  # DIR NAME [ENV=VALUE... | --worker-flag...]
     if [[ "$arg" == --* ]]; then flags+=("$arg"); else envs+=("$arg"); fi
   done
   env "${envs[@]}" "$bundle/bin/lockstep-worker" --coordinator="$address" --device="$worker_device" \
-    --name="$name" --give_up_after=30s "${flags[@]}" >"$dir/worker-$name.log" 2>&1 &
+    --name="$name" --give_up_after=30s "${roots[@]}" "${flags[@]}" >"$dir/worker-$name.log" 2>&1 &
   worker_pids[$name]=$!
 }
 wait_registered() {  # DIR NAME...: 0 when all are registered

@@ -13,12 +13,14 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
+#include "tests/testing/exact.h"
 #include "tests/testing/gpt_job.h"
 
 namespace lockstep {
 namespace {
 
 using testing::Cluster;
+using testing::ReferenceChecksum;
 
 constexpr absl::Duration kHookWait = absl::Seconds(90);
 constexpr absl::Duration kJobWait = absl::Seconds(180);
@@ -50,32 +52,11 @@ std::unique_ptr<Cluster> StartCluster(const std::vector<std::string>& coordinato
   return cluster.ok() ? *std::move(cluster) : nullptr;
 }
 
-// Runs `spec` undisturbed; returns its parameter checksum.
-std::string ReferenceChecksum(Cluster& cluster, const v1::JobSpec& spec) {
-  auto job = cluster.Submit(spec);
-  EXPECT_TRUE(job.ok()) << job.status();
-  if (!job.ok()) return "";
-  auto done = cluster.WaitForEnd(job->job_id(), kJobWait);
-  EXPECT_TRUE(done.ok()) << done.status();
-  if (!done.ok()) return "";
-  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << cluster.Logs();
-  EXPECT_EQ(done->step(), spec.max_steps());
-  return done->members_size() > 0 ? done->members(0).parameter_checksum() : "";
-}
-
 // SUCCEEDED with exactly `steps`, every final member holding `checksum`, and no step trained
 // twice: every re-formation (if any) resumed from the last step.
 void ExpectFinishedOnce(Cluster& cluster, const v1::Job& job, int64_t steps,
                         const std::string& checksum) {
-  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << cluster.Logs();
-  EXPECT_EQ(job.step(), steps);
-  ASSERT_GE(job.members_size(), 1);
-  for (const v1::Member& m : job.members()) {
-    EXPECT_EQ(m.step(), steps) << m.worker_name();
-    EXPECT_EQ(m.parameter_checksum(), checksum)
-        << m.worker_name() << " holds other parameters than an undisturbed run\n"
-        << cluster.Logs();
-  }
+  testing::ExpectExact(cluster, job, steps, checksum);
   for (const v1::Recovery& r : job.recovery_history()) {
     EXPECT_EQ(r.steps_redone(), 0) << r.reason();
     EXPECT_FALSE(r.steps_redone_lower_bound()) << r.reason();

@@ -18,11 +18,14 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
+#include "tests/testing/exact.h"
 
 namespace lockstep {
 namespace {
 
 using testing::Cluster;
+using testing::ExpectExact;
+using testing::ReferenceChecksum;
 
 constexpr absl::Duration kHookWait = absl::Seconds(60);
 
@@ -39,32 +42,6 @@ std::unique_ptr<Cluster> StartCluster() {
   auto cluster = Cluster::Start();
   EXPECT_TRUE(cluster.ok()) << cluster.status();
   return cluster.ok() ? *std::move(cluster) : nullptr;
-}
-
-// Runs `spec` undisturbed on the cluster's idle workers; returns the parameter checksum.
-std::string ReferenceChecksum(Cluster& cluster, const v1::JobSpec& spec) {
-  auto job = cluster.Submit(spec);
-  EXPECT_TRUE(job.ok()) << job.status();
-  if (!job.ok()) return "";
-  auto done = cluster.WaitForEnd(job->job_id(), absl::Seconds(120));
-  EXPECT_TRUE(done.ok()) << done.status();
-  if (!done.ok()) return "";
-  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << cluster.Logs();
-  EXPECT_EQ(done->step(), spec.max_steps());
-  return done->members_size() > 0 ? done->members(0).parameter_checksum() : "";
-}
-
-// The job succeeded with exactly `steps` steps, every member holding `checksum`.
-void ExpectExact(Cluster& cluster, const v1::Job& job, int64_t steps, const std::string& checksum) {
-  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << cluster.Logs();
-  EXPECT_EQ(job.step(), steps);
-  ASSERT_GE(job.members_size(), 1);
-  for (const v1::Member& m : job.members()) {
-    EXPECT_EQ(m.step(), steps) << m.worker_name();
-    EXPECT_EQ(m.parameter_checksum(), checksum)
-        << m.worker_name() << " holds other parameters than an undisturbed run\n"
-        << cluster.Logs();
-  }
 }
 
 absl::StatusOr<v1::Job> WaitForStep(Cluster& cluster, const std::string& id, int64_t step) {
