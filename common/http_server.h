@@ -1,14 +1,20 @@
-// A daemon's side port over HTTP (Prometheus metrics, the coordinator's dashboard): a
-// cpp-httplib server on HOST:PORT with its own threads, bounded requests and timeouts, so that
-// a slow or hostile client can neither stall the daemon's work nor crash it.
+// A daemon's side port over HTTP (Prometheus metrics, the coordinator's dashboard): cpp-httplib's
+// request parsing, routing and answers, behind a front door of our own that bounds what clients
+// can hold, so that a slow or hostile client can neither stall the daemon's work, nor starve the
+// port's real requests, nor exhaust its descriptors.
+//
+// The front door: one thread accepts connections and reads each request (TLS handshake, head, and
+// a body up to max_body_bytes) without blocking, and only a complete request reaches one of the
+// `threads` handler threads. An idle or trickling connection holds no handler thread and is
+// closed at its deadline; beyond max_connections, the connection that has waited longest for
+// its request is closed to admit the new one (so a flood of idle connections turns over, and a
+// client that sends its request at once is served).
 #pragma once
 
 #include <cstddef>
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 
@@ -21,15 +27,23 @@ namespace lockstep {
 struct HttpServerOptions {
   // What the port serves ("metrics", "dashboard"): named in errors.
   std::string what = "HTTP";
-  // Requests handled at once; more wait for a thread.
+  // Requests handled at once; more wait, whole, for a thread.
   int threads = 1;
   // Request bodies beyond this are answered 413; request lines and headers beyond 8 KiB, 414
   // and 400 (cpp-httplib's limits).
   size_t max_body_bytes = 16 << 10;
-  // Reading a request and writing a response each give up after this long.
+  // A new connection's first request must have arrived whole within this long. Once handed to a
+  // thread, reading what is left of a request and writing its response each give up after it.
   int timeout_seconds = 5;
-  // An idle keep-alive connection holds a thread this long.
+  // After a response, the next request on the connection must have arrived whole within this
+  // long, or the connection is closed.
   int keep_alive_seconds = 5;
+  // Requests one connection carries before the server closes it.
+  int keep_alive_max_requests = 100;
+  // Open connections at most (each holds a descriptor). Beyond it, the connection that has
+  // waited longest for its next request is closed; when every one is being answered, the new
+  // connection is.
+  int max_connections = 64;
   // HTTPS with this certificate chain and key (PEM files); empty: plain HTTP. With
   // `tls_client_ca`, every client must present a certificate that CA signed (mutual TLS).
   std::string tls_cert;
@@ -47,17 +61,18 @@ class HttpServer {
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(
       const std::string& address, const std::string& port_file, const HttpServerOptions& options,
       const std::function<void(httplib::Server&)>& routes);
-  // Stops listening and waits for the requests in flight.
+  // Stops listening, closes the connections that wait, and waits for the requests in flight.
   ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
 
-  int port() const { return port_; }
+  int port() const;
+
+  class Impl;
 
  private:
-  explicit HttpServer(std::unique_ptr<httplib::Server> server);
-  std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
-  std::atomic<bool> listening_done_{false};  // the listen loop has returned
-  int port_ = 0;
+  explicit HttpServer(std::unique_ptr<Impl> impl);
+  const std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace lockstep

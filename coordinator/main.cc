@@ -24,11 +24,13 @@
 #include "coordinator/dashboard/dashboard.h"
 #include "coordinator/service/services.h"
 #include "glog/logging.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/support/server_interceptor.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "Address to serve on; port 0 lets the OS pick (see --port_file).");
@@ -71,8 +73,8 @@ ABSL_FLAG(std::string, checkpoint_root, lockstep::kDefaultCheckpointRoots,
           "Comma-separated directories jobs may write checkpoints and outputs to "
           "(checkpoint_dir, output_dir) and resume from; \"/\": anywhere.");
 ABSL_FLAG(bool, grpc_reflection, false,
-          "Serve gRPC server reflection (the API's schema, for grpcurl and the like). It answers "
-          "without the token, so it is off unless asked for.");
+          "Serve gRPC server reflection (the API's schema, for grpcurl and the like), to "
+          "callers with the operators' token.");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
           "Silence after which a worker is declared lost (jobs may set their own).");
 ABSL_FLAG(int64_t, restart_grace_ms, 5000,
@@ -108,6 +110,77 @@ rlim_t RaiseOpenFileLimit() {
   }
   return limit.rlim_cur;
 }
+
+// gRPC's reflection library adds its plugin to every ServerBuilder as soon as it is loaded (a
+// static initializer), so the library being linked served reflection, to anyone, whatever
+// --grpc_reflection said. Off, this option takes the plugin out of the builder again.
+class ReflectionOption final : public grpc::ServerBuilderOption {
+ public:
+  explicit ReflectionOption(bool enabled) : enabled_(enabled) {}
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    if (enabled_) return;
+    plugins->erase(
+        std::remove_if(plugins->begin(), plugins->end(),
+                       [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+                         return dynamic_cast<grpc::reflection::ProtoServerReflectionPlugin*>(
+                                    plugin.get()) != nullptr;
+                       }),
+        plugins->end());
+  }
+
+ private:
+  const bool enabled_;
+};
+
+// Reflection is gRPC's service, not ours, so no handler of ours admits its callers: this
+// interceptor does, with the operators' token, and ends any other call UNAUTHENTICATED as soon
+// as its metadata arrives, before the service reads a request.
+constexpr char kReflectionMethod[] =
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo";
+
+class ReflectionGate final : public grpc::experimental::Interceptor {
+ public:
+  ReflectionGate(lockstep::coordinator::ClientGate* gate, grpc::experimental::ServerRpcInfo* info)
+      : gate_(gate), info_(info) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    using grpc::experimental::InterceptionHookPoints;
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
+      refused_ = gate_->Admit(*info_->server_context(), lockstep::coordinator::Role::kOperator);
+      if (!refused_.ok()) {
+        // The C core's cancel is the one that carries a status to the client.
+        grpc_call_cancel_with_status(info_->server_context()->c_call(),
+                                     static_cast<grpc_status_code>(refused_.error_code()),
+                                     refused_.error_message().c_str(), nullptr);
+      }
+    }
+    if (!refused_.ok() &&
+        methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      methods->ModifySendStatus(refused_);  // what the interceptors after this one count
+    }
+    methods->Proceed();
+  }
+
+ private:
+  lockstep::coordinator::ClientGate* const gate_;
+  grpc::experimental::ServerRpcInfo* const info_;
+  grpc::Status refused_;
+};
+
+class ReflectionGateFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit ReflectionGateFactory(lockstep::coordinator::ClientGate* gate) : gate_(gate) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    if (info->method() == nullptr || std::string(info->method()) != kReflectionMethod) {
+      return nullptr;
+    }
+    return new ReflectionGate(gate_, info);
+  }
+
+ private:
+  lockstep::coordinator::ClientGate* const gate_;
+};
 
 }  // namespace
 
@@ -288,11 +361,14 @@ int main(int argc, char** argv) {
   lockstep::coordinator::StoreServiceImpl store(&coordinator);
 
   grpc::EnableDefaultHealthCheckService(true);
-  if (absl::GetFlag(FLAGS_grpc_reflection)) {
+  const bool reflection = absl::GetFlag(FLAGS_grpc_reflection);
+  if (reflection) {
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    LOG(INFO) << "gRPC server reflection on, for callers with the operators' token";
   }
   grpc::ServerBuilder builder;
   lockstep::ConfigureServer(builder);
+  builder.SetOption(std::make_unique<ReflectionOption>(reflection));
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *server_credentials, &port);
   builder.RegisterService(&jobs);
@@ -301,6 +377,7 @@ int main(int argc, char** argv) {
   builder.RegisterService(&store);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
   creators.push_back(lockstep::MalformedRequestInterceptorFactory());
+  if (reflection) creators.push_back(std::make_unique<ReflectionGateFactory>(&coordinator.gate()));
   if (metrics != nullptr) creators.push_back(metrics->InterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(creators));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

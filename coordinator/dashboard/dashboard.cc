@@ -160,6 +160,8 @@ absl::StatusOr<std::unique_ptr<Dashboard>> Dashboard::Start(const std::string& a
   // Each open page polls with two requests and a browser keeps a few connections alive.
   options.threads = 16;
   options.keep_alive_seconds = 2;
+  // A browser keeps at most six connections to a host: room for a few dozen open pages.
+  options.max_connections = 256;
   options.tls_cert = tls.cert;
   options.tls_key = tls.key;
   options.tls_client_ca = tls.ca;

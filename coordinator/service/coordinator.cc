@@ -139,6 +139,12 @@ void Coordinator::Apply(const Decisions& decisions) {
     }
   }
   for (auto& outbox : closes) outbox->Close();
+  if (!decisions.changed_jobs.empty()) {
+    absl::ReaderMutexLock lock(&watch_mu_);
+    for (const auto& [id, changed] : job_watchers_) {
+      for (const std::string& job : decisions.changed_jobs) changed(job);
+    }
+  }
   // The window between a job's end in memory and on disk: tests hold the coordinator here
   // (save_end@N: the end of job-N).
   for (const std::string& id : decisions.ends_to_record) {
@@ -237,6 +243,19 @@ absl::StatusOr<std::vector<v1::JobEvent>> Coordinator::WaitEvents(const std::str
     if (now >= deadline) return events;
     changed_.WaitWithTimeout(&mu_, deadline - now);
   }
+}
+
+Coordinator::JobWatchId Coordinator::WatchJobs(
+    std::function<void(const std::string& job_id)> changed) {
+  absl::MutexLock lock(&watch_mu_);
+  const JobWatchId id = next_watch_id_++;
+  job_watchers_.emplace(id, std::move(changed));
+  return id;
+}
+
+void Coordinator::UnwatchJobs(JobWatchId id) {
+  absl::MutexLock lock(&watch_mu_);  // waits for the calls in progress (reader locks)
+  job_watchers_.erase(id);
 }
 
 void Coordinator::TickSoon() {

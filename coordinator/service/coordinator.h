@@ -125,6 +125,15 @@ class Coordinator {
   absl::StatusOr<std::vector<v1::JobEvent>> WaitEvents(const std::string& job_id, int64_t from,
                                                        absl::Duration timeout, bool* finished);
 
+  // Job-change notifications, so that a watcher (WatchJob) need not hold a thread in
+  // WaitEvents: `changed(job_id)` is called once per job that a decision changed (its state, or
+  // new events), after mu_ is released, on the thread that decided. It must return at once (queue
+  // the work; never wait, never call back into this class). UnwatchJobs returns once no call
+  // to `changed` is in progress, and none is made after it.
+  using JobWatchId = uint64_t;
+  JobWatchId WatchJobs(std::function<void(const std::string& job_id)> changed);
+  void UnwatchJobs(JobWatchId id);
+
   // Hands the sessions' heartbeats to the core, then runs its timers and the store's deadlines.
   void Tick();
   // Wakes the tick loop (WaitForTick) at once: a submitted job is started there.
@@ -175,6 +184,11 @@ class Coordinator {
   std::map<std::string, uint64_t> saved_versions_ ABSL_GUARDED_BY(save_mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   CoordinatorMetrics* metrics_ = nullptr;
+  // WatchJobs' callbacks, called under a reader lock (never with mu_ held).
+  absl::Mutex watch_mu_;
+  std::map<JobWatchId, std::function<void(const std::string&)>> job_watchers_
+      ABSL_GUARDED_BY(watch_mu_);
+  JobWatchId next_watch_id_ ABSL_GUARDED_BY(watch_mu_) = 1;
 };
 
 }  // namespace lockstep::coordinator

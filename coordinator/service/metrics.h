@@ -6,6 +6,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/synchronization/mutex.h"
@@ -37,8 +38,13 @@ class CoordinatorMetrics {
   // the recoveries that began since the last one seen, times those that ended, and the queue
   // wait of a job that started.
   void ObserveJob(const v1::Job& job);
-  // One finished RPC; methods outside the known services are counted as "other".
+  // One finished RPC. Its `method` label is one of the methods the coordinator serves
+  // (ServedMethods) or "other": a raw client may call any name at all, each answered
+  // UNIMPLEMENTED, and a label value per name would grow every scrape without bound.
   void ObserveRpc(const std::string& method, grpc::StatusCode code);
+  // "/package.Service/Method" for every method of the lockstep.v1 services (from their
+  // descriptors), the health service and the reflection service.
+  static std::set<std::string> ServedMethods();
 
   // For ServerBuilder::experimental().SetInterceptorCreators: observes every RPC's status.
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> InterceptorFactory();
@@ -58,6 +64,7 @@ class CoordinatorMetrics {
   };
 
   const int64_t since_unix_ms_;
+  const std::set<std::string> served_methods_;
   prometheus::Family<prometheus::Counter>& rpcs_;
   prometheus::Family<prometheus::Counter>& recoveries_;
   prometheus::Histogram& recovery_seconds_;

@@ -1,6 +1,10 @@
 // The coordinator's gRPC services: thin shells that validate, call the Coordinator, and reply.
 #pragma once
 
+#include <map>
+#include <memory>
+#include <string>
+
 #include "coordinator/service/coordinator.h"
 #include "coordinator/service/strand_pool.h"
 #include "grpcpp/server_builder.h"
@@ -10,9 +14,25 @@
 
 namespace lockstep::coordinator {
 
-class JobServiceImpl final : public v1::JobService::Service {
+// The user-facing API. WatchJob is on the callback API and holds no thread while its job is
+// quiet: a watch is woken by the coordinator's job-change notifications (Coordinator::WatchJobs)
+// and fetches the new events on a small pool of its own, since gRPC's callback threads must not
+// wait for the coordinator's lock. The rest are synchronous.
+//
+// Use: RegisterService(this) before BuildAndStart. The server must be shut down or destroyed
+// before this object is (declare the server after it); the coordinator must outlive it.
+class JobServiceImpl final
+    : public v1::JobService::WithCallbackMethod_WatchJob<v1::JobService::Service> {
  public:
-  explicit JobServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
+  // Threads that fetch the watches' events, whatever the number of watches.
+  static constexpr int kWatchThreads = 2;
+  class Watch;
+
+  explicit JobServiceImpl(Coordinator* coordinator);
+  ~JobServiceImpl() override;
+  JobServiceImpl(const JobServiceImpl&) = delete;
+  JobServiceImpl& operator=(const JobServiceImpl&) = delete;
+
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
                          v1::Job* response) override;
   grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
@@ -21,8 +41,11 @@ class JobServiceImpl final : public v1::JobService::Service {
                         v1::ListJobsResponse* response) override;
   grpc::Status CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,
                          v1::Job* response) override;
-  grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
-                        grpc::ServerWriter<v1::JobEvent>* writer) override;
+  // The job's events from from_sequence on, as they happen; the stream ends OK once the job
+  // has ended and every event was sent. INVALID_ARGUMENT, NOT_FOUND for an unknown job,
+  // CANCELLED when the client goes.
+  grpc::ServerWriteReactor<v1::JobEvent>* WatchJob(grpc::CallbackServerContext* context,
+                                                   const v1::WatchJobRequest* request) override;
   grpc::Status ListWorkers(grpc::ServerContext* context, const v1::ListWorkersRequest* request,
                            v1::ListWorkersResponse* response) override;
   grpc::Status GetTrainingCurve(grpc::ServerContext* context,
@@ -30,7 +53,18 @@ class JobServiceImpl final : public v1::JobService::Service {
                                 v1::TrainingCurve* response) override;
 
  private:
+  // The coordinator's notification (on the deciding thread): wakes the job's watches.
+  void JobChanged(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // A watch that is over (its OnDone) leaves the index.
+  void Forget(const std::string& job_id, const Watch* watch) ABSL_LOCKS_EXCLUDED(mu_);
+
   Coordinator* const coordinator_;
+  absl::Mutex mu_;
+  // The live watches by job id; each holds itself alive until its OnDone, this index too.
+  std::multimap<std::string, std::shared_ptr<Watch>> watches_ ABSL_GUARDED_BY(mu_);
+  Coordinator::JobWatchId watch_id_ = 0;
+  // Last: destroyed first, running the fetches still posted while the rest is intact.
+  StrandPool fetches_{kWatchThreads};
 };
 
 // Worker sessions on gRPC's completion-queue API: a fixed set of threads whatever the number of
@@ -48,6 +82,9 @@ class WorkerServiceImpl final {
  public:
   static constexpr int kSessionThreads = 4;
   static constexpr int kDefaultQueues = 16;
+  // A session that has not sent its register message this long after it opened is ended with
+  // DEADLINE_EXCEEDED.
+  static constexpr absl::Duration kRegisterTimeout = absl::Seconds(10);
   struct Hub;
 
   explicit WorkerServiceImpl(Coordinator* coordinator, int queues = kDefaultQueues);

@@ -16,8 +16,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/utf8.h"
 #include "coordinator/service/services.h"
 #include "glog/logging.h"
+#include "grpcpp/alarm.h"
 
 namespace lockstep::coordinator {
 namespace {
@@ -32,6 +34,11 @@ constexpr double kBurst = 2000, kPerSecond = 500;
 // does not stall them, its gRPC transport keeps reading into its own memory. A session whose
 // queue reaches this is ended instead of growing with every fan-out.
 constexpr size_t kMaxQueuedMessages = 1024;
+// A session whose register message has not arrived this long after the call was accepted is
+// ended: an open stream holds a call, a connection and a descriptor, and one that never
+// registers (silent, or a forged client) would hold them for good. A worker registers as soon
+// as its stream is open, so this is seconds of slack for a loaded machine.
+constexpr absl::Duration kRegisterTimeout = WorkerServiceImpl::kRegisterTimeout;
 
 // One queued gRPC operation of a session. The queue's thread calls Proceed with the outcome; a
 // started operation holds its session (keep), so a session lives until its last one returns.
@@ -166,10 +173,40 @@ class WorkerSession final : public SessionOutbox,
     if (grpc::Status s = coordinator_->gate().Admit(context_, Role::kWorker); !s.ok()) {
       return End(s, /*cancel=*/false);
     }
+    {
+      // The alarm fires on this session's queue, so OnRegisterDeadline and OnRead never run at
+      // once (one thread per queue) and read_register_ needs no lock.
+      absl::MutexLock lock(&mu_);
+      register_alarm_set_ = StartOp(&register_deadline_, [this] {
+        register_alarm_.Set(queue_, absl::ToChronoTime(absl::Now() + kRegisterTimeout),
+                            &register_deadline_);
+      });
+    }
     StartRead();
   }
 
+  // The alarm's operation holds the session until it returns: cancelled as soon as it has no
+  // purpose, so an ended session goes at once.
+  void CancelRegisterDeadline() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (register_alarm_set_) register_alarm_.Cancel();  // no effect once fired or cancelled
+  }
+
+  // The register deadline passed (ok), or the alarm was cancelled (not ok: the register
+  // message came, or the session ended).
+  void OnRegisterDeadline(bool ok) {
+    if (!ok || read_register_) return;
+    End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                     absl::StrCat("no register message within ",
+                                  absl::FormatDuration(kRegisterTimeout),
+                                  " of opening the session: a session must begin with register")),
+        /*cancel=*/true);
+  }
+
   void OnRead(bool ok) {
+    if (!read_register_) {  // any first message, or the stream's end
+      absl::MutexLock lock(&mu_);
+      CancelRegisterDeadline();
+    }
     if (ok && ending()) return StopReading();  // what the worker still sent is dropped
     if (!ok) {
       return Post([](WorkerSession& s) {
@@ -300,6 +337,7 @@ class WorkerSession final : public SessionOutbox,
       closed_ = true;
       messages_.clear();
       if (cancel && writing_) context_.TryCancel();
+      CancelRegisterDeadline();
     }
     FinishIfEnded();
   }
@@ -324,7 +362,9 @@ class WorkerSession final : public SessionOutbox,
   bool Register(const v1::RegisterRequest& request) {
     absl::StatusOr<std::string> id = coordinator_->Register(request, shared_from_this());
     if (!id.ok()) {
-      LOG(WARNING) << "refused registration of " << request.name() << ": " << id.status();
+      // What a worker sends is logged escaped: a newline in it must not forge a log line.
+      LOG(WARNING) << "refused registration of " << EscapeForTerminal(request.name()) << ": "
+                   << EscapeForTerminal(id.status().ToString());
       End(ToGrpcStatus(id.status()), /*cancel=*/false);
       return false;
     }
@@ -361,7 +401,7 @@ class WorkerSession final : public SessionOutbox,
         // Logged once the report was a member's (the job's events record it too).
         if (status.ok()) {
           LOG(WARNING) << "worker " << worker_id_ << " reports failure in " << job_id << " g"
-                       << generation << ": " << message.failure().message();
+                       << generation << ": " << EscapeForTerminal(message.failure().message());
         }
         break;
       case v1::WorkerMessage::kResumed:
@@ -370,9 +410,9 @@ class WorkerSession final : public SessionOutbox,
       case v1::WorkerMessage::kCheckpoint:
         if (!message.checkpoint().error().empty()) {
           LOG(WARNING) << "worker " << worker_id_ << ": checkpoint of "
-                       << message.checkpoint().job_id() << " at step "
+                       << EscapeForTerminal(message.checkpoint().job_id()) << " at step "
                        << message.checkpoint().step()
-                       << " not written: " << message.checkpoint().error();
+                       << " not written: " << EscapeForTerminal(message.checkpoint().error());
         }
         report(message.checkpoint(), &Core::ReportCheckpoint);
         break;
@@ -389,7 +429,8 @@ class WorkerSession final : public SessionOutbox,
       Disconnect(absl::StrCat("session ended: ", status.message()));
       End(ToGrpcStatus(status), /*cancel=*/true);
     } else if (!status.ok() && (++refused_ == 1 || refused_ % 1000 == 0)) {
-      LOG(WARNING) << "worker " << worker_id_ << ": " << status << " (" << refused_
+      LOG(WARNING) << "worker " << worker_id_ << ": " << EscapeForTerminal(status.ToString())
+                   << " (" << refused_
                    << (refused_ == 1 ? " report" : " reports") << " refused on this session)";
     }
   }
@@ -404,6 +445,9 @@ class WorkerSession final : public SessionOutbox,
   Op read_{this, &WorkerSession::OnRead};
   Op write_{this, &WorkerSession::OnWrite};
   Op finished_{this, &WorkerSession::OnFinished};
+  Op register_deadline_{this, &WorkerSession::OnRegisterDeadline};
+  // Fires kRegisterTimeout after the call was accepted; Cancel only once Set (mu_).
+  grpc::Alarm register_alarm_;
 
   // Read side: one read in flight at a time, and none while the strand handles a report, so
   // only one thread at a time touches these.
@@ -428,6 +472,7 @@ class WorkerSession final : public SessionOutbox,
   bool ending_ ABSL_GUARDED_BY(mu_) = false;  // End called: finish once no write is in flight
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
+  bool register_alarm_set_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
