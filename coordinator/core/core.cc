@@ -1336,8 +1336,16 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
     }
     // The others may wait in an evaluation's collective with it: they form the next
     // generation by themselves, which heals from their memory, trains nothing and finishes.
-    job.finishing = true;
+    // Bounded like any recovery: a generation that can never finish (its evaluation fails
+    // every time) must not re-form for ever.
     const bool coordinator_caused = CoordinatorWasAway(now);
+    if (!coordinator_caused && job.job.recoveries() >= MaxRestarts(job)) {
+      return FinishJob(job, v1::JOB_STATE_FAILED,
+                       absl::StrCat(reason, " after the last step (max_restarts ",
+                                    MaxRestarts(job), " used up)"),
+                       now, out);
+    }
+    job.finishing = true;
     job.members.erase(
         std::remove_if(job.members.begin(), job.members.end(),
                        [&](const MemberState& m) { return m.worker_id == worker_id; }),
@@ -1523,12 +1531,12 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
       }
       return;
     }
-    // Nobody holds the final state any more: the job recovers like any other, from its last
-    // checkpoint (or from the start), with min_workers.
+    // Nobody is known to hold the final state any more: the job recovers like any other, with
+    // min_workers, healing from what its members hold (else from its last checkpoint).
     job.finishing = false;
     AddEvent(job, v1::JobEvent::MEMBERSHIP,
-             "no worker holds the state of the last step any more: the job re-forms from its "
-             "last checkpoint",
+             "no worker is known to hold the state of the last step: the job re-forms with "
+             "min_workers and heals from what its members hold, else from its last checkpoint",
              now, out);
   }
   const std::vector<RankCandidate> survivors = MemberCandidates(job);

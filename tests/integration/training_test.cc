@@ -146,13 +146,15 @@ TEST(TrainingIntegrationTest, MissingDatasetFailsTheJobNotTheWorker) {
   ASSERT_TRUE((*cluster)->StartWorkers(1).ok());
   v1::JobSpec spec = SyntheticJob(1, 10);
   spec.mutable_dataset()->set_type("idx");
-  spec.mutable_dataset()->set_path("/nonexistent/lockstep-data");
+  // Inside the data roots (the test's temporary directory), but not there.
+  const std::string missing = (*cluster)->dir() + "/nonexistent/lockstep-data";
+  spec.mutable_dataset()->set_path(missing);
   auto submitted = (*cluster)->Submit(spec);
   ASSERT_TRUE(submitted.ok()) << submitted.status();
   auto job = (*cluster)->WaitForEnd(submitted->job_id(), absl::Seconds(60));
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->state(), v1::JOB_STATE_FAILED);
-  EXPECT_NE(job->reason().find("/nonexistent/lockstep-data"), std::string::npos) << job->reason();
+  EXPECT_NE(job->reason().find(missing), std::string::npos) << job->reason();
   EXPECT_TRUE((*cluster)->worker("w0")->running()) << "the worker must survive bad input";
   // The same worker trains the next, valid job.
   auto next = (*cluster)->Submit(SyntheticJob(1, 20));
