@@ -166,6 +166,13 @@ void Core::ReserveOrRelease(Worker& worker, Decisions* out) {
                                                                  ")"),
                                    /*job_ended=*/true)});
       job = nullptr;
+    } else if (Excluded(*job, worker.id, worker.info.name())) {
+      // Never this job's member again: its state is of no use, and it serves other jobs.
+      out->messages.push_back(
+          {worker.id, AbortMessage(held.job_id(), 0,
+                                   "this worker is no longer one of the job's members",
+                                   /*job_ended=*/true)});
+      return;
     } else {
       worker.held_step = held.step();
     }
@@ -176,7 +183,7 @@ void Core::ReserveOrRelease(Worker& worker, Decisions* out) {
     auto awaited = awaited_names_.find(worker.info.name());
     if (awaited != awaited_names_.end()) job = FindJob(awaited->second);
   }
-  if (job == nullptr) return;
+  if (job == nullptr || Excluded(*job, worker.id, worker.info.name())) return;
   worker.reserved_for = job->job.job_id();
   job->reserved.insert(worker.id);
 }
@@ -1338,8 +1345,11 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
     // generation by themselves, which heals from their memory, trains nothing and finishes.
     // Bounded like any recovery: a generation that can never finish (its evaluation fails
     // every time) must not re-form for ever.
+    // A fatal report is its reporter's own here too: not charged, and the others' reports of
+    // the same error come first (fatal_report_grace).
     const bool coordinator_caused = CoordinatorWasAway(now);
-    if (!coordinator_caused && job.job.recoveries() >= MaxRestarts(job)) {
+    const bool charged = !coordinator_caused && !fatal;
+    if (charged && job.job.recoveries() >= MaxRestarts(job)) {
       return FinishJob(job, v1::JOB_STATE_FAILED,
                        absl::StrCat(reason, " after the last step (max_restarts ",
                                     MaxRestarts(job), " used up)"),
@@ -1350,12 +1360,15 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
         std::remove_if(job.members.begin(), job.members.end(),
                        [&](const MemberState& m) { return m.worker_id == worker_id; }),
         job.members.end());
-    if (!coordinator_caused) job.job.set_recoveries(job.job.recoveries() + 1);
+    if (charged) job.job.set_recoveries(job.job.recoveries() + 1);
     BeginReconfiguration(job,
                          absl::StrCat(reason, " after the last step (the members that hold the "
                                               "final state finish the job)"),
                          /*scale_up=*/false, coordinator_caused,
-                         worker_id.empty() ? now + absl::Milliseconds(300) : now, now, out);
+                         worker_id.empty() ? now + absl::Milliseconds(300)
+                         : fatal           ? now + options_.fatal_report_grace
+                                           : now,
+                         now, out);
     return TryReform(job, now, out);
   }
   if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
@@ -1543,6 +1556,15 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
   std::vector<RankCandidate> left_out;
   std::vector<RankCandidate> idle = OneRankPerGpu(
       survivors, IdleWorkers(spec.device(), job.memory_needed, &job), job.memory_needed, &left_out);
+  if (static_cast<int64_t>(survivors.size() + idle.size()) < spec.min_workers() &&
+      !job.benched.empty()) {
+    // Without the members left out for silence the job cannot re-form: they were slow, not
+    // absent (their charge stands), and the job must not wait beside them.
+    job.benched.clear();
+    left_out.clear();
+    idle = OneRankPerGpu(survivors, IdleWorkers(spec.device(), job.memory_needed, &job),
+                         job.memory_needed, &left_out);
+  }
   const size_t room = static_cast<size_t>(spec.max_workers()) -
                       std::min<size_t>(survivors.size(), spec.max_workers());
   idle.resize(std::min(idle.size(), room));

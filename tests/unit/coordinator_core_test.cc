@@ -2473,5 +2473,91 @@ TEST_F(ChargeTest, ASilentMemberIsLeftOutWithoutChargingTheJob) {
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
 }
 
+
+// A fatal report after the last step is its reporter's: not charged (max_restarts 0 does not
+// fail the job), and the others' reports of the same error come first.
+TEST_F(FinishTest, AFatalReportAfterTheLastStepIsNotCharged) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), w2 = Register("w2");
+  v1::JobSpec spec = Spec(3, 3);
+  spec.set_max_restarts(0);
+  const std::string job = Submit(spec);
+  TakeAssignments();
+  for (const std::string& w : {w0, w1, w2}) ASSERT_TRUE(LastStep(w, job, 1).ok());
+  v1::FailureReport f;
+  f.set_job_id(job);
+  f.set_generation(1);
+  f.set_fatal(true);
+  f.set_message("out of memory in the evaluation");
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFailure(w2, f, now_, &d).ok());
+  Collect(d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING) << Job(job).reason();
+  EXPECT_TRUE(TakeAssignments().empty()) << "the others' reports come first";
+  now_ += absl::Seconds(3);
+  Heartbeats({w0, w1, w2});
+  Tick();
+  auto next = TakeAssignments();
+  ASSERT_EQ(next.size(), 2u) << Job(job).reason();
+  EXPECT_EQ(next.count(w2), 0u);
+  EXPECT_EQ(Job(job).recoveries(), 0);
+}
+
+// A worker excluded from a job (lost too often) that comes back holding the job's state is
+// told to drop it, and serves other jobs: it is not kept for a job that will never take it.
+TEST_F(ChargeTest, AnExcludedWorkerHoldingTheJobsStateIsNotKeptForIt) {
+  const std::string w0 = Register("w0");
+  const std::string job = Submit(Spec(1, 2));
+  TakeAssignments();
+  for (int i = 0; i <= Core::kMaxChargesPerWorker; ++i) {
+    Stepped(w0, job);
+    const std::string flapper = Register("flapper");
+    ASSERT_EQ(TakeAssignments().count(flapper), 1u) << i;
+    Decisions d;
+    core_.WorkerDisconnected(flapper, "stream closed", now_, &d);
+    Collect(d);
+  }
+  v1::RegisterRequest r;
+  r.set_name("flapper");
+  r.set_host("h1");
+  r.set_device("cpu");
+  r.mutable_held()->set_job_id(job);
+  r.mutable_held()->set_step(5);
+  Decisions d;
+  absl::StatusOr<std::string> back = core_.RegisterWorker(r, now_, &d);
+  ASSERT_TRUE(back.ok());
+  bool told = false;
+  for (const auto& m : d.messages) {
+    told = told || (m.worker_id == *back && m.message.has_abort() &&
+                    m.message.abort().job_ended() && m.message.abort().job_id() == job);
+  }
+  EXPECT_TRUE(told) << "drop the state of a job that will never take you";
+  const std::string other = Submit(Spec(1, 1));
+  EXPECT_EQ(Job(other).state(), v1::JOB_STATE_RUNNING) << Job(other).reason();
+}
+
+// A member left out for silence (it was loading its data, say) is taken back at once when the
+// job cannot re-form without it, instead of the job waiting beside an idle worker.
+TEST_F(ChargeTest, AMemberLeftOutIsTakenBackWhenTheJobNeedsIt) {
+  const std::string w0 = Register("w0"), w1 = Register("w1"), slow = Register("slow");
+  const std::string job = Submit(Spec(3, 3));
+  ASSERT_EQ(TakeAssignments().size(), 3u);
+  core_.NoteMemberActivity(w0, job, 1);
+  core_.NoteMemberActivity(w1, job, 1);
+  v1::FailureReport f;
+  f.set_job_id(job);
+  f.set_generation(1);
+  f.set_message("gloo rendezvous: timed out");
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFailure(w0, f, now_, &d).ok());
+  Collect(d);
+  now_ += absl::Milliseconds(400);
+  Heartbeats({w0, w1, slow});
+  Tick();
+  auto a = TakeAssignments();
+  EXPECT_EQ(a.size(), 3u) << Job(job).reason();
+  EXPECT_EQ(a.count(slow), 1u);
+  EXPECT_EQ(Job(job).recoveries(), 0);
+}
+
 }  // namespace
 }  // namespace lockstep::coordinator
