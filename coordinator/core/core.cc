@@ -607,11 +607,7 @@ void Core::FinishAgreed(JobRecord& job, const std::string& except, const std::st
   if (const auto it = workers_.find(rank0_id); it != workers_.end()) {
     rank0_name = absl::StrCat(it->second.info.name(), " (", rank0_id, ")");
   }
-  if (!except.empty()) {
-    job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
-                                     [&](const MemberState& m) { return m.worker_id == except; }),
-                      job.members.end());
-  }
+  if (!except.empty()) EraseMember(job, except);
   const MemberState* agreed = nullptr;
   for (const MemberState& m : job.members) {
     if (m.finished) {
@@ -1289,6 +1285,22 @@ int64_t Core::MaxRestarts(const JobRecord& job) const {
   return job.job.spec().has_max_restarts() ? job.job.spec().max_restarts() : 10;
 }
 
+void Core::EraseMember(JobRecord& job, const std::string& worker_id) {
+  job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
+                                   [&](const MemberState& m) { return m.worker_id == worker_id; }),
+                    job.members.end());
+}
+
+absl::Time Core::ReformAfter(const std::string& worker_id, bool fatal, absl::Time now) const {
+  // After a reported collective error give the culprit a moment to be detected (its stream
+  // closes within milliseconds when it died), so the next generation does not include it.
+  // After a fatal report, the others' reports of the same error come first (see
+  // CoreOptions::fatal_report_grace).
+  return worker_id.empty() ? now + absl::Milliseconds(300)
+         : fatal           ? now + options_.fatal_report_grace
+                           : now;
+}
+
 void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const std::string& reason,
                             bool fatal, absl::Time now, Decisions* out) {
   if (IsTerminal(job.job.state())) return;
@@ -1318,71 +1330,18 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
   // before the others reach the last step decides nothing: the job re-forms below like after
   // any loss, without it.
   if (job.job.state() == v1::JOB_STATE_RUNNING && (job.finishing || AtLastStep(job, worker_id))) {
-    const auto lost = std::find_if(job.members.begin(), job.members.end(),
-                                   [&](const MemberState& m) { return m.worker_id == worker_id; });
-    const bool lost_finished = lost != job.members.end() && lost->finished;
-    const bool others_finished =
-        !worker_id.empty() &&
-        std::all_of(job.members.begin(), job.members.end(), [&](const MemberState& m) {
-          return m.finished || m.worker_id == worker_id;
-        });
-    if (lost_finished) {
-      // Its report stands (it came from a member); the others are past every collective it
-      // took part in and finish without it.
-      if (others_finished) {
-        return FinishAgreed(job, /*except=*/"", absl::StrCat("; ", reason, " after it finished"),
-                            now, out);
-      }
-      return;
-    }
-    if (others_finished) {
-      // Lost before it reported (rank 0 writing the sample or the export, say): the others'
-      // result stands, and what only rank 0 writes says it was not written.
-      return FinishAgreed(job, /*except=*/worker_id,
-                          absl::StrCat("; ", reason, " after the last step"), now, out);
-    }
-    // The others may wait in an evaluation's collective with it: they form the next
-    // generation by themselves, which heals from their memory, trains nothing and finishes.
-    // Bounded like any recovery: a generation that can never finish (its evaluation fails
-    // every time) must not re-form for ever.
-    // A fatal report is its reporter's own here too: not charged, and the others' reports of
-    // the same error come first (fatal_report_grace).
-    const bool coordinator_caused = CoordinatorWasAway(now);
-    const bool charged = !coordinator_caused && !fatal;
-    if (charged && job.job.recoveries() >= MaxRestarts(job)) {
-      return FinishJob(job, v1::JOB_STATE_FAILED,
-                       absl::StrCat(reason, " after the last step (max_restarts ",
-                                    MaxRestarts(job), " used up)"),
-                       now, out);
-    }
-    job.finishing = true;
-    job.members.erase(
-        std::remove_if(job.members.begin(), job.members.end(),
-                       [&](const MemberState& m) { return m.worker_id == worker_id; }),
-        job.members.end());
-    if (charged) job.job.set_recoveries(job.job.recoveries() + 1);
-    BeginReconfiguration(job,
-                         absl::StrCat(reason, " after the last step (the members that hold the "
-                                              "final state finish the job)"),
-                         /*scale_up=*/false, coordinator_caused,
-                         worker_id.empty() ? now + absl::Milliseconds(300)
-                         : fatal           ? now + options_.fatal_report_grace
-                                           : now,
-                         now, out);
-    return TryReform(job, now, out);
+    return HandleLossAfterLastStep(job, worker_id, reason, fatal, now, out);
   }
   if (job.job.state() == v1::JOB_STATE_RECONFIGURING) {
     // Lost while re-forming: drop it from the survivors and carry on with the same recovery.
-    job.members.erase(
-        std::remove_if(job.members.begin(), job.members.end(),
-                       [&](const MemberState& m) { return m.worker_id == worker_id; }),
-        job.members.end());
+    EraseMember(job, worker_id);
     RefreshMembers(job);
     return TryReform(job, now, out);
   }
   // Losses the coordinator's own absence caused are recovered, but not charged to the job; nor
   // is a fatal report (the reporter leaves the job for good); nor a worker's loss beyond its
-  // own kMaxChargesPerWorker (it leaves the job instead).
+  // own kMaxChargesPerWorker (it leaves the job instead); nor a failure whose culprit took no
+  // part in the generation (LeaveOutSilentMembers).
   const bool coordinator_caused = CoordinatorWasAway(now);
   bool charged = !coordinator_caused && !fatal;
   std::string why_not_charged;
@@ -1394,35 +1353,8 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
                                      "and not counted");
     }
   }
-  if (charged && worker_id.empty()) {
-    // Nobody is known to be at fault, but a member that took no part at all in a generation
-    // where the others did (it never wrote to the generation's store, never reported) is
-    // what the others waited for: it is left out of the next generation, and the failure is
-    // its own, not the job's.
-    const std::vector<std::string> silent = SilentMembers(job);
-    std::vector<std::string> names;
-    for (const std::string& id : silent) {
-      Worker* w = FindWorker(id);
-      if (w == nullptr) continue;
-      names.push_back(w->info.name());
-      if (ChargeWorker(job, *w) && job.charges[w->info.name()] == kMaxChargesPerWorker) {
-        job.excluded_names.insert(w->info.name());
-      }
-      job.benched.insert(id);
-      PushAbort(job, id, absl::StrCat(reason, "; this worker took no part in the generation"),
-                out);
-      w->state = WorkerState::kIdle;
-      w->job_id.clear();
-      w->generation = 0;
-      job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
-                                       [&](const MemberState& m) { return m.worker_id == id; }),
-                        job.members.end());
-    }
-    if (!names.empty()) {
-      charged = false;
-      why_not_charged = absl::StrCat("; left out, not counted: ", absl::StrJoin(names, ", "),
-                                     " took no part in the generation while the others did");
-    }
+  if (charged && worker_id.empty() && LeaveOutSilentMembers(job, reason, &why_not_charged, out)) {
+    charged = false;
   }
   if (charged && job.job.recoveries() >= MaxRestarts(job)) {
     return FinishJob(job, v1::JOB_STATE_FAILED,
@@ -1430,24 +1362,90 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
                                   job.job.recoveries() > 0 ? " used up)" : ": recovery disabled)"),
                      now, out);
   }
-  job.members.erase(std::remove_if(job.members.begin(), job.members.end(),
-                                   [&](const MemberState& m) { return m.worker_id == worker_id; }),
-                    job.members.end());
+  EraseMember(job, worker_id);
   if (charged) job.job.set_recoveries(job.job.recoveries() + 1);
-  // After a reported collective error give the culprit a moment to be detected (its stream
-  // closes within milliseconds when it died), so the next generation does not include it.
-  // After a fatal report, the others' reports of the same error come first (see
-  // CoreOptions::fatal_report_grace).
-  const absl::Time reform_after = worker_id.empty() ? now + absl::Milliseconds(300)
-                                  : fatal           ? now + options_.fatal_report_grace
-                                                    : now;
   BeginReconfiguration(job,
                        coordinator_caused
                            ? absl::StrCat(reason, " (the coordinator had been unresponsive for ",
                                           Seconds1(last_absence_), "; not counted)")
                            : reason + why_not_charged,
-                       /*scale_up=*/false, coordinator_caused, reform_after, now, out);
+                       /*scale_up=*/false, coordinator_caused, ReformAfter(worker_id, fatal, now),
+                       now, out);
   TryReform(job, now, out);
+}
+
+void Core::HandleLossAfterLastStep(JobRecord& job, const std::string& worker_id,
+                                   const std::string& reason, bool fatal, absl::Time now,
+                                   Decisions* out) {
+  const auto lost = std::find_if(job.members.begin(), job.members.end(),
+                                 [&](const MemberState& m) { return m.worker_id == worker_id; });
+  const bool lost_finished = lost != job.members.end() && lost->finished;
+  const bool others_finished =
+      !worker_id.empty() &&
+      std::all_of(job.members.begin(), job.members.end(), [&](const MemberState& m) {
+        return m.finished || m.worker_id == worker_id;
+      });
+  if (lost_finished) {
+    // Its report stands (it came from a member); the others are past every collective it took
+    // part in and finish without it.
+    if (others_finished) {
+      FinishAgreed(job, /*except=*/"", absl::StrCat("; ", reason, " after it finished"), now, out);
+    }
+    return;
+  }
+  if (others_finished) {
+    // Lost before it reported (rank 0 writing the sample or the export, say): the others' result
+    // stands, and what only rank 0 writes says it was not written.
+    return FinishAgreed(job, /*except=*/worker_id,
+                        absl::StrCat("; ", reason, " after the last step"), now, out);
+  }
+  // The others may wait in an evaluation's collective with it: they form the next generation by
+  // themselves, which heals from their memory, trains nothing and finishes. Bounded like any
+  // recovery (a generation whose evaluation fails every time must not re-form for ever); a fatal
+  // report is its reporter's own here too.
+  const bool coordinator_caused = CoordinatorWasAway(now);
+  const bool charged = !coordinator_caused && !fatal;
+  if (charged && job.job.recoveries() >= MaxRestarts(job)) {
+    return FinishJob(job, v1::JOB_STATE_FAILED,
+                     absl::StrCat(reason, " after the last step (max_restarts ", MaxRestarts(job),
+                                  " used up)"),
+                     now, out);
+  }
+  job.finishing = true;
+  EraseMember(job, worker_id);
+  if (charged) job.job.set_recoveries(job.job.recoveries() + 1);
+  BeginReconfiguration(job,
+                       absl::StrCat(reason, " after the last step (the members that hold the "
+                                            "final state finish the job)"),
+                       /*scale_up=*/false, coordinator_caused, ReformAfter(worker_id, fatal, now),
+                       now, out);
+  TryReform(job, now, out);
+}
+
+bool Core::LeaveOutSilentMembers(JobRecord& job, const std::string& reason, std::string* why,
+                                 Decisions* out) {
+  // Nobody is known to be at fault, but a member that took no part at all in a generation where
+  // the others did (it never wrote to the generation's store, never reported) is what the
+  // others waited for: it is left out of the next generation, and the failure is its own.
+  std::vector<std::string> names;
+  for (const std::string& id : SilentMembers(job)) {
+    Worker* w = FindWorker(id);
+    if (w == nullptr) continue;
+    names.push_back(w->info.name());
+    if (ChargeWorker(job, *w) && job.charges[w->info.name()] == kMaxChargesPerWorker) {
+      job.excluded_names.insert(w->info.name());
+    }
+    job.benched.insert(id);
+    PushAbort(job, id, absl::StrCat(reason, "; this worker took no part in the generation"), out);
+    w->state = WorkerState::kIdle;
+    w->job_id.clear();
+    w->generation = 0;
+    EraseMember(job, id);
+  }
+  if (names.empty()) return false;
+  *why = absl::StrCat("; left out, not counted: ", absl::StrJoin(names, ", "),
+                      " took no part in the generation while the others did");
+  return true;
 }
 
 void Core::PushAbort(const JobRecord& job, const std::string& worker_id, const std::string& reason,

@@ -345,6 +345,18 @@ class Core {
   // report, true or forged, never fails a job for the others.
   void HandleMemberLoss(JobRecord& job, const std::string& worker_id, const std::string& reason,
                         bool fatal, absl::Time now, Decisions* out);
+  // HandleMemberLoss once every other member has completed the last step: finish the job, or
+  // re-form the members that hold the final state (a finishing generation).
+  void HandleLossAfterLastStep(JobRecord& job, const std::string& worker_id,
+                               const std::string& reason, bool fatal, absl::Time now,
+                               Decisions* out);
+  // Leaves the members that took no part in the failed generation out of the next one (charged
+  // to them, not the job). False when there are none; else `why` says who, for the reason.
+  bool LeaveOutSilentMembers(JobRecord& job, const std::string& reason, std::string* why,
+                             Decisions* out);
+  static void EraseMember(JobRecord& job, const std::string& worker_id);
+  // When the next generation may form after a loss (a grace after reports, see below).
+  absl::Time ReformAfter(const std::string& worker_id, bool fatal, absl::Time now) const;
   // Aborts the current generation's members (they stay reserved for the job) and records a
   // re-formation; the job is RECONFIGURING until TryReform succeeds.
   void BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,
