@@ -20,6 +20,9 @@ if command -v docker-compose >/dev/null; then
   resolved="$(LOCKSTEP_TOKEN=t docker-compose config)"
   grep -qE -- '- 127\.0\.0\.1:7070:7070(/tcp)?$' <<<"$resolved" ||
     fail "the coordinator port is not bound to 127.0.0.1 by default"
+  # Users compile from source unless they ask for staged binaries (docs/deploy.md).
+  grep -qE '^ +BINARIES: source$' <<<"$resolved" ||
+    fail "the images do not build from source by default (BINARIES: source)"
   if out="$(env -u LOCKSTEP_TOKEN docker-compose config -q 2>&1)"; then
     fail "docker-compose accepted a configuration without LOCKSTEP_TOKEN"
   elif ! grep -q "set LOCKSTEP_TOKEN" <<<"$out"; then
