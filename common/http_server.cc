@@ -7,11 +7,20 @@
 // request that has arrived whole; each connection has a deadline for its next request, and
 // their number is capped.
 //
+// "Whole" is decided by the acceptor alone: it frames each request by its head (at most
+// kMaxHeadBytes) and its one Content-Length (at most max_body_bytes), and the parser reads that
+// request from memory and nothing past it. A request whose end cannot be known that way (a
+// Transfer-Encoding, two Content-Lengths, a head or a body over the limits, an Expect other than
+// 100-continue) is answered by the acceptor and the connection closed, so no client can make a
+// handler thread wait on it, or read a body of unbounded length into memory.
+//
 // A connection's life: accepted (and its TLS handshake done) by the acceptor, it waits for a
 // whole request in `waiting_`; then it is `ready_` for a handler thread, which runs cpp-httplib's
-// process_request over it (ConnectionStream) and hands it back to wait for the next request
-// (`returned_`), or closes it. Whoever holds its unique_ptr owns it; only the acceptor touches
-// `waiting_` and the epoll set.
+// process_request over it (ConnectionStream) and hands it back (`returned_`) to wait for the next
+// request or, when it is to close, to linger: its write side shut, what the client still sends
+// read and dropped until the client closes or kLinger passes (closing with unread bytes would
+// reset the connection, and could destroy the answer before the client read it). Whoever holds
+// its unique_ptr owns it; only the acceptor touches `waiting_` and the epoll set.
 #include "common/http_server.h"
 
 #include <arpa/inet.h>
@@ -31,14 +40,15 @@
 #include <deque>
 #include <exception>
 #include <list>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -50,10 +60,16 @@
 namespace lockstep {
 namespace {
 
-// A request head that has not ended by this size is handed to the parser as it is: cpp-httplib
-// refuses a request line or a header over 8 KiB (414, 400), and reads on, under the request's
-// deadline, through a head of many small headers.
+// A request head (request line, headers, blank line) must end within this many bytes, or it is
+// answered 431 (414 when the request line alone is over cpp-httplib's 8 KiB). Within it,
+// cpp-httplib still refuses a single line over 8 KiB itself (414, 400).
 constexpr size_t kMaxHeadBytes = 16 << 10;
+// A connection that is to close reads and drops what its client still sends for at most this
+// long after its write side is shut (and the answer on its way).
+constexpr absl::Duration kLinger = absl::Seconds(2);
+// What a lingering connection reads per turn of the acceptor: a client sending as fast as it
+// can does not keep the acceptor from the others.
+constexpr size_t kDrainPerTurn = 64 << 10;
 // The kernel queues this many connections the acceptor has not taken yet (cpp-httplib's 5
 // turned clients away during a burst before the acceptor could choose whom to keep).
 constexpr int kListenBacklog = 1024;
@@ -66,10 +82,17 @@ constexpr absl::Duration kAcceptPause = absl::Milliseconds(100);
 constexpr ssize_t kWouldBlock = -1;
 constexpr ssize_t kFailed = -2;
 
+enum class Phase {
+  kRequest,  // waiting for its next request (and writing a 100 Continue), or being answered
+  kRefuse,   // writing the acceptor's answer to a request it refused; then kLinger
+  kLinger,   // its write side shut: reading and dropping what the client sends until it closes
+};
+
 struct Connection {
   ~Connection() {
     if (ssl != nullptr) {
-      if (handshaken) SSL_shutdown(ssl);  // one try at close_notify; the socket is non-blocking
+      // One try at close_notify (the socket is non-blocking), unless ShutDownWrites sent it.
+      if (handshaken && !shut) SSL_shutdown(ssl);
       SSL_free(ssl);
     }
     if (fd >= 0) close(fd);
@@ -77,10 +100,21 @@ struct Connection {
   int fd = -1;
   SSL* ssl = nullptr;  // HTTPS
   bool handshaken = false;
-  // Bytes received and not parsed yet, from in_pos on: read ahead by the acceptor (the request
-  // it waited for) or by a handler (a pipelined next request).
+  bool shut = false;  // our side has ended (ShutDownWrites)
+  Phase phase = Phase::kRequest;
+  // Bytes received and not consumed: the request being waited for or answered, and whatever the
+  // client sent after it. The acceptor appends; the parser reads [in_pos, request_end) and
+  // nothing else, and once it is done they are erased. So while a connection waits, in_pos is 0.
   std::string in;
   size_t in_pos = 0;
+  // The request's framing, found by the acceptor as its bytes arrive. `scanned`: the head's end
+  // was looked for in in[0, scanned), and is not there (each read is searched once, not the
+  // whole head again). `request_end`: once the head is in, where its body ends; 0 before.
+  size_t scanned = 0;
+  size_t request_end = 0;
+  // What the acceptor writes itself (a 100 Continue, a refusal), from its start: a TLS write
+  // that would block must be repeated with the same bytes, so it changes only once written.
+  std::string out;
   int served = 0;       // requests answered
   absl::Time deadline;  // while waiting: the whole next request must be here by then
   uint32_t events = 0;  // while waiting: the epoll interest
@@ -177,39 +211,34 @@ void AddressOf(int fd, bool peer, std::string& ip, int& port) {
   ip = text;
 }
 
-// A connection as cpp-httplib's parser reads and writes it: first the bytes read ahead, then
-// the socket, every wait bounded by the request's deadlines (reading the rest of the request,
-// and writing the response, each within `timeout` of their start).
+// Ends our side of a connection: close_notify (TLS, one try: the socket is non-blocking) and
+// FIN, after what was written. The peer may still send; a close then would reset the connection.
+void ShutDownWrites(Connection& c) {
+  if (c.shut) return;
+  c.shut = true;
+  if (c.ssl != nullptr && c.handshaken) {
+    ERR_clear_error();
+    SSL_shutdown(c.ssl);
+  }
+  shutdown(c.fd, SHUT_WR);
+}
+
+// A connection as cpp-httplib's parser reads and writes it. It reads the one request the acceptor
+// framed, from memory, and then the end of the stream: never the socket, so a handler thread
+// never waits on a client's bytes, and no request is longer than the acceptor allowed. (A POST
+// without a Content-Length, which cpp-httplib would read until the client closes, thus has an
+// empty body, as HTTP says it has.) Writing the response gives up `timeout` after it began.
 class ConnectionStream final : public httplib::Stream {
  public:
-  ConnectionStream(Connection& c, absl::Duration timeout)
-      : c_(c), timeout_(timeout), read_deadline_(absl::Now() + timeout) {}
+  ConnectionStream(Connection& c, absl::Duration timeout) : c_(c), timeout_(timeout) {}
 
-  bool is_readable() const override {
-    if (c_.in_pos < c_.in.size()) return true;
-    if (c_.ssl != nullptr && SSL_pending(c_.ssl) > 0) return true;
-    return WaitFor(c_.fd, POLLIN, read_deadline_);
-  }
+  bool is_readable() const override { return c_.in_pos < c_.request_end; }
   bool is_writable() const override { return WaitFor(c_.fd, POLLOUT, WriteDeadline()); }
 
-  // cpp-httplib reads a head a byte at a time: it is served from c_.in, refilled 4 KiB at once.
+  // 0 at the request's end: cpp-httplib reads a head a byte at a time and a body by its length,
+  // so it stops there unless the request lacks what it expects (then it fails, 400).
   ssize_t read(char* ptr, size_t size) override {
-    if (c_.in_pos == c_.in.size()) {
-      c_.in.clear();
-      c_.in_pos = 0;
-      char buffer[4096];
-      while (true) {
-        short wait = 0;
-        const ssize_t n = ReadOnce(c_, buffer, sizeof(buffer), &wait);
-        if (n > 0) {
-          c_.in.append(buffer, static_cast<size_t>(n));
-          break;
-        }
-        if (n == 0) return 0;
-        if (n == kFailed || !WaitFor(c_.fd, wait, read_deadline_)) return -1;
-      }
-    }
-    const size_t n = std::min(size, c_.in.size() - c_.in_pos);
+    const size_t n = std::min(size, c_.request_end - c_.in_pos);
     std::memcpy(ptr, c_.in.data() + c_.in_pos, n);
     c_.in_pos += n;
     return static_cast<ssize_t>(n);
@@ -241,32 +270,92 @@ class ConnectionStream final : public httplib::Stream {
 
   Connection& c_;
   const absl::Duration timeout_;
-  const absl::Time read_deadline_;
   mutable absl::Time write_deadline_ = absl::InfiniteFuture();  // set by the first write
 };
 
-// Whether `in` holds a request the parser can take without waiting on the client: a whole head
-// and the body its Content-Length announces. A head too large, a body over the limit, a chunked
-// body or one sent only after "100 Continue" go to the parser at once: it refuses the first two
-// without reading them, and reads the others under the request's deadline.
-bool RequestArrived(absl::string_view in, size_t max_body_bytes) {
-  const size_t end = in.find("\r\n\r\n");
-  if (end == absl::string_view::npos) return in.size() >= kMaxHeadBytes;
+// What the acceptor makes of a request's head: the length of the body that follows it, or the
+// status to refuse the request with and why.
+struct Framing {
+  int refuse = 0;  // an HTTP status, or 0
+  std::string why;
   size_t body = 0;
-  for (absl::string_view line : absl::StrSplit(in.substr(0, end), "\r\n")) {
+  // "Expect: 100-continue": the client may wait for a 100 before it sends the body. Its lines,
+  // [begin, end) in the head, are erased before the parser sees them: the acceptor answers it,
+  // and cpp-httplib would send a second 100 (it does for any Expect).
+  std::vector<std::pair<size_t, size_t>> expect_lines;
+};
+
+// `head`: a request line and headers through the blank line that ends them. Anything cpp-httplib
+// could take for a body the acceptor has not framed is refused (RFC 9112 section 6): a
+// Transfer-Encoding (411: the dashboard and the metrics take no chunked bodies), two
+// Content-Lengths or one that is not a number, a header name with whitespace before its colon,
+// or a line ending in a bare LF (400: cpp-httplib would read them differently), a body over
+// `max_body_bytes` (413), an expectation other than 100-continue (417). A POST without a length
+// has no body.
+Framing FrameHead(absl::string_view head, size_t max_body_bytes) {
+  Framing f;
+  auto refuse = [&f](int status, std::string why) {
+    f.refuse = status;
+    f.why = std::move(why);
+    return f;
+  };
+  for (size_t i = head.find('\n'); i != absl::string_view::npos; i = head.find('\n', i + 1)) {
+    if (i == 0 || head[i - 1] != '\r') return refuse(400, "a line of the head ends in a bare LF");
+  }
+  bool has_length = false;
+  size_t pos = head.find("\r\n") + 2;  // past the request line: cpp-httplib checks that
+  while (pos < head.size()) {
+    const size_t begin = pos;
+    const size_t eol = head.find("\r\n", pos);
+    const absl::string_view line = head.substr(pos, eol - pos);
+    pos = eol + 2;
+    if (line.empty()) break;  // the blank line
     const size_t colon = line.find(':');
-    if (colon == absl::string_view::npos) continue;
-    const absl::string_view name = absl::StripAsciiWhitespace(line.substr(0, colon));
-    const absl::string_view value = absl::StripAsciiWhitespace(line.substr(colon + 1));
-    if (absl::EqualsIgnoreCase(name, "transfer-encoding") ||
-        absl::EqualsIgnoreCase(name, "expect")) {
-      return true;
+    const absl::string_view name = line.substr(0, colon);
+    if (colon == absl::string_view::npos || name.empty() ||
+        name.find_first_of(" \t") != absl::string_view::npos) {
+      return refuse(400, "a header line is not NAME: VALUE");
     }
-    if (absl::EqualsIgnoreCase(name, "content-length") && !absl::SimpleAtoi(value, &body)) {
-      return true;  // malformed: the parser says so
+    const absl::string_view value = absl::StripAsciiWhitespace(line.substr(colon + 1));
+    if (absl::EqualsIgnoreCase(name, "Transfer-Encoding")) {
+      return refuse(411, "send the request body with a Content-Length, not a Transfer-Encoding");
+    }
+    if (absl::EqualsIgnoreCase(name, "Content-Length")) {
+      if (has_length) return refuse(400, "more than one Content-Length");
+      has_length = true;
+      if (value.empty() || value.find_first_not_of("0123456789") != absl::string_view::npos) {
+        return refuse(400, "Content-Length is not a number");
+      }
+      // 18 digits or fewer: SimpleAtoi cannot overflow, and more is over any limit anyway.
+      if (value.size() > 18 || !absl::SimpleAtoi(value, &f.body) || f.body > max_body_bytes) {
+        return refuse(413, absl::StrCat("a request body is at most ", max_body_bytes, " bytes"));
+      }
+    }
+    if (absl::EqualsIgnoreCase(name, "Expect")) {
+      if (!absl::EqualsIgnoreCase(value, "100-continue")) {
+        return refuse(417, "the only expectation met is 100-continue");
+      }
+      f.expect_lines.emplace_back(begin, pos);
     }
   }
-  return body > max_body_bytes || in.size() - (end + 4) >= body;
+  return f;
+}
+
+// An answer the acceptor writes itself, before it closes the connection.
+std::string Refusal(int status, absl::string_view why) {
+  static constexpr std::pair<int, const char*> kReasons[] = {
+      {411, "Length Required"},
+      {413, "Payload Too Large"},
+      {414, "URI Too Long"},
+      {417, "Expectation Failed"},
+      {431, "Request Header Fields Too Large"}};
+  const char* reason = "Bad Request";
+  for (const auto& [code, text] : kReasons) {
+    if (code == status) reason = text;
+  }
+  return absl::StrCat("HTTP/1.1 ", status, " ", reason,
+                      "\r\nContent-Type: text/plain\r\nConnection: close\r\nContent-Length: ",
+                      why.size() + 1, "\r\n\r\n", why, "\n");
 }
 
 // cpp-httplib's request handling (parse, route, answer) over one of our streams; its own accept
@@ -402,7 +491,10 @@ class HttpServer::Impl {
       }
       const absl::Time now = absl::Now();
       for (auto& c : back) {
-        Wait(std::move(c), now + absl::Seconds(options_.keep_alive_seconds));
+        const absl::Time deadline =
+            now +
+            (c->phase == Phase::kLinger ? kLinger : absl::Seconds(options_.keep_alive_seconds));
+        Wait(std::move(c), deadline);
       }
       if (accept_paused_until_ != absl::InfinitePast() && now >= accept_paused_until_) {
         accept_paused_until_ = absl::InfinitePast();
@@ -412,7 +504,8 @@ class HttpServer::Impl {
       if (accept) AcceptSome(now);
       for (auto it = waiting_.begin(); it != waiting_.end();) {
         Connection* c = (it++)->get();
-        if (c->deadline <= now) Close(c);  // idle, trickling, or a handshake that never ended
+        // Idle, trickling, a handshake that never ended, or done lingering.
+        if (c->deadline <= now) Close(c);
       }
     }
     waiting_.clear();
@@ -489,7 +582,8 @@ class HttpServer::Impl {
     return evict;
   }
 
-  // Starts waiting for the connection's next request, and takes what has arrived already.
+  // Starts waiting for the connection's next request (or the end of its lingering), and takes
+  // what has arrived already.
   void Wait(std::unique_ptr<Connection> owned, absl::Time deadline) {
     Connection* c = owned.get();
     c->deadline = deadline;
@@ -503,9 +597,13 @@ class HttpServer::Impl {
     Advance(c);
   }
 
-  // Handshakes and reads as far as the client allows without blocking, and hands a request
-  // that has arrived to the handler threads.
+  enum class Head { kFramed, kIncomplete, kRefused };
+
+  // Handshakes, writes what the acceptor has to say, and reads as far as the client allows
+  // without blocking; hands a request that has arrived whole to the handler threads, and answers
+  // one it will not hand over.
   void Advance(Connection* c) {
+    if (c->phase == Phase::kLinger) return Drain(c);
     if (!c->handshaken) {
       ERR_clear_error();
       const int r = SSL_accept(c->ssl);
@@ -517,10 +615,14 @@ class HttpServer::Impl {
       }
       c->handshaken = true;
     }
-    // At most a head and a body, which is as far as the parser needs (RequestArrived).
+    // A TLS read cannot come between the tries of one write: the write is finished first.
+    if (!Flush(c)) return;
+    if (c->phase == Phase::kRefuse) return Linger(c);
+    // At most a head and a body, which is as far as a request can go; once the head is in, up
+    // to its body's end.
     const size_t limit = kMaxHeadBytes + options_.max_body_bytes;
     bool ended = false;
-    while (c->in.size() - c->in_pos < limit) {
+    while (c->in.size() < (c->request_end != 0 ? c->request_end : limit)) {
       char buffer[4096];
       short wait = 0;
       const ssize_t n = ReadOnce(*c, buffer, sizeof(buffer), &wait);
@@ -535,12 +637,106 @@ class HttpServer::Impl {
       }
       break;
     }
-    const absl::string_view unread = absl::string_view(c->in).substr(c->in_pos);
-    // A request sent before the client closed its side is still answered.
-    if (unread.size() >= limit || RequestArrived(unread, options_.max_body_bytes)) {
-      return Dispatch(c);
+    if (c->request_end == 0) {
+      const Head head = Frame(c);
+      if (head == Head::kRefused) return;  // answered, or closed
+      if (head == Head::kIncomplete) {
+        if (ended) Close(c);
+        return;
+      }
     }
-    if (ended) Close(c);
+    // A request sent before the client closed its side is still answered.
+    if (c->in.size() >= c->request_end) return Dispatch(c);
+    if (ended) return Close(c);
+    Flush(c);  // a 100 Continue
+  }
+
+  // Looks for the end of the request's head in what has arrived, and frames the request by it:
+  // kFramed sets c->request_end. kRefused: the answer is under way, or the connection is closed
+  // (c is gone).
+  Head Frame(Connection* c) {
+    const absl::string_view window =
+        absl::string_view(c->in).substr(0, std::min(c->in.size(), kMaxHeadBytes));
+    // The end may straddle the previous read: 3 bytes of it can be before c->scanned.
+    const size_t end = window.find("\r\n\r\n", c->scanned < 3 ? 0 : c->scanned - 3);
+    if (end == absl::string_view::npos) {
+      c->scanned = window.size();
+      if (window.size() < kMaxHeadBytes) return Head::kIncomplete;
+      // Still no end: the request line alone is over cpp-httplib's limit, or the head is.
+      const size_t line_end = window.find("\r\n");
+      if (line_end == absl::string_view::npos || line_end + 2 > CPPHTTPLIB_REQUEST_URI_MAX_LENGTH) {
+        Refuse(
+            c, 414,
+            absl::StrCat("the request line is over ", CPPHTTPLIB_REQUEST_URI_MAX_LENGTH, " bytes"));
+      } else {
+        Refuse(c, 431, absl::StrCat("the request head is over ", kMaxHeadBytes, " bytes"));
+      }
+      return Head::kRefused;
+    }
+    size_t head_end = end + 4;
+    Framing framing = FrameHead(window.substr(0, head_end), options_.max_body_bytes);
+    if (framing.refuse != 0) {
+      Refuse(c, framing.refuse, framing.why);
+      return Head::kRefused;
+    }
+    for (auto it = framing.expect_lines.rbegin(); it != framing.expect_lines.rend(); ++it) {
+      c->in.erase(it->first, it->second - it->first);
+      head_end -= it->second - it->first;
+    }
+    c->request_end = head_end + framing.body;
+    if (!framing.expect_lines.empty() && c->in.size() < c->request_end) {
+      c->out.append("HTTP/1.1 100 Continue\r\n\r\n");
+    }
+    return Head::kFramed;
+  }
+
+  // Writes c->out as far as the socket takes it: true once all of it is written. False when the
+  // rest waits for the socket (the interest is set for it), or the connection failed (closed).
+  bool Flush(Connection* c) {
+    while (!c->out.empty()) {
+      short wait = 0;
+      const ssize_t n = WriteOnce(*c, c->out.data(), c->out.size(), &wait);
+      if (n > 0) {
+        c->out.erase(0, static_cast<size_t>(n));
+      } else if (n == kWouldBlock) {
+        Interest(c, wait == POLLIN ? EPOLLIN : EPOLLOUT);
+        return false;
+      } else {
+        Close(c);
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // Answers a request the acceptor will not hand over, and then lingers (Linger). What was read
+  // of the request is dropped.
+  void Refuse(Connection* c, int status, absl::string_view why) {
+    c->out.append(Refusal(status, why));
+    c->phase = Phase::kRefuse;
+    c->deadline = absl::Now() + kLinger;
+    std::string().swap(c->in);
+    c->scanned = 0;
+    if (Flush(c)) Linger(c);
+  }
+
+  void Linger(Connection* c) {
+    ShutDownWrites(*c);
+    c->phase = Phase::kLinger;
+    Interest(c, EPOLLIN);
+    Drain(c);
+  }
+
+  // Reads and drops what a lingering client sends, and closes the connection once the client
+  // has closed its side. The raw socket even under TLS: nothing of it is parsed any more.
+  void Drain(Connection* c) {
+    char buffer[16 << 10];
+    for (size_t drained = 0; drained < kDrainPerTurn; drained += sizeof(buffer)) {
+      const ssize_t n = recv(c->fd, buffer, sizeof(buffer), 0);
+      if (n > 0) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+      return Close(c);  // the client closed, or the connection failed
+    }
   }
 
   void Interest(Connection* c, uint32_t events) {
@@ -579,19 +775,19 @@ class HttpServer::Impl {
         c = std::move(ready_.front());
         ready_.pop_front();
       }
-      const bool keep = Handle(*c);
+      Handle(*c);
       {
         absl::MutexLock lock(&mu_);
         --handling_;
-        if (keep && !stopping_) returned_.push_back(std::move(c));
+        if (!stopping_) returned_.push_back(std::move(c));
       }
-      if (keep) Wake();
-      c.reset();  // closed here, outside mu_, unless handed back
+      Wake();
+      c.reset();  // closed here, outside mu_, when the server stops
     }
   }
 
-  // Answers one request; whether the connection is kept for the next one.
-  bool Handle(Connection& c) {
+  // Answers one request, and readies the connection to wait for the next one or to linger.
+  void Handle(Connection& c) {
     ConnectionStream stream(c, absl::Seconds(options_.timeout_seconds));
     const bool last = c.served + 1 >= options_.keep_alive_max_requests;
     bool closed = false;
@@ -604,10 +800,17 @@ class HttpServer::Impl {
       LOG(ERROR) << options_.what << ": a request failed";
     }
     ++c.served;
-    if (!ok || closed || last) return false;
-    c.in.erase(0, c.in_pos);  // what is left belongs to the next request
+    // What follows the request's framed end belongs to the next one, whatever of the request the
+    // parser left unread (the body of a GET).
+    c.in.erase(0, c.request_end);
     c.in_pos = 0;
-    return true;
+    c.scanned = 0;
+    c.request_end = 0;
+    if (!ok || closed || last) {
+      ShutDownWrites(c);  // here, so that the FIN follows the answer at once
+      c.phase = Phase::kLinger;
+      std::string().swap(c.in);
+    }
   }
 
   const HttpServerOptions options_;

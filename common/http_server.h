@@ -5,10 +5,12 @@
 //
 // The front door: one thread accepts connections and reads each request (TLS handshake, head, and
 // a body up to max_body_bytes) without blocking, and only a complete request reaches one of the
-// `threads` handler threads. An idle or trickling connection holds no handler thread and is
-// closed at its deadline; beyond max_connections, the connection that has waited longest for
-// its request is closed to admit the new one (so a flood of idle connections turns over, and a
-// client that sends its request at once is served).
+// `threads` handler threads, which read that request from memory and never the socket. An idle or
+// trickling connection holds no handler thread and is closed at its deadline; a request whose end
+// is not known from its head (see max_body_bytes) is answered at once and closed; beyond
+// max_connections, the connection that has waited longest for its request is closed to admit the
+// new one (so a flood of idle connections turns over, and a client that sends its request at once
+// is served).
 #pragma once
 
 #include <cstddef>
@@ -29,11 +31,15 @@ struct HttpServerOptions {
   std::string what = "HTTP";
   // Requests handled at once; more wait, whole, for a thread.
   int threads = 1;
-  // Request bodies beyond this are answered 413; request lines and headers beyond 8 KiB, 414
-  // and 400 (cpp-httplib's limits).
+  // A request body comes with a Content-Length of at most this; a larger one is answered 413 (a
+  // POST without a length has no body). The front door answers, and closes the connection: a head
+  // over 16 KiB 431 (414 when its request line is over 8 KiB), a Transfer-Encoding 411, two
+  // Content-Lengths 400, an Expect other than 100-continue 417 (a 100-continue it answers
+  // itself). Within a head, a request line or header over 8 KiB is answered 414 or 400
+  // (cpp-httplib's limits).
   size_t max_body_bytes = 16 << 10;
   // A new connection's first request must have arrived whole within this long. Once handed to a
-  // thread, reading what is left of a request and writing its response each give up after it.
+  // thread, writing its response gives up after it.
   int timeout_seconds = 5;
   // After a response, the next request on the connection must have arrived whole within this
   // long, or the connection is closed.

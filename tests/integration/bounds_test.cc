@@ -1,18 +1,24 @@
 // What a hostile or careless client can hold on a coordinator, from raw gRPC and HTTP clients on
-// loopback: slow and idle HTTP connections do not starve the dashboard or the metrics port and
-// give their descriptors back; made-up gRPC method names do not grow /metrics; watchers of a job
+// loopback: slow and idle HTTP connections, and requests whose bodies the server cannot bound by
+// their Content-Length, do not starve the dashboard or the metrics port, grow its memory, or keep
+// their descriptors; made-up gRPC method names do not grow /metrics; watchers of a job
 // hold no thread each; a worker session that never registers is closed; gRPC reflection is off
 // unless asked for, and behind the token when on; idle client channels survive a minute.
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -20,6 +26,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/grpc_options.h"
@@ -52,18 +60,22 @@ int OpenFds(pid_t pid) {
   return n;
 }
 
-// Its threads (/proc/PID/status, "Threads:").
-int Threads(pid_t pid) {
+// A number from /proc/PID/status ("Threads:", "VmRSS:" in kB); -1 when absent.
+int64_t StatusValue(pid_t pid, absl::string_view key) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
   while (std::getline(in, line)) {
-    if (absl::StartsWith(line, "Threads:")) {
-      int n = 0;
-      if (absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(8)), &n)) return n;
+    if (absl::StartsWith(line, key)) {
+      absl::string_view value = absl::StripAsciiWhitespace(line.substr(key.size()));
+      absl::ConsumeSuffix(&value, " kB");
+      int64_t n = 0;
+      if (absl::SimpleAtoi(value, &n)) return n;
     }
   }
   return -1;
 }
+
+int Threads(pid_t pid) { return static_cast<int>(StatusValue(pid, "Threads:")); }
 
 // Polls until OpenFds(pid) <= limit; the last count.
 int WaitForFds(pid_t pid, int limit, absl::Duration timeout) {
@@ -113,24 +125,36 @@ int Connect(int port) {
   return fd;
 }
 
-// Slowloris: `n` clients, each sending a request line and then its headers a byte every 100 ms,
-// connecting again whenever the server closes on them, until Stop.
+// Sends all of `bytes`; false when the connection fails first.
+bool SendAll(int fd, absl::string_view bytes) {
+  while (!bytes.empty()) {
+    const ssize_t n = send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    bytes.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
+}
+
+// Slowloris: `n` clients, each sending `start` (by default a request line and the first bytes of
+// a header) and then `unit` every 100 ms, connecting again whenever the server closes on them,
+// until Stop.
 class Trickle {
  public:
-  Trickle(int port, int n) {
+  Trickle(int port, int n,
+          std::string start = "GET /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ",
+          std::string unit = "a") {
     for (int i = 0; i < n; ++i) {
-      threads_.emplace_back([this, port] {
+      threads_.emplace_back([this, port, start, unit] {
         while (!stop_) {
           const int fd = Connect(port);
           if (fd < 0) {
             absl::SleepFor(absl::Milliseconds(50));
             continue;
           }
-          const std::string start = "GET /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
-          bool open = send(fd, start.data(), start.size(), MSG_NOSIGNAL) > 0;
+          bool open = SendAll(fd, start);
           while (open && !stop_) {
             absl::SleepFor(absl::Milliseconds(100));
-            open = send(fd, "a", 1, MSG_NOSIGNAL) == 1;
+            open = SendAll(fd, unit);
           }
           close(fd);
           if (!stop_) reconnects_.fetch_add(1);
@@ -160,6 +184,63 @@ std::vector<int> OpenIdle(int port, int n) {
     if (fd >= 0) fds.push_back(fd);
   }
   return fds;
+}
+
+// A GET through cpp-httplib's client, with the token or without, that must be answered 200
+// within 5 s: how long it took.
+absl::Duration TimedGet(int port, const std::string& path, bool with_token) {
+  const std::map<std::string, std::string> auth = {
+      {"Authorization", absl::StrCat("Bearer ", kToken)}};
+  const absl::Time start = absl::Now();
+  absl::StatusOr<testing::HttpResponse> response = testing::HttpRequest(
+      "GET", "127.0.0.1", port, path, with_token ? auth : std::map<std::string, std::string>{}, "",
+      {}, absl::Seconds(5));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_TRUE(response.ok()) << path << ": " << response.status();
+  if (response.ok()) {
+    EXPECT_EQ(response->status, 200) << path << ": " << response->body;
+  }
+  return took;
+}
+
+// What the server writes back on `fd` while the client sends `unit` every 100 ms, as an attacker
+// goes on sending: until a response head (a 100 Continue counts) has come, the server closes,
+// or `timeout` passes.
+std::string AnswerWhileTrickling(int fd, absl::string_view unit, absl::Duration timeout) {
+  std::string answer;
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Time next_send = absl::Now() + absl::Milliseconds(100);
+  while (absl::Now() < deadline && answer.find("\r\n\r\n") == std::string::npos) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 20) > 0) {
+      char buffer[4096];
+      const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+      if (n <= 0) break;
+      answer.append(buffer, static_cast<size_t>(n));
+      continue;
+    }
+    if (absl::Now() >= next_send) {
+      (void)SendAll(fd, unit);
+      next_send += absl::Milliseconds(100);
+    }
+  }
+  return answer;
+}
+
+// What the server writes on `fd` until it closes, a read fails (*error: its errno, else 0), or
+// `timeout` passes without a byte.
+std::string ReadUntilClosed(int fd, absl::Duration timeout, int* error = nullptr) {
+  std::string answer;
+  char buffer[4096];
+  pollfd p{fd, POLLIN, 0};
+  if (error != nullptr) *error = 0;
+  while (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout))) > 0) {
+    const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+    if (n < 0 && error != nullptr) *error = errno;
+    if (n <= 0) break;
+    answer.append(buffer, static_cast<size_t>(n));
+  }
+  return answer;
 }
 
 class BoundsTest : public ::testing::Test {
@@ -211,22 +292,8 @@ TEST_F(BoundsTest, SlowAndIdleHttpClientsStarveNoRequestAndGiveTheirDescriptorsB
     GTEST_SKIP() << "needs 3,400 descriptors (ulimit -n), has " << FileLimit();
   }
   StartCluster();
-  const std::map<std::string, std::string> auth = {
-      {"Authorization", absl::StrCat("Bearer ", kToken)}};
-  auto timed_get = [&](int port, const std::string& path, bool with_token) {
-    const absl::Time start = absl::Now();
-    absl::StatusOr<testing::HttpResponse> response = testing::HttpRequest(
-        "GET", "127.0.0.1", port, path, with_token ? auth : std::map<std::string, std::string>{},
-        "", {}, absl::Seconds(5));
-    const absl::Duration took = absl::Now() - start;
-    EXPECT_TRUE(response.ok()) << response.status();
-    if (response.ok()) {
-      EXPECT_EQ(response->status, 200) << path << ": " << response->body;
-    }
-    return took;
-  };
-  timed_get(http_port_, "/api/v1/jobs", true);
-  timed_get(metrics_port_, "/metrics", false);
+  TimedGet(http_port_, "/api/v1/jobs", true);
+  TimedGet(metrics_port_, "/metrics", false);
   absl::SleepFor(absl::Milliseconds(500));
   const int fds_before = OpenFds(pid());
 
@@ -244,8 +311,8 @@ TEST_F(BoundsTest, SlowAndIdleHttpClientsStarveNoRequestAndGiveTheirDescriptorsB
   const absl::Time until = absl::Now() + absl::Seconds(8);
   int requests = 0;
   while (absl::Now() < until) {
-    slowest = std::max(slowest, timed_get(http_port_, "/api/v1/jobs", true));
-    slowest_metrics = std::max(slowest_metrics, timed_get(metrics_port_, "/metrics", false));
+    slowest = std::max(slowest, TimedGet(http_port_, "/api/v1/jobs", true));
+    slowest_metrics = std::max(slowest_metrics, TimedGet(metrics_port_, "/metrics", false));
     fds_during = std::max(fds_during, OpenFds(pid()));
     ++requests;
     absl::SleepFor(absl::Milliseconds(200));
@@ -262,7 +329,7 @@ TEST_F(BoundsTest, SlowAndIdleHttpClientsStarveNoRequestAndGiveTheirDescriptorsB
   for (int fd : idle_metrics) close(fd);
   const int fds_after = WaitForFds(pid(), fds_before + 5, absl::Seconds(20));
   EXPECT_LE(fds_after, fds_before + 5);
-  EXPECT_LT(timed_get(http_port_, "/api/v1/jobs", true), absl::Seconds(1));
+  EXPECT_LT(TimedGet(http_port_, "/api/v1/jobs", true), absl::Seconds(1));
   std::cout << "[ numbers  ] dashboard under 40 slowloris + 3,000 idle: " << requests
             << " requests, slowest " << absl::FormatDuration(slowest) << " (metrics port, 10 + "
             << metrics_idle << ": slowest " << absl::FormatDuration(slowest_metrics)
@@ -270,6 +337,228 @@ TEST_F(BoundsTest, SlowAndIdleHttpClientsStarveNoRequestAndGiveTheirDescriptorsB
             << " at most during, " << fds_after << " after; " << dashboard_trickle.reconnects()
             << " slowloris reconnects" << std::endl;
   EXPECT_TRUE(cluster_->coordinator()->running());
+}
+
+// A request that a parser reading on until the request's end would wait on for as long as the
+// client keeps sending (or read without end): a whole head, then a unit every 100 ms.
+struct HttpAttack {
+  std::string name;
+  std::string head;    // sent at once
+  std::string unit;    // then sent every 100 ms, for ever
+  std::string answer;  // how the server's answer begins
+};
+
+void PrintTo(const HttpAttack& attack, std::ostream* out) { *out << attack.name; }
+
+std::string CancelHead() {
+  return "POST /api/v1/jobs/job-1/cancel HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+}
+
+std::vector<HttpAttack> HttpAttacks() {
+  const std::string post = CancelHead();
+  return {
+      // A chunked body: its end is a chunk the client may never send.
+      {"ChunkedBody", post + "Transfer-Encoding: chunked\r\n\r\n", "1\r\na\r\n", "HTTP/1.1 411"},
+      // A POST without a length has no body: it is answered, and what follows is the next
+      // request (not a body read until the client closes).
+      {"PostWithoutLength",
+       absl::StrCat(post, "Authorization: Bearer ", kToken, "\r\nX-Lockstep-Dashboard: 1\r\n\r\n"),
+       "a", "HTTP/1.1 404"},
+      {"RequestLineWithoutEnd", "GET /" + std::string(17 << 10, 'a'), "a", "HTTP/1.1 414"},
+      {"HeadWithoutEnd",
+       "GET /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Long: " + std::string(17 << 10, 'b'), "b",
+       "HTTP/1.1 431"},
+      {"LengthOverTheLimit", post + "Content-Length: 100000000\r\n\r\n", "a", "HTTP/1.1 413"},
+      // cpp-httplib reads the first Content-Length; a server that frames by the last would hand
+      // it a request with 16,000 bytes still to come.
+      {"TwoLengths", post + "Content-Length: 16000\r\nContent-Length: 0\r\n\r\n", "a",
+       "HTTP/1.1 400"},
+      // The client is told to go on, and its body must then arrive in time like any other.
+      {"ExpectContinue", post + "Content-Length: 16000\r\nExpect: 100-continue\r\n\r\n", "a",
+       "HTTP/1.1 100 Continue\r\n"},
+      {"ExpectSomethingElse", post + "Content-Length: 16000\r\nExpect: 200-ok\r\n\r\n", "a",
+       "HTTP/1.1 417"},
+  };
+}
+
+class HttpAttackTest : public BoundsTest, public ::testing::WithParamInterface<HttpAttack> {};
+
+// One such client gets its answer at once, however long it goes on sending; and while a handler
+// thread's worth more of them than each port has threads (16 + 1 on the dashboard, 1 + 1 on the
+// metrics port) keep at it, reconnecting whenever they are closed, real requests are answered.
+TEST_P(HttpAttackTest, IsAnsweredAtOnceAndStarvesNoRequest) {
+  const HttpAttack& attack = GetParam();
+  StartCluster();
+  const int fd = Connect(http_port_);
+  ASSERT_GE(fd, 0);
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(SendAll(fd, attack.head));
+  const std::string answer = AnswerWhileTrickling(fd, attack.unit, absl::Seconds(8));
+  const absl::Duration answered_in = absl::Now() - start;
+  close(fd);
+  EXPECT_TRUE(absl::StartsWith(answer, attack.answer)) << "answered: " << answer.substr(0, 300);
+  EXPECT_LT(answered_in, absl::Seconds(2));
+
+  Trickle dashboard(http_port_, 16 + 1, attack.head, attack.unit);
+  Trickle metrics(metrics_port_, 1 + 1, attack.head, attack.unit);
+  absl::SleepFor(absl::Milliseconds(500));  // every one has sent its head
+  absl::Duration slowest = absl::ZeroDuration();
+  absl::Duration slowest_metrics = absl::ZeroDuration();
+  int probes = 0;
+  const absl::Time until = absl::Now() + absl::Seconds(3);
+  do {
+    slowest = std::max(slowest, TimedGet(http_port_, "/api/v1/jobs", true));
+    slowest_metrics = std::max(slowest_metrics, TimedGet(metrics_port_, "/metrics", false));
+    ++probes;
+    absl::SleepFor(absl::Milliseconds(100));
+  } while (absl::Now() < until);
+  dashboard.Stop();
+  metrics.Stop();
+  // Generous, but well under the 5 s request deadline: a port whose handler threads such clients
+  // held would answer only when the deadline let one of them go.
+  EXPECT_LT(slowest, absl::Milliseconds(2500));
+  EXPECT_LT(slowest_metrics, absl::Milliseconds(2500));
+  std::cout << "[ numbers  ] " << attack.name << ": answered in "
+            << absl::FormatDuration(answered_in) << "; with 17 + 2 of them, " << probes
+            << " GETs of each port, slowest " << absl::FormatDuration(slowest) << " (dashboard), "
+            << absl::FormatDuration(slowest_metrics) << " (metrics)" << std::endl;
+  EXPECT_TRUE(cluster_->coordinator()->running());
+}
+
+INSTANTIATE_TEST_SUITE_P(Requests, HttpAttackTest, ::testing::ValuesIn(HttpAttacks()),
+                         [](const ::testing::TestParamInfo<HttpAttack>& info) {
+                           return info.param.name;
+                         });
+
+// 200 MB bodies sent as fast as loopback goes, in the framings a Content-Length limit does not
+// bound (chunked, no length) and one over the limit: each is answered, and the coordinator's
+// resident memory stays within a few MB of where it was.
+TEST_F(BoundsTest, StreamedBodiesDoNotGrowTheCoordinatorsMemory) {
+  StartCluster();
+  EXPECT_LT(TimedGet(http_port_, "/api/v1/jobs", true), absl::Seconds(5));
+  struct Flood {
+    std::string name;
+    std::string head;
+    bool chunked;
+    std::string answer;
+  };
+  const std::string post = CancelHead();
+  const std::vector<Flood> floods = {
+      {"chunked", post + "Transfer-Encoding: chunked\r\n\r\n", true, "HTTP/1.1 411"},
+      {"no length",
+       absl::StrCat(post, "Authorization: Bearer ", kToken, "\r\nX-Lockstep-Dashboard: 1\r\n\r\n"),
+       false, "HTTP/1.1 404"},
+      {"over the limit", post + "Content-Length: 209715200\r\n\r\n", false, "HTTP/1.1 413"},
+  };
+  constexpr int64_t kBodyBytes = 200 << 20;
+  constexpr int64_t kBlock = 1 << 20;
+  for (const Flood& flood : floods) {
+    const int64_t rss_before = StatusValue(pid(), "VmRSS:");
+    const int fd = Connect(http_port_);
+    ASSERT_GE(fd, 0);
+    // A server that neither reads nor closes fails the send instead of blocking the test.
+    const timeval send_timeout{5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(SendAll(fd, flood.head));
+    std::atomic<bool> done{false};
+    std::atomic<int64_t> sent{0};
+    std::thread sender([&] {
+      const std::string block = flood.chunked
+                                    ? absl::StrCat("100000\r\n", std::string(kBlock, 'x'), "\r\n")
+                                    : std::string(kBlock, 'x');
+      const absl::Time deadline = absl::Now() + absl::Seconds(30);
+      while (sent.load() < kBodyBytes && absl::Now() < deadline && SendAll(fd, block)) {
+        sent.fetch_add(kBlock);
+      }
+      done = true;
+    });
+    int64_t rss_peak = rss_before;
+    std::string answer;
+    absl::Duration answered_in = absl::InfiniteDuration();
+    while (!done.load()) {
+      rss_peak = std::max(rss_peak, StatusValue(pid(), "VmRSS:"));
+      char buffer[4096];
+      const ssize_t n = recv(fd, buffer, sizeof(buffer), MSG_DONTWAIT);
+      if (n > 0) {
+        answer.append(buffer, static_cast<size_t>(n));
+        if (answered_in == absl::InfiniteDuration()) answered_in = absl::Now() - start;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    sender.join();
+    rss_peak = std::max(rss_peak, StatusValue(pid(), "VmRSS:"));
+    close(fd);
+    EXPECT_TRUE(absl::StartsWith(answer, flood.answer))
+        << flood.name << ": " << answer.substr(0, 300);
+    EXPECT_LT(answered_in, absl::Seconds(2)) << flood.name;
+    EXPECT_LT(rss_peak - rss_before, 8 << 10)
+        << flood.name << ": VmRSS grew from " << rss_before << " kB to " << rss_peak << " kB";
+    std::cout << "[ numbers  ] a 200 MB " << flood.name << " body: " << (sent.load() >> 20)
+              << " MB sent, answered in " << absl::FormatDuration(answered_in)
+              << ", coordinator VmRSS " << rss_before << " kB before, " << rss_peak << " kB at most"
+              << std::endl;
+  }
+  EXPECT_LT(TimedGet(http_port_, "/api/v1/jobs", true), absl::Seconds(5));
+  EXPECT_TRUE(cluster_->coordinator()->running());
+}
+
+// "Expect: 100-continue" is answered once, and the request then served when its body comes
+// (the parser never sees the Expect, so it sends no second 100).
+TEST_F(BoundsTest, ExpectContinueIsAnsweredOnceAndTheRequestServed) {
+  StartCluster();
+  const int fd = Connect(http_port_);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, absl::StrCat(CancelHead(), "Authorization: Bearer ", kToken,
+                                       "\r\nX-Lockstep-Dashboard: 1\r\nContent-Length: 2\r\n"
+                                       "Expect: 100-continue\r\nConnection: close\r\n\r\n")));
+  std::string answer = AnswerWhileTrickling(fd, "", absl::Seconds(5));
+  EXPECT_EQ(answer, "HTTP/1.1 100 Continue\r\n\r\n");
+  ASSERT_TRUE(SendAll(fd, "{}"));
+  const std::string rest = ReadUntilClosed(fd, absl::Seconds(5));
+  close(fd);
+  EXPECT_TRUE(absl::StartsWith(rest, "HTTP/1.1 404")) << rest;
+  EXPECT_NE(rest.find("job-1"), std::string::npos) << rest;
+}
+
+// A response that closes the connection (Connection: close) while the client has pipelined more
+// requests the server never read: the response arrives whole. A close with unread bytes would
+// reset the connection and drop what the kernel had not yet sent; the client's small receive
+// buffer keeps most of the response there until it reads.
+TEST_F(BoundsTest, AClosingResponseSurvivesUnreadPipelinedRequests) {
+  StartCluster();
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  const int small = 4096;
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(http_port_));
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  std::string requests =
+      "GET /assets/app.js HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  while (requests.size() < (64 << 10)) {
+    requests += "GET /api/v1/auth HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  }
+  ASSERT_TRUE(SendAll(fd, requests));
+  absl::SleepFor(absl::Milliseconds(500));  // the server has answered what fits, and moved on
+  int error = 0;
+  const std::string answer = ReadUntilClosed(fd, absl::Seconds(5), &error);
+  close(fd);
+  const size_t end = answer.find("\r\n\r\n");
+  ASSERT_NE(end, std::string::npos) << answer.substr(0, 300);
+  EXPECT_TRUE(absl::StartsWith(answer, "HTTP/1.1 200")) << answer.substr(0, 300);
+  const size_t at = absl::AsciiStrToLower(answer.substr(0, end)).find("content-length:");
+  ASSERT_NE(at, std::string::npos) << answer.substr(0, end);
+  size_t length = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(
+      absl::StripAsciiWhitespace(answer.substr(at + 15, answer.find("\r\n", at) - at - 15)),
+      &length));
+  EXPECT_GT(length, 16u << 10);  // more than the kernel's buffers hold for an unread client
+  EXPECT_EQ(answer.size() - (end + 4), length)
+      << "the response was cut short" << (error != 0 ? absl::StrCat(": ", strerror(error)) : "");
+  EXPECT_EQ(error, 0) << strerror(error);
 }
 
 // A raw client calls 5,000 made-up methods, some under the prefixes of the real ones: each is
