@@ -1380,8 +1380,12 @@ void Core::HandleLossAfterLastStep(JobRecord& job, const std::string& worker_id,
   const auto lost = std::find_if(job.members.begin(), job.members.end(),
                                  [&](const MemberState& m) { return m.worker_id == worker_id; });
   const bool lost_finished = lost != job.members.end() && lost->finished;
+  // At least one other member, and every other one finished (a lone member's loss leaves no
+  // result to stand).
   const bool others_finished =
       !worker_id.empty() &&
+      std::any_of(job.members.begin(), job.members.end(),
+                  [&](const MemberState& m) { return m.worker_id != worker_id; }) &&
       std::all_of(job.members.begin(), job.members.end(), [&](const MemberState& m) {
         return m.finished || m.worker_id == worker_id;
       });
@@ -1393,9 +1397,11 @@ void Core::HandleLossAfterLastStep(JobRecord& job, const std::string& worker_id,
     }
     return;
   }
-  if (others_finished) {
+  if (others_finished && !CoordinatorWasAway(now)) {
     // Lost before it reported (rank 0 writing the sample or the export, say): the others' result
-    // stands, and what only rank 0 writes says it was not written.
+    // stands, and what only rank 0 writes says it was not written. (A loss the coordinator's own
+    // absence caused is no reason to go without them: the members come back holding the final
+    // state, and the finishing generation below writes them.)
     return FinishAgreed(job, /*except=*/worker_id,
                         absl::StrCat("; ", reason, " after the last step"), now, out);
   }

@@ -2178,6 +2178,21 @@ TEST_F(FinishTest, AMemberLostDuringTheFinalEvaluationLeavesTheOthersToFinish) {
   }
 }
 
+// The last member of a finishing generation lost before it reported: no result stands (no
+// member finished), so the job does not succeed; it waits for a worker that holds the state.
+TEST_F(FinishTest, ALoneFinishingMemberLostBeforeItReportedLeavesNoResult) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string job = Submit(Spec(2, 2));
+  TakeAssignments();
+  ASSERT_TRUE(LastStep(w0, job, 1).ok());
+  ASSERT_TRUE(LastStep(w1, job, 1).ok());
+  Lose(w1);
+  ASSERT_EQ(TakeAssignments().size(), 1u) << "w0 finishes alone";
+  Lose(w0);
+  const v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RECONFIGURING) << j.reason();
+}
+
 // The coordinator is lost after the members reported Finished but before the end was saved:
 // the members kept the trained state; the restarted coordinator waits for them and the
 // finishing generation they form trains nothing.
@@ -2557,6 +2572,105 @@ TEST_F(ChargeTest, AMemberLeftOutIsTakenBackWhenTheJobNeedsIt) {
   EXPECT_EQ(a.size(), 3u) << Job(job).reason();
   EXPECT_EQ(a.count(slow), 1u);
   EXPECT_EQ(Job(job).recoveries(), 0);
+}
+
+
+// The coordinator frozen while rank 0 writes its sample (the other member has finished): the
+// sessions break, but the job does not end without rank 0's sample for a loss it caused
+// itself; the members come back holding the final state and finish it.
+TEST(CorePauseTest, APauseAfterTheLastStepDoesNotCostTheSample) {
+  CoreOptions options;
+  options.tick_interval = absl::Milliseconds(100);
+  Core core(options);
+  absl::Time now = absl::FromUnixSeconds(1'700'000'000);
+  Decisions d;
+  auto reg = [&](const std::string& name) {
+    v1::RegisterRequest r;
+    r.set_name(name);
+    r.set_host("h1");
+    r.set_device("cpu");
+    return core.RegisterWorker(r, now, &d).value();
+  };
+  const std::string w0 = reg("w0"), w1 = reg("w1");
+  v1::JobSpec spec = Spec(2, 2);
+  spec.mutable_model()->set_type("gpt");
+  spec.mutable_model()->set_vocab_size(256);
+  spec.mutable_model()->set_context_length(32);
+  spec.mutable_model()->set_n_layer(1);
+  spec.mutable_model()->set_n_head(2);
+  spec.mutable_model()->set_d_model(32);
+  spec.mutable_dataset()->Clear();
+  spec.mutable_dataset()->set_type("text");
+  spec.mutable_dataset()->set_path("/usr/share/games/fortunes");
+  spec.mutable_sample()->set_max_tokens(16);
+  const std::string job = core.SubmitJob(spec, now, &d)->job_id();
+  for (const std::string& w : {w0, w1}) {
+    v1::ProgressReport p;
+    p.set_job_id(job);
+    p.set_generation(1);
+    p.set_step(100);
+    p.set_total_steps(100);
+    ASSERT_TRUE(core.ReportProgress(w, p, now, &d).ok());
+  }
+  const std::string rank0 = core.GetJob(job)->members(0).worker_id();
+  const std::string rank1 = rank0 == w0 ? w1 : w0;
+  v1::FinishedReport f;
+  f.set_job_id(job);
+  f.set_generation(1);
+  f.set_step(100);
+  f.set_parameter_checksum("abc");
+  ASSERT_TRUE(core.ReportFinished(rank1, f, now, &d).ok());
+  now += absl::Seconds(8);  // frozen; every session broke meanwhile
+  core.WorkerDisconnected(rank1, "connection lost", now, &d);
+  core.WorkerDisconnected(rank0, "connection lost", now, &d);
+  v1::Job j = core.GetJob(job).value();
+  EXPECT_NE(j.state(), v1::JOB_STATE_SUCCEEDED) << "not without the sample: " << j.reason();
+  EXPECT_EQ(j.recoveries(), 0);
+  // Both come back holding the job's last step: they finish it, rank 0 writing the sample.
+  Decisions back;
+  core.RegisterWorker(
+      [&] {
+        v1::RegisterRequest r;
+        r.set_name("w0");
+        r.set_host("h1");
+        r.set_device("cpu");
+        r.mutable_held()->set_job_id(job);
+        r.mutable_held()->set_step(100);
+        return r;
+      }(),
+      now, &back).IgnoreError();
+  core.RegisterWorker(
+      [&] {
+        v1::RegisterRequest r;
+        r.set_name("w1");
+        r.set_host("h1");
+        r.set_device("cpu");
+        r.mutable_held()->set_job_id(job);
+        r.mutable_held()->set_step(100);
+        return r;
+      }(),
+      now, &back).IgnoreError();
+  now += absl::Milliseconds(100);
+  core.Tick(now, &back);
+  std::map<std::string, v1::Assignment> assigned;
+  for (const auto& m : back.messages) {
+    if (m.message.has_assignment()) assigned[m.worker_id] = m.message.assignment();
+  }
+  // The first to come back forms the finishing generation (the other stays kept for the job
+  // and is told to drop its state once the end is recorded).
+  ASSERT_GE(assigned.size(), 1u) << core.GetJob(job)->reason();
+  for (const auto& [worker, a] : assigned) {
+    v1::FinishedReport done;
+    done.set_job_id(job);
+    done.set_generation(a.generation());
+    done.set_step(100);
+    done.set_parameter_checksum("abc");
+    if (a.rank() == 0) done.mutable_sample()->set_text("a sample");
+    ASSERT_TRUE(core.ReportFinished(worker, done, now, &back).ok());
+  }
+  j = core.GetJob(job).value();
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_EQ(j.sample().text(), "a sample") << j.sample_error();
 }
 
 }  // namespace
