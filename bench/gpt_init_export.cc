@@ -9,7 +9,7 @@
 #include "absl/flags/parse.h"
 #include "common/safetensors.h"
 #include "google/protobuf/util/json_util.h"
-#include "worker/train/model.h"
+#include "worker/model/model.h"
 
 ABSL_FLAG(std::string, spec, "", "the job spec (protobuf JSON of lockstep.v1.JobSpec)");
 ABSL_FLAG(std::string, out, "", "directory to write model.safetensors and config.json into");

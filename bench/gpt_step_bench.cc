@@ -10,8 +10,8 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "kernels/cpu_kernels.h"
-#include "worker/train/gpt.h"
-#include "worker/train/random.h"
+#include "worker/model/gpt.h"
+#include "common/random.h"
 
 ABSL_FLAG(int, vocab, 256, "vocabulary");
 ABSL_FLAG(int, context, 128, "context_length");
@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
   gpt.Initialize(1);
   const int B = absl::GetFlag(FLAGS_batch), T = config.context;
   std::vector<int32_t> tokens(static_cast<size_t>(B) * (T + 1));
-  lockstep::worker::SplitMix64 rng(3);
+  lockstep::SplitMix64 rng(3);
   for (int32_t& t : tokens) t = static_cast<int32_t>(rng.Below(config.vocab));
   lockstep::worker::Batch batch{B, nullptr, 0, nullptr, tokens.data(), T + 1};
   gpt.ForwardBackward(batch, 1.0f / B, 1 << 16, nullptr, nullptr);

@@ -25,7 +25,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/client_context.h"
-#include "worker/train/checkpoint.h"
+#include "common/checkpoint.h"
 
 namespace lockstep::cli {
 namespace {
@@ -263,7 +263,7 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
 
 absl::Status ExportCheckpoint(const std::string& checkpoint, const std::string& output,
                               std::ostream& out, bool force) {
-  absl::StatusOr<worker::CheckpointData> data = worker::ReadCheckpoint(checkpoint);
+  absl::StatusOr<CheckpointData> data = ReadCheckpoint(checkpoint);
   if (!data.ok()) return data.status();
   if (data->manifest.empty()) {
     return absl::FailedPreconditionError(

@@ -14,16 +14,14 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/clock.h"
+#include "common/model_family.h"
 #include "common/utf8.h"
 
 namespace lockstep::cli {
 namespace {
 
 constexpr char kNone[] = "-";
-
-absl::Time FromUnixMillisOrInfinitePast(int64_t ms) {
-  return ms > 0 ? absl::FromUnixMillis(ms) : absl::InfinitePast();
-}
 
 // "0.5123", or "-" before the first step has reported a loss.
 std::string LossOrNone(const v1::Job& job) {
@@ -82,28 +80,11 @@ std::string FormatThousands(int64_t n) {
   return negative ? absl::StrCat("-", out) : out;
 }
 
-std::string FormatBytes(int64_t bytes) {
-  if (bytes < 1024) return absl::StrCat(bytes, " B");
-  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
-  double value = static_cast<double>(bytes) / 1024.0;
-  size_t unit = 0;
-  while (value >= 1024.0 && unit + 1 < std::size(kUnits)) {
-    value /= 1024.0;
-    ++unit;
-  }
-  return absl::StrFormat("%.1f %s", value, kUnits[unit]);
-}
-
 std::string JobStateName(v1::JobState state) {
   if (!v1::JobState_IsValid(state)) return absl::StrCat("STATE_", static_cast<int>(state));
   absl::string_view name = v1::JobState_Name(state);
   absl::ConsumePrefix(&name, "JOB_STATE_");
   return std::string(name);
-}
-
-bool IsTerminal(v1::JobState state) {
-  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
-         state == v1::JOB_STATE_CANCELLED;
 }
 
 Table::Table(std::vector<std::string> header) { rows_.push_back(std::move(header)); }
@@ -172,8 +153,6 @@ std::string FormatProgress(const v1::Job& job) {
 
 namespace {
 
-bool IsLanguageModel(const v1::Job& job) { return job.spec().model().type() == "gpt"; }
-
 std::string FormatValidation(const v1::EvalResult& e) {
   std::string out = absl::StrFormat("%.4f", e.test_loss());
   if (e.bits_per_byte() > 0) absl::StrAppendFormat(&out, " (%.3f bits per byte)", e.bits_per_byte());
@@ -184,7 +163,7 @@ std::string FormatValidation(const v1::EvalResult& e) {
 
 std::string FormatEval(const v1::Job& job) {
   if (!job.has_eval() || job.eval().test_samples() <= 0) return "";
-  if (IsLanguageModel(job)) {
+  if (IsLanguageModel(job.spec().model())) {
     return absl::StrFormat("validation loss %s over %d windows, next-token accuracy %.4f",
                            FormatValidation(job.eval()), job.eval().test_samples(),
                            job.eval().test_accuracy());
@@ -227,7 +206,7 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
     for (const v1::Member& m : job.members()) {
       members.AddRow({absl::StrCat(m.rank()), m.worker_id(), OrNone(m.worker_name()),
                       OrNone(m.host()), absl::StrCat(m.step()), OrNone(m.parameter_checksum()),
-                      m.peak_memory_bytes() > 0 ? FormatBytes(m.peak_memory_bytes()) : kNone});
+                      m.peak_memory_bytes() > 0 ? HumanBytes(m.peak_memory_bytes()) : kNone});
     }
     out += members.Render("  ");
   }
@@ -242,7 +221,7 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
   AddField(out, "Samples/s",
            job.samples_per_second() > 0 ? FormatThousands(std::llround(job.samples_per_second()))
                                         : kNone);
-  if (IsLanguageModel(job)) {
+  if (IsLanguageModel(job.spec().model())) {
     AddField(out, "Tokens/s",
              job.tokens_per_second() > 0 ? FormatThousands(std::llround(job.tokens_per_second()))
                                          : kNone);
@@ -253,7 +232,7 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
   AddField(out, "First-step latency",
            job.first_step_latency_ms() > 0 ? ShortMillis(job.first_step_latency_ms()) : kNone);
   const std::string eval = FormatEval(job);
-  if (!eval.empty() && IsLanguageModel(job)) {
+  if (!eval.empty() && IsLanguageModel(job.spec().model())) {
     AddField(out, "Validation loss",
              absl::StrFormat("%s over %d windows", FormatValidation(job.eval()),
                              job.eval().test_samples()));
@@ -365,9 +344,9 @@ std::string FormatWorkerList(const v1::ListWorkersResponse& response, absl::Time
       if (!w.device_uuid().empty()) {
         absl::StrAppend(&device, " ", w.device_uuid().substr(0, w.device_uuid().find('-', 4)));
       }
-      std::string memory = w.free_memory_bytes() > 0 ? FormatBytes(w.free_memory_bytes()) : kNone;
+      std::string memory = w.free_memory_bytes() > 0 ? HumanBytes(w.free_memory_bytes()) : kNone;
       if (w.total_memory_bytes() > 0) {
-        absl::StrAppend(&memory, " / ", FormatBytes(w.total_memory_bytes()));
+        absl::StrAppend(&memory, " / ", HumanBytes(w.total_memory_bytes()));
       }
       table.AddRow({w.worker_id(), OrNone(w.name()), OrNone(w.host()), device, memory,
                     OrNone(w.state()), OrNone(w.job_id()), heartbeat});

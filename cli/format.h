@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "common/bytes.h"
+#include "common/job_state.h"
 #include "lockstep/v1/job.pb.h"
 
 namespace lockstep::cli {
@@ -24,14 +26,8 @@ std::string ShortMillis(int64_t ms);
 // Digits grouped by thousands: 29345 -> "29,345", -1234 -> "-1,234".
 std::string FormatThousands(int64_t n);
 
-// Binary units with one decimal: "512 B", "1.5 KiB", "3.2 GiB".
-std::string FormatBytes(int64_t bytes);
-
 // "RUNNING" for JOB_STATE_RUNNING; "STATE_7" for a value this build does not know.
 std::string JobStateName(v1::JobState state);
-
-// SUCCEEDED, FAILED or CANCELLED: the job will not change any more.
-bool IsTerminal(v1::JobState state);
 
 // Rows of cells rendered as left-aligned columns separated by two spaces, header first. The
 // last column is not padded, so lines carry no trailing blanks.

@@ -40,8 +40,12 @@ class FakeClock final : public Clock {
   absl::Time now_ ABSL_GUARDED_BY(mu_);
 };
 
+// The API's times are Unix milliseconds, 0 for "never" (absl::InfinitePast here).
 inline int64_t ToUnixMillisOrZero(absl::Time t) {
   return t == absl::InfinitePast() ? 0 : absl::ToUnixMillis(t);
+}
+inline absl::Time FromUnixMillisOrInfinitePast(int64_t ms) {
+  return ms > 0 ? absl::FromUnixMillis(ms) : absl::InfinitePast();
 }
 
 }  // namespace lockstep

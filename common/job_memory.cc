@@ -146,14 +146,6 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
   return e;
 }
 
-std::string HumanBytes(int64_t bytes) {
-  const double b = static_cast<double>(bytes);
-  if (b >= 1024.0 * 1024 * 1024) return absl::StrFormat("%.1f GiB", b / (1024.0 * 1024 * 1024));
-  if (b >= 1024.0 * 1024) return absl::StrFormat("%.0f MiB", b / (1024.0 * 1024));
-  if (b >= 1024.0) return absl::StrFormat("%.0f KiB", b / 1024.0);
-  return absl::StrCat(bytes, " B");
-}
-
 std::string MemoryEstimate::ToString() const {
   return absl::StrCat(HumanBytes(total()), " (parameters ", HumanBytes(parameters), ", gradients ",
                       HumanBytes(gradients), ", optimizer ", HumanBytes(optimizer),

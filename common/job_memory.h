@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/bytes.h"
 #include "lockstep/v1/job.pb.h"
 
 namespace lockstep {
@@ -50,8 +51,5 @@ int64_t MinMicroBatch(const v1::JobSpec& spec);
 //     do (at least one: admission has checked that one fits).
 // Always a multiple of the micro-shard size, or the whole share.
 int64_t ChooseMicroBatch(const v1::JobSpec& spec, int world, int64_t budget);
-
-// "1.5 GiB", "640 MiB", "12 KiB".
-std::string HumanBytes(int64_t bytes);
 
 }  // namespace lockstep

@@ -1,6 +1,7 @@
 // The tensors a model spec implies (names and sizes, in buffer order), computed from the spec
-// alone: what the coordinator checks frozen_parameters against and sizes memory with. The
-// worker's models lay out the same tensors (tests/unit/model_test.cc holds them to it).
+// alone by its family (common/model_family.h): what the coordinator checks frozen_parameters
+// against and sizes memory with. The worker's models lay out the same tensors
+// (tests/unit/model_test.cc holds them to it).
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,8 @@ struct TensorSize {
   int64_t count = 0;
 };
 
-// `features` and `classes`: an MLP's input and output widths (unused for the GPT).
+// `features` and `classes`: an MLP's input and output widths (unused for the GPT). Empty for a
+// model.type no family has.
 std::vector<TensorSize> ModelTensors(const v1::ModelSpec& model, int64_t features, int64_t classes);
 
 // The tensors matching any of `patterns` (globs: * any run, ? one character), and

@@ -143,10 +143,6 @@ int64_t AccumulateLossFixedPoint(double loss_sum, float grad_scale, int frac_bit
 // int64 -> double rounding, which only matters above 2^53). Requires 0 <= frac_bits <= 62.
 void FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out);
 
-// 64-bit FNV-1a over `bytes` raw bytes; Fnv1a64(nullptr, 0) is the offset basis
-// 0xcbf29ce484222325. Used to compare parameter buffers across ranks, so it hashes the exact
-// bit patterns (+0 and -0, or two NaN payloads, hash differently).
-uint64_t Fnv1a64(const void* data, size_t bytes);
 
 }  // namespace lockstep::kernels
 

@@ -23,6 +23,8 @@
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
 #include "worker/comm/abort_signal.h"
+#include "worker/device/backend.h"
+#include "worker/generation.h"
 #include "worker/lifecycle.h"
 #include "worker/metrics.h"
 #include "worker/train/trainer.h"
@@ -33,14 +35,10 @@ struct AgentOptions {
   std::string coordinator;  // host:port
   std::string name;
   std::string host;
-  std::string device = "cpu";
-  // N for --device=cuda:N (already selected by the caller), -1 for CPU workers.
-  int cuda_device = -1;
+  // The worker's device (--device, opened): registered with the coordinator, and what each
+  // generation budgets on and attaches to (worker/device/backend.h). Required.
+  std::shared_ptr<DeviceBackend> device;
   std::string comm_address;  // where peers reach this worker's collectives
-  int64_t free_memory_bytes = 0;
-  int64_t total_memory_bytes = 0;
-  std::string device_name;  // "NVIDIA H200", or "cpu"
-  std::string device_uuid;  // the GPU's UUID; empty for CPU workers
   // Shared token sent on every call; empty sends none.
   std::string token;
   // TLS to the coordinator (common/tls.h); null: plaintext.
@@ -114,14 +112,17 @@ class Agent {
   void WriteStatus(const std::string& state, const std::string& detail);
   // Thread-safe; drops the message when no session is open.
   void Send(const v1::WorkerMessage& message) ABSL_LOCKS_EXCLUDED(session_mu_);
-  // The body of a run's thread.
+  // The body of a run's thread: runs its Generation (worker/generation.h).
   void RunJob(RunHandle* run, std::unique_ptr<Trainer> state) ABSL_LOCKS_EXCLUDED(mu_);
-  // Trains one generation; `trainer` holds the job's state across generations.
-  absl::Status TrainGeneration(RunHandle& run, std::unique_ptr<Trainer>& trainer, bool* fatal);
   // Joins the threads of runs that ended.
   void JoinEnded() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A run's reports: the heal through the lifecycle, the rest to the coordinator.
+  class RunReporter;
+
   const AgentOptions options_;
+  // What every generation of this worker uses (the options' roots, device and metrics).
+  GenerationContext generation_context_;
   const uint64_t incarnation_;
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::StoreService::StubInterface> store_stub_;

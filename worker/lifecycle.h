@@ -37,7 +37,7 @@
 
 #include "absl/time/time.h"
 #include "lockstep/v1/worker.pb.h"
-#include "worker/job_identity.h"
+#include "common/job_identity.h"
 
 namespace lockstep::worker {
 

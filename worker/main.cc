@@ -20,9 +20,10 @@
 #include "glog/logging.h"
 #include "worker/agent.h"
 #include "worker/comm/shm_communicator.h"
-#include "worker/device.h"
+#include "worker/device/backend.h"
+#include "worker/device/device.h"
 #include "worker/metrics.h"
-#include "worker/train/dataset.h"
+#include "worker/data/dataset.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
 ABSL_FLAG(std::string, device, "cpu", "Device this worker owns: cpu or cuda:N.");
@@ -117,33 +118,34 @@ int main(int argc, char** argv) {
 
   lockstep::worker::AgentOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
-  options.device = absl::GetFlag(FLAGS_device);
   if (options.coordinator.empty()) {
     LOG(ERROR) << "--coordinator is required (HOST:PORT)";
     return 2;
   }
   absl::StatusOr<lockstep::worker::DeviceInfo> device =
-      lockstep::worker::OpenDevice(options.device);
+      lockstep::worker::OpenDevice(absl::GetFlag(FLAGS_device));
   if (!device.ok()) {
     LOG(ERROR) << device.status().message();
     return 2;
   }
-  options.cuda_device = device->cuda_index;
   if (device->cuda_index >= 0) {
-    LOG(INFO) << "--device=" << options.device << ": " << device->name << ", "
+    LOG(INFO) << "--device=" << device->device << ": " << device->name << ", "
               << device->free_memory_bytes / (1 << 20) << " MiB free of "
               << device->total_memory_bytes / (1 << 20) << " MiB";
   }
+  absl::StatusOr<std::unique_ptr<lockstep::worker::DeviceBackend>> backend =
+      lockstep::worker::MakeDeviceBackend(*device);
+  if (!backend.ok()) {
+    LOG(ERROR) << backend.status().message();
+    return 2;
+  }
+  options.device = *std::move(backend);
   options.host = absl::GetFlag(FLAGS_host).empty() ? HostName() : absl::GetFlag(FLAGS_host);
   options.name = absl::GetFlag(FLAGS_name).empty() ? absl::StrCat(options.host, "-", getpid())
                                                    : absl::GetFlag(FLAGS_name);
   options.comm_address = absl::GetFlag(FLAGS_comm_address).empty()
                              ? LocalAddressTowards(options.coordinator)
                              : absl::GetFlag(FLAGS_comm_address);
-  options.free_memory_bytes = device->free_memory_bytes;
-  options.total_memory_bytes = device->total_memory_bytes;
-  options.device_name = device->name;
-  options.device_uuid = device->uuid;
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
   if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
                                                 absl::GetFlag(FLAGS_checkpoint_root),
@@ -193,7 +195,7 @@ int main(int argc, char** argv) {
   lockstep::worker::ShmCommunicator::SweepStaleSegments();
   lockstep::worker::SetDatasetCacheDir(absl::GetFlag(FLAGS_data_cache_dir));
   LOG(INFO) << "lockstep-worker " << options.name << " on " << options.host << " device "
-            << options.device << ", collectives on " << options.comm_address;
+            << device->device << ", collectives on " << options.comm_address;
 
   std::unique_ptr<lockstep::MetricsEndpoint> metrics_endpoint;
   std::unique_ptr<lockstep::worker::WorkerMetrics> metrics;
@@ -206,7 +208,7 @@ int main(int argc, char** argv) {
     }
     metrics_endpoint = *std::move(started);
     metrics = std::make_unique<lockstep::worker::WorkerMetrics>(metrics_endpoint->registry(),
-                                                                options.name, options.device);
+                                                                options.name, device->device);
     metrics_endpoint->Add(
         std::make_shared<lockstep::ScrapeCollector>(lockstep::worker::WorkerMetrics::MemoryFamilies));
     options.metrics = metrics.get();

@@ -16,7 +16,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
-#include "worker/train/step_engine.h"
+#include "worker/step/step_engine.h"
 
 namespace lockstep::worker {
 

@@ -26,9 +26,9 @@
 #include "common/status_macros.h"
 #include "kernels/gpu_check.h"
 #include "kernels/phase_timer.h"
-#include "worker/train/gpt.h"
-#include "worker/train/gpu_step.h"
-#include "worker/train/optimizer.h"
+#include "worker/model/gpt.h"
+#include "worker/cuda/gpu_step.h"
+#include "worker/step/optimizer.h"
 
 ABSL_FLAG(int, layers, 12, "transformer blocks");
 ABSL_FLAG(int, heads, 12, "attention heads");

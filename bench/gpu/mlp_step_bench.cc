@@ -20,8 +20,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/gpu_check.h"
-#include "worker/train/gpu_step.h"
-#include "worker/train/mlp.h"
+#include "worker/cuda/gpu_step.h"
+#include "worker/model/mlp.h"
 
 ABSL_FLAG(std::string, dims, "784,8192,8192,10", "layer widths, input first");
 ABSL_FLAG(int, batch, 8192, "samples per step");

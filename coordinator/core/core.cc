@@ -20,8 +20,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/core/job_spec.h"
+#include "common/clock.h"
 #include "common/gpu_limits.h"
 #include "common/job_memory.h"
+#include "common/model_family.h"
 
 namespace lockstep::coordinator {
 namespace {
@@ -29,13 +31,10 @@ namespace {
 // "cuda:3" -> "cuda"; "cpu" -> "cpu".
 std::string DeviceKind(const std::string& device) { return device.substr(0, device.find(':')); }
 
-int64_t UnixMs(absl::Time t) { return t == absl::InfinitePast() ? 0 : absl::ToUnixMillis(t); }
-
 std::string Seconds1(absl::Duration d) {
   return absl::StrFormat("%.1fs", absl::ToDoubleSeconds(d));
 }
 
-bool IsLanguageModel(const v1::JobSpec& spec) { return spec.model().type() == "gpt"; }
 
 }  // namespace
 
@@ -74,11 +73,6 @@ void FoldAbortsIntoAssignments(std::vector<Decisions::Outgoing>& messages) {
 }
 
 Core::Core(CoreOptions options) : options_(options) {}
-
-bool Core::IsTerminal(v1::JobState state) {
-  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
-         state == v1::JOB_STATE_CANCELLED;
-}
 
 Core::Worker* Core::FindWorker(const std::string& worker_id) {
   auto it = workers_.find(worker_id);
@@ -472,7 +466,7 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
     job.job.set_tokens_per_second(report.tokens_per_second());
     v1::TrainingPoint point;
     point.set_step(report.step());
-    point.set_time_unix_ms(UnixMs(now));
+    point.set_time_unix_ms(ToUnixMillisOrZero(now));
     point.set_loss(report.loss());
     point.set_samples_per_second(report.samples_per_second());
     point.set_tokens_per_second(report.tokens_per_second());
@@ -656,7 +650,7 @@ void Core::FinishAgreed(JobRecord& job, const std::string& except, const std::st
   }
   RefreshMembers(job);
   std::string reason = absl::StrCat("trained ", job.job.step(), " steps");
-  if (job.job.has_eval() && IsLanguageModel(job.job.spec())) {
+  if (job.job.has_eval() && IsLanguageModel(job.job.spec().model())) {
     absl::StrAppend(&reason,
                     absl::StrFormat("; validation loss %.4f", job.job.eval().test_loss()));
     if (job.job.eval().bits_per_byte() > 0) {
@@ -717,7 +711,7 @@ absl::Status Core::ReportCheckpoint(const std::string& worker_id,
   if (report.error().empty()) {
     c->set_last_good_step(report.step());
     c->set_last_good_path(report.path());
-    c->set_last_good_unix_ms(UnixMs(now));
+    c->set_last_good_unix_ms(ToUnixMillisOrZero(now));
     out->changed_jobs.insert(job.job.job_id());
   } else {
     c->set_failed_writes(c->failed_writes() + 1);
@@ -734,7 +728,7 @@ void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note
                          Decisions* out) {
   if (job.open_recovery < 0) return;
   v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
-  r->set_first_step_unix_ms(UnixMs(now));
+  r->set_first_step_unix_ms(ToUnixMillisOrZero(now));
   AddEvent(job, v1::JobEvent::MEMBERSHIP,
            absl::StrFormat("generation %d resumed after step %d (source rank %d, heal %d ms, %d ms "
                            "after detection, %s%d steps redone)%s",
@@ -787,7 +781,7 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
                    options_.job_id_suffix.empty() ? "" : "-", options_.job_id_suffix);
   record.job.set_job_id(id);
   *record.job.mutable_spec() = std::move(spec);
-  record.job.set_submit_time_unix_ms(UnixMs(now));
+  record.job.set_submit_time_unix_ms(ToUnixMillisOrZero(now));
   record.submitted = now;
   record.pending_since = now;
   record.submit_seq = next_job_seq_ - 1;
@@ -971,8 +965,8 @@ std::vector<v1::WorkerInfo> Core::ListWorkers() const {
                    : w->state == WorkerState::kBusy ? "busy"
                                                     : "lost");
     if (w->state == WorkerState::kBusy) info.set_job_id(w->job_id);
-    info.set_last_heartbeat_unix_ms(UnixMs(w->last_heartbeat));
-    info.set_registered_unix_ms(UnixMs(w->registered));
+    info.set_last_heartbeat_unix_ms(ToUnixMillisOrZero(w->last_heartbeat));
+    info.set_registered_unix_ms(ToUnixMillisOrZero(w->registered));
     out.push_back(std::move(info));
   }
   return out;
@@ -1186,7 +1180,7 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
   }
   if (job.started == absl::InfinitePast()) {
     job.started = now;
-    job.job.set_start_time_unix_ms(UnixMs(now));
+    job.job.set_start_time_unix_ms(ToUnixMillisOrZero(now));
   }
   job.last_advance = now;
   job.first_report_of_generation_seen = false;
@@ -1244,7 +1238,7 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
   }
   v1::Generation* record = job.job.add_generations();
   record->set_generation(generation);
-  record->set_formed_unix_ms(UnixMs(now));
+  record->set_formed_unix_ms(ToUnixMillisOrZero(now));
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     record->add_member_ids(worker_ids[rank]);
     record->add_members(names[rank]);
@@ -1475,7 +1469,7 @@ void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool 
   r->set_reason(reason);
   r->set_scale_up(scale_up);
   r->set_coordinator_caused(coordinator_caused);
-  r->set_detect_unix_ms(UnixMs(now));
+  r->set_detect_unix_ms(ToUnixMillisOrZero(now));
   r->set_step_at_detection(job.job.step());
   r->set_source_rank(-1);
   job.open_recovery = job.job.recovery_history_size() - 1;
@@ -1544,7 +1538,7 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
       if (job.open_recovery >= 0) {
         v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
         r->set_to_generation(job.job.generation());
-        r->set_reformed_unix_ms(UnixMs(now));
+        r->set_reformed_unix_ms(ToUnixMillisOrZero(now));
       }
       return;
     }
@@ -1610,7 +1604,7 @@ void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
   if (job.open_recovery >= 0) {
     v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
     r->set_to_generation(job.job.generation());
-    r->set_reformed_unix_ms(UnixMs(now));
+    r->set_reformed_unix_ms(ToUnixMillisOrZero(now));
   }
 }
 
@@ -1643,7 +1637,7 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
   EndGeneration(job, reason, now);
   SetState(job, state);
   job.job.set_reason(reason);
-  job.job.set_end_time_unix_ms(UnixMs(now));
+  job.job.set_end_time_unix_ms(ToUnixMillisOrZero(now));
   job.job.set_eta_ms(0);
   RefreshMembers(job);
   AddEvent(job, v1::JobEvent::STATE, reason, now, out);
@@ -1673,7 +1667,7 @@ void Core::EndGeneration(JobRecord& job, const std::string& reason, absl::Time n
   if (job.job.generations_size() == 0) return;
   v1::Generation* last = job.job.mutable_generations(job.job.generations_size() - 1);
   if (last->ended_unix_ms() != 0) return;
-  last->set_ended_unix_ms(UnixMs(now));
+  last->set_ended_unix_ms(ToUnixMillisOrZero(now));
   last->set_end_reason(reason);
 }
 
@@ -1698,7 +1692,7 @@ void Core::AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& 
                     absl::Time now, Decisions* out) {
   v1::JobEvent event;
   event.set_kind(kind);
-  event.set_time_unix_ms(UnixMs(now));
+  event.set_time_unix_ms(ToUnixMillisOrZero(now));
   event.set_message(message);
   event.set_sequence(job.next_sequence++);
   if (IsTerminal(job.job.state())) {

@@ -17,6 +17,7 @@
 #include "common/job_memory.h"
 #include "common/path_roots.h"
 #include "coordinator/core/ranks.h"
+#include "common/job_state.h"
 #include "coordinator/core/training_curve.h"
 #include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/worker.pb.h"
@@ -24,8 +25,6 @@
 namespace lockstep::coordinator {
 
 struct CoreOptions {
-  // How often workers must send heartbeats (told to them at registration).
-  absl::Duration heartbeat_interval = absl::Milliseconds(500);
   // Silence after which a worker is declared lost, unless its job sets its own timeout.
   absl::Duration heartbeat_timeout = absl::Seconds(5);
   // Finished workers (lost ones) kept in the registry for display: once there are twice this
@@ -215,8 +214,6 @@ class Core {
 
   // Timeouts (heartbeat, step, rendezvous) and scheduling. Call periodically.
   void Tick(absl::Time now, Decisions* out);
-
-  static bool IsTerminal(v1::JobState state);
 
  private:
   enum class WorkerState { kIdle, kBusy, kLost };

@@ -8,7 +8,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/data_format.h"
 #include "common/gpu_limits.h"
+#include "common/model_family.h"
 #include "common/model_layout.h"
 
 namespace lockstep::coordinator {
@@ -113,16 +116,16 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
 }  // namespace
 
 void ApplyJobSpecDefaults(v1::JobSpec* spec) {
-  v1::ModelSpec* model = spec->mutable_model();
-  if (model->type() == "mlp" && model->activation().empty()) model->set_activation("relu");
-  if (spec->dataset().type() == "text" && spec->dataset().validation_fraction() == 0) {
-    spec->mutable_dataset()->set_validation_fraction(0.05);
+  if (const ModelFamily* family = FindModelFamily(spec->model().type());
+      family != nullptr && family->apply_defaults != nullptr) {
+    family->apply_defaults(*spec->mutable_model());
+  }
+  if (const DataFormat* format = FindDataFormat(spec->dataset().type());
+      format != nullptr && format->apply_defaults != nullptr) {
+    format->apply_defaults(*spec->mutable_dataset());
   }
   if (spec->sample().max_tokens() > 0 && spec->sample().temperature() == 0) {
     spec->mutable_sample()->set_temperature(1.0);
-  }
-  if (spec->dataset().type() == "fashion_mnist" && spec->dataset().path().empty()) {
-    spec->mutable_dataset()->set_path(kDefaultFashionMnistPath);
   }
   v1::OptimizerSpec* opt = spec->mutable_optimizer();
   if (opt->type().empty()) opt->set_type("sgd");
@@ -170,8 +173,9 @@ absl::Status CheckJobPaths(const v1::JobSpec& spec, const PathRoots& data,
   return absl::OkStatus();
 }
 
-absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
-  if (absl::Status s = CheckBounds(spec); !s.ok()) return s;
+namespace {
+
+absl::Status ValidateDevice(const v1::JobSpec& spec) {
   if (spec.device() != "cpu" && spec.device() != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("device: must be \"cpu\" or \"cuda\", got \"", spec.device(), "\""));
@@ -184,44 +188,20 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     return Invalid("precision", absl::StrCat(spec.precision(),
                                              " needs GPU workers (\"device\": \"cuda\")"));
   }
-  const v1::ModelSpec& model = spec.model();
-  if (model.type().empty()) return Invalid("model.type", "required (one of: mlp, gpt)");
-  if (model.type() == "mlp") {
-    for (int i = 0; i < model.hidden_widths_size(); ++i) {
-      if (model.hidden_widths(i) <= 0 || model.hidden_widths(i) > (1 << 20)) {
-        return Invalid(absl::StrCat("model.hidden_widths[", i, "]"),
-                       absl::StrCat("must be in [1, 1048576], got ", model.hidden_widths(i)));
-      }
-    }
-    if (model.activation() != "relu" && model.activation() != "gelu") {
-      return Invalid("model.activation",
-                     absl::StrCat("unknown activation \"", model.activation(), "\" (relu, gelu)"));
-    }
-  } else if (model.type() == "gpt") {
-    for (const auto& [field, value, limit] :
-         {std::tuple<const char*, int32_t, int32_t>{"vocab_size", model.vocab_size(), 1 << 20},
-          {"context_length", model.context_length(), 1 << 16},
-          {"n_layer", model.n_layer(), 1024},
-          {"n_head", model.n_head(), 1024},
-          {"d_model", model.d_model(), 1 << 16}}) {
-      if (value <= 0 || value > limit) {
-        return Invalid(absl::StrCat("model.", field),
-                       absl::StrCat("must be in [1, ", limit, "], got ", value));
-      }
-    }
-    if (model.d_model() % model.n_head() != 0) {
-      return Invalid("model.d_model", absl::StrCat(model.d_model(), " is not divisible by n_head ",
-                                                   model.n_head()));
-    }
-    if (!model.hidden_widths().empty()) {
-      return Invalid("model.hidden_widths", "is an MLP field; the GPT's width is d_model");
-    }
-  } else {
-    return Invalid("model.type",
-                   absl::StrCat("unknown model \"", model.type(), "\" (one of: mlp, gpt)"));
+  return absl::OkStatus();
+}
+
+// The family's own fields, then the frozen patterns against the tensors the spec implies.
+absl::Status ValidateModel(const v1::ModelSpec& model) {
+  if (model.type().empty()) {
+    return Invalid("model.type", absl::StrCat("required (one of: ", ModelFamilyNames(), ")"));
   }
-  // Frozen patterns are checked against the tensor names the spec implies (an MLP's names do
-  // not depend on its input and output widths).
+  const ModelFamily* family = FindModelFamily(model.type());
+  if (family == nullptr) {
+    return Invalid("model.type", absl::StrCat("unknown model \"", model.type(), "\" (one of: ",
+                                              ModelFamilyNames(), ")"));
+  }
+  if (absl::Status s = family->validate(model); !s.ok()) return s;
   if (!model.frozen_parameters().empty()) {
     const std::vector<std::string> patterns(model.frozen_parameters().begin(),
                                             model.frozen_parameters().end());
@@ -231,64 +211,42 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
       return frozen.status();
     }
   }
+  return absl::OkStatus();
+}
 
-  const v1::DatasetSpec& data = spec.dataset();
+absl::Status ValidateDataset(const v1::DatasetSpec& data) {
   if (data.type().empty()) {
-    return Invalid("dataset.type", "required (one of: fashion_mnist, idx, synthetic, text, tokens)");
+    return Invalid("dataset.type", absl::StrCat("required (one of: ", DataFormatNames(), ")"));
   }
-  const bool language_data = data.type() == "text" || data.type() == "tokens";
-  if (data.type() == "idx" || data.type() == "fashion_mnist") {
-    if (data.path().empty()) {
-      return Invalid("dataset.path", absl::StrCat("required for dataset type ", data.type()));
-    }
-  } else if (data.type() == "text") {
-    if (data.path().empty()) {
-      return Invalid("dataset.path", "required for dataset type text (a file or a directory)");
-    }
-    if (!(data.validation_fraction() > 0 && data.validation_fraction() < 1)) {
-      return Invalid("dataset.validation_fraction",
-                     absl::StrCat("must be in (0, 1), got ", data.validation_fraction()));
-    }
-  } else if (data.type() == "tokens") {
-    if (data.path().empty()) return Invalid("dataset.path", "required for dataset type tokens");
-    if (data.validation_path().empty()) {
-      return Invalid("dataset.validation_path", "required for dataset type tokens");
-    }
-  } else if (data.type() == "synthetic") {
-    const v1::SyntheticDatasetSpec& s = data.synthetic();
-    if (s.train_samples() <= 0) {
-      return Invalid("dataset.synthetic.train_samples",
-                     absl::StrCat("must be > 0, got ", s.train_samples()));
-    }
-    if (s.test_samples() <= 0) {
-      return Invalid("dataset.synthetic.test_samples",
-                     absl::StrCat("must be > 0, got ", s.test_samples()));
-    }
-    if (s.input_dim() <= 0) {
-      return Invalid("dataset.synthetic.input_dim",
-                     absl::StrCat("must be > 0, got ", s.input_dim()));
-    }
-    if (s.num_classes() < 2) {
-      return Invalid("dataset.synthetic.num_classes",
-                     absl::StrCat("must be >= 2, got ", s.num_classes()));
-    }
-    if (s.train_samples() > (int64_t{1} << 26) || s.test_samples() > (int64_t{1} << 26) ||
-        s.input_dim() > 65536 || s.num_classes() > 65536) {
-      return Invalid("dataset.synthetic", "too large (at most 2^26 samples, 65536 features)");
-    }
-    if ((s.train_samples() + s.test_samples()) * s.input_dim() > (int64_t{1} << 31)) {
-      return Invalid("dataset.synthetic",
-                     "(train_samples + test_samples) * input_dim must be <= 2^31 values");
-    }
-  } else {
-    return Invalid("dataset.type",
-                   absl::StrCat("unknown dataset type \"", data.type(),
-                                "\" (one of: fashion_mnist, idx, synthetic, text, tokens)"));
+  const DataFormat* format = FindDataFormat(data.type());
+  if (format == nullptr) {
+    return Invalid("dataset.type", absl::StrCat("unknown dataset type \"", data.type(),
+                                                "\" (one of: ", DataFormatNames(), ")"));
   }
-  if (language_data != (model.type() == "gpt")) {
+  return format->validate(data);
+}
+
+// What each family trains on: "mlp: fashion_mnist, idx, synthetic; gpt: text, tokens".
+std::string FamilyData() {
+  std::vector<std::string> parts;
+  for (const ModelFamily* family : ModelFamilies()) {
+    std::vector<std::string> formats;
+    for (const DataFormat* format : DataFormats()) {
+      if (format->language == family->language_model) formats.push_back(format->name);
+    }
+    parts.push_back(absl::StrCat(family->name, ": ", absl::StrJoin(formats, ", ")));
+  }
+  return absl::StrJoin(parts, "; ");
+}
+
+// The model against its data and device (both valid on their own by now).
+absl::Status ValidateModelOnData(const v1::JobSpec& spec) {
+  const v1::ModelSpec& model = spec.model();
+  const v1::DatasetSpec& data = spec.dataset();
+  if (FindDataFormat(data.type())->language != IsLanguageModel(model)) {
     return Invalid("dataset.type",
                    absl::StrCat("model type ", model.type(), " cannot train on ", data.type(),
-                                " data (mlp: fashion_mnist, idx, synthetic; gpt: text, tokens)"));
+                                " data (", FamilyData(), ")"));
   }
   if (model.type() == "gpt" && spec.device() == "cuda" && model.n_head() > 0 &&
       model.d_model() / model.n_head() > kMaxGpuAttentionHead) {
@@ -300,12 +258,30 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   if (spec.device() == "cuda" && !model.frozen_parameters().empty()) {
     return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
   }
+  return absl::OkStatus();
+}
+
+// The language-model families' names: "gpt".
+std::string LanguageFamilyNames() {
+  std::vector<std::string> names;
+  for (const ModelFamily* family : ModelFamilies()) {
+    if (family->language_model) names.push_back(family->name);
+  }
+  return absl::StrJoin(names, ", ");
+}
+
+absl::Status ValidateSample(const v1::JobSpec& spec) {
+  const v1::ModelSpec& model = spec.model();
+  const v1::DatasetSpec& data = spec.dataset();
   const v1::SampleSpec& sample = spec.sample();
   if (sample.max_tokens() < 0 || sample.max_tokens() > 4096) {
     return Invalid("sample.max_tokens", absl::StrCat("must be in [0, 4096], got ", sample.max_tokens()));
   }
   if (sample.max_tokens() > 0) {
-    if (model.type() != "gpt") return Invalid("sample", "only language models (gpt) generate text");
+    if (!IsLanguageModel(model)) {
+      return Invalid("sample", absl::StrCat("only language models (", LanguageFamilyNames(),
+                                            ") generate text"));
+    }
     if (!(sample.temperature() > 0) || sample.temperature() > 100) {
       return Invalid("sample.temperature",
                      absl::StrCat("must be in (0, 100], got ", sample.temperature()));
@@ -332,11 +308,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
       }
     }
   }
-  if (spec.eval_every_steps() < 0) {
-    return Invalid("eval_every_steps", absl::StrCat("must be >= 0, got ", spec.eval_every_steps()));
-  }
+  return absl::OkStatus();
+}
 
-  const v1::OptimizerSpec& opt = spec.optimizer();
+absl::Status ValidateOptimizer(const v1::OptimizerSpec& opt) {
   if (opt.type() != "sgd" && opt.type() != "adamw") {
     return Invalid("optimizer.type",
                    absl::StrCat("unknown optimizer \"", opt.type(), "\" (one of: sgd, adamw)"));
@@ -373,7 +348,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     return Invalid("optimizer.warmup_steps",
                    absl::StrCat("must be >= 0, got ", opt.warmup_steps()));
   }
+  return absl::OkStatus();
+}
 
+// The batch, its micro-shards and micro-batches.
+absl::Status ValidateBatch(const v1::JobSpec& spec) {
   if (spec.global_batch_size() <= 0) {
     return Invalid("global_batch_size",
                    absl::StrCat("must be > 0, got ", spec.global_batch_size()));
@@ -406,6 +385,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
                                   spec.micro_batch_size()));
     }
   }
+  return absl::OkStatus();
+}
+
+// The job's length, workers, timeouts, restarts and checkpoints.
+absl::Status ValidateOperations(const v1::JobSpec& spec) {
   if (spec.epochs() < 0) {
     return Invalid("epochs", absl::StrCat("must be >= 0, got ", spec.epochs()));
   }
@@ -469,6 +453,23 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     return Invalid("init_from_checkpoint.path", "required (a checkpoint file or a directory)");
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  if (absl::Status s = CheckBounds(spec); !s.ok()) return s;
+  if (absl::Status s = ValidateDevice(spec); !s.ok()) return s;
+  if (absl::Status s = ValidateModel(spec.model()); !s.ok()) return s;
+  if (absl::Status s = ValidateDataset(spec.dataset()); !s.ok()) return s;
+  if (absl::Status s = ValidateModelOnData(spec); !s.ok()) return s;
+  if (absl::Status s = ValidateSample(spec); !s.ok()) return s;
+  if (spec.eval_every_steps() < 0) {
+    return Invalid("eval_every_steps", absl::StrCat("must be >= 0, got ", spec.eval_every_steps()));
+  }
+  if (absl::Status s = ValidateOptimizer(spec.optimizer()); !s.ok()) return s;
+  if (absl::Status s = ValidateBatch(spec); !s.ok()) return s;
+  return ValidateOperations(spec);
 }
 
 }  // namespace lockstep::coordinator

@@ -10,9 +10,6 @@
 
 namespace lockstep::coordinator {
 
-// Default directory of Debian's dataset-fashion-mnist package.
-inline constexpr char kDefaultFashionMnistPath[] = "/usr/share/datasets/fashion-mnist";
-
 // Bounds on what a spec may hold, checked first (and documented in docs/job_spec_example.md):
 // past them a spec is refused, so no one spec can bloat every ListJobs answer or a log.
 inline constexpr size_t kMaxJobSpecBytes = 64 << 10;  // the encoded spec

@@ -14,6 +14,10 @@
 namespace lockstep::coordinator {
 namespace {
 
+// How often workers send heartbeats (told to each at registration); the core declares one lost
+// after its heartbeat timeout of silence.
+constexpr int64_t kHeartbeatIntervalMs = 500;
+
 // 128 random bits from the kernel, in hex.
 std::string NewSessionKey() {
   unsigned char bytes[16];
@@ -58,7 +62,7 @@ absl::StatusOr<std::string> Coordinator::Register(const v1::RegisterRequest& req
     if (!id.ok()) return id;
     v1::CoordinatorMessage registered;
     registered.mutable_registered()->set_worker_id(*id);
-    registered.mutable_registered()->set_heartbeat_interval_ms(500);
+    registered.mutable_registered()->set_heartbeat_interval_ms(kHeartbeatIntervalMs);
     const std::string key = NewSessionKey();
     registered.mutable_registered()->set_session_key(key);
     session_keys_[key] = *id;
@@ -80,17 +84,6 @@ void Coordinator::Disconnect(const std::string& worker_id, const std::string& re
     core.WorkerDisconnected(worker_id, reason, now, d);
     return 0;
   });
-}
-
-void Coordinator::SendTo(const std::string& worker_id, v1::CoordinatorMessage message) {
-  std::shared_ptr<SessionOutbox> outbox;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(worker_id);
-    if (it == sessions_.end()) return;
-    outbox = it->second;
-  }
-  outbox->Push(std::move(message));
 }
 
 void Coordinator::QueueMessages(Decisions& decisions,
@@ -237,7 +230,7 @@ absl::StatusOr<std::vector<v1::JobEvent>> Coordinator::WaitEvents(const std::str
     absl::StatusOr<std::vector<v1::JobEvent>> events = core_.EventsSince(job_id, from);
     if (!events.ok()) return events.status();
     const absl::StatusOr<v1::Job> job = core_.GetJob(job_id);
-    *finished = job.ok() && Core::IsTerminal(job->state());
+    *finished = job.ok() && IsTerminal(job->state());
     if (!events->empty() || *finished || shutdown_) return events;
     const absl::Time now = clock_->Now();
     if (now >= deadline) return events;

@@ -104,7 +104,6 @@ class Coordinator {
                                        std::shared_ptr<SessionOutbox> outbox);
   // Detaches the session and tells the core the worker is gone.
   void Disconnect(const std::string& worker_id, const std::string& reason);
-  void SendTo(const std::string& worker_id, v1::CoordinatorMessage message);
 
   // Bootstrap store, behind the core's generation fence (Core::Fence) for the worker whose
   // session holds `session_key` (Registered.session_key): PERMISSION_DENIED for a key of no

@@ -2,7 +2,7 @@
 // parameters and tokens give the same loss, gradients and evaluation (to FP32 rounding of the
 // summation order), and the gradient pieces are reported at the same points, which bucketing
 // relies on.
-#include "worker/train/gpu_gpt.h"
+#include "worker/cuda/gpu_gpt.h"
 
 #include <cuda_runtime.h>
 
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "worker/train/gpt.h"
+#include "worker/model/gpt.h"
 
 namespace lockstep::worker {
 namespace {

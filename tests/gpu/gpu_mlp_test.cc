@@ -1,7 +1,7 @@
 // The GPU model against the CPU model (label gpu; skipped without a device): same parameters
 // and batch give the same loss and gradients (to FP32 rounding of the summation order), and
 // the gradient pieces are reported at the same points, which bucketing relies on.
-#include "worker/train/gpu_mlp.h"
+#include "worker/cuda/gpu_mlp.h"
 
 #include <cuda_runtime.h>
 
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "worker/train/mlp.h"
+#include "worker/model/mlp.h"
 
 namespace lockstep::worker {
 namespace {

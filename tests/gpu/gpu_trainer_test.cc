@@ -29,10 +29,10 @@
 #include "tests/testing/gpt_job.h"
 #include "tests/testing/local_store.h"
 #include "tests/testing/solo_communicator.h"
-#include "worker/comm/nccl_communicator.h"
-#include "worker/train/dataset.h"
-#include "worker/train/gpu_step.h"
-#include "worker/train/mlp.h"
+#include "worker/cuda/nccl_communicator.h"
+#include "worker/data/dataset.h"
+#include "worker/cuda/gpu_step.h"
+#include "worker/model/mlp.h"
 #include "worker/train/trainer.h"
 
 namespace lockstep::worker {

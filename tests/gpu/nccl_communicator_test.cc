@@ -4,7 +4,7 @@
 // NCCL_MULTI_RANK_GPU_ENABLE=1 they sum and broadcast; with an older NCCL both get the clear
 // refusal that names what is needed. It prints which one it saw ("several ranks on one GPU:
 // allowed" or "refused"), which tests/gpu/check.sh reads to decide on its multi-rank jobs.
-#include "worker/comm/nccl_communicator.h"
+#include "worker/cuda/nccl_communicator.h"
 
 #include <cuda_runtime.h>
 

@@ -11,14 +11,14 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "lockstep/v1/job.pb.h"
-#include "worker/train/random.h"
+#include "common/random.h"
 
 namespace lockstep::testing {
 
 inline std::string GptCorpus(size_t bytes) {
   const char* words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat ", "and ", "dog ", "ran ",
                          "far ", "away ", "home "};
-  worker::SplitMix64 rng(11);
+  SplitMix64 rng(11);
   std::string text;
   while (text.size() < bytes) {
     const int n = 3 + static_cast<int>(rng.Below(6));

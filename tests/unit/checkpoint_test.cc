@@ -3,7 +3,8 @@
 // errors that carry the system's reason, and crafted or randomly mutated files (the reader is
 // what lockstepctl export points at untrusted files) refused without a crash or a huge
 // allocation.
-#include "worker/train/checkpoint.h"
+#include "common/hash.h"
+#include "common/checkpoint.h"
 
 #include <sys/stat.h>
 
@@ -163,7 +164,7 @@ void Put64(std::string& bytes, size_t at, uint64_t value) {
 void Seal(std::string& bytes) {
   if (bytes.size() < kChecksumAt + 8) return;
   Put64(bytes, kChecksumAt, 0);
-  Put64(bytes, kChecksumAt, kernels::Fnv1a64(bytes.data(), bytes.size()));
+  Put64(bytes, kChecksumAt, Fnv1a64(bytes.data(), bytes.size()));
 }
 
 class CraftedCheckpointTest : public CheckpointTest {

@@ -16,6 +16,7 @@
 #include "cli/format.h"
 #include "cli/invocation.h"
 #include "cli/watch_printer.h"
+#include "common/hash.h"
 #include "common/auth.h"
 #include "common/safetensors.h"
 #include "common/utf8.h"
@@ -24,7 +25,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
-#include "worker/train/checkpoint.h"
+#include "common/checkpoint.h"
 
 namespace lockstep::cli {
 namespace {
@@ -188,8 +189,8 @@ TEST(Format, Basics) {
   EXPECT_EQ(FormatThousands(999), "999");
   EXPECT_EQ(FormatThousands(0), "0");
   EXPECT_EQ(FormatThousands(INT64_MIN), "-9,223,372,036,854,775,808");
-  EXPECT_EQ(FormatBytes(1536), "1.5 KiB");
-  EXPECT_EQ(FormatBytes(100), "100 B");
+  EXPECT_EQ(HumanBytes(1536), "1.5 KiB");
+  EXPECT_EQ(HumanBytes(100), "100 B");
   EXPECT_EQ(JobStateName(v1::JOB_STATE_RUNNING), "RUNNING");
   EXPECT_EQ(JobStateName(static_cast<v1::JobState>(42)), "STATE_42");
   v1::Job j = Ev(0, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 120).job();
@@ -783,7 +784,7 @@ void Put64(std::string& bytes, size_t at, uint64_t value) {
 void Seal(std::string& bytes) {
   if (bytes.size() < kChecksumAt + 8) return;
   Put64(bytes, kChecksumAt, 0);
-  Put64(bytes, kChecksumAt, kernels::Fnv1a64(bytes.data(), bytes.size()));
+  Put64(bytes, kChecksumAt, Fnv1a64(bytes.data(), bytes.size()));
 }
 std::string ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -818,13 +819,13 @@ class ExportTest : public ::testing::Test {
   // A checkpoint (a new file each call) of `num_params` parameters with `manifest` as bytes.
   std::string Checkpoint(const std::string& manifest, size_t num_params = 9,
                          const std::string& job = "job-1-abc") {
-    worker::CheckpointData d;
+    CheckpointData d;
     d.step = ++step_;
     d.job_id = job;
     d.manifest = manifest;
     for (size_t i = 0; i < num_params; ++i) d.params.push_back(0.5f * i - 1);
     d.optimizer_state = {1, 2};
-    absl::StatusOr<std::string> path = worker::WriteCheckpoint(dir_ + "/ckpt", d, 1000);
+    absl::StatusOr<std::string> path = WriteCheckpoint(dir_ + "/ckpt", d, 1000);
     EXPECT_TRUE(path.ok()) << path.status();
     return path.value_or("");
   }

@@ -1596,7 +1596,7 @@ TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
   absl::StatusOr<v1::Job> refused = core_.SubmitJob(huge, now_, &d);
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_NE(refused.status().message().find("each worker would need about"), std::string::npos);
-  EXPECT_NE(refused.status().message().find("64 MiB (small on cuda:0)"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("64.0 MiB (small on cuda:0)"), std::string::npos)
       << refused.status();
 
   // 2 workers needed, ~900 MiB each: only "big" has the memory, so the job waits and says why.

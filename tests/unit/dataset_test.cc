@@ -1,5 +1,5 @@
 // IDX loading (gzip and plain), its errors, and the host-wide decoded cache.
-#include "worker/train/dataset.h"
+#include "worker/data/dataset.h"
 
 #include <zlib.h>
 

@@ -1,6 +1,6 @@
 // The worker's device flag: what it accepts, the errors it gives, and the GPU UUID it reports
 // for placement.
-#include "worker/device.h"
+#include "worker/device/device.h"
 
 #include "gtest/gtest.h"
 

@@ -1,7 +1,7 @@
 // The GPT model on the CPU: GPT-2's tensor names, shapes and initialisation; gradients against
 // central finite differences of the whole model on a tiny configuration; ready points in
 // backward order; gradient accumulation; evaluation consistent with training.
-#include "worker/train/gpt.h"
+#include "worker/model/gpt.h"
 
 #include <cmath>
 #include <map>

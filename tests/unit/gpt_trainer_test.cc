@@ -17,8 +17,8 @@
 #include "tests/testing/gpt_job.h"
 #include "tests/testing/solo_communicator.h"
 #include "worker/comm/gloo_communicator.h"
-#include "worker/train/checkpoint.h"
-#include "worker/train/random.h"
+#include "common/checkpoint.h"
+#include "common/random.h"
 #include "worker/train/trainer.h"
 
 namespace lockstep::worker {

@@ -4,6 +4,7 @@
 #include <functional>
 #include <limits>
 
+#include "common/data_format.h"
 #include "gtest/gtest.h"
 
 namespace lockstep::coordinator {

@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/hash.h"
 #include "kernels/cpu_kernels.h"
 
 namespace lockstep::kernels {

@@ -7,11 +7,11 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "common/model_layout.h"
-#include "worker/train/bucket_plan.h"
-#include "worker/train/optimizer.h"
-#include "worker/train/random.h"
-#include "worker/train/mlp.h"
-#include "worker/train/model.h"
+#include "worker/step/bucket_plan.h"
+#include "worker/step/optimizer.h"
+#include "common/random.h"
+#include "worker/model/mlp.h"
+#include "worker/model/model.h"
 
 namespace lockstep::worker {
 namespace {

@@ -10,7 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/testing/local_store.h"
-#include "worker/comm/nccl_communicator.h"
+#include "worker/cuda/nccl_communicator.h"
 
 namespace lockstep::worker {
 namespace {

@@ -1,6 +1,6 @@
 // The sampler's contract: every sample exactly once per epoch, and one global order whatever
 // the world size.
-#include "worker/train/sampler.h"
+#include "worker/data/sampler.h"
 
 #include <algorithm>
 #include <map>

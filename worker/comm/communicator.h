@@ -1,5 +1,6 @@
-// The collective operations a training step needs, independent of the transport (Gloo on CPU
-// today, NCCL on GPU next). One communicator serves one generation of one job.
+// The collective operations a training step needs, independent of the transport (Gloo over
+// TCP, shared memory between ranks on one host, NCCL on GPUs). One communicator serves one
+// generation of one job.
 #pragma once
 
 #include <cstddef>

@@ -11,25 +11,22 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/hash.h"
 #include "common/job_memory.h"
+#include "common/model_family.h"
 #include "common/process_memory.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
-#include "worker/train/checkpoint.h"
-#include "worker/train/cpu_step.h"
-#include "worker/train/generate.h"
+#include "common/checkpoint.h"
+#include "worker/step/cpu_step.h"
+#include "worker/model/generate.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
-#include "worker/job_identity.h"
+#include "common/job_identity.h"
 #include "common/test_hooks.h"
 #include "xxhash.h"
 
 namespace lockstep::worker {
-bool Trainer::IsFatal(const absl::Status& status) {
-  return absl::IsFailedPrecondition(status) || absl::IsOutOfRange(status) ||
-         absl::IsUnimplemented(status);
-}
-
 namespace {
 
 // The evaluation's loss is summed in fixed point with this resolution: a chunk's loss sum (at
@@ -46,9 +43,10 @@ int64_t TrainSamples(const v1::JobSpec& spec, const Dataset& data) {
 // What the data must offer a language model; INVALID_ARGUMENT naming the field.
 absl::Status CheckLanguageData(const v1::JobSpec& spec, const Dataset& data) {
   const v1::ModelSpec& m = spec.model();
-  if (m.type() != "gpt") {
+  if (!IsLanguageModel(m)) {
     return absl::InvalidArgumentError(absl::StrCat("model.type: \"", m.type(), "\" cannot train on ",
-                                                   spec.dataset().type(), " data (use \"gpt\")"));
+                                                   spec.dataset().type(),
+                                                   " data (use a language model)"));
   }
   const int context = m.context_length();
   if (data.train_tokens.Windows(context) == 0) {
@@ -82,9 +80,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const std::string& job_
                                                          Communicator* comm) {
   if (data->language) {
     if (absl::Status s = CheckLanguageData(spec, *data); !s.ok()) return s;
-  } else if (spec.model().type() == "gpt") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model.type: \"gpt\" trains on \"text\" or \"tokens\" data, not ", spec.dataset().type()));
+  } else if (IsLanguageModel(spec.model())) {
+    return absl::InvalidArgumentError(absl::StrCat("model.type: \"", spec.model().type(),
+                                                   "\" trains on \"text\" or \"tokens\" data, not ",
+                                                   spec.dataset().type()));
   }
   absl::StatusOr<std::unique_ptr<Model>> model =
       CreateModel(spec.model(), DataShape{data->dim, data->classes});
@@ -233,7 +232,7 @@ void Trainer::set_communicator(Communicator* comm) {
 
 uint64_t Trainer::ModelFingerprint() const {
   const std::string id = absl::StrCat(model_->Describe(), "/", spec_.optimizer().type());
-  return kernels::Fnv1a64(id.data(), id.size());
+  return Fnv1a64(id.data(), id.size());
 }
 
 absl::Status Trainer::MaybeCheckpoint(int64_t step, const CheckpointFn& report) {
@@ -648,7 +647,7 @@ absl::StatusOr<std::string> Trainer::Export() {
 
 std::string Trainer::ParameterChecksum() const {
   return absl::StrFormat("%016x",
-                         kernels::Fnv1a64(model_->params(), model_->num_params() * sizeof(float)));
+                         Fnv1a64(model_->params(), model_->num_params() * sizeof(float)));
 }
 
 }  // namespace lockstep::worker

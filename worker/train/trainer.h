@@ -16,11 +16,11 @@
 #include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/worker.pb.h"
 #include "worker/comm/communicator.h"
-#include "worker/train/dataset.h"
-#include "worker/train/model.h"
-#include "worker/train/optimizer.h"
-#include "worker/train/sampler.h"
-#include "worker/train/step_engine.h"
+#include "worker/data/dataset.h"
+#include "worker/model/model.h"
+#include "worker/step/optimizer.h"
+#include "worker/data/sampler.h"
+#include "worker/step/step_engine.h"
 
 namespace lockstep::worker {
 
@@ -32,9 +32,10 @@ class CpuStep;
 // Errors of Heal, Train and Evaluate: the communicator's (UNAVAILABLE, DEADLINE_EXCEEDED,
 // ABORTED: the generation is over, another may succeed); DATA_LOSS when healed state failed
 // its checksum (the member keeps its previous state); and errors no other group can avoid,
-// which fail the job (IsFatal): FAILED_PRECONDITION (the members hold different data, a
-// checkpoint write failed under checkpoint_failure_policy "fail", init_from_checkpoint cannot
-// be read), OUT_OF_RANGE (deterministic mode's range), UNIMPLEMENTED (a mode this device lacks).
+// whose codes fail the job (the worker's IsFatal rule, worker/generation.h):
+// FAILED_PRECONDITION (the members hold different data, a checkpoint write failed under
+// checkpoint_failure_policy "fail", init_from_checkpoint cannot be read), OUT_OF_RANGE
+// (deterministic mode's range), UNIMPLEMENTED (a mode this device lacks).
 class Trainer {
  public:
   // FAILED_PRECONDITION when the data cannot serve the spec (batch larger than the data set,
@@ -44,8 +45,6 @@ class Trainer {
                                                          const v1::JobSpec& spec,
                                                          std::shared_ptr<const Dataset> data,
                                                          Communicator* comm);
-  // Whether an error of Heal, Train or Evaluate fails the job (see the class comment).
-  static bool IsFatal(const absl::Status& status);
 
   int64_t total_steps() const { return total_steps_; }
   // The largest sum this trainer asks of its communicator in one call, in bytes (a gradient
