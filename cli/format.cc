@@ -190,16 +190,10 @@ std::string FormatJobList(const v1::ListJobsResponse& response, absl::Time now) 
   return table.Render();
 }
 
-std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone tz) {
-  std::string out;
-  AddField(out, "Job", job.job_id());
-  AddField(out, "Name", OrNone(job.spec().name()));
-  AddField(out, "State", JobStateName(job.state()));
-  if (!job.reason().empty()) AddField(out, "Reason", job.reason());
-  AddField(out, "Generation", absl::StrCat(job.generation()));
-  AddField(out, "Workers",
-           absl::StrFormat("%d (min %d, max %d)", job.members_size(), job.spec().min_workers(),
-                           job.spec().max_workers()));
+namespace {
+
+// The detail's member table.
+void AppendMembers(const v1::Job& job, std::string& out) {
   if (job.members_size() > 0) {
     out += "Members:\n";
     Table members({"RANK", "WORKER", "NAME", "HOST", "STEP", "CHECKSUM", "PEAK MEMORY"});
@@ -210,27 +204,10 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
     }
     out += members.Render("  ");
   }
-  std::string step = StepOfTotal(job);
-  if (job.total_steps() > 0) {
-    absl::StrAppendFormat(
-        &step, " (%.1f%%)",
-        100.0 * static_cast<double>(job.step()) / static_cast<double>(job.total_steps()));
-  }
-  AddField(out, "Step", step);
-  AddField(out, "Loss", LossOrNone(job));
-  AddField(out, "Samples/s",
-           job.samples_per_second() > 0 ? FormatThousands(std::llround(job.samples_per_second()))
-                                        : kNone);
-  if (IsLanguageModel(job.spec().model())) {
-    AddField(out, "Tokens/s",
-             job.tokens_per_second() > 0 ? FormatThousands(std::llround(job.tokens_per_second()))
-                                         : kNone);
-  }
-  if (!IsTerminal(job.state())) {
-    AddField(out, "ETA", job.eta_ms() > 0 ? ShortMillis(job.eta_ms()) : kNone);
-  }
-  AddField(out, "First-step latency",
-           job.first_step_latency_ms() > 0 ? ShortMillis(job.first_step_latency_ms()) : kNone);
+}
+
+// The evaluation, its history, the export and the sample.
+void AppendResults(const v1::Job& job, std::string& out) {
   const std::string eval = FormatEval(job);
   if (!eval.empty() && IsLanguageModel(job.spec().model())) {
     AddField(out, "Validation loss",
@@ -270,6 +247,10 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
       AddField(out, "Sample tokens", absl::StrJoin(job.sample().tokens(), " "));
     }
   }
+}
+
+// The recoveries, and each membership change with its timings.
+void AppendRecoveries(const v1::Job& job, std::string& out) {
   AddField(out, "Recoveries",
            job.spec().has_max_restarts() ? absl::StrFormat("%d (max_restarts %d)", job.recoveries(),
                                                            job.spec().max_restarts())
@@ -298,6 +279,9 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
     }
     out += changes.Render("  ");
   }
+}
+
+void AppendCheckpoints(const v1::Job& job, absl::Time now, absl::TimeZone tz, std::string& out) {
   if (job.spec().checkpoint_every_steps() > 0 || job.has_checkpoints()) {
     const v1::CheckpointStatus& c = job.checkpoints();
     std::string text =
@@ -311,6 +295,45 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
     }
     AddField(out, "Checkpoints", text);
   }
+}
+
+}  // namespace
+
+std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone tz) {
+  std::string out;
+  AddField(out, "Job", job.job_id());
+  AddField(out, "Name", OrNone(job.spec().name()));
+  AddField(out, "State", JobStateName(job.state()));
+  if (!job.reason().empty()) AddField(out, "Reason", job.reason());
+  AddField(out, "Generation", absl::StrCat(job.generation()));
+  AddField(out, "Workers",
+           absl::StrFormat("%d (min %d, max %d)", job.members_size(), job.spec().min_workers(),
+                           job.spec().max_workers()));
+  AppendMembers(job, out);
+  std::string step = StepOfTotal(job);
+  if (job.total_steps() > 0) {
+    absl::StrAppendFormat(
+        &step, " (%.1f%%)",
+        100.0 * static_cast<double>(job.step()) / static_cast<double>(job.total_steps()));
+  }
+  AddField(out, "Step", step);
+  AddField(out, "Loss", LossOrNone(job));
+  AddField(out, "Samples/s",
+           job.samples_per_second() > 0 ? FormatThousands(std::llround(job.samples_per_second()))
+                                        : kNone);
+  if (IsLanguageModel(job.spec().model())) {
+    AddField(out, "Tokens/s",
+             job.tokens_per_second() > 0 ? FormatThousands(std::llround(job.tokens_per_second()))
+                                         : kNone);
+  }
+  if (!IsTerminal(job.state())) {
+    AddField(out, "ETA", job.eta_ms() > 0 ? ShortMillis(job.eta_ms()) : kNone);
+  }
+  AddField(out, "First-step latency",
+           job.first_step_latency_ms() > 0 ? ShortMillis(job.first_step_latency_ms()) : kNone);
+  AppendResults(job, out);
+  AppendRecoveries(job, out);
+  AppendCheckpoints(job, now, tz, out);
   AddField(out, "Submitted", FormatTimestamp(job.submit_time_unix_ms(), now, tz));
   if (job.start_time_unix_ms() > 0) {
     AddField(out, "Started", FormatTimestamp(job.start_time_unix_ms(), now, tz));

@@ -54,6 +54,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/atomic_file.h"
+#include "common/http_framing.h"
 #include "glog/logging.h"
 #include "httplib.h"
 
@@ -272,91 +273,6 @@ class ConnectionStream final : public httplib::Stream {
   const absl::Duration timeout_;
   mutable absl::Time write_deadline_ = absl::InfiniteFuture();  // set by the first write
 };
-
-// What the acceptor makes of a request's head: the length of the body that follows it, or the
-// status to refuse the request with and why.
-struct Framing {
-  int refuse = 0;  // an HTTP status, or 0
-  std::string why;
-  size_t body = 0;
-  // "Expect: 100-continue": the client may wait for a 100 before it sends the body. Its lines,
-  // [begin, end) in the head, are erased before the parser sees them: the acceptor answers it,
-  // and cpp-httplib would send a second 100 (it does for any Expect).
-  std::vector<std::pair<size_t, size_t>> expect_lines;
-};
-
-// `head`: a request line and headers through the blank line that ends them. Anything cpp-httplib
-// could take for a body the acceptor has not framed is refused (RFC 9112 section 6): a
-// Transfer-Encoding (411: the dashboard and the metrics take no chunked bodies), two
-// Content-Lengths or one that is not a number, a header name with whitespace before its colon,
-// or a line ending in a bare LF (400: cpp-httplib would read them differently), a body over
-// `max_body_bytes` (413), an expectation other than 100-continue (417). A POST without a length
-// has no body.
-Framing FrameHead(absl::string_view head, size_t max_body_bytes) {
-  Framing f;
-  auto refuse = [&f](int status, std::string why) {
-    f.refuse = status;
-    f.why = std::move(why);
-    return f;
-  };
-  for (size_t i = head.find('\n'); i != absl::string_view::npos; i = head.find('\n', i + 1)) {
-    if (i == 0 || head[i - 1] != '\r') return refuse(400, "a line of the head ends in a bare LF");
-  }
-  bool has_length = false;
-  size_t pos = head.find("\r\n") + 2;  // past the request line: cpp-httplib checks that
-  while (pos < head.size()) {
-    const size_t begin = pos;
-    const size_t eol = head.find("\r\n", pos);
-    const absl::string_view line = head.substr(pos, eol - pos);
-    pos = eol + 2;
-    if (line.empty()) break;  // the blank line
-    const size_t colon = line.find(':');
-    const absl::string_view name = line.substr(0, colon);
-    if (colon == absl::string_view::npos || name.empty() ||
-        name.find_first_of(" \t") != absl::string_view::npos) {
-      return refuse(400, "a header line is not NAME: VALUE");
-    }
-    const absl::string_view value = absl::StripAsciiWhitespace(line.substr(colon + 1));
-    if (absl::EqualsIgnoreCase(name, "Transfer-Encoding")) {
-      return refuse(411, "send the request body with a Content-Length, not a Transfer-Encoding");
-    }
-    if (absl::EqualsIgnoreCase(name, "Content-Length")) {
-      if (has_length) return refuse(400, "more than one Content-Length");
-      has_length = true;
-      if (value.empty() || value.find_first_not_of("0123456789") != absl::string_view::npos) {
-        return refuse(400, "Content-Length is not a number");
-      }
-      // 18 digits or fewer: SimpleAtoi cannot overflow, and more is over any limit anyway.
-      if (value.size() > 18 || !absl::SimpleAtoi(value, &f.body) || f.body > max_body_bytes) {
-        return refuse(413, absl::StrCat("a request body is at most ", max_body_bytes, " bytes"));
-      }
-    }
-    if (absl::EqualsIgnoreCase(name, "Expect")) {
-      if (!absl::EqualsIgnoreCase(value, "100-continue")) {
-        return refuse(417, "the only expectation met is 100-continue");
-      }
-      f.expect_lines.emplace_back(begin, pos);
-    }
-  }
-  return f;
-}
-
-// An answer the acceptor writes itself, before it closes the connection.
-std::string Refusal(int status, absl::string_view why) {
-  static constexpr std::pair<int, const char*> kReasons[] = {
-      {411, "Length Required"},
-      {413, "Payload Too Large"},
-      {414, "URI Too Long"},
-      {417, "Expectation Failed"},
-      {431, "Request Header Fields Too Large"}};
-  const char* reason = "Bad Request";
-  for (const auto& [code, text] : kReasons) {
-    if (code == status) reason = text;
-  }
-  return absl::StrCat("HTTP/1.1 ", status, " ", reason,
-                      "\r\nContent-Type: text/plain\r\nConnection: close\r\nContent-Length: ",
-                      why.size() + 1, "\r\n\r\n", why, "\n");
-}
 
 // cpp-httplib's request handling (parse, route, answer) over one of our streams; its own accept
 // loop is never started.

@@ -1,6 +1,7 @@
 #include "common/metrics.h"
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "httplib.h"
 #include "prometheus/text_serializer.h"
 
@@ -102,6 +103,19 @@ prometheus::Histogram& SecondsHistogram(prometheus::Registry& registry, const st
                                         const std::string& help) {
   return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add(
       {}, SecondsBuckets());
+}
+
+absl::StatusOr<std::unique_ptr<MetricsEndpoint>> StartMetricsFlag(const std::string& address,
+                                                                  const std::string& port_file) {
+  if (address.empty()) return nullptr;
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> started =
+      MetricsEndpoint::Start(address, port_file);
+  if (!started.ok()) {
+    return absl::Status(started.status().code(),
+                        absl::StrCat("--metrics_listen: ", started.status().message()));
+  }
+  LOG(INFO) << "metrics on port " << (*started)->port() << " (GET /metrics)";
+  return started;
 }
 
 }  // namespace lockstep

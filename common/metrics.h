@@ -49,6 +49,11 @@ class MetricsEndpoint {
   std::unique_ptr<HttpServer> server_;  // last member: stopped before the rest is destroyed
 };
 
+// A daemon's --metrics_listen endpoint (with --metrics_port_file): null when `address` is
+// empty; errors name the flag; the port is logged once serving.
+absl::StatusOr<std::unique_ptr<MetricsEndpoint>> StartMetricsFlag(const std::string& address,
+                                                                  const std::string& port_file);
+
 // Metric families computed at scrape time by `collect` (called on the exposer's thread).
 class ScrapeCollector : public prometheus::Collectable {
  public:

@@ -182,20 +182,13 @@ class ReflectionGateFactory final : public grpc::experimental::ServerInterceptor
   lockstep::coordinator::ClientGate* const gate_;
 };
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "lockstep-coordinator --listen=HOST:PORT [--state_dir=DIR] [--port_file=FILE]");
-  absl::ParseCommandLine(argc, argv);
-  FLAGS_logtostderr = true;
-  google::InitGoogleLogging(argv[0]);
+// Process-wide settings before anything else runs.
+void PrepareProcess() {
   // Debian's abseil is built with its debug checks, which record the order in which mutexes are
   // taken in one global graph behind one spin lock. The coordinator holds a mutex per worker
   // session (10,000 at scale), and keeping that graph was 3-5% of its CPU at 10,000 workers.
   // The lock order is stated in each class's comment instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-
   // A peer that closes its connection mid-write (HTTP, TLS) must not kill the process.
   std::signal(SIGPIPE, SIG_IGN);
   // Large blocks (gRPC's buffers for big messages, store values) come from their own mappings
@@ -209,35 +202,17 @@ int main(int argc, char** argv) {
                     "fewer than that many workers; raise the hard limit (LimitNOFILE= in its "
                     "systemd unit)";
   }
-  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
-  if (!state_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(state_dir, ec);
-    if (ec) {
-      LOG(ERROR) << "cannot create --state_dir " << state_dir << ": " << ec.message();
-      return 1;
-    }
-  }
-  if (absl::GetFlag(FLAGS_heartbeat_timeout_ms) <= 0) {
-    LOG(ERROR) << "--heartbeat_timeout_ms must be > 0";
-    return 1;
-  }
-  if (absl::GetFlag(FLAGS_restart_grace_ms) < 0) {
-    LOG(ERROR) << "--restart_grace_ms must be >= 0";
-    return 1;
-  }
-  if (absl::Status s = lockstep::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
-                                                absl::GetFlag(FLAGS_test_hooks_dir));
-      !s.ok()) {
-    LOG(ERROR) << s.message();
-    return 1;
-  }
+}
 
+// The operators' token and the workers' own (empty: none).
+struct Tokens {
+  std::string operators;
+  std::string workers;
+};
+
+absl::StatusOr<Tokens> ReadTokens() {
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
-  if (!token.ok()) {
-    LOG(ERROR) << token.status().message();
-    return 1;
-  }
+  if (!token.ok()) return token.status();
   if (token->empty()) {
     LOG(WARNING) << "no token configured: any client that can reach " << absl::GetFlag(FLAGS_listen)
                  << " may submit jobs and join as a worker";
@@ -245,26 +220,25 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::string> worker_token =
       lockstep::ResolveToken(absl::GetFlag(FLAGS_worker_token_file), "LOCKSTEP_WORKER_TOKEN");
   if (!worker_token.ok()) {
-    LOG(ERROR) << "--worker_token_file: " << worker_token.status().message();
-    return 1;
+    return absl::Status(worker_token.status().code(),
+                        absl::StrCat("--worker_token_file: ", worker_token.status().message()));
   }
   if (!worker_token->empty() && (token->empty() || *worker_token == *token)) {
-    LOG(ERROR) << "--worker_token_file: the workers' token must differ from the operators' "
-                  "(--token_file), and needs one";
-    return 1;
+    return absl::InvalidArgumentError(
+        "--worker_token_file: the workers' token must differ from the operators' "
+        "(--token_file), and needs one");
   }
   if (!worker_token->empty()) {
     LOG(INFO) << "roles: workers and operators have tokens of their own";
   }
+  return Tokens{*std::move(token), *std::move(worker_token)};
+}
 
-  const lockstep::TlsFiles tls = lockstep::ServerTlsFiles(
-      absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca));
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials =
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ApiCredentials(
+    const lockstep::TlsFiles& tls) {
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       lockstep::MakeServerCredentials(tls);
-  if (!server_credentials.ok()) {
-    LOG(ERROR) << server_credentials.status().message();
-    return 1;
-  }
+  if (!credentials.ok()) return credentials.status();
   if (tls.any()) {
     LOG(INFO) << "TLS on the API" << (tls.ca.empty() ? "" : ", client certificates required");
   } else if (!lockstep::IsLoopbackAddress(absl::GetFlag(FLAGS_listen))) {
@@ -272,7 +246,18 @@ int main(int argc, char** argv) {
                  << " beyond loopback without TLS: tokens and jobs cross the network in the "
                     "clear (--tls_cert, --tls_key, --tls_ca)";
   }
+  return credentials;
+}
 
+// The core's options from the flags (state_dir holds the cluster's id).
+absl::StatusOr<lockstep::coordinator::CoreOptions> CoreOptionsFromFlags(
+    const std::string& state_dir) {
+  if (absl::GetFlag(FLAGS_heartbeat_timeout_ms) <= 0) {
+    return absl::InvalidArgumentError("--heartbeat_timeout_ms must be > 0");
+  }
+  if (absl::GetFlag(FLAGS_restart_grace_ms) < 0) {
+    return absl::InvalidArgumentError("--restart_grace_ms must be >= 0");
+  }
   lockstep::coordinator::CoreOptions options;
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
   options.tick_interval = kTickInterval;
@@ -281,8 +266,7 @@ int main(int argc, char** argv) {
                                                 absl::GetFlag(FLAGS_checkpoint_root),
                                                 &options.data_roots, &options.checkpoint_roots);
       !s.ok()) {
-    LOG(ERROR) << s.message();
-    return 1;
+    return s;
   }
   if (options.data_roots.allows_any_path() || options.checkpoint_roots.allows_any_path()) {
     LOG(WARNING) << "a --data_root or --checkpoint_root of \"/\": jobs may name any path the "
@@ -292,74 +276,79 @@ int main(int argc, char** argv) {
             << " and write checkpoints and outputs in " << options.checkpoint_roots.Describe();
   absl::StatusOr<std::string> cluster_id = lockstep::coordinator::ClusterId(state_dir);
   if (!cluster_id.ok()) {
-    LOG(ERROR) << "--state_dir: " << cluster_id.status().message();
-    return 1;
+    return absl::Status(cluster_id.status().code(),
+                        absl::StrCat("--state_dir: ", cluster_id.status().message()));
   }
   options.job_id_suffix = *cluster_id;
-  // Jobs survive a restart when there is a state directory.
-  std::unique_ptr<lockstep::coordinator::JobStore> job_store;
+  return options;
+}
+
+// Jobs survive a restart when there is a state directory.
+absl::StatusOr<std::unique_ptr<lockstep::coordinator::JobStore>> OpenJobStore(
+    const std::string& state_dir) {
   if (state_dir.empty()) {
     LOG(WARNING) << "no --state_dir: jobs are kept in memory only and lost on restart";
-    job_store = std::make_unique<lockstep::coordinator::InMemoryJobStore>();
-  } else {
-    auto opened = lockstep::coordinator::FileJobStore::Open(state_dir);
-    if (!opened.ok()) {
-      LOG(ERROR) << "--state_dir: " << opened.status().message();
-      return 1;
-    }
-    job_store = *std::move(opened);
+    return std::make_unique<lockstep::coordinator::InMemoryJobStore>();
   }
-  lockstep::coordinator::Coordinator coordinator(options, lockstep::RealClock::Get(),
-                                                 job_store.get(), *token, *worker_token);
-  // Metrics before the jobs are restored: a restart's re-formations are counted.
-  std::unique_ptr<lockstep::MetricsEndpoint> metrics_endpoint;
-  std::unique_ptr<lockstep::coordinator::CoordinatorMetrics> metrics;
-  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
-    absl::StatusOr<std::unique_ptr<lockstep::MetricsEndpoint>> started =
-        lockstep::MetricsEndpoint::Start(address, absl::GetFlag(FLAGS_metrics_port_file));
-    if (!started.ok()) {
-      LOG(ERROR) << "--metrics_listen: " << started.status().message();
-      return 1;
-    }
-    metrics_endpoint = *std::move(started);
-    metrics = std::make_unique<lockstep::coordinator::CoordinatorMetrics>(
-        metrics_endpoint->registry(), absl::ToUnixMillis(absl::Now()));
-    coordinator.set_metrics(metrics.get());
-    metrics_endpoint->Add(std::make_shared<lockstep::ScrapeCollector>([&coordinator] {
-      return lockstep::coordinator::CoordinatorMetrics::StateFamilies(coordinator.Counts());
-    }));
-    LOG(INFO) << "metrics on port " << metrics_endpoint->port() << " (GET /metrics)";
+  auto opened = lockstep::coordinator::FileJobStore::Open(state_dir);
+  if (!opened.ok()) {
+    return absl::Status(opened.status().code(),
+                        absl::StrCat("--state_dir: ", opened.status().message()));
   }
-  absl::StatusOr<int> restored = coordinator.Restore();
-  if (!restored.ok()) {
-    LOG(ERROR) << "cannot load the jobs in " << state_dir << ": " << restored.status();
-    return 1;
-  }
-  if (*restored > 0) {
-    LOG(INFO) << "restored " << *restored << " unfinished job(s) from " << state_dir
-              << "; they resume as workers register";
-  }
-  std::unique_ptr<lockstep::coordinator::Dashboard> dashboard;
-  if (const std::string address = absl::GetFlag(FLAGS_http_listen); !address.empty()) {
-    absl::StatusOr<std::unique_ptr<lockstep::coordinator::Dashboard>> started =
-        lockstep::coordinator::Dashboard::Start(address, absl::GetFlag(FLAGS_http_port_file),
-                                                &coordinator, tls);
-    if (!started.ok()) {
-      LOG(ERROR) << "--http_listen: " << started.status().message();
-      return 1;
-    }
-    dashboard = *std::move(started);
-    LOG(INFO) << "dashboard on port " << dashboard->port() << (tls.cert.empty() ? " (HTTP)" : " (HTTPS)")
-              << (token->empty() ? "" : "; it asks for the token");
-    if (tls.cert.empty() && !lockstep::IsLoopbackAddress(address)) {
-      LOG(WARNING) << "dashboard on " << address
-                   << " beyond loopback without TLS: its token crosses the network in the clear";
-    }
-  }
-  lockstep::coordinator::JobServiceImpl jobs(&coordinator);
-  lockstep::coordinator::WorkerServiceImpl workers(&coordinator);
-  lockstep::coordinator::StoreServiceImpl store(&coordinator);
+  return std::unique_ptr<lockstep::coordinator::JobStore>(*std::move(opened));
+}
 
+// The Prometheus endpoint (--metrics_listen), or null without one.
+struct Metrics {
+  std::unique_ptr<lockstep::MetricsEndpoint> endpoint;
+  std::unique_ptr<lockstep::coordinator::CoordinatorMetrics> coordinator;
+};
+
+absl::Status StartMetrics(lockstep::coordinator::Coordinator& coordinator, Metrics& metrics) {
+  absl::StatusOr<std::unique_ptr<lockstep::MetricsEndpoint>> started = lockstep::StartMetricsFlag(
+      absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_metrics_port_file));
+  if (!started.ok()) return started.status();
+  if (*started == nullptr) return absl::OkStatus();
+  metrics.endpoint = *std::move(started);
+  metrics.coordinator = std::make_unique<lockstep::coordinator::CoordinatorMetrics>(
+      metrics.endpoint->registry(), absl::ToUnixMillis(absl::Now()));
+  coordinator.set_metrics(metrics.coordinator.get());
+  metrics.endpoint->Add(std::make_shared<lockstep::ScrapeCollector>([&coordinator] {
+    return lockstep::coordinator::CoordinatorMetrics::StateFamilies(coordinator.Counts());
+  }));
+  return absl::OkStatus();
+}
+
+// The dashboard (--http_listen), or null without one.
+absl::StatusOr<std::unique_ptr<lockstep::coordinator::Dashboard>> StartDashboard(
+    lockstep::coordinator::Coordinator& coordinator, const lockstep::TlsFiles& tls,
+    bool has_token) {
+  const std::string address = absl::GetFlag(FLAGS_http_listen);
+  if (address.empty()) return nullptr;
+  absl::StatusOr<std::unique_ptr<lockstep::coordinator::Dashboard>> started =
+      lockstep::coordinator::Dashboard::Start(address, absl::GetFlag(FLAGS_http_port_file),
+                                              &coordinator, tls);
+  if (!started.ok()) {
+    return absl::Status(started.status().code(),
+                        absl::StrCat("--http_listen: ", started.status().message()));
+  }
+  LOG(INFO) << "dashboard on port " << (*started)->port()
+            << (tls.cert.empty() ? " (HTTP)" : " (HTTPS)")
+            << (has_token ? "; it asks for the token" : "");
+  if (tls.cert.empty() && !lockstep::IsLoopbackAddress(address)) {
+    LOG(WARNING) << "dashboard on " << address
+                 << " beyond loopback without TLS: its token crosses the network in the clear";
+  }
+  return started;
+}
+
+// The gRPC server of the three services, listening; its port in *port.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
+    lockstep::coordinator::Coordinator& coordinator,
+    const std::shared_ptr<grpc::ServerCredentials>& credentials,
+    lockstep::coordinator::JobServiceImpl& jobs, lockstep::coordinator::WorkerServiceImpl& workers,
+    lockstep::coordinator::StoreServiceImpl& store,
+    lockstep::coordinator::CoordinatorMetrics* metrics, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   const bool reflection = absl::GetFlag(FLAGS_grpc_reflection);
   if (reflection) {
@@ -369,8 +358,7 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   lockstep::ConfigureServer(builder);
   builder.SetOption(std::make_unique<ReflectionOption>(reflection));
-  int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *server_credentials, &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), credentials, port);
   builder.RegisterService(&jobs);
   builder.RegisterService(workers.service());
   workers.AddQueues(builder);
@@ -381,20 +369,86 @@ int main(int argc, char** argv) {
   if (metrics != nullptr) creators.push_back(metrics->InterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(creators));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    LOG(ERROR) << "cannot listen on " << absl::GetFlag(FLAGS_listen)
-               << " (address in use or invalid?)";
-    return 1;
+  if (server == nullptr || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
+                                               " (address in use or invalid?)"));
   }
-  LOG(INFO) << "lockstep-coordinator serving on port " << port;
+  LOG(INFO) << "lockstep-coordinator serving on port " << *port;
   if (const std::string file = absl::GetFlag(FLAGS_port_file); !file.empty()) {
-    if (absl::Status s = lockstep::WriteFileAtomically(file, absl::StrCat(port, "\n"),
+    if (absl::Status s = lockstep::WriteFileAtomically(file, absl::StrCat(*port, "\n"),
                                                         lockstep::Durability::kVisible);
         !s.ok()) {
-      LOG(ERROR) << "--port_file: " << s.message();
-      return 1;
+      return absl::Status(s.code(), absl::StrCat("--port_file: ", s.message()));
     }
   }
+  return server;
+}
+
+}  // namespace
+
+// Every error before serving is logged as it is and exits with 1.
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "lockstep-coordinator --listen=HOST:PORT [--state_dir=DIR] [--port_file=FILE]");
+  absl::ParseCommandLine(argc, argv);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  PrepareProcess();
+  auto fail = [](const absl::Status& s) {
+    LOG(ERROR) << s.message();
+    return 1;
+  };
+  const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
+  if (!state_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(state_dir, ec);
+    if (ec) {
+      return fail(absl::FailedPreconditionError(
+          absl::StrCat("cannot create --state_dir ", state_dir, ": ", ec.message())));
+    }
+  }
+  absl::StatusOr<lockstep::coordinator::CoreOptions> options = CoreOptionsFromFlags(state_dir);
+  if (!options.ok()) return fail(options.status());
+  if (absl::Status s = lockstep::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
+                                                absl::GetFlag(FLAGS_test_hooks_dir));
+      !s.ok()) {
+    return fail(s);
+  }
+  absl::StatusOr<Tokens> tokens = ReadTokens();
+  if (!tokens.ok()) return fail(tokens.status());
+  const lockstep::TlsFiles tls = lockstep::ServerTlsFiles(
+      absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca));
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = ApiCredentials(tls);
+  if (!credentials.ok()) return fail(credentials.status());
+  absl::StatusOr<std::unique_ptr<lockstep::coordinator::JobStore>> job_store =
+      OpenJobStore(state_dir);
+  if (!job_store.ok()) return fail(job_store.status());
+  lockstep::coordinator::Coordinator coordinator(*options, lockstep::RealClock::Get(),
+                                                 job_store->get(), tokens->operators,
+                                                 tokens->workers);
+  // Metrics before the jobs are restored: a restart's re-formations are counted.
+  Metrics metrics;
+  if (absl::Status s = StartMetrics(coordinator, metrics); !s.ok()) return fail(s);
+  absl::StatusOr<int> restored = coordinator.Restore();
+  if (!restored.ok()) {
+    return fail(absl::Status(restored.status().code(),
+                             absl::StrCat("cannot load the jobs in ", state_dir, ": ",
+                                          restored.status().ToString())));
+  }
+  if (*restored > 0) {
+    LOG(INFO) << "restored " << *restored << " unfinished job(s) from " << state_dir
+              << "; they resume as workers register";
+  }
+  absl::StatusOr<std::unique_ptr<lockstep::coordinator::Dashboard>> dashboard =
+      StartDashboard(coordinator, tls, !tokens->operators.empty());
+  if (!dashboard.ok()) return fail(dashboard.status());
+  lockstep::coordinator::JobServiceImpl jobs(&coordinator);
+  lockstep::coordinator::WorkerServiceImpl workers(&coordinator);
+  lockstep::coordinator::StoreServiceImpl store(&coordinator);
+  int port = 0;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartServer(
+      coordinator, *credentials, jobs, workers, store, metrics.coordinator.get(), &port);
+  if (!server.ok()) return fail(server.status());
 
   // Sessions start only now: every return above leaves before any exists.
   workers.Start();
@@ -405,9 +459,9 @@ int main(int argc, char** argv) {
     coordinator.WaitForTick(kTickInterval);
   }
   LOG(INFO) << "shutting down";
-  dashboard.reset();
+  dashboard->reset();
   coordinator.Shutdown();
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   workers.Stop(absl::Seconds(2));
   return 0;
 }

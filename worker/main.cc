@@ -107,6 +107,47 @@ std::string LocalAddressTowards(const std::string& target) {
   return result;
 }
 
+// --data_root and --checkpoint_root into `options`, warning about what they leave open.
+absl::Status RootsFromFlags(lockstep::worker::AgentOptions& options) {
+  if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
+                                                absl::GetFlag(FLAGS_checkpoint_root),
+                                                &options.data_roots, &options.checkpoint_roots);
+      !s.ok()) {
+    return s;
+  }
+  if (geteuid() == 0) {
+    LOG(WARNING) << "running as root: jobs read and write inside --data_root ("
+                 << options.data_roots.Describe() << ") and --checkpoint_root ("
+                 << options.checkpoint_roots.Describe()
+                 << ") with root's rights; run workers as an unprivileged user (the lockstep "
+                    "user of deploy/systemd and the images)";
+  }
+  if (options.data_roots.allows_any_path() || options.checkpoint_roots.allows_any_path()) {
+    LOG(WARNING) << "a root of \"/\": jobs may read or write any path this worker can";
+  }
+  return absl::OkStatus();
+}
+
+// The Prometheus endpoint (--metrics_listen) and the runs' metrics on it; empty without one.
+struct WorkerMetricsEndpoint {
+  std::unique_ptr<lockstep::MetricsEndpoint> endpoint;
+  std::unique_ptr<lockstep::worker::WorkerMetrics> worker;
+};
+
+absl::Status StartMetrics(const std::string& name, const std::string& device,
+                          WorkerMetricsEndpoint& metrics) {
+  absl::StatusOr<std::unique_ptr<lockstep::MetricsEndpoint>> started = lockstep::StartMetricsFlag(
+      absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_metrics_port_file));
+  if (!started.ok()) return started.status();
+  if (*started == nullptr) return absl::OkStatus();
+  metrics.endpoint = *std::move(started);
+  metrics.worker = std::make_unique<lockstep::worker::WorkerMetrics>(
+      metrics.endpoint->registry(), name, device);
+  metrics.endpoint->Add(std::make_shared<lockstep::ScrapeCollector>(
+      lockstep::worker::WorkerMetrics::MemoryFamilies));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -147,22 +188,9 @@ int main(int argc, char** argv) {
                              ? LocalAddressTowards(options.coordinator)
                              : absl::GetFlag(FLAGS_comm_address);
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
-  if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
-                                                absl::GetFlag(FLAGS_checkpoint_root),
-                                                &options.data_roots, &options.checkpoint_roots);
-      !s.ok()) {
+  if (absl::Status s = RootsFromFlags(options); !s.ok()) {
     LOG(ERROR) << s.message();
     return 2;
-  }
-  if (geteuid() == 0) {
-    LOG(WARNING) << "running as root: jobs read and write inside --data_root ("
-                 << options.data_roots.Describe() << ") and --checkpoint_root ("
-                 << options.checkpoint_roots.Describe()
-                 << ") with root's rights; run workers as an unprivileged user (the lockstep "
-                    "user of deploy/systemd and the images)";
-  }
-  if (options.data_roots.allows_any_path() || options.checkpoint_roots.allows_any_path()) {
-    LOG(WARNING) << "a root of \"/\": jobs may read or write any path this worker can";
   }
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {
@@ -197,23 +225,12 @@ int main(int argc, char** argv) {
   LOG(INFO) << "lockstep-worker " << options.name << " on " << options.host << " device "
             << device->device << ", collectives on " << options.comm_address;
 
-  std::unique_ptr<lockstep::MetricsEndpoint> metrics_endpoint;
-  std::unique_ptr<lockstep::worker::WorkerMetrics> metrics;
-  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
-    absl::StatusOr<std::unique_ptr<lockstep::MetricsEndpoint>> started =
-        lockstep::MetricsEndpoint::Start(address, absl::GetFlag(FLAGS_metrics_port_file));
-    if (!started.ok()) {
-      LOG(ERROR) << "--metrics_listen: " << started.status().message();
-      return 2;
-    }
-    metrics_endpoint = *std::move(started);
-    metrics = std::make_unique<lockstep::worker::WorkerMetrics>(metrics_endpoint->registry(),
-                                                                options.name, device->device);
-    metrics_endpoint->Add(
-        std::make_shared<lockstep::ScrapeCollector>(lockstep::worker::WorkerMetrics::MemoryFamilies));
-    options.metrics = metrics.get();
-    LOG(INFO) << "metrics on port " << metrics_endpoint->port() << " (GET /metrics)";
+  WorkerMetricsEndpoint metrics;
+  if (absl::Status s = StartMetrics(options.name, device->device, metrics); !s.ok()) {
+    LOG(ERROR) << s.message();
+    return 2;
   }
+  options.metrics = metrics.worker.get();
 
   std::signal(SIGPIPE, SIG_IGN);
   std::signal(SIGINT, RequestStop);

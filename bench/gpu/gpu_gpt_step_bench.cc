@@ -23,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "bench/gpu/gemm_rate.h"
 #include "common/status_macros.h"
 #include "kernels/gpu_check.h"
 #include "kernels/phase_timer.h"
@@ -53,60 +54,42 @@ using lockstep::worker::GpuStep;
 // H200 SXM (and H100 SXM): dense bf16 tensor-core peak, the MFU denominator the field uses.
 constexpr double kH200Bf16PeakTflops = 989.4;
 
-// cuBLAS's rate on one large square product in this precision: FP32 or TF32 operands, or
-// bf16 operands (already rounded: the raw tensor-core rate) with FP32 sums and output.
-absl::StatusOr<double> GemmTflops(const std::string& precision) {
-  const int g = 8192;
-  cudaStream_t stream;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreate(&stream));
-  cublasHandle_t handle;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasCreate(&handle));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSetStream(handle, stream));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cublasSetMathMode(
-      handle, precision == "tf32" ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
-  const bool bf16 = precision == "bf16";
-  const size_t count = size_t{g} * g, bytes = count * (bf16 ? 2 : 4);
-  std::vector<float> host(count);
-  std::mt19937 rng(4);
-  std::normal_distribution<float> normal;
-  for (float& v : host) v = normal(rng);  // random: zeros draw less power and run faster
-  std::vector<uint16_t> host16(bf16 ? count : 0);
-  for (size_t i = 0; i < host16.size(); ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &host[i], sizeof(bits));
-    host16[i] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+// Prints where a step's time goes (the phases' table); returns the phases as JSON members.
+std::string PrintPhases(const std::vector<std::pair<std::string, double>>& phases,
+                        const std::string& precision, double step_ms) {
+  std::string phases_json;
+  if (phases.empty()) return phases_json;
+  double marked = 0;
+  for (const auto& [name, ms] : phases) marked += ms;
+  std::printf("\n| phase (%s) | ms per step | share of the marked time |\n|---|---|---|\n",
+              precision.c_str());
+  for (const auto& [name, ms] : phases) {
+    std::printf("| %s | %.2f | %.1f%% |\n", name.c_str(), ms, 100 * ms / marked);
+    phases_json += absl::StrCat(phases_json.empty() ? "" : ", ", "\"", name, "\": ", ms);
   }
-  const void* source = bf16 ? static_cast<const void*>(host16.data()) : host.data();
-  void *a, *b;
-  float* c;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&a, bytes));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&b, bytes));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&c, count * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpy(a, source, bytes, cudaMemcpyHostToDevice));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpy(b, source, bytes, cudaMemcpyHostToDevice));
-  cudaEvent_t start, stop;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventCreate(&start));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventCreate(&stop));
-  const float one = 1, zero = 0;
-  const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  const cublasComputeType_t compute =
-      precision == "tf32" ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-  for (int i = 0; i < 13; ++i) {
-    if (i == 3) LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(start, stream));
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, g, g, g, &one, a,
-                                              type, g, b, type, g, &zero, c, CUDA_R_32F, g,
-                                              compute, CUBLAS_GEMM_DEFAULT));
-  }
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventSynchronize(stop));
-  float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaFree(a);
-  cudaFree(b);
-  cudaFree(c);
-  cublasDestroy(handle);
-  cudaStreamDestroy(stream);
-  return 2.0 * g * g * g / (ms / 10 * 1e-3) / 1e12;
+  std::printf("| (all marked) | %.2f | of a %.2f ms step |\n", marked, step_ms);
+  return phases_json;
+}
+
+// The benchmark's job: GPT-2's AdamW settings on a batch of n windows.
+lockstep::v1::JobSpec BenchSpec(int n, int shards, bool deterministic,
+                                const std::string& precision) {
+  lockstep::v1::JobSpec spec;
+  spec.mutable_model()->set_type("gpt");
+  lockstep::v1::OptimizerSpec* o = spec.mutable_optimizer();
+  o->set_type("adamw");
+  o->set_learning_rate(6e-4);
+  o->set_beta1(0.9);
+  o->set_beta2(0.95);
+  o->set_epsilon(1e-8);
+  o->set_weight_decay(0.1);
+  o->set_grad_clip_norm(1.0);
+  spec.set_global_batch_size(n);
+  spec.set_micro_shards(shards);
+  spec.set_deterministic(deterministic);
+  spec.set_precision(precision);
+
+  return spec;
 }
 
 absl::Status Run() {
@@ -129,21 +112,7 @@ absl::Status Run() {
   if (n <= 0 || (deterministic && (shards <= 0 || n % shards != 0))) {
     return absl::InvalidArgumentError("--batch > 0, and --micro_shards must divide it");
   }
-  lockstep::v1::JobSpec spec;
-  spec.mutable_model()->set_type("gpt");
-  lockstep::v1::OptimizerSpec* o = spec.mutable_optimizer();
-  o->set_type("adamw");
-  o->set_learning_rate(6e-4);
-  o->set_beta1(0.9);
-  o->set_beta2(0.95);
-  o->set_epsilon(1e-8);
-  o->set_weight_decay(0.1);
-  o->set_grad_clip_norm(1.0);
-  spec.set_global_batch_size(n);
-  spec.set_micro_shards(shards);
-  spec.set_deterministic(deterministic);
-  spec.set_precision(precision);
-
+  const lockstep::v1::JobSpec spec = BenchSpec(n, shards, deterministic, precision);
   lockstep::worker::Gpt model(config);
   model.Initialize(1);
   lockstep::worker::Optimizer optimizer(spec.optimizer(), model.segments(), 2 * steps + 2);
@@ -207,7 +176,7 @@ absl::Status Run() {
       6.0 * static_cast<double>(model.num_params()) +
       12.0 * config.layers * static_cast<double>(config.d_model) * config.context;
   const double tflops = flops_per_token * tokens / (step_ms * 1e-3) / 1e12;
-  absl::StatusOr<double> gemm = GemmTflops(precision);
+  absl::StatusOr<double> gemm = lockstep::bench::GemmTflops(precision);
   if (!gemm.ok()) return gemm.status();
 
   cudaDeviceProp props{};
@@ -227,18 +196,7 @@ absl::Status Run() {
               "in use; batch in %s host memory\n",
               first_loss, last_loss, (total_bytes - free_bytes) / 1048576.0,
               (*step)->pinned() ? "pinned" : "ordinary");
-  std::string phases_json;
-  if (!phases.empty()) {
-    double marked = 0;
-    for (const auto& [name, ms] : phases) marked += ms;
-    std::printf("\n| phase (%s) | ms per step | share of the marked time |\n|---|---|---|\n",
-                precision.c_str());
-    for (const auto& [name, ms] : phases) {
-      std::printf("| %s | %.2f | %.1f%% |\n", name.c_str(), ms, 100 * ms / marked);
-      phases_json += absl::StrCat(phases_json.empty() ? "" : ", ", "\"", name, "\": ", ms);
-    }
-    std::printf("| (all marked) | %.2f | of a %.2f ms step |\n", marked, step_ms);
-  }
+  const std::string phases_json = PrintPhases(phases, precision, step_ms);
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream(path) << "{\"gpu\": \"" << props.name << "\", \"model\": \"" << model.Describe()
                         << "\", \"params\": " << model.num_params() << ", \"precision\": \""

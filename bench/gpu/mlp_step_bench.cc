@@ -19,6 +19,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/gpu/gemm_rate.h"
 #include "kernels/gpu_check.h"
 #include "worker/cuda/gpu_step.h"
 #include "worker/model/mlp.h"
@@ -35,7 +36,6 @@ ABSL_FLAG(std::string, json, "", "write the results here as JSON");
 namespace {
 
 using lockstep::worker::GpuStep;
-namespace cuda = lockstep::kernels::cuda;
 
 absl::Status Run() {
   std::vector<int> dims;
@@ -114,44 +114,9 @@ absl::Status Run() {
     flops += (l == 0 ? 2 : 3) * mnk;
   }
   // The GEMM rate this GPU reaches on one large product of the same precision.
-  const int g = 8192;
-  cudaStream_t stream;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreate(&stream));
-  auto blas = cuda::Blas::Create(stream);
-  if (!blas.ok()) return blas.status();
-  if (absl::Status s = (*blas)->SetTf32(tf32); !s.ok()) return s;
-  cudaEvent_t start, stop;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventCreate(&start));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventCreate(&stop));
-  float *a, *b, *c;
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&a, size_t{g} * g * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&b, size_t{g} * g * sizeof(float)));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMalloc(&c, size_t{g} * g * sizeof(float)));
-  // Random operands: all-zero matrices draw less power and would run faster than real ones.
-  {
-    std::vector<float> host(size_t{g} * g);
-    for (float& v : host) v = normal(rng);
-    LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpy(a, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
-    LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpy(b, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
-  }
-  for (int i = 0; i < 3; ++i) {
-    if (absl::Status s = (*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g); !s.ok()) {
-      return s;
-    }
-  }
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(start, stream));
-  for (int i = 0; i < 10; ++i) {
-    if (absl::Status s = (*blas)->Gemm(false, false, g, g, g, 1, a, g, b, g, 0, c, g); !s.ok()) {
-      return s;
-    }
-  }
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaEventSynchronize(stop));
-  float gemm_ms = 0;
-  cudaEventElapsedTime(&gemm_ms, start, stop);
-  const double gemm_tflops = 2.0 * g * g * g / (gemm_ms / 10 * 1e-3) / 1e12;
+  absl::StatusOr<double> gemm = lockstep::bench::GemmTflops(tf32 ? "tf32" : "fp32");
+  if (!gemm.ok()) return gemm.status();
+  const double gemm_tflops = *gemm;
   const double step_tflops = flops / (step_ms * 1e-3) / 1e12;
 
   cudaDeviceProp props{};

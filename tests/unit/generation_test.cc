@@ -12,6 +12,7 @@
 #include "coordinator/store/bootstrap_store.h"
 #include "gtest/gtest.h"
 #include "tests/testing/local_store.h"
+#include "tests/testing/mlp_job.h"
 #include "worker/device/backend.h"
 
 namespace lockstep::worker {
@@ -58,26 +59,11 @@ class Recorder final : public GenerationReporter {
   std::function<void(const v1::ProgressReport&)> on_progress_;
 };
 
+// The trainer tests' job, deterministic (the same bits at any world size) and shorter.
 v1::JobSpec DeterministicSpec() {
-  v1::JobSpec spec;
-  spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(32);
-  spec.mutable_model()->set_activation("gelu");
-  spec.mutable_dataset()->set_type("synthetic");
-  auto* s = spec.mutable_dataset()->mutable_synthetic();
-  s->set_train_samples(2048);
-  s->set_test_samples(512);
-  s->set_input_dim(12);
-  s->set_num_classes(4);
-  s->set_seed(3);
-  spec.mutable_optimizer()->set_type("sgd");
-  spec.mutable_optimizer()->set_learning_rate(0.1);
-  spec.mutable_optimizer()->set_momentum(0.9);
-  spec.set_global_batch_size(64);
-  spec.set_micro_shards(8);
+  v1::JobSpec spec = testing::SyntheticMlpSpec();
   spec.set_deterministic(true);
   spec.set_max_steps(40);
-  spec.set_seed(11);
   spec.set_collective_timeout_ms(20000);
   return spec;
 }

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu_kernels.h"
 #include "tests/testing/gloo_group.h"
+#include "tests/testing/mlp_job.h"
 #include "tests/testing/solo_communicator.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
@@ -29,29 +30,7 @@ namespace {
 
 using testing::SoloCommunicator;
 
-v1::JobSpec SyntheticSpec() {
-  v1::JobSpec spec;
-  spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(32);
-  spec.mutable_model()->add_hidden_widths(16);
-  spec.mutable_model()->set_activation("gelu");
-  spec.mutable_dataset()->set_type("synthetic");
-  auto* s = spec.mutable_dataset()->mutable_synthetic();
-  s->set_train_samples(2048);
-  s->set_test_samples(512);
-  s->set_input_dim(12);
-  s->set_num_classes(4);
-  s->set_seed(3);
-  spec.mutable_optimizer()->set_type("sgd");
-  spec.mutable_optimizer()->set_learning_rate(0.1);
-  spec.mutable_optimizer()->set_momentum(0.9);
-  spec.set_global_batch_size(64);
-  spec.set_micro_shards(8);
-  spec.set_max_steps(60);
-  spec.set_seed(11);
-  spec.set_bucket_size_kib(1);  // several buckets even for this small model
-  return spec;
-}
+v1::JobSpec SyntheticSpec() { return testing::SyntheticMlpSpec(); }
 
 TEST(MlpTest, GradientMatchesFiniteDifferences) {
   for (auto act : {kernels::Activation::kRelu, kernels::Activation::kGelu}) {

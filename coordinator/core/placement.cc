@@ -1,0 +1,253 @@
+// Placement: which idle workers a job may take (device, memory, GPU sharing), the queue's
+// scheduling, and the start of a generation.
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/clock.h"
+#include "common/gpu_limits.h"
+#include "common/job_memory.h"
+#include "common/model_family.h"
+#include "coordinator/core/core.h"
+#include "coordinator/core/core_internal.h"
+#include "coordinator/core/job_spec.h"
+
+namespace lockstep::coordinator {
+
+using internal::DeviceKind;
+using internal::Seconds1;
+
+RankCandidate Core::Candidate(const Worker& w) {
+  bool may_share = false;
+  for (const std::string& c : w.info.capabilities()) {
+    may_share = may_share || c == kSharedGpuCapability;
+  }
+  return {w.id, w.info.host(), w.registration_seq, w.info.device_uuid(), may_share,
+          w.info.free_memory_bytes()};
+}
+
+std::string Core::SharedGpuNote(size_t left_out) {
+  if (left_out == 0) return "";
+  return absl::StrCat(", ", left_out, " left out for a GPU that another one uses (several ranks "
+                      "on one GPU need NCCL 2.30.3 or later with NCCL_MULTI_RANK_GPU_ENABLE=1 on "
+                      "every worker there, and the GPU's memory for all of them)");
+}
+
+std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t memory_needed,
+                                             const JobRecord* job) const {
+  std::vector<RankCandidate> idle;
+  for (const auto& [id, w] : workers_) {
+    const int64_t free = w.info.free_memory_bytes();
+    const bool kept_elsewhere =
+        !w.reserved_for.empty() && (job == nullptr || w.reserved_for != job->job.job_id());
+    if (w.state == WorkerState::kIdle && !kept_elsewhere &&
+        (job == nullptr ||
+         (!Excluded(*job, id, w.info.name()) && job->benched.count(id) == 0)) &&
+        (device.empty() || DeviceKind(w.info.device()) == device) &&
+        (free == 0 || free >= memory_needed)) {
+      idle.push_back(Candidate(w));
+    }
+  }
+  std::sort(idle.begin(), idle.end(), [](const RankCandidate& a, const RankCandidate& b) {
+    return a.registration_seq < b.registration_seq;
+  });
+  return idle;
+}
+
+void Core::Schedule(absl::Time now, Decisions* out) {
+  // What follows costs the running and re-forming jobs and the head of the queue, never the
+  // jobs queued behind it or the ones that ended.
+  // 1. Jobs that lost members come first: they hold state and committed steps. (A copy: a job
+  // that fails while re-forming leaves active_.)
+  const std::vector<JobKey> active(active_.begin(), active_.end());
+  for (const auto& [seq, id] : active) {
+    JobRecord& job = jobs_.at(id);
+    if (job.job.state() == v1::JOB_STATE_RECONFIGURING) TryReform(job, now, out);
+  }
+  // 2. Strict FIFO gang scheduling: the head job waits until its min_workers are idle, and
+  // later jobs wait behind it so that a large job cannot starve (View says so for them).
+  while (!pending_.empty()) {
+    JobRecord& job = jobs_.at(pending_.begin()->second);
+    const v1::JobSpec& spec = job.job.spec();
+    std::vector<RankCandidate> left_out;
+    const std::vector<RankCandidate> fitting =
+        IdleWorkers(spec.device(), job.memory_needed, &job);
+    const size_t fitting_count = fitting.size();
+    std::vector<RankCandidate> idle = OneRankPerGpu({}, fitting, job.memory_needed, &left_out);
+    if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
+      const size_t all_idle = IdleWorkers(spec.device()).size();
+      std::string reason =
+          absl::StrCat("waiting for ", spec.min_workers(), " idle ", spec.device(), " worker",
+                       spec.min_workers() == 1 ? "" : "s", " (", all_idle, " idle");
+      if (all_idle > fitting_count) {
+        absl::StrAppend(&reason, ", ", fitting_count, " with the ", HumanBytes(job.memory_needed),
+                        " free that each worker needs");
+      }
+      reason += SharedGpuNote(left_out.size()) + ")";
+      if (reason != job.job.reason()) {
+        job.job.set_reason(reason);
+        out->changed_jobs.insert(job.job.job_id());
+      }
+      break;  // nothing may overtake the head job
+    }
+    idle.resize(std::min<size_t>(idle.size(), spec.max_workers()));
+    StartGeneration(job, AssignRanks({}, std::move(idle)), now, out);
+  }
+  // 3. Spares: a running job below max_workers grows onto idle workers, once its current
+  // generation has completed a step (so every re-formation is followed by progress), and
+  // never once it has trained its last step (there is nothing left to share).
+  for (const auto& [seq, id] : active) {
+    JobRecord& job = jobs_.at(id);
+    if (job.job.state() != v1::JOB_STATE_RUNNING || !job.first_report_of_generation_seen ||
+        static_cast<int>(job.members.size()) >= job.job.spec().max_workers() || job.finishing ||
+        AnyMemberAtLastStep(job)) {
+      continue;
+    }
+    std::vector<RankCandidate> idle =
+        OneRankPerGpu(MemberCandidates(job), IdleWorkers(job.job.spec().device(),
+                                                         job.memory_needed, &job),
+                      job.memory_needed);
+    if (idle.empty()) continue;
+    std::vector<std::string> names;
+    for (size_t i = 0; i < idle.size() &&
+                       job.members.size() + i < static_cast<size_t>(job.job.spec().max_workers());
+         ++i) {
+      names.push_back(workers_.at(idle[i].worker_id).info.name());
+    }
+    BeginReconfiguration(job, absl::StrCat("scale-up: ", absl::StrJoin(names, ", "), " joined"),
+                         /*scale_up=*/true, /*coordinator_caused=*/false, now, now, out);
+    TryReform(job, now, out);
+  }
+}
+
+void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
+                           Decisions* out) {
+  // The workers kept for the job are in this generation now, or free for other jobs.
+  ReleaseReserved(job, /*job_ended=*/false, "", out);
+  const int64_t generation = job.job.generation() + 1;
+  job.job.set_generation(generation);
+  job.members.clear();
+  std::vector<std::string> names;
+  for (const std::string& id : worker_ids) {
+    job.members.push_back({id});
+    names.push_back(workers_.at(id).info.name());
+  }
+  if (job.started == absl::InfinitePast()) {
+    job.started = now;
+    job.job.set_start_time_unix_ms(ToUnixMillisOrZero(now));
+  }
+  job.last_advance = now;
+  job.first_report_of_generation_seen = false;
+  job.resumed_report_seen = false;
+  out->started_generations.push_back(
+      {job.job.job_id(), generation, static_cast<int>(worker_ids.size())});
+  SetState(job, v1::JOB_STATE_RUNNING);
+  job.job.set_reason(absl::StrCat("generation ", generation, " training on ", worker_ids.size(),
+                                  " worker", worker_ids.size() == 1 ? "" : "s"));
+  // Every member's assignment is this one but for its rank.
+  v1::CoordinatorMessage assignment;
+  {
+    v1::Assignment* a = assignment.mutable_assignment();
+    a->set_job_id(job.job.job_id());
+    a->set_generation(generation);
+    a->set_world_size(static_cast<int32_t>(worker_ids.size()));
+    *a->mutable_spec() = job.job.spec();
+    // The names are for logs and errors: a bounded few, so N assignments stay O(N) in all.
+    for (size_t i = 0; i < names.size() && i < kMaxAssignmentNames; ++i) {
+      a->add_member_names(names[i]);
+    }
+    a->set_start_step(job.job.step() + 1);
+    a->set_source_rank(-1);
+  }
+  // Ranks per GPU: a member shares its GPU's memory with the others on it.
+  absl::flat_hash_map<std::string_view, int32_t> ranks_on_gpu;
+  for (const std::string& id : worker_ids) {
+    const std::string& uuid = workers_.at(id).info.device_uuid();
+    if (!uuid.empty()) ++ranks_on_gpu[uuid];
+  }
+  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
+    Worker& w = workers_.at(worker_ids[rank]);
+    w.state = WorkerState::kBusy;
+    w.job_id = job.job.job_id();
+    w.generation = generation;
+    out->messages.push_back({w.id, assignment});
+    v1::Assignment* mine = out->messages.back().message.mutable_assignment();
+    mine->set_rank(static_cast<int32_t>(rank));
+    const std::string& uuid = w.info.device_uuid();
+    mine->set_ranks_on_device(uuid.empty() ? 1 : ranks_on_gpu.at(uuid));
+  }
+  RefreshMembers(job);
+  // The timeline: who joined and who left since the previous generation, by worker id (a
+  // worker back under its old name is a new incarnation), or by name when the previous
+  // generation was a previous coordinator's.
+  const bool by_name = job.timeline_ids_stale;
+  job.timeline_ids_stale = false;
+  const std::vector<std::string>& keys = by_name ? names : worker_ids;
+  absl::flat_hash_set<std::string_view> before, after(keys.begin(), keys.end());
+  if (job.job.generations_size() > 0) {
+    EndGeneration(job, "re-formed", now);
+    const v1::Generation& previous = *job.job.generations().rbegin();
+    const auto& previous_keys = by_name ? previous.members() : previous.member_ids();
+    before.insert(previous_keys.begin(), previous_keys.end());
+  }
+  v1::Generation* record = job.job.add_generations();
+  record->set_generation(generation);
+  record->set_formed_unix_ms(ToUnixMillisOrZero(now));
+  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
+    record->add_member_ids(worker_ids[rank]);
+    record->add_members(names[rank]);
+    if (before.count(keys[rank]) == 0) record->add_joined(names[rank]);
+  }
+  if (job.job.generations_size() > 1) {
+    const v1::Generation& previous = job.job.generations(job.job.generations_size() - 2);
+    const auto& previous_keys = by_name ? previous.members() : previous.member_ids();
+    for (int i = 0; i < previous.members_size() && i < previous_keys.size(); ++i) {
+      if (after.count(previous_keys[i]) == 0) record->add_left(previous.members(i));
+    }
+  }
+  // Bounded: a job that re-forms without end keeps its latest generations.
+  int keep = 0;
+  int64_t members_kept = 0;
+  for (int i = job.job.generations_size() - 1; i >= 0; --i) {
+    members_kept += job.job.generations(i).member_ids_size();
+    if (keep >= 2 && (keep >= kMaxGenerations || members_kept > kMaxGenerationMembers)) break;
+    ++keep;
+  }
+  if (job.job.generations_size() > keep) {
+    job.job.mutable_generations()->DeleteSubrange(0, job.job.generations_size() - keep);
+  }
+  AddEvent(job, v1::JobEvent::STATE, "running", now, out);
+  // Names the first kMaxAssignmentNames members: an event stays O(1) whatever the size (the
+  // generation's record above lists them all).
+  const size_t named = std::min(names.size(), kMaxAssignmentNames);
+  AddEvent(job, v1::JobEvent::MEMBERSHIP,
+           absl::StrCat("generation ", generation, " formed: ",
+                        absl::StrJoin(names.begin(), names.begin() + named, ", "),
+                        named < names.size() ? absl::StrCat(" and ", names.size() - named, " more")
+                                             : "",
+                        " (", names.size(), " worker", names.size() == 1 ? "" : "s", ")"),
+           now, out);
+}
+
+std::vector<RankCandidate> Core::MemberCandidates(const JobRecord& job) const {
+  std::vector<RankCandidate> members;
+  for (const MemberState& m : job.members) {
+    auto it = workers_.find(m.worker_id);
+    if (it != workers_.end() && it->second.state == WorkerState::kBusy &&
+        it->second.job_id == job.job.job_id()) {
+      members.push_back(Candidate(it->second));
+    }
+  }
+  return members;
+}
+
+}  // namespace lockstep::coordinator
