@@ -4,8 +4,8 @@
 // language model, the worker's models lay out their buffers from its tensors.
 //
 // Adding a family: its fields in proto/lockstep/v1/job.proto, a common/models/ file defining
-// its ModelFamily (defaults, validation, tensor layout), one line in ModelFamilies(), its
-// memory terms in common/job_memory.cc, a host model in worker/model/ (registered in
+// its ModelFamily (defaults, validation, tensor layout, memory terms), one line in
+// ModelFamilies(), a host model in worker/model/ (registered in
 // worker/model/model.cc), and for GPU workers a device model in worker/cuda/ with its kernels
 // (docs/architecture.md, "Adding a model").
 #pragma once
@@ -21,6 +21,21 @@
 
 namespace lockstep {
 
+// A family's terms of the per-worker memory estimate (common/job_memory.cc adds them up with
+// the optimizer's, the communication's and the GPU's own), in float32 values unless said.
+struct ModelMemoryTerms {
+  int64_t params = 0;
+  int64_t trainable = 0;   // params less the frozen tensors'
+  int64_t per_sample = 0;  // activations and backward temporaries per sample
+  int64_t fixed = 0;       // a CPU worker's working memory whatever the micro-batch
+  int64_t input = 0;       // one sample's input (features and label, or its tokens)
+  int64_t bf16_values = 0;  // of per_sample, what a GPU keeps in bfloat16 under "bf16"
+  // GPU workers: the LM head's chunk of logits for the micro-batch (values), and the bytes of
+  // the bfloat16 copies the products need under "bf16".
+  int64_t gpu_head_values = 0;
+  int64_t gpu_bf16_bytes = 0;
+};
+
 struct ModelFamily {
   const char* name;  // model.type
   // Trains on token data (text, tokens) and can write a sample of text.
@@ -33,6 +48,11 @@ struct ModelFamily {
   // and output widths (unused by language models).
   std::vector<TensorSize> (*tensors)(const v1::ModelSpec& model, int64_t features,
                                      int64_t classes) = nullptr;
+  // Its memory for `spec` (after ApplyJobSpecDefaults) with `micro_batch` samples at once.
+  ModelMemoryTerms (*memory)(const v1::JobSpec& spec, int64_t micro_batch) = nullptr;
+  // What the spec's device cannot train of a valid model (null: it trains all of it):
+  // INVALID_ARGUMENT naming the field.
+  absl::Status (*validate_on_device)(const v1::JobSpec& spec) = nullptr;
 };
 
 // Every family this build knows, in the order error messages list them.

@@ -1,9 +1,13 @@
 // GPT-2: token and learned position embeddings, n_layer pre-LayerNorm blocks of causal
 // attention (n_head heads of d_model / n_head channels) and a 4x GELU MLP, a final LayerNorm,
 // and the LM head tied to the token embedding.
+#include <algorithm>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/gpu_limits.h"
 #include "common/model_family.h"
 
 namespace lockstep {
@@ -60,9 +64,58 @@ std::vector<TensorSize> GptTensors(const v1::ModelSpec& model, int64_t /*feature
   return t;
 }
 
+ModelMemoryTerms GptMemory(const v1::JobSpec& spec, int64_t micro_batch) {
+  const v1::ModelSpec& model = spec.model();
+  ModelMemoryTerms m;
+  const std::vector<TensorSize> tensors = GptTensors(model, 0, 0);
+  const std::vector<std::string> patterns(model.frozen_parameters().begin(),
+                                          model.frozen_parameters().end());
+  absl::StatusOr<std::vector<bool>> frozen = MatchFrozen(tensors, patterns);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    m.params += tensors[i].count;
+    if (!frozen.ok() || !(*frozen)[i]) m.trainable += tensors[i].count;
+  }
+  // Per token: each block keeps its input, both LayerNorms' outputs and statistics, q/k/v,
+  // the attention output and its log-sum-exps, the stream after attention, and the MLP's
+  // pre- and post-GELU activations (16 C + heads + 4); then the final LayerNorm and backward's
+  // temporaries (about 13 C). Attention keeps O(T) per row, never T x T.
+  const int64_t C = model.d_model(), T = model.context_length(), L = model.n_layer();
+  m.per_sample = T * (L * (16 * C + model.n_head() + 4) + 13 * C + 3) + T + 1;
+  // All but the residual stream and the statistics: per block q/k/v, the attention output,
+  // both LayerNorms' outputs, the MLP's pre-activation and the GELU's output (14 C); the
+  // final LayerNorm's output (C).
+  m.bf16_values = T * (L * 14 * C + C);
+  m.input = T + 1;
+  // The LM head's logits, one chunk of rows at a time (at most 4 Mi values).
+  m.fixed = std::min<int64_t>(int64_t{1} << 22, T * std::max(1, model.vocab_size()));
+  // A GPU's head runs in larger chunks, up to kGpuHeadChunkValues (a line through 0 up to the
+  // bound, an over-count after it: ChooseMicroBatch solves a line).
+  m.gpu_head_values = std::min<int64_t>(
+      kGpuHeadChunkValues, T * std::max<int64_t>(1, model.vocab_size()) * micro_batch);
+  // bf16 (2 bytes a value): the parameters' bf16 copy, and a linear layer's output gradient
+  // (at most 4 C a row) and a chunk of logit gradients, each rounded once for its two
+  // products; its products never round an operand of their own.
+  m.gpu_bf16_bytes = 2 * (m.params + micro_batch * T * 4 * C + m.gpu_head_values);
+  return m;
+}
+
+// GPU workers' attention takes heads of up to kMaxGpuAttentionHead channels.
+absl::Status ValidateGptOnDevice(const v1::JobSpec& spec) {
+  const v1::ModelSpec& model = spec.model();
+  if (spec.device() == "cuda" && model.n_head() > 0 &&
+      model.d_model() / model.n_head() > kMaxGpuAttentionHead) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.n_head: heads of ", model.d_model() / model.n_head(),
+                     " channels (d_model / n_head); GPU workers take up to ",
+                     kMaxGpuAttentionHead, ": use more heads"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-// name, language_model, apply_defaults, validate, tensors
-const ModelFamily kGptFamily = {"gpt", true, nullptr, ValidateGpt, GptTensors};
+// name, language_model, apply_defaults, validate, tensors, memory, validate_on_device
+const ModelFamily kGptFamily = {"gpt", true, nullptr, ValidateGpt, GptTensors, GptMemory,
+                                ValidateGptOnDevice};
 
 }  // namespace lockstep

@@ -1,4 +1,7 @@
 // The MLP classifier: hidden layers of hidden_widths with one activation, on features.
+#include <algorithm>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "common/model_family.h"
 
@@ -39,9 +42,46 @@ std::vector<TensorSize> MlpTensors(const v1::ModelSpec& model, int64_t features,
   return t;
 }
 
+// The layers' widths, input first: the data set's features and classes (Fashion-MNIST's when
+// not synthetic) around the hidden widths.
+std::vector<int64_t> LayerWidths(const v1::JobSpec& spec) {
+  std::vector<int64_t> dims;
+  const bool synthetic = spec.dataset().type() == "synthetic";
+  dims.push_back(synthetic ? spec.dataset().synthetic().input_dim() : 28 * 28);
+  for (int width : spec.model().hidden_widths()) dims.push_back(width);
+  dims.push_back(synthetic ? spec.dataset().synthetic().num_classes() : 10);
+  return dims;
+}
+
+ModelMemoryTerms MlpMemory(const v1::JobSpec& spec, int64_t micro_batch) {
+  ModelMemoryTerms m;
+  const std::vector<int64_t> dims = LayerWidths(spec);
+  int64_t widest = 0;
+  m.per_sample = dims.front();  // the input row
+  m.input = dims.front() + 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) {
+    m.params += dims[i] * dims[i + 1] + dims[i + 1];
+    widest = std::max(widest, dims[i + 1]);
+    m.per_sample += 2 * dims[i + 1];  // pre-activation and activation (logits and their gradient)
+  }
+  m.per_sample += 2 * widest;  // backward's two temporaries (upstream and local gradient)
+  m.trainable = m.params;
+  // bf16 on a GPU: a product's two operands rounded into two scratch slots; either slot may
+  // hold the largest activation or the largest weight (a sum, not a max, so the estimate stays
+  // a line ChooseMicroBatch can solve).
+  int64_t widest_rows = 0, largest_weight = 0;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) {
+    widest_rows = std::max(widest_rows, micro_batch * std::max(dims[i], dims[i + 1]));
+    largest_weight = std::max(largest_weight, dims[i] * dims[i + 1]);
+  }
+  m.gpu_bf16_bytes = 2 * 2 * (widest_rows + largest_weight);
+  return m;
+}
+
 }  // namespace
 
-// name, language_model, apply_defaults, validate, tensors
-const ModelFamily kMlpFamily = {"mlp", false, MlpDefaults, ValidateMlp, MlpTensors};
+// name, language_model, apply_defaults, validate, tensors, memory, validate_on_device
+const ModelFamily kMlpFamily = {"mlp", false, MlpDefaults, ValidateMlp, MlpTensors, MlpMemory,
+                                nullptr};
 
 }  // namespace lockstep

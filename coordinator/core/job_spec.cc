@@ -10,7 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/data_format.h"
-#include "common/gpu_limits.h"
 #include "common/model_family.h"
 #include "common/model_layout.h"
 
@@ -248,12 +247,9 @@ absl::Status ValidateModelOnData(const v1::JobSpec& spec) {
                    absl::StrCat("model type ", model.type(), " cannot train on ", data.type(),
                                 " data (", FamilyData(), ")"));
   }
-  if (model.type() == "gpt" && spec.device() == "cuda" && model.n_head() > 0 &&
-      model.d_model() / model.n_head() > kMaxGpuAttentionHead) {
-    return Invalid("model.n_head",
-                   absl::StrCat("heads of ", model.d_model() / model.n_head(),
-                                " channels (d_model / n_head); GPU workers take up to ",
-                                kMaxGpuAttentionHead, ": use more heads"));
+  if (const ModelFamily* family = FindModelFamily(model.type());
+      family->validate_on_device != nullptr) {
+    if (absl::Status s = family->validate_on_device(spec); !s.ok()) return s;
   }
   if (spec.device() == "cuda" && !model.frozen_parameters().empty()) {
     return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
