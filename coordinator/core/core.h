@@ -18,6 +18,7 @@
 #include "common/path_roots.h"
 #include "coordinator/core/ranks.h"
 #include "common/job_state.h"
+#include "coordinator/core/event_history.h"
 #include "coordinator/core/training_curve.h"
 #include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/worker.pb.h"
@@ -262,8 +263,7 @@ class Core {
     absl::Time started = absl::InfinitePast();
     absl::Time last_advance = absl::InfinitePast();
     absl::Time last_progress_event = absl::InfinitePast();
-    std::deque<v1::JobEvent> events;
-    int64_t next_sequence = 0;
+    EventHistory events;
     uint64_t submit_seq = 0;
     // RECONFIGURING: the next generation forms no earlier than this (a grace period after a
     // collective-error report, so the peer that caused it can be detected first).

@@ -245,11 +245,7 @@ absl::StatusOr<std::vector<v1::JobEvent>> Core::EventsSince(const std::string& j
   auto it = jobs_.find(job_id);
   if (it == jobs_.end())
     return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
-  std::vector<v1::JobEvent> events;
-  for (const v1::JobEvent& e : it->second.events) {
-    if (e.sequence() >= from_sequence) events.push_back(e);
-  }
-  return events;
+  return it->second.events.Since(from_sequence);
 }
 
 void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reason, absl::Time now,
@@ -313,14 +309,12 @@ void Core::AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& 
   event.set_kind(kind);
   event.set_time_unix_ms(ToUnixMillisOrZero(now));
   event.set_message(message);
-  event.set_sequence(job.next_sequence++);
   if (IsTerminal(job.job.state())) {
     *event.mutable_job() = job.job;  // the result, whole: once per job
   } else {
     SnapshotForEvent(job.job, event.mutable_job());
   }
-  job.events.push_back(std::move(event));
-  while (job.events.size() > options_.max_events_per_job) job.events.pop_front();
+  job.events.Add(std::move(event), options_.max_events_per_job);
   out->changed_jobs.insert(job.job.job_id());
 }
 
