@@ -52,10 +52,9 @@ absl::Status GpuStatus(ncclResult_t result, const char* expr, const char* file, 
     case ncclRemoteError:
     case ncclSystemError:
       return absl::UnavailableError(message);
-    case ncclInvalidArgument:
-    case ncclInvalidUsage:
-      return absl::InvalidArgumentError(message);
     default:
+      // ncclInvalidArgument and ncclInvalidUsage too: a misuse of NCCL or a broken
+      // communicator (it can follow a peer's failure), not a spec no group could run.
       return absl::InternalError(message);
   }
 }

@@ -369,7 +369,7 @@ class Agent::RunReporter final : public GenerationReporter {
 void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
   const v1::Assignment& a = run->assignment;
   absl::Status status;
-  {
+  try {
     // Every wait of the generation on its peers watches the run's abort signal: the store
     // client cancels its call, Gloo's calls are abandoned, shared-memory waits woken, NCCL
     // aborted.
@@ -384,6 +384,11 @@ void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
     // Destroyed before the state is handed on: it lets go of the device and the group.
     Generation generation(generation_context_, a, std::move(store), run->abort, &reporter);
     status = generation.Run(trainer);
+  } catch (const std::bad_alloc&) {
+    // Generation::Run catches its own; this is the run's setup (the store client).
+    status = absl::ResourceExhaustedError(
+        absl::StrCat("out of memory: worker ", options_.name, " could not start a run of ",
+                     a.job_id()));
   }
   const bool fatal = !status.ok() && IsFatal(status);
   RunResult result;

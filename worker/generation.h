@@ -33,9 +33,12 @@ namespace lockstep::worker {
 // FAILED_PRECONDITION (the members hold different data, a checkpoint write failed under
 // checkpoint_failure_policy "fail", init_from_checkpoint unreadable, a device that cannot run
 // the job), OUT_OF_RANGE (deterministic mode's range), UNIMPLEMENTED (a mode this device lacks),
-// RESOURCE_EXHAUSTED (more memory than the worker can get). The rest (ABORTED, CANCELLED,
-// UNAVAILABLE, DEADLINE_EXCEEDED: the group broke; DATA_LOSS: a heal failed its checksum;
-// INTERNAL, UNKNOWN) end only the generation.
+// RESOURCE_EXHAUSTED (more memory than the worker can get: a CPU worker's bad_alloc, a GPU's
+// out-of-memory during the job, which the worker's memory budget should have prevented). The
+// rest (ABORTED, CANCELLED, UNAVAILABLE, DEADLINE_EXCEEDED: the group broke; DATA_LOSS: a heal
+// failed its checksum; INTERNAL, UNKNOWN) end only the generation. Producers whose errors are
+// not the job's map them before they get here: the store client makes its refusals ABORTED or
+// UNAVAILABLE, the CUDA backend a device that is busy now UNAVAILABLE.
 bool IsFatal(const absl::Status& status);
 
 // Where a generation's reports go. Called on the generation's thread.

@@ -46,7 +46,17 @@ absl::Status CoordinatorStoreClient::Run(const char* op, const std::string& key,
     return absl::AbortedError(absl::StrCat(what, ": the generation was aborted"));
   }
   const absl::Status s = ToAbslStatus(status);
-  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+  // The store's refusals as this generation's end, never the job's (worker/generation.h's
+  // IsFatal): a session or a membership that is no longer live (PERMISSION_DENIED, NOT_FOUND:
+  // an abort is on its way) is ABORTED; a scope that is full (RESOURCE_EXHAUSTED: a member
+  // flooded it) is UNAVAILABLE, and the next generation gets a fresh scope.
+  absl::StatusCode code = s.code();
+  if (code == absl::StatusCode::kPermissionDenied || code == absl::StatusCode::kNotFound) {
+    code = absl::StatusCode::kAborted;
+  } else if (code == absl::StatusCode::kResourceExhausted) {
+    code = absl::StatusCode::kUnavailable;
+  }
+  return absl::Status(code, absl::StrCat(what, ": ", s.message()));
 }
 
 absl::Status CoordinatorStoreClient::Set(const std::string& key, const std::string& value) {

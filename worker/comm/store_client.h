@@ -16,9 +16,11 @@
 
 namespace lockstep::worker {
 
-// Thread-safe. Errors: ABORTED when the generation is over (the coordinator fenced it) or this
-// client's abort signal was raised; DEADLINE_EXCEEDED naming the key when a wait ran out;
-// UNAVAILABLE when the coordinator cannot be reached; INVALID_ARGUMENT for a bad key or value.
+// Thread-safe. Errors: ABORTED when the generation is over (the coordinator fenced it, or the
+// session or membership it was asked under is no longer live) or this client's abort signal was
+// raised; DEADLINE_EXCEEDED naming the key when a wait ran out; UNAVAILABLE when the
+// coordinator cannot be reached or the generation's scope is full; INVALID_ARGUMENT for a bad
+// key or value.
 class StoreClient {
  public:
   virtual ~StoreClient() = default;

@@ -84,6 +84,12 @@ class CudaBackend final : public DeviceBackend {
 
   const DeviceInfo& info() const override { return info_; }
 
+  absl::Status SelectAndMeasure(size_t* free_bytes, size_t* total_bytes) const {
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaSetDevice(info_.cuda_index));
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemGetInfo(free_bytes, total_bytes));
+    return absl::OkStatus();
+  }
+
   std::vector<std::string> capabilities() const override {
     // The coordinator puts another rank of a group on this GPU only when NCCL lets it.
     if (NcclSharedGpuAllowed()) return {kSharedGpuCapability};
@@ -95,13 +101,15 @@ class CudaBackend final : public DeviceBackend {
       const std::shared_ptr<AbortSignal>& abort) override {
     const v1::JobSpec& spec = a.spec();
     // The current device is per host thread: the generation's thread must select it itself,
-    // or its first CUDA call would create a context on GPU 0.
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaSetDevice(info_.cuda_index));
-    // Measured before this generation allocates anything: the estimate counts it all. Ranks
-    // that share the GPU (tests) share what is free: the ones that allocated first are
-    // counted in it already, so this is on the safe side.
+    // or its first CUDA call would create a context on GPU 0. Measured before this generation
+    // allocates anything: the estimate counts it all. Ranks that share the GPU (tests) share
+    // what is free: the ones that allocated first are counted in it already, so this is on the
+    // safe side. A device that is busy or short of memory now (another process holds it, a
+    // dropped job's state is being freed) ends this generation only (UNAVAILABLE).
     size_t free_bytes = 0, total_bytes = 0;
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (absl::Status s = SelectAndMeasure(&free_bytes, &total_bytes); !s.ok()) {
+      return absl::UnavailableError(s.message());
+    }
     // A step kept from an earlier generation holds its memory already, and reuses it: the
     // budget is what is free plus what this worker holds (the kept step's; the last
     // generation's communicator is gone, and a dropped job's state is being freed).
@@ -137,7 +145,10 @@ class CudaBackend final : public DeviceBackend {
                   << HumanBytes(kGpuNcclBufferBytes) << " with its connections)";
       }
     }
-    auto* step = static_cast<GpuStep*>(trainer.device_engine());
+    auto* step = dynamic_cast<GpuStep*>(trainer.device_engine());
+    if (step == nullptr && trainer.device_engine() != nullptr) {
+      return absl::InternalError("the trainer keeps a device engine that is not a GPU step");
+    }
     if (step == nullptr) {
       // UNIMPLEMENTED or INVALID_ARGUMENT (fatal) for a model or mode the GPU does not train.
       absl::StatusOr<std::unique_ptr<GpuStep>> created =
