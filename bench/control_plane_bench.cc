@@ -71,11 +71,8 @@ Result RunOne(int n) {
   Result r;
   r.workers = n;
   absl::StatusOr<std::unique_ptr<bench::CoordinatorProcess>> coordinator =
-      bench::CoordinatorProcess::Start(
-          absl::GetFlag(FLAGS_coordinator),
-          absl::StrCat(std::filesystem::temp_directory_path().string(), "/lockstep-control-plane-",
-                       getpid(), "-", n),
-          {}, absl::GetFlag(FLAGS_keep_logs));
+      bench::CoordinatorProcess::StartInTemp(absl::GetFlag(FLAGS_coordinator), "control-plane",
+                                             n, absl::GetFlag(FLAGS_keep_logs));
   if (!coordinator.ok()) {
     r.error = std::string(coordinator.status().message());
     return r;
@@ -169,12 +166,13 @@ int main(int argc, char** argv) {
   files.rlim_cur = files.rlim_max;
   setrlimit(RLIMIT_NOFILE, &files);
   std::vector<Result> results;
-  for (absl::string_view w : absl::StrSplit(absl::GetFlag(FLAGS_workers), ',', absl::SkipEmpty())) {
-    int n = 0;
-    if (!absl::SimpleAtoi(w, &n) || n < 2) {
-      std::cerr << "--workers: \"" << w << "\" is not a worker count of 2 or more\n";
-      return 2;
-    }
+  const absl::StatusOr<std::vector<int>> counts =
+      lockstep::bench::ParseCounts("workers", absl::GetFlag(FLAGS_workers), 2, "worker");
+  if (!counts.ok()) {
+    std::cerr << counts.status().message() << "\n";
+    return 2;
+  }
+  for (const int n : *counts) {
     std::cerr << "N = " << n << " ..." << std::endl;
     results.push_back(lockstep::RunOne(n));
   }

@@ -90,4 +90,26 @@ CoordinatorProcess::~CoordinatorProcess() {
   }
 }
 
+absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::StartInTemp(
+    const std::string& binary, const std::string& tag, int n, bool keep_logs) {
+  return Start(binary,
+               absl::StrCat(std::filesystem::temp_directory_path().string(), "/lockstep-", tag, "-",
+                            getpid(), "-", n),
+               {}, keep_logs);
+}
+
+absl::StatusOr<std::vector<int>> ParseCounts(const std::string& flag, const std::string& text,
+                                             int min, const std::string& noun) {
+  std::vector<int> counts;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int n = 0;
+    if (!absl::SimpleAtoi(item, &n) || n < min) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", item, "\" is not a ",
+                                                     noun, " count of ", min, " or more"));
+    }
+    counts.push_back(n);
+  }
+  return counts;
+}
+
 }  // namespace lockstep::bench

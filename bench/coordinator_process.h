@@ -1,5 +1,6 @@
 // A lockstep-coordinator the benchmarks start on loopback (a free port, a directory of its
-// own), and what /proc says about a process: CPU seconds, resident memory, threads.
+// own), what /proc says about a process (CPU seconds, resident memory, threads), and the
+// benchmarks' lists of sizes (--workers=1000,10000).
 #pragma once
 
 #include <sys/types.h>
@@ -19,6 +20,11 @@ struct ProcessStats {
 };
 ProcessStats Stats(pid_t pid);
 
+// The sizes of a list flag ("1000,8000", empty items skipped), each at least `min`;
+// INVALID_ARGUMENT saying "--FLAG: "X" is not a NOUN count of MIN or more".
+absl::StatusOr<std::vector<int>> ParseCounts(const std::string& flag, const std::string& text,
+                                             int min, const std::string& noun);
+
 class CoordinatorProcess {
  public:
   // Starts `binary --listen=127.0.0.1:0` (plus `flags`) with its log in `dir`, and waits until
@@ -26,6 +32,10 @@ class CoordinatorProcess {
   static absl::StatusOr<std::unique_ptr<CoordinatorProcess>> Start(
       const std::string& binary, const std::string& dir, const std::vector<std::string>& flags,
       bool keep_logs);
+  // Start() in a fresh directory of the system's temporary one: lockstep-TAG-PID-N.
+  static absl::StatusOr<std::unique_ptr<CoordinatorProcess>> StartInTemp(const std::string& binary,
+                                                                         const std::string& tag,
+                                                                         int n, bool keep_logs);
   ~CoordinatorProcess();
   const std::string& address() const { return address_; }
   pid_t pid() const { return pid_; }

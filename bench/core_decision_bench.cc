@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "bench/coordinator_process.h"
 #include "bench/sim_workers.h"
 #include "coordinator/core/core.h"
 
@@ -129,13 +130,13 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   using lockstep::Result;
   std::vector<Result> results;
-  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_workers), ',')) {
-    int n = 0;
-    if (!absl::SimpleAtoi(part, &n) || n < 2) {
-      std::fprintf(stderr, "--workers: '%s' is not a worker count of 2 or more\n",
-                   std::string(part).c_str());
-      return 2;
-    }
+  const absl::StatusOr<std::vector<int>> counts =
+      lockstep::bench::ParseCounts("workers", absl::GetFlag(FLAGS_workers), 2, "worker");
+  if (!counts.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(counts.status().message()).c_str());
+    return 2;
+  }
+  for (const int n : *counts) {
     Result best;
     for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_repeat)); ++i) {
       Result r = lockstep::RunOnce(n);

@@ -76,11 +76,8 @@ Result RunOne(int n) {
   Result r;
   r.jobs = n;
   absl::StatusOr<std::unique_ptr<bench::CoordinatorProcess>> coordinator =
-      bench::CoordinatorProcess::Start(
-          absl::GetFlag(FLAGS_coordinator),
-          absl::StrCat(std::filesystem::temp_directory_path().string(), "/lockstep-job-queue-",
-                       getpid(), "-", n),
-          {}, absl::GetFlag(FLAGS_keep_logs));
+      bench::CoordinatorProcess::StartInTemp(absl::GetFlag(FLAGS_coordinator), "job-queue", n,
+                                             absl::GetFlag(FLAGS_keep_logs));
   if (!coordinator.ok()) {
     r.error = std::string(coordinator.status().message());
     return r;
@@ -142,12 +139,13 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   using lockstep::Result;
   std::vector<Result> results;
-  for (absl::string_view j : absl::StrSplit(absl::GetFlag(FLAGS_jobs), ',', absl::SkipEmpty())) {
-    int n = 0;
-    if (!absl::SimpleAtoi(j, &n) || n < 1) {
-      std::cerr << "--jobs: \"" << j << "\" is not a job count of 1 or more\n";
-      return 2;
-    }
+  const absl::StatusOr<std::vector<int>> counts =
+      lockstep::bench::ParseCounts("jobs", absl::GetFlag(FLAGS_jobs), 1, "job");
+  if (!counts.ok()) {
+    std::cerr << counts.status().message() << "\n";
+    return 2;
+  }
+  for (const int n : *counts) {
     std::cerr << "N = " << n << " ..." << std::endl;
     results.push_back(lockstep::RunOne(n));
   }

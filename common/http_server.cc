@@ -122,6 +122,23 @@ struct Connection {
   std::list<std::unique_ptr<Connection>>::iterator waiting_at;  // while waiting
 };
 
+// After an SSL_read or SSL_write that did not complete: kWouldBlock with the poll events TLS
+// waits for in *wait, 0 for a TLS close (reads), or kFailed.
+ssize_t SslIncomplete(SSL* ssl, int n, short* wait) {
+  switch (SSL_get_error(ssl, n)) {
+    case SSL_ERROR_WANT_READ:
+      *wait = POLLIN;
+      return kWouldBlock;
+    case SSL_ERROR_WANT_WRITE:
+      *wait = POLLOUT;
+      return kWouldBlock;
+    case SSL_ERROR_ZERO_RETURN:
+      return 0;
+    default:
+      return kFailed;
+  }
+}
+
 // One read that does not block: the bytes read, 0 at the end of the stream, kWouldBlock (with
 // the poll events to wait for in *wait: TLS may need to write to read) or kFailed.
 ssize_t ReadOnce(Connection& c, char* buffer, size_t size, short* wait) {
@@ -136,19 +153,7 @@ ssize_t ReadOnce(Connection& c, char* buffer, size_t size, short* wait) {
   }
   ERR_clear_error();
   const int n = SSL_read(c.ssl, buffer, static_cast<int>(std::min<size_t>(size, INT_MAX)));
-  if (n > 0) return n;
-  switch (SSL_get_error(c.ssl, n)) {
-    case SSL_ERROR_WANT_READ:
-      *wait = POLLIN;
-      return kWouldBlock;
-    case SSL_ERROR_WANT_WRITE:
-      *wait = POLLOUT;
-      return kWouldBlock;
-    case SSL_ERROR_ZERO_RETURN:
-      return 0;
-    default:
-      return kFailed;
-  }
+  return n > 0 ? n : SslIncomplete(c.ssl, n, wait);
 }
 
 // The same for a write. A TLS write that would block must be repeated with the same bytes.
@@ -166,16 +171,9 @@ ssize_t WriteOnce(Connection& c, const char* data, size_t size, short* wait) {
   ERR_clear_error();
   const int n = SSL_write(c.ssl, data, static_cast<int>(std::min<size_t>(size, INT_MAX)));
   if (n > 0) return n;
-  switch (SSL_get_error(c.ssl, n)) {
-    case SSL_ERROR_WANT_READ:
-      *wait = POLLIN;
-      return kWouldBlock;
-    case SSL_ERROR_WANT_WRITE:
-      *wait = POLLOUT;
-      return kWouldBlock;
-    default:
-      return kFailed;
-  }
+  // A TLS close while writing is a failed write, not an end of stream.
+  const ssize_t r = SslIncomplete(c.ssl, n, wait);
+  return r == 0 ? kFailed : r;
 }
 
 // Waits until `fd` is ready for `events` or `deadline` passes; false then (or on an error).

@@ -28,11 +28,7 @@ constexpr absl::Duration kJobWait = absl::Seconds(180);
 // Deterministic jobs: the checksum is the same for any world size and failure schedule. The
 // timeouts are ones a loaded machine meets.
 v1::JobSpec MlpJob(int min_workers, int max_workers, int64_t steps) {
-  v1::JobSpec spec = testing::SyntheticJob(min_workers, max_workers, steps);
-  spec.set_deterministic(true);
-  spec.set_heartbeat_timeout_ms(5000);
-  spec.set_collective_timeout_ms(20000);
-  return spec;
+  return testing::DeterministicJob(min_workers, max_workers, steps, 5000, 20000);
 }
 
 v1::JobSpec GptJob(int min_workers, int max_workers) {

@@ -31,11 +31,7 @@ constexpr absl::Duration kHookWait = absl::Seconds(60);
 
 // A deterministic job: its checksum is the same for every world size and failure schedule.
 v1::JobSpec DeterministicJob(int min_workers, int max_workers, int64_t steps) {
-  v1::JobSpec spec = testing::SyntheticJob(min_workers, max_workers, steps);
-  spec.set_deterministic(true);
-  spec.set_heartbeat_timeout_ms(1500);
-  spec.set_collective_timeout_ms(5000);
-  return spec;
+  return testing::DeterministicJob(min_workers, max_workers, steps, 1500, 5000);
 }
 
 std::unique_ptr<Cluster> StartCluster() {

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/job_state.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 
@@ -24,16 +25,8 @@ using testing::Cluster;
 
 constexpr int64_t kSteps = 1500;
 
-bool Ended(v1::JobState state) {
-  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
-         state == v1::JOB_STATE_CANCELLED;
-}
-
 v1::JobSpec SoakJob() {
-  v1::JobSpec spec = testing::SyntheticJob(1, 3, kSteps);
-  spec.set_deterministic(true);
-  spec.set_heartbeat_timeout_ms(3000);
-  spec.set_collective_timeout_ms(5000);
+  v1::JobSpec spec = testing::DeterministicJob(1, 3, kSteps, 3000, 5000);
   spec.set_max_restarts(20);
   return spec;
 }
@@ -114,7 +107,7 @@ TEST(SoakTest, RandomKillSchedulesNeverSucceedWithWrongBits) {
       // after the restart, while the group grows and heals.
       absl::SleepFor(absl::Milliseconds(static_cast<int64_t>(rng() % 40)));
       auto now = cluster.Get(job->job_id());
-      if (now.ok() && now->members_size() > 1 && !Ended(now->state())) {
+      if (now.ok() && now->members_size() > 1 && !IsTerminal(now->state())) {
         const std::string source = now->members(0).worker_name();
         if (source != victims.front()) {
           cluster.worker(source)->Signal(SIGKILL);

@@ -25,9 +25,7 @@ namespace {
 using testing::Cluster;
 
 v1::JobSpec Deterministic(int min_workers, int max_workers, int64_t steps) {
-  v1::JobSpec spec = testing::SyntheticJob(min_workers, max_workers, steps);
-  spec.set_deterministic(true);
-  return spec;
+  return testing::DeterministicJob(min_workers, max_workers, steps);
 }
 
 // A client that speaks the worker protocol itself.

@@ -61,6 +61,15 @@ v1::JobSpec SyntheticJob(int min_workers, int max_workers, int64_t steps) {
   return spec;
 }
 
+v1::JobSpec DeterministicJob(int min_workers, int max_workers, int64_t steps,
+                             int64_t heartbeat_timeout_ms, int64_t collective_timeout_ms) {
+  v1::JobSpec spec = SyntheticJob(min_workers, max_workers, steps);
+  spec.set_deterministic(true);
+  if (heartbeat_timeout_ms > 0) spec.set_heartbeat_timeout_ms(heartbeat_timeout_ms);
+  if (collective_timeout_ms > 0) spec.set_collective_timeout_ms(collective_timeout_ms);
+  return spec;
+}
+
 absl::StatusOr<std::unique_ptr<Process>> Process::Spawn(const std::vector<std::string>& argv,
                                                         const std::string& log_path) {
   posix_spawn_file_actions_t actions;

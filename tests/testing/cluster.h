@@ -50,6 +50,10 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
 // A small synthetic classification job (MLP 32-64-64-4, batch 120 in 12 micro-shards) that
 // trains `steps` steps on between min_workers and max_workers workers.
 v1::JobSpec SyntheticJob(int min_workers, int max_workers, int64_t steps);
+// SyntheticJob in deterministic mode, so its checksum is the same for any world size and
+// failure schedule, with these timeouts (0: the spec's defaults).
+v1::JobSpec DeterministicJob(int min_workers, int max_workers, int64_t steps,
+                             int64_t heartbeat_timeout_ms = 0, int64_t collective_timeout_ms = 0);
 
 class Cluster {
  public:
