@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/job_state.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 
@@ -410,7 +411,17 @@ TEST(ElasticTest, RandomizedKillSoak) {
   int kills = 0;
   for (int round = 0; round < rounds; ++round) {
     next_kill += 1000 + static_cast<int64_t>(rng() % 1000);
-    auto running = WaitForStep(*cluster, job->job_id(), next_kill);
+    // Past the step, and running again: a kill lands on a running generation, not inside the
+    // re-formation after the previous one (on a loaded machine that can take longer than the
+    // next 1,000 steps took before it).
+    auto running = cluster->WaitFor(
+        job->job_id(),
+        [&](const v1::Job& j) {
+          return IsTerminal(j.state()) || (j.step() >= next_kill &&
+                                           j.state() == v1::JOB_STATE_RUNNING &&
+                                           j.members_size() > 0);
+        },
+        absl::Seconds(60));
     ASSERT_TRUE(running.ok()) << running.status();
     if (running->state() != v1::JOB_STATE_RUNNING || running->members_size() == 0) continue;
     const std::string victim =
