@@ -355,10 +355,11 @@ class Core {
   // When the next generation may form after a loss (a grace after reports, see below).
   absl::Time ReformAfter(const std::string& worker_id, bool fatal, absl::Time now) const;
   // Aborts the current generation's members (they stay reserved for the job) and records a
-  // re-formation; the job is RECONFIGURING until TryReform succeeds.
+  // re-formation, `counted` against max_restarts or not; the job is RECONFIGURING until
+  // TryReform succeeds.
   void BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,
-                            bool coordinator_caused, absl::Time reform_after, absl::Time now,
-                            Decisions* out);
+                            bool coordinator_caused, bool counted, absl::Time reform_after,
+                            absl::Time now, Decisions* out);
   // Forms the next generation when enough workers are available.
   void TryReform(JobRecord& job, absl::Time now, Decisions* out);
   // Every member of the current generation but `except` has completed the job's last step

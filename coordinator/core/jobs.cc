@@ -129,7 +129,7 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     job.restart_grace_until = now + options_.restart_grace;
     job.finishing = job.job.total_steps() > 0 && job.job.step() >= job.job.total_steps();
     BeginReconfiguration(job, "coordinator restarted", /*scale_up=*/false,
-                         /*coordinator_caused=*/true, now, now, out);
+                         /*coordinator_caused=*/true, /*counted=*/false, now, now, out);
   }
   Schedule(now, out);
   return resuming;

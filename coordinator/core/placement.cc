@@ -124,7 +124,8 @@ void Core::Schedule(absl::Time now, Decisions* out) {
       names.push_back(workers_.at(idle[i].worker_id).info.name());
     }
     BeginReconfiguration(job, absl::StrCat("scale-up: ", absl::StrJoin(names, ", "), " joined"),
-                         /*scale_up=*/true, /*coordinator_caused=*/false, now, now, out);
+                         /*scale_up=*/true, /*coordinator_caused=*/false, /*counted=*/false, now,
+                         now, out);
     TryReform(job, now, out);
   }
 }

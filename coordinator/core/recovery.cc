@@ -127,14 +127,13 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
                      now, out);
   }
   EraseMember(job, worker_id);
-  if (charged) job.job.set_recoveries(job.job.recoveries() + 1);
   BeginReconfiguration(job,
                        coordinator_caused
                            ? absl::StrCat(reason, " (the coordinator had been unresponsive for ",
                                           Seconds1(last_absence_), "; not counted)")
                            : reason + why_not_charged,
-                       /*scale_up=*/false, coordinator_caused, ReformAfter(worker_id, fatal, now),
-                       now, out);
+                       /*scale_up=*/false, coordinator_caused, charged,
+                       ReformAfter(worker_id, fatal, now), now, out);
   TryReform(job, now, out);
 }
 
@@ -183,12 +182,11 @@ void Core::HandleLossAfterLastStep(JobRecord& job, const std::string& worker_id,
   }
   job.finishing = true;
   EraseMember(job, worker_id);
-  if (charged) job.job.set_recoveries(job.job.recoveries() + 1);
   BeginReconfiguration(job,
                        absl::StrCat(reason, " after the last step (the members that hold the "
                                             "final state finish the job)"),
-                       /*scale_up=*/false, coordinator_caused, ReformAfter(worker_id, fatal, now),
-                       now, out);
+                       /*scale_up=*/false, coordinator_caused, charged,
+                       ReformAfter(worker_id, fatal, now), now, out);
   TryReform(job, now, out);
 }
 
@@ -225,8 +223,9 @@ void Core::PushAbort(const JobRecord& job, const std::string& worker_id, const s
 }
 
 void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,
-                                bool coordinator_caused, absl::Time reform_after, absl::Time now,
-                                Decisions* out) {
+                                bool coordinator_caused, bool counted, absl::Time reform_after,
+                                absl::Time now, Decisions* out) {
+  if (counted) job.job.set_recoveries(job.job.recoveries() + 1);
   for (const MemberState& m : job.members) {
     Worker* w = FindWorker(m.worker_id);
     if (w == nullptr || w->state != WorkerState::kBusy) continue;
@@ -239,6 +238,7 @@ void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool 
   r->set_reason(reason);
   r->set_scale_up(scale_up);
   r->set_coordinator_caused(coordinator_caused);
+  r->set_counted(counted);
   r->set_detect_unix_ms(ToUnixMillisOrZero(now));
   r->set_step_at_detection(job.job.step());
   r->set_source_rank(-1);

@@ -1865,6 +1865,7 @@ TEST(CorePauseTest, SilenceTheCoordinatorCausedIsNotChargedToTheJob) {
   EXPECT_EQ(j.recoveries(), 0);
   ASSERT_EQ(j.recovery_history_size(), 1);
   EXPECT_TRUE(j.recovery_history(0).coordinator_caused());
+  EXPECT_FALSE(j.recovery_history(0).counted());
   EXPECT_NE(j.recovery_history(0).reason().find("unresponsive for 6.0s"), std::string::npos)
       << j.recovery_history(0).reason();
   // The job re-forms; once the grace after the absence is over (ticks and heartbeats as
@@ -2435,6 +2436,10 @@ TEST_F(ChargeTest, AWorkerLostAgainAndAgainCostsTheJobAtMostItsShare) {
   }
   const v1::Job j = Job(job);
   EXPECT_EQ(j.recoveries(), Core::kMaxChargesPerWorker) << "its further losses are its own";
+  int counted = 0;
+  for (const v1::Recovery& r : j.recovery_history()) counted += r.counted() ? 1 : 0;
+  EXPECT_EQ(counted, j.recoveries()) << "each recovery says whether it counted";
+  EXPECT_FALSE(j.recovery_history().rbegin()->counted());
   EXPECT_NE(j.recovery_history().rbegin()->reason().find("no longer one of its members"),
             std::string::npos)
       << j.recovery_history().rbegin()->reason();
