@@ -167,6 +167,7 @@ absl::Status Generation::Connect(std::unique_ptr<Trainer>& trainer) {
       context_.device->Attach(a, *trainer, *store_, abort_);
   if (!attached.ok()) return attached.status();
   device_ = *std::move(attached);
+  trainer->set_device_group(device_->group());
   return absl::OkStatus();
 }
 

@@ -116,9 +116,10 @@ absl::Status Run() {
   lockstep::worker::Gpt model(config);
   model.Initialize(1);
   lockstep::worker::Optimizer optimizer(spec.optimizer(), model.segments(), 2 * steps + 2);
-  auto step = GpuStep::ForHost(spec, &model, &optimizer, nullptr);
+  auto step = GpuStep::Create(spec, lockstep::worker::SampleLayout{0, config.context + 1}, &model,
+                              &optimizer);
   if (!step.ok()) return step.status();
-  LOCKSTEP_RETURN_IF_ERROR((*step)->Begin(nullptr));
+  LOCKSTEP_RETURN_IF_ERROR((*step)->Begin({}));
   auto batch = (*step)->HostBuffers(n);
   if (!batch.ok()) return batch.status();
   std::mt19937 rng(2);

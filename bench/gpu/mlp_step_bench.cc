@@ -8,6 +8,7 @@
 //                  [--deterministic --micro_shards=8] [--micro_batch=N] [--json=F]
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -23,6 +24,7 @@
 #include "kernels/gpu_check.h"
 #include "worker/cuda/gpu_step.h"
 #include "worker/model/mlp.h"
+#include "worker/step/optimizer.h"
 
 ABSL_FLAG(std::string, dims, "784,8192,8192,10", "layer widths, input first");
 ABSL_FLAG(int, batch, 8192, "samples per step");
@@ -54,6 +56,7 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--micro_shards must divide --batch");
   }
   lockstep::v1::JobSpec spec;
+  spec.mutable_model()->set_type("mlp");
   spec.mutable_optimizer()->set_type("sgd");
   spec.mutable_optimizer()->set_learning_rate(0.01);
   spec.mutable_optimizer()->set_momentum(0.9);
@@ -61,16 +64,14 @@ absl::Status Run() {
   spec.set_micro_shards(shards);
   spec.set_deterministic(deterministic);
   spec.set_precision(tf32 ? "tf32" : "fp32");
-  auto step = GpuStep::Create(spec, dims, lockstep::kernels::Activation::kRelu, nullptr);
+  // The worker's engine over a host model and optimizer, as a GPU worker runs it.
+  lockstep::worker::Mlp model(dims, lockstep::kernels::Activation::kRelu);
+  model.Initialize(1);
+  lockstep::worker::Optimizer optimizer(spec.optimizer(), model.segments(), steps + 6);
+  auto step = GpuStep::Create(spec, lockstep::worker::SampleLayout{dims.front(), 0}, &model,
+                              &optimizer);
   if (!step.ok()) return step.status();
-  {
-    lockstep::worker::Mlp init(dims, lockstep::kernels::Activation::kRelu);
-    init.Initialize(1);
-    if (absl::Status s = (*step)->Upload(init.params(), std::vector<float>(init.num_params()));
-        !s.ok()) {
-      return s;
-    }
-  }
+  if (absl::Status s = (*step)->Begin({}); !s.ok()) return s;
   auto batch = (*step)->HostBuffers(n);
   if (!batch.ok()) return batch.status();
   std::mt19937 rng(2);
@@ -78,21 +79,21 @@ absl::Status Run() {
   for (size_t i = 0; i < static_cast<size_t>(n) * dims.front(); ++i) batch->features[i] = normal(rng);
   for (int i = 0; i < n; ++i) batch->labels[i] = static_cast<int32_t>(rng() % dims.back());
 
+  lockstep::worker::StepArgs args;
+  args.n = n;
+  args.micro_batch = micro_batch;
+  args.deterministic = deterministic;
+  args.micro_shard = n / std::max(1, shards);
+  args.frac_bits = 40;
+  args.grad_scale = 1.0f / n;
+  args.lr = 0.01f;
   double loss = 0;
-  int64_t step_number = 0;
   auto one_step = [&]() -> absl::Status {
-    ++step_number;
-    if (deterministic) {
-      auto r = (*step)->StepDeterministic(batch->features, batch->labels, n, n / shards, 1.0f / n, 40, 0.01f,
-                                          step_number);
-      if (!r.ok()) return r.status();
-      if (r->rejected != 0) return absl::OutOfRangeError("fixed-point range exceeded");
-      loss = r->loss;
-      return absl::OkStatus();
-    }
-    auto r = (*step)->Step(batch->features, batch->labels, n, micro_batch, 1.0f / n, 0.01f, step_number);
+    ++args.step;
+    auto r = (*step)->TakeStep(args);
     if (!r.ok()) return r.status();
-    loss = *r;
+    if (r->rejected != 0) return absl::OutOfRangeError("fixed-point range exceeded");
+    loss = r->loss;
     return absl::OkStatus();
   };
   for (int i = 0; i < 5; ++i) {
@@ -106,6 +107,7 @@ absl::Status Run() {
   const double step_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
       steps;
+  if (absl::Status s = (*step)->End(); !s.ok()) return s;
 
   // FLOPs of a step: forward, weight gradient and input gradient (none for the first layer).
   double flops = 0;

@@ -96,16 +96,14 @@ std::unique_ptr<Trainer> TrainOne(const v1::JobSpec& spec, bool gpu, absl::Statu
     *status = trainer.status();
     return nullptr;
   }
-  std::unique_ptr<GpuStep> step;
   if (gpu) {
-    auto created =
-        GpuStep::ForHost(spec, &(*trainer)->model(), &(*trainer)->optimizer(), nullptr);
+    auto created = GpuStep::Create(spec, (*trainer)->sample_layout(), &(*trainer)->model(),
+                                   &(*trainer)->optimizer());
     if (!created.ok()) {
       *status = created.status();
       return nullptr;
     }
-    step = *std::move(created);
-    (*trainer)->set_step_engine(step.get());
+    (*trainer)->set_engine(*std::move(created));
   }
   *status = (*trainer)->Train(1, abort, [run](const v1::ProgressReport& report) {
     if (run != nullptr) run->losses[report.step()] = report.loss();
@@ -115,7 +113,7 @@ std::unique_ptr<Trainer> TrainOne(const v1::JobSpec& spec, bool gpu, absl::Statu
     if (!eval.ok()) *status = eval.status();
     if (eval.ok()) run->eval = *eval;
   }
-  (*trainer)->set_step_engine(nullptr);
+  (*trainer)->set_engine(nullptr);
   return *std::move(trainer);
 }
 
@@ -141,14 +139,15 @@ TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
 
     auto gpu = Trainer::Create("test-job", spec, data, &comm);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
-    auto step =
-        GpuStep::ForHost(spec, &(*gpu)->model(), &(*gpu)->optimizer(), nullptr);
+    auto step = GpuStep::Create(spec, (*gpu)->sample_layout(), &(*gpu)->model(),
+                                &(*gpu)->optimizer());
     ASSERT_TRUE(step.ok()) << step.status();
-    (*gpu)->set_step_engine(step->get());
+    GpuStep* const engine = step->get();
+    (*gpu)->set_engine(*std::move(step));
     absl::Status trained = (*gpu)->Train(1, abort, [](const v1::ProgressReport&) {});
     ASSERT_TRUE(trained.ok()) << trained;
     EXPECT_EQ((*gpu)->completed_step(), 40);
-    EXPECT_TRUE((*step)->pinned()) << "the batch was not in pinned memory";
+    EXPECT_TRUE(engine->pinned()) << "the batch was not in pinned memory";
     // Evaluated on the GPU (the step is still attached), against the CPU trainer's evaluation.
     auto gpu_eval = (*gpu)->Evaluate();
     ASSERT_TRUE(gpu_eval.ok()) << gpu_eval.status();
@@ -157,7 +156,7 @@ TEST(GpuTrainerTest, GpuStepsMatchCpuSteps) {
     EXPECT_NEAR(gpu_eval->test_loss(), cpu_eval->test_loss(), 1e-4 * cpu_eval->test_loss());
     EXPECT_NEAR(gpu_eval->test_accuracy(), cpu_eval->test_accuracy(), 2.0 / 512);
     EXPECT_GT(gpu_eval->test_accuracy(), 0.3) << optimizer;
-    (*gpu)->set_step_engine(nullptr);
+    (*gpu)->set_engine(nullptr);
 
     // The host mirror was read back when Train ended.
     EXPECT_LT(RelativeDistance((*cpu)->model(), (*gpu)->model()), 1e-4) << optimizer;
@@ -279,16 +278,20 @@ TEST(GpuTrainerTest, DeterministicFixedPointSumIsIndependentOfTheSplit) {
   std::vector<int32_t> y(n);
   for (int i = 0; i < n; ++i) y[i] = (i * 3) % dims.back();
   const float scale = 1.0f / n;
+  Optimizer optimizer(spec.optimizer(), model.segments(), spec.max_steps());
   auto fixed_sum = [&](int first_shard, int count) -> std::vector<int64_t> {
-    auto step = GpuStep::Create(spec, dims, kernels::Activation::kRelu, nullptr);
+    auto step =
+        GpuStep::Create(spec, SampleLayout{dims.front(), 0}, &model, &optimizer);
     EXPECT_TRUE(step.ok()) << step.status();
     if (!step.ok()) return {};
-    std::vector<float> state(model.num_params());
-    EXPECT_TRUE((*step)->Upload(model.params(), state).ok());
+    EXPECT_TRUE((*step)->Begin({}).ok());  // uploads the host's state
     const size_t at = static_cast<size_t>(first_shard) * shard;
-    auto sum =
-        (*step)->FixedPointGradient(x.data() + at * dims.front(), y.data() + at, count * shard,
-                                    shard, scale, Trainer::kFixedPointFracBits);
+    Batch batch;
+    batch.n = count * shard;
+    batch.features = x.data() + at * dims.front();
+    batch.feature_stride = dims.front();
+    batch.labels = y.data() + at;
+    auto sum = (*step)->FixedPointGradient(batch, shard, scale, Trainer::kFixedPointFracBits);
     EXPECT_TRUE(sum.ok()) << sum.status();
     return sum.value_or(std::vector<int64_t>{});
   };
@@ -425,13 +428,16 @@ TEST(GpuTrainerTest, GptFixedPointSumIsIndependentOfTheSplit) {
   std::vector<int32_t> tokens(static_cast<size_t>(n) * stride);
   for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 256);
   auto fixed_sum = [&](int first_shard, int count) -> std::vector<int64_t> {
-    auto step = GpuStep::ForHost(spec, &model, &(*trainer)->optimizer(), nullptr);
+    auto step = GpuStep::Create(spec, (*trainer)->sample_layout(), &model,
+                                &(*trainer)->optimizer());
     EXPECT_TRUE(step.ok()) << step.status();
     if (!step.ok()) return {};
-    EXPECT_TRUE((*step)->Upload(model.params(), (*trainer)->optimizer().state()).ok());
-    auto sum = (*step)->FixedPointGradient(
-        nullptr, tokens.data() + static_cast<size_t>(first_shard) * shard * stride, count * shard,
-        shard, 1.0f / n, Trainer::kFixedPointFracBits);
+    EXPECT_TRUE((*step)->Begin({}).ok());  // uploads the host's state
+    Batch batch;
+    batch.n = count * shard;
+    batch.tokens = tokens.data() + static_cast<size_t>(first_shard) * shard * stride;
+    batch.token_stride = stride;
+    auto sum = (*step)->FixedPointGradient(batch, shard, 1.0f / n, Trainer::kFixedPointFracBits);
     EXPECT_TRUE(sum.ok()) << sum.status();
     return sum.value_or(std::vector<int64_t>{});
   };
@@ -462,11 +468,12 @@ TEST(GpuTrainerTest, HealGoesBetweenDeviceStatesOverNccl) {
   {
     SoloCommunicator solo;
     auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
-    auto alone = GpuStep::ForHost(spec, &trainer->model(), &trainer->optimizer(), nullptr);
+    auto alone = GpuStep::Create(spec, trainer->sample_layout(), &trainer->model(),
+                                 &trainer->optimizer());
     ASSERT_TRUE(alone.ok()) << alone.status();
     std::vector<float> piece(8);
     EXPECT_TRUE(absl::IsUnimplemented(
-        (*alone)->BroadcastState(Part::kParams, 0, piece.size(), piece.data(), 0, true)));
+        (*alone)->BroadcastState({}, Part::kParams, 0, piece.size(), piece.data(), 0, true)));
   }
   ASSERT_TRUE(kSharedGpuVariable);
   if (!NcclSharedGpuAllowed()) {
@@ -503,10 +510,12 @@ TEST(GpuTrainerTest, HealGoesBetweenDeviceStatesOverNccl) {
         testing::LocalStoreClient client(&store, scope);
         auto comm = NcclCommunicator::Create(client, rank, 2, {});
         if (!comm.ok()) return comm.status();
-        auto step = GpuStep::ForHost(spec, &model, &trainer->optimizer(), comm->get());
+        auto step =
+            GpuStep::Create(spec, trainer->sample_layout(), &model, &trainer->optimizer());
         if (!step.ok()) return step.status();
         GpuStep& engine = **step;
-        if (absl::Status s = engine.Begin(nullptr); !s.ok()) return s;  // uploads the host's
+        const StepGroup group{nullptr, comm->get()};
+        if (absl::Status s = engine.Begin(group); !s.ok()) return s;  // uploads the host's
         std::vector<float> staging(n, -1.0f), opt_staging(2 * n, -1.0f);
         if (rank == 0) {
           source_device.assign(model.params(), model.params() + n);
@@ -516,19 +525,20 @@ TEST(GpuTrainerTest, HealGoesBetweenDeviceStatesOverNccl) {
         }
         float* const params_piece = rank == 0 ? model.params() : staging.data();
         // 1. From rank 0's device state into rank 1's: the parameters, then the optimizer state.
-        LOCKSTEP_RETURN_IF_ERROR(engine.BroadcastState(Part::kParams, 0, n, params_piece, 0, true));
+        LOCKSTEP_RETURN_IF_ERROR(
+            engine.BroadcastState(group, Part::kParams, 0, n, params_piece, 0, true));
         LOCKSTEP_RETURN_IF_ERROR(engine.BroadcastState(
-            Part::kOptimizer, 0, 2 * n, rank == 0 ? opt.data() : opt_staging.data(), 0, true));
+            group, Part::kOptimizer, 0, 2 * n, rank == 0 ? opt.data() : opt_staging.data(), 0, true));
         std::vector<float> device_params(n), device_opt;
         if (rank == 1) {
           received = staging;
           optimizer_received = opt_staging;
-          LOCKSTEP_RETURN_IF_ERROR(engine.Download(device_params.data(), &device_opt));
+          LOCKSTEP_RETURN_IF_ERROR(engine.DownloadState(device_params.data(), &device_opt));
           device_after = device_params;
           optimizer_device = device_opt;
           // The trainer commits and says so: no upload at the next Begin.
           engine.HostStateChanged(true);
-          LOCKSTEP_RETURN_IF_ERROR(engine.Begin(nullptr));
+          LOCKSTEP_RETURN_IF_ERROR(engine.Begin(group));
           taker_uploads = engine.uploads();
         }
         // 2. Rank 0's host copy, once it is told its host state changed: 100 values, then all;
@@ -541,15 +551,16 @@ TEST(GpuTrainerTest, HealGoesBetweenDeviceStatesOverNccl) {
         float* const host_piece = rank == 0 ? model.params() : discard.data();
         for (size_t count : {size_t{100}, n}) {
           LOCKSTEP_RETURN_IF_ERROR(
-              engine.BroadcastState(Part::kParams, 0, count, host_piece, 0, false));
+              engine.BroadcastState(group, Part::kParams, 0, count, host_piece, 0, false));
         }
         if (rank == 1) {
           untouched = discard;
-          LOCKSTEP_RETURN_IF_ERROR(engine.Download(device_params.data(), &device_opt));
+          LOCKSTEP_RETURN_IF_ERROR(engine.DownloadState(device_params.data(), &device_opt));
           device_after_host = device_params;
         }
         // 3. Taken, that host copy arrives whole.
-        LOCKSTEP_RETURN_IF_ERROR(engine.BroadcastState(Part::kParams, 0, n, host_piece, 0, true));
+        LOCKSTEP_RETURN_IF_ERROR(
+            engine.BroadcastState(group, Part::kParams, 0, n, host_piece, 0, true));
         if (rank == 1) from_host = discard;
         return absl::OkStatus();
       }();
@@ -584,10 +595,11 @@ TEST(GpuTrainerTest, AKeptStepTrainsOnAcrossGenerationsWithoutUploading) {
   int64_t uploads = 0;
   for (int kept = 0; kept < 2; ++kept) {
     auto trainer = Trainer::Create("test-job", spec, data, &solo).value();
-    auto step = GpuStep::ForHost(spec, &trainer->model(), &trainer->optimizer(), nullptr);
+    auto step = GpuStep::Create(spec, trainer->sample_layout(), &trainer->model(),
+                                &trainer->optimizer());
     ASSERT_TRUE(step.ok()) << step.status();
     GpuStep* engine = step->get();
-    trainer->set_device_engine(*std::move(step));
+    trainer->set_engine(*std::move(step));
     std::atomic<bool> abort{false};
     const int64_t stop = kept == 1 ? 17 : trainer->total_steps();
     absl::Status s = trainer->Train(

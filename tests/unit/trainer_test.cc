@@ -470,9 +470,15 @@ TEST(HealTest, MembersWithDifferentDataFailNamingThem) {
 namespace lockstep::worker {
 namespace {
 
+// A device's group played on the CPU: a communicator of its own (GpuStep's is NCCL's).
+struct HostDeviceGroup final : DeviceGroup {
+  explicit HostDeviceGroup(Communicator* c) : comm(c) {}
+  Communicator* const comm;
+};
+
 // A device's engine (GpuStep) played on the CPU: a copy of the state of its own (the "device
 // memory"), trained by a CpuStep, mirrored with the host's by the StateMirror that GpuStep
-// uses, and healing over a transport of its own. What these tests check is the trainer's side
+// uses, and healing over the device group the trainer hands it (a HostDeviceGroup). What these tests check is the trainer's side
 // of the contract (an engine kept across generations is told when the host's state is
 // rewritten; a heal goes through it): an engine that trained on a stale copy would end with
 // other bits than the plain CPU trainer's.
@@ -485,17 +491,17 @@ class MirroredEngine final : public StepEngine {
                                                host.total_steps())),
         step_(spec, model_.get(), optimizer_.get(), SampleLayout{data.dim, 0}) {}
 
-  void set_transport(Communicator* transport) { transport_ = transport; }
   int uploads = 0, pieces_from_device = 0, pieces_into_device = 0;
   bool fail_downloads = false;  // as a device whose copies back fail
 
-  absl::Status Begin(Communicator* comm) override {
+  const char* device() const override { return "mirrored"; }
+  absl::Status Begin(const StepGroup& group) override {
     if (mirror_.upload_needed()) {
       Copy(host_->model(), host_->optimizer(), *model_, *optimizer_);
       mirror_.Copied();
       ++uploads;
     }
-    return step_.Begin(comm);
+    return step_.Begin(group);
   }
   absl::Status Sync() override {
     if (mirror_.download_needed() && fail_downloads) {
@@ -522,21 +528,23 @@ class MirroredEngine final : public StepEngine {
   absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) override {
     return step_.Evaluate(batch, correct);
   }
-  absl::Status BroadcastState(StatePart part, size_t offset, size_t count, float* host, int root,
-                              bool take) override {
-    if (transport_ == nullptr || transport_->size() <= 1) {
+  absl::Status BroadcastState(const StepGroup& group, StatePart part, size_t offset,
+                              size_t count, float* host, int root, bool take) override {
+    const auto* device = static_cast<const HostDeviceGroup*>(group.device);
+    Communicator* const transport = device != nullptr ? device->comm : nullptr;
+    if (transport == nullptr || transport->size() <= 1) {
       return absl::UnimplementedError("no transport");
     }
     float* const state =
         (part == StatePart::kParams ? model_->params() : optimizer_->state().data()) + offset;
-    const bool sending = transport_->rank() == root;
+    const bool sending = transport->rank() == root;
     const bool from_device = sending && mirror_.holds_host();
     const bool into_device = !sending && take;
     if (into_device) mirror_.Diverged();
     std::vector<float> scratch(from_device || into_device ? 0 : count);
     if (sending && !from_device) std::copy(host, host + count, scratch.data());
     float* const buffer = from_device || into_device ? state : scratch.data();
-    LOCKSTEP_RETURN_IF_ERROR(transport_->Broadcast(buffer, count * sizeof(float), root));
+    LOCKSTEP_RETURN_IF_ERROR(transport->Broadcast(buffer, count * sizeof(float), root));
     if (into_device) std::copy(state, state + count, host);
     pieces_from_device += from_device;
     pieces_into_device += into_device;
@@ -558,14 +566,13 @@ class MirroredEngine final : public StepEngine {
   std::unique_ptr<Optimizer> optimizer_;
   CpuStep step_;
   StateMirror mirror_;
-  Communicator* transport_ = nullptr;
 };
 
 MirroredEngine* KeepMirroredEngine(Trainer& trainer, const v1::JobSpec& spec,
                                    const Dataset& data) {
   auto engine = std::make_unique<MirroredEngine>(spec, data, trainer);
   MirroredEngine* kept = engine.get();
-  trainer.set_device_engine(std::move(engine));
+  trainer.set_engine(std::move(engine));
   return kept;
 }
 
@@ -621,14 +628,15 @@ TEST(KeptEngineTest, AHealGoesFromTheSourcesCopyIntoTheTakersCopy) {
         ASSERT_TRUE(TrainUntil(*trainer, 1, 30).ok());
       }
       trainer->set_communicator(gloo.get());
-      if (engine != nullptr) engine->set_transport(gloo.get());
+      HostDeviceGroup group(gloo.get());
+      if (engine != nullptr) trainer->set_device_group(&group);
       auto info = trainer->Heal({"w0", "w1"});
       ASSERT_TRUE(info.ok()) << info.status();
       EXPECT_EQ(info->source_rank, 0);
       ASSERT_TRUE(TrainUntil(*trainer, 31, 60).ok());
       sums[r] = trainer->ParameterChecksum();
       if (engine != nullptr) {
-        engine->set_transport(nullptr);
+        trainer->set_device_group(nullptr);
         // Counted before the trainer (and its engine) go.
         uploads[r] = engine->uploads;
         from_device[r] = engine->pieces_from_device;
@@ -711,15 +719,17 @@ TEST(KeptEngineTest, AHealLostMidwayMakesTheTakersEngineUploadAgain) {
     if (r == 0) {
       DiesMidBroadcast dying(std::move(gloo), /*fail_at=*/3);  // the header, one piece, then dead
       trainer->set_communicator(&dying);
-      engine->set_transport(&dying);
+      HostDeviceGroup group(&dying);
+      trainer->set_device_group(&group);
       EXPECT_FALSE(trainer->Heal({"w0", "w1"}).ok());
-      engine->set_transport(nullptr);
+      trainer->set_device_group(nullptr);
       return;
     }
     trainer->set_communicator(gloo.get());
-    engine->set_transport(gloo.get());
+    HostDeviceGroup group(gloo.get());
+    trainer->set_device_group(&group);
     EXPECT_FALSE(trainer->Heal({"w0", "w1"}).ok());
-    engine->set_transport(nullptr);
+    trainer->set_device_group(nullptr);
     EXPECT_GE(engine->pieces_into_device, 1) << "the test must overwrite part of the copy";
     ASSERT_EQ(trainer->completed_step(), 10);
     trainer->set_communicator(&solo);

@@ -1,6 +1,7 @@
 // The collective operations a training step needs, independent of the transport (Gloo over
-// TCP, shared memory between ranks on one host, NCCL on GPUs). One communicator serves one
-// generation of one job.
+// TCP, shared memory between ranks on one host). One communicator serves one generation of one
+// job. A device's own group (a GPU's NCCL communicator, which sums device memory) is a
+// DeviceGroup beside it, used only by that device's step engine.
 #pragma once
 
 #include <cstddef>
@@ -40,6 +41,14 @@ class Communicator {
   // Makes operations blocked on peers return ABORTED as soon as the transport allows (Gloo
   // cannot be interrupted: its operations end at their timeout). Any thread may call it.
   virtual void Abort() {}
+};
+
+// A device's own collective group for one generation (worker/cuda/nccl_communicator.h): made
+// by the device's backend, handed to the device's step engine where it begins and where it
+// heals (worker/step/step_engine.h); nothing else looks inside.
+class DeviceGroup {
+ public:
+  virtual ~DeviceGroup() = default;
 };
 
 }  // namespace lockstep::worker

@@ -59,28 +59,17 @@ absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(const Gpt& host, cudaStre
   gpt->config_ = c;
   gpt->layout_ = host.layout();
   gpt->ready_points_ = host.ready_points();
-  gpt->num_params_ = host.num_params();
-  gpt->stream_ = stream;
   gpt->head_chunk_values_ = std::max<size_t>(1, head_chunk_values);
-  absl::StatusOr<std::unique_ptr<cuda::Blas>> blas = cuda::Blas::Create(stream);
-  if (!blas.ok()) return blas.status();
-  gpt->blas_ = *std::move(blas);
-  LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->params_, gpt->num_params_));
-  LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->grads_, gpt->num_params_));
+  LOCKSTEP_RETURN_IF_ERROR(gpt->Init(host.num_params(), stream));
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->head_loss_, 1));
-  LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->loss_sum_, 1));
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->eval_loss_sum_, 1));
   LOCKSTEP_RETURN_IF_ERROR(Allocate(&gpt->correct_, 1));
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(gpt->loss_sum_, 0, sizeof(double), stream));
   return gpt;
 }
 
 GpuGpt::~GpuGpt() {
-  Free(&params_);
-  Free(&grads_);
   Free(&params16_);
   Free(&head_loss_);
-  Free(&loss_sum_);
   Free(&eval_loss_sum_);
   Free(&correct_);
   Free(&arena_);
@@ -89,18 +78,6 @@ GpuGpt::~GpuGpt() {
   Free(&positions_);
   Free(&row_correct_);
   Free(&row_loss_);
-}
-
-absl::Status GpuGpt::UploadParams(const float* host) {
-  return CopyAndWait(params_, host, num_params_ * sizeof(float), cudaMemcpyHostToDevice, stream_);
-}
-
-absl::Status GpuGpt::DownloadParams(float* host) const {
-  return CopyAndWait(host, params_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_);
-}
-
-absl::Status GpuGpt::DownloadGrads(float* host) const {
-  return CopyAndWait(host, grads_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_);
 }
 
 absl::Status GpuGpt::Reserve(int rows) {
@@ -484,15 +461,8 @@ absl::Status GpuGpt::ForwardBackward(const int32_t* tokens, int token_stride, in
 absl::StatusOr<double> GpuGpt::MeanOverContext(const double* sum) {
   double value = 0;
   LOCKSTEP_RETURN_IF_ERROR(
-      CopyAndWait(&value, sum, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+      CopyAndWait(&value, sum, sizeof(double), cudaMemcpyDeviceToHost));
   return value / config_.context;
-}
-
-absl::StatusOr<double> GpuGpt::LossSum() {
-  double value = 0;
-  LOCKSTEP_RETURN_IF_ERROR(
-      CopyAndWait(&value, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  return value;
 }
 
 absl::StatusOr<double> GpuGpt::Evaluate(const int32_t* tokens, int token_stride, int n,
@@ -511,6 +481,15 @@ absl::StatusOr<double> GpuGpt::Evaluate(const int32_t* tokens, int token_stride,
   if (!loss.ok()) return loss.status();
   if (correct != nullptr) *correct += hits;
   return *loss;
+}
+
+absl::StatusOr<std::unique_ptr<GpuModel>> CreateGpuGpt(const v1::JobSpec& /*spec*/,
+                                                       const Model& host, cudaStream_t stream) {
+  const auto* gpt = dynamic_cast<const Gpt*>(&host);
+  if (gpt == nullptr) return absl::InternalError("CreateGpuGpt: the host model is not a GPT");
+  absl::StatusOr<std::unique_ptr<GpuGpt>> created = GpuGpt::Create(*gpt, stream);
+  if (!created.ok()) return created.status();
+  return std::unique_ptr<GpuModel>(*std::move(created));
 }
 
 }  // namespace lockstep::worker

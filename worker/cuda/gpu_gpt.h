@@ -40,19 +40,7 @@ class GpuGpt final : public GpuModel {
   // shape, heads over cuda::kMaxAttentionHead, or frozen tensors (not on GPUs yet).
   static absl::StatusOr<std::unique_ptr<GpuGpt>> Create(
       const Gpt& host, cudaStream_t stream, size_t head_chunk_values = kHeadChunkValues);
-  ~GpuGpt();
-  GpuGpt(const GpuGpt&) = delete;
-  GpuGpt& operator=(const GpuGpt&) = delete;
-
-  size_t num_params() const override { return num_params_; }
-  float* params() override { return params_; }  // device, num_params()
-  float* grads() override { return grads_; }    // device, num_params()
-  kernels::cuda::Blas& blas() override { return *blas_; }
-
-  // Host <-> device copies of the whole parameter (or gradient) buffer; synchronous.
-  absl::Status UploadParams(const float* host) override;
-  absl::Status DownloadParams(float* host) const override;
-  absl::Status DownloadGrads(float* host) const;
+  ~GpuGpt() override;
 
   // GpuModel: a Batch's tokens. The pieces are Gpt's (a tensor or a layer's group of
   // tensors), whatever chunk_floats.
@@ -68,7 +56,6 @@ class GpuGpt final : public GpuModel {
   absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) override {
     return Evaluate(batch.tokens, batch.token_stride, batch.n, correct);
   }
-  double* loss_sum_device() override { return loss_sum_; }
 
   // Forward and backward on n windows of tokens already on the device (n x token_stride ids,
   // token_stride >= context + 1; every id in the vocabulary). Overwrites grads() with
@@ -77,10 +64,9 @@ class GpuGpt final : public GpuModel {
   // work that finishes grads()[0, end) has been ENQUEUED (not run), at Gpt::ready_points().
   absl::Status ForwardBackward(const int32_t* tokens, int token_stride, int n, float grad_scale,
                                const std::function<void(size_t)>& on_ready, bool accumulate);
-  // The loss of the last ForwardBackward: the sum over its samples of each one's mean
-  // cross-entropy, added to the ones before since the last without `accumulate` (waits for
-  // the stream; 0 before the first).
-  absl::StatusOr<double> LossSum() override;
+  // LossSum(): the sum over the last ForwardBackward's samples of each one's mean
+  // cross-entropy, added to the ones before since the last without `accumulate` (0 before the
+  // first).
   // Forward only: that loss sum over the n windows, and the predicted tokens that were the next
   // token added to *correct (if given). Waits for the stream.
   absl::StatusOr<double> Evaluate(const int32_t* tokens, int token_stride, int n, int64_t* correct);
@@ -134,17 +120,11 @@ class GpuGpt final : public GpuModel {
   GptConfig config_;
   Gpt::Layout layout_;
   std::vector<size_t> ready_points_;
-  size_t num_params_ = 0;
-  cudaStream_t stream_ = nullptr;
-  std::unique_ptr<kernels::cuda::Blas> blas_;
-  float* params_ = nullptr;
-  float* grads_ = nullptr;
   // bf16: the parameters rounded to bfloat16 at the start of each Forward (they do not change
   // within one), so each product takes its weight as it is instead of rounding it every time.
   kernels::cuda::Bf16* params16_ = nullptr;
   size_t head_chunk_values_ = kHeadChunkValues;
   double* head_loss_ = nullptr;      // the LM head's sum over the rows of one ForwardBackward
-  double* loss_sum_ = nullptr;       // over the samples, accumulated (LossSum)
   double* eval_loss_sum_ = nullptr;  // Evaluate's
   int64_t* correct_ = nullptr;
 

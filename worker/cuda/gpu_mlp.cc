@@ -27,14 +27,9 @@ absl::StatusOr<std::unique_ptr<GpuMlp>> GpuMlp::Create(std::vector<int> dims,
   std::unique_ptr<GpuMlp> mlp(new GpuMlp());
   mlp->dims_ = std::move(dims);
   mlp->activation_ = activation;
-  mlp->stream_ = stream;
-  mlp->layers_ = Mlp::Layout(mlp->dims_, &mlp->num_params_);
-  absl::StatusOr<std::unique_ptr<kernels::cuda::Blas>> blas = kernels::cuda::Blas::Create(stream);
-  if (!blas.ok()) return blas.status();
-  mlp->blas_ = *std::move(blas);
-  if (absl::Status s = Allocate(&mlp->params_, mlp->num_params_); !s.ok()) return s;
-  if (absl::Status s = Allocate(&mlp->grads_, mlp->num_params_); !s.ok()) return s;
-  if (absl::Status s = Allocate(&mlp->loss_sum_, 1); !s.ok()) return s;
+  size_t num_params = 0;
+  mlp->layers_ = Mlp::Layout(mlp->dims_, &num_params);
+  if (absl::Status s = mlp->Init(num_params, stream); !s.ok()) return s;
   mlp->z_.assign(mlp->layers_.size(), nullptr);
   mlp->a_.assign(mlp->layers_.size(), nullptr);
   return mlp;
@@ -45,23 +40,10 @@ GpuMlp::~GpuMlp() {
     if (a_[l] != nullptr && a_[l] != z_[l]) DeviceFree(a_[l]);
     DeviceFree(z_[l]);
   }
-  for (void* p : {static_cast<void*>(params_), static_cast<void*>(grads_), static_cast<void*>(dz_),
-                  static_cast<void*>(da_), static_cast<void*>(row_loss_),
-                  static_cast<void*>(row_correct_), static_cast<void*>(loss_sum_)}) {
+  for (void* p : {static_cast<void*>(dz_), static_cast<void*>(da_), static_cast<void*>(row_loss_),
+                  static_cast<void*>(row_correct_)}) {
     DeviceFree(p);
   }
-}
-
-absl::Status GpuMlp::UploadParams(const float* host) {
-  return CopyAndWait(params_, host, num_params_ * sizeof(float), cudaMemcpyHostToDevice, stream_);
-}
-
-absl::Status GpuMlp::DownloadParams(float* host) const {
-  return CopyAndWait(host, params_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_);
-}
-
-absl::Status GpuMlp::DownloadGrads(float* host) const {
-  return CopyAndWait(host, grads_, num_params_ * sizeof(float), cudaMemcpyDeviceToHost, stream_);
 }
 
 absl::Status GpuMlp::Reserve(int n) {
@@ -185,14 +167,14 @@ absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, fl
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> GpuMlp::LossSum() {
-  double loss = 0;
-  if (absl::Status s =
-          CopyAndWait(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, stream_);
-      !s.ok()) {
-    return s;
-  }
-  return loss;
+absl::StatusOr<std::unique_ptr<GpuModel>> CreateGpuMlp(const v1::JobSpec& /*spec*/,
+                                                       const Model& host, cudaStream_t stream) {
+  const auto* mlp = dynamic_cast<const Mlp*>(&host);
+  if (mlp == nullptr) return absl::InternalError("CreateGpuMlp: the host model is not an MLP");
+  absl::StatusOr<std::unique_ptr<GpuMlp>> created =
+      GpuMlp::Create(mlp->dims(), mlp->activation(), stream);
+  if (!created.ok()) return created.status();
+  return std::unique_ptr<GpuModel>(*std::move(created));
 }
 
 }  // namespace lockstep::worker

@@ -27,20 +27,9 @@ class GpuMlp final : public GpuModel {
   static absl::StatusOr<std::unique_ptr<GpuMlp>> Create(std::vector<int> dims,
                                                         kernels::Activation activation,
                                                         cudaStream_t stream);
-  ~GpuMlp();
-  GpuMlp(const GpuMlp&) = delete;
-  GpuMlp& operator=(const GpuMlp&) = delete;
+  ~GpuMlp() override;
 
-  size_t num_params() const override { return num_params_; }
   const std::vector<Mlp::LayerSlice>& layers() const { return layers_; }
-  float* params() override { return params_; }  // device, num_params()
-  float* grads() override { return grads_; }    // device, num_params()
-  kernels::cuda::Blas& blas() override { return *blas_; }
-
-  // Host <-> device copies of the whole parameter (or gradient) buffer; synchronous.
-  absl::Status UploadParams(const float* host) override;
-  absl::Status DownloadParams(float* host) const override;
-  absl::Status DownloadGrads(float* host) const;
 
   // GpuModel: a Batch's features and labels.
   std::vector<size_t> ReadyPoints(size_t chunk_floats) const override {
@@ -68,10 +57,6 @@ class GpuMlp final : public GpuModel {
   // Forward only (evaluation): returns the loss sum over the n samples and adds the number of
   // correct predictions to *correct. Waits for the stream.
   absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
-  // The loss sum of the last ForwardBackward (waits for the stream).
-  absl::StatusOr<double> LossSum() override;
-  // Where ForwardBackward leaves that sum on the device (one double), e.g. to sum it over ranks.
-  double* loss_sum_device() override { return loss_sum_; }
 
  private:
   GpuMlp() = default;
@@ -82,11 +67,6 @@ class GpuMlp final : public GpuModel {
   std::vector<int> dims_;
   kernels::Activation activation_ = kernels::Activation::kRelu;
   std::vector<Mlp::LayerSlice> layers_;
-  size_t num_params_ = 0;
-  cudaStream_t stream_ = nullptr;
-  std::unique_ptr<kernels::cuda::Blas> blas_;
-  float* params_ = nullptr;
-  float* grads_ = nullptr;
   int capacity_ = 0;
   std::vector<float*> z_;  // per layer, n x out: pre-activation (for ReLU: the activation)
   std::vector<float*> a_;  // per hidden layer, n x out: activation (== z_ unless GELU)
@@ -94,7 +74,6 @@ class GpuMlp final : public GpuModel {
   float* da_ = nullptr;
   double* row_loss_ = nullptr;
   int32_t* row_correct_ = nullptr;
-  double* loss_sum_ = nullptr;
 };
 
 }  // namespace lockstep::worker

@@ -1,7 +1,9 @@
-// What GpuStep (worker/train/gpu_step.h) trains: a model's parameters and gradients in one
-// flat device buffer each, laid out as its host twin's (worker/train/model.h), and its forward
-// and backward on micro-batches already on the device. Implementations: GpuMlp
-// (worker/train/gpu_mlp.h) and GpuGpt (worker/train/gpu_gpt.h).
+// What GpuStep (worker/cuda/gpu_step.h) trains: a model's parameters and gradients in one flat
+// device buffer each, laid out as its host twin's (worker/model/model.h), and its forward and
+// backward on micro-batches already on the device. The base owns what every model has (the
+// cuBLAS handle on the model's stream, the parameters, the gradients, the loss sum) and their
+// copies; a family's device model (GpuMlp in gpu_mlp.h, GpuGpt in gpu_gpt.h) adds its
+// activations and passes, and its line in CreateGpuModel's table (gpu_model.cc).
 //
 // Not thread-safe; all work is enqueued on the stream the model was created with.
 #pragma once
@@ -11,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -23,16 +26,19 @@ namespace lockstep::worker {
 
 class GpuModel {
  public:
-  virtual ~GpuModel() = default;
+  virtual ~GpuModel();
+  GpuModel(const GpuModel&) = delete;
+  GpuModel& operator=(const GpuModel&) = delete;
 
-  virtual size_t num_params() const = 0;
-  virtual float* params() = 0;  // device, num_params()
-  virtual float* grads() = 0;   // device, num_params()
-  virtual kernels::cuda::Blas& blas() = 0;
+  size_t num_params() const { return num_params_; }
+  float* params() { return params_; }  // device, num_params()
+  float* grads() { return grads_; }    // device, num_params()
+  kernels::cuda::Blas& blas() { return *blas_; }
 
-  // Host <-> device copies of the whole parameter buffer; synchronous.
-  virtual absl::Status UploadParams(const float* host) = 0;
-  virtual absl::Status DownloadParams(float* host) const = 0;
+  // Host <-> device copies of the whole parameter (or gradient) buffer; synchronous.
+  absl::Status UploadParams(const float* host);
+  absl::Status DownloadParams(float* host) const;
+  absl::Status DownloadGrads(float* host) const;
 
   // The ends of backward's pieces, ascending, the last num_params(): where ForwardBackward
   // calls on_ready when pieces are about chunk_floats values (a model may cut coarser).
@@ -49,8 +55,8 @@ class GpuModel {
                                        const std::function<void(size_t)>& on_ready,
                                        bool accumulate) = 0;
   // That loss sum (waits for the stream).
-  virtual absl::StatusOr<double> LossSum() = 0;
-  virtual double* loss_sum_device() = 0;
+  absl::StatusOr<double> LossSum();
+  double* loss_sum_device() { return loss_sum_; }
   // Forward only on `batch` (device memory): the loss sum over its samples; adds the correct
   // predictions to *correct. Waits for the stream; may overwrite loss_sum_device().
   virtual absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) = 0;
@@ -59,15 +65,39 @@ class GpuModel {
   void set_phase_timer(kernels::cuda::PhaseTimer* timer) { timer_ = timer; }
 
  protected:
+  GpuModel() = default;
+  // Makes what every model has, for num_params parameters, on `stream` (the current device):
+  // the cuBLAS handle, the parameters, the gradients and the loss sum (zero).
+  absl::Status Init(size_t num_params, cudaStream_t stream);
   // The phase that starts now on the model's stream, when a benchmark times them.
   void Phase(const char* phase) const {
     if (timer_ != nullptr) timer_->Mark(phase);
   }
+  // `bytes` from `from` to `to` on the model's stream, then waits for it.
+  absl::Status CopyAndWait(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) const;
+
+  size_t num_params_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<kernels::cuda::Blas> blas_;
+  float* params_ = nullptr;
+  float* grads_ = nullptr;
+  double* loss_sum_ = nullptr;
+
+ private:
   kernels::cuda::PhaseTimer* timer_ = nullptr;
-  // `bytes` from `from` to `to` on `stream`, then waits for the stream (the models' host <->
-  // device copies of whole buffers).
-  static absl::Status CopyAndWait(void* to, const void* from, size_t bytes, cudaMemcpyKind kind,
-                                  cudaStream_t stream);
 };
+
+// The device model of `host`'s family (the job's model.type), on `stream`, its parameters not
+// yet uploaded. UNIMPLEMENTED for a family without one (it does not train on GPU workers);
+// INVALID_ARGUMENT for a shape its kernels do not take.
+absl::StatusOr<std::unique_ptr<GpuModel>> CreateGpuModel(const v1::JobSpec& spec,
+                                                         const Model& host, cudaStream_t stream);
+
+// The families' device models (gpu_mlp.cc, gpu_gpt.cc): INTERNAL when `host` is not the
+// family's host model.
+absl::StatusOr<std::unique_ptr<GpuModel>> CreateGpuMlp(const v1::JobSpec& spec,
+                                                       const Model& host, cudaStream_t stream);
+absl::StatusOr<std::unique_ptr<GpuModel>> CreateGpuGpt(const v1::JobSpec& spec,
+                                                       const Model& host, cudaStream_t stream);
 
 }  // namespace lockstep::worker

@@ -10,10 +10,6 @@
 #include "glog/logging.h"
 #include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
-#include "worker/model/gpt.h"
-#include "worker/cuda/gpu_gpt.h"
-#include "worker/cuda/gpu_mlp.h"
-#include "worker/model/mlp.h"
 
 namespace lockstep::worker {
 
@@ -55,33 +51,21 @@ class BucketSender {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec,
-                                                         std::vector<int> dims,
-                                                         kernels::Activation activation,
-                                                         NcclCommunicator* comm) {
-  const int input = dims.empty() ? 0 : dims.front();
-  return Create(
-      spec,
-      [&](cudaStream_t stream) -> absl::StatusOr<std::unique_ptr<GpuModel>> {
-        absl::StatusOr<std::unique_ptr<GpuMlp>> mlp =
-            GpuMlp::Create(std::move(dims), activation, stream);
-        if (!mlp.ok()) return mlp.status();
-        return std::unique_ptr<GpuModel>(*std::move(mlp));
-      },
-      SampleLayout{input, 0}, comm);
-}
-
-absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec,
-                                                         const ModelFactory& make_model,
-                                                         const SampleLayout& layout,
-                                                         NcclCommunicator* comm) {
+                                                         const SampleLayout& layout, Model* model,
+                                                         Optimizer* optimizer) {
+  // The device's gradient buffer and update run over the whole flat buffer.
+  if (model->num_frozen_params() > 0) {
+    return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
+  }
   std::unique_ptr<GpuStep> step(new GpuStep());
+  step->host_model_ = model;
+  step->host_optimizer_ = optimizer;
   step->layout_ = layout;
   step->optimizer_ = spec.optimizer();
   // NCCL wants large messages: at least 16 MiB per bucket (the CPU's 256 KiB default would be
   // hundreds of tiny allreduces for a large model), or the job's bucket size if larger.
   step->bucket_floats_ =
       std::max<size_t>(size_t{4} << 20, static_cast<size_t>(spec.bucket_size_kib()) * 256);
-  step->comm_ = comm;
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaGetDevice(&step->device_));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&step->stream_, cudaStreamNonBlocking));
   LOCKSTEP_GPU_RETURN_IF_ERROR(
@@ -94,9 +78,14 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
     LOCKSTEP_GPU_RETURN_IF_ERROR(
         cudaEventCreateWithFlags(&step->consumed_[slot], cudaEventDisableTiming));
   }
-  absl::StatusOr<std::unique_ptr<GpuModel>> model = make_model(step->stream_);
-  if (!model.ok()) return model.status();
-  step->model_ = *std::move(model);
+  absl::StatusOr<std::unique_ptr<GpuModel>> device_model =
+      CreateGpuModel(spec, *model, step->stream_);
+  if (!device_model.ok()) return device_model.status();
+  step->model_ = *std::move(device_model);
+  if (step->model_->num_params() != model->num_params()) {
+    return absl::InternalError(absl::StrCat("the device model holds ", step->model_->num_params(),
+                                            " parameters, the host's ", model->num_params()));
+  }
   step->plan_ = std::make_unique<BucketPlan>(step->model_->ReadyPoints(step->bucket_floats_),
                                              step->bucket_floats_, spec.deterministic() ? 2 : 0);
   absl::StatusOr<kernels::cuda::Blas::Precision> precision =
@@ -104,7 +93,7 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   if (!precision.ok()) return precision.status();
   LOCKSTEP_RETURN_IF_ERROR(step->model_->blas().SetPrecision(*precision));
   const size_t params = step->model_->num_params();
-  step->segments_ = {Model::Segment{0, 0, params, true, false}};
+  step->segments_ = optimizer->segments();
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
   LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&step->state_, step->state_floats_ * sizeof(float)));
   if (spec.optimizer().grad_clip_norm() > 0) {
@@ -118,33 +107,6 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   if (spec.deterministic()) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&step->fixed_, (params + 2) * sizeof(int64_t)));
   }
-  return step;
-}
-
-absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::ForHost(const v1::JobSpec& spec, Model* model,
-                                                          Optimizer* optimizer,
-                                                          NcclCommunicator* comm) {
-  // The GPU's update runs over the whole flat buffer.
-  if (model->num_frozen_params() > 0) {
-    return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
-  }
-  absl::StatusOr<std::unique_ptr<GpuStep>> step;
-  if (auto* mlp = dynamic_cast<Mlp*>(model); mlp != nullptr) {
-    step = Create(spec, mlp->dims(), mlp->activation(), comm);
-  } else if (auto* gpt = dynamic_cast<Gpt*>(model); gpt != nullptr) {
-    step = Create(
-        spec,
-        [gpt](cudaStream_t stream) -> absl::StatusOr<std::unique_ptr<GpuModel>> {
-          absl::StatusOr<std::unique_ptr<GpuGpt>> created = GpuGpt::Create(*gpt, stream);
-          if (!created.ok()) return created.status();
-          return std::unique_ptr<GpuModel>(*std::move(created));
-        },
-        SampleLayout{0, gpt->config().context + 1}, comm);
-  } else {
-    return absl::UnimplementedError(absl::StrCat("model.type \"", spec.model().type(),
-                                                 "\" does not train on GPU workers yet"));
-  }
-  if (step.ok()) (*step)->AttachHost(model, optimizer);
   return step;
 }
 
@@ -183,7 +145,7 @@ absl::Status GpuStep::Upload(const float* params, const std::vector<float>& opti
   return model_->UploadParams(params);  // synchronizes the stream
 }
 
-absl::Status GpuStep::Download(float* params, std::vector<float>* optimizer_state) {
+absl::Status GpuStep::DownloadState(float* params, std::vector<float>* optimizer_state) {
   optimizer_state->resize(state_floats_);
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(optimizer_state->data(), state_,
                                                state_floats_ * sizeof(float),
@@ -191,10 +153,17 @@ absl::Status GpuStep::Download(float* params, std::vector<float>* optimizer_stat
   return model_->DownloadParams(params);  // synchronizes the stream
 }
 
-absl::Status GpuStep::Begin(Communicator* comm) {
-  if (host_model_ == nullptr || host_optimizer_ == nullptr) {
-    return absl::FailedPreconditionError("GpuStep: Begin before AttachHost");
-  }
+absl::StatusOr<NcclCommunicator*> GpuStep::Nccl(const StepGroup& group) {
+  if (group.device == nullptr) return nullptr;
+  auto* nccl = dynamic_cast<NcclCommunicator*>(group.device);
+  if (nccl == nullptr) return absl::InternalError("GpuStep: a device group that is not NCCL's");
+  return nccl;
+}
+
+absl::Status GpuStep::Begin(const StepGroup& group) {
+  absl::StatusOr<NcclCommunicator*> nccl = Nccl(group);
+  if (!nccl.ok()) return nccl.status();
+  comm_ = *nccl;
   // The device's copy from an earlier generation is kept when it is the host's state (the
   // last download, or a heal received into both); anything else is replaced by the host's.
   if (!mirror_.upload_needed()) return absl::OkStatus();
@@ -206,6 +175,7 @@ absl::Status GpuStep::Begin(Communicator* comm) {
 }
 
 absl::Status GpuStep::End() {
+  comm_ = nullptr;  // the device group goes with the generation
   absl::Status s = Sync();
   // After a failed download the trainer falls back to the host's older state; the device's
   // must never be read back over it, nor trained on: the next Begin uploads the host's.
@@ -225,7 +195,7 @@ absl::Status GpuStep::Sync() {
   // Staged: the host's state changes only once both copies arrived (a half-written host
   // state could be a heal's source, under a checksum computed over the same mix).
   staged_params_.resize(model_->num_params());
-  LOCKSTEP_RETURN_IF_ERROR(Download(staged_params_.data(), &staged_state_));
+  LOCKSTEP_RETURN_IF_ERROR(DownloadState(staged_params_.data(), &staged_state_));
   std::copy(staged_params_.begin(), staged_params_.end(), host_model_->params());
   host_optimizer_->state().swap(staged_state_);
   mirror_.Copied();
@@ -258,9 +228,12 @@ absl::StatusOr<StepResult> GpuStep::TakeStep(const StepArgs& args) {
   return result;
 }
 
-absl::Status GpuStep::BroadcastState(StatePart part, size_t offset, size_t count, float* host,
-                                     int root, bool take) {
-  if (comm_ == nullptr || comm_->size() <= 1) {
+absl::Status GpuStep::BroadcastState(const StepGroup& group, StatePart part, size_t offset,
+                                     size_t count, float* host, int root, bool take) {
+  absl::StatusOr<NcclCommunicator*> nccl = Nccl(group);
+  if (!nccl.ok()) return nccl.status();
+  NcclCommunicator* const comm = *nccl;
+  if (comm == nullptr || comm->size() <= 1) {
     return absl::UnimplementedError("no NCCL group to broadcast over");
   }
   const bool params = part == StatePart::kParams;
@@ -274,7 +247,7 @@ absl::Status GpuStep::BroadcastState(StatePart part, size_t offset, size_t count
   }
   float* const state = (params ? model_->params() : state_) + offset;
   const size_t bytes = count * sizeof(float);
-  const bool sending = comm_->rank() == root;
+  const bool sending = comm->rank() == root;
   // The root's device copy goes as it is when it is the host's state; otherwise (a device
   // that never held it, or after a failed download) the host's piece goes through scratch.
   const bool from_device = sending && mirror_.holds_host();
@@ -301,15 +274,15 @@ absl::Status GpuStep::BroadcastState(StatePart part, size_t offset, size_t count
   // upload starts on an idle stream (the last piece's Wait returned).
   if (sending && !from_device) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpyAsync(heal_, host, bytes, cudaMemcpyHostToDevice, comm_->stream()));
+        cudaMemcpyAsync(heal_, host, bytes, cudaMemcpyHostToDevice, comm->stream()));
   }
-  LOCKSTEP_RETURN_IF_ERROR(comm_->Broadcast(buffer, bytes, root));
-  LOCKSTEP_RETURN_IF_ERROR(comm_->Wait());
+  LOCKSTEP_RETURN_IF_ERROR(comm->Broadcast(buffer, bytes, root));
+  LOCKSTEP_RETURN_IF_ERROR(comm->Wait());
   if (into_device) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(
-        cudaMemcpyAsync(host, buffer, bytes, cudaMemcpyDeviceToHost, comm_->stream()));
+        cudaMemcpyAsync(host, buffer, bytes, cudaMemcpyDeviceToHost, comm->stream()));
   }
-  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(comm_->stream()));
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(comm->stream()));
   return absl::OkStatus();
 }
 
@@ -610,10 +583,14 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const float* x, const int32_t* y,
-                                                                 int n, int shard, float grad_scale,
-                                                                 int frac_bits) {
-  if (absl::Status s = AccumulateFixedPoint(x, y, n, shard, grad_scale, frac_bits, false);
+absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const Batch& batch, int shard,
+                                                                 float grad_scale, int frac_bits) {
+  if (fixed_ == nullptr) {
+    return absl::FailedPreconditionError("GpuStep: FixedPointGradient outside deterministic mode");
+  }
+  if (absl::Status s =
+          AccumulateFixedPoint(batch.features, layout_.labels() ? batch.labels : batch.tokens,
+                               batch.n, shard, grad_scale, frac_bits, /*group=*/false);
       !s.ok()) {
     return s;
   }

@@ -1,8 +1,8 @@
-// A GPU worker's step engine (worker/train/step_engine.h). The trainer gathers the batch into
+// A GPU worker's step engine (worker/step/step_engine.h). The trainer gathers the batch into
 // pinned host buffers; each micro-batch is copied to the GPU on a copy stream (the next one's
-// copy overlaps this one's compute, in two device slots), the model (a GpuModel: the MLP or
-// the GPT) runs forward and backward on the compute stream, accumulating gradients over micro-batches, and in the last micro-batch
-// NCCL sums each bucket of the gradient on its own stream as soon as an event says backward has
+// copy overlaps this one's compute, in two device slots), the model (the GpuModel of the job's
+// family) runs forward and backward on the compute stream, accumulating gradients over
+// micro-batches, and in the last micro-batch NCCL sums each bucket of the gradient on its own stream as soon as an event says backward has
 // written it (overlapping the rest of backward); then the loss; the optimizer update runs on the
 // GPU over all parameters at once.
 //
@@ -21,10 +21,10 @@
 
 #include "absl/status/statusor.h"
 #include "lockstep/v1/job.pb.h"
-#include "worker/cuda/nccl_communicator.h"
-#include "worker/step/bucket_plan.h"
 #include "kernels/cuda_kernels.h"
 #include "worker/cuda/gpu_model.h"
+#include "worker/cuda/nccl_communicator.h"
+#include "worker/step/bucket_plan.h"
 #include "worker/step/optimizer.h"
 #include "worker/step/step_engine.h"
 
@@ -32,40 +32,22 @@ namespace lockstep::worker {
 
 class GpuStep final : public StepEngine {
  public:
-  // Makes the model on the step's compute stream.
-  using ModelFactory =
-      std::function<absl::StatusOr<std::unique_ptr<GpuModel>>(cudaStream_t stream)>;
-  // `comm` may be null for a group of one (nothing to sum). Allocates on the current device.
-  // `layout`: what a sample holds (features and a label, or a window of tokens).
+  // The engine for `model` and `optimizer` (a trainer's: the state it mirrors, not owned), on
+  // the current device, with the device model of the model's family (CreateGpuModel); `layout`:
+  // what a sample holds. UNIMPLEMENTED for a family the GPU does not train, or frozen tensors;
+  // INVALID_ARGUMENT for a shape its kernels do not take.
   static absl::StatusOr<std::unique_ptr<GpuStep>> Create(const v1::JobSpec& spec,
-                                                         const ModelFactory& make_model,
-                                                         const SampleLayout& layout,
-                                                         NcclCommunicator* comm);
-  // The MLP of `dims` (input first).
-  static absl::StatusOr<std::unique_ptr<GpuStep>> Create(const v1::JobSpec& spec,
-                                                         std::vector<int> dims,
-                                                         kernels::Activation activation,
-                                                         NcclCommunicator* comm);
-  // The engine for a trainer's host model (the MLP or the GPT) and optimizer, attached (see
-  // AttachHost). UNIMPLEMENTED for a model the GPU does not train, or frozen tensors;
-  // INVALID_ARGUMENT for a GPT the kernels do not take (GpuGpt::Create).
-  static absl::StatusOr<std::unique_ptr<GpuStep>> ForHost(const v1::JobSpec& spec, Model* model,
-                                                          Optimizer* optimizer,
-                                                          NcclCommunicator* comm);
+                                                         const SampleLayout& layout, Model* model,
+                                                         Optimizer* optimizer);
   ~GpuStep() override;
 
-  // StepEngine, over the host model and optimizer it mirrors (AttachHost first; not owned).
-  // The device's state outlives a generation (the trainer keeps the engine: see
-  // Trainer::set_device_engine): Begin uploads the host's state only when the device does not
-  // hold it (StateMirror), Sync and End download it when the device's is newer. The group's
-  // sums go through the NCCL communicator of the generation (Create's, then set_nccl), not
-  // `comm`. The update follows the optimizer's segments (weight decay where it applies).
-  void AttachHost(Model* model, Optimizer* optimizer) {
-    host_model_ = model;
-    host_optimizer_ = optimizer;
-    segments_ = optimizer->segments();
-  }
-  absl::Status Begin(Communicator* comm) override;
+  // StepEngine. The device's state outlives a generation (the trainer keeps the engine):
+  // Begin uploads the host's state only when the device does not hold it (StateMirror), Sync
+  // and End download it when the device's is newer. The group's sums go through the device
+  // group (NCCL) that Begin is given, until End; none for a group of one. The update follows
+  // the optimizer's segments (weight decay where it applies).
+  const char* device() const override { return "cuda"; }
+  absl::Status Begin(const StepGroup& group) override;
   absl::Status Sync() override;
   absl::Status End() override;
   absl::StatusOr<HostBatch> HostBuffers(int n) override;
@@ -78,41 +60,15 @@ class GpuStep final : public StepEngine {
   // is the host's (else it uploads `host`'s piece first), a member that takes the state
   // receives into its device state and downloads the piece into `host` once the watchdog saw
   // the broadcast finish, the others receive into a scratch buffer. UNIMPLEMENTED without a
-  // group.
-  absl::Status BroadcastState(StatePart part, size_t offset, size_t count, float* host, int root,
-                              bool take) override;
+  // device group of two or more.
+  absl::Status BroadcastState(const StepGroup& group, StatePart part, size_t offset, size_t count,
+                              float* host, int root, bool take) override;
   void HostStateChanged(bool engine_has_it) override {
     engine_has_it ? mirror_.Copied() : mirror_.Diverged();
   }
-  // This generation's NCCL group (null: none, or between generations). The engine must not
-  // hold a communicator that is being destroyed.
-  void set_nccl(NcclCommunicator* comm) { comm_ = comm; }
+
   // Whole-state uploads so far (Begin's, when the device did not hold the host's state).
   int64_t uploads() const { return uploads_; }
-
-  // The same steps on explicit host buffers (the benchmark and the GPU tests drive these): x
-  // holds n x feature_stride floats (none for a language model), y the n labels or the n
-  // windows of token_stride tokens.
-  absl::Status Upload(const float* params, const std::vector<float>& optimizer_state);
-  absl::Status Download(float* params, std::vector<float>* optimizer_state);
-  absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, int micro_batch,
-                              float grad_scale, float lr, int64_t step);
-  struct DeterministicResult {
-    double loss = 0;
-    int64_t rejected = 0;
-  };
-  absl::StatusOr<DeterministicResult> StepDeterministic(const float* x, const int32_t* y, int n,
-                                                        int shard, float grad_scale,
-                                                        int frac_bits, float lr, int64_t step);
-  absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
-
-  // Deterministic mode's first half on this GPU alone: the fixed-point sum of the n / shard
-  // micro-shards' gradients, then the loss, then the rejection count (num_params() + 2 values),
-  // as StepDeterministic hands it to NCCL. For tests: a group's sum is the integer sum of its
-  // members' results.
-  absl::StatusOr<std::vector<int64_t>> FixedPointGradient(const float* x, const int32_t* y, int n,
-                                                          int shard, float grad_scale,
-                                                          int frac_bits);
   bool pinned() const { return pinned_; }
   // Benchmarks: time the model's phases and the update on `timer` (not owned; null: off),
   // which must be on this engine's compute stream (compute_stream()).
@@ -122,8 +78,33 @@ class GpuStep final : public StepEngine {
   }
   cudaStream_t compute_stream() const { return stream_; }
 
+  // For tests, which look inside. The device's state as it is (parameters and optimizer
+  // state), whatever the mirror says.
+  absl::Status DownloadState(float* params, std::vector<float>* optimizer_state);
+  // Deterministic mode's first half on this GPU alone, over the device's state (Begin first):
+  // the fixed-point sum of the n / shard micro-shards' gradients of `batch` (host memory),
+  // then the loss, then the rejection count (num_params() + 2 values), as a step hands it to
+  // NCCL. A group's sum is the integer sum of its members' results.
+  absl::StatusOr<std::vector<int64_t>> FixedPointGradient(const Batch& batch, int shard,
+                                                          float grad_scale, int frac_bits);
+
  private:
   GpuStep() = default;
+  struct DeterministicResult {
+    double loss = 0;
+    int64_t rejected = 0;
+  };
+  // The steps on explicit host buffers: x holds n x feature_stride floats (none for a language
+  // model), y the n labels or the n windows of token_stride tokens.
+  absl::Status Upload(const float* params, const std::vector<float>& optimizer_state);
+  absl::StatusOr<double> Step(const float* x, const int32_t* y, int n, int micro_batch,
+                              float grad_scale, float lr, int64_t step);
+  absl::StatusOr<DeterministicResult> StepDeterministic(const float* x, const int32_t* y, int n,
+                                                        int shard, float grad_scale,
+                                                        int frac_bits, float lr, int64_t step);
+  absl::StatusOr<double> Evaluate(const float* x, const int32_t* y, int n, int64_t* correct);
+  // The NCCL communicator of `group` (null: none); INTERNAL for a device group of another kind.
+  static absl::StatusOr<NcclCommunicator*> Nccl(const StepGroup& group);
   // Per sample: the labels' or tokens' int32 values.
   size_t IntsPerSample() const {
     return layout_.labels() ? 1 : static_cast<size_t>(layout_.token_stride);
@@ -167,8 +148,7 @@ class GpuStep final : public StepEngine {
   absl::Status UpdateSegments(float lr, int64_t step);
 
   v1::OptimizerSpec optimizer_;
-  // What the update trains and where weight decay applies (all of it, decayed, unless
-  // AttachHost says otherwise).
+  // What the update trains and where weight decay applies: the host optimizer's segments.
   std::vector<Model::Segment> segments_;
   size_t bucket_floats_ = 0;
   // NCCL's buckets: at least bucket_floats_, the loss sent on its own (default mode) or with
@@ -185,7 +165,7 @@ class GpuStep final : public StepEngine {
   int64_t uploads_ = 0;
   int device_ = 0;  // the CUDA device it was made on (the destructor may run on any thread)
   HostBatch last_batch_;
-  NcclCommunicator* comm_ = nullptr;
+  NcclCommunicator* comm_ = nullptr;  // Begin's device group, until End
   cudaStream_t stream_ = nullptr;       // compute
   cudaStream_t copy_stream_ = nullptr;  // host-to-device copies of micro-batches
   cudaEvent_t grads_ready_ = nullptr;

@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "worker/comm/abort_signal.h"
+#include "worker/comm/communicator.h"
 #include "worker/comm/store_client.h"
 
 namespace lockstep::worker {
@@ -55,7 +56,7 @@ inline constexpr char kNcclIdKey[] = "nccl-id";
 // client's abort signal was raised, UNAVAILABLE when the coordinator is unreachable.
 absl::StatusOr<ncclUniqueId> ExchangeNcclId(StoreClient& store, int rank, absl::Duration timeout);
 
-class NcclCommunicator {
+class NcclCommunicator final : public DeviceGroup {
  public:
   struct Options {
     absl::Duration init_timeout = absl::Seconds(60);

@@ -3,9 +3,10 @@
 // generation; the attachment gives them back when it is destroyed, before the generation's
 // communicators go. The CPU backend attaches nothing: the trainer's own CPU engine runs the
 // steps over the generation's Gloo (or shared-memory) communicator. The CUDA backend
-// (cuda_backend.cc, the worker's only CUDA file outside worker/train's GPU models, chosen by
-// CMake) attaches the trainer's GPU step and the generation's NCCL communicator. A job kind
-// that runs no built-in engine is one more backend, not a branch in the generation.
+// (cuda_backend.cc, the worker's only CUDA file outside worker/cuda, chosen by CMake) gives the
+// trainer its GPU step (kept across generations) and attaches the generation's NCCL
+// communicator, which the trainer hands the step where it heals and begins. A job kind that
+// runs no built-in engine is one more backend, not a branch in the generation.
 #pragma once
 
 #include <memory>
@@ -22,10 +23,13 @@
 
 namespace lockstep::worker {
 
-// Held for one generation; destroying it detaches the engine and closes what Attach opened.
+// Held for one generation; destroying it closes what Attach opened (after the generation's
+// training ended: the engine holds the group only between its Begin and End).
 class DeviceAttachment {
  public:
   virtual ~DeviceAttachment() = default;
+  // The device's own collective group for this generation (null: none).
+  virtual DeviceGroup* group() { return nullptr; }
 };
 
 class DeviceBackend {

@@ -1,9 +1,11 @@
-// The GPU's backend: the steps run on the GPU (worker/train's GpuStep) and sum over NCCL,
-// formed through the generation's store under its own key; Gloo stays for healing, evaluation
-// and the small agreements. The trainer keeps its GPU step (and the device's copy of the state)
-// across generations; each generation's NCCL communicator is the step's until the attachment
-// takes it back. The worker's one CUDA file (CMake compiles device/no_cuda.cc without CUDA).
+// The GPU's backend: the steps run on the GPU (worker/cuda's GpuStep) and sum over NCCL,
+// formed through the generation's store under its own key; Gloo stays for the host's part of
+// healing, evaluation and the small agreements. The trainer keeps its GPU step (and the
+// device's copy of the state) across generations; each generation's NCCL communicator is the
+// attachment's, and reaches the step through the trainer where it heals and begins. The
+// worker's one CUDA file outside worker/cuda (CMake compiles device/no_cuda.cc without CUDA).
 #include <cstring>
+#include <string_view>
 #include <utility>
 
 #include <cuda_runtime_api.h>
@@ -63,18 +65,13 @@ absl::Status OpenCudaDevice(DeviceInfo& info) {
 
 namespace {
 
-// The generation's NCCL communicator, lent to the trainer's GPU step until this goes.
+// The generation's NCCL communicator (none for a group of one).
 class CudaAttachment final : public DeviceAttachment {
  public:
-  CudaAttachment(GpuStep* step, std::unique_ptr<NcclCommunicator> nccl)
-      : step_(step), nccl_(std::move(nccl)) {
-    step_->set_nccl(nccl_.get());
-  }
-  // The step lets go of the communicator before it is destroyed.
-  ~CudaAttachment() override { step_->set_nccl(nullptr); }
+  explicit CudaAttachment(std::unique_ptr<NcclCommunicator> nccl) : nccl_(std::move(nccl)) {}
+  DeviceGroup* group() override { return nccl_.get(); }
 
  private:
-  GpuStep* const step_;
   std::unique_ptr<NcclCommunicator> nccl_;
 };
 
@@ -145,19 +142,16 @@ class CudaBackend final : public DeviceBackend {
                   << HumanBytes(kGpuNcclBufferBytes) << " with its connections)";
       }
     }
-    auto* step = dynamic_cast<GpuStep*>(trainer.device_engine());
-    if (step == nullptr && trainer.device_engine() != nullptr) {
-      return absl::InternalError("the trainer keeps a device engine that is not a GPU step");
-    }
-    if (step == nullptr) {
+    // The trainer keeps its GPU step across generations (and the device's copy of the state
+    // with it); a new trainer gets one.
+    if (std::string_view(trainer.engine().device()) != "cuda") {
       // UNIMPLEMENTED or INVALID_ARGUMENT (fatal) for a model or mode the GPU does not train.
-      absl::StatusOr<std::unique_ptr<GpuStep>> created =
-          GpuStep::ForHost(spec, &trainer.model(), &trainer.optimizer(), nccl.get());
+      absl::StatusOr<std::unique_ptr<GpuStep>> created = GpuStep::Create(
+          spec, trainer.sample_layout(), &trainer.model(), &trainer.optimizer());
       if (!created.ok()) return created.status();
-      step = created->get();
-      trainer.set_device_engine(*std::move(created));
+      trainer.set_engine(*std::move(created));
     }
-    return std::make_unique<CudaAttachment>(step, std::move(nccl));
+    return std::make_unique<CudaAttachment>(std::move(nccl));
   }
 
  private:

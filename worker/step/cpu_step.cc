@@ -10,27 +10,47 @@
 
 namespace lockstep::worker {
 
+namespace {
+
+// Backward's row blocks, of about bucket_size_kib.
+size_t ChunkFloats(const v1::JobSpec& spec) {
+  return static_cast<size_t>(std::max(1, spec.bucket_size_kib())) * 1024 / sizeof(float);
+}
+
+// Buckets close at the row blocks backward produces, once they hold bucket_size_kib: large
+// layers span several buckets, so their communication overlaps their own computation. Default
+// mode: the loss rides in the last bucket; deterministic mode: the loss and the out-of-range
+// count.
+BucketPlan Plan(const v1::JobSpec& spec, const Model& model) {
+  const size_t chunk = ChunkFloats(spec);
+  return BucketPlan(model.ReadyPoints(chunk), chunk, spec.deterministic() ? 2 : 1);
+}
+
+}  // namespace
+
 CpuStep::CpuStep(const v1::JobSpec& spec, Model* model, Optimizer* optimizer,
                  const SampleLayout& layout)
     : deterministic_(spec.deterministic()),
       model_(model),
       optimizer_(optimizer),
       layout_(layout),
-      chunk_floats_(static_cast<size_t>(std::max(1, spec.bucket_size_kib())) * 1024 /
-                    sizeof(float)),
-      // Buckets close at the row blocks backward produces, once they hold bucket_size_kib:
-      // large layers span several buckets, so their communication overlaps their own
-      // computation.
-      plan_(model->ReadyPoints(chunk_floats_), chunk_floats_, spec.deterministic() ? 2 : 1) {}
+      chunk_floats_(ChunkFloats(spec)),
+      plan_(Plan(spec, *model)) {}
 
-absl::Status CpuStep::Begin(Communicator* comm) {
-  comm_ = comm;
-  reducer_ = std::make_unique<GradientReducer>(comm);
+size_t CpuStep::LargestCollectiveBytes(const v1::JobSpec& spec, const Model& model) {
+  if (spec.deterministic()) return (model.num_grads() + 2) * sizeof(int64_t);
+  return Plan(spec, model).largest() * sizeof(float);
+}
+
+absl::Status CpuStep::Begin(const StepGroup& group) {
+  comm_ = group.host;
+  reducer_ = std::make_unique<GradientReducer>(comm_);
   return absl::OkStatus();
 }
 
 absl::Status CpuStep::End() {
   reducer_.reset();  // joins its thread: nothing uses the communicator after this
+  comm_ = nullptr;
   return absl::OkStatus();
 }
 
@@ -45,11 +65,6 @@ absl::StatusOr<HostBatch> CpuStep::HostBuffers(int n) {
   batch.tokens = layout_.token_stride > 0 ? tokens_.data() : nullptr;
   batch.token_stride = layout_.token_stride;
   return batch;
-}
-
-size_t CpuStep::largest_collective_bytes() const {
-  if (deterministic_) return (model_->num_grads() + 2) * sizeof(int64_t);
-  return plan_.largest() * sizeof(float);
 }
 
 absl::StatusOr<StepResult> CpuStep::TakeStep(const StepArgs& args) {

@@ -22,7 +22,8 @@ class CpuStep final : public StepEngine {
   // (a classifier's features and label, or a language model's tokens).
   CpuStep(const v1::JobSpec& spec, Model* model, Optimizer* optimizer, const SampleLayout& layout);
 
-  absl::Status Begin(Communicator* comm) override;
+  const char* device() const override { return "cpu"; }
+  absl::Status Begin(const StepGroup& group) override;
   absl::Status Sync() override { return absl::OkStatus(); }
   absl::Status End() override;
   absl::StatusOr<HostBatch> HostBuffers(int n) override;
@@ -31,9 +32,9 @@ class CpuStep final : public StepEngine {
     return model_->Evaluate(batch, correct);
   }
 
-  // The largest sum asked of the communicator in one call, in bytes (a bucket, or in
-  // deterministic mode the whole fixed-point gradient).
-  size_t largest_collective_bytes() const;
+  // The largest sum a CpuStep for `spec` and `model` asks of its communicator in one call, in
+  // bytes (a bucket, or in deterministic mode the whole fixed-point gradient).
+  static size_t LargestCollectiveBytes(const v1::JobSpec& spec, const Model& model);
 
  private:
   absl::StatusOr<StepResult> Step(const StepArgs& args);

@@ -3,7 +3,7 @@
 // The trainer around it owns the data, the sampler, healing, checkpoints, progress and the
 // evaluation's reduction, and hands each step's batch to the engine; the host model and
 // optimizer state are the engine's state (CPU) or its mirror (GPU). Engines: CpuStep
-// (worker/train/cpu_step.h) and GpuStep (worker/train/gpu_step.h).
+// (worker/step/cpu_step.h) and GpuStep (worker/cuda/gpu_step.h); the trainer holds one.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +34,14 @@ struct HostBatch {
   Batch View(int n) const {
     return {n, features, feature_stride, labels, tokens, token_stride};
   }
+};
+
+// What an engine sums over in one generation: the generation's host communicator (Gloo, or
+// shared memory over it), and the device's own group when its backend attached one (a GPU's
+// NCCL communicator; null on a CPU and in a group of one).
+struct StepGroup {
+  Communicator* host = nullptr;
+  DeviceGroup* device = nullptr;
 };
 
 // One step of this rank's share.
@@ -83,15 +91,18 @@ class StateMirror {
 class StepEngine {
  public:
   virtual ~StepEngine() = default;
+  // Where the steps run: "cpu" or "cuda".
+  virtual const char* device() const = 0;
   // Start of training in a generation: the engine takes the host model's and optimizer's state
   // (a device uploads it, unless the copy it kept from an earlier generation is that state)
-  // and will sum over `comm` (a device may use its own transport).
-  virtual absl::Status Begin(Communicator* comm) = 0;
+  // and sums over `group` until End (a CPU over its host communicator, a GPU over its device
+  // group).
+  virtual absl::Status Begin(const StepGroup& group) = 0;
   // The host model and optimizer hold the state of the last step taken (a device downloads it
   // if it is newer).
   virtual absl::Status Sync() = 0;
   // End of training in the generation, after Begin whatever happened: Sync, and let go of the
-  // communicator. On error the host holds the state of the last successful Sync or Begin.
+  // group. On error the host holds the state of the last successful Sync or Begin.
   virtual absl::Status End() = 0;
   virtual absl::StatusOr<HostBatch> HostBuffers(int n) = 0;
   // The step on the last HostBuffers' samples. Errors: the communicator's (the generation is
@@ -99,18 +110,18 @@ class StepEngine {
   virtual absl::StatusOr<StepResult> TakeStep(const StepArgs& args) = 0;
   // Forward only on `batch` (host memory): the loss sum; adds the correct predictions.
   virtual absl::StatusOr<double> Evaluate(const Batch& batch, int64_t* correct) = 0;
-  // Healing's bulk transfer (Trainer::Heal): floats [offset, offset + count) of `part` of the
-  // state, from rank `root` to the other members over the engine's own transport (a device's:
-  // between device memories). The root sends the engine's own copy when it holds the host's
+  // Healing's bulk transfer (Trainer::Heal, before Begin): floats [offset, offset + count) of
+  // `part` of the state, from rank `root` to the other members over `group`'s device group
+  // (between device memories). The root sends the engine's own copy when it holds the host's
   // state (StateMirror::holds_host: a device sends from device memory), else `host`. A member
   // that takes the state (`take`) receives it into the engine's copy, which from then on is
   // not the host's until HostStateChanged(true), and into `host` (the trainer's staging, for
   // the checksum); the others only take part. UNIMPLEMENTED when the engine has no transport
-  // (a CPU, a group of one): the trainer then broadcasts `host` over its communicator. Errors:
-  // the transport's (the generation is over).
+  // of its own (a CPU, a group of one): the trainer then broadcasts `host` over its
+  // communicator. Errors: the transport's (the generation is over).
   enum class StatePart { kParams, kOptimizer };
-  virtual absl::Status BroadcastState(StatePart part, size_t offset, size_t count, float* host,
-                                      int root, bool take) {
+  virtual absl::Status BroadcastState(const StepGroup& group, StatePart part, size_t offset,
+                                      size_t count, float* host, int root, bool take) {
     return absl::UnimplementedError("no transport of its own");
   }
   // The trainer wrote the host's state outside the engine: a heal's commit (`engine_has_it`:

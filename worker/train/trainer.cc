@@ -122,8 +122,7 @@ Trainer::Trainer(const std::string& job_id, const v1::JobSpec& spec,
   optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_->segments(), total_steps_);
   layout_ = data_->language ? SampleLayout{0, spec.model().context_length() + 1}
                             : SampleLayout{data_->dim, 0};
-  cpu_step_ = std::make_unique<CpuStep>(spec, model_.get(), optimizer_.get(), layout_);
-  engine_ = cpu_step_.get();
+  set_engine(nullptr);
   set_communicator(comm);
   if (model_->num_frozen_params() > 0) {
     LOG(INFO) << job_id_ << ": " << model_->num_frozen_params() << " of " << model_->num_params()
@@ -168,26 +167,10 @@ void Trainer::set_memory_budget(int64_t bytes) {
 
 Trainer::~Trainer() = default;
 
-void Trainer::set_step_engine(StepEngine* engine) {
-  engine_ = engine != nullptr ? engine : cpu_step_.get();
-  // Another engine trains the host's state now: a kept device copy is no longer it.
-  if (device_engine_ != nullptr && engine_ != device_engine_.get()) {
-    device_engine_->HostStateChanged(false);
-  }
-}
-
-void Trainer::set_device_engine(std::unique_ptr<StepEngine> engine) {
-  if (engine_ == device_engine_.get()) engine_ = cpu_step_.get();
-  device_engine_ = std::move(engine);
-  if (device_engine_ != nullptr) engine_ = device_engine_.get();
-}
-
-void Trainer::HostStateWritten(bool engine_has_it) {
-  engine_->HostStateChanged(engine_has_it);
-  // A kept device engine that is not the current one (none should be) must not trust its copy.
-  if (device_engine_ != nullptr && device_engine_.get() != engine_) {
-    device_engine_->HostStateChanged(false);
-  }
+void Trainer::set_engine(std::unique_ptr<StepEngine> engine) {
+  engine_ = engine != nullptr ? std::move(engine)
+                              : std::make_unique<CpuStep>(spec_, model_.get(), optimizer_.get(),
+                                                          layout_);
 }
 
 absl::Status Trainer::TrainStep(int64_t step) {
@@ -226,6 +209,7 @@ absl::Status Trainer::SyncHost() {
 
 void Trainer::set_communicator(Communicator* comm) {
   comm_ = comm;
+  device_group_ = nullptr;
   shards_ = RankShards(spec_.micro_shards(), comm->rank(), comm->size());
   micro_batch_ = ChooseMicroBatch(spec_, comm->size(), memory_budget_);
 }
@@ -365,7 +349,8 @@ absl::Status Trainer::ReceiveState(int source, bool take) {
       float* buffer = sending ? mine + offset : staged + offset;
       // Between devices when the engine has a transport of its own (GPUs: NCCL, from and into
       // device memory), else over the communicator.
-      absl::Status sent = engine_->BroadcastState(part, offset, len, buffer, source, take);
+      absl::Status sent =
+          engine_->BroadcastState(group(), part, offset, len, buffer, source, take);
       if (absl::IsUnimplemented(sent)) {
         through_engine = false;
         sent = comm_->Broadcast(buffer, len * sizeof(float), source);
@@ -474,7 +459,7 @@ absl::Status Trainer::Train(int64_t start_step, const std::atomic<bool>& abort,
   // threads joined) before Train returns, whatever the outcome. A device's state comes back to
   // the host on the way out too, so that healing, evaluation and checksums see the last
   // completed step (a failed step updates nothing: the update follows the sum).
-  if (absl::Status s = engine_->Begin(comm_); !s.ok()) {
+  if (absl::Status s = engine_->Begin(group()); !s.ok()) {
     (void)engine_->End();
     return s;
   }
@@ -618,7 +603,9 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
   return result;
 }
 
-size_t Trainer::largest_collective_bytes() const { return cpu_step_->largest_collective_bytes(); }
+size_t Trainer::largest_collective_bytes() const {
+  return CpuStep::LargestCollectiveBytes(spec_, *model_);
+}
 
 double Trainer::TrainSamplesPerSecond() const {
   const double seconds = absl::ToDoubleSeconds(timing_.after_first);

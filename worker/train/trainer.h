@@ -56,15 +56,14 @@ class Trainer {
   // |g| < 2^(51-40) = 2048 per micro-shard gradient value, resolution 2^-40 (9.1e-13); a value
   // outside it (or not finite) fails the step with OUT_OF_RANGE instead of being clipped.
   static constexpr int kFixedPointFracBits = 40;
-  // Runs the steps on another engine (a GPU's); nullptr: the trainer's own CPU engine. Not
-  // owned; set per generation, like the communicator, and not during Train.
-  void set_step_engine(StepEngine* engine);
-  // A device's engine that the trainer owns and keeps across generations, as it keeps its
-  // state: the device's copy of the state outlives the generation, so a survivor uploads
-  // nothing when the group re-forms and a heal's source sends from device memory. The steps
-  // run on it (nullptr: back to the CPU engine). Not during Train.
-  void set_device_engine(std::unique_ptr<StepEngine> engine);
-  StepEngine* device_engine() const { return device_engine_.get(); }
+  // The engine the steps run on, made for this trainer's model and optimizer (it points into
+  // them): a device's (a GPU's GpuStep), which the trainer keeps across generations as it keeps
+  // its state, so that a survivor uploads nothing when the group re-forms and a heal's source
+  // sends from device memory; nullptr: a CPU engine (the default). Not during Train.
+  void set_engine(std::unique_ptr<StepEngine> engine);
+  StepEngine& engine() const { return *engine_; }
+  // What one sample of this job holds (what an engine's host buffers are laid out as).
+  const SampleLayout& sample_layout() const { return layout_; }
   // Memory this worker may use for the job (0: no limit), which decides how many samples go
   // through forward and backward at once (ChooseMicroBatch of common/job_memory.h). Not during
   // Train.
@@ -80,8 +79,12 @@ class Trainer {
   int64_t micro_batch() const { return micro_batch_; }
   // Swaps in another communicator, e.g. a faster transport formed after the model size is
   // known, or the group of a new generation (rank and size may differ: the micro-shards are
-  // re-divided). Not during Train.
+  // re-divided); the device group is then none until set_device_group. Not during Train.
   void set_communicator(Communicator* comm);
+  // The generation's device group (a GPU's NCCL communicator, which its backend attached), that
+  // the engine heals and sums over; not owned, and not kept past the generation. Not during
+  // Train.
+  void set_device_group(DeviceGroup* group) { device_group_ = group; }
 
   // Brings every member of a (new) group to the same state, all or nothing:
   //  1. With checkpoints configured, rank 0 loads the job's newest valid checkpoint if it is
@@ -163,10 +166,11 @@ class Trainer {
                           absl::Duration report_interval);
   // The host model and optimizer hold the last completed step (the engine's Sync).
   absl::Status SyncHost();
-  // The host's state was rewritten outside the engine (a checkpoint, a heal's commit): the
-  // engines that keep a copy learn it; `engine_has_it`: the current engine received the same
-  // state (BroadcastState with take).
-  void HostStateWritten(bool engine_has_it);
+  // The host's state was rewritten outside the engine (a checkpoint, a heal's commit): an
+  // engine that keeps a copy learns it; `engine_has_it`: it received the same state
+  // (BroadcastState with take).
+  void HostStateWritten(bool engine_has_it) { engine_->HostStateChanged(engine_has_it); }
+  StepGroup group() const { return {comm_, device_group_}; }
 
   // Writes a checkpoint (rank 0) when `step` is due and reports it. A failed write is an error
   // only under checkpoint_failure_policy "fail".
@@ -182,14 +186,13 @@ class Trainer {
   const uint64_t training_fingerprint_;
   std::shared_ptr<const Dataset> data_;
   Communicator* comm_;
+  DeviceGroup* device_group_ = nullptr;
   std::unique_ptr<Model> model_;
   Sampler sampler_;
   int64_t total_steps_ = 0;
   std::unique_ptr<Optimizer> optimizer_;
-  std::unique_ptr<CpuStep> cpu_step_;  // the default engine
-  // set_device_engine's: it points into model_ and optimizer_, so it goes before them.
-  std::unique_ptr<StepEngine> device_engine_;
-  StepEngine* engine_ = nullptr;  // cpu_step_, device_engine_, or set_step_engine's
+  // It points into model_ and optimizer_, so it goes before them.
+  std::unique_ptr<StepEngine> engine_;
   // The step the host model and optimizer state belong to (a device's engine may be ahead).
   int64_t host_step_ = 0;
   ShardRange shards_;
