@@ -53,16 +53,20 @@ MemoryEstimate EstimateWorkerMemory(const v1::JobSpec& spec, int64_t micro_batch
   const ModelMemoryTerms m = family->memory(spec, micro_batch);
   e.micro_batch = micro_batch;
   e.parameters = 4 * m.params;
-  // Frozen tensors have no gradient and no optimizer state.
-  e.gradients = 4 * m.trainable;
+  const bool gpu = spec.device() == "cuda";
+  // Frozen tensors have no optimizer state, and on a CPU no gradient; a GPU's gradient buffer
+  // (and deterministic mode's fixed-point sum) is laid out as the parameters, frozen tensors
+  // included (kept zero).
+  const int64_t gradient_values = gpu ? m.params : m.trainable;
+  e.gradients = 4 * gradient_values;
   e.optimizer = (spec.optimizer().type() == "adamw" ? 8 : 4) * m.trainable;
   // A GPU's head runs in larger chunks, counted with its buffers below instead.
-  const bool gpu = spec.device() == "cuda";
   e.activations = 4 * (m.per_sample * micro_batch + (gpu ? 0 : m.fixed));
   if (gpu && spec.precision() == "bf16") e.activations -= 2 * m.bf16_values * micro_batch;
   // Default: the reducer's bucket copies, about one gradient. Deterministic: the int64 sum,
   // and as much again in the communicator.
-  e.communication = spec.deterministic() ? 16 * (m.trainable + 2) : 4 * m.trainable;
+  e.communication =
+      spec.deterministic() ? 16 * (gradient_values + 2) : 4 * gradient_values;
   if (gpu) {
     // A second upload slot (the next micro-batch's copy overlaps this one's compute); the
     // workspaces; NCCL's buffers when the job may run on a group; the LM head's logits in

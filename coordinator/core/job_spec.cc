@@ -251,9 +251,6 @@ absl::Status ValidateModelOnData(const v1::JobSpec& spec) {
       family->validate_on_device != nullptr) {
     if (absl::Status s = family->validate_on_device(spec); !s.ok()) return s;
   }
-  if (spec.device() == "cuda" && !model.frozen_parameters().empty()) {
-    return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
-  }
   return absl::OkStatus();
 }
 

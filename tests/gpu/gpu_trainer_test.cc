@@ -363,6 +363,48 @@ TEST(GpuTrainerTest, GptOnTheGpuTrainsTheCpuModel) {
   EXPECT_LT(cpu_run.eval.test_loss(), std::log(256.0));
 }
 
+// Frozen tensors on the GPU: the device's gradient buffer holds them (kept zero), the update
+// and the optimizer's state (the host's layout, trainable values only) skip them. A GPT with
+// its embedding and first block frozen (AdamW, clipping: the norm must leave them out), and an
+// MLP in deterministic mode with its first layer frozen (the fixed-point sum must count no
+// rejection there), end near the CPU's parameters, and their frozen tensors keep their
+// initial bits.
+TEST(GpuTrainerTest, FrozenTensorsTrainOnTheGpuAsOnTheCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no usable GPU";
+  v1::JobSpec gpt = GptSpec();
+  gpt.mutable_model()->add_frozen_parameters("wte.weight");
+  gpt.mutable_model()->add_frozen_parameters("h.0.*");
+  v1::JobSpec mlp = Spec("adamw");
+  mlp.set_deterministic(true);
+  mlp.mutable_model()->add_frozen_parameters("fc1.*");
+  for (const v1::JobSpec& spec : {gpt, mlp}) {
+    SCOPED_TRACE(spec.model().type());
+    absl::Status cpu_status, gpu_status;
+    auto data = LoadDataset(spec.dataset());
+    ASSERT_TRUE(data.ok()) << data.status();
+    SoloCommunicator solo;
+    auto fresh = Trainer::Create("test-job", spec, *data, &solo);
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    ASSERT_GT((*fresh)->model().num_frozen_params(), 0u);
+    TrainRun cpu_run, gpu_run;
+    std::unique_ptr<Trainer> cpu = TrainOne(spec, false, &cpu_status, &cpu_run);
+    ASSERT_TRUE(cpu_status.ok()) << cpu_status;
+    std::unique_ptr<Trainer> gpu = TrainOne(spec, true, &gpu_status, &gpu_run);
+    ASSERT_TRUE(gpu_status.ok()) << gpu_status;
+    ExpectTensorsClose(cpu->model(), gpu->model(), 1e-2);
+    ExpectLossesClose(cpu_run, gpu_run, 1e-3);
+    const Model& before = (*fresh)->model();
+    for (size_t t = 0; t < before.tensors().size(); ++t) {
+      if (!before.frozen(t)) continue;
+      const Tensor& tensor = before.tensors()[t];
+      EXPECT_TRUE(std::equal(before.params() + tensor.offset,
+                             before.params() + tensor.offset + tensor.count,
+                             gpu->model().params() + tensor.offset))
+          << tensor.name << " changed on the GPU";
+    }
+  }
+}
+
 // bf16 products (FP32 master weights, sums and optimizer state) train the GPT as the CPU does,
 // to bf16's precision: the first step's loss close (the same parameters), the last close, and
 // the parameters near the CPU's but not equal to TF32's or FP32's rounding (bf16 really ran).

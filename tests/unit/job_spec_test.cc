@@ -246,6 +246,8 @@ TEST(JobSpecTest, GptOnGpuWorkersPasses) {
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.set_precision("bf16");
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_model()->add_frozen_parameters("wte.weight");  // GPU workers freeze tensors too
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
 }
 
 TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {

@@ -52,9 +52,6 @@ absl::StatusOr<std::unique_ptr<GpuGpt>> GpuGpt::Create(const Gpt& host, cudaStre
                                                    " channels; the attention kernel takes up to ",
                                                    cuda::kMaxAttentionHead));
   }
-  if (host.num_frozen_params() > 0) {
-    return absl::InvalidArgumentError("GpuGpt: frozen tensors do not run on GPUs yet");
-  }
   std::unique_ptr<GpuGpt> gpt(new GpuGpt());
   gpt->config_ = c;
   gpt->layout_ = host.layout();

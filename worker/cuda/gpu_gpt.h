@@ -37,7 +37,8 @@ class GpuGpt final : public GpuModel {
   // Takes the shape and layout of `host` (not its parameters: UploadParams) and allocates
   // parameters and gradients on the current device; activations grow on first use. The head
   // runs over at most `head_chunk_values` logits at a time. INVALID_ARGUMENT for an empty
-  // shape, heads over cuda::kMaxAttentionHead, or frozen tensors (not on GPUs yet).
+  // shape, or heads over cuda::kMaxAttentionHead. Frozen tensors get gradients like the others
+  // (the buffer is laid out as the parameters); GpuStep zeroes them.
   static absl::StatusOr<std::unique_ptr<GpuGpt>> Create(
       const Gpt& host, cudaStream_t stream, size_t head_chunk_values = kHeadChunkValues);
   ~GpuGpt() override;

@@ -53,11 +53,19 @@ class BucketSender {
 absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec,
                                                          const SampleLayout& layout, Model* model,
                                                          Optimizer* optimizer) {
-  // The device's gradient buffer and update run over the whole flat buffer.
-  if (model->num_frozen_params() > 0) {
-    return absl::UnimplementedError("model.frozen_parameters does not run on GPU workers yet");
-  }
   std::unique_ptr<GpuStep> step(new GpuStep());
+  // The device model's gradient buffer is laid out as its parameters: frozen tensors take room
+  // in it, and RunPass keeps them zero (the update skips them).
+  const std::vector<Tensor>& tensors = model->tensors();
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    if (!model->frozen(t)) continue;
+    const size_t begin = tensors[t].offset, end = begin + tensors[t].count;
+    if (!step->frozen_.empty() && step->frozen_.back().second == begin) {
+      step->frozen_.back().second = end;
+    } else {
+      step->frozen_.emplace_back(begin, end);
+    }
+  }
   step->host_model_ = model;
   step->host_optimizer_ = optimizer;
   step->layout_ = layout;
@@ -94,7 +102,9 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   LOCKSTEP_RETURN_IF_ERROR(step->model_->blas().SetPrecision(*precision));
   const size_t params = step->model_->num_params();
   step->segments_ = optimizer->segments();
-  step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * params;
+  // The optimizer's state is the host's: trainable values only (gradient offsets).
+  step->num_grads_ = model->num_grads();
+  step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * step->num_grads_;
   LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&step->state_, step->state_floats_ * sizeof(float)));
   if (spec.optimizer().grad_clip_norm() > 0) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(
@@ -399,15 +409,40 @@ absl::Status GpuStep::ReleaseSlot(int slot) {
   return absl::OkStatus();
 }
 
+absl::Status GpuStep::ZeroFrozen(size_t begin, size_t end) {
+  for (const auto& [first, last] : frozen_) {
+    const size_t from = std::max(first, begin), to = std::min(last, end);
+    if (from >= to) continue;
+    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemsetAsync(model_->grads() + from, 0,
+                                                 (to - from) * sizeof(float), stream_));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GpuStep::RunPass(int pass, const float* x, const int32_t* y, int n, float grad_scale,
                               const std::function<void(size_t)>& on_ready, bool accumulate) {
   absl::StatusOr<int> slot = UploadPass(pass, x, y, n);
   if (!slot.ok()) return slot.status();
+  // Frozen tensors' gradients are zeroed as backward finishes each piece, before anything
+  // reads the piece (the group's sum, the fixed-point conversion, the clip's norm, the update):
+  // the same stream orders the zeroing behind backward and ahead of them.
+  size_t zeroed = 0;
+  absl::Status zero_status;
+  std::function<void(size_t)> ready = on_ready;
+  if (on_ready != nullptr && !frozen_.empty()) {
+    ready = [&](size_t end) {
+      if (zero_status.ok()) zero_status = ZeroFrozen(zeroed, end);
+      zeroed = end;
+      on_ready(end);
+    };
+  }
   if (absl::Status s = model_->ForwardBackward(SlotBatch(*slot, n), grad_scale, bucket_floats_,
-                                               on_ready, accumulate);
+                                               ready, accumulate);
       !s.ok()) {
     return s;
   }
+  LOCKSTEP_RETURN_IF_ERROR(zero_status);
+  LOCKSTEP_RETURN_IF_ERROR(ZeroFrozen(zeroed, model_->num_params()));
   return ReleaseSlot(*slot);
 }
 
@@ -466,15 +501,16 @@ absl::Status GpuStep::UpdateSegments(float lr, int64_t step) {
     }
   }
   // Segment by segment, as the CPU optimizer (elementwise: the same bits as one call where
-  // the decay is the same).
+  // the decay is the same). The device's gradient sits where its parameter does; the
+  // optimizer's state where the host's gradient does (trainable values only).
   for (const Model::Segment& seg : segments_) {
     float* const p = model_->params() + seg.param_offset;
-    const float* const g = model_->grads() + seg.grad_offset;
+    const float* const g = model_->grads() + seg.param_offset;
     const float weight_decay = seg.decay ? static_cast<float>(optimizer_.weight_decay()) : 0.0f;
     LOCKSTEP_RETURN_IF_ERROR(
         optimizer_.type() == "adamw"
             ? kernels::cuda::AdamWUpdate(p, g, state_ + seg.grad_offset,
-                                         state_ + params + seg.grad_offset, seg.count, lr,
+                                         state_ + num_grads_ + seg.grad_offset, seg.count, lr,
                                          static_cast<float>(optimizer_.beta1()),
                                          static_cast<float>(optimizer_.beta2()),
                                          static_cast<float>(optimizer_.epsilon()), weight_decay,

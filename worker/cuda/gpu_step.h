@@ -17,6 +17,7 @@
 
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -34,8 +35,9 @@ class GpuStep final : public StepEngine {
  public:
   // The engine for `model` and `optimizer` (a trainer's: the state it mirrors, not owned), on
   // the current device, with the device model of the model's family (CreateGpuModel); `layout`:
-  // what a sample holds. UNIMPLEMENTED for a family the GPU does not train, or frozen tensors;
-  // INVALID_ARGUMENT for a shape its kernels do not take.
+  // what a sample holds. Frozen tensors are trained as the CPU does: their gradients are
+  // zero, and neither the update nor the optimizer's state covers them. UNIMPLEMENTED for a
+  // family the GPU does not train; INVALID_ARGUMENT for a shape its kernels do not take.
   static absl::StatusOr<std::unique_ptr<GpuStep>> Create(const v1::JobSpec& spec,
                                                          const SampleLayout& layout, Model* model,
                                                          Optimizer* optimizer);
@@ -129,7 +131,10 @@ class GpuStep final : public StepEngine {
   absl::StatusOr<int> UploadPass(int pass, const float* x, const int32_t* y, int n);
   // Marks the slot's data as used by everything queued on the compute stream so far.
   absl::Status ReleaseSlot(int slot);
-  // One micro-batch: upload, forward and backward (see GpuModel::ForwardBackward), release.
+  // Zeroes the frozen tensors' gradients in [begin, end) (parameter offsets), on the stream.
+  absl::Status ZeroFrozen(size_t begin, size_t end);
+  // One micro-batch: upload, forward and backward (see GpuModel::ForwardBackward), the frozen
+  // tensors' gradients zeroed piece by piece, release.
   absl::Status RunPass(int pass, const float* x, const int32_t* y, int n, float grad_scale,
                        const std::function<void(size_t)>& on_ready, bool accumulate);
   // Aborts the communicator after a failed step (buckets may be in flight, and NCCL kernels never
@@ -149,6 +154,9 @@ class GpuStep final : public StepEngine {
 
   v1::OptimizerSpec optimizer_;
   // What the update trains and where weight decay applies: the host optimizer's segments.
+  // Frozen tensors' parameter ranges [first, second), ascending.
+  std::vector<std::pair<size_t, size_t>> frozen_;
+  size_t num_grads_ = 0;  // the trainable values: the optimizer's state per moment
   std::vector<Model::Segment> segments_;
   size_t bucket_floats_ = 0;
   // NCCL's buckets: at least bucket_floats_, the loss sent on its own (default mode) or with
