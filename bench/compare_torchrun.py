@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def reference_spec(workers, epochs, max_steps=0, skip_eval=False, seed=1):
     spec = {
         "name": f"reference-{workers}w",
-        "model": {"type": "mlp", "hiddenWidths": [512, 512], "activation": "relu"},
+        "model": {"mlp": {"hiddenWidths": [512, 512], "activation": "relu"}},
         "dataset": {"type": "fashion_mnist", "path": "/usr/share/datasets/fashion-mnist"},
         "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
         "globalBatchSize": 256,

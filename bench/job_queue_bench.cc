@@ -59,7 +59,7 @@ v1::JobSpec QueuedJob() {
   v1::JobSpec spec;
   spec.set_name("queued");
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(16);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(16);
   spec.mutable_dataset()->set_type("synthetic");
   auto* s = spec.mutable_dataset()->mutable_synthetic();
   s->set_train_samples(256);

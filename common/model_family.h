@@ -1,9 +1,12 @@
 // Model families: what every part of the system knows about one kind of model (the MLP, the
 // GPT), in one place per family (common/models/NAME.cc), looked up by the spec's model.type.
+// A spec's model is one family's message (ModelSpec's `family` oneof, model.mlp or model.gpt)
+// and model.type its name, which NormalizeModelSpec fills in.
 // The coordinator validates and sizes a spec through it, the CLI asks whether a job is a
 // language model, the worker's models lay out their buffers from its tensors.
 //
-// Adding a family: its fields in proto/lockstep/v1/job.proto, a common/models/ file defining
+// Adding a family: its message in proto/lockstep/v1/job.proto (a case of ModelSpec's `family`
+// named as the family), a common/models/ file defining
 // its ModelFamily (defaults, validation, tensor layout, memory terms), one line in
 // ModelFamilies(), a host model in worker/model/ (registered in
 // worker/model/model.cc), and for GPU workers a device model in worker/cuda/ with its kernels
@@ -36,8 +39,14 @@ struct ModelMemoryTerms {
   int64_t gpu_bf16_bytes = 0;
 };
 
+// What a language model's samples are: token ids in [0, vocab), windows of context tokens.
+struct TokenShape {
+  int32_t vocab = 0;
+  int32_t context = 0;
+};
+
 struct ModelFamily {
-  const char* name;  // model.type
+  const char* name;  // model.type, and the name of its case of ModelSpec's `family`
   // Trains on token data (text, tokens) and can write a sample of text.
   bool language_model = false;
   // Fills the family's defaults into the spec's model (before validation).
@@ -53,6 +62,8 @@ struct ModelFamily {
   // What the spec's device cannot train of a valid model (null: it trains all of it):
   // INVALID_ARGUMENT naming the field.
   absl::Status (*validate_on_device)(const v1::JobSpec& spec) = nullptr;
+  // Language models: their token shape.
+  TokenShape (*tokens_of)(const v1::ModelSpec& model) = nullptr;
 };
 
 // Every family this build knows, in the order error messages list them.
@@ -63,6 +74,19 @@ const ModelFamily* FindModelFamily(absl::string_view name);
 std::string ModelFamilyNames();
 // Whether `model` is of a language-model family (false for an unknown type).
 bool IsLanguageModel(const v1::ModelSpec& model);
+// A language model's token shape (zeros for other models).
+TokenShape TokenShapeOf(const v1::ModelSpec& model);
+
+// The canonical form of a model: the family's message set, and model.type its name. A spec of
+// the form before the family messages (model.type naming the family, its fields at the top of
+// ModelSpec: saved jobs and old JSON) gets its fields moved into the family's message; a spec
+// with only the family's message gets model.type. What cannot be told is left as it is for
+// ValidateModelForm to name. Idempotent.
+void NormalizeModelSpec(v1::ModelSpec& model);
+// After NormalizeModelSpec: INVALID_ARGUMENT naming the field when model.type and the family's
+// message disagree, or a field of the old form is left (set beside a family's message, or not
+// a field of the family). OK for an unknown or empty type (the caller names that).
+absl::Status ValidateModelForm(const v1::ModelSpec& model);
 
 // The families (common/models/*.cc).
 extern const ModelFamily kMlpFamily;

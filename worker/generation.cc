@@ -88,7 +88,7 @@ absl::Status Generation::Run(std::unique_ptr<Trainer>& trainer) {
   } catch (const std::bad_alloc&) {
     // A job that needs more memory than this worker can get fails with that reason; the
     // worker lives on and takes the next job. What was built for it is dropped (the device's
-    // attachment first: it points into the trainer).
+    // attachment first: the trainer's engine may hold its group until End).
     device_.reset();
     trainer.reset();
     return absl::ResourceExhaustedError(absl::StrCat(

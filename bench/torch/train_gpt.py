@@ -176,8 +176,10 @@ def apply_spec(args, path):
     """Sets the job's arguments from a Lockstep JobSpec in protobuf's JSON mapping."""
     spec = json.load(open(path))
     model, data, opt = spec["model"], spec["dataset"], spec.get("optimizer", {})
-    if model.get("type") != "gpt" or data.get("type") != "text":
+    if model.get("type", "gpt" if "gpt" in model else "") != "gpt" or data.get("type") != "text":
         raise SystemExit(f"{path}: the twin trains model type gpt on text data")
+    # The family's fields are in model.gpt (or, in the form before it, beside model.type).
+    model = model.get("gpt", model)
     args.vocab, args.context = model["vocabSize"], model["contextLength"]
     args.layers, args.heads, args.d_model = model["nLayer"], model["nHead"], model["dModel"]
     args.data = os.path.join(os.path.dirname(os.path.abspath(path)), data["path"])

@@ -13,7 +13,8 @@
 namespace lockstep {
 namespace {
 
-absl::Status ValidateGpt(const v1::ModelSpec& model) {
+absl::Status ValidateGpt(const v1::ModelSpec& spec) {
+  const v1::GptSpec& model = spec.gpt();
   for (const auto& [field, value, limit] :
        {std::tuple<const char*, int32_t, int32_t>{"vocab_size", model.vocab_size(), 1 << 20},
         {"context_length", model.context_length(), 1 << 16},
@@ -22,24 +23,21 @@ absl::Status ValidateGpt(const v1::ModelSpec& model) {
         {"d_model", model.d_model(), 1 << 16}}) {
     if (value <= 0 || value > limit) {
       return absl::InvalidArgumentError(
-          absl::StrCat("model.", field, ": must be in [1, ", limit, "], got ", value));
+          absl::StrCat("model.gpt.", field, ": must be in [1, ", limit, "], got ", value));
     }
   }
   if (model.d_model() % model.n_head() != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model.d_model: ", model.d_model(), " is not divisible by n_head ", model.n_head()));
-  }
-  if (!model.hidden_widths().empty()) {
-    return absl::InvalidArgumentError(
-        "model.hidden_widths: is an MLP field; the GPT's width is d_model");
+        "model.gpt.d_model: ", model.d_model(), " is not divisible by n_head ", model.n_head()));
   }
   return absl::OkStatus();
 }
 
 // In buffer order: the final LayerNorm, the blocks from the last to the first, then the
 // position and token embeddings (the worker's Gpt lays out the same, tests/unit/model_test.cc).
-std::vector<TensorSize> GptTensors(const v1::ModelSpec& model, int64_t /*features*/,
+std::vector<TensorSize> GptTensors(const v1::ModelSpec& spec, int64_t /*features*/,
                                    int64_t /*classes*/) {
+  const v1::GptSpec& model = spec.gpt();
   std::vector<TensorSize> t;
   const int64_t C = model.d_model(), L = model.n_layer();
   t.push_back({"ln_f.weight", C});
@@ -65,11 +63,11 @@ std::vector<TensorSize> GptTensors(const v1::ModelSpec& model, int64_t /*feature
 }
 
 ModelMemoryTerms GptMemory(const v1::JobSpec& spec, int64_t micro_batch) {
-  const v1::ModelSpec& model = spec.model();
+  const v1::GptSpec& model = spec.model().gpt();
   ModelMemoryTerms m;
-  const std::vector<TensorSize> tensors = GptTensors(model, 0, 0);
-  const std::vector<std::string> patterns(model.frozen_parameters().begin(),
-                                          model.frozen_parameters().end());
+  const std::vector<TensorSize> tensors = GptTensors(spec.model(), 0, 0);
+  const std::vector<std::string> patterns(spec.model().frozen_parameters().begin(),
+                                          spec.model().frozen_parameters().end());
   absl::StatusOr<std::vector<bool>> frozen = MatchFrozen(tensors, patterns);
   for (size_t i = 0; i < tensors.size(); ++i) {
     m.params += tensors[i].count;
@@ -101,21 +99,26 @@ ModelMemoryTerms GptMemory(const v1::JobSpec& spec, int64_t micro_batch) {
 
 // GPU workers' attention takes heads of up to kMaxGpuAttentionHead channels.
 absl::Status ValidateGptOnDevice(const v1::JobSpec& spec) {
-  const v1::ModelSpec& model = spec.model();
+  const v1::GptSpec& model = spec.model().gpt();
   if (spec.device() == "cuda" && model.n_head() > 0 &&
       model.d_model() / model.n_head() > kMaxGpuAttentionHead) {
     return absl::InvalidArgumentError(
-        absl::StrCat("model.n_head: heads of ", model.d_model() / model.n_head(),
+        absl::StrCat("model.gpt.n_head: heads of ", model.d_model() / model.n_head(),
                      " channels (d_model / n_head); GPU workers take up to ",
                      kMaxGpuAttentionHead, ": use more heads"));
   }
   return absl::OkStatus();
 }
 
+TokenShape GptTokens(const v1::ModelSpec& model) {
+  return {model.gpt().vocab_size(), model.gpt().context_length()};
+}
+
 }  // namespace
 
-// name, language_model, apply_defaults, validate, tensors, memory, validate_on_device
-const ModelFamily kGptFamily = {"gpt", true, nullptr, ValidateGpt, GptTensors, GptMemory,
-                                ValidateGptOnDevice};
+// name, language_model, apply_defaults, validate, tensors, memory, validate_on_device, tokens_of
+const ModelFamily kGptFamily = {"gpt",     true,      nullptr,
+                                ValidateGpt, GptTensors, GptMemory,
+                                ValidateGptOnDevice,  GptTokens};
 
 }  // namespace lockstep

@@ -8,21 +8,23 @@
 namespace lockstep {
 namespace {
 
-void MlpDefaults(v1::ModelSpec& model) {
+void MlpDefaults(v1::ModelSpec& spec) {
+  v1::MlpSpec& model = *spec.mutable_mlp();
   if (model.activation().empty()) model.set_activation("relu");
 }
 
-absl::Status ValidateMlp(const v1::ModelSpec& model) {
+absl::Status ValidateMlp(const v1::ModelSpec& spec) {
+  const v1::MlpSpec& model = spec.mlp();
   for (int i = 0; i < model.hidden_widths_size(); ++i) {
     if (model.hidden_widths(i) <= 0 || model.hidden_widths(i) > (1 << 20)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("model.hidden_widths[", i, "]: must be in [1, 1048576], got ",
+          absl::StrCat("model.mlp.hidden_widths[", i, "]: must be in [1, 1048576], got ",
                        model.hidden_widths(i)));
     }
   }
   if (model.activation() != "relu" && model.activation() != "gelu") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model.activation: unknown activation \"", model.activation(), "\" (relu, gelu)"));
+        "model.mlp.activation: unknown activation \"", model.activation(), "\" (relu, gelu)"));
   }
   return absl::OkStatus();
 }
@@ -33,7 +35,7 @@ std::vector<TensorSize> MlpTensors(const v1::ModelSpec& model, int64_t features,
                                    int64_t classes) {
   std::vector<TensorSize> t;
   std::vector<int64_t> dims = {features};
-  for (int w : model.hidden_widths()) dims.push_back(w);
+  for (int w : model.mlp().hidden_widths()) dims.push_back(w);
   dims.push_back(classes);
   for (size_t l = dims.size() - 1; l >= 1; --l) {
     t.push_back({absl::StrCat("fc", l, ".weight"), dims[l - 1] * dims[l]});
@@ -48,7 +50,7 @@ std::vector<int64_t> LayerWidths(const v1::JobSpec& spec) {
   std::vector<int64_t> dims;
   const bool synthetic = spec.dataset().type() == "synthetic";
   dims.push_back(synthetic ? spec.dataset().synthetic().input_dim() : 28 * 28);
-  for (int width : spec.model().hidden_widths()) dims.push_back(width);
+  for (int width : spec.model().mlp().hidden_widths()) dims.push_back(width);
   dims.push_back(synthetic ? spec.dataset().synthetic().num_classes() : 10);
   return dims;
 }

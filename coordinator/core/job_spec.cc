@@ -71,7 +71,7 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
     if (absl::Status s = CheckText(path.field, path.value, kMaxPathBytes); !s.ok()) return s;
   }
   for (const auto& text : {std::pair<const char*, const std::string&>{"model.type", spec.model().type()},
-                           {"model.activation", spec.model().activation()},
+                           {"model.mlp.activation", spec.model().mlp().activation()},
                            {"dataset.type", spec.dataset().type()},
                            {"optimizer.type", spec.optimizer().type()},
                            {"device", spec.device()},
@@ -79,10 +79,10 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
                            {"checkpoint_failure_policy", spec.checkpoint_failure_policy()}}) {
     if (absl::Status s = CheckText(text.first, text.second, 64); !s.ok()) return s;
   }
-  if (spec.model().hidden_widths_size() > kMaxHiddenLayers) {
-    return Invalid("model.hidden_widths", absl::StrCat("at most ", kMaxHiddenLayers,
-                                                       " layers, got ",
-                                                       spec.model().hidden_widths_size()));
+  if (spec.model().mlp().hidden_widths_size() > kMaxHiddenLayers) {
+    return Invalid("model.mlp.hidden_widths",
+                   absl::StrCat("at most ", kMaxHiddenLayers, " layers, got ",
+                                spec.model().mlp().hidden_widths_size()));
   }
   if (spec.model().frozen_parameters_size() > kMaxFrozenPatterns) {
     return Invalid("model.frozen_parameters",
@@ -115,8 +115,11 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
 }  // namespace
 
 void ApplyJobSpecDefaults(v1::JobSpec* spec) {
+  NormalizeModelSpec(*spec->mutable_model());
+  // (A model that is not one family's is left as it is, for validation to name.)
   if (const ModelFamily* family = FindModelFamily(spec->model().type());
-      family != nullptr && family->apply_defaults != nullptr) {
+      family != nullptr && family->apply_defaults != nullptr &&
+      ValidateModelForm(spec->model()).ok()) {
     family->apply_defaults(*spec->mutable_model());
   }
   if (const DataFormat* format = FindDataFormat(spec->dataset().type());
@@ -200,6 +203,7 @@ absl::Status ValidateModel(const v1::ModelSpec& model) {
     return Invalid("model.type", absl::StrCat("unknown model \"", model.type(), "\" (one of: ",
                                               ModelFamilyNames(), ")"));
   }
+  if (absl::Status s = ValidateModelForm(model); !s.ok()) return s;
   if (absl::Status s = family->validate(model); !s.ok()) return s;
   if (!model.frozen_parameters().empty()) {
     const std::vector<std::string> patterns(model.frozen_parameters().begin(),
@@ -265,6 +269,7 @@ std::string LanguageFamilyNames() {
 
 absl::Status ValidateSample(const v1::JobSpec& spec) {
   const v1::ModelSpec& model = spec.model();
+  const int32_t vocab = TokenShapeOf(model).vocab;
   const v1::DatasetSpec& data = spec.dataset();
   const v1::SampleSpec& sample = spec.sample();
   if (sample.max_tokens() < 0 || sample.max_tokens() > 4096) {
@@ -286,17 +291,17 @@ absl::Status ValidateSample(const v1::JobSpec& spec) {
       return Invalid("sample.prompt", "token data has no text; give sample.prompt_tokens");
     }
     for (int i = 0; i < sample.prompt_tokens_size(); ++i) {
-      if (sample.prompt_tokens(i) < 0 || sample.prompt_tokens(i) >= model.vocab_size()) {
+      if (sample.prompt_tokens(i) < 0 || sample.prompt_tokens(i) >= vocab) {
         return Invalid(absl::StrCat("sample.prompt_tokens[", i, "]"),
                        absl::StrCat(sample.prompt_tokens(i), " is outside [0, vocab_size ",
-                                    model.vocab_size(), ")"));
+                                    vocab, ")"));
       }
     }
-    if (data.type() == "text" && model.vocab_size() < 256) {
+    if (data.type() == "text" && vocab < 256) {
       for (unsigned char c : sample.prompt()) {
-        if (c >= model.vocab_size()) {
+        if (c >= vocab) {
           return Invalid("sample.prompt", absl::StrCat("holds byte ", int{c},
-                                                       ", beyond vocab_size ", model.vocab_size()));
+                                                       ", beyond vocab_size ", vocab));
         }
       }
     }

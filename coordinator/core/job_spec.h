@@ -20,7 +20,8 @@ inline constexpr int kMaxHiddenLayers = 64;
 inline constexpr int kMaxFrozenPatterns = 256;
 inline constexpr int kMaxRestartsLimit = 1000;
 
-// Fills the fields left at zero/empty with their documented defaults. Idempotent.
+// Fills the fields left at zero/empty with their documented defaults, and moves a model of the
+// form before the family messages into its family's message (NormalizeModelSpec). Idempotent.
 void ApplyJobSpecDefaults(v1::JobSpec* spec);
 
 // The spec's paths against the directories jobs may use: dataset.path and

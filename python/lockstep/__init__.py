@@ -2,7 +2,7 @@
 
     import lockstep
     client = lockstep.Client("127.0.0.1:7070", token="...")
-    job = client.submit({"model": {"type": "mlp", "hiddenWidths": [64]}, ...})
+    job = client.submit({"model": {"mlp": {"hiddenWidths": [64]}}, ...})
     for event in client.watch(job.job_id):
         print(event.message)
 

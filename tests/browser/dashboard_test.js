@@ -67,7 +67,7 @@ test("dashboard", { timeout: 8 * 60 * 1000 }, async (t) => {
   const spec = path.join(dir, "job.json");
   fs.writeFileSync(spec, JSON.stringify({
     name: "dashboard-mlp",
-    model: { type: "mlp", hiddenWidths: [128] },
+    model: { mlp: { hiddenWidths: [128] } },
     dataset: { type: "synthetic", synthetic: { trainSamples: 100000, testSamples: 2000, inputDim: 128, numClasses: 10, seed: 3 } },
     optimizer: { type: "sgd", learningRate: 0.02, momentum: 0.9 },
     globalBatchSize: 64, maxSteps: 1000000, evalEverySteps: 200, seed: 1, minWorkers: 2, maxWorkers: 2,

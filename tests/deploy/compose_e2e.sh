@@ -261,7 +261,7 @@ wait_for 90 "3 healthy workers" bash -c "[[ \$($(declare -f healthy_count); comp
 cat >"$work/job.json" <<'JOB'
 {
   "name": "compose-e2e",
-  "model": {"type": "mlp", "hiddenWidths": [256, 256]},
+  "model": {"mlp": {"hiddenWidths": [256, 256]}},
   "dataset": {"type": "synthetic",
               "synthetic": {"trainSamples": 24000, "testSamples": 2000, "inputDim": 128,
                             "numClasses": 10, "seed": 3}},

@@ -162,7 +162,7 @@ PY
 # MLP deterministic with TF32 products; job-3: the GPT (AdamW, clipping, warm-up and cosine);
 # job-4: the GPT deterministic, whose checksum the multi-rank group must reproduce.
 cat >"$job_dir/job-1.json" <<'JOB'
-{"name": "gpu-check", "model": {"type": "mlp", "hiddenWidths": [2048, 2048]},
+{"name": "gpu-check", "model": {"mlp": {"hiddenWidths": [2048, 2048]}},
  "dataset": {"type": "synthetic", "synthetic": {"trainSamples": 65536, "testSamples": 4096,
              "inputDim": 784, "numClasses": 10, "seed": 1}},
  "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
@@ -172,8 +172,8 @@ JOB
 sed -e 's/"gpu-check"/"gpu-check-deterministic"/' -e 's/"microBatchSize": 256/"deterministic": true/' \
   -e 's/"device": "cuda"/"device": "cuda", "precision": "tf32"/' "$job_dir/job-1.json" >"$job_dir/job-2.json"
 cat >"$job_dir/job-3.json" <<JOB
-{"name": "gpu-check-gpt", "model": {"type": "gpt", "vocabSize": 256, "contextLength": 128,
-  "nLayer": 4, "nHead": 4, "dModel": 256},
+{"name": "gpu-check-gpt", "model": {"gpt": {"vocabSize": 256, "contextLength": 128,
+  "nLayer": 4, "nHead": 4, "dModel": 256}},
  "dataset": {"type": "text", "path": "$job_dir/corpus.txt", "validationFraction": 0.05},
  "optimizer": {"type": "adamw", "learningRate": 0.003, "weightDecay": 0.1, "beta2": 0.99,
                "warmupSteps": 30, "cosineDecay": true, "gradClipNorm": 1.0},

@@ -46,8 +46,8 @@ const bool kSharedGpuVariable = setenv(kNcclSharedGpuVariable, "1", /*overwrite=
 v1::JobSpec Spec(const std::string& optimizer) {
   v1::JobSpec spec;
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(64);
-  spec.mutable_model()->add_hidden_widths(48);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(64);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(48);
   spec.mutable_dataset()->set_type("synthetic");
   auto* s = spec.mutable_dataset()->mutable_synthetic();
   s->set_train_samples(4096);
@@ -464,7 +464,7 @@ TEST(GpuTrainerTest, GptFixedPointSumIsIndependentOfTheSplit) {
   auto trainer = Trainer::Create("test-job", spec, *data, &comm);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   Model& model = (*trainer)->model();
-  const int stride = spec.model().context_length() + 1;
+  const int stride = spec.model().gpt().context_length() + 1;
   const int shard = 2, shards = 8, n = shard * shards;
   std::mt19937 rng(5);
   std::vector<int32_t> tokens(static_cast<size_t>(n) * stride);

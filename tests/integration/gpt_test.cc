@@ -27,11 +27,11 @@ v1::JobSpec FortunesJob(int min_workers, int max_workers, int64_t steps) {
   spec.set_name("fortunes-gpt-test");
   v1::ModelSpec* m = spec.mutable_model();
   m->set_type("gpt");
-  m->set_vocab_size(256);
-  m->set_context_length(64);
-  m->set_n_layer(2);
-  m->set_n_head(2);
-  m->set_d_model(64);
+  m->mutable_gpt()->set_vocab_size(256);
+  m->mutable_gpt()->set_context_length(64);
+  m->mutable_gpt()->set_n_layer(2);
+  m->mutable_gpt()->set_n_head(2);
+  m->mutable_gpt()->set_d_model(64);
   spec.mutable_dataset()->set_type("text");
   spec.mutable_dataset()->set_path(kFortunes);
   v1::OptimizerSpec* o = spec.mutable_optimizer();
@@ -234,7 +234,7 @@ TEST(GptIntegrationTest, TrainsOnLlmcTokenFiles) {
     return cluster->dir() + "/" + name;
   };
   v1::JobSpec spec = FortunesJob(1, 1, 60);
-  spec.mutable_model()->set_vocab_size(1200);
+  spec.mutable_model()->mutable_gpt()->set_vocab_size(1200);
   spec.mutable_dataset()->set_type("tokens");
   spec.mutable_dataset()->set_path(write("train.bin", 20000, 97));
   spec.mutable_dataset()->set_validation_path(write("val.bin", 3000, 97));
@@ -257,10 +257,10 @@ TEST(GptIntegrationTest, BadSpecsAndDataFailClearlyAndWorkersSurvive) {
   auto cluster = StartCluster(1);
   ASSERT_NE(cluster, nullptr);
   v1::JobSpec bad = FortunesJob(1, 1, 10);
-  bad.mutable_model()->set_d_model(65);  // n_head 2
+  bad.mutable_model()->mutable_gpt()->set_d_model(65);  // n_head 2
   auto refused = cluster->Submit(bad);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("model.d_model"), std::string::npos);
+  EXPECT_NE(refused.status().message().find("model.gpt.d_model"), std::string::npos);
 
   const std::string tiny = cluster->dir() + "/tiny.txt";
   std::ofstream(tiny) << "too short for one window of 65 bytes\n";
@@ -268,8 +268,8 @@ TEST(GptIntegrationTest, BadSpecsAndDataFailClearlyAndWorkersSurvive) {
     std::function<void(v1::JobSpec&)> change;
     std::string reason;
   } cases[] = {
-      {[&](v1::JobSpec& s) { s.mutable_dataset()->set_path(tiny); }, "model.context_length"},
-      {[](v1::JobSpec& s) { s.mutable_model()->set_vocab_size(100); }, "model.vocab_size"},
+      {[&](v1::JobSpec& s) { s.mutable_dataset()->set_path(tiny); }, "model.gpt.context_length"},
+      {[](v1::JobSpec& s) { s.mutable_model()->mutable_gpt()->set_vocab_size(100); }, "model.gpt.vocab_size"},
       {[&](v1::JobSpec& s) { s.mutable_dataset()->set_path(cluster->dir() + "/none"); },
        "does not exist"},
   };

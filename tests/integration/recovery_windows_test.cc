@@ -60,7 +60,7 @@ TEST(RecoveryWindowsTest, CoordinatorRestartedWithoutStateNeverReusesAnotherJobs
   ASSERT_TRUE(cluster->WaitForWorker("w1", "idle", absl::Seconds(30)).ok());
   // Another job: same data, another model and seed.
   v1::JobSpec spec = DeterministicJob(2, 2, 600);
-  spec.mutable_model()->set_hidden_widths(1, 48);
+  spec.mutable_model()->mutable_mlp()->set_hidden_widths(1, 48);
   spec.set_seed(99);
   auto job = cluster->Submit(spec);
   ASSERT_TRUE(job.ok()) << job.status();
@@ -275,7 +275,7 @@ TEST(RecoveryWindowsTest, InitFromCheckpointStartsFromAnotherJobsWeights) {
 
   // A path with no checkpoint of this model fails the job and says why.
   v1::JobSpec wrong = fine_tune;
-  wrong.mutable_model()->set_hidden_widths(0, 40);
+  wrong.mutable_model()->mutable_mlp()->set_hidden_widths(0, 40);
   auto job = cluster->Submit(wrong);
   ASSERT_TRUE(job.ok()) << job.status();
   auto done = cluster->WaitForEnd(job->job_id(), absl::Seconds(60));

@@ -130,7 +130,7 @@ class Mutator {
   std::mt19937 rng_;
 };
 
-// "dataset.synthetic.train_samples: ..." or "model.hidden_widths[3]: ...": the field first.
+// "dataset.synthetic.train_samples: ..." or "model.mlp.hidden_widths[3]: ...": the field first.
 bool NamesAField(const std::string& message) {
   static const std::regex field(
       "^[a-z_][a-z0-9_]*(\\.[a-z_][a-z0-9_]*)*(\\[[0-9]+\\])?(\\.[a-z_][a-z0-9_]*)*: ");
@@ -161,7 +161,7 @@ TEST(SpecFuzzTest, TwoThousandMutatedSpecsNeitherCrashADaemonNorGoUnnamed) {
   std::cout << "seed " << kSeed << std::endl;
 
   const auto gpt = std::find_if(examples.begin(), examples.end(), [](const v1::JobSpec& s) {
-    return s.model().type() == "gpt";
+    return s.model().has_gpt();
   });
   ASSERT_NE(gpt, examples.end()) << "docs/examples has no GPT spec";
   Mutator mutator(kSeed);

@@ -120,7 +120,7 @@ TEST(TrainingIntegrationTest, FashionMnistShortRunReachesSaneAccuracy) {
   ASSERT_TRUE((*cluster)->StartWorkers(2).ok());
   v1::JobSpec spec;
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(128);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(128);
   spec.mutable_dataset()->set_type("fashion_mnist");
   spec.mutable_optimizer()->set_learning_rate(0.05);
   spec.mutable_optimizer()->set_momentum(0.9);

@@ -663,7 +663,7 @@ TEST(TrustTest, OutOfTheBoxJobsReadAndWriteOnlyInsideTheDefaultRoots) {
   v1::JobSpec gpt = testing::SmallGptSpec();
   gpt.mutable_dataset()->set_path("/usr/share/games/fortunes");
   gpt.set_max_steps(300);
-  gpt.mutable_model()->set_context_length(8);
+  gpt.mutable_model()->mutable_gpt()->set_context_length(8);
   gpt.mutable_sample()->set_max_tokens(64);
   struct Case {
     std::string field;

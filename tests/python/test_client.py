@@ -24,6 +24,7 @@ if not ADDRESS:
 def spec(steps):
     return {
         "name": "python-client",
+        # The form before the family messages (model.mlp): still accepted, end to end.
         "model": {"type": "mlp", "hiddenWidths": [32]},
         "dataset": {"type": "synthetic",
                     "synthetic": {"trainSamples": 2048, "testSamples": 512, "inputDim": 16,

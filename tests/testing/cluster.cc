@@ -40,8 +40,8 @@ v1::JobSpec SyntheticJob(int min_workers, int max_workers, int64_t steps) {
   v1::JobSpec spec;
   spec.set_name("synthetic");
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(64);
-  spec.mutable_model()->add_hidden_widths(64);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(64);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(64);
   spec.mutable_dataset()->set_type("synthetic");
   auto* s = spec.mutable_dataset()->mutable_synthetic();
   s->set_train_samples(8192);

@@ -45,11 +45,11 @@ inline v1::JobSpec SmallGptSpec() {
   v1::JobSpec spec;
   v1::ModelSpec* m = spec.mutable_model();
   m->set_type("gpt");
-  m->set_vocab_size(256);
-  m->set_context_length(16);
-  m->set_n_layer(2);
-  m->set_n_head(2);
-  m->set_d_model(32);
+  m->mutable_gpt()->set_vocab_size(256);
+  m->mutable_gpt()->set_context_length(16);
+  m->mutable_gpt()->set_n_layer(2);
+  m->mutable_gpt()->set_n_head(2);
+  m->mutable_gpt()->set_d_model(32);
   spec.mutable_dataset()->set_type("text");
   spec.mutable_dataset()->set_path(GptCorpusFile());
   spec.mutable_dataset()->set_validation_fraction(0.1);

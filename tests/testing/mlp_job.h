@@ -11,9 +11,9 @@ namespace lockstep::testing {
 inline v1::JobSpec SyntheticMlpSpec() {
   v1::JobSpec spec;
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(32);
-  spec.mutable_model()->add_hidden_widths(16);
-  spec.mutable_model()->set_activation("gelu");
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(32);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(16);
+  spec.mutable_model()->mutable_mlp()->set_activation("gelu");
   spec.mutable_dataset()->set_type("synthetic");
   auto* s = spec.mutable_dataset()->mutable_synthetic();
   s->set_train_samples(2048);

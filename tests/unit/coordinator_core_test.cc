@@ -1420,8 +1420,8 @@ TEST(FileJobStoreTest, SavesReloadsAndSkipsCorruptFiles) {
 TEST(MemoryEstimateTest, ReferenceModel) {
   v1::JobSpec spec;
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(512);
-  spec.mutable_model()->add_hidden_widths(512);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(512);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(512);
   spec.mutable_dataset()->set_type("fashion_mnist");
   spec.mutable_optimizer()->set_learning_rate(0.05);
   spec.set_global_batch_size(256);
@@ -1470,11 +1470,11 @@ TEST(MemoryEstimateTest, GptOnGpuCountsTheHeadsChunkAndTheBuffers) {
   v1::JobSpec spec;
   v1::ModelSpec* m = spec.mutable_model();
   m->set_type("gpt");
-  m->set_vocab_size(50257);
-  m->set_context_length(1024);
-  m->set_n_layer(12);
-  m->set_n_head(12);
-  m->set_d_model(768);
+  m->mutable_gpt()->set_vocab_size(50257);
+  m->mutable_gpt()->set_context_length(1024);
+  m->mutable_gpt()->set_n_layer(12);
+  m->mutable_gpt()->set_n_head(12);
+  m->mutable_gpt()->set_d_model(768);
   spec.mutable_dataset()->set_type("tokens");
   spec.mutable_optimizer()->set_type("adamw");
   spec.set_global_batch_size(64);
@@ -1525,7 +1525,7 @@ TEST(MemoryEstimateTest, GptOnGpuCountsTheHeadsChunkAndTheBuffers) {
 TEST(MemoryEstimateTest, ChooseMicroBatchFitsTheBudget) {
   v1::JobSpec spec;
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(1000);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(1000);
   spec.mutable_dataset()->set_type("synthetic");
   spec.mutable_dataset()->mutable_synthetic()->set_input_dim(100);
   spec.mutable_dataset()->mutable_synthetic()->set_num_classes(10);
@@ -1558,7 +1558,7 @@ TEST_F(CoreTest, MemoryPreflightAdmitsWhatFitsWithGradientAccumulation) {
   v1::JobSpec spec = Spec(1, 1);
   spec.set_device("cuda");
   spec.mutable_dataset()->mutable_synthetic()->set_input_dim(4096);
-  spec.mutable_model()->add_hidden_widths(4096);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(4096);
   spec.mutable_dataset()->mutable_synthetic()->set_train_samples(65536);
   spec.set_global_batch_size(65536);
   spec.set_micro_shards(64);
@@ -1591,7 +1591,7 @@ TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
   v1::JobSpec huge = Spec(1, 1);
   huge.set_device("cuda");
   huge.mutable_dataset()->mutable_synthetic()->set_input_dim(8192);
-  for (int i = 0; i < 3; ++i) huge.mutable_model()->add_hidden_widths(8192);
+  for (int i = 0; i < 3; ++i) huge.mutable_model()->mutable_mlp()->add_hidden_widths(8192);
   Decisions d;
   absl::StatusOr<v1::Job> refused = core_.SubmitJob(huge, now_, &d);
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
@@ -1603,8 +1603,8 @@ TEST_F(CoreTest, MemoryPreflightRefusesWhatFitsNowhereAndSkipsSmallWorkers) {
   v1::JobSpec medium = Spec(2, 2);
   medium.set_device("cuda");
   medium.mutable_dataset()->mutable_synthetic()->set_input_dim(4096);
-  medium.mutable_model()->add_hidden_widths(4096);
-  medium.mutable_model()->add_hidden_widths(4096);
+  medium.mutable_model()->mutable_mlp()->add_hidden_widths(4096);
+  medium.mutable_model()->mutable_mlp()->add_hidden_widths(4096);
   const std::string big = register_with("big", int64_t{8} << 30);
   const std::string job = Submit(medium);
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_PENDING);
@@ -1995,11 +1995,11 @@ class FinishTest : public CoreTest {
     v1::JobSpec spec = Spec(min_workers, max_workers);
     v1::ModelSpec* m = spec.mutable_model();
     m->set_type("gpt");
-    m->set_vocab_size(256);
-    m->set_context_length(32);
-    m->set_n_layer(1);
-    m->set_n_head(2);
-    m->set_d_model(32);
+    m->mutable_gpt()->set_vocab_size(256);
+    m->mutable_gpt()->set_context_length(32);
+    m->mutable_gpt()->set_n_layer(1);
+    m->mutable_gpt()->set_n_head(2);
+    m->mutable_gpt()->set_d_model(32);
     spec.mutable_dataset()->Clear();
     spec.mutable_dataset()->set_type("text");
     spec.mutable_dataset()->set_path("/usr/share/games/fortunes");
@@ -2599,11 +2599,11 @@ TEST(CorePauseTest, APauseAfterTheLastStepDoesNotCostTheSample) {
   const std::string w0 = reg("w0"), w1 = reg("w1");
   v1::JobSpec spec = Spec(2, 2);
   spec.mutable_model()->set_type("gpt");
-  spec.mutable_model()->set_vocab_size(256);
-  spec.mutable_model()->set_context_length(32);
-  spec.mutable_model()->set_n_layer(1);
-  spec.mutable_model()->set_n_head(2);
-  spec.mutable_model()->set_d_model(32);
+  spec.mutable_model()->mutable_gpt()->set_vocab_size(256);
+  spec.mutable_model()->mutable_gpt()->set_context_length(32);
+  spec.mutable_model()->mutable_gpt()->set_n_layer(1);
+  spec.mutable_model()->mutable_gpt()->set_n_head(2);
+  spec.mutable_model()->mutable_gpt()->set_d_model(32);
   spec.mutable_dataset()->Clear();
   spec.mutable_dataset()->set_type("text");
   spec.mutable_dataset()->set_path("/usr/share/games/fortunes");

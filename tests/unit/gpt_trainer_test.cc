@@ -146,10 +146,10 @@ TEST(GptTrainerTest, BadSpecsFailWithTheFieldNamed) {
     std::function<void(v1::JobSpec&)> change;
     std::string field;
   } cases[] = {
-      {[](v1::JobSpec& s) { s.mutable_model()->set_context_length(40000); }, "model.context_length"},
-      {[](v1::JobSpec& s) { s.mutable_model()->set_vocab_size(100); }, "model.vocab_size"},
-      {[](v1::JobSpec& s) { s.mutable_model()->set_d_model(33); }, "model.d_model"},
-      {[](v1::JobSpec& s) { s.mutable_model()->set_n_layer(0); }, "model.n_layer"},
+      {[](v1::JobSpec& s) { s.mutable_model()->mutable_gpt()->set_context_length(40000); }, "model.gpt.context_length"},
+      {[](v1::JobSpec& s) { s.mutable_model()->mutable_gpt()->set_vocab_size(100); }, "model.gpt.vocab_size"},
+      {[](v1::JobSpec& s) { s.mutable_model()->mutable_gpt()->set_d_model(33); }, "model.gpt.d_model"},
+      {[](v1::JobSpec& s) { s.mutable_model()->mutable_gpt()->set_n_layer(0); }, "model.gpt.n_layer"},
       {[](v1::JobSpec& s) { s.mutable_model()->add_frozen_parameters("h.9.*"); },
        "model.frozen_parameters"},
       {[](v1::JobSpec& s) { s.mutable_model()->set_type("mlp"); }, "model.type"},
@@ -261,8 +261,8 @@ TEST(GptTrainerTest, ExportAndCheckpointConversionWriteGpt2Safetensors) {
 TEST(GptTrainerTest, TheMlpExportsUnderPyTorchNames) {
   v1::JobSpec spec;
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(8);
-  spec.mutable_model()->set_activation("relu");
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(8);
+  spec.mutable_model()->mutable_mlp()->set_activation("relu");
   spec.mutable_dataset()->set_type("synthetic");
   auto* s = spec.mutable_dataset()->mutable_synthetic();
   s->set_train_samples(256);
@@ -314,11 +314,11 @@ TEST(GptTrainerTest, MemoryEstimateCoversTheGpt) {
   EXPECT_EQ(one.optimizer - frozen.optimizer, 8 * 256 * 32);
   // GPT-2 small with a batch of 64 x 1024 tokens at once needs tens of GiB: the preflight says so.
   v1::JobSpec big = GptSpec();
-  big.mutable_model()->set_vocab_size(50257);
-  big.mutable_model()->set_context_length(1024);
-  big.mutable_model()->set_n_layer(12);
-  big.mutable_model()->set_n_head(12);
-  big.mutable_model()->set_d_model(768);
+  big.mutable_model()->mutable_gpt()->set_vocab_size(50257);
+  big.mutable_model()->mutable_gpt()->set_context_length(1024);
+  big.mutable_model()->mutable_gpt()->set_n_layer(12);
+  big.mutable_model()->mutable_gpt()->set_n_head(12);
+  big.mutable_model()->mutable_gpt()->set_d_model(768);
   EXPECT_GT(EstimateWorkerMemory(big, 64).total(), int64_t{40} << 30);
   EXPECT_LT(EstimateWorkerMemory(big, 1).total(), int64_t{4} << 30);
 }

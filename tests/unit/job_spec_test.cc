@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/data_format.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 
 namespace lockstep::coordinator {
@@ -13,7 +14,7 @@ namespace {
 v1::JobSpec ValidSpec() {
   v1::JobSpec spec;
   spec.mutable_model()->set_type("mlp");
-  spec.mutable_model()->add_hidden_widths(16);
+  spec.mutable_model()->mutable_mlp()->add_hidden_widths(16);
   spec.mutable_dataset()->set_type("synthetic");
   auto* s = spec.mutable_dataset()->mutable_synthetic();
   s->set_train_samples(512);
@@ -34,7 +35,7 @@ TEST(JobSpecTest, ValidSpecWithDefaultsPasses) {
   EXPECT_EQ(spec.micro_shards(), 64);
   EXPECT_EQ(spec.min_workers(), 1);
   EXPECT_EQ(spec.max_workers(), 1);
-  EXPECT_EQ(spec.model().activation(), "relu");
+  EXPECT_EQ(spec.model().mlp().activation(), "relu");
 }
 
 TEST(JobSpecTest, MicroBatchOfWholeMicroShardsPasses) {
@@ -108,11 +109,11 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
        "max_workers"},
       {"unknown model", [](v1::JobSpec* s) { s->mutable_model()->set_type("resnet"); },
        "model.type"},
-      {"missing model", [](v1::JobSpec* s) { s->mutable_model()->clear_type(); }, "model.type"},
-      {"zero width", [](v1::JobSpec* s) { s->mutable_model()->set_hidden_widths(0, 0); },
-       "model.hidden_widths[0]"},
-      {"bad activation", [](v1::JobSpec* s) { s->mutable_model()->set_activation("tanhh"); },
-       "model.activation"},
+      {"missing model", [](v1::JobSpec* s) { s->clear_model(); }, "model.type"},
+      {"zero width", [](v1::JobSpec* s) { s->mutable_model()->mutable_mlp()->set_hidden_widths(0, 0); },
+       "model.mlp.hidden_widths[0]"},
+      {"bad activation", [](v1::JobSpec* s) { s->mutable_model()->mutable_mlp()->set_activation("tanhh"); },
+       "model.mlp.activation"},
       {"idx without path",
        [](v1::JobSpec* s) {
          s->mutable_dataset()->set_type("idx");
@@ -178,9 +179,9 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
        "output_dir"},
       {"100 hidden layers",
        [](v1::JobSpec* s) {
-         for (int i = 0; i < 100; ++i) s->mutable_model()->add_hidden_widths(4);
+         for (int i = 0; i < 100; ++i) s->mutable_model()->mutable_mlp()->add_hidden_widths(4);
        },
-       "model.hidden_widths"},
+       "model.mlp.hidden_widths"},
       {"many frozen patterns",
        [](v1::JobSpec* s) {
          for (int i = 0; i < 300; ++i) s->mutable_model()->add_frozen_parameters("x");
@@ -210,11 +211,11 @@ v1::JobSpec GptSpec() {
   v1::JobSpec spec;
   v1::ModelSpec* m = spec.mutable_model();
   m->set_type("gpt");
-  m->set_vocab_size(256);
-  m->set_context_length(64);
-  m->set_n_layer(2);
-  m->set_n_head(4);
-  m->set_d_model(64);
+  m->mutable_gpt()->set_vocab_size(256);
+  m->mutable_gpt()->set_context_length(64);
+  m->mutable_gpt()->set_n_layer(2);
+  m->mutable_gpt()->set_n_head(4);
+  m->mutable_gpt()->set_d_model(64);
   spec.mutable_dataset()->set_type("text");
   spec.mutable_dataset()->set_path("/usr/share/games/fortunes");
   spec.mutable_optimizer()->set_type("adamw");
@@ -233,15 +234,83 @@ TEST(JobSpecTest, GptSpecWithDefaultsPasses) {
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   EXPECT_DOUBLE_EQ(spec.dataset().validation_fraction(), 0.05);
   EXPECT_DOUBLE_EQ(spec.sample().temperature(), 1.0);
-  EXPECT_TRUE(spec.model().activation().empty()) << "an MLP field stays unset";
+  EXPECT_FALSE(spec.model().has_mlp()) << "a GPT has no MLP fields";
+}
+
+// The model as JSON gives it (the CLI's and the Python client's path).
+v1::ModelSpec ModelFromJson(const std::string& json) {
+  v1::ModelSpec model;
+  const auto parsed = google::protobuf::util::JsonStringToMessage(json, &model);
+  EXPECT_TRUE(parsed.ok()) << parsed.ToString();
+  return model;
+}
+
+// The form before the family messages (model.type and the family's fields beside it: saved
+// jobs, old JSON) is moved into the family's message; a spec that names its family only by
+// its message gets model.type; the two forms give the same canonical model.
+TEST(JobSpecTest, ModelsOfTheOldFormLoadIntoTheirFamilysMessage) {
+  v1::JobSpec old_gpt = GptSpec(), new_gpt = GptSpec();
+  *old_gpt.mutable_model() = ModelFromJson(
+      R"({"type": "gpt", "vocabSize": 256, "contextLength": 64, "nLayer": 2, "nHead": 4,
+          "dModel": 64, "frozenParameters": ["wte.weight"]})");
+  *new_gpt.mutable_model() = ModelFromJson(
+      R"({"gpt": {"vocabSize": 256, "contextLength": 64, "nLayer": 2, "nHead": 4,
+          "dModel": 64}, "frozenParameters": ["wte.weight"]})");
+  for (v1::JobSpec* spec : {&old_gpt, &new_gpt}) {
+    ApplyJobSpecDefaults(spec);
+    EXPECT_TRUE(ValidateJobSpec(*spec).ok()) << ValidateJobSpec(*spec);
+    EXPECT_EQ(spec->model().type(), "gpt");
+    EXPECT_EQ(spec->model().gpt().n_layer(), 2);
+    EXPECT_EQ(spec->model().gpt().d_model(), 64);
+  }
+  EXPECT_EQ(old_gpt.model().SerializeAsString(), new_gpt.model().SerializeAsString())
+      << old_gpt.model().DebugString() << "\n" << new_gpt.model().DebugString();
+  v1::JobSpec old_mlp = ValidSpec();
+  *old_mlp.mutable_model() =
+      ModelFromJson(R"({"type": "mlp", "hiddenWidths": [16, 8], "activation": "gelu"})");
+  ApplyJobSpecDefaults(&old_mlp);
+  EXPECT_TRUE(ValidateJobSpec(old_mlp).ok()) << ValidateJobSpec(old_mlp);
+  EXPECT_EQ(old_mlp.model().mlp().hidden_widths_size(), 2);
+  EXPECT_EQ(old_mlp.model().mlp().activation(), "gelu");
+  // An MLP of no hidden layer, named only by its type: an empty family message.
+  v1::JobSpec bare = ValidSpec();
+  *bare.mutable_model() = ModelFromJson(R"({"type": "mlp"})");
+  ApplyJobSpecDefaults(&bare);
+  EXPECT_TRUE(ValidateJobSpec(bare).ok()) << ValidateJobSpec(bare);
+  EXPECT_TRUE(bare.model().has_mlp());
+}
+
+// What cannot be one model is refused, naming the field.
+TEST(JobSpecTest, ModelsMixingTheFormsOrTheFamiliesAreRefused) {
+  const struct {
+    const char* name;
+    const char* json;
+    const char* field;
+  } cases[] = {
+      {"an old field beside the family's message", R"({"gpt": {"nLayer": 2}, "nHead": 4})",
+       "model.n_head: set it in model.gpt"},
+      {"another family's old field", R"({"type": "gpt", "hiddenWidths": [8], "nLayer": 2})",
+       "model.hidden_widths: not a field of the gpt family"},
+      {"a type that is not the message's family", R"({"type": "mlp", "gpt": {"nLayer": 2}})",
+       "model.type: \"mlp\", but the model's fields are in model.gpt"},
+      {"an unknown type", R"({"type": "llama", "nLayer": 2})", "model.type: unknown model"},
+  };
+  for (const auto& c : cases) {
+    v1::JobSpec spec = GptSpec();
+    *spec.mutable_model() = ModelFromJson(c.json);
+    ApplyJobSpecDefaults(&spec);
+    const absl::Status status = ValidateJobSpec(spec);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << status;
+    EXPECT_NE(status.message().find(c.field), std::string::npos) << c.name << ": " << status;
+  }
 }
 
 TEST(JobSpecTest, GptOnGpuWorkersPasses) {
   v1::JobSpec spec = GptSpec();
   spec.set_device("cuda");
   spec.set_precision("tf32");
-  spec.mutable_model()->set_d_model(256);
-  spec.mutable_model()->set_n_head(2);  // heads of 128 channels: the GPU kernel's widest
+  spec.mutable_model()->mutable_gpt()->set_d_model(256);
+  spec.mutable_model()->mutable_gpt()->set_n_head(2);  // heads of 128 channels: the GPU kernel's widest
   ApplyJobSpecDefaults(&spec);
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.set_precision("bf16");
@@ -252,15 +321,15 @@ TEST(JobSpecTest, GptOnGpuWorkersPasses) {
 
 TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {
   const std::vector<BadCase> cases = {
-      {"d_model not divisible", [](v1::JobSpec* s) { s->mutable_model()->set_d_model(66); },
-       "model.d_model"},
-      {"zero heads", [](v1::JobSpec* s) { s->mutable_model()->set_n_head(0); }, "model.n_head"},
-      {"negative layers", [](v1::JobSpec* s) { s->mutable_model()->set_n_layer(-1); },
-       "model.n_layer"},
-      {"zero context", [](v1::JobSpec* s) { s->mutable_model()->set_context_length(0); },
-       "model.context_length"},
-      {"zero vocab", [](v1::JobSpec* s) { s->mutable_model()->set_vocab_size(0); },
-       "model.vocab_size"},
+      {"d_model not divisible", [](v1::JobSpec* s) { s->mutable_model()->mutable_gpt()->set_d_model(66); },
+       "model.gpt.d_model"},
+      {"zero heads", [](v1::JobSpec* s) { s->mutable_model()->mutable_gpt()->set_n_head(0); }, "model.gpt.n_head"},
+      {"negative layers", [](v1::JobSpec* s) { s->mutable_model()->mutable_gpt()->set_n_layer(-1); },
+       "model.gpt.n_layer"},
+      {"zero context", [](v1::JobSpec* s) { s->mutable_model()->mutable_gpt()->set_context_length(0); },
+       "model.gpt.context_length"},
+      {"zero vocab", [](v1::JobSpec* s) { s->mutable_model()->mutable_gpt()->set_vocab_size(0); },
+       "model.gpt.vocab_size"},
       {"frozen pattern matching nothing",
        [](v1::JobSpec* s) { s->mutable_model()->add_frozen_parameters("h.7.*"); },
        "model.frozen_parameters[0]"},
@@ -316,15 +385,15 @@ TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {
        "sample.prompt_tokens[0]"},
       {"negative eval interval", [](v1::JobSpec* s) { s->set_eval_every_steps(-1); },
        "eval_every_steps"},
-      {"mlp width field", [](v1::JobSpec* s) { s->mutable_model()->add_hidden_widths(8); },
-       "model.hidden_widths"},
+      {"an MLP's message", [](v1::JobSpec* s) { s->mutable_model()->mutable_mlp()->add_hidden_widths(8); },
+       "model.type"},
       {"heads too wide for the GPU attention kernel",
        [](v1::JobSpec* s) {
          s->set_device("cuda");
-         s->mutable_model()->set_d_model(512);
-         s->mutable_model()->set_n_head(2);
+         s->mutable_model()->mutable_gpt()->set_d_model(512);
+         s->mutable_model()->mutable_gpt()->set_n_head(2);
        },
-       "model.n_head"},
+       "model.gpt.n_head"},
   };
   for (const BadCase& c : cases) {
     v1::JobSpec spec = GptSpec();

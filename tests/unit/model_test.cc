@@ -22,7 +22,7 @@ using ::testing::HasSubstr;
 TEST(ModelTest, MlpTensorsCoverTheBufferInOrderWithExportNames) {
   v1::ModelSpec spec;
   spec.set_type("mlp");
-  spec.add_hidden_widths(7);
+  spec.mutable_mlp()->add_hidden_widths(7);
   absl::StatusOr<std::unique_ptr<Model>> model = CreateModel(spec, DataShape{5, 3});
   ASSERT_TRUE(model.ok()) << model.status();
   const std::vector<Tensor>& t = (*model)->tensors();
@@ -51,28 +51,28 @@ TEST(ModelTest, UnknownModelsAndActivationsNameTheField) {
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(unknown.status().message(), HasSubstr("model.type"));
   spec.set_type("mlp");
-  spec.set_activation("swish");
+  spec.mutable_mlp()->set_activation("swish");
   absl::StatusOr<std::unique_ptr<Model>> act = CreateModel(spec, DataShape{5, 3});
   EXPECT_EQ(act.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(act.status().message(), HasSubstr("model.activation"));
+  EXPECT_THAT(act.status().message(), HasSubstr("model.mlp.activation"));
 }
 
 v1::ModelSpec TinyGpt() {
   v1::ModelSpec spec;
   spec.set_type("gpt");
-  spec.set_vocab_size(20);
-  spec.set_context_length(6);
-  spec.set_n_layer(2);
-  spec.set_n_head(2);
-  spec.set_d_model(8);
+  spec.mutable_gpt()->set_vocab_size(20);
+  spec.mutable_gpt()->set_context_length(6);
+  spec.mutable_gpt()->set_n_layer(2);
+  spec.mutable_gpt()->set_n_head(2);
+  spec.mutable_gpt()->set_d_model(8);
   return spec;
 }
 
 v1::ModelSpec TinyMlp() {
   v1::ModelSpec spec;
   spec.set_type("mlp");
-  spec.add_hidden_widths(7);
-  spec.add_hidden_widths(4);
+  spec.mutable_mlp()->add_hidden_widths(7);
+  spec.mutable_mlp()->add_hidden_widths(4);
   return spec;
 }
 

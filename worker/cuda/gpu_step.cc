@@ -105,6 +105,11 @@ absl::StatusOr<std::unique_ptr<GpuStep>> GpuStep::Create(const v1::JobSpec& spec
   // The optimizer's state is the host's: trainable values only (gradient offsets).
   step->num_grads_ = model->num_grads();
   step->state_floats_ = (spec.optimizer().type() == "adamw" ? 2 : 1) * step->num_grads_;
+  if (step->state_floats_ != optimizer->state().size()) {
+    return absl::InternalError(absl::StrCat("the optimizer's state holds ",
+                                            optimizer->state().size(), " values, the device's ",
+                                            step->state_floats_));
+  }
   LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&step->state_, step->state_floats_ * sizeof(float)));
   if (spec.optimizer().grad_clip_norm() > 0) {
     LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(
@@ -173,14 +178,20 @@ absl::StatusOr<NcclCommunicator*> GpuStep::Nccl(const StepGroup& group) {
 absl::Status GpuStep::Begin(const StepGroup& group) {
   absl::StatusOr<NcclCommunicator*> nccl = Nccl(group);
   if (!nccl.ok()) return nccl.status();
-  comm_ = *nccl;
+  // A group of several ranks sums on the devices: without their group this rank would train
+  // alone and drift from the others.
+  if (*nccl == nullptr && group.host != nullptr && group.host->size() > 1) {
+    return absl::InternalError("GpuStep: a group of several ranks without its NCCL communicator");
+  }
   // The device's copy from an earlier generation is kept when it is the host's state (the
   // last download, or a heal received into both); anything else is replaced by the host's.
-  if (!mirror_.upload_needed()) return absl::OkStatus();
-  mirror_.Diverged();  // until the whole upload is done
-  LOCKSTEP_RETURN_IF_ERROR(Upload(host_model_->params(), host_optimizer_->state()));
-  mirror_.Copied();
-  ++uploads_;
+  if (mirror_.upload_needed()) {
+    mirror_.Diverged();  // until the whole upload is done
+    LOCKSTEP_RETURN_IF_ERROR(Upload(host_model_->params(), host_optimizer_->state()));
+    mirror_.Copied();
+    ++uploads_;
+  }
+  comm_ = *nccl;
   return absl::OkStatus();
 }
 
@@ -621,8 +632,12 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
 
 absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const Batch& batch, int shard,
                                                                  float grad_scale, int frac_bits) {
-  if (fixed_ == nullptr) {
-    return absl::FailedPreconditionError("GpuStep: FixedPointGradient outside deterministic mode");
+  if (mirror_.upload_needed()) {
+    return absl::FailedPreconditionError("GpuStep: FixedPointGradient before Begin");
+  }
+  if (batch.feature_stride != layout_.feature_stride ||
+      (!layout_.labels() && batch.token_stride != layout_.token_stride)) {
+    return absl::InvalidArgumentError("GpuStep: a batch in another layout than the engine's");
   }
   if (absl::Status s =
           AccumulateFixedPoint(batch.features, layout_.labels() ? batch.labels : batch.tokens,

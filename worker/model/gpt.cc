@@ -356,8 +356,9 @@ absl::StatusOr<std::vector<float>> Gpt::NextTokenLogits(const std::vector<int32_
   return logits;
 }
 
-absl::StatusOr<std::unique_ptr<Model>> CreateGpt(const v1::ModelSpec& spec,
+absl::StatusOr<std::unique_ptr<Model>> CreateGpt(const v1::ModelSpec& model,
                                                  const DataShape& /*shape*/) {
+  const v1::GptSpec& spec = model.gpt();
   return std::unique_ptr<Model>(new Gpt(
       {spec.vocab_size(), spec.context_length(), spec.n_layer(), spec.n_head(), spec.d_model()}));
 }

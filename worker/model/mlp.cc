@@ -170,12 +170,13 @@ double Mlp::Evaluate(const float* x, const int32_t* y, int n, int64_t* correct) 
                                       correct);
 }
 
-absl::StatusOr<std::unique_ptr<Model>> CreateMlp(const v1::ModelSpec& spec,
+absl::StatusOr<std::unique_ptr<Model>> CreateMlp(const v1::ModelSpec& model,
                                                  const DataShape& shape) {
+  const v1::MlpSpec& spec = model.mlp();
   kernels::Activation activation;
   if (!kernels::ParseActivation(spec.activation(), &activation)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("model.activation: unknown \"", spec.activation(), "\""));
+        absl::StrCat("model.mlp.activation: unknown \"", spec.activation(), "\""));
   }
   std::vector<int> dims = {shape.features};
   for (int w : spec.hidden_widths()) dims.push_back(w);

@@ -22,13 +22,16 @@ constexpr HostFamily kHostFamilies[] = {{"mlp", CreateMlp}, {"gpt", CreateGpt}};
 
 absl::StatusOr<std::unique_ptr<Model>> CreateUnfrozenModel(const v1::ModelSpec& spec,
                                                            const DataShape& shape) {
-  const ModelFamily* family = FindModelFamily(spec.type());
+  // The canonical form and the family's defaults, as the coordinator makes every spec it
+  // accepts.
+  v1::ModelSpec model = spec;
+  NormalizeModelSpec(model);
+  const ModelFamily* family = FindModelFamily(model.type());
   if (family == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("model.type: unknown model \"", spec.type(), "\""));
+        absl::StrCat("model.type: unknown model \"", model.type(), "\""));
   }
-  // The family's defaults, as the coordinator applies them to every spec it accepts.
-  v1::ModelSpec model = spec;
+  if (absl::Status s = ValidateModelForm(model); !s.ok()) return s;
   if (family->apply_defaults != nullptr) family->apply_defaults(model);
   if (absl::Status s = family->validate(model); !s.ok()) return s;
   for (const HostFamily& host : kHostFamilies) {

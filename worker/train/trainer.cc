@@ -36,7 +36,7 @@ constexpr int kEvalFracBits = 24;
 
 // The samples of an epoch: a classifier's training samples, or a language model's windows.
 int64_t TrainSamples(const v1::JobSpec& spec, const Dataset& data) {
-  return data.language ? data.train_tokens.Windows(spec.model().context_length())
+  return data.language ? data.train_tokens.Windows(TokenShapeOf(spec.model()).context)
                        : data.train.samples;
 }
 
@@ -48,25 +48,28 @@ absl::Status CheckLanguageData(const v1::JobSpec& spec, const Dataset& data) {
                                                    spec.dataset().type(),
                                                    " data (use a language model)"));
   }
-  const int context = m.context_length();
+  const TokenShape shape = TokenShapeOf(m);
+  const int context = shape.context;
+  // The family's fields, as a user names them ("model.gpt.context_length").
+  const std::string family = absl::StrCat("model.", m.type(), ".");
   if (data.train_tokens.Windows(context) == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model.context_length: ", context, " is beyond what the data set can fill: ",
+        family, "context_length: ", context, " is beyond what the data set can fill: ",
         data.source, " has ", data.train_tokens.tokens, " training tokens, fewer than one window of ",
         context + 1));
   }
   if (!spec.skip_evaluation() || spec.eval_every_steps() > 0) {
     if (data.valid_tokens.Windows(context) == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "model.context_length: ", context, " is beyond what the validation split can fill (",
+          family, "context_length: ", context, " is beyond what the validation split can fill (",
           data.valid_tokens.tokens, " tokens; a window takes ", context + 1,
           "): raise dataset.validation_fraction, give a longer validation file, or set "
           "skip_evaluation"));
     }
   }
-  if (data.max_token >= m.vocab_size()) {
+  if (data.max_token >= shape.vocab) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model.vocab_size: ", m.vocab_size(), " is smaller than the data's largest token + 1 (",
+        family, "vocab_size: ", shape.vocab, " is smaller than the data's largest token + 1 (",
         data.max_token + 1, ", in ", data.source, ")"));
   }
   return absl::OkStatus();
@@ -75,9 +78,12 @@ absl::Status CheckLanguageData(const v1::JobSpec& spec, const Dataset& data) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const std::string& job_id,
-                                                         const v1::JobSpec& spec,
+                                                         const v1::JobSpec& given,
                                                          std::shared_ptr<const Dataset> data,
                                                          Communicator* comm) {
+  // The model in its canonical form (a spec of the form before the family messages too).
+  v1::JobSpec spec = given;
+  NormalizeModelSpec(*spec.mutable_model());
   if (data->language) {
     if (absl::Status s = CheckLanguageData(spec, *data); !s.ok()) return s;
   } else if (IsLanguageModel(spec.model())) {
@@ -120,7 +126,7 @@ Trainer::Trainer(const std::string& job_id, const v1::JobSpec& spec,
   if (spec.max_steps() > 0) total_steps_ = std::min(total_steps_, spec.max_steps());
   model_->Initialize(spec.model().init_seed() != 0 ? spec.model().init_seed() : spec.seed());
   optimizer_ = std::make_unique<Optimizer>(spec.optimizer(), model_->segments(), total_steps_);
-  layout_ = data_->language ? SampleLayout{0, spec.model().context_length() + 1}
+  layout_ = data_->language ? SampleLayout{0, TokenShapeOf(spec.model()).context + 1}
                             : SampleLayout{data_->dim, 0};
   set_engine(nullptr);
   set_communicator(comm);
@@ -134,7 +140,7 @@ absl::StatusOr<HostBatch> Trainer::LoadBatch(const int64_t* indices, int n) {
   absl::StatusOr<HostBatch> batch = engine_->HostBuffers(n);
   if (!batch.ok()) return batch.status();
   if (data_->language) {
-    const int context = spec_.model().context_length();
+    const int context = TokenShapeOf(spec_.model()).context;
     for (int i = 0; i < n; ++i) {
       data_->train_tokens.Window(indices[i], context,
                                  batch->tokens + static_cast<size_t>(i) * batch->token_stride);
@@ -536,7 +542,7 @@ absl::Status Trainer::TrainSteps(int64_t start_step, const std::atomic<bool>& ab
       report.set_peak_memory_bytes(ReadProcessMemory().peak_bytes);
       report.set_total_steps(total_steps_);
       if (data_->language) {
-        report.set_tokens_per_second(samples_per_second * spec_.model().context_length());
+        report.set_tokens_per_second(samples_per_second * TokenShapeOf(spec_.model()).context);
       }
       if (eval.has_value()) *report.mutable_eval() = *eval;
       progress(report);
@@ -555,7 +561,7 @@ absl::StatusOr<v1::EvalResult> Trainer::Evaluate() {
   // micro-batch is the spec's micro-shard, the evaluation is bit for bit the same for every
   // world size.
   const bool language = data_->language;
-  const int context = spec_.model().context_length();
+  const int context = TokenShapeOf(spec_.model()).context;
   const int64_t total = language ? data_->valid_tokens.Windows(context) : data_->test.samples;
   const int64_t chunk = language ? std::max<int64_t>(1, micro_batch_) : 1024;
   const int64_t chunks = (total + chunk - 1) / chunk;
@@ -614,7 +620,7 @@ double Trainer::TrainSamplesPerSecond() const {
 }
 
 double Trainer::TrainTokensPerSecond() const {
-  return data_->language ? TrainSamplesPerSecond() * spec_.model().context_length() : 0;
+  return data_->language ? TrainSamplesPerSecond() * TokenShapeOf(spec_.model()).context : 0;
 }
 
 absl::StatusOr<v1::Sample> Trainer::GenerateSample() {

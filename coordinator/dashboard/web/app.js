@@ -428,8 +428,10 @@ async function cancelJob(id) {
 function configLine(spec) {
   const model = spec.model || {}, data = spec.dataset || {}, opt = spec.optimizer || {};
   const parts = [];
-  if (model.type === "gpt") parts.push("gpt " + model.nLayer + " layers, d_model " + model.dModel + ", context " + model.contextLength);
-  else if (model.type) parts.push(model.type + " [" + (model.hiddenWidths || []).join(", ") + "]");
+  // The family's fields are in its message (model.gpt, model.mlp).
+  const gpt = model.gpt || {}, mlp = model.mlp || {};
+  if (model.type === "gpt") parts.push("gpt " + num(gpt.nLayer) + " layers, d_model " + num(gpt.dModel) + ", context " + num(gpt.contextLength));
+  else if (model.type) parts.push(model.type + " [" + (mlp.hiddenWidths || []).join(", ") + "]");
   if (data.type) parts.push(data.type);
   if (num(spec.globalBatchSize) > 0) parts.push("batch " + spec.globalBatchSize);
   if (opt.type) parts.push(opt.type + " lr " + opt.learningRate);
