@@ -19,6 +19,7 @@
 #include "common/model_family.h"
 #include "coordinator/core/core.h"
 #include "coordinator/core/core_internal.h"
+#include "coordinator/core/eligibility.h"
 #include "coordinator/core/job_spec.h"
 
 namespace lockstep::coordinator {
@@ -45,17 +46,16 @@ std::string Core::SharedGpuNote(size_t left_out) {
 std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t memory_needed,
                                              const JobRecord* job) const {
   std::vector<RankCandidate> idle;
+  const std::string job_id = job == nullptr ? "" : job->job.job_id();
   for (const auto& [id, w] : workers_) {
-    const int64_t free = w.info.free_memory_bytes();
-    const bool kept_elsewhere =
-        !w.reserved_for.empty() && (job == nullptr || w.reserved_for != job->job.job_id());
-    if (w.state == WorkerState::kIdle && !kept_elsewhere &&
-        (job == nullptr ||
-         (!Excluded(*job, id, w.info.name()) && job->benched.count(id) == 0)) &&
-        (device.empty() || DeviceKind(w.info.device()) == device) &&
-        (free == 0 || free >= memory_needed)) {
-      idle.push_back(Candidate(w));
-    }
+    PlacementView view;
+    view.idle = w.state == WorkerState::kIdle;
+    view.reserved_for = w.reserved_for;
+    view.excluded = job != nullptr && Excluded(*job, id, w.info.name());
+    view.benched = job != nullptr && job->benched.count(id) > 0;
+    view.device = DeviceKind(w.info.device());
+    view.free_memory = w.info.free_memory_bytes();
+    if (MayTakeRank(view, job_id, device, memory_needed)) idle.push_back(Candidate(w));
   }
   std::sort(idle.begin(), idle.end(), [](const RankCandidate& a, const RankCandidate& b) {
     return a.registration_seq < b.registration_seq;

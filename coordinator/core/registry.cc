@@ -19,6 +19,7 @@
 #include "common/job_memory.h"
 #include "common/model_family.h"
 #include "coordinator/core/core.h"
+#include "coordinator/core/eligibility.h"
 #include "coordinator/core/core_internal.h"
 #include "coordinator/core/job_spec.h"
 
@@ -86,30 +87,34 @@ absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& requ
 
 void Core::ReserveOrRelease(Worker& worker, Decisions* out) {
   const v1::HeldState& held = worker.info.held();
-  JobRecord* job = nullptr;
-  if (!held.job_id().empty()) {
-    job = FindJob(held.job_id());
-    if (job == nullptr || (IsTerminal(job->job.state()) && job->end_recorded)) {
-      // Its job is over (or was never this coordinator's: job ids do not repeat): nothing
-      // will ever resume from that state.
-      out->messages.push_back(
-          {worker.id, AbortMessage(held.job_id(), 0,
-                                   job == nullptr ? "this coordinator does not know the job"
-                                                  : absl::StrCat("the job has ended (",
-                                                                 v1::JobState_Name(job->job.state()),
-                                                                 ")"),
-                                   /*job_ended=*/true)});
+  JobRecord* job = held.job_id().empty() ? nullptr : FindJob(held.job_id());
+  HeldJob facts;
+  facts.holds = !held.job_id().empty();
+  facts.known = job != nullptr;
+  facts.ended_recorded = job != nullptr && IsTerminal(job->job.state()) && job->end_recorded;
+  facts.excluded = job != nullptr && Excluded(*job, worker.id, worker.info.name());
+  auto drop = [&](const std::string& why) {
+    out->messages.push_back(
+        {worker.id, AbortMessage(held.job_id(), 0, why, /*job_ended=*/true)});
+  };
+  switch (JudgeHeldState(facts)) {
+    case HeldVerdict::kNone:
+      break;
+    case HeldVerdict::kDropUnknown:
+      drop("this coordinator does not know the job");
       job = nullptr;
-    } else if (Excluded(*job, worker.id, worker.info.name())) {
+      break;
+    case HeldVerdict::kDropEnded:
+      drop(absl::StrCat("the job has ended (", v1::JobState_Name(job->job.state()), ")"));
+      job = nullptr;
+      break;
+    case HeldVerdict::kDropExcluded:
       // Never this job's member again: its state is of no use, and it serves other jobs.
-      out->messages.push_back(
-          {worker.id, AbortMessage(held.job_id(), 0,
-                                   "this worker is no longer one of the job's members",
-                                   /*job_ended=*/true)});
+      drop("this worker is no longer one of the job's members");
       return;
-    } else {
+    case HeldVerdict::kResume:
       worker.held_step = held.step();
-    }
+      break;
   }
   if (job == nullptr) {
     // A member of a job that the restarted coordinator is re-forming, back without state (a
