@@ -20,6 +20,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "common/auth.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace lockstep::cli {
@@ -166,9 +167,7 @@ absl::Status CheckFlags(int argc, char** argv) {
     if (arg.size() < 2 || arg[0] != '-') continue;  // positional, or "-" for stdin
     bool consumed_next = false;
     const char* next = i + 1 < argc ? argv[i + 1] : nullptr;
-    if (absl::Status status = CheckOneFlag(arg, next, &consumed_next); !status.ok()) {
-      return status;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(CheckOneFlag(arg, next, &consumed_next));
     if (consumed_next) ++i;
   }
   return absl::OkStatus();

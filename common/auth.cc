@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace lockstep {
 namespace {
@@ -51,7 +52,7 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   std::stringstream buffer;
   buffer << in.rdbuf();
   std::string token(absl::StripAsciiWhitespace(buffer.str()));
-  if (absl::Status s = ValidateToken(token, absl::StrCat("token file ", path)); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(ValidateToken(token, absl::StrCat("token file ", path)));
   return token;
 }
 
@@ -64,7 +65,7 @@ absl::StatusOr<std::string> ResolveToken(const std::string& token_file_flag,
   }
   if (const char* token = std::getenv(env_prefix.c_str()); token != nullptr && *token != '\0') {
     std::string stripped(absl::StripAsciiWhitespace(token));
-    if (absl::Status s = ValidateToken(stripped, "$" + env_prefix); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(ValidateToken(stripped, "$" + env_prefix));
     return stripped;
   }
   return std::string();

@@ -55,6 +55,7 @@
 #include "absl/time/time.h"
 #include "common/atomic_file.h"
 #include "common/http_framing.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "httplib.h"
 
@@ -826,13 +827,10 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(
   // The port file first: the socket already accepts connections, and a failure here returns
   // before any thread runs.
   if (!port_file.empty()) {
-    if (absl::Status s =
-            WriteFileAtomically(port_file, absl::StrCat(*bound, "\n"), Durability::kVisible);
-        !s.ok()) {
-      return s;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(
+        WriteFileAtomically(port_file, absl::StrCat(*bound, "\n"), Durability::kVisible));
   }
-  if (absl::Status s = impl->Start(); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(impl->Start());
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }
 

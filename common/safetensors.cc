@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
+#include "common/status_macros.h"
 #include "common/utf8.h"
 
 namespace lockstep {
@@ -115,7 +116,7 @@ absl::Status CheckManifest(const v1::ModelManifest& manifest, size_t num_params)
 
 absl::StatusOr<std::string> SafetensorsHeader(const v1::ModelManifest& manifest, size_t num_params,
                                               const std::map<std::string, std::string>& metadata) {
-  if (absl::Status s = CheckManifest(manifest, num_params); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckManifest(manifest, num_params));
   std::string json = "{";
   if (!metadata.empty()) {
     absl::StrAppend(&json, "\"", kMetadataKey, "\":{");
@@ -199,14 +200,11 @@ absl::Status WriteSafetensors(const std::string& path, const v1::ModelManifest& 
       return absl::AlreadyExistsError(absl::StrCat(file, " already exists"));
     }
   }
-  if (absl::Status s = WriteFileAtomically(
-          path,
-          {*header,
-           absl::string_view(reinterpret_cast<const char*>(params), num_params * sizeof(float))},
-          Durability::kDurable);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(WriteFileAtomically(
+      path,
+      {*header,
+       absl::string_view(reinterpret_cast<const char*>(params), num_params * sizeof(float))},
+      Durability::kDurable));
   if (!write_config) return absl::OkStatus();
   absl::Status s = WriteFileAtomically(config, manifest.config_json() + "\n", Durability::kDurable);
   if (!s.ok() && !model_existed) {
@@ -225,10 +223,7 @@ absl::StatusOr<std::string> WriteModelExport(const std::string& dir,
   std::filesystem::create_directories(dir, ec);
   if (ec) return ErrnoStatus(ec.value(), "creating output directory", dir);
   const std::string path = (std::filesystem::path(dir) / "model.safetensors").string();
-  if (absl::Status s = WriteSafetensors(path, manifest, params, num_params, metadata, true);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(WriteSafetensors(path, manifest, params, num_params, metadata, true));
   return path;
 }
 

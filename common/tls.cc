@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace lockstep {
 namespace {
@@ -56,7 +57,7 @@ TlsFiles ClientTlsFiles(const std::string& cert, const std::string& key, const s
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsFiles& files) {
   if (!files.any()) return grpc::InsecureServerCredentials();
-  if (absl::Status s = CheckPair(files); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckPair(files));
   if (files.cert.empty()) {
     return absl::InvalidArgumentError(
         "--tls_ca without --tls_cert/--tls_key: the server needs its own certificate for TLS");
@@ -79,7 +80,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const TlsFiles& files) {
   if (!files.any()) return grpc::InsecureChannelCredentials();
-  if (absl::Status s = CheckPair(files); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckPair(files));
   if (files.ca.empty()) {
     return absl::InvalidArgumentError(
         "TLS needs --tls_ca: the CA certificate that signed the coordinator's certificate");

@@ -19,6 +19,7 @@
 #include "common/grpc_options.h"
 #include "common/metrics.h"
 #include "common/path_roots.h"
+#include "common/status_macros.h"
 #include "common/test_hooks.h"
 #include "common/tls.h"
 #include "coordinator/dashboard/dashboard.h"
@@ -262,12 +263,9 @@ absl::StatusOr<lockstep::coordinator::CoreOptions> CoreOptionsFromFlags(
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
   options.tick_interval = kTickInterval;
   options.restart_grace = absl::Milliseconds(absl::GetFlag(FLAGS_restart_grace_ms));
-  if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
-                                                absl::GetFlag(FLAGS_checkpoint_root),
-                                                &options.data_roots, &options.checkpoint_roots);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(
+      lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root), absl::GetFlag(FLAGS_checkpoint_root),
+                               &options.data_roots, &options.checkpoint_roots));
   if (options.data_roots.allows_any_path() || options.checkpoint_roots.allows_any_path()) {
     LOG(WARNING) << "a --data_root or --checkpoint_root of \"/\": jobs may name any path the "
                     "workers can read or write";

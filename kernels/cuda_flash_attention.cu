@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/status_macros.h"
 #include "kernels/cuda_flash_attention.h"
 #include "kernels/cuda_launch.h"
 
@@ -493,13 +494,10 @@ absl::Status Backward(const float* dout, const Bf16* qkv, const Bf16* out, const
   const Args args = MakeArgs(s, qkv, dout);
   const bf16* q = reinterpret_cast<const bf16*>(qkv);
   const bf16* o = reinterpret_cast<const bf16*>(out);
-  if (absl::Status st = Launch(FlashKeysKernel<D>, "FlashKeysKernel", Layout<D>::kKeys, s,
-                               stream, dout, q, o, lse, args, dqkv);
-      !st.ok()) {
-    return st;
-  }
-  return Launch(FlashQueriesKernel<D>, "FlashQueriesKernel", Layout<D>::kQueries, s, stream,
-                dout, q, o, lse, args, dqkv);
+  LOCKSTEP_RETURN_IF_ERROR(Launch(FlashKeysKernel<D>, "FlashKeysKernel", Layout<D>::kKeys, s,
+                                  stream, dout, q, o, lse, args, dqkv));
+  return Launch(FlashQueriesKernel<D>, "FlashQueriesKernel", Layout<D>::kQueries, s, stream, dout,
+                q, o, lse, args, dqkv);
 }
 
 }  // namespace

@@ -2,14 +2,15 @@
 // of 256 threads; none of them needs shared memory. Reductions that feed the training state
 // (bias gradients, the loss sum) run in a fixed order, so a rank gets the same bits every run.
 #include <cublasLt.h>
-#include <cuda_bf16.h>
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "common/gpu_limits.h"
+#include "common/status_macros.h"
 #include "kernels/cuda_kernels.h"
 #include "kernels/cuda_launch.h"
 #include "kernels/cuda_reduce.h"
@@ -195,7 +196,7 @@ absl::Status CheckFracBits(int frac_bits) {
 template <bool kAccumulate>
 absl::Status LaunchFixedPoint(const float* g, size_t n, int frac_bits, int64_t* out,
                               unsigned long long* rejected, cudaStream_t stream) {
-  if (absl::Status s = CheckFracBits(frac_bits); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckFracBits(frac_bits));
   if (n == 0) return absl::OkStatus();
   FixedPointKernel<kAccumulate>
       <<<Blocks(n), kThreads, 0, stream>>>(g, n, std::ldexp(1.0, frac_bits), out, rejected);
@@ -296,7 +297,7 @@ absl::StatusOr<const void*> Blas::ToBf16(int slot, const float* values, size_t c
     bf16_capacity_[slot] = count;
   }
   Bf16* out = static_cast<Bf16*>(bf16_scratch_[slot]);
-  if (absl::Status s = RoundToBf16(values, count, out, stream_); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(RoundToBf16(values, count, out, stream_));
   return static_cast<const void*>(out);
 }
 
@@ -558,7 +559,7 @@ absl::Status SoftmaxCrossEntropy(const float* logits, const int32_t* labels, int
   if (rows > 0) {
     SoftmaxCrossEntropyKernel<<<(rows + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
         logits, labels, rows, classes, grad_scale, dlogits, row_loss, row_correct);
-    if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyKernel"); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(LaunchStatus("SoftmaxCrossEntropyKernel"));
   }
   SumInOrderKernel<<<1, 1, 0, stream>>>(row_loss, rows, loss_sum, accumulate_loss);
   return LaunchStatus("SumInOrderKernel");
@@ -635,9 +636,9 @@ absl::Status ClipByGlobalNorm(float* g, size_t n, float clip_norm, double* works
   }
   const size_t chunk = (n + kClipWorkspace - 1) / kClipWorkspace;
   SquaresKernel<<<kClipWorkspace, kThreads, 0, stream>>>(g, n, chunk, workspace);
-  if (absl::Status s = LaunchStatus("SquaresKernel"); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(LaunchStatus("SquaresKernel"));
   ClipNormKernel<<<1, 1, 0, stream>>>(workspace, clip_norm);
-  if (absl::Status s = LaunchStatus("ClipNormKernel"); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(LaunchStatus("ClipNormKernel"));
   if (n == 0) return absl::OkStatus();
   ScaleKernel<<<Blocks(n), kThreads, 0, stream>>>(g, n, workspace + 1);
   return LaunchStatus("ScaleKernel");
@@ -656,15 +657,15 @@ absl::Status AccumulateFixedPoint(const float* g, size_t n, int frac_bits, int64
 absl::Status AccumulateLossFixedPoint(const double* loss_sum, float grad_scale, int frac_bits,
                                       int64_t* acc, unsigned long long* rejected,
                                       cudaStream_t stream) {
-  if (absl::Status s = CheckFracBits(frac_bits); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckFracBits(frac_bits));
   LossFixedPointKernel<<<1, 1, 0, stream>>>(loss_sum, static_cast<double>(grad_scale),
-                                           std::ldexp(1.0, frac_bits), acc, rejected);
+                                            std::ldexp(1.0, frac_bits), acc, rejected);
   return LaunchStatus("LossFixedPointKernel");
 }
 
 absl::Status FromFixedPoint(const int64_t* in, size_t n, int frac_bits, float* out,
                             cudaStream_t stream) {
-  if (absl::Status s = CheckFracBits(frac_bits); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckFracBits(frac_bits));
   if (n == 0) return absl::OkStatus();
   FromFixedPointKernel<<<Blocks(n), kThreads, 0, stream>>>(in, n, std::ldexp(1.0, -frac_bits), out);
   return LaunchStatus("FromFixedPointKernel");

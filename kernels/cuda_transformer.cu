@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cuda_flash_attention.h"
 #include "kernels/cuda_launch.h"
 #include "kernels/cuda_reduce.h"
@@ -601,7 +602,7 @@ template <typename In, typename Out>
 absl::Status CausalAttentionForwardAs(const In* qkv, int batch, int T, int c, int heads,
                                       Out* out, float* lse, cudaStream_t stream) {
   AttentionShape shape;
-  if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckAttentionShape(batch, T, c, heads, &shape));
   if (batch == 0 || T == 0) return absl::OkStatus();
   const dim3 grid((T + kQueryRows - 1) / kQueryRows, heads, batch);
   AttentionForwardKernel<<<grid, kQueryRows, 0, stream>>>(qkv, shape, out, lse);
@@ -613,11 +614,11 @@ absl::Status CausalAttentionBackwardAs(const float* dout, const In* qkv, const O
                                        const float* lse, int batch, int T, int c, int heads,
                                        float* dqkv, cudaStream_t stream) {
   AttentionShape shape;
-  if (absl::Status s = CheckAttentionShape(batch, T, c, heads, &shape); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckAttentionShape(batch, T, c, heads, &shape));
   if (batch == 0 || T == 0) return absl::OkStatus();
   const dim3 keys((T + kKeyRows - 1) / kKeyRows, heads, batch);
   AttentionBackwardKeysKernel<<<keys, kKeyRows, 0, stream>>>(dout, qkv, out, lse, shape, dqkv);
-  if (absl::Status s = LaunchStatus("AttentionBackwardKeysKernel"); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(LaunchStatus("AttentionBackwardKeysKernel"));
   const dim3 queries((T + kQueryRows - 1) / kQueryRows, heads, batch);
   AttentionBackwardQueriesKernel<<<queries, kQueryRows, 0, stream>>>(dout, qkv, out, lse, shape,
                                                                      dqkv);
@@ -677,7 +678,7 @@ absl::Status LayerNormBackward(const float* dout, const float* x, const float* w
   const int blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   LayerNormBackwardInputKernel<<<blocks, kThreads, 0, stream>>>(dout, x, w, mean, rstd, rows, c,
                                                                 base, dx);
-  if (absl::Status s = LaunchStatus("LayerNormBackwardInputKernel"); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(LaunchStatus("LayerNormBackwardInputKernel"));
   if (dw == nullptr && db == nullptr) return absl::OkStatus();
   LayerNormBackwardParamsKernel<<<(c + kSumColumns - 1) / kSumColumns,
                                   dim3(kSumColumns, kSumGroups), 0, stream>>>(dout, x, mean, rstd,
@@ -693,7 +694,7 @@ absl::Status CausalAttentionForward(const float* qkv, int batch, int T, int c, i
 absl::Status CausalAttentionForward(const Bf16* qkv, int batch, int T, int c, int heads,
                                     Bf16* out, float* lse, cudaStream_t stream) {
   AttentionShape s;
-  if (absl::Status st = CheckAttentionShape(batch, T, c, heads, &s); !st.ok()) return st;
+  LOCKSTEP_RETURN_IF_ERROR(CheckAttentionShape(batch, T, c, heads, &s));
   if (batch == 0 || T == 0) return absl::OkStatus();
   return FlashAttentionForward(qkv, {batch, T, c, heads, s.hs, s.scale}, out, lse, stream);
 }
@@ -708,7 +709,7 @@ absl::Status CausalAttentionBackward(const float* dout, const Bf16* qkv, const B
                                      const float* lse, int batch, int T, int c, int heads,
                                      float* dqkv, cudaStream_t stream) {
   AttentionShape s;
-  if (absl::Status st = CheckAttentionShape(batch, T, c, heads, &s); !st.ok()) return st;
+  LOCKSTEP_RETURN_IF_ERROR(CheckAttentionShape(batch, T, c, heads, &s));
   if (batch == 0 || T == 0) return absl::OkStatus();
   return FlashAttentionBackward(dout, qkv, out, lse, {batch, T, c, heads, s.hs, s.scale}, dqkv,
                                 stream);
@@ -816,7 +817,7 @@ absl::Status SoftmaxCrossEntropyAs(const float* logits, const int32_t* targets, 
     // The kernel writes through grad only; in place, grad is the logits.
     SoftmaxCrossEntropyKernel<<<rows, kThreads, 0, stream>>>(
         const_cast<float*>(logits), targets, v, grad_scale, grad, row_loss, row_correct);
-    if (absl::Status s = LaunchStatus("SoftmaxCrossEntropyKernel"); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(LaunchStatus("SoftmaxCrossEntropyKernel"));
   }
   SumRowsKernel<<<1, kThreads, 0, stream>>>(row_loss,
                                             correct != nullptr ? row_correct : nullptr,

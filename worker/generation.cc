@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "common/job_memory.h"
 #include "common/process_memory.h"
+#include "common/status_macros.h"
 #include "common/test_hooks.h"
 #include "glog/logging.h"
 #include "kernels/cpu_kernels.h"
@@ -77,13 +78,13 @@ absl::Status Generation::Run(std::unique_ptr<Trainer>& trainer) {
     const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     kernels::SetBlasThreads(std::clamp(spec_.threads_per_worker(), 1, cores));
     const absl::Time started = context_.clock->Now();
-    if (absl::Status s = Prepare(trainer); !s.ok()) return s;
-    if (absl::Status s = Connect(trainer); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(Prepare(trainer));
+    LOCKSTEP_RETURN_IF_ERROR(Connect(trainer));
     VLOG(1) << Name() << ": prepared and connected in "
             << absl::FormatDuration(context_.clock->Now() - started);
-    if (absl::Status s = Heal(*trainer); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(Heal(*trainer));
     EndMetrics end_metrics{context_.metrics, trainer.get(), abort_.get()};
-    if (absl::Status s = Train(*trainer); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(Train(*trainer));
     return Finish(*trainer);
   } catch (const std::bad_alloc&) {
     // A job that needs more memory than this worker can get fails with that reason; the

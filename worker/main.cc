@@ -15,15 +15,16 @@
 #include "common/auth.h"
 #include "common/metrics.h"
 #include "common/path_roots.h"
+#include "common/status_macros.h"
 #include "common/test_hooks.h"
 #include "common/tls_flags.h"
 #include "glog/logging.h"
 #include "worker/agent.h"
 #include "worker/comm/shm_communicator.h"
+#include "worker/data/dataset.h"
 #include "worker/device/backend.h"
 #include "worker/device/device.h"
 #include "worker/metrics.h"
-#include "worker/data/dataset.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
 ABSL_FLAG(std::string, device, "cpu", "Device this worker owns: cpu or cuda:N.");
@@ -109,12 +110,9 @@ std::string LocalAddressTowards(const std::string& target) {
 
 // --data_root and --checkpoint_root into `options`, warning about what they leave open.
 absl::Status RootsFromFlags(lockstep::worker::AgentOptions& options) {
-  if (absl::Status s = lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root),
-                                                absl::GetFlag(FLAGS_checkpoint_root),
-                                                &options.data_roots, &options.checkpoint_roots);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(
+      lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root), absl::GetFlag(FLAGS_checkpoint_root),
+                               &options.data_roots, &options.checkpoint_roots));
   if (geteuid() == 0) {
     LOG(WARNING) << "running as root: jobs read and write inside --data_root ("
                  << options.data_roots.Describe() << ") and --checkpoint_root ("

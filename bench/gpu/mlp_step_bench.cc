@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "bench/gpu/gemm_rate.h"
+#include "common/status_macros.h"
 #include "kernels/gpu_check.h"
 #include "worker/cuda/gpu_step.h"
 #include "worker/model/mlp.h"
@@ -71,7 +72,7 @@ absl::Status Run() {
   auto step = GpuStep::Create(spec, lockstep::worker::SampleLayout{dims.front(), 0}, &model,
                               &optimizer);
   if (!step.ok()) return step.status();
-  if (absl::Status s = (*step)->Begin({}); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR((*step)->Begin({}));
   auto batch = (*step)->HostBuffers(n);
   if (!batch.ok()) return batch.status();
   std::mt19937 rng(2);
@@ -97,17 +98,17 @@ absl::Status Run() {
     return absl::OkStatus();
   };
   for (int i = 0; i < 5; ++i) {
-    if (absl::Status s = one_step(); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(one_step());
   }
   // Each step ends with the loss read back (the worker reports it), so wall time is GPU time.
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) {
-    if (absl::Status s = one_step(); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(one_step());
   }
   const double step_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
       steps;
-  if (absl::Status s = (*step)->End(); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR((*step)->End());
 
   // FLOPs of a step: forward, weight gradient and input gradient (none for the first layer).
   double flops = 0;

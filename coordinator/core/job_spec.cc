@@ -12,6 +12,7 @@
 #include "common/data_format.h"
 #include "common/model_family.h"
 #include "common/model_layout.h"
+#include "common/status_macros.h"
 
 namespace lockstep::coordinator {
 namespace {
@@ -58,7 +59,7 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat("spec: at most ", kMaxJobSpecBytes,
                                                    " bytes encoded, got ", bytes));
   }
-  if (absl::Status s = CheckText("name", spec.name(), kMaxJobNameBytes); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckText("name", spec.name(), kMaxJobNameBytes));
   const struct {
     const char* field;
     const std::string& value;
@@ -68,7 +69,7 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
                {"output_dir", spec.output_dir()},
                {"init_from_checkpoint.path", spec.init_from_checkpoint().path()}};
   for (const auto& path : paths) {
-    if (absl::Status s = CheckText(path.field, path.value, kMaxPathBytes); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(CheckText(path.field, path.value, kMaxPathBytes));
   }
   for (const auto& text : {std::pair<const char*, const std::string&>{"model.type", spec.model().type()},
                            {"model.mlp.activation", spec.model().mlp().activation()},
@@ -77,7 +78,7 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
                            {"device", spec.device()},
                            {"precision", spec.precision()},
                            {"checkpoint_failure_policy", spec.checkpoint_failure_policy()}}) {
-    if (absl::Status s = CheckText(text.first, text.second, 64); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(CheckText(text.first, text.second, 64));
   }
   if (spec.model().mlp().hidden_widths_size() > kMaxHiddenLayers) {
     return Invalid("model.mlp.hidden_widths",
@@ -90,11 +91,8 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
                                 spec.model().frozen_parameters_size()));
   }
   for (int i = 0; i < spec.model().frozen_parameters_size(); ++i) {
-    if (absl::Status s = CheckText(absl::StrCat("model.frozen_parameters[", i, "]"),
-                                   spec.model().frozen_parameters(i), 256);
-        !s.ok()) {
-      return s;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(CheckText(absl::StrCat("model.frozen_parameters[", i, "]"),
+                                       spec.model().frozen_parameters(i), 256));
   }
   if (spec.sample().prompt().size() > kMaxPromptBytes) {
     return Invalid("sample.prompt", absl::StrCat("at most ", kMaxPromptBytes, " bytes, got ",
@@ -161,12 +159,12 @@ absl::Status CheckJobPaths(const v1::JobSpec& spec, const PathRoots& data,
   for (const auto& [field, path] :
        {std::pair<const char*, const std::string&>{"dataset.path", spec.dataset().path()},
         {"dataset.validation_path", spec.dataset().validation_path()}}) {
-    if (absl::Status s = data.Check(field, path); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(data.Check(field, path));
   }
   for (const auto& [field, path] :
        {std::pair<const char*, const std::string&>{"checkpoint_dir", spec.checkpoint_dir()},
         {"output_dir", spec.output_dir()}}) {
-    if (absl::Status s = checkpoints.Check(field, path); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(checkpoints.Check(field, path));
   }
   const std::string& init = spec.init_from_checkpoint().path();
   if (absl::Status s = checkpoints.Check("init_from_checkpoint.path", init); !s.ok()) {
@@ -203,8 +201,8 @@ absl::Status ValidateModel(const v1::ModelSpec& model) {
     return Invalid("model.type", absl::StrCat("unknown model \"", model.type(), "\" (one of: ",
                                               ModelFamilyNames(), ")"));
   }
-  if (absl::Status s = ValidateModelForm(model); !s.ok()) return s;
-  if (absl::Status s = family->validate(model); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(ValidateModelForm(model));
+  LOCKSTEP_RETURN_IF_ERROR(family->validate(model));
   if (!model.frozen_parameters().empty()) {
     const std::vector<std::string> patterns(model.frozen_parameters().begin(),
                                             model.frozen_parameters().end());
@@ -253,7 +251,7 @@ absl::Status ValidateModelOnData(const v1::JobSpec& spec) {
   }
   if (const ModelFamily* family = FindModelFamily(model.type());
       family->validate_on_device != nullptr) {
-    if (absl::Status s = family->validate_on_device(spec); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(family->validate_on_device(spec));
   }
   return absl::OkStatus();
 }
@@ -456,17 +454,17 @@ absl::Status ValidateOperations(const v1::JobSpec& spec) {
 }  // namespace
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
-  if (absl::Status s = CheckBounds(spec); !s.ok()) return s;
-  if (absl::Status s = ValidateDevice(spec); !s.ok()) return s;
-  if (absl::Status s = ValidateModel(spec.model()); !s.ok()) return s;
-  if (absl::Status s = ValidateDataset(spec.dataset()); !s.ok()) return s;
-  if (absl::Status s = ValidateModelOnData(spec); !s.ok()) return s;
-  if (absl::Status s = ValidateSample(spec); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckBounds(spec));
+  LOCKSTEP_RETURN_IF_ERROR(ValidateDevice(spec));
+  LOCKSTEP_RETURN_IF_ERROR(ValidateModel(spec.model()));
+  LOCKSTEP_RETURN_IF_ERROR(ValidateDataset(spec.dataset()));
+  LOCKSTEP_RETURN_IF_ERROR(ValidateModelOnData(spec));
+  LOCKSTEP_RETURN_IF_ERROR(ValidateSample(spec));
   if (spec.eval_every_steps() < 0) {
     return Invalid("eval_every_steps", absl::StrCat("must be >= 0, got ", spec.eval_every_steps()));
   }
-  if (absl::Status s = ValidateOptimizer(spec.optimizer()); !s.ok()) return s;
-  if (absl::Status s = ValidateBatch(spec); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer()));
+  LOCKSTEP_RETURN_IF_ERROR(ValidateBatch(spec));
   return ValidateOperations(spec);
 }
 

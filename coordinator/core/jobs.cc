@@ -17,6 +17,7 @@
 #include "common/gpu_limits.h"
 #include "common/job_memory.h"
 #include "common/model_family.h"
+#include "common/status_macros.h"
 #include "coordinator/core/core.h"
 #include "coordinator/core/core_internal.h"
 #include "coordinator/core/job_spec.h"
@@ -52,14 +53,11 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
                                         bool schedule) {
   ObserveTime(now);
   ApplyJobSpecDefaults(&spec);
-  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) return s;
-  if (absl::Status s = CheckJobPaths(spec, options_.data_roots, options_.checkpoint_roots);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(ValidateJobSpec(spec));
+  LOCKSTEP_RETURN_IF_ERROR(CheckJobPaths(spec, options_.data_roots, options_.checkpoint_roots));
   // With gradient accumulation a worker needs room for one micro-batch, not its whole share.
   const MemoryEstimate memory = EstimateWorkerMemory(spec, MinMicroBatch(spec));
-  if (absl::Status s = CheckMemoryFits(memory, spec.device()); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(CheckMemoryFits(memory, spec.device()));
   JobRecord record;
   record.memory_needed = memory.total();
   const std::string id =

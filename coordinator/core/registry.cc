@@ -18,9 +18,10 @@
 #include "common/gpu_limits.h"
 #include "common/job_memory.h"
 #include "common/model_family.h"
+#include "common/status_macros.h"
 #include "coordinator/core/core.h"
-#include "coordinator/core/eligibility.h"
 #include "coordinator/core/core_internal.h"
+#include "coordinator/core/eligibility.h"
 #include "coordinator/core/job_spec.h"
 
 namespace lockstep::coordinator {
@@ -65,7 +66,7 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& request) {
 absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& request, absl::Time now,
                                                  Decisions* out) {
   ObserveTime(now);
-  if (absl::Status s = ValidateRegistration(request); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(ValidateRegistration(request));
   if (auto held = live_names_.find(request.name()); held != live_names_.end()) {
     const Worker& w = workers_.at(held->second);
     return absl::AlreadyExistsError(absl::StrCat("a connected worker is already named \"",

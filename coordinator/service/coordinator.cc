@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "common/test_hooks.h"
 #include "glog/logging.h"
 
@@ -191,7 +192,7 @@ absl::Status Coordinator::StoreSet(const std::string& session_key, const std::st
                                    int64_t generation, const std::string& key, std::string value) {
   {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = StoreFence(session_key, job_id, generation); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(StoreFence(session_key, job_id, generation));
     // Writing to its generation's store is taking part in it (Core::NoteMemberActivity).
     core_.NoteMemberActivity(session_keys_.at(session_key), job_id, generation);
   }

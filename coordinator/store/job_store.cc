@@ -12,11 +12,12 @@
 #include <random>
 #include <sstream>
 
-#include "absl/strings/match.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/atomic_file.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 
 namespace lockstep::coordinator {
@@ -108,9 +109,7 @@ absl::StatusOr<std::string> ClusterId(const std::string& dir) {
     return absl::DataLossError(absl::StrCat(path, ": not a cluster id (six hex digits): ", id));
   }
   id = RandomClusterId();
-  if (absl::Status s = WriteFileAtomically(path, id + "\n", Durability::kDurable); !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(WriteFileAtomically(path, id + "\n", Durability::kDurable));
   return id;
 }
 

@@ -557,7 +557,7 @@ TEST(GpuTrainerTest, HealGoesBetweenDeviceStatesOverNccl) {
         if (!step.ok()) return step.status();
         GpuStep& engine = **step;
         const StepGroup group{nullptr, comm->get()};
-        if (absl::Status s = engine.Begin(group); !s.ok()) return s;  // uploads the host's
+        LOCKSTEP_RETURN_IF_ERROR(engine.Begin(group));  // uploads the host's
         std::vector<float> staging(n, -1.0f), opt_staging(2 * n, -1.0f);
         if (rank == 0) {
           source_device.assign(model.params(), model.params() + n);

@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 
 extern char** environ;
@@ -193,7 +194,7 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
     std::ofstream(cluster->token_file_) << token << "\n";
     cluster->coordinator_flags_.push_back("--token_file=" + cluster->token_file_);
   }
-  if (absl::Status s = cluster->StartCoordinator("127.0.0.1:0"); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(cluster->StartCoordinator("127.0.0.1:0"));
   cluster->jobs_ = v1::JobService::NewStub(MakeChannel(
       cluster->address_, {token, "integration test", *credentials, client_tls.server_name}));
   return cluster;
@@ -313,7 +314,7 @@ void Cluster::ReleaseHook(const std::string& worker, const std::string& hook) {
 
 absl::Status Cluster::StartWorkers(int n) {
   for (int i = 0; i < n; ++i) {
-    if (absl::Status s = StartWorker(absl::StrCat("w", i)); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(StartWorker(absl::StrCat("w", i)));
   }
   return absl::OkStatus();
 }

@@ -9,12 +9,11 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <signal.h>
 
 #include <cerrno>
 #include <climits>
@@ -26,11 +25,12 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "glog/logging.h"
+#include "common/status_macros.h"
 #include "common/test_hooks.h"
+#include "glog/logging.h"
 
 namespace lockstep::worker {
 namespace {
@@ -169,7 +169,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ShmCommunicator::Wrap(
   } unmap{&mapping, bytes};
   const std::atomic<bool>* aborted = abort != nullptr ? &abort->flag() : nullptr;
   if (base->rank() == 0) test_hooks::Reach("shm_setup", -1, aborted);
-  if (absl::Status s = base->Broadcast(&hs, sizeof(hs), 0); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(base->Broadcast(&hs, sizeof(hs), 0));
   if (base->rank() != 0) test_hooks::Reach("shm_setup", -1, aborted);
   int64_t ok = 0;
   if (hs.ok != 0) {
@@ -266,7 +266,7 @@ absl::Status ShmCommunicator::ReduceSlots(size_t offset, size_t count) {
   if (header_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == target) {
     Futex(&header_->arrived, FUTEX_WAKE, INT_MAX, nullptr);
   }
-  if (absl::Status s = WaitFor(header_->arrived, target, "gathering"); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(WaitFor(header_->arrived, target, "gathering"));
   // Each rank sums its share of the range, adding the slots in rank order.
   const size_t begin = offset + count * r / world, end = offset + count * (r + 1) / world;
   T* out = reinterpret_cast<T*>(result_) + begin;
@@ -285,7 +285,7 @@ template <typename T>
 absl::Status ShmCommunicator::Sum(T* data, size_t count) {
   if (count == 0) return absl::OkStatus();
   std::memcpy(slots_ + static_cast<size_t>(rank()) * max_bytes_, data, count * sizeof(T));
-  if (absl::Status s = ReduceSlots<T>(0, count); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(ReduceSlots<T>(0, count));
   std::memcpy(data, result_, count * sizeof(T));
   return absl::OkStatus();
 }

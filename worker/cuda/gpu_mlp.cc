@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/status_macros.h"
 #include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
 
@@ -29,7 +30,7 @@ absl::StatusOr<std::unique_ptr<GpuMlp>> GpuMlp::Create(std::vector<int> dims,
   mlp->activation_ = activation;
   size_t num_params = 0;
   mlp->layers_ = Mlp::Layout(mlp->dims_, &num_params);
-  if (absl::Status s = mlp->Init(num_params, stream); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(mlp->Init(num_params, stream));
   mlp->z_.assign(mlp->layers_.size(), nullptr);
   mlp->a_.assign(mlp->layers_.size(), nullptr);
   return mlp;
@@ -58,10 +59,10 @@ absl::Status GpuMlp::Reserve(int n) {
     DeviceFree(z_[l]);
     a_[l] = z_[l] = nullptr;
     const size_t size = static_cast<size_t>(n) * layers_[l].out;
-    if (absl::Status s = Allocate(&z_[l], size); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(Allocate(&z_[l], size));
     a_[l] = z_[l];
     if (activation_ == kernels::Activation::kGelu && l + 1 < layers_.size()) {
-      if (absl::Status s = Allocate(&a_[l], size); !s.ok()) return s;
+      LOCKSTEP_RETURN_IF_ERROR(Allocate(&a_[l], size));
     }
     widest = std::max({widest, layers_[l].out, layers_[l].in});
   }
@@ -72,16 +73,16 @@ absl::Status GpuMlp::Reserve(int n) {
   dz_ = da_ = nullptr;
   row_loss_ = nullptr;
   row_correct_ = nullptr;
-  if (absl::Status s = Allocate(&dz_, static_cast<size_t>(n) * widest); !s.ok()) return s;
-  if (absl::Status s = Allocate(&da_, static_cast<size_t>(n) * widest); !s.ok()) return s;
-  if (absl::Status s = Allocate(&row_loss_, static_cast<size_t>(n)); !s.ok()) return s;
-  if (absl::Status s = Allocate(&row_correct_, static_cast<size_t>(n)); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(Allocate(&dz_, static_cast<size_t>(n) * widest));
+  LOCKSTEP_RETURN_IF_ERROR(Allocate(&da_, static_cast<size_t>(n) * widest));
+  LOCKSTEP_RETURN_IF_ERROR(Allocate(&row_loss_, static_cast<size_t>(n)));
+  LOCKSTEP_RETURN_IF_ERROR(Allocate(&row_correct_, static_cast<size_t>(n)));
   capacity_ = n;
   return absl::OkStatus();
 }
 
 absl::Status GpuMlp::Forward(const float* x, int n) {
-  if (absl::Status s = Reserve(n); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(Reserve(n));
   const int last = static_cast<int>(layers_.size()) - 1;
   const float* in = x;
   for (int l = 0; l <= last; ++l) {
@@ -89,10 +90,7 @@ absl::Status GpuMlp::Forward(const float* x, int n) {
     const float* w = params_ + s.offset;
     const float* b = w + static_cast<size_t>(s.in) * s.out;
     const kernels::Activation act = l == last ? kernels::Activation::kIdentity : activation_;
-    if (absl::Status st = blas_->LinearForward(in, w, b, n, s.in, s.out, act, z_[l], a_[l]);
-        !st.ok()) {
-      return st;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(blas_->LinearForward(in, w, b, n, s.in, s.out, act, z_[l], a_[l]));
     in = a_[l];
   }
   return absl::OkStatus();
@@ -100,14 +98,10 @@ absl::Status GpuMlp::Forward(const float* x, int n) {
 
 absl::StatusOr<double> GpuMlp::Evaluate(const float* x, const int32_t* y, int n, int64_t* correct) {
   if (n == 0) return 0.0;
-  if (absl::Status s = Forward(x, n); !s.ok()) return s;
-  if (absl::Status s =
-          kernels::cuda::SoftmaxCrossEntropy(z_.back(), y, n, layers_.back().out, 0.0f, nullptr,
-                                             row_loss_, row_correct_, loss_sum_,
-                                             /*accumulate_loss=*/false, stream_);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(Forward(x, n));
+  LOCKSTEP_RETURN_IF_ERROR(kernels::cuda::SoftmaxCrossEntropy(
+      z_.back(), y, n, layers_.back().out, 0.0f, nullptr, row_loss_, row_correct_, loss_sum_,
+      /*accumulate_loss=*/false, stream_));
   std::vector<int32_t> flags(static_cast<size_t>(n));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(
       flags.data(), row_correct_, flags.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
@@ -122,14 +116,11 @@ absl::StatusOr<double> GpuMlp::Evaluate(const float* x, const int32_t* y, int n,
 absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, float grad_scale,
                                      size_t chunk_floats,
                                      const std::function<void(size_t)>& on_ready, bool accumulate) {
-  if (absl::Status s = Forward(x, n); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(Forward(x, n));
   const int last = static_cast<int>(layers_.size()) - 1;
-  if (absl::Status s =
-          kernels::cuda::SoftmaxCrossEntropy(z_[last], y, n, layers_[last].out, grad_scale, dz_,
-                                             row_loss_, nullptr, loss_sum_, accumulate, stream_);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(kernels::cuda::SoftmaxCrossEntropy(z_[last], y, n, layers_[last].out,
+                                                              grad_scale, dz_, row_loss_, nullptr,
+                                                              loss_sum_, accumulate, stream_));
   for (int l = last; l >= 0; --l) {
     const Mlp::LayerSlice& s = layers_[l];
     const float* layer_in = l == 0 ? x : a_[l - 1];
@@ -138,31 +129,20 @@ absl::Status GpuMlp::ForwardBackward(const float* x, const int32_t* y, int n, fl
     const int rows = Mlp::RowsPerChunk(s, chunk_floats);
     for (int r = 0; r < s.out; r += rows) {
       const int m = std::min(rows, s.out - r);
-      if (absl::Status st =
-              blas_->Gemm(true, false, m, s.in, n, 1.0f, dz_ + r, s.out, layer_in, s.in,
-                          accumulate ? 1.0f : 0.0f, dw + static_cast<size_t>(r) * s.in, s.in);
-          !st.ok()) {
-        return st;
-      }
+      LOCKSTEP_RETURN_IF_ERROR(blas_->Gemm(true, false, m, s.in, n, 1.0f, dz_ + r, s.out, layer_in,
+                                           s.in, accumulate ? 1.0f : 0.0f,
+                                           dw + static_cast<size_t>(r) * s.in, s.in));
       if (on_ready) on_ready(s.offset + static_cast<size_t>(r + m) * s.in);
     }
-    if (absl::Status st = kernels::cuda::BiasGradient(dz_, n, s.out, db, accumulate, stream_); !st.ok()) {
-      return st;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(kernels::cuda::BiasGradient(dz_, n, s.out, db, accumulate, stream_));
     if (on_ready) on_ready(s.offset + s.count);
     if (l == 0) break;
     const float* w = params_ + s.offset;
-    if (absl::Status st =
-            blas_->Gemm(false, false, n, s.in, s.out, 1.0f, dz_, s.out, w, s.in, 0.0f, da_, s.in);
-        !st.ok()) {
-      return st;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(
+        blas_->Gemm(false, false, n, s.in, s.out, 1.0f, dz_, s.out, w, s.in, 0.0f, da_, s.in));
     // ReLU's output stands in for its pre-activation (z_ == a_ then); GELU keeps both.
-    if (absl::Status st = kernels::cuda::ActivationBackward(activation_, z_[l - 1], da_, dz_,
-                                                            static_cast<size_t>(n) * s.in, stream_);
-        !st.ok()) {
-      return st;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(kernels::cuda::ActivationBackward(
+        activation_, z_[l - 1], da_, dz_, static_cast<size_t>(n) * s.in, stream_));
   }
   return absl::OkStatus();
 }

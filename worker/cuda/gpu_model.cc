@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/device_memory.h"
 #include "kernels/gpu_check.h"
 
@@ -73,10 +74,7 @@ absl::Status GpuModel::DownloadGrads(float* host) const {
 
 absl::StatusOr<double> GpuModel::LossSum() {
   double value = 0;
-  if (absl::Status s = CopyAndWait(&value, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(CopyAndWait(&value, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost));
   return value;
 }
 

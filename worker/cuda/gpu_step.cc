@@ -398,7 +398,7 @@ Batch GpuStep::SlotBatch(int slot, int n) const {
 }
 
 absl::StatusOr<int> GpuStep::UploadPass(int pass, const float* x, const int32_t* y, int n) {
-  if (absl::Status s = Reserve(n); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(Reserve(n));
   const int slot = pass % 2;
   const size_t floats = static_cast<size_t>(n) * layout_.feature_stride;
   const size_t ints = static_cast<size_t>(n) * IntsPerSample();
@@ -447,11 +447,8 @@ absl::Status GpuStep::RunPass(int pass, const float* x, const int32_t* y, int n,
       on_ready(end);
     };
   }
-  if (absl::Status s = model_->ForwardBackward(SlotBatch(*slot, n), grad_scale, bucket_floats_,
-                                               ready, accumulate);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(
+      model_->ForwardBackward(SlotBatch(*slot, n), grad_scale, bucket_floats_, ready, accumulate));
   LOCKSTEP_RETURN_IF_ERROR(zero_status);
   LOCKSTEP_RETURN_IF_ERROR(ZeroFrozen(zeroed, model_->num_params()));
   return ReleaseSlot(*slot);
@@ -470,7 +467,7 @@ absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n
     absl::StatusOr<double> part = model_->Evaluate(SlotBatch(*slot, m), correct);
     if (!part.ok()) return part.status();
     loss += *part;
-    if (absl::Status s = ReleaseSlot(*slot); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(ReleaseSlot(*slot));
   }
   return loss;
 }
@@ -504,12 +501,9 @@ absl::Status GpuStep::UpdateSegments(float lr, int64_t step) {
   const size_t params = model_->num_params();
   // The summed gradient's global norm, clipped on the device as the CPU optimizer does it.
   if (optimizer_.grad_clip_norm() > 0) {
-    if (absl::Status s = kernels::cuda::ClipByGlobalNorm(
-            model_->grads(), params, static_cast<float>(optimizer_.grad_clip_norm()),
-            clip_workspace_, stream_);
-        !s.ok()) {
-      return s;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(kernels::cuda::ClipByGlobalNorm(
+        model_->grads(), params, static_cast<float>(optimizer_.grad_clip_norm()), clip_workspace_,
+        stream_));
   }
   // Segment by segment, as the CPU optimizer (elementwise: the same bits as one call where
   // the decay is the same). The device's gradient sits where its parameter does; the
@@ -548,22 +542,18 @@ absl::StatusOr<double> GpuStep::RunStep(const float* x, const int32_t* y, int n,
   for (int pass = 0, first = 0; first < n; ++pass, first += micro) {
     const int m = std::min(micro, n - first);
     const bool last = first + m >= n;
-    if (absl::Status s = RunPass(pass, Features(x, first), Ints(y, first), m,
-                                 grad_scale, group && last ? on_ready : nullptr,
-                                 /*accumulate=*/pass > 0);
-        !s.ok()) {
-      return s;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(RunPass(pass, Features(x, first), Ints(y, first), m, grad_scale,
+                                     group && last ? on_ready : nullptr, /*accumulate=*/pass > 0));
   }
   if (group) {
     cursor.Finish();  // the rest, then the loss (ready with the forward pass, sent last)
     if (!buckets.status().ok()) return buckets.status();
-    if (absl::Status s = comm_->AllreduceSum(model_->loss_sum_device(), 1); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(comm_->AllreduceSum(model_->loss_sum_device(), 1));
     // The watchdog: a dead or hung peer ends here with the communicator aborted.
-    if (absl::Status s = comm_->Wait(); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(comm_->Wait());
   }
   updating_ = true;
-  if (absl::Status s = Update(lr, step); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(Update(lr, step));
   absl::StatusOr<double> loss_sum = model_->LossSum();  // waits for the update too
   if (!loss_sum.ok()) return loss_sum.status();
   return *loss_sum * grad_scale;
@@ -607,21 +597,15 @@ absl::Status GpuStep::AccumulateFixedPoint(const float* x, const int32_t* y, int
     };
     // Slot 0 or its twin, slot 1: both come from cudaMalloc (256-byte aligned), so every
     // shard's products see the same shapes and alignments on every rank.
-    if (absl::Status s =
-            RunPass(k, Features(x, k * shard), Ints(y, k * shard), shard, grad_scale,
-                    group && last ? on_ready : nullptr, /*accumulate=*/false);
-        !s.ok()) {
-      return s;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(RunPass(k, Features(x, k * shard), Ints(y, k * shard), shard,
+                                     grad_scale, group && last ? on_ready : nullptr,
+                                     /*accumulate=*/false));
     if (!convert_status.ok()) return convert_status;
     if (converted < params) {
-      if (absl::Status s = to_fixed(converted, params); !s.ok()) return s;
+      LOCKSTEP_RETURN_IF_ERROR(to_fixed(converted, params));
     }
-    if (absl::Status s = kernels::cuda::AccumulateLossFixedPoint(
-            model_->loss_sum_device(), grad_scale, frac_bits, loss, rejected, stream_);
-        !s.ok()) {
-      return s;
-    }
+    LOCKSTEP_RETURN_IF_ERROR(kernels::cuda::AccumulateLossFixedPoint(
+        model_->loss_sum_device(), grad_scale, frac_bits, loss, rejected, stream_));
   }
   if (group) {
     cursor.Finish();  // the rest, with the loss and the rejection count
@@ -639,12 +623,9 @@ absl::StatusOr<std::vector<int64_t>> GpuStep::FixedPointGradient(const Batch& ba
       (!layout_.labels() && batch.token_stride != layout_.token_stride)) {
     return absl::InvalidArgumentError("GpuStep: a batch in another layout than the engine's");
   }
-  if (absl::Status s =
-          AccumulateFixedPoint(batch.features, layout_.labels() ? batch.labels : batch.tokens,
-                               batch.n, shard, grad_scale, frac_bits, /*group=*/false);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(
+      AccumulateFixedPoint(batch.features, layout_.labels() ? batch.labels : batch.tokens, batch.n,
+                           shard, grad_scale, frac_bits, /*group=*/false));
   std::vector<int64_t> sum(model_->num_params() + 2);
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaMemcpyAsync(sum.data(), fixed_, sum.size() * sizeof(int64_t),
                                                cudaMemcpyDeviceToHost, stream_));
@@ -670,12 +651,9 @@ absl::StatusOr<GpuStep::DeterministicResult> GpuStep::RunDeterministic(
     int64_t step) {
   const size_t params = model_->num_params();
   const bool group = comm_ != nullptr && comm_->size() > 1;
-  if (absl::Status s = AccumulateFixedPoint(x, y, n, shard, grad_scale, frac_bits, group);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(AccumulateFixedPoint(x, y, n, shard, grad_scale, frac_bits, group));
   if (group) {
-    if (absl::Status s = comm_->Wait(); !s.ok()) return s;  // the watchdog
+    LOCKSTEP_RETURN_IF_ERROR(comm_->Wait());  // the watchdog
   }
   int64_t tail[2] = {0, 0};  // the group's loss and rejection count
   LOCKSTEP_GPU_RETURN_IF_ERROR(
@@ -685,13 +663,10 @@ absl::StatusOr<GpuStep::DeterministicResult> GpuStep::RunDeterministic(
   result.loss = static_cast<double>(tail[0]) / std::ldexp(1.0, frac_bits);
   result.rejected = tail[1];
   if (result.rejected != 0) return result;  // no update: the trainer fails the step
-  if (absl::Status s =
-          kernels::cuda::FromFixedPoint(fixed_, params, frac_bits, model_->grads(), stream_);
-      !s.ok()) {
-    return s;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(
+      kernels::cuda::FromFixedPoint(fixed_, params, frac_bits, model_->grads(), stream_));
   updating_ = true;
-  if (absl::Status s = Update(lr, step); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(Update(lr, step));
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return result;
 }

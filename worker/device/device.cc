@@ -5,6 +5,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "worker/device/backend.h"
 
 namespace lockstep::worker {
@@ -50,7 +51,7 @@ absl::StatusOr<DeviceInfo> OpenDevice(const std::string& device) {
         absl::StrCat("--device=", device, ": expected cpu or cuda:N (N = 0, 1, ...)"));
   }
   info.cuda_index = index;
-  if (absl::Status s = OpenCudaDevice(info); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(OpenCudaDevice(info));
   return info;
 }
 

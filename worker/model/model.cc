@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/model_family.h"
 #include "common/model_layout.h"
+#include "common/status_macros.h"
 #include "kernels/cpu_kernels.h"
 #include "worker/model/gpt.h"
 #include "worker/model/mlp.h"
@@ -31,9 +32,9 @@ absl::StatusOr<std::unique_ptr<Model>> CreateUnfrozenModel(const v1::ModelSpec& 
     return absl::InvalidArgumentError(
         absl::StrCat("model.type: unknown model \"", model.type(), "\""));
   }
-  if (absl::Status s = ValidateModelForm(model); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(ValidateModelForm(model));
   if (family->apply_defaults != nullptr) family->apply_defaults(model);
-  if (absl::Status s = family->validate(model); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(family->validate(model));
   for (const HostFamily& host : kHostFamilies) {
     if (model.type() == host.name) return host.create(model, shape);
   }
@@ -134,7 +135,7 @@ absl::StatusOr<std::unique_ptr<Model>> CreateModel(const v1::ModelSpec& spec,
   if (!model.ok() || spec.frozen_parameters().empty()) return model;
   const std::vector<std::string> patterns(spec.frozen_parameters().begin(),
                                           spec.frozen_parameters().end());
-  if (absl::Status s = (*model)->Freeze(patterns); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR((*model)->Freeze(patterns));
   return model;
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 #include "kernels/cpu_kernels.h"
 
 namespace lockstep::worker {
@@ -101,7 +102,7 @@ absl::StatusOr<StepResult> CpuStep::Step(const StepArgs& args) {
   }
   buckets.Finish();
   const absl::Time t1 = absl::Now();
-  if (absl::Status s = reducer->Wait(); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(reducer->Wait());
   const absl::Time t2 = absl::Now();
   StepResult result;
   result.loss = model_->loss_slot();
@@ -179,7 +180,7 @@ absl::StatusOr<StepResult> CpuStep::StepDeterministic(const StepArgs& args) {
     }
   }
   const absl::Time t1 = absl::Now();
-  if (absl::Status s = reducer_->Wait(); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(reducer_->Wait());
   const absl::Time t2 = absl::Now();
   const int64_t* reduced = staged != nullptr ? comm_->StagedResultInt64() : fixed_sum_.data();
   StepResult result;

@@ -85,7 +85,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const std::string& job_
   v1::JobSpec spec = given;
   NormalizeModelSpec(*spec.mutable_model());
   if (data->language) {
-    if (absl::Status s = CheckLanguageData(spec, *data); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(CheckLanguageData(spec, *data));
   } else if (IsLanguageModel(spec.model())) {
     return absl::InvalidArgumentError(absl::StrCat("model.type: \"", spec.model().type(),
                                                    "\" trains on \"text\" or \"tokens\" data, not ",
@@ -208,7 +208,7 @@ absl::Status Trainer::TrainStep(int64_t step) {
 }
 
 absl::Status Trainer::SyncHost() {
-  if (absl::Status s = engine_->Sync(); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(engine_->Sync());
   host_step_ = completed_step_;
   return absl::OkStatus();
 }
@@ -502,13 +502,13 @@ absl::Status Trainer::TrainSteps(int64_t start_step, const std::atomic<bool>& ab
     if (absl::Status s = TrainStep(step); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
     }
-    if (absl::Status s = MaybeCheckpoint(step, checkpoint); !s.ok()) return s;
+    LOCKSTEP_RETURN_IF_ERROR(MaybeCheckpoint(step, checkpoint));
     // Held-out loss every eval_every_steps (the last step's is the final evaluation's).
     std::optional<v1::EvalResult> eval;
     const int64_t eval_every = spec_.eval_every_steps();
     if (eval_every > 0 && step % eval_every == 0 && step < total_steps_) {
       const absl::Time eval_start = absl::Now();
-      if (absl::Status synced = SyncHost(); !synced.ok()) return synced;
+      LOCKSTEP_RETURN_IF_ERROR(SyncHost());
       absl::StatusOr<v1::EvalResult> result = Evaluate();
       // Throughput is training's: the evaluation's time is left out of it.
       const absl::Duration took = absl::Now() - eval_start;
@@ -624,12 +624,12 @@ double Trainer::TrainTokensPerSecond() const {
 }
 
 absl::StatusOr<v1::Sample> Trainer::GenerateSample() {
-  if (absl::Status s = SyncHost(); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(SyncHost());
   return worker::GenerateSample(*model_, spec_.sample(), data_->text);
 }
 
 absl::StatusOr<std::string> Trainer::Export() {
-  if (absl::Status s = SyncHost(); !s.ok()) return s;
+  LOCKSTEP_RETURN_IF_ERROR(SyncHost());
   return WriteModelExport(spec_.output_dir(), Manifest(*model_), model_->params(),
                           model_->num_params(),
                           {{"format", "pt"},
