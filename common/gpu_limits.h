@@ -19,7 +19,7 @@ inline constexpr long long kGpuBlasWorkspaceBytes = 32ll << 20;
 //    receiving on each of up to 32 channels. The worker logs what its communicator really took
 //    ("NCCL took ... of device memory"), to check this by.
 inline constexpr long long kGpuNcclBufferBytes = 2ll * 32 * (4ll << 20);
-//  - the LM head's logits, at most this many values at once (worker/train/gpu_gpt.h).
+//  - the LM head's logits, at most this many values at once (worker/cuda/gpu_gpt.h).
 inline constexpr long long kGpuHeadChunkValues = 1ll << 26;
 
 // The registration capability of a GPU worker whose NCCL lets several ranks of one group use

@@ -140,7 +140,7 @@ absl::Status SoftmaxCrossEntropyInto(const float* logits, const int32_t* targets
 absl::Status BiasGeluTanhForward(const float* bias, int rows, int cols, float* pre, float* out,
                                  cudaStream_t stream);
 
-// The GPT's pieces around the kernels above (the CPU's are in worker/train/gpt.cc):
+// The GPT's pieces around the kernels above (the CPU's are in worker/model/gpt.cc):
 // - GatherTokens: ids[r] = tokens[(r / t) * token_stride + r % t + offset] for r < n * t, the
 //   rows' tokens (offset 0) or their next tokens (offset 1, the targets), from n windows;
 // - Positions: ids[r] = r % t;

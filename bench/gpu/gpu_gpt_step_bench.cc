@@ -1,5 +1,5 @@
 // GPU training-step benchmark of the GPT on one GPU: the worker's engine (GpuStep over GpuGpt,
-// worker/train/gpu_step.h) at GPT-2 124M's shape by default, AdamW with global-norm clipping,
+// worker/cuda/gpu_step.h) at GPT-2 124M's shape by default, AdamW with global-norm clipping,
 // on synthetic tokens copied from pinned host memory each step as in training. Prints a table
 // and writes JSON: tokens/s, step time, model FLOP/s, MFU against the H200's dense bf16 peak
 // and against a cuBLAS GEMM rate measured in the same run in the same precision.

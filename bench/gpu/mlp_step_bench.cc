@@ -1,4 +1,4 @@
-// GPU training-step benchmark of the GPU worker's step (worker/train/gpu_step.h): one GPU, the
+// GPU training-step benchmark of the GPU worker's step (worker/cuda/gpu_step.h): one GPU, the
 // MLP family of the reference workload at a size that fills an H200, SGD with momentum; each
 // step copies its batch from pinned host memory, as in training. Modes: the default step, or
 // deterministic mode (fixed-point sums per micro-shard). Prints a table and writes JSON;

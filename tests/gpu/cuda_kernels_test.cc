@@ -354,7 +354,7 @@ TEST(CudaKernelsTest, BucketPackingRoundTrips) {
   }
 }
 
-// The CPU optimizer's clipping (worker/train/optimizer.cc): the norm in double, the factor
+// The CPU optimizer's clipping (worker/step/optimizer.cc): the norm in double, the factor
 // min(1, clip / (norm + 1e-6)), the gradient scaled only below 1. A length that does not fill
 // the last of the 1,024 partial ranges, and one shorter than their count.
 TEST(CudaKernelsTest, ClipByGlobalNormMatchesTheCpuOptimizer) {

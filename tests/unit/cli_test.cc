@@ -771,7 +771,7 @@ TEST(Commands, APlaintextTokenBeyondLoopbackIsWarnedAbout) {
 
 // ---- export
 
-// The version-3 checkpoint layout (worker/train/checkpoint.cc; checkpoint_test checks the same
+// The version-3 checkpoint layout (common/checkpoint.cc; checkpoint_test checks the same
 // offsets against WriteCheckpoint): num_params at 96, the checksum at 112, the manifest's length
 // at 120, the manifest from 128. The checksum covers the file with its own field zeroed.
 constexpr size_t kNumParamsAt = 96;

@@ -1,4 +1,4 @@
-// GPT forward and backward on one GPU, step for step as Gpt's (worker/train/gpt.cc).
+// GPT forward and backward on one GPU, step for step as Gpt's (worker/model/gpt.cc).
 #include "worker/cuda/gpu_gpt.h"
 
 #include <algorithm>

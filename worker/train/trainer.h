@@ -1,7 +1,7 @@
 // One member's training of one job: the step loop (fixed global batch, world-size-independent
 // data order, each step handed to a step engine), healing, checkpoints, progress and the
-// sharded evaluation at the end. The model (worker/train/model.h) and the engine
-// (worker/train/step_engine.h) are behind interfaces: a new model or device touches neither
+// sharded evaluation at the end. The model (worker/model/model.h) and the engine
+// (worker/step/step_engine.h) are behind interfaces: a new model or device touches neither
 // this class nor the communicators.
 #pragma once
 
