@@ -23,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "bench/gpu/bench_step.h"
 #include "bench/gpu/gemm_rate.h"
 #include "common/status_macros.h"
 #include "kernels/gpu_check.h"
@@ -126,13 +127,8 @@ absl::Status Run() {
   for (size_t i = 0; i < static_cast<size_t>(n) * batch->token_stride; ++i) {
     batch->tokens[i] = static_cast<int32_t>(rng() % config.vocab);
   }
-  lockstep::worker::StepArgs args;
-  args.n = n;
-  args.micro_batch = micro_batch;
-  args.deterministic = deterministic;
-  args.micro_shard = n / std::max(1, shards);
-  args.frac_bits = 40;
-  args.grad_scale = 1.0f / n;
+  lockstep::worker::StepArgs args =
+      lockstep::bench::BenchStepArgs(n, micro_batch, deterministic, shards);
   double loss = 0;
   auto one_step = [&](int64_t k) -> absl::Status {
     args.step = k;

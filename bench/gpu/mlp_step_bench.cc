@@ -20,6 +20,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/gpu/bench_step.h"
 #include "bench/gpu/gemm_rate.h"
 #include "common/status_macros.h"
 #include "kernels/gpu_check.h"
@@ -80,13 +81,8 @@ absl::Status Run() {
   for (size_t i = 0; i < static_cast<size_t>(n) * dims.front(); ++i) batch->features[i] = normal(rng);
   for (int i = 0; i < n; ++i) batch->labels[i] = static_cast<int32_t>(rng() % dims.back());
 
-  lockstep::worker::StepArgs args;
-  args.n = n;
-  args.micro_batch = micro_batch;
-  args.deterministic = deterministic;
-  args.micro_shard = n / std::max(1, shards);
-  args.frac_bits = 40;
-  args.grad_scale = 1.0f / n;
+  lockstep::worker::StepArgs args =
+      lockstep::bench::BenchStepArgs(n, micro_batch, deterministic, shards);
   args.lr = 0.01f;
   double loss = 0;
   auto one_step = [&]() -> absl::Status {

@@ -2,6 +2,8 @@
 
 #include <arpa/inet.h>
 
+#include <functional>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -140,6 +142,133 @@ void ServeFile(httplib::Response& response, absl::string_view name) {
   response.set_content(reinterpret_cast<const char*>(file->data), file->size, ContentType(name));
 }
 
+// The credentials check each API call passes; false: refused (answered).
+using Admit = std::function<bool(const httplib::Request&, httplib::Response&)>;
+
+// The page's routes and the API's.
+void AddRoutes(httplib::Server& server, Coordinator* c, const Admit& admit) {
+  // The page: one shell for every route (app.js renders the one in the address bar).
+  auto shell = [](const httplib::Request&, httplib::Response& response) {
+    ServeFile(response, "index.html");
+  };
+  server.Get("/", shell);
+  server.Get("/workers", shell);
+  server.Get(R"(/jobs/([^/]+))", shell);
+  server.Get(R"(/assets/([A-Za-z0-9._-]+))",
+             [](const httplib::Request& request, httplib::Response& response) {
+               ServeFile(response, request.matches[1].str());
+             });
+
+  // Whether the page must ask for the token (no data: a stranger learns only that).
+  server.Get("/api/v1/auth", [c](const httplib::Request&, httplib::Response& response) {
+    google::protobuf::Struct auth;
+    (*auth.mutable_fields())["tokenRequired"].set_bool_value(c->gate().token_required());
+    Reply(response, ToJson(auth, /*multiline=*/false));
+  });
+  server.Get("/api/v1/jobs", [c, admit](const httplib::Request& request,
+                                        httplib::Response& response) {
+    if (!admit(request, response)) return;
+    // ?page_size=N&page_token=T, as in the gRPC ListJobs.
+    v1::ListJobsRequest page;
+    if (request.has_param("page_size")) {
+      int32_t size = 0;
+      if (!absl::SimpleAtoi(request.get_param_value("page_size"), &size)) {
+        return ReplyError(response, absl::InvalidArgumentError("page_size must be a whole number"));
+      }
+      page.set_page_size(size);
+    }
+    page.set_page_token(request.get_param_value("page_token"));
+    absl::StatusOr<v1::ListJobsResponse> jobs =
+        c->Call([&](Core& core, absl::Time, Decisions*) { return core.ListJobs(page); });
+    if (!jobs.ok()) return ReplyError(response, jobs.status());
+    Reply(response, ToJson(*jobs, /*multiline=*/false));
+  });
+  server.Get(R"(/api/v1/jobs/([^/]+))", [c, admit](const httplib::Request& request,
+                                                   httplib::Response& response) {
+    if (!admit(request, response)) return;
+    absl::StatusOr<std::string> id = JobIdOf(request);
+    if (!id.ok()) return ReplyError(response, id.status());
+    Reply(response, c->Call([&](Core& core, absl::Time, Decisions*) { return core.GetJob(*id); }));
+  });
+  server.Get(R"(/api/v1/jobs/([^/]+)/curve)", [c, admit](const httplib::Request& request,
+                                                         httplib::Response& response) {
+    if (!admit(request, response)) return;
+    absl::StatusOr<std::string> id = JobIdOf(request);
+    if (!id.ok()) return ReplyError(response, id.status());
+    Reply(response,
+          c->Call([&](Core& core, absl::Time, Decisions*) { return core.GetTrainingCurve(*id); }));
+  });
+  server.Get("/api/v1/workers",
+             [c, admit](const httplib::Request& request, httplib::Response& response) {
+               if (!admit(request, response)) return;
+               Reply(response, ToJson(c->Workers(), /*multiline=*/false));
+             });
+  server.Post(R"(/api/v1/jobs/([^/]+)/cancel)", [c, admit](const httplib::Request& request,
+                                                           httplib::Response& response) {
+    if (!admit(request, response)) return;
+    if (request.get_header_value(kDashboardHeader) != "1") {
+      return ReplyError(response, absl::PermissionDeniedError(
+                                      absl::StrCat("cancel needs the header ", kDashboardHeader,
+                                                   ": 1 (the dashboard page sends it)")));
+    }
+    absl::StatusOr<std::string> id = JobIdOf(request);
+    if (!id.ok()) return ReplyError(response, id.status());
+    absl::StatusOr<v1::Job> job = c->Call(
+        [&](Core& core, absl::Time now, Decisions* d) { return core.CancelJob(*id, now, d); });
+    if (job.ok())
+      LOG(INFO) << "cancelled " << *id << " from the dashboard at " << request.remote_addr;
+    Reply(response, job);
+  });
+}
+
+// What every answer gets (the Host check without a token, security headers) and the answers
+// to what no route takes.
+void AddGuards(httplib::Server& server, Coordinator* c) {
+  server.set_pre_routing_handler([c](const httplib::Request& request, httplib::Response& response) {
+    if (c->gate().token_required() || HostIsLiteralOrLocal(request.get_header_value("Host"))) {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    ReplyError(response,
+               absl::PermissionDeniedError(absl::StrCat(
+                   "Host \"", request.get_header_value("Host"),
+                   "\" refused: without a token (--token_file) the dashboard serves only "
+                   "IP addresses and localhost, so that no other site can reach it through "
+                   "a browser")));
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  server.set_post_routing_handler([](const httplib::Request& request, httplib::Response& response) {
+    response.set_header("X-Content-Type-Options", "nosniff");
+    response.set_header("X-Frame-Options", "DENY");
+    response.set_header("Referrer-Policy", "no-referrer");
+    if (absl::StartsWith(request.path, "/api/")) {
+      response.set_header("Cache-Control", "no-store");
+    } else {
+      response.set_header("Cache-Control", "no-cache");
+      response.set_header("Content-Security-Policy",
+                          "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'");
+    }
+  });
+  // Unknown paths (404), and requests cpp-httplib refused itself (malformed: 400; too
+  // large: 413, 414) get a body that says so.
+  server.set_error_handler([](const httplib::Request& request, httplib::Response& response) {
+    if (!response.body.empty()) return;
+    const bool api = absl::StartsWith(request.path, "/api/");
+    if (response.status == 404) {
+      const absl::Status status = absl::NotFoundError(absl::StrCat(
+          "no ", request.method, " ", request.path,
+          api ? " in the API (GET /api/v1/jobs, /api/v1/jobs/ID, /api/v1/jobs/ID/curve, "
+                "/api/v1/workers; POST /api/v1/jobs/ID/cancel)"
+              : " here (pages: /, /jobs/ID, /workers)"));
+      if (api) return ReplyError(response, status);
+      response.set_content(absl::StrCat(status.message(), "\n"), "text/plain");
+      return;
+    }
+    response.set_content(
+        absl::StrCat("HTTP ", response.status, ": ", RefusalReason(response.status), "\n"),
+        "text/plain");
+  });
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Dashboard>> Dashboard::Start(const std::string& address,
@@ -165,131 +294,10 @@ absl::StatusOr<std::unique_ptr<Dashboard>> Dashboard::Start(const std::string& a
   options.tls_cert = tls.cert;
   options.tls_key = tls.key;
   options.tls_client_ca = tls.ca;
-  absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(
-      address, port_file, options, [c, admit](httplib::Server& server) {
-        // The page: one shell for every route (app.js renders the one in the address bar).
-        auto shell = [](const httplib::Request&, httplib::Response& response) {
-          ServeFile(response, "index.html");
-        };
-        server.Get("/", shell);
-        server.Get("/workers", shell);
-        server.Get(R"(/jobs/([^/]+))", shell);
-        server.Get(R"(/assets/([A-Za-z0-9._-]+))",
-                   [](const httplib::Request& request, httplib::Response& response) {
-                     ServeFile(response, request.matches[1].str());
-                   });
-
-        // Whether the page must ask for the token (no data: a stranger learns only that).
-        server.Get("/api/v1/auth", [c](const httplib::Request&, httplib::Response& response) {
-          google::protobuf::Struct auth;
-          (*auth.mutable_fields())["tokenRequired"].set_bool_value(c->gate().token_required());
-          Reply(response, ToJson(auth, /*multiline=*/false));
-        });
-        server.Get("/api/v1/jobs", [c, admit](const httplib::Request& request,
-                                              httplib::Response& response) {
-          if (!admit(request, response)) return;
-          // ?page_size=N&page_token=T, as in the gRPC ListJobs.
-          v1::ListJobsRequest page;
-          if (request.has_param("page_size")) {
-            int32_t size = 0;
-            if (!absl::SimpleAtoi(request.get_param_value("page_size"), &size)) {
-              return ReplyError(response,
-                                absl::InvalidArgumentError("page_size must be a whole number"));
-            }
-            page.set_page_size(size);
-          }
-          page.set_page_token(request.get_param_value("page_token"));
-          absl::StatusOr<v1::ListJobsResponse> jobs =
-              c->Call([&](Core& core, absl::Time, Decisions*) { return core.ListJobs(page); });
-          if (!jobs.ok()) return ReplyError(response, jobs.status());
-          Reply(response, ToJson(*jobs, /*multiline=*/false));
-        });
-        server.Get(R"(/api/v1/jobs/([^/]+))", [c, admit](const httplib::Request& request,
-                                                        httplib::Response& response) {
-          if (!admit(request, response)) return;
-          absl::StatusOr<std::string> id = JobIdOf(request);
-          if (!id.ok()) return ReplyError(response, id.status());
-          Reply(response,
-                c->Call([&](Core& core, absl::Time, Decisions*) { return core.GetJob(*id); }));
-        });
-        server.Get(R"(/api/v1/jobs/([^/]+)/curve)", [c, admit](const httplib::Request& request,
-                                                              httplib::Response& response) {
-          if (!admit(request, response)) return;
-          absl::StatusOr<std::string> id = JobIdOf(request);
-          if (!id.ok()) return ReplyError(response, id.status());
-          Reply(response, c->Call([&](Core& core, absl::Time, Decisions*) {
-            return core.GetTrainingCurve(*id);
-          }));
-        });
-        server.Get("/api/v1/workers", [c, admit](const httplib::Request& request,
-                                                 httplib::Response& response) {
-          if (!admit(request, response)) return;
-          Reply(response, ToJson(c->Workers(), /*multiline=*/false));
-        });
-        server.Post(R"(/api/v1/jobs/([^/]+)/cancel)", [c, admit](const httplib::Request& request,
-                                                                httplib::Response& response) {
-          if (!admit(request, response)) return;
-          if (request.get_header_value(kDashboardHeader) != "1") {
-            return ReplyError(response, absl::PermissionDeniedError(absl::StrCat(
-                                            "cancel needs the header ", kDashboardHeader,
-                                            ": 1 (the dashboard page sends it)")));
-          }
-          absl::StatusOr<std::string> id = JobIdOf(request);
-          if (!id.ok()) return ReplyError(response, id.status());
-          absl::StatusOr<v1::Job> job = c->Call([&](Core& core, absl::Time now, Decisions* d) {
-            return core.CancelJob(*id, now, d);
-          });
-          if (job.ok()) LOG(INFO) << "cancelled " << *id << " from the dashboard at "
-                                  << request.remote_addr;
-          Reply(response, job);
-        });
-
-        server.set_pre_routing_handler([c](const httplib::Request& request,
-                                           httplib::Response& response) {
-          if (c->gate().token_required() ||
-              HostIsLiteralOrLocal(request.get_header_value("Host"))) {
-            return httplib::Server::HandlerResponse::Unhandled;
-          }
-          ReplyError(response,
-                     absl::PermissionDeniedError(absl::StrCat(
-                         "Host \"", request.get_header_value("Host"),
-                         "\" refused: without a token (--token_file) the dashboard serves only "
-                         "IP addresses and localhost, so that no other site can reach it through "
-                         "a browser")));
-          return httplib::Server::HandlerResponse::Handled;
-        });
-        server.set_post_routing_handler([](const httplib::Request& request,
-                                           httplib::Response& response) {
-          response.set_header("X-Content-Type-Options", "nosniff");
-          response.set_header("X-Frame-Options", "DENY");
-          response.set_header("Referrer-Policy", "no-referrer");
-          if (absl::StartsWith(request.path, "/api/")) {
-            response.set_header("Cache-Control", "no-store");
-          } else {
-            response.set_header("Cache-Control", "no-cache");
-            response.set_header("Content-Security-Policy",
-                                "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'");
-          }
-        });
-        // Unknown paths (404), and requests cpp-httplib refused itself (malformed: 400; too
-        // large: 413, 414) get a body that says so.
-        server.set_error_handler([](const httplib::Request& request, httplib::Response& response) {
-          if (!response.body.empty()) return;
-          const bool api = absl::StartsWith(request.path, "/api/");
-          if (response.status == 404) {
-            const absl::Status status = absl::NotFoundError(absl::StrCat(
-                "no ", request.method, " ", request.path,
-                api ? " in the API (GET /api/v1/jobs, /api/v1/jobs/ID, /api/v1/jobs/ID/curve, "
-                      "/api/v1/workers; POST /api/v1/jobs/ID/cancel)"
-                    : " here (pages: /, /jobs/ID, /workers)"));
-            if (api) return ReplyError(response, status);
-            response.set_content(absl::StrCat(status.message(), "\n"), "text/plain");
-            return;
-          }
-          response.set_content(absl::StrCat("HTTP ", response.status, ": ",
-                                            RefusalReason(response.status), "\n"),
-                               "text/plain");
-        });
+  absl::StatusOr<std::unique_ptr<HttpServer>> server =
+      HttpServer::Start(address, port_file, options, [c, admit](httplib::Server& server) {
+        AddRoutes(server, c, admit);
+        AddGuards(server, c);
       });
   if (!server.ok()) return server.status();
   dashboard->server_ = *std::move(server);
