@@ -1,7 +1,8 @@
-// The tensors a model spec implies (names and sizes, in buffer order), computed from the spec
-// alone by its family (common/model_family.h): what the coordinator checks frozen_parameters
-// against and sizes memory with. The worker's models lay out the same tensors
-// (tests/unit/model_test.cc holds them to it).
+// The tensors a model spec implies (names, shapes and sizes, in buffer order), computed from
+// the spec alone by its family (common/model_family.h): the one layout of a family's flat
+// parameter buffer. The coordinator checks frozen_parameters against it and sizes memory with
+// it; the worker's host models lay out their buffers from it (worker/model/model.h,
+// LayOutTensors), and the device models take the host's layout.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +15,15 @@
 namespace lockstep {
 
 struct TensorSize {
-  std::string name;
+  std::string name;  // the export name, e.g. "h.0.attn.c_attn.weight"
   int64_t count = 0;
+  std::vector<int64_t> shape;  // row-major; its product is count
+  // Weight decay applies to it (the family's convention); it is an embedding table.
+  bool decay = true;
+  bool embedding = false;
+  // Backward finishes a piece of the gradient with it: a ready point after it (a family whose
+  // pieces depend on the bucket size, the MLP, sets none and cuts its own).
+  bool ends_piece = false;
 };
 
 // `features` and `classes`: an MLP's input and output widths (unused for the GPT). Empty for a

@@ -34,31 +34,40 @@ absl::Status ValidateGpt(const v1::ModelSpec& spec) {
 }
 
 // In buffer order: the final LayerNorm, the blocks from the last to the first, then the
-// position and token embeddings (the worker's Gpt lays out the same, tests/unit/model_test.cc).
+// position and token embeddings. GPT-2's conventions: decay on the matrices only (the
+// embeddings unless optimizer.decay_embeddings); backward finishes a piece with each tensor
+// pair (a LayerNorm's, a product's weight and bias) and with each embedding.
 std::vector<TensorSize> GptTensors(const v1::ModelSpec& spec, int64_t /*features*/,
                                    int64_t /*classes*/) {
   const v1::GptSpec& model = spec.gpt();
   std::vector<TensorSize> t;
   const int64_t C = model.d_model(), L = model.n_layer();
-  t.push_back({"ln_f.weight", C});
-  t.push_back({"ln_f.bias", C});
+  auto add = [&](std::string name, std::vector<int64_t> shape, bool ends_piece,
+                 bool embedding = false) {
+    int64_t count = 1;
+    for (int64_t d : shape) count *= d;
+    const bool decay = shape.size() >= 2 && !embedding;
+    t.push_back({std::move(name), count, std::move(shape), decay, embedding, ends_piece});
+  };
+  add("ln_f.weight", {C}, false);
+  add("ln_f.bias", {C}, true);
   for (int64_t l = L - 1; l >= 0; --l) {
     const std::string p = absl::StrCat("h.", l, ".");
-    t.push_back({p + "mlp.c_proj.weight", 4 * C * C});
-    t.push_back({p + "mlp.c_proj.bias", C});
-    t.push_back({p + "mlp.c_fc.weight", 4 * C * C});
-    t.push_back({p + "mlp.c_fc.bias", 4 * C});
-    t.push_back({p + "ln_2.weight", C});
-    t.push_back({p + "ln_2.bias", C});
-    t.push_back({p + "attn.c_proj.weight", C * C});
-    t.push_back({p + "attn.c_proj.bias", C});
-    t.push_back({p + "attn.c_attn.weight", 3 * C * C});
-    t.push_back({p + "attn.c_attn.bias", 3 * C});
-    t.push_back({p + "ln_1.weight", C});
-    t.push_back({p + "ln_1.bias", C});
+    add(p + "mlp.c_proj.weight", {4 * C, C}, false);
+    add(p + "mlp.c_proj.bias", {C}, true);
+    add(p + "mlp.c_fc.weight", {C, 4 * C}, false);
+    add(p + "mlp.c_fc.bias", {4 * C}, true);
+    add(p + "ln_2.weight", {C}, false);
+    add(p + "ln_2.bias", {C}, true);
+    add(p + "attn.c_proj.weight", {C, C}, false);
+    add(p + "attn.c_proj.bias", {C}, true);
+    add(p + "attn.c_attn.weight", {C, 3 * C}, false);
+    add(p + "attn.c_attn.bias", {3 * C}, true);
+    add(p + "ln_1.weight", {C}, false);
+    add(p + "ln_1.bias", {C}, true);
   }
-  t.push_back({"wpe.weight", int64_t{model.context_length()} * C});
-  t.push_back({"wte.weight", int64_t{model.vocab_size()} * C});
+  add("wpe.weight", {int64_t{model.context_length()}, C}, true, /*embedding=*/true);
+  add("wte.weight", {int64_t{model.vocab_size()}, C}, true, /*embedding=*/true);
   return t;
 }
 

@@ -29,8 +29,10 @@ absl::Status ValidateMlp(const v1::ModelSpec& spec) {
   return absl::OkStatus();
 }
 
-// fcL.weight and fcL.bias per layer, the last layer first (an MLP's names do not depend on
-// its input and output widths).
+// fcL.weight (out x in) and fcL.bias per layer, the last layer first, so that backward fills
+// a growing prefix of the gradient (an MLP's names do not depend on its input and output
+// widths). Every tensor decays (PyTorch's AdamW over model.parameters()); the model cuts its
+// own pieces, in row blocks of the bucket size.
 std::vector<TensorSize> MlpTensors(const v1::ModelSpec& model, int64_t features,
                                    int64_t classes) {
   std::vector<TensorSize> t;
@@ -38,8 +40,8 @@ std::vector<TensorSize> MlpTensors(const v1::ModelSpec& model, int64_t features,
   for (int w : model.mlp().hidden_widths()) dims.push_back(w);
   dims.push_back(classes);
   for (size_t l = dims.size() - 1; l >= 1; --l) {
-    t.push_back({absl::StrCat("fc", l, ".weight"), dims[l - 1] * dims[l]});
-    t.push_back({absl::StrCat("fc", l, ".bias"), dims[l]});
+    t.push_back({absl::StrCat("fc", l, ".weight"), dims[l - 1] * dims[l], {dims[l], dims[l - 1]}});
+    t.push_back({absl::StrCat("fc", l, ".bias"), dims[l], {dims[l]}});
   }
   return t;
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/cpu_transformer.h"
@@ -49,50 +50,43 @@ void BiasGrad(const float* d, int rows, int cols, float* db, bool accumulate) {
 }  // namespace
 
 Gpt::Gpt(const GptConfig& config) : config_(config) {
-  const int64_t C = config.d_model;
-  size_t offset = 0;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool embedding = false) {
-    size_t count = 1;
-    for (int64_t d : shape) count *= static_cast<size_t>(d);
-    // GPT-2's convention: decay the matrices, not biases or LayerNorm (or, unless asked, the
-    // embeddings).
-    const bool decay = shape.size() >= 2 && !embedding;
-    tensors_.push_back({name, std::move(shape), offset, count, decay, embedding});
-    offset += count;
-    return offset - count;
-  };
-  auto ready = [&] { ready_points_.push_back(offset); };
-  lnf_w_ = add("ln_f.weight", {C});
-  lnf_b_ = add("ln_f.bias", {C});
-  ready();
+  // The family's layout (common/models/gpt.cc), and where each of its tensors sits.
+  v1::ModelSpec spec;
+  spec.set_type("gpt");
+  v1::GptSpec* g = spec.mutable_gpt();
+  g->set_vocab_size(config.vocab);
+  g->set_context_length(config.context);
+  g->set_n_layer(config.layers);
+  g->set_n_head(config.heads);
+  g->set_d_model(config.d_model);
+  const std::vector<TensorSize> layout = ModelTensors(spec, 0, 0);
+  tensors_ = LayOutTensors(layout, &num_params_);
+  absl::flat_hash_map<std::string, size_t> at;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    at[tensors_[i].name] = tensors_[i].offset;
+    if (layout[i].ends_piece) ready_points_.push_back(tensors_[i].offset + tensors_[i].count);
+  }
+  lnf_w_ = at.at("ln_f.weight");
+  lnf_b_ = at.at("ln_f.bias");
   blocks_.resize(config.layers);
-  for (int l = config.layers - 1; l >= 0; --l) {
+  for (int l = 0; l < config.layers; ++l) {
     Block& b = blocks_[l];
     const std::string p = absl::StrCat("h.", l, ".");
-    b.fcproj_w = add(p + "mlp.c_proj.weight", {4 * C, C});
-    b.fcproj_b = add(p + "mlp.c_proj.bias", {C});
-    ready();
-    b.fc_w = add(p + "mlp.c_fc.weight", {C, 4 * C});
-    b.fc_b = add(p + "mlp.c_fc.bias", {4 * C});
-    ready();
-    b.ln2_w = add(p + "ln_2.weight", {C});
-    b.ln2_b = add(p + "ln_2.bias", {C});
-    ready();
-    b.proj_w = add(p + "attn.c_proj.weight", {C, C});
-    b.proj_b = add(p + "attn.c_proj.bias", {C});
-    ready();
-    b.attn_w = add(p + "attn.c_attn.weight", {C, 3 * C});
-    b.attn_b = add(p + "attn.c_attn.bias", {3 * C});
-    ready();
-    b.ln1_w = add(p + "ln_1.weight", {C});
-    b.ln1_b = add(p + "ln_1.bias", {C});
-    ready();
+    b.fcproj_w = at.at(p + "mlp.c_proj.weight");
+    b.fcproj_b = at.at(p + "mlp.c_proj.bias");
+    b.fc_w = at.at(p + "mlp.c_fc.weight");
+    b.fc_b = at.at(p + "mlp.c_fc.bias");
+    b.ln2_w = at.at(p + "ln_2.weight");
+    b.ln2_b = at.at(p + "ln_2.bias");
+    b.proj_w = at.at(p + "attn.c_proj.weight");
+    b.proj_b = at.at(p + "attn.c_proj.bias");
+    b.attn_w = at.at(p + "attn.c_attn.weight");
+    b.attn_b = at.at(p + "attn.c_attn.bias");
+    b.ln1_w = at.at(p + "ln_1.weight");
+    b.ln1_b = at.at(p + "ln_1.bias");
   }
-  wpe_ = add("wpe.weight", {config.context, C}, /*embedding=*/true);
-  ready();
-  wte_ = add("wte.weight", {config.vocab, C}, /*embedding=*/true);
-  ready();
-  num_params_ = offset;
+  wpe_ = at.at("wpe.weight");
+  wte_ = at.at("wte.weight");
   params_.assign(num_params_, 0.0f);
   LayOutGradients();
   const size_t L = static_cast<size_t>(config.layers);

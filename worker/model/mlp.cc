@@ -9,19 +9,32 @@
 
 namespace lockstep::worker {
 
+namespace {
+
+// The family's layout (common/models/mlp.cc) of the MLP of `dims`, input first.
+std::vector<Tensor> LayerTensors(const std::vector<int>& dims, size_t* num_params) {
+  *num_params = 0;
+  if (dims.size() < 2) return {};
+  v1::ModelSpec spec;
+  spec.set_type("mlp");
+  for (size_t i = 1; i + 1 < dims.size(); ++i) spec.mutable_mlp()->add_hidden_widths(dims[i]);
+  return LayOutTensors(ModelTensors(spec, dims.front(), dims.back()), num_params);
+}
+
+}  // namespace
+
 std::vector<Mlp::LayerSlice> Mlp::Layout(const std::vector<int>& dims, size_t* num_params) {
+  const std::vector<Tensor> tensors = LayerTensors(dims, num_params);
   const int n_layers = static_cast<int>(dims.size()) - 1;
-  std::vector<LayerSlice> layers(n_layers);
-  size_t offset = 0;
+  std::vector<LayerSlice> layers(std::max(0, n_layers));
   for (int l = n_layers - 1; l >= 0; --l) {
     LayerSlice& s = layers[l];
     s.in = dims[l];
     s.out = dims[l + 1];
-    s.offset = offset;
+    // fcL.weight then fcL.bias, the last layer's first.
+    s.offset = tensors[2 * static_cast<size_t>(n_layers - 1 - l)].offset;
     s.count = static_cast<size_t>(s.in) * s.out + s.out;
-    offset += s.count;
   }
-  *num_params = offset;
   return layers;
 }
 
@@ -33,15 +46,8 @@ int Mlp::RowsPerChunk(const LayerSlice& layer, size_t chunk_floats) {
 Mlp::Mlp(std::vector<int> dims, kernels::Activation activation)
     : dims_(std::move(dims)), activation_(activation) {
   const int n_layers = static_cast<int>(dims_.size()) - 1;
+  tensors_ = LayerTensors(dims_, &num_params_);
   layers_ = Layout(dims_, &num_params_);
-  for (int l = n_layers - 1; l >= 0; --l) {  // buffer order: the last layer first
-    const LayerSlice& s = layers_[l];
-    const std::string name = absl::StrCat("fc", l + 1);
-    tensors_.push_back({name + ".weight", {s.out, s.in}, s.offset,
-                        static_cast<size_t>(s.in) * s.out});
-    tensors_.push_back({name + ".bias", {s.out}, s.offset + static_cast<size_t>(s.in) * s.out,
-                        static_cast<size_t>(s.out)});
-  }
   params_.assign(num_params_, 0.0f);
   LayOutGradients();
   z_.resize(n_layers);

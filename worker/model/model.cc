@@ -66,6 +66,18 @@ void Model::LayOutGradients() {
   grads_.assign(num_grads_ + 1, 0.0f);
 }
 
+std::vector<Tensor> LayOutTensors(const std::vector<TensorSize>& layout, size_t* num_params) {
+  std::vector<Tensor> tensors;
+  size_t offset = 0;
+  for (const TensorSize& t : layout) {
+    const size_t count = static_cast<size_t>(t.count);
+    tensors.push_back({t.name, t.shape, offset, count, t.decay, t.embedding});
+    offset += count;
+  }
+  *num_params = offset;
+  return tensors;
+}
+
 absl::Status Model::Freeze(const std::vector<std::string>& patterns) {
   std::vector<TensorSize> sizes;
   for (const Tensor& t : tensors()) sizes.push_back({t.name, static_cast<int64_t>(t.count)});

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/model_layout.h"
 #include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/model.pb.h"
 
@@ -147,6 +148,11 @@ class Model {
   size_t num_grads_ = 0;
   std::vector<float> grads_;
 };
+
+// A family's layout (common/model_layout.h: ModelTensors) as a model's tensors, each at its
+// offset in the flat buffer, in order; sets *num_params. The one place a host model's buffer is
+// laid out.
+std::vector<Tensor> LayOutTensors(const std::vector<TensorSize>& layout, size_t* num_params);
 
 // What an export or a checkpoint records of `model`: its architecture, tensors and config.
 v1::ModelManifest Manifest(const Model& model);
