@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -69,21 +70,18 @@ Gpt::Gpt(const GptConfig& config) : config_(config) {
   lnf_w_ = at.at("ln_f.weight");
   lnf_b_ = at.at("ln_f.bias");
   blocks_.resize(config.layers);
+  // Each block's tensors by their names within the block.
+  static constexpr std::pair<size_t Block::*, const char*> kBlockTensors[] = {
+      {&Block::fcproj_w, "mlp.c_proj.weight"}, {&Block::fcproj_b, "mlp.c_proj.bias"},
+      {&Block::fc_w, "mlp.c_fc.weight"},       {&Block::fc_b, "mlp.c_fc.bias"},
+      {&Block::ln2_w, "ln_2.weight"},          {&Block::ln2_b, "ln_2.bias"},
+      {&Block::proj_w, "attn.c_proj.weight"},  {&Block::proj_b, "attn.c_proj.bias"},
+      {&Block::attn_w, "attn.c_attn.weight"},  {&Block::attn_b, "attn.c_attn.bias"},
+      {&Block::ln1_w, "ln_1.weight"},          {&Block::ln1_b, "ln_1.bias"}};
   for (int l = 0; l < config.layers; ++l) {
-    Block& b = blocks_[l];
-    const std::string p = absl::StrCat("h.", l, ".");
-    b.fcproj_w = at.at(p + "mlp.c_proj.weight");
-    b.fcproj_b = at.at(p + "mlp.c_proj.bias");
-    b.fc_w = at.at(p + "mlp.c_fc.weight");
-    b.fc_b = at.at(p + "mlp.c_fc.bias");
-    b.ln2_w = at.at(p + "ln_2.weight");
-    b.ln2_b = at.at(p + "ln_2.bias");
-    b.proj_w = at.at(p + "attn.c_proj.weight");
-    b.proj_b = at.at(p + "attn.c_proj.bias");
-    b.attn_w = at.at(p + "attn.c_attn.weight");
-    b.attn_b = at.at(p + "attn.c_attn.bias");
-    b.ln1_w = at.at(p + "ln_1.weight");
-    b.ln1_b = at.at(p + "ln_1.bias");
+    for (const auto& [member, name] : kBlockTensors) {
+      blocks_[l].*member = at.at(absl::StrCat("h.", l, ".", name));
+    }
   }
   wpe_ = at.at("wpe.weight");
   wte_ = at.at("wte.weight");
