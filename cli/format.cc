@@ -281,6 +281,35 @@ void AppendRecoveries(const v1::Job& job, std::string& out) {
   }
 }
 
+// A program job's command and the processes that failed: rank, worker, exit code or signal,
+// what stderr said, and the latest failure's last stderr lines.
+void AppendProgram(const v1::Job& job, std::string& out) {
+  if (!job.spec().has_program()) return;
+  const v1::ProgramSpec& program = job.spec().program();
+  AddField(out, "Program",
+           EscapeForTerminal(absl::StrCat(absl::StrJoin(program.argv(), " "), " (in ",
+                                          program.workdir(), ")")));
+  if (job.program_exits_size() == 0) return;
+  out += "Program failures:\n";
+  Table failures({"GEN", "RANK", "WORKER", "EXIT", "SUMMARY"});
+  for (const v1::ProgramExit& e : job.program_exits()) {
+    failures.AddRow({absl::StrCat(e.generation()), absl::StrCat(e.rank()),
+                     EscapeForTerminal(e.worker()),
+                     e.signal().empty() ? absl::StrCat("code ", e.exit_code()) : e.signal(),
+                     EscapeForTerminal(e.summary().empty() ? std::string(kNone) : e.summary())});
+  }
+  out += failures.Render("  ");
+  const v1::ProgramExit& last = *job.program_exits().rbegin();
+  if (!last.stderr_tail().empty()) {
+    absl::StrAppend(&out, "Last failure's stderr (rank ", last.rank(), ", generation ",
+                    last.generation(), "):\n");
+    for (absl::string_view line : absl::StrSplit(last.stderr_tail(), '\n')) {
+      absl::StrAppend(&out, "  | ", EscapeForTerminal(std::string_view(line.data(), line.size())),
+                      "\n");
+    }
+  }
+}
+
 void AppendCheckpoints(const v1::Job& job, absl::Time now, absl::TimeZone tz, std::string& out) {
   if (job.spec().checkpoint_every_steps() > 0 || job.has_checkpoints()) {
     const v1::CheckpointStatus& c = job.checkpoints();
@@ -332,6 +361,7 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
   AddField(out, "First-step latency",
            job.first_step_latency_ms() > 0 ? ShortMillis(job.first_step_latency_ms()) : kNone);
   AppendResults(job, out);
+  AppendProgram(job, out);
   AppendRecoveries(job, out);
   AppendCheckpoints(job, now, tz, out);
   AddField(out, "Submitted", FormatTimestamp(job.submit_time_unix_ms(), now, tz));

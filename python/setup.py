@@ -15,7 +15,7 @@ from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_ROOT = os.path.join(HERE, "..", "proto")
-PROTOS = ["lockstep/v1/job.proto", "lockstep/v1/model.proto"]
+PROTOS = ["lockstep/v1/job.proto", "lockstep/v1/model.proto", "lockstep/v1/program.proto"]
 
 
 def generate_stubs(out_dir):

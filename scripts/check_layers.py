@@ -23,8 +23,9 @@ LAYERS = {
                      "kernels"],
     "worker/device": ["worker/train", "worker/cuda", "worker/step", "worker/model", "worker/data",
                       "worker/comm", "common", "kernels"],
+    "worker/program": ["common"],
     # worker/*.cc,h: the generation, the lifecycle, the agent's session, main.
-    "worker": ["worker/device", "worker/train", "worker/cuda", "worker/step", "worker/model",
+    "worker": ["worker/program", "worker/device", "worker/train", "worker/cuda", "worker/step", "worker/model",
                "worker/data", "worker/comm", "common", "kernels"],
     "coordinator/store": ["common"],
     "coordinator/core": ["common"],

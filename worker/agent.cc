@@ -16,6 +16,7 @@
 #include "common/atomic_file.h"
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
+#include "common/program.h"
 #include "glog/logging.h"
 #include "worker/comm/store_client.h"
 
@@ -39,6 +40,8 @@ Agent::Agent(AgentOptions options)
   generation_context_.shared_memory_collectives = options_.shared_memory_collectives;
   generation_context_.device = options_.device.get();
   generation_context_.metrics = options_.metrics;
+  generation_context_.programs = options_.programs;
+  generation_context_.program_server = options_.program_server;
   channel_ = MakeChannel(options_.coordinator,
                          {options_.token, absl::StrCat("lockstep-worker ", options_.name),
                           options_.credentials, options_.tls_server_name});
@@ -231,6 +234,7 @@ absl::Status Agent::RunSession(bool* registered) {
   reg->set_device_name(device.name);
   reg->set_device_uuid(device.uuid);
   reg->add_capabilities("gloo");
+  if (options_.programs.root.restricted()) reg->add_capabilities(kProgramCapability);
   for (const std::string& capability : options_.device->capabilities()) {
     reg->add_capabilities(capability);
   }
@@ -382,8 +386,9 @@ void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
                                                           a.generation(), run->abort);
     RunReporter reporter(this, run->id);
     // Destroyed before the state is handed on: it lets go of the device and the group.
-    Generation generation(generation_context_, a, std::move(store), run->abort, &reporter);
-    status = generation.Run(trainer);
+    std::unique_ptr<GenerationRun> generation =
+        MakeGeneration(generation_context_, a, std::move(store), run->abort, &reporter);
+    status = generation->Run(trainer);
   } catch (const std::bad_alloc&) {
     // Generation::Run catches its own; this is the run's setup (the store client).
     status = absl::ResourceExhaustedError(
@@ -401,6 +406,10 @@ void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
   result.holds_state = trainer != nullptr;
   result.step = trainer != nullptr ? trainer->completed_step() : 0;
   result.message = std::string(status.message());
+  if (absl::optional<absl::Cord> exit = status.GetPayload(kProgramExitPayload)) {
+    result.program_exit.emplace();
+    result.program_exit->ParseFromString(std::string(*exit));
+  }
   if (result.kind == RunResult::kStopped) {
     LOG(INFO) << a.job_id() << " generation " << a.generation() << " stopped: " << status;
   } else if (!status.ok()) {

@@ -66,6 +66,10 @@ struct AgentOptions {
   PathRoots checkpoint_roots;
   // How long a new generation waits for the previous run to stop and hand over its state.
   absl::Duration handover_timeout = absl::Seconds(10);
+  // Program jobs: where their files must lie and who they run as (--programs_root,
+  // --program_user); a worker without a root runs none.
+  ProgramSettings programs;
+  ProgramServer* program_server = nullptr;  // not owned
   // Prometheus metrics of the runs (not owned; null: none).
   WorkerMetrics* metrics = nullptr;
 };

@@ -18,6 +18,7 @@
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/data/dataset.h"
+#include "worker/program_generation.h"
 
 namespace lockstep::worker {
 namespace {
@@ -56,6 +57,19 @@ bool IsFatal(const absl::Status& status) {
     default:
       return false;
   }
+}
+
+std::unique_ptr<GenerationRun> MakeGeneration(const GenerationContext& context,
+                                              const v1::Assignment& assignment,
+                                              std::shared_ptr<StoreClient> store,
+                                              std::shared_ptr<AbortSignal> abort,
+                                              GenerationReporter* reporter) {
+  if (assignment.spec().has_program()) {
+    return std::make_unique<ProgramGeneration>(context, assignment, std::move(store),
+                                               std::move(abort), reporter);
+  }
+  return std::make_unique<Generation>(context, assignment, std::move(store), std::move(abort),
+                                      reporter);
 }
 
 Generation::Generation(const GenerationContext& context, const v1::Assignment& assignment,

@@ -24,6 +24,8 @@
 #include "worker/comm/store_client.h"
 #include "worker/device/backend.h"
 #include "worker/metrics.h"
+#include "worker/program/environment.h"
+#include "worker/program_service.h"
 #include "worker/train/trainer.h"
 
 namespace lockstep::worker {
@@ -64,11 +66,37 @@ struct GenerationContext {
   // Sum gradients through shared memory when every rank of a group is on this host.
   bool shared_memory_collectives = true;
   DeviceBackend* device = nullptr;
+  // Program jobs (--programs_root, --program_user): not restricted() = none here; and the
+  // service their lockstep.torch reaches (null: none).
+  ProgramSettings programs;
+  ProgramServer* program_server = nullptr;
   WorkerMetrics* metrics = nullptr;  // null: none
   Clock* clock = RealClock::Get();
 };
 
-class Generation {
+// One generation of one job on this worker: the built-in training (Generation, below) or the
+// user's own program (ProgramGeneration, worker/program_generation.h). MakeGeneration picks
+// the kind from the spec; the agent only runs it.
+class GenerationRun {
+ public:
+  virtual ~GenerationRun() = default;
+  // `trainer` holds the job's state across generations (built-in training; a program keeps
+  // none). OK once Finished was reported; otherwise a status whose code says, by IsFatal,
+  // whether the job has failed, with a v1::ProgramExit payload (kProgramExitPayload) when a
+  // program's process failed.
+  virtual absl::Status Run(std::unique_ptr<Trainer>& trainer) = 0;
+};
+
+// The type URL of the v1::ProgramExit a failed program's status carries.
+inline constexpr char kProgramExitPayload[] = "type.googleapis.com/lockstep.v1.ProgramExit";
+
+std::unique_ptr<GenerationRun> MakeGeneration(const GenerationContext& context,
+                                              const v1::Assignment& assignment,
+                                              std::shared_ptr<StoreClient> store,
+                                              std::shared_ptr<AbortSignal> abort,
+                                              GenerationReporter* reporter);
+
+class Generation final : public GenerationRun {
  public:
   // `store` is the generation's scope of the bootstrap store; every wait of the generation
   // watches `abort` (store calls, Gloo, shared memory, NCCL; data loading watches its
@@ -81,7 +109,7 @@ class Generation {
   // that holds none (Prepare loads the data and Connect builds it), and on return whatever
   // this member still holds (null when building it ran out of memory). OK once Finished was
   // reported.
-  absl::Status Run(std::unique_ptr<Trainer>& trainer);
+  absl::Status Run(std::unique_ptr<Trainer>& trainer) override;
 
  private:
   absl::Status Prepare(const std::unique_ptr<Trainer>& trainer);

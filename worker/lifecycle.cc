@@ -186,6 +186,7 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
     f->set_message(result.message);
     f->set_fatal(result.kind == RunResult::kFatal);
     if (result.holds_state) f->set_step(result.step);
+    if (result.program_exit.has_value()) *f->mutable_program_exit() = *result.program_exit;
     out.send.push_back(std::move(m));
   }
 

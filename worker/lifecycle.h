@@ -56,6 +56,8 @@ struct RunResult {
   bool holds_state = false;
   int64_t step = 0;     // the step that state belongs to
   std::string message;  // why it failed
+  // A program's process failed (sent with the failure report).
+  std::optional<v1::ProgramExit> program_exit;
 };
 
 struct LifecycleActions {

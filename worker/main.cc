@@ -25,6 +25,7 @@
 #include "worker/device/backend.h"
 #include "worker/device/device.h"
 #include "worker/metrics.h"
+#include "worker/program_service.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
 ABSL_FLAG(std::string, device, "cpu", "Device this worker owns: cpu or cuda:N.");
@@ -54,6 +55,16 @@ ABSL_FLAG(absl::Duration, name_conflict_timeout, absl::Seconds(15),
 ABSL_FLAG(std::string, status_file, "",
           "Write the worker's state here on every change (first word: connecting, registered, "
           "rejected, unreachable or stopped); for health checks.");
+ABSL_FLAG(std::string, programs_root, "",
+          "Run program jobs (the user's own script, JobSpec.program) whose workdir and script "
+          "resolve, through symbolic links, inside these comma-separated directories; empty: "
+          "this worker runs no programs. Whoever can submit jobs can then run code here.");
+ABSL_FLAG(std::string, program_user, "",
+          "Run programs as this user (the worker must run as root to switch; default: the "
+          "worker's own user, which must not be root without --allow_programs_as_root).");
+ABSL_FLAG(bool, allow_programs_as_root, false,
+          "Let programs run as root (a worker running as root without --program_user, or "
+          "--program_user=root).");
 ABSL_FLAG(std::string, comm_address, "",
           "Address peers use for collectives (default: the local address that routes to the "
           "coordinator).");
@@ -189,6 +200,28 @@ int main(int argc, char** argv) {
   if (absl::Status s = RootsFromFlags(options); !s.ok()) {
     LOG(ERROR) << s.message();
     return 2;
+  }
+  absl::StatusOr<lockstep::worker::ProgramSettings> programs =
+      lockstep::worker::ResolveProgramSettings(absl::GetFlag(FLAGS_programs_root),
+                                               absl::GetFlag(FLAGS_program_user),
+                                               absl::GetFlag(FLAGS_allow_programs_as_root));
+  if (!programs.ok()) {
+    LOG(ERROR) << programs.status().message();
+    return 2;
+  }
+  options.programs = *std::move(programs);
+  std::unique_ptr<lockstep::worker::ProgramServer> program_server;
+  if (options.programs.root.restricted()) {
+    absl::StatusOr<std::unique_ptr<lockstep::worker::ProgramServer>> started =
+        lockstep::worker::ProgramServer::Start();
+    if (!started.ok()) {
+      LOG(ERROR) << "--programs_root: " << started.status().message();
+      return 2;
+    }
+    program_server = *std::move(started);
+    options.program_server = program_server.get();
+    LOG(INFO) << "runs programs from " << options.programs.root.Describe() << " as "
+              << (options.programs.user.empty() ? "this worker's user" : options.programs.user);
   }
   absl::StatusOr<std::string> token = lockstep::ResolveToken(absl::GetFlag(FLAGS_token_file));
   if (!token.ok()) {

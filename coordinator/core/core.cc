@@ -237,7 +237,10 @@ void Core::Tick(absl::Time now, Decisions* out) {
       // After the last step no step is left to complete: the evaluation, the sample and the
       // export take what they take (a hung member is found by its heartbeats, a dead one by
       // its peers' collective errors).
-      if (now - job.last_advance > step_timeout && !job.finishing && !AtLastStep(job)) {
+      // A program's steps are known only once it reports them (lockstep.torch.report): its
+      // timer runs from its first report of the generation.
+      const bool timed = !spec.has_program() || job.first_report_of_generation_seen;
+      if (timed && now - job.last_advance > step_timeout && !job.finishing && !AtLastStep(job)) {
         // Nobody is known to be at fault (members still heartbeat): abort and re-form the
         // group, which max_restarts bounds like any other recovery.
         HandleMemberLoss(job, /*worker_id=*/"",

@@ -401,6 +401,8 @@ class Core {
                                          const JobRecord* job = nullptr) const;
   // A worker as rank assignment and GPU placement see it.
   static RankCandidate Candidate(const Worker& w);
+  // It registered kProgramCapability (--programs_root).
+  static bool RunsPrograms(const Worker& w);
   // The current generation's members that still serve the job, in rank order.
   std::vector<RankCandidate> MemberCandidates(const JobRecord& job) const;
   // What a waiting job's reason adds for candidates OneRankPerGpu left out ("" for none).

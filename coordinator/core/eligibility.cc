@@ -3,8 +3,9 @@
 namespace lockstep::coordinator {
 
 bool MayTakeRank(const PlacementView& w, const std::string& job_id, const std::string& device,
-                 int64_t memory_needed) {
+                 int64_t memory_needed, bool program) {
   if (!w.idle) return false;
+  if (program && !w.runs_programs) return false;
   // Kept for another job (a restarted coordinator's awaited member, a survivor with state).
   if (!w.reserved_for.empty() && (job_id.empty() || w.reserved_for != job_id)) return false;
   if (!job_id.empty() && (w.excluded || w.benched)) return false;

@@ -17,12 +17,14 @@ struct PlacementView {
   bool benched = false;      // sat out the job's current re-formation
   std::string device;        // its kind: "cpu" or "cuda"
   int64_t free_memory = 0;   // bytes it reported (0: it did not say)
+  bool runs_programs = false;  // started with --programs_root (kProgramCapability)
 };
 
 // Whether `w` may take a rank of job `job_id` ("" for a question about no job: any idle worker
-// not kept for a job) on `device` ("" any kind) with `memory_needed` bytes.
+// not kept for a job) on `device` ("" any kind) with `memory_needed` bytes; a program job
+// (`program`) only on a worker that runs programs.
 bool MayTakeRank(const PlacementView& w, const std::string& job_id, const std::string& device,
-                 int64_t memory_needed);
+                 int64_t memory_needed, bool program = false);
 
 // What a registering worker's held state (the job whose state it kept, if any) means.
 enum class HeldVerdict {

@@ -113,6 +113,7 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
 }  // namespace
 
 void ApplyJobSpecDefaults(v1::JobSpec* spec) {
+  if (spec->has_program()) return ApplyProgramSpecDefaults(spec);
   NormalizeModelSpec(*spec->mutable_model());
   // (A model that is not one family's is left as it is, for validation to name.)
   if (const ModelFamily* family = FindModelFamily(spec->model().type());
@@ -454,6 +455,7 @@ absl::Status ValidateOperations(const v1::JobSpec& spec) {
 }  // namespace
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  if (spec.has_program()) return ValidateProgramJob(spec);
   LOCKSTEP_RETURN_IF_ERROR(CheckBounds(spec));
   LOCKSTEP_RETURN_IF_ERROR(ValidateDevice(spec));
   LOCKSTEP_RETURN_IF_ERROR(ValidateModel(spec.model()));

@@ -35,4 +35,10 @@ absl::Status CheckJobPaths(const v1::JobSpec& spec, const PathRoots& data,
 // exist in the schema but not yet in this build.
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
+// Program jobs (JobSpec.program; coordinator/core/program_spec.cc): the defaults of the fields a
+// program job has, and its validation (a training field set beside a program is refused,
+// naming it). ApplyJobSpecDefaults and ValidateJobSpec call them for a program job.
+void ApplyProgramSpecDefaults(v1::JobSpec* spec);
+absl::Status ValidateProgramJob(const v1::JobSpec& spec);
+
 }  // namespace lockstep::coordinator

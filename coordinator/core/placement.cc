@@ -17,6 +17,7 @@
 #include "common/gpu_limits.h"
 #include "common/job_memory.h"
 #include "common/model_family.h"
+#include "common/program.h"
 #include "coordinator/core/core.h"
 #include "coordinator/core/core_internal.h"
 #include "coordinator/core/eligibility.h"
@@ -43,10 +44,16 @@ std::string Core::SharedGpuNote(size_t left_out) {
                       "every worker there, and the GPU's memory for all of them)");
 }
 
+bool Core::RunsPrograms(const Worker& w) {
+  const auto& caps = w.info.capabilities();
+  return std::find(caps.begin(), caps.end(), kProgramCapability) != caps.end();
+}
+
 std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t memory_needed,
                                              const JobRecord* job) const {
   std::vector<RankCandidate> idle;
   const std::string job_id = job == nullptr ? "" : job->job.job_id();
+  const bool programs = job != nullptr && job->job.spec().has_program();
   for (const auto& [id, w] : workers_) {
     PlacementView view;
     view.idle = w.state == WorkerState::kIdle;
@@ -55,7 +62,8 @@ std::vector<RankCandidate> Core::IdleWorkers(const std::string& device, int64_t 
     view.benched = job != nullptr && job->benched.count(id) > 0;
     view.device = DeviceKind(w.info.device());
     view.free_memory = w.info.free_memory_bytes();
-    if (MayTakeRank(view, job_id, device, memory_needed)) idle.push_back(Candidate(w));
+    view.runs_programs = RunsPrograms(w);
+    if (MayTakeRank(view, job_id, device, memory_needed, programs)) idle.push_back(Candidate(w));
   }
   std::sort(idle.begin(), idle.end(), [](const RankCandidate& a, const RankCandidate& b) {
     return a.registration_seq < b.registration_seq;
@@ -88,7 +96,10 @@ void Core::Schedule(absl::Time now, Decisions* out) {
       std::string reason =
           absl::StrCat("waiting for ", spec.min_workers(), " idle ", spec.device(), " worker",
                        spec.min_workers() == 1 ? "" : "s", " (", all_idle, " idle");
-      if (all_idle > fitting_count) {
+      if (spec.has_program()) {
+        absl::StrAppend(&reason, ", ", fitting_count,
+                        " that run programs (lockstep-worker --programs_root)");
+      } else if (all_idle > fitting_count) {
         absl::StrAppend(&reason, ", ", fitting_count, " with the ", HumanBytes(job.memory_needed),
                         " free that each worker needs");
       }
@@ -168,12 +179,29 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     }
     a->set_start_step(job.job.step() + 1);
     a->set_source_rank(-1);
+    a->set_restart_count(job.job.recoveries());
   }
   // Ranks per GPU: a member shares its GPU's memory with the others on it.
   absl::flat_hash_map<std::string_view, int32_t> ranks_on_gpu;
   for (const std::string& id : worker_ids) {
     const std::string& uuid = workers_.at(id).info.device_uuid();
     if (!uuid.empty()) ++ranks_on_gpu[uuid];
+  }
+  // Each member's place on its host (ranks are host-contiguous, AssignRanks): torchrun's local
+  // rank and the host's index; a program job's members also learn their host's GPUs.
+  struct HostRanks {
+    int32_t index = 0;
+    int32_t members = 0;
+    std::vector<std::string> gpus;  // program jobs: UUIDs in local-rank order
+  };
+  absl::flat_hash_map<std::string_view, HostRanks> hosts;
+  std::vector<int32_t> local_rank(worker_ids.size());
+  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
+    const v1::RegisterRequest& info = workers_.at(worker_ids[rank]).info;
+    auto [it, added] = hosts.try_emplace(info.host());
+    if (added) it->second.index = static_cast<int32_t>(hosts.size() - 1);
+    local_rank[rank] = it->second.members++;
+    if (job.job.spec().has_program()) it->second.gpus.push_back(info.device_uuid());
   }
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     Worker& w = workers_.at(worker_ids[rank]);
@@ -185,6 +213,14 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     mine->set_rank(static_cast<int32_t>(rank));
     const std::string& uuid = w.info.device_uuid();
     mine->set_ranks_on_device(uuid.empty() ? 1 : ranks_on_gpu.at(uuid));
+    const HostRanks& host = hosts.at(w.info.host());
+    mine->set_local_rank(local_rank[rank]);
+    mine->set_local_world_size(host.members);
+    mine->set_host_rank(host.index);
+    mine->set_host_count(static_cast<int32_t>(hosts.size()));
+    if (!uuid.empty()) {
+      for (const std::string& gpu : host.gpus) mine->add_local_device_uuids(gpu);
+    }
   }
   RefreshMembers(job);
   // The timeline: who joined and who left since the previous generation, by worker id (a

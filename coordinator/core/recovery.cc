@@ -117,7 +117,9 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
                                      "and not counted");
     }
   }
-  if (charged && worker_id.empty() && LeaveOutSilentMembers(job, reason, &why_not_charged, out)) {
+  // (A program's failure names its member, and its members need not use the store at all.)
+  if (charged && worker_id.empty() && !job.job.spec().has_program() &&
+      LeaveOutSilentMembers(job, reason, &why_not_charged, out)) {
     charged = false;
   }
   if (charged && job.job.recoveries() >= MaxRestarts(job)) {

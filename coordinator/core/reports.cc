@@ -45,6 +45,18 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
     job.first_report_of_generation_seen = true;
     job.last_advance = now;
     job.benched.clear();
+    if (job.job.spec().has_program()) {
+      // A program says where it resumed only by the step it reports first (from its own
+      // checkpoint, or from the start): the job's step follows it.
+      const int64_t resumed = std::max<int64_t>(0, report.step() - 1);
+      job.job.set_step(resumed);
+      if (job.open_recovery >= 0) {
+        v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
+        r->set_resumed_from_step(resumed);
+        r->set_steps_redone(std::max<int64_t>(0, r->step_at_detection() - resumed));
+        r->set_steps_redone_lower_bound(true);
+      }
+    }
     CloseRecovery(job, now, "", out);
   }
   if (report.step() > job.job.step()) {
@@ -86,7 +98,10 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
     if (evaluated || now - job.last_progress_event >= options_.progress_event_interval ||
         job.job.step() == job.job.total_steps()) {
       job.last_progress_event = now;
-      std::string message = absl::StrCat("step ", job.job.step(), "/", job.job.total_steps());
+      std::string message =
+          job.job.total_steps() > 0
+              ? absl::StrCat("step ", job.job.step(), "/", job.job.total_steps())
+              : absl::StrCat("step ", job.job.step());
       if (evaluated) {
         absl::StrAppend(&message, absl::StrFormat("; validation loss %.4f", report.eval().test_loss()));
         if (report.eval().bits_per_byte() > 0) {
@@ -121,6 +136,29 @@ absl::Status Core::ReportFailure(const std::string& worker_id, const v1::Failure
   Worker* worker = FindWorker(worker_id);
   const std::string reason = absl::StrCat("worker ", worker->info.name(), " (", worker_id,
                                           ") reported: ", report.message());
+  if (report.has_program_exit()) {
+    // A program's process failed: recorded (the latest few) for status, watch and the
+    // dashboard. An exit code the spec names fatal fails the job at once; any other failure
+    // re-forms the group like a collective error (the worker itself is healthy).
+    JobRecord& job = **job_or;
+    v1::ProgramExit* exit = job.job.add_program_exits();
+    *exit = report.program_exit();
+    exit->set_worker(worker->info.name());
+    exit->set_generation(report.generation());
+    exit->set_unix_ms(ToUnixMillisOrZero(now));
+    constexpr int kKeptExits = 16;
+    if (job.job.program_exits_size() > kKeptExits) {
+      job.job.mutable_program_exits()->DeleteSubrange(0, job.job.program_exits_size() - kKeptExits);
+    }
+    out->changed_jobs.insert(job.job.job_id());
+    if (report.fatal()) {
+      AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
+      FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
+      return absl::OkStatus();
+    }
+    HandleMemberLoss(job, /*worker_id=*/"", reason, /*fatal=*/false, now, out);
+    return absl::OkStatus();
+  }
   // A fatal error is the reporter's own (its data, its device, its memory): it leaves the job.
   // Otherwise the reporter itself is healthy (it is talking to us); the peer behind a
   // collective error is left to its own detection, so nobody is removed here.
@@ -140,7 +178,8 @@ absl::Status Core::ReportFinished(const std::string& worker_id, const v1::Finish
     if (m.worker_id == worker_id && !m.finished) {
       // Kept as reported: nothing of it is the job's until the members agree (FinishAgreed).
       m.finished = true;
-      m.step = report.step();
+      // (A program's exit carries no step: its member keeps the last one it reported.)
+      m.step = job.job.spec().has_program() ? std::max(m.step, report.step()) : report.step();
       m.checksum = report.parameter_checksum();
       m.peak_memory_bytes = std::max(m.peak_memory_bytes, report.peak_memory_bytes());
       m.eval = report.has_eval() ? report.eval().SerializeAsString() : "";
@@ -189,7 +228,9 @@ void Core::FinishAgreed(JobRecord& job, const std::string& except, const std::st
   }
   job.job.clear_eval();
   if (agreed != nullptr) {
-    job.job.set_step(agreed->step);
+    // (A program's members report no step of their own when they exit: its step stays the
+    // last one it reported.)
+    job.job.set_step(std::max(agreed->step, job.job.spec().has_program() ? job.job.step() : 0));
     if (!agreed->eval.empty()) job.job.mutable_eval()->ParseFromString(agreed->eval);
   }
   const MemberState* rank0 =
@@ -227,7 +268,12 @@ void Core::FinishAgreed(JobRecord& job, const std::string& except, const std::st
     }
   }
   RefreshMembers(job);
-  std::string reason = absl::StrCat("trained ", job.job.step(), " steps");
+  std::string reason =
+      job.job.spec().has_program()
+          ? absl::StrCat("the program exited 0 on all ", job.members.size(), " members",
+                         job.job.step() > 0 ? absl::StrCat(" (last reported step ", job.job.step(), ")")
+                                            : "")
+          : absl::StrCat("trained ", job.job.step(), " steps");
   if (job.job.has_eval() && IsLanguageModel(job.job.spec().model())) {
     absl::StrAppend(&reason,
                     absl::StrFormat("; validation loss %.4f", job.job.eval().test_loss()));

@@ -201,6 +201,17 @@ absl::Status Coordinator::StoreSet(const std::string& session_key, const std::st
   return store_.Set({job_id, generation}, key, std::move(value));
 }
 
+absl::StatusOr<int64_t> Coordinator::StoreAdd(const std::string& session_key,
+                                              const std::string& job_id, int64_t generation,
+                                              const std::string& key, int64_t amount) {
+  {
+    absl::MutexLock lock(&mu_);
+    LOCKSTEP_RETURN_IF_ERROR(StoreFence(session_key, job_id, generation));
+    core_.NoteMemberActivity(session_keys_.at(session_key), job_id, generation);
+  }
+  return store_.Add({job_id, generation}, key, amount);
+}
+
 BootstrapStore::WaitId Coordinator::StoreWaitAsync(const std::string& session_key,
                                                    const std::string& job_id, int64_t generation,
                                                    std::vector<std::string> keys,

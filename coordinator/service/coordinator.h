@@ -110,6 +110,8 @@ class Coordinator {
   // live session, or a worker that is not a member of the job.
   absl::Status StoreSet(const std::string& session_key, const std::string& job_id,
                         int64_t generation, const std::string& key, std::string value);
+  absl::StatusOr<int64_t> StoreAdd(const std::string& session_key, const std::string& job_id,
+                                   int64_t generation, const std::string& key, int64_t amount);
   // Waits until every key exists, behind the same fence, without holding a thread: `done` gets
   // the value of the first key (or why not, as BootstrapStore::WaitAsync) exactly once,
   // possibly on this thread before the call returns. The tick expires the deadline. Returns the

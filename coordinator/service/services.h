@@ -113,6 +113,8 @@ class StoreServiceImpl final
   explicit StoreServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
   grpc::Status Set(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                    v1::StoreSetResponse* response) override;
+  grpc::Status Add(grpc::ServerContext* context, const v1::StoreAddRequest* request,
+                   v1::StoreAddResponse* response) override;
   grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
                                 const v1::StoreGetRequest* request,
                                 v1::StoreGetResponse* response) override;

@@ -122,6 +122,21 @@ grpc::Status StoreServiceImpl::Set(grpc::ServerContext* context, const v1::Store
                                              request->value()));
 }
 
+grpc::Status StoreServiceImpl::Add(grpc::ServerContext* context, const v1::StoreAddRequest* request,
+                                   v1::StoreAddResponse* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kWorker); !s.ok()) return s;
+  if (auto s = CheckScope(request->job_id(), request->generation()); !s.ok()) return s;
+  if (request->key().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "key: required");
+  }
+  absl::StatusOr<int64_t> sum =
+      coordinator_->StoreAdd(SessionKey(*context), request->job_id(), request->generation(),
+                             request->key(), request->amount());
+  if (!sum.ok()) return ToGrpcStatus(sum.status());
+  response->set_value(*sum);
+  return grpc::Status::OK;
+}
+
 grpc::ServerUnaryReactor* StoreServiceImpl::Get(grpc::CallbackServerContext* context,
                                                 const v1::StoreGetRequest* request,
                                                 v1::StoreGetResponse* response) {

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 
@@ -142,6 +144,33 @@ size_t BootstrapStore::pending_waits() const {
 
 absl::Status BootstrapStore::Set(const StoreScope& scope, const std::string& key,
                                  std::string value) {
+  return Update(scope, key, [&](const std::string*) -> absl::StatusOr<std::string> {
+    return std::move(value);
+  });
+}
+
+absl::StatusOr<int64_t> BootstrapStore::Add(const StoreScope& scope, const std::string& key,
+                                            int64_t amount) {
+  int64_t sum = 0;
+  LOCKSTEP_RETURN_IF_ERROR(
+      Update(scope, key, [&](const std::string* old) -> absl::StatusOr<std::string> {
+        int64_t value = 0;
+        if (old != nullptr && !absl::SimpleAtoi(*old, &value)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "key \"", key.substr(0, 64), "\": its value is not an integer; cannot add to it"));
+        }
+        if (__builtin_add_overflow(value, amount, &sum)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("key \"", key.substr(0, 64), "\": ", value, " + ", amount, " overflows"));
+        }
+        return absl::StrCat(sum);
+      }));
+  return sum;
+}
+
+absl::Status BootstrapStore::Update(
+    const StoreScope& scope, const std::string& key,
+    const std::function<absl::StatusOr<std::string>(const std::string* old)>& compute) {
   std::vector<Outcome> outcomes;
   {
     absl::MutexLock lock(&mu_);
@@ -152,6 +181,10 @@ absl::Status BootstrapStore::Set(const StoreScope& scope, const std::string& key
     }
     Scope& held = it->second;
     const auto old = held.keys.find(key);
+    absl::StatusOr<std::string> computed =
+        compute(old == held.keys.end() ? nullptr : &old->second);
+    if (!computed.ok()) return computed.status();
+    std::string value = *std::move(computed);
     const size_t before = old == held.keys.end() ? 0 : key.size() + old->second.size();
     const size_t after = held.bytes - before + key.size() + value.size();
     if (old == held.keys.end() && held.keys.size() >= held.limits.max_keys) {

@@ -77,6 +77,11 @@ class BootstrapStore {
   // would take the scope past its ScopeLimits (the scope is unchanged).
   absl::Status Set(const StoreScope& scope, const std::string& key, std::string value)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Adds `amount` to the key's value, a decimal integer (missing: 0), and returns the sum, now
+  // the value. INVALID_ARGUMENT naming the key when its value is not an integer or the sum
+  // overflows; otherwise as Set.
+  absl::StatusOr<int64_t> Add(const StoreScope& scope, const std::string& key, int64_t amount)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Waits until every key of `keys` (at least one) exists in the scope, then `done` gets the
   // value of the first. Otherwise `done` gets DEADLINE_EXCEEDED naming a missing key once
@@ -104,6 +109,11 @@ class BootstrapStore {
   size_t pending_waits() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // Set's and Add's write: the key's new value from its old one (null: missing).
+  absl::Status Update(
+      const StoreScope& scope, const std::string& key,
+      const std::function<absl::StatusOr<std::string>(const std::string* old)>& value)
+      ABSL_LOCKS_EXCLUDED(mu_);
   struct Waiter {
     StoreScope scope;
     std::vector<std::string> keys;

@@ -30,6 +30,10 @@ class LocalStoreClient final : public worker::StoreClient {
   absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) override {
     return Wait1(keys, timeout).status();
   }
+  absl::StatusOr<int64_t> Add(const std::string& key, int64_t amount) override {
+    if (abort_ != nullptr && abort_->raised()) return absl::AbortedError("aborted");
+    return store_->Add(scope_, key, amount);
+  }
 
  private:
   absl::StatusOr<std::string> Wait1(const std::vector<std::string>& keys, absl::Duration timeout) {

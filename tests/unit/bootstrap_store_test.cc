@@ -30,6 +30,31 @@ TEST(BootstrapStoreTest, WaitReturnsTheValueOnceEveryKeyIsSet) {
   EXPECT_EQ(*value, "1");
 }
 
+TEST(BootstrapStoreTest, AddCountsFromZeroAndWakesWaiters) {
+  BootstrapStore store;
+  store.Open(kG1);
+  std::thread adder([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    ASSERT_EQ(*store.Add(kG1, "count", 2), 2);
+  });
+  absl::StatusOr<std::string> value =
+      store.Wait(kG1, {"count"}, absl::Now() + absl::Seconds(30));
+  adder.join();
+  ASSERT_TRUE(value.ok()) << value.status();
+  EXPECT_EQ(*value, "2");  // the value is the decimal sum, as c10d's add keeps it
+  EXPECT_EQ(*store.Add(kG1, "count", -5), -3);
+  EXPECT_EQ(*store.Add(kG1, "count", 0), -3);
+  ASSERT_TRUE(store.Set(kG1, "text", "abc").ok());
+  absl::StatusOr<int64_t> bad = store.Add(kG1, "text", 1);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("\"text\": its value is not an integer"),
+            std::string::npos)
+      << bad.status();
+  ASSERT_TRUE(store.Set(kG1, "big", "9223372036854775807").ok());
+  EXPECT_NE(store.Add(kG1, "big", 1).status().message().find("overflows"), std::string::npos);
+  EXPECT_EQ(store.Add(kG2, "count", 1).status().code(), absl::StatusCode::kAborted);
+}
+
 TEST(BootstrapStoreTest, ScopesAreSeparateAndOnlyOpenOnesAcceptCalls) {
   BootstrapStore store;
   store.Open(kG1);

@@ -58,6 +58,16 @@ TEST(EligibilityTest, WhoMayTakeARank) {
   for (const Case& c : cases) {
     EXPECT_EQ(MayTakeRank(c.worker, c.job, c.device, c.memory), c.may) << c.what;
   }
+  // A program job only on workers that run programs; a worker that runs them takes any job.
+  const PlacementView runner = with([](PlacementView& w) { w.runs_programs = true; });
+  EXPECT_FALSE(MayTakeRank(Idle(), "job-1", "cpu", 0, /*program=*/true));
+  EXPECT_TRUE(MayTakeRank(runner, "job-1", "cpu", 0, /*program=*/true));
+  EXPECT_TRUE(MayTakeRank(runner, "job-1", "cpu", 0, /*program=*/false));
+  EXPECT_FALSE(MayTakeRank(with([](PlacementView& w) {
+                             w.runs_programs = true;
+                             w.idle = false;
+                           }),
+                           "job-1", "cpu", 0, /*program=*/true));
 }
 
 TEST(EligibilityTest, WhatAHeldStateMeans) {

@@ -418,5 +418,116 @@ TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {
   EXPECT_TRUE(ValidateJobSpec(mlp).ok()) << ValidateJobSpec(mlp);
 }
 
+v1::JobSpec ProgramSpec() {
+  v1::JobSpec spec;
+  spec.set_min_workers(2);
+  spec.set_max_workers(4);
+  spec.mutable_program()->add_argv("/usr/bin/python3");
+  spec.mutable_program()->add_argv("train.py");
+  spec.mutable_program()->set_workdir("/srv/programs/ddp");
+  return spec;
+}
+
+TEST(JobSpecTest, ProgramSpecWithDefaultsPasses) {
+  v1::JobSpec spec = ProgramSpec();
+  (*spec.mutable_program()->mutable_env())["NCCL_DEBUG"] = "INFO";
+  spec.mutable_program()->set_local_rank_arg("--local_rank");
+  spec.mutable_program()->add_fatal_exit_codes(3);
+  ApplyJobSpecDefaults(&spec);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  EXPECT_EQ(spec.program().stop_grace_ms(), 5000);
+  EXPECT_EQ(spec.step_timeout_ms(), 60000);
+  EXPECT_EQ(spec.device(), "cpu");
+  EXPECT_EQ(spec.threads_per_worker(), 1);
+  // None of the built-in training's defaults: a program has no optimizer or micro-shards.
+  EXPECT_FALSE(spec.has_optimizer());
+  EXPECT_EQ(spec.micro_shards(), 0);
+  EXPECT_EQ(spec.precision(), "");
+  // The JSON form users write.
+  v1::JobSpec parsed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(
+                  R"({"minWorkers": 2, "program": {"argv": ["/usr/bin/python3", "train.py"],
+                      "workdir": "/srv/p", "localRankArg": "--local-rank", "stopGraceMs": 100,
+                      "fatalExitCodes": [2], "env": {"A": "b"}}})",
+                  &parsed)
+                  .ok());
+  ApplyJobSpecDefaults(&parsed);
+  EXPECT_TRUE(ValidateJobSpec(parsed).ok()) << ValidateJobSpec(parsed);
+}
+
+TEST(JobSpecTest, RefusesBadProgramSpecsNamingTheField) {
+  const std::vector<BadCase> cases = {
+      {"model and program", [](v1::JobSpec* s) { s->mutable_model()->set_type("mlp"); },
+       "model: a job runs either a built-in model or a program, not both"},
+      {"a training field", [](v1::JobSpec* s) { s->set_global_batch_size(64); },
+       "global_batch_size: means nothing for a program job"},
+      {"an optimizer", [](v1::JobSpec* s) { s->mutable_optimizer()->set_type("sgd"); },
+       "optimizer"},
+      {"checkpoints", [](v1::JobSpec* s) { s->set_checkpoint_dir("/ckpt"); }, "checkpoint_dir"},
+      {"empty argv", [](v1::JobSpec* s) { s->mutable_program()->clear_argv(); }, "program.argv"},
+      {"empty interpreter", [](v1::JobSpec* s) { s->mutable_program()->set_argv(0, ""); },
+       "program.argv[0]"},
+      {"control byte in an argument",
+       [](v1::JobSpec* s) { s->mutable_program()->set_argv(1, "train.py\n--evil"); },
+       "program.argv[1]: holds control byte 10"},
+      {"too many arguments",
+       [](v1::JobSpec* s) {
+         for (int i = 0; i < 300; ++i) s->mutable_program()->add_argv("-v");
+       },
+       "program.argv: at most 256"},
+      {"missing workdir", [](v1::JobSpec* s) { s->mutable_program()->clear_workdir(); },
+       "program.workdir: required"},
+      {"relative workdir", [](v1::JobSpec* s) { s->mutable_program()->set_workdir("ddp"); },
+       "program.workdir: must be an absolute path"},
+      {"unknown local rank argument",
+       [](v1::JobSpec* s) { s->mutable_program()->set_local_rank_arg("--rank"); },
+       "program.local_rank_arg"},
+      {"invalid variable name",
+       [](v1::JobSpec* s) { (*s->mutable_program()->mutable_env())["1BAD"] = "x"; },
+       "program.env: \"1BAD\" is not a variable name"},
+      {"variable name with a dash",
+       [](v1::JobSpec* s) { (*s->mutable_program()->mutable_env())["MY-VAR"] = "x"; },
+       "program.env"},
+      {"torchrun's own variable",
+       [](v1::JobSpec* s) { (*s->mutable_program()->mutable_env())["RANK"] = "3"; },
+       "program.env[RANK]: set by the worker itself"},
+      {"lockstep's own variable",
+       [](v1::JobSpec* s) { (*s->mutable_program()->mutable_env())["LOCKSTEP_AGENT_TOKEN"] = "x"; },
+       "program.env[LOCKSTEP_AGENT_TOKEN]"},
+      {"NUL in a value",
+       [](v1::JobSpec* s) {
+         (*s->mutable_program()->mutable_env())["A"] = std::string("x\0y", 3);
+       },
+       "program.env[A]: holds a NUL byte"},
+      {"absurd grace", [](v1::JobSpec* s) { s->mutable_program()->set_stop_grace_ms(86400000); },
+       "program.stop_grace_ms: must be in [0, 600000]"},
+      {"negative grace", [](v1::JobSpec* s) { s->mutable_program()->set_stop_grace_ms(-1); },
+       "program.stop_grace_ms"},
+      {"exit code 0 fatal", [](v1::JobSpec* s) { s->mutable_program()->add_fatal_exit_codes(0); },
+       "program.fatal_exit_codes[0]: must be an exit status in [1, 255]"},
+      {"exit code 256 fatal",
+       [](v1::JobSpec* s) { s->mutable_program()->add_fatal_exit_codes(256); },
+       "program.fatal_exit_codes[0]"},
+      {"min > max",
+       [](v1::JobSpec* s) {
+         s->set_min_workers(5);
+         s->set_max_workers(2);
+       },
+       "max_workers"},
+      {"unknown device", [](v1::JobSpec* s) { s->set_device("tpu"); }, "device"},
+      {"negative step timeout", [](v1::JobSpec* s) { s->set_step_timeout_ms(-5); },
+       "step_timeout_ms"},
+  };
+  for (const BadCase& c : cases) {
+    v1::JobSpec spec = ProgramSpec();
+    c.mutate(&spec);
+    ApplyJobSpecDefaults(&spec);
+    absl::Status status = ValidateJobSpec(spec);
+    EXPECT_EQ(status.code(), c.code) << c.name << ": " << status;
+    EXPECT_NE(status.message().find(c.field), std::string::npos)
+        << c.name << ": message \"" << status.message() << "\" does not name " << c.field;
+  }
+}
+
 }  // namespace
 }  // namespace lockstep::coordinator

@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/auth.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "common/test_hooks.h"
 
@@ -103,6 +104,19 @@ absl::Status CoordinatorStoreClient::Wait(const std::vector<std::string>& keys,
     v1::StoreWaitResponse response;
     return stub_->Wait(context, request, &response);
   });
+}
+
+absl::StatusOr<int64_t> CoordinatorStoreClient::Add(const std::string& key, int64_t amount) {
+  v1::StoreAddRequest request;
+  request.set_job_id(job_id_);
+  request.set_generation(generation_);
+  request.set_key(key);
+  request.set_amount(amount);
+  v1::StoreAddResponse response;
+  LOCKSTEP_RETURN_IF_ERROR(Run("add", key, absl::ZeroDuration(), [&](grpc::ClientContext* context) {
+    return stub_->Add(context, request, &response);
+  }));
+  return response.value();
 }
 
 }  // namespace lockstep::worker

@@ -30,6 +30,8 @@ class StoreClient {
   virtual absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) = 0;
   // Blocks until every key exists, up to `timeout`.
   virtual absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) = 0;
+  // Adds `amount` to the key's decimal value (missing: 0) and returns the sum.
+  virtual absl::StatusOr<int64_t> Add(const std::string& key, int64_t amount) = 0;
 };
 
 // Over the coordinator's StoreService, as the session whose key is `session_key` (the store
@@ -43,6 +45,7 @@ class CoordinatorStoreClient final : public StoreClient {
   absl::Status Set(const std::string& key, const std::string& value) override;
   absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override;
   absl::Status Wait(const std::vector<std::string>& keys, absl::Duration timeout) override;
+  absl::StatusOr<int64_t> Add(const std::string& key, int64_t amount) override;
 
  private:
   // Runs `call` with a context that `abort_` cancels; turns the result into a Status whose

@@ -1,0 +1,541 @@
+// Program jobs: the user's own script, run by workers started with --programs_root. Each test
+// runs real workers and real Python processes, and checks what a user relies on: torchrun's
+// environment, a failed or killed process restarting the group, a fatal exit code failing the
+// job, nothing of a program outliving its stop or its worker, a hang found by the step
+// timeout, and scripts outside the root refused with the worker left healthy.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
+
+namespace lockstep {
+namespace {
+
+using testing::Cluster;
+
+constexpr absl::Duration kJobWait = absl::Seconds(180);
+
+// Where a test's programs live (the workers' --programs_root) and write what they saw
+// (world-writable: the programs may run as nobody).
+struct Programs {
+  std::string root;
+  std::string out;
+};
+
+Programs MakePrograms(const Cluster& cluster) {
+  Programs p{cluster.dir() + "/programs", cluster.dir() + "/programs/out"};
+  std::filesystem::create_directories(p.out);
+  chmod(cluster.dir().c_str(), 0755);
+  chmod(p.root.c_str(), 0755);
+  chmod(p.out.c_str(), 0777);
+  return p;
+}
+
+void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream(path) << text;
+  chmod(path.c_str(), 0644);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The worker flags that let it run the test's programs: as nobody when the test runs as root
+// (the switch of user is part of what is tested), else as the test's own user.
+std::vector<std::string> ProgramFlags(const Programs& p, bool as_nobody = true) {
+  std::vector<std::string> flags = {"--programs_root=" + p.root};
+  if (geteuid() == 0) {
+    flags.push_back(as_nobody ? "--program_user=nobody" : "--allow_programs_as_root");
+  }
+  return flags;
+}
+
+v1::JobSpec ProgramJob(const Programs& p, std::vector<std::string> argv, int min_workers,
+                       int max_workers) {
+  v1::JobSpec spec;
+  spec.set_name("program");
+  spec.set_min_workers(min_workers);
+  spec.set_max_workers(max_workers);
+  spec.set_heartbeat_timeout_ms(5000);
+  for (std::string& a : argv) spec.mutable_program()->add_argv(std::move(a));
+  spec.mutable_program()->set_workdir(p.root);
+  spec.mutable_program()->set_stop_grace_ms(1000);
+  return spec;
+}
+
+// "NAME=value" lines into a map.
+std::map<std::string, std::string> ParseEnv(const std::string& text) {
+  std::map<std::string, std::string> env;
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    const size_t eq = line.find('=');
+    if (eq != absl::string_view::npos) {
+      env[std::string(line.substr(0, eq))] = std::string(line.substr(eq + 1));
+    }
+  }
+  return env;
+}
+
+// Waits until `path` exists (bounded).
+bool WaitForFile(const std::string& path, absl::Duration timeout) {
+  const absl::Time until = absl::Now() + timeout;
+  while (absl::Now() < until) {
+    if (std::filesystem::exists(path)) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+// Waits until the process `pid` is gone (bounded).
+bool WaitGone(pid_t pid, absl::Duration timeout) {
+  const absl::Time until = absl::Now() + timeout;
+  while (absl::Now() < until) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+pid_t ReadPid(const std::string& path) {
+  int pid = 0;
+  EXPECT_TRUE(absl::SimpleAtoi(absl::StripAsciiWhitespace(ReadFile(path)), &pid)) << path;
+  return pid;
+}
+
+std::unique_ptr<Cluster> StartCluster(const std::string& token = "") {
+  auto cluster = Cluster::Start({}, token);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  return cluster.ok() ? *std::move(cluster) : nullptr;
+}
+
+class ProgramTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // The workers' programs import lockstep.torch from the build tree.
+    setenv("PYTHONPATH", LOCKSTEP_PYTHON_DIR, 1);
+  }
+};
+
+// Writes every variable a torchrun script reads, and its arguments, to out/gen-G-rank-R.env.
+constexpr char kEnvScript[] = R"py(import os, sys
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+path = os.path.join(out, "gen-%s-rank-%s.env" % (os.environ["LOCKSTEP_GENERATION"], os.environ["RANK"]))
+with open(path + ".tmp", "w") as f:
+    for name, value in sorted(os.environ.items()):
+        f.write("%s=%s\n" % (name, value))
+    f.write("ARGV=%s\n" % " ".join(sys.argv[1:]))
+os.rename(path + ".tmp", path)
+)py";
+
+TEST_F(ProgramTest, EnvironmentIsTorchrunsOnThreeWorkersAcrossTwoHosts) {
+  const std::string token = "sekrit-token-7f3a9";
+  auto cluster = StartCluster(token);
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/env.py", kEnvScript);
+  // The worker's own environment holds where its token is; the program must not see it.
+  setenv("LOCKSTEP_TOKEN_FILE", cluster->token_file().c_str(), 1);
+  for (const auto& [name, host] : std::vector<std::pair<std::string, std::string>>{
+           {"w0", "alpha"}, {"w1", "alpha"}, {"w2", "beta"}}) {
+    std::vector<std::string> flags = ProgramFlags(p);
+    flags.push_back("--host=" + host);
+    ASSERT_TRUE(cluster->StartWorker(name, flags).ok()) << cluster->Logs();
+  }
+  unsetenv("LOCKSTEP_TOKEN_FILE");
+  v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "env.py", "--epochs=2"}, 3, 3);
+  spec.set_threads_per_worker(2);
+  spec.set_max_restarts(4);
+  spec.mutable_program()->set_local_rank_arg("--local-rank");
+  (*spec.mutable_program()->mutable_env())["EXTRA_SETTING"] = "yes";
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(done->recoveries(), 0);
+
+  std::string master;
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE(absl::StrCat("rank ", rank));
+    auto env = ParseEnv(ReadFile(absl::StrCat(p.out, "/gen-1-rank-", rank, ".env")));
+    const std::string host = done->members(rank).host();
+    // Host-contiguous ranks: alpha's two members first, then beta's.
+    EXPECT_EQ(host, rank < 2 ? "alpha" : "beta");
+    EXPECT_EQ(env["RANK"], absl::StrCat(rank));
+    EXPECT_EQ(env["WORLD_SIZE"], "3");
+    EXPECT_EQ(env["LOCAL_RANK"], rank < 2 ? absl::StrCat(rank) : "0");
+    EXPECT_EQ(env["LOCAL_WORLD_SIZE"], rank < 2 ? "2" : "1");
+    EXPECT_EQ(env["GROUP_RANK"], rank < 2 ? "0" : "1");
+    EXPECT_EQ(env["GROUP_WORLD_SIZE"], "2");
+    EXPECT_EQ(env["ROLE_NAME"], "default");
+    EXPECT_EQ(env["ROLE_RANK"], absl::StrCat(rank));
+    EXPECT_EQ(env["ROLE_WORLD_SIZE"], "3");
+    EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
+    int port = 0;
+    EXPECT_TRUE(absl::SimpleAtoi(env["MASTER_PORT"], &port) && port > 0) << env["MASTER_PORT"];
+    if (rank == 0) master = env["MASTER_PORT"];
+    EXPECT_EQ(env["MASTER_PORT"], master);
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], job->job_id());
+    EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "4");
+    EXPECT_EQ(env["LOCKSTEP_JOB_ID"], job->job_id());
+    EXPECT_EQ(env["LOCKSTEP_GENERATION"], "1");
+    EXPECT_EQ(env["LOCKSTEP_WORKER"], done->members(rank).worker_name());
+    EXPECT_EQ(env["OMP_NUM_THREADS"], "2");
+    EXPECT_EQ(env["EXTRA_SETTING"], "yes");
+    EXPECT_EQ(env["ARGV"], absl::StrCat("--epochs=2 --local-rank=", env["LOCAL_RANK"]));
+    EXPECT_EQ(env.count("CUDA_VISIBLE_DEVICES"), 0u);
+    EXPECT_TRUE(absl::StartsWith(env["LOCKSTEP_AGENT_ADDRESS"], "unix:"));
+    EXPECT_EQ(env["LOCKSTEP_AGENT_TOKEN"].size(), 32u);
+    EXPECT_EQ(env.count("LOCKSTEP_TOKEN_FILE"), 0u);
+    if (geteuid() == 0) {
+      EXPECT_EQ(env["USER"], "nobody");
+    }
+    for (const auto& [name, value] : env) {
+      EXPECT_FALSE(absl::StrContains(value, token)) << name << " carries the token";
+    }
+  }
+}
+
+// Raises in generation 1 on rank 1, writes its restart count in every generation.
+constexpr char kFailOnceScript[] = R"py(import os
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+gen, rank = os.environ["LOCKSTEP_GENERATION"], os.environ["RANK"]
+with open(os.path.join(out, "restart-%s-%s" % (gen, rank)), "w") as f:
+    f.write(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if gen == "1" and rank == "1":
+    raise ValueError("boom on rank 1")
+)py";
+
+TEST_F(ProgramTest, FailedProcessRestartsTheGroupAndTheJobSucceeds) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/fail_once.py", kFailOnceScript);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "fail_once.py"}, 2, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(done->recoveries(), 1);
+  EXPECT_EQ(done->generation(), 2);
+  ASSERT_EQ(done->program_exits_size(), 1);
+  const v1::ProgramExit& exit = done->program_exits(0);
+  EXPECT_EQ(exit.rank(), 1);
+  EXPECT_EQ(exit.generation(), 1);
+  EXPECT_EQ(exit.exit_code(), 1);
+  EXPECT_EQ(exit.signal(), "");
+  EXPECT_EQ(exit.worker(), done->members(1).worker_name());
+  EXPECT_EQ(exit.summary(), "ValueError: boom on rank 1");
+  EXPECT_TRUE(absl::StrContains(exit.stderr_tail(), "Traceback (most recent call last)"))
+      << exit.stderr_tail();
+  ASSERT_EQ(done->recovery_history_size(), 1);
+  EXPECT_TRUE(absl::StrContains(done->recovery_history(0).reason(),
+                                "rank 1 (" + exit.worker() + ") exited with code 1"))
+      << done->recovery_history(0).reason();
+  EXPECT_TRUE(done->recovery_history(0).counted());
+  for (const char* rank : {"0", "1"}) {
+    EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/restart-1-", rank)), "0");
+    EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/restart-2-", rank)), "1");
+  }
+}
+
+TEST_F(ProgramTest, FatalExitCodeFailsTheJobAtOnceNamingRankAndCode) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/fatal.py", R"py(import os, sys, time
+if os.environ["RANK"] == "1":
+    print("the data set is gone", file=sys.stderr)
+    sys.exit(7)
+time.sleep(600)
+)py");
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "fatal.py"}, 2, 2);
+  spec.mutable_program()->add_fatal_exit_codes(7);
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_FAILED) << done->reason();
+  EXPECT_TRUE(absl::StrContains(done->reason(), "rank 1")) << done->reason();
+  EXPECT_TRUE(absl::StrContains(done->reason(), "exited with code 7 (a fatal exit code)"))
+      << done->reason();
+  EXPECT_TRUE(absl::StrContains(done->reason(), "the data set is gone")) << done->reason();
+  EXPECT_EQ(done->recoveries(), 0);
+  // Both workers stay healthy and are free again (rank 0's sleeping program was stopped).
+  for (const char* name : {"w0", "w1"}) {
+    EXPECT_TRUE(cluster->WaitForWorker(name, "idle", absl::Seconds(30)).ok()) << name;
+  }
+}
+
+// Rank 0 forks a grandchild that ignores SIGTERM (and writes its pid); in generation 1 it then
+// fails, in generation 2 it waits to be stopped.
+constexpr char kGrandchildScript[] = R"py(import os, signal, subprocess, sys, time
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+gen, rank = os.environ["LOCKSTEP_GENERATION"], os.environ["RANK"]
+if rank == "0":
+    child = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"])
+    time.sleep(0.3)  # the grandchild ignores SIGTERM from here on
+    with open(os.path.join(out, "grandchild-%s.tmp" % gen), "w") as f:
+        f.write(str(child.pid))
+    os.rename(os.path.join(out, "grandchild-%s.tmp" % gen), os.path.join(out, "grandchild-%s" % gen))
+    if gen == "1":
+        sys.exit(3)
+time.sleep(3600)
+)py";
+
+TEST_F(ProgramTest, GrandchildIgnoringSigtermIsGoneAfterRestartAndCancel) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/grandchild.py", kGrandchildScript);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "grandchild.py"}, 2, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForFile(p.out + "/grandchild-1", absl::Seconds(60))) << cluster->Logs();
+  const pid_t first = ReadPid(p.out + "/grandchild-1");
+  ASSERT_TRUE(WaitForFile(p.out + "/grandchild-2", absl::Seconds(60))) << cluster->Logs();
+  const pid_t second = ReadPid(p.out + "/grandchild-2");
+  // Restarted: generation 1's grandchild went with its group (SIGKILL after the grace).
+  EXPECT_TRUE(WaitGone(first, absl::Seconds(10))) << "generation 1's grandchild " << first;
+  EXPECT_EQ(kill(second, 0), 0) << "generation 2's grandchild should run";
+  grpc::ClientContext context;
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job->job_id());
+  v1::Job cancelled;
+  ASSERT_TRUE(cluster->jobs().CancelJob(&context, cancel, &cancelled).ok());
+  EXPECT_TRUE(WaitGone(second, absl::Seconds(10))) << "generation 2's grandchild " << second;
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_CANCELLED);
+}
+
+// Each rank writes its pid and its grandchild's; generation 1 runs until stopped.
+constexpr char kPidsScript[] = R"py(import os, subprocess, sys, time
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+gen, rank = os.environ["LOCKSTEP_GENERATION"], os.environ["RANK"]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+name = "pids-%s-%s" % (gen, os.environ["LOCKSTEP_WORKER"])
+with open(os.path.join(out, name + ".tmp"), "w") as f:
+    f.write("%d %d" % (os.getpid(), child.pid))
+os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+if gen == "1":
+    time.sleep(3600)
+child.kill()
+)py";
+
+std::pair<pid_t, pid_t> ReadPids(const std::string& path) {
+  std::vector<std::string> parts = absl::StrSplit(ReadFile(path), ' ');
+  int a = 0, b = 0;
+  EXPECT_TRUE(parts.size() == 2 && absl::SimpleAtoi(parts[0], &a) &&
+              absl::SimpleAtoi(parts[1], &b))
+      << path;
+  return {a, b};
+}
+
+TEST_F(ProgramTest, KilledWorkerTakesItsProgramAlongAndTheGroupReformsOntoASpare) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/pids.py", kPidsScript);
+  for (const char* name : {"w0", "w1", "w2"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "pids.py"}, 2, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto running = cluster->WaitFor(
+      job->job_id(), [](const v1::Job& j) { return j.members_size() == 2; }, kJobWait);
+  ASSERT_TRUE(running.ok()) << running.status();
+  const std::string victim = running->members(1).worker_name();
+  const std::string pids_file = absl::StrCat(p.out, "/pids-1-", victim);
+  ASSERT_TRUE(WaitForFile(pids_file, absl::Seconds(60))) << cluster->Logs();
+  const auto [program, grandchild] = ReadPids(pids_file);
+  cluster->worker(victim)->Signal(SIGKILL);
+  EXPECT_TRUE(WaitGone(program, absl::Seconds(10))) << "the killed worker's program " << program;
+  EXPECT_TRUE(WaitGone(grandchild, absl::Seconds(10))) << "its grandchild " << grandchild;
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  ASSERT_EQ(done->members_size(), 2);
+  for (const v1::Member& m : done->members()) EXPECT_NE(m.worker_name(), victim);
+}
+
+TEST_F(ProgramTest, KilledRankProcessRestartsTheGroup) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/pids.py", kPidsScript);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "pids.py"}, 2, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto running = cluster->WaitFor(
+      job->job_id(), [](const v1::Job& j) { return j.members_size() == 2; }, kJobWait);
+  ASSERT_TRUE(running.ok()) << running.status();
+  const std::string victim = running->members(1).worker_name();
+  const std::string pids_file = absl::StrCat(p.out, "/pids-1-", victim);
+  ASSERT_TRUE(WaitForFile(pids_file, absl::Seconds(60))) << cluster->Logs();
+  const auto [program, grandchild] = ReadPids(pids_file);
+  ASSERT_EQ(kill(program, SIGKILL), 0);
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(done->recoveries(), 1);
+  ASSERT_EQ(done->program_exits_size(), 1);
+  EXPECT_EQ(done->program_exits(0).signal(), "SIGKILL");
+  EXPECT_EQ(done->program_exits(0).rank(), 1);
+  EXPECT_TRUE(WaitGone(grandchild, absl::Seconds(10))) << "the killed rank's grandchild";
+  // The same workers trained on: the worker itself was healthy.
+  std::vector<std::string> names;
+  for (const v1::Member& m : done->members()) names.push_back(m.worker_name());
+  EXPECT_EQ(names.size(), 2u);
+}
+
+// Reports steps through lockstep.torch over a Gloo group formed on the coordinator's store; in
+// generation 1, rank 1 stops taking part after step 3 and rank 0 waits in the all-reduce.
+constexpr char kHangScript[] = R"py(import os, time
+import torch, torch.distributed as dist
+import lockstep.torch as lt
+lt.init_process_group("gloo")
+gen, rank = int(os.environ["LOCKSTEP_GENERATION"]), dist.get_rank()
+for step in range(1, 7):
+    if gen == 1 and rank == 1 and step == 4:
+        time.sleep(3600)
+    t = torch.ones(4) * (rank + 1)
+    dist.all_reduce(t)
+    assert t[0].item() == 3.0, t
+    lt.report(step=step, loss=1.0 / step, samples=8)
+dist.destroy_process_group()
+)py";
+
+TEST_F(ProgramTest, HangInsideACollectiveIsFoundByTheStepTimeout) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/hang.py", kHangScript);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "hang.py"}, 2, 2);
+  spec.set_step_timeout_ms(4000);
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(done->step(), 6);
+  EXPECT_DOUBLE_EQ(done->loss(), 1.0 / 6);
+  ASSERT_EQ(done->recovery_history_size(), 1) << cluster->Logs();
+  const v1::Recovery& r = done->recovery_history(0);
+  EXPECT_TRUE(absl::StrContains(r.reason(), "no step completed")) << r.reason();
+  EXPECT_TRUE(absl::StrContains(r.reason(), "step_timeout_ms 4000")) << r.reason();
+  EXPECT_EQ(r.step_at_detection(), 3);
+  // The program starts over (it keeps no checkpoint): the recovery says it redid 3 steps.
+  EXPECT_EQ(r.resumed_from_step(), 0);
+  EXPECT_EQ(r.steps_redone(), 3);
+  EXPECT_GT(r.first_step_unix_ms(), 0);
+}
+
+TEST_F(ProgramTest, ScriptsOutsideTheRootAreRefusedAndTheWorkerStaysHealthy) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  const std::string outside = cluster->dir() + "/outside";
+  std::filesystem::create_directories(outside);
+  WriteFile(outside + "/evil.py", "print('should never run')\n");
+  WriteFile(p.root + "/ok.py", "print('ok')\n");
+  std::filesystem::create_symlink(outside + "/evil.py", p.root + "/escape.py");
+  ASSERT_TRUE(cluster->StartWorker("w0", ProgramFlags(p)).ok()) << cluster->Logs();
+  struct Case {
+    std::string what;
+    v1::JobSpec spec;
+    std::string reason;
+  };
+  std::vector<Case> cases;
+  {
+    v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "evil.py"}, 1, 1);
+    spec.mutable_program()->set_workdir(outside);
+    cases.push_back({"workdir outside", spec, "program.workdir"});
+  }
+  cases.push_back({"symlink escaping",
+                   ProgramJob(p, {"/usr/bin/python3", "escape.py"}, 1, 1), "program.argv[1]"});
+  cases.push_back({"script outside",
+                   ProgramJob(p, {"/usr/bin/python3", outside + "/evil.py"}, 1, 1),
+                   "outside the allowed directories"});
+  cases.push_back({"missing script", ProgramJob(p, {"/usr/bin/python3", "nope.py"}, 1, 1),
+                   "program.argv[1]: no file"});
+  cases.push_back({"no interpreter", ProgramJob(p, {"no-such-python", "ok.py"}, 1, 1),
+                   "not found in PATH"});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto job = cluster->Submit(c.spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+    ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+    EXPECT_EQ(done->state(), v1::JOB_STATE_FAILED);
+    EXPECT_TRUE(absl::StrContains(done->reason(), c.reason)) << done->reason();
+    EXPECT_TRUE(cluster->WaitForWorker("w0", "idle", absl::Seconds(30)).ok());
+  }
+  EXPECT_FALSE(absl::StrContains(cluster->Logs(), "should never run"));
+  // And the healthy worker runs a good one.
+  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "ok.py"}, 1, 1));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+}
+
+TEST_F(ProgramTest, ProgramJobsWaitForWorkersThatRunPrograms) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/ok.py", "print('ok')\n");
+  ASSERT_TRUE(cluster->StartWorker("plain").ok()) << cluster->Logs();
+  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "ok.py"}, 1, 1));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto waiting = cluster->WaitFor(
+      job->job_id(),
+      [](const v1::Job& j) { return absl::StrContains(j.reason(), "that run programs"); },
+      absl::Seconds(30));
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  EXPECT_EQ(waiting->state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(waiting->reason(), "0 that run programs (lockstep-worker "
+                                                   "--programs_root)"))
+      << waiting->reason();
+  ASSERT_TRUE(cluster->StartWorker("runner", ProgramFlags(p)).ok()) << cluster->Logs();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason();
+  ASSERT_EQ(done->members_size(), 1);
+  EXPECT_EQ(done->members(0).worker_name(), "runner");
+}
+
+}  // namespace
+}  // namespace lockstep

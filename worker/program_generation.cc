@@ -1,0 +1,427 @@
+#include "worker/program_generation.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "glog/logging.h"
+#include "worker/program/supervisor.h"
+
+namespace lockstep::worker {
+namespace {
+
+// Kept of a program's standard error for its failure (ProgramExit.stderr_tail: the last lines
+// within 2 KiB), and the longest line the worker's log takes whole.
+constexpr size_t kStderrKept = 16 << 10;
+constexpr size_t kStderrTailBytes = 2 << 10;
+constexpr size_t kMaxLogLine = 4 << 10;
+constexpr char kMasterKey[] = "program/master";
+
+std::string Join(const std::string& dir, const std::string& path) {
+  if (!path.empty() && path[0] == '/') return path;
+  return absl::StrCat(absl::StripSuffix(dir, "/"), "/", path);
+}
+
+bool IsRegularFile(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// A free TCP port on `address` (bound and released: the program's rank 0 binds it next).
+absl::StatusOr<int> ReservePort(const std::string& address) {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&storage);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&storage);
+  if (inet_pton(AF_INET, address.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    length = sizeof(*v4);
+  } else if (inet_pton(AF_INET6, address.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    length = sizeof(*v6);
+  } else {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the worker's communication address \"", address,
+                     "\" is not an IP address (--comm_address): MASTER_ADDR needs one"));
+  }
+  const int fd = socket(storage.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::ErrnoToStatus(errno, "socket for MASTER_PORT");
+  absl::Cleanup close_fd = [fd] { close(fd); };
+  if (bind(fd, reinterpret_cast<sockaddr*>(&storage), length) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&storage), &length) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("reserving MASTER_PORT on ", address, ": ", strerror(errno)));
+  }
+  return ntohs(storage.ss_family == AF_INET ? v4->sin_port : v6->sin6_port);
+}
+
+// A program's output, cut into lines for the worker's log.
+class LineSink {
+ public:
+  explicit LineSink(std::string prefix) : prefix_(std::move(prefix)) {}
+  void Add(const char* data, size_t n) {
+    pending_.append(data, n);
+    size_t start = 0;
+    for (size_t nl; (nl = pending_.find('\n', start)) != std::string::npos; start = nl + 1) {
+      Emit(pending_.substr(start, nl - start));
+    }
+    pending_.erase(0, start);
+    if (pending_.size() > kMaxLogLine) {
+      Emit(pending_);
+      pending_.clear();
+    }
+  }
+  void Flush() {
+    if (!pending_.empty()) Emit(pending_);
+    pending_.clear();
+  }
+
+ private:
+  void Emit(const std::string& line) {
+    LOG(INFO) << prefix_ << (line.size() > kMaxLogLine ? line.substr(0, kMaxLogLine) : line);
+  }
+  const std::string prefix_;
+  std::string pending_;
+};
+
+// The last whole lines of `text` within `limit` bytes.
+std::string TailLines(const std::string& text, size_t limit) {
+  absl::string_view tail = absl::StripTrailingAsciiWhitespace(text);
+  if (tail.size() <= limit) return std::string(tail);
+  tail = tail.substr(tail.size() - limit);
+  if (const size_t nl = tail.find('\n'); nl != absl::string_view::npos) tail = tail.substr(nl + 1);
+  return std::string(tail);
+}
+
+absl::Status ExecError(int error, const std::string& executable) {
+  const std::string what =
+      absl::StrCat("program.argv[0]: cannot run \"", executable, "\": ", strerror(error));
+  switch (error) {
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(what);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(what);
+    default:
+      return absl::FailedPreconditionError(what);
+  }
+}
+
+}  // namespace
+
+v1::ProgressReport ReportPacer::Next(const v1::Assignment& assignment,
+                                     const v1::ProgramReportRequest& request, absl::Time now) {
+  v1::ProgressReport p;
+  p.set_job_id(assignment.job_id());
+  p.set_generation(assignment.generation());
+  p.set_step(request.step());
+  if (request.has_loss()) p.set_loss(request.loss());
+  p.set_first_of_generation(!reported_);
+  // Samples per second over the steps since the previous report.
+  if (reported_ && request.samples() > 0 && request.step() > last_step_ && now > last_time_) {
+    p.set_samples_per_second(static_cast<double>(request.samples()) *
+                             static_cast<double>(request.step() - last_step_) /
+                             absl::ToDoubleSeconds(now - last_time_));
+  }
+  reported_ = true;
+  last_step_ = request.step();
+  last_time_ = now;
+  return p;
+}
+
+std::string SummarizeStderr(const std::string& tail) {
+  const std::vector<absl::string_view> lines = absl::StrSplit(tail, '\n', absl::SkipWhitespace());
+  for (auto it = lines.rbegin(); it != lines.rend(); ++it) {
+    if (absl::StrContains(*it, "CUDA out of memory") ||
+        absl::StrContains(*it, "OutOfMemoryError")) {
+      return absl::StrCat("CUDA out of memory: ", absl::StripAsciiWhitespace(*it));
+    }
+  }
+  // A traceback ends with the exception's line, the first one after it that is not indented.
+  for (size_t i = lines.size(); i-- > 0;) {
+    if (!absl::StartsWith(lines[i], "Traceback (most recent call last)")) continue;
+    absl::string_view last;
+    for (size_t j = i + 1; j < lines.size(); ++j) {
+      if (!lines[j].empty() && lines[j][0] != ' ' && lines[j][0] != '\t') {
+        last = lines[j];
+        break;
+      }
+    }
+    if (!last.empty()) return std::string(absl::StripAsciiWhitespace(last));
+  }
+  return lines.empty() ? "" : std::string(absl::StripAsciiWhitespace(lines.back()));
+}
+
+ProgramGeneration::ProgramGeneration(const GenerationContext& context,
+                                     const v1::Assignment& assignment,
+                                     std::shared_ptr<StoreClient> store,
+                                     std::shared_ptr<AbortSignal> abort,
+                                     GenerationReporter* reporter)
+    : context_(context),
+      assignment_(assignment),
+      store_(std::move(store)),
+      abort_(std::move(abort)),
+      reporter_(reporter) {}
+
+std::string ProgramGeneration::Name() const {
+  return absl::StrCat(assignment_.job_id(), " generation ", assignment_.generation(), " rank ",
+                      assignment_.rank());
+}
+
+absl::StatusOr<std::string> ProgramGeneration::Check() const {
+  const ProgramSettings& settings = context_.programs;
+  const v1::ProgramSpec& program = assignment_.spec().program();
+  if (!settings.root.restricted()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker ", context_.worker_name, " runs no programs (start it with --programs_root)"));
+  }
+  const std::string& workdir = program.workdir();
+  if (absl::Status s = settings.root.CheckOnHost("program.workdir", workdir); !s.ok()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("worker ", context_.worker_name, ": ", s.message()));
+  }
+  struct stat st;
+  if (stat(workdir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::NotFoundError(absl::StrCat("program.workdir: no directory \"", workdir,
+                                            "\" on worker ", context_.worker_name));
+  }
+  // The script: argv[0] itself when it is a path inside the root, else the first argument
+  // that is not an option (after an interpreter); "-m MODULE" runs a module of the workdir.
+  const std::vector<std::string> argv(program.argv().begin(), program.argv().end());
+  int script = -1;
+  bool module = false;
+  if (absl::StrContains(argv[0], '/') &&
+      settings.root.CheckOnHost("program.argv[0]", Join(workdir, argv[0])).ok()) {
+    script = 0;
+  } else {
+    for (size_t i = 1; i < argv.size(); ++i) {
+      if (argv[i] == "-m") {
+        module = true;
+        break;
+      }
+      if (argv[i] == "-c") break;
+      if (!absl::StartsWith(argv[i], "-")) {
+        script = static_cast<int>(i);
+        break;
+      }
+    }
+  }
+  if (script < 0 && !module) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "program.argv: names no script (a file inside --programs_root ",
+        settings.root.Describe(), " on worker ", context_.worker_name,
+        "): give the interpreter and then the script, or the executable's path"));
+  }
+  if (script >= 0) {
+    const std::string field = absl::StrCat("program.argv[", script, "]");
+    const std::string path = Join(workdir, argv[script]);
+    if (absl::Status s = settings.root.CheckOnHost(field, path); !s.ok()) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("worker ", context_.worker_name, ": ", s.message()));
+    }
+    if (!IsRegularFile(path)) {
+      return absl::NotFoundError(absl::StrCat(field, ": no file \"", path, "\" on worker ",
+                                              context_.worker_name));
+    }
+  }
+  // The executable: a path (relative to the workdir), or a name looked up in the program's PATH.
+  if (absl::StrContains(argv[0], '/')) return Join(workdir, argv[0]);
+  std::string path = "/usr/local/bin:/usr/bin:/bin";
+  if (const char* p = getenv("PATH"); p != nullptr) path = p;
+  for (absl::string_view dir : absl::StrSplit(path, ':', absl::SkipEmpty())) {
+    const std::string candidate = absl::StrCat(dir, "/", argv[0]);
+    if (IsRegularFile(candidate) && access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return absl::NotFoundError(absl::StrCat("program.argv[0]: \"", argv[0],
+                                          "\" not found in PATH (", path, ") on worker ",
+                                          context_.worker_name));
+}
+
+absl::Status ProgramGeneration::Rendezvous(std::string* addr, int* port) {
+  if (assignment_.rank() == 0) {
+    absl::StatusOr<int> reserved = ReservePort(context_.comm_address);
+    if (!reserved.ok()) return reserved.status();
+    *addr = context_.comm_address;
+    *port = *reserved;
+    return store_->Set(kMasterKey, absl::StrCat(*addr, " ", *port));
+  }
+  absl::StatusOr<std::string> master = store_->Get(kMasterKey, absl::Minutes(5));
+  if (!master.ok()) return master.status();
+  const std::vector<std::string> parts = absl::StrSplit(*master, ' ');
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], port)) {
+    return absl::DataLossError(absl::StrCat("rank 0 published a malformed MASTER address \"",
+                                            *master, "\""));
+  }
+  *addr = parts[0];
+  return absl::OkStatus();
+}
+
+absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
+  trainer.reset();  // a program keeps no state in the worker
+  const v1::ProgramSpec& spec = assignment_.spec().program();
+  absl::StatusOr<std::string> executable = Check();
+  if (!executable.ok()) return executable.status();
+  std::string master_addr;
+  int master_port = 0;
+  if (absl::Status s = Rendezvous(&master_addr, &master_port); !s.ok()) return s;
+
+  // lockstep.torch's way in: the generation's store and progress reports, under a secret
+  // that only this process's environment holds.
+  ReportPacer pacer;  // before the registration, whose end waits for a report in progress
+  std::unique_ptr<ProgramServer::Registration> registration;
+  std::map<std::string, std::string> lockstep_env;
+  if (context_.program_server != nullptr) {
+    registration = context_.program_server->Register(
+        {store_, [this, &pacer](const v1::ProgramReportRequest& r) {
+           reporter_->Progress(pacer.Next(assignment_, r, context_.clock->Now()));
+           return absl::OkStatus();
+         }});
+    lockstep_env = {{"LOCKSTEP_AGENT_ADDRESS", context_.program_server->address()},
+                    {"LOCKSTEP_AGENT_TOKEN", registration->token()}};
+  }
+  LaunchSpec launch;
+  launch.executable = *executable;
+  launch.argv = ProgramArgv(assignment_);
+  launch.env = ProgramEnvironment(assignment_, CurrentEnvironment(), context_.programs,
+                                  context_.worker_name, master_addr, master_port, lockstep_env);
+  launch.workdir = spec.workdir();
+  launch.credentials = context_.programs.credentials;
+  launch.stop_grace = absl::Milliseconds(spec.stop_grace_ms());
+  // The abort's wake-up for the poll below.
+  int wake[2];
+  if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) return absl::ErrnoToStatus(errno, "pipe");
+  absl::Cleanup close_wake = [&] {
+    close(wake[0]);
+    close(wake[1]);
+  };
+  AbortSignal::Subscription on_abort = abort_->OnRaise([fd = wake[1]] {
+    const char byte = 1;
+    (void)!write(fd, &byte, 1);
+  });
+  if (abort_->raised()) return absl::AbortedError(absl::StrCat(Name(), ": aborted"));
+  absl::StatusOr<std::unique_ptr<SupervisedProgram>> launched = SupervisedProgram::Launch(launch);
+  if (!launched.ok()) {
+    return absl::UnavailableError(absl::StrCat("worker ", context_.worker_name,
+                                               " could not start the program: ",
+                                               launched.status().message()));
+  }
+  SupervisedProgram& program = **launched;
+  LOG(INFO) << Name() << ": started " << launch.executable << " (pid " << program.program_pid()
+            << ", MASTER_ADDR " << master_addr << ":" << master_port << ")";
+
+  const std::string prefix = absl::StrCat("[", assignment_.job_id(), " rank ", assignment_.rank(), "]: ");
+  LineSink out_lines(prefix), err_lines(prefix);
+  std::string err_kept;
+  int out_fd = program.stdout_fd(), err_fd = program.stderr_fd(), status_fd = program.status_fd();
+  std::optional<ProcessEnd> end;
+  bool stopping = false;
+  char buffer[64 << 10];
+  auto drain = [&](int& fd, LineSink& sink, bool keep) {
+    for (;;) {
+      const ssize_t n = read(fd, buffer, sizeof(buffer));
+      if (n > 0) {
+        sink.Add(buffer, static_cast<size_t>(n));
+        if (keep) {
+          err_kept.append(buffer, static_cast<size_t>(n));
+          if (err_kept.size() > kStderrKept) err_kept.erase(0, err_kept.size() - kStderrKept);
+        }
+        continue;
+      }
+      if (n == 0 || (errno != EAGAIN && errno != EINTR)) fd = -1;  // EOF: every writer is gone
+      return;
+    }
+  };
+  absl::Status supervisor_status;
+  while (!program.Reaped()) {
+    pollfd fds[4] = {{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}, {status_fd, POLLIN, 0},
+                     {wake[0], POLLIN, 0}};
+    poll(fds, 4, 100);
+    if (fds[0].revents != 0) drain(out_fd, out_lines, false);
+    if (fds[1].revents != 0) drain(err_fd, err_lines, true);
+    if (fds[2].revents != 0) {
+      absl::StatusOr<ProcessEnd> e = program.ReadEnd();
+      if (e.ok()) {
+        end = *e;
+      } else {
+        supervisor_status = e.status();
+      }
+      status_fd = -1;
+    }
+    if (fds[3].revents != 0 || (abort_->raised() && !stopping)) {
+      char sink[16];
+      while (read(wake[0], sink, sizeof(sink)) > 0) {
+      }
+      if (!stopping) {
+        stopping = true;
+        LOG(INFO) << Name() << ": stopping the program (SIGTERM, then SIGKILL after "
+                  << spec.stop_grace_ms() << " ms)";
+        program.Stop();
+      }
+    }
+  }
+  // What the group wrote before it ended.
+  if (out_fd >= 0) drain(out_fd, out_lines, false);
+  if (err_fd >= 0) drain(err_fd, err_lines, true);
+  out_lines.Flush();
+  err_lines.Flush();
+
+  if (!end.has_value()) {
+    if (stopping) return absl::AbortedError(absl::StrCat(Name(), ": stopped"));
+    return absl::UnavailableError(absl::StrCat(
+        "worker ", context_.worker_name, ": the program's supervisor ended without its status",
+        supervisor_status.ok() ? "" : absl::StrCat(" (", supervisor_status.message(), ")")));
+  }
+  if (end->exec_failed) return ExecError(end->exec_errno, launch.executable);
+  if (!end->signaled && end->exit_code == 0) {
+    LOG(INFO) << Name() << ": the program exited 0";
+    v1::FinishedReport finished;
+    finished.set_job_id(assignment_.job_id());
+    finished.set_generation(assignment_.generation());
+    reporter_->Finished(finished);
+    return absl::OkStatus();
+  }
+  if (stopping) return absl::AbortedError(absl::StrCat(Name(), ": stopped"));
+  v1::ProgramExit exit;
+  exit.set_rank(assignment_.rank());
+  exit.set_worker(context_.worker_name);
+  exit.set_generation(assignment_.generation());
+  if (end->signaled) {
+    exit.set_signal(SignalName(end->signal));
+  } else {
+    exit.set_exit_code(end->exit_code);
+  }
+  exit.set_stderr_tail(TailLines(err_kept, kStderrTailBytes));
+  exit.set_summary(SummarizeStderr(err_kept));
+  const bool fatal =
+      !end->signaled && std::find(spec.fatal_exit_codes().begin(), spec.fatal_exit_codes().end(),
+                                  end->exit_code) != spec.fatal_exit_codes().end();
+  const std::string message = absl::StrCat(
+      "rank ", assignment_.rank(), " (", context_.worker_name, ") ",
+      end->signaled ? absl::StrCat("was killed by ", exit.signal())
+                    : absl::StrCat("exited with code ", end->exit_code),
+      fatal ? " (a fatal exit code)" : "", exit.summary().empty() ? "" : ": ", exit.summary());
+  LOG(WARNING) << Name() << ": " << message;
+  absl::Status failed = fatal ? absl::FailedPreconditionError(message)
+                              : absl::UnavailableError(message);
+  failed.SetPayload(kProgramExitPayload, absl::Cord(exit.SerializeAsString()));
+  return failed;
+}
+
+}  // namespace lockstep::worker

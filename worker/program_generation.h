@@ -1,0 +1,64 @@
+// One generation of a program job on this worker (docs/programs.md), phase by phase:
+//   Check      the workdir and the script resolve inside --programs_root; the executable exists;
+//   Rendezvous rank 0 reserves MASTER_PORT on its communication address and publishes it in
+//              the generation's store; the others read it;
+//   Launch     the program under its supervisor (worker/program/supervisor.h), with torchrun's
+//              environment, as --program_user;
+//   Watch      its output (each line to the worker's log with a "[job rank N]:" prefix; the
+//              last of standard error kept), its end, and the generation's abort.
+// Exit 0 reports Finished. Another end is a failure with a v1::ProgramExit payload: fatal
+// (FAILED_PRECONDITION) for an exit code in fatal_exit_codes, otherwise UNAVAILABLE, so the
+// coordinator restarts the group. An abort stops the program (SIGTERM, stop_grace_ms, SIGKILL
+// of its group) and returns ABORTED once nothing of it is left.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "lockstep/v1/program.pb.h"
+#include "worker/generation.h"
+
+namespace lockstep::worker {
+
+class ProgramGeneration final : public GenerationRun {
+ public:
+  ProgramGeneration(const GenerationContext& context, const v1::Assignment& assignment,
+                    std::shared_ptr<StoreClient> store, std::shared_ptr<AbortSignal> abort,
+                    GenerationReporter* reporter);
+  absl::Status Run(std::unique_ptr<Trainer>& trainer) override;
+
+ private:
+  // The executable's path for execve. NOT_FOUND / PERMISSION_DENIED naming the field.
+  absl::StatusOr<std::string> Check() const;
+  // MASTER_ADDR and MASTER_PORT of this generation.
+  absl::Status Rendezvous(std::string* addr, int* port);
+  std::string Name() const;
+
+  const GenerationContext& context_;
+  const v1::Assignment& assignment_;
+  const std::shared_ptr<StoreClient> store_;
+  const std::shared_ptr<AbortSignal> abort_;
+  GenerationReporter* const reporter_;
+};
+
+// A program's reports (lockstep.torch.report) as the coordinator takes them: the first of the
+// generation marked, samples per second from the samples per step and the time between them.
+class ReportPacer {
+ public:
+  v1::ProgressReport Next(const v1::Assignment& assignment, const v1::ProgramReportRequest& request,
+                          absl::Time now);
+
+ private:
+  bool reported_ = false;
+  int64_t last_step_ = 0;
+  absl::Time last_time_;
+};
+
+// What a program's standard error says in one line: a CUDA out-of-memory error, else a Python
+// traceback's last line, else its last non-empty line ("" for none).
+std::string SummarizeStderr(const std::string& tail);
+
+}  // namespace lockstep::worker
