@@ -134,6 +134,53 @@ absl::Status ShowJob(v1::JobService::StubInterface& stub, const std::string& job
   return absl::OkStatus();
 }
 
+absl::Status ShowLogs(v1::JobService::StubInterface& stub, const std::string& job_id,
+                      int32_t rank, int64_t generation, bool follow,
+                      const CommandOptions& options, std::ostream& out, absl::Duration poll) {
+  v1::GetJobLogsRequest request;
+  request.set_job_id(job_id);
+  if (rank >= 0) request.set_rank(rank);
+  request.set_generation(generation);
+  int64_t shown_generation = 0;
+  bool noted_gap = false;
+  for (;;) {
+    // Whether the job has ended is asked before the lines: whatever it wrote is in by then.
+    bool ended = !follow;
+    if (follow) {
+      LOCKSTEP_ASSIGN_OR_RETURN(v1::Job job, GetJob(stub, job_id, options));
+      ended = IsTerminal(job.state());
+    }
+    for (;;) {
+      v1::JobLogs logs;
+      auto context = UnaryContext(options);
+      LOCKSTEP_RETURN_IF_ERROR(ToAbslStatus(stub.GetJobLogs(context.get(), request, &logs)));
+      if (!noted_gap && logs.first_sequence() > request.from_sequence() &&
+          options.output == OutputFormat::kTable) {
+        out << "(" << logs.first_sequence() - request.from_sequence()
+            << " older lines are no longer kept)\n";
+      }
+      noted_gap = true;
+      for (const v1::LogLine& line : logs.lines()) {
+        if (options.output == OutputFormat::kJson) {
+          LOCKSTEP_RETURN_IF_ERROR(PrintJson(line, /*one_line=*/true, out));
+          continue;
+        }
+        if (line.generation() != shown_generation) {
+          out << "--- generation " << line.generation() << " ---\n";
+          shown_generation = line.generation();
+        }
+        out << "[default" << line.rank() << "]:" << EscapeForTerminal(line.text()) << "\n";
+      }
+      out << std::flush;
+      const bool more = logs.next_sequence() > request.from_sequence() && logs.lines_size() > 0;
+      request.set_from_sequence(logs.next_sequence());
+      if (!more) break;
+    }
+    if (ended) return absl::OkStatus();
+    options.sleep(poll);
+  }
+}
+
 absl::Status CancelJob(v1::JobService::StubInterface& stub, const std::string& job_id,
                        const CommandOptions& options, std::ostream& out) {
   v1::CancelJobRequest request;
@@ -436,6 +483,10 @@ int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub
       return watch(invocation.job_id);
     case Command::kCancel:
       status = CancelJob(stub, invocation.job_id, options, out);
+      break;
+    case Command::kLogs:
+      status = ShowLogs(stub, invocation.job_id, invocation.rank, invocation.generation,
+                        invocation.follow, options, out);
       break;
     case Command::kWorkers:
       status = ListWorkers(stub, options, out);

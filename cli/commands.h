@@ -88,6 +88,15 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
                                  const CommandOptions& options, std::ostream& out,
                                  std::ostream& err);
 
+// A program job's output. Table: each line as "[default<rank>]:<text>" (torchrun's --tee
+// prefix; control bytes escaped), with a "--- generation G ---" line where the generation
+// changes and a note when the coordinator no longer holds the oldest lines. JSON: one LogLine
+// per line. `follow`: asks again every `poll` until the job has ended and every line is out.
+absl::Status ShowLogs(v1::JobService::StubInterface& stub, const std::string& job_id,
+                      int32_t rank, int64_t generation, bool follow,
+                      const CommandOptions& options, std::ostream& out,
+                      absl::Duration poll = absl::Milliseconds(500));
+
 // export: the checkpoint file's parameters as safetensors at `output`, and the model's
 // config.json beside it (creating the directory). The checkpoint is untrusted input: it is read
 // and checked whole before any output is touched. NOT_FOUND for a missing checkpoint; DATA_LOSS

@@ -38,6 +38,10 @@ constexpr char kUsageBody[] =
     "  cancel JOB             cancel a job\n"
     "  workers                list the registered workers and rejected clients\n"
     "  health                 ask the coordinator's gRPC health service (exit 0 if SERVING)\n"
+    "  logs JOB [--rank=N] [--generation=G] [--follow]\n"
+    "                         print a program job's output, each line prefixed with its\n"
+    "                         rank as torchrun's --tee does ([default0]:); --follow keeps\n"
+    "                         printing until the job ends\n"
     "  export CHECKPOINT [-o FILE] [--force]\n"
     "                         convert a checkpoint file to safetensors (default\n"
     "                         model.safetensors; config.json is written beside it); offline;\n"
@@ -51,7 +55,8 @@ constexpr absl::string_view kAbslUsageFlags[] = {"help",        "helpfull", "hel
 // The global flags, in the order --help lists them. They are defined in main.cc.
 constexpr absl::string_view kOwnFlags[] = {
     "coordinator", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name",
-    "output",      "timeout_ms", "watch",  "o",        "force"};
+    "output",      "timeout_ms", "watch",  "o",        "force",   "rank", "generation",
+    "follow"};
 
 struct CommandInfo {
   Command command;
@@ -65,7 +70,7 @@ constexpr CommandInfo kCommands[] = {
     {Command::kStatus, "status", "JOB", 1},  {Command::kWatch, "watch", "JOB", 1},
     {Command::kCancel, "cancel", "JOB", 1},  {Command::kWorkers, "workers", "", 0},
     {Command::kHealth, "health", "", 0},     {Command::kHelp, "help", "", 0},
-    {Command::kExport, "export", "CHECKPOINT", 1},
+    {Command::kExport, "export", "CHECKPOINT", 1}, {Command::kLogs, "logs", "JOB", 1},
 };
 
 // (name, value, has '=') of an argument whose leading dashes are already removed.
@@ -228,6 +233,10 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
   if (flags.force && inv.command != Command::kExport) {
     return absl::InvalidArgumentError("--force only applies to export");
   }
+  if ((flags.rank != -1 || flags.generation != 0 || flags.follow) &&
+      inv.command != Command::kLogs) {
+    return absl::InvalidArgumentError("--rank, --generation and --follow only apply to logs");
+  }
 
   switch (inv.command) {
     case Command::kSubmit: {
@@ -236,6 +245,19 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
       inv.spec = *std::move(spec);
       break;
     }
+    case Command::kLogs:
+      if (flags.rank < -1 || flags.rank > INT32_MAX) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--rank: must be a rank (>= 0), got ", flags.rank));
+      }
+      if (flags.generation < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--generation: must be >= 1, got ", flags.generation));
+      }
+      inv.rank = static_cast<int32_t>(flags.rank);
+      inv.generation = flags.generation;
+      inv.follow = flags.follow;
+      [[fallthrough]];
     case Command::kStatus:
     case Command::kWatch:
     case Command::kCancel:

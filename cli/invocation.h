@@ -26,7 +26,9 @@ inline constexpr int kExitFileError = 4;  // export: the checkpoint or the outpu
 inline constexpr char kDefaultCoordinator[] = "127.0.0.1:7070";
 inline constexpr char kCoordinatorEnv[] = "LOCKSTEP_COORDINATOR";
 
-enum class Command { kHelp, kSubmit, kList, kStatus, kWatch, kCancel, kWorkers, kHealth, kExport };
+enum class Command {
+  kHelp, kSubmit, kList, kStatus, kWatch, kCancel, kWorkers, kHealth, kExport, kLogs
+};
 
 // The values of the global flags, as absl parsed them.
 struct FlagValues {
@@ -37,6 +39,9 @@ struct FlagValues {
   bool watch = false;
   std::string export_output = "model.safetensors";  // export -o
   bool force = false;                               // export --force
+  int64_t rank = -1;                                // logs --rank (-1: every rank)
+  int64_t generation = 0;                           // logs --generation (0: every one)
+  bool follow = false;                              // logs --follow
 };
 
 // A command line that passed every check.
@@ -52,6 +57,9 @@ struct Invocation {
   std::string checkpoint;     // export: the checkpoint file
   std::string export_output;  // export: the safetensors file to write
   bool force = false;         // export: replace existing output files
+  int32_t rank = -1;          // logs: only this rank's lines (-1: every rank's)
+  int64_t generation = 0;     // logs: only this generation's (0: every one's)
+  bool follow = false;        // logs: keep printing new lines until the job ends
 };
 
 // The target to dial: the flag when set, else the environment's value when set, else

@@ -27,6 +27,9 @@ ABSL_FLAG(std::string, output, "table", "output format: table or json");
 ABSL_FLAG(int64_t, timeout_ms, 10000, "deadline of each request in milliseconds (not of watch)");
 ABSL_FLAG(bool, watch, false, "submit: keep following the job, as the watch command does");
 ABSL_FLAG(std::string, o, "model.safetensors", "export: the safetensors file to write");
+ABSL_FLAG(int64_t, rank, -1, "logs: only this rank's lines (default: every rank's)");
+ABSL_FLAG(int64_t, generation, 0, "logs: only this generation's lines (default: every one's)");
+ABSL_FLAG(bool, follow, false, "logs: keep printing new lines until the job ends");
 ABSL_FLAG(bool, force, false,
           "export: replace the output file and the config.json beside it if they exist");
 
@@ -53,6 +56,9 @@ int main(int argc, char** argv) {
   flags.watch = absl::GetFlag(FLAGS_watch);
   flags.export_output = absl::GetFlag(FLAGS_o);
   flags.force = absl::GetFlag(FLAGS_force);
+  flags.rank = absl::GetFlag(FLAGS_rank);
+  flags.generation = absl::GetFlag(FLAGS_generation);
+  flags.follow = absl::GetFlag(FLAGS_follow);
   absl::StatusOr<cli::Invocation> invocation =
       cli::ParseInvocation(args, flags, std::getenv(cli::kCoordinatorEnv), std::cin);
   if (!invocation.ok()) return usage_error(invocation.status());

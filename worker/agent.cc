@@ -364,6 +364,11 @@ class Agent::RunReporter final : public GenerationReporter {
     *m.mutable_finished() = report;
     agent_->Send(m);
   }
+  void Output(const v1::ProgramOutput& output) override {
+    v1::WorkerMessage m;
+    *m.mutable_output() = output;
+    agent_->Send(m);
+  }
 
  private:
   Agent* const agent_;

@@ -53,6 +53,8 @@ class GenerationReporter {
   virtual void Checkpoint(const v1::CheckpointReport& report) = 0;
   // The job's result as this member holds it (the last thing a generation reports).
   virtual void Finished(const v1::FinishedReport& report) = 0;
+  // A program's output lines (program jobs; batched, in order).
+  virtual void Output(const v1::ProgramOutput& output) {}
 };
 
 // What a generation uses of its worker; the pointers are not owned and outlive it.

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/utf8.h"
 #include "glog/logging.h"
 #include "worker/program/supervisor.h"
 
@@ -32,6 +33,8 @@ constexpr size_t kStderrKept = 16 << 10;
 constexpr size_t kStderrTailBytes = 2 << 10;
 constexpr size_t kMaxLogLine = 4 << 10;
 constexpr char kMasterKey[] = "program/master";
+constexpr int kOutputBatchLines = 256;
+constexpr absl::Duration kOutputEvery = absl::Milliseconds(200);
 
 std::string Join(const std::string& dir, const std::string& path) {
   if (!path.empty() && path[0] == '/') return path;
@@ -71,10 +74,12 @@ absl::StatusOr<int> ReservePort(const std::string& address) {
   return ntohs(storage.ss_family == AF_INET ? v4->sin_port : v6->sin6_port);
 }
 
-// A program's output, cut into lines for the worker's log.
+// A program's output, cut into lines: each goes to the worker's log (prefixed with the job
+// and rank) and to the coordinator (batched: ProgramOutput).
 class LineSink {
  public:
-  explicit LineSink(std::string prefix) : prefix_(std::move(prefix)) {}
+  LineSink(std::string prefix, bool stderr, v1::ProgramOutput* batch)
+      : prefix_(std::move(prefix)), stderr_(stderr), batch_(batch) {}
   void Add(const char* data, size_t n) {
     pending_.append(data, n);
     size_t start = 0;
@@ -93,10 +98,19 @@ class LineSink {
   }
 
  private:
-  void Emit(const std::string& line) {
-    LOG(INFO) << prefix_ << (line.size() > kMaxLogLine ? line.substr(0, kMaxLogLine) : line);
+  void Emit(std::string line) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.size() > kMaxLogLine) line.resize(kMaxLogLine);
+    line = ToValidUtf8(line);
+    LOG(INFO) << prefix_ << EscapeForTerminal(line);
+    v1::OutputLine* out = batch_->add_lines();
+    out->set_stderr(stderr_);
+    out->set_unix_ms(absl::ToUnixMillis(absl::Now()));
+    out->set_text(std::move(line));
   }
   const std::string prefix_;
+  const bool stderr_;
+  v1::ProgramOutput* const batch_;
   std::string pending_;
 };
 
@@ -326,8 +340,23 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   LOG(INFO) << Name() << ": started " << launch.executable << " (pid " << program.program_pid()
             << ", MASTER_ADDR " << master_addr << ":" << master_port << ")";
 
-  const std::string prefix = absl::StrCat("[", assignment_.job_id(), " rank ", assignment_.rank(), "]: ");
-  LineSink out_lines(prefix), err_lines(prefix);
+  const std::string prefix =
+      absl::StrCat("[", assignment_.job_id(), " rank ", assignment_.rank(), "]: ");
+  // Output goes to the coordinator in batches: every 200 ms, or sooner when one is large.
+  v1::ProgramOutput batch;
+  batch.set_job_id(assignment_.job_id());
+  batch.set_generation(assignment_.generation());
+  absl::Time flushed = absl::Now();
+  auto send_output = [&](bool now) {
+    if (batch.lines().empty()) return;
+    if (!now && batch.lines_size() < kOutputBatchLines && absl::Now() - flushed < kOutputEvery) {
+      return;
+    }
+    reporter_->Output(batch);
+    batch.clear_lines();
+    flushed = absl::Now();
+  };
+  LineSink out_lines(prefix, false, &batch), err_lines(prefix, true, &batch);
   std::string err_kept;
   int out_fd = program.stdout_fd(), err_fd = program.stderr_fd(), status_fd = program.status_fd();
   std::optional<ProcessEnd> end;
@@ -355,6 +384,7 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
     poll(fds, 4, 100);
     if (fds[0].revents != 0) drain(out_fd, out_lines, false);
     if (fds[1].revents != 0) drain(err_fd, err_lines, true);
+    send_output(false);
     if (fds[2].revents != 0) {
       absl::StatusOr<ProcessEnd> e = program.ReadEnd();
       if (e.ok()) {
@@ -381,6 +411,7 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   if (err_fd >= 0) drain(err_fd, err_lines, true);
   out_lines.Flush();
   err_lines.Flush();
+  send_output(true);
 
   if (!end.has_value()) {
     if (stopping) return absl::AbortedError(absl::StrCat(Name(), ": stopped"));

@@ -142,6 +142,25 @@ absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
   return const_cast<JobRecord*>(job);
 }
 
+absl::StatusOr<std::pair<int32_t, std::string>> Core::GenerationMember(
+    const std::string& job_id, int64_t generation, const std::string& worker_id) const {
+  const auto job = jobs_.find(job_id);
+  if (job == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  for (const v1::Generation& g : job->second.job.generations()) {
+    if (g.generation() != generation) continue;
+    for (int rank = 0; rank < g.member_ids_size(); ++rank) {
+      if (g.member_ids(rank) == worker_id) {
+        return std::make_pair(static_cast<int32_t>(rank),
+                              rank < g.members_size() ? g.members(rank) : worker_id);
+      }
+    }
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker_id, " was no member of ",
+                                                    job_id, " generation ", generation));
+  }
+  return absl::NotFoundError(
+      absl::StrCat(job_id, " generation ", generation, " is not in the job's timeline"));
+}
+
 v1::CoordinatorMessage Core::AbortMessage(const std::string& job_id, int64_t generation,
                                           const std::string& reason, bool job_ended) {
   v1::CoordinatorMessage message;

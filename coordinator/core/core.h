@@ -201,6 +201,14 @@ class Core {
   absl::Status Fence(const std::string& job_id, int64_t generation,
                      const std::string& worker_id = "") const;
 
+  // The rank and name `worker_id` had in (job_id, generation), by the job's timeline (so also
+  // after that generation ended: its last output lines arrive then). NOT_FOUND for an unknown
+  // job or a generation no longer in the timeline, PERMISSION_DENIED for a worker that was not
+  // one of its members.
+  absl::StatusOr<std::pair<int32_t, std::string>> GenerationMember(const std::string& job_id,
+                                                                   int64_t generation,
+                                                                   const std::string& worker_id) const;
+
   // The message that tells a worker to stop (job, generation), with the reason; `job_ended`
   // lets it drop what it kept for the job.
   static v1::CoordinatorMessage AbortMessage(const std::string& job_id, int64_t generation,

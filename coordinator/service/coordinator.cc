@@ -188,6 +188,26 @@ absl::Status Coordinator::StoreFence(const std::string& session_key, const std::
   return core_.Fence(job_id, generation, it->second);
 }
 
+absl::Status Coordinator::AppendProgramOutput(const std::string& worker_id,
+                                              const v1::ProgramOutput& output) {
+  absl::StatusOr<std::pair<int32_t, std::string>> member;
+  {
+    absl::MutexLock lock(&mu_);
+    member = core_.GenerationMember(output.job_id(), output.generation(), worker_id);
+  }
+  if (!member.ok()) return member.status();
+  logs_.Append(output.job_id(), output.generation(), member->first, member->second, output);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::JobLogs> Coordinator::JobLogs(const v1::GetJobLogsRequest& request) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = core_.GetJob(request.job_id()).status(); !s.ok()) return s;
+  }
+  return logs_.Read(request);
+}
+
 absl::Status Coordinator::StoreSet(const std::string& session_key, const std::string& job_id,
                                    int64_t generation, const std::string& key, std::string value) {
   {

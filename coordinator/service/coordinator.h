@@ -24,6 +24,7 @@
 #include "coordinator/service/metrics.h"
 #include "coordinator/store/bootstrap_store.h"
 #include "coordinator/store/job_store.h"
+#include "coordinator/store/log_store.h"
 #include "grpcpp/server_context.h"
 #include "lockstep/v1/worker.pb.h"
 
@@ -105,6 +106,12 @@ class Coordinator {
   // Detaches the session and tells the core the worker is gone.
   void Disconnect(const std::string& worker_id, const std::string& reason);
 
+  // A program's output lines from `worker_id`, kept when it was a member of that generation
+  // (Core::GenerationMember); and the lines of a job (NOT_FOUND for an unknown job).
+  absl::Status AppendProgramOutput(const std::string& worker_id, const v1::ProgramOutput& output)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::JobLogs> JobLogs(const v1::GetJobLogsRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Bootstrap store, behind the core's generation fence (Core::Fence) for the worker whose
   // session holds `session_key` (Registered.session_key): PERMISSION_DENIED for a key of no
   // live session, or a worker that is not a member of the job.
@@ -179,6 +186,7 @@ class Coordinator {
   // Session key -> worker id, for the live sessions.
   std::map<std::string, std::string> session_keys_ ABSL_GUARDED_BY(mu_);
   BootstrapStore store_;  // has its own lock; taken after mu_, never before
+  LogStore logs_;         // likewise
   uint64_t snapshot_version_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Mutex save_mu_ ABSL_ACQUIRED_AFTER(mu_);
   // Per job, the version of the snapshot saved last.

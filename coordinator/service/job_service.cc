@@ -312,4 +312,19 @@ grpc::Status JobServiceImpl::GetTrainingCurve(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status JobServiceImpl::GetJobLogs(grpc::ServerContext* context,
+                                        const v1::GetJobLogsRequest* request,
+                                        v1::JobLogs* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
+  if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
+  if (request->from_sequence() < 0 || request->max_lines() < 0 || request->generation() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "from_sequence, max_lines and generation: must be >= 0");
+  }
+  absl::StatusOr<v1::JobLogs> logs = coordinator_->JobLogs(*request);
+  if (!logs.ok()) return ToGrpcStatus(logs.status());
+  *response = *std::move(logs);
+  return grpc::Status::OK;
+}
+
 }  // namespace lockstep::coordinator

@@ -51,6 +51,8 @@ class JobServiceImpl final
   grpc::Status GetTrainingCurve(grpc::ServerContext* context,
                                 const v1::GetTrainingCurveRequest* request,
                                 v1::TrainingCurve* response) override;
+  grpc::Status GetJobLogs(grpc::ServerContext* context, const v1::GetJobLogsRequest* request,
+                          v1::JobLogs* response) override;
 
  private:
   // The coordinator's notification (on the deciding thread): wakes the job's watches.

@@ -419,6 +419,15 @@ class WorkerSession final : public SessionOutbox,
       case v1::WorkerMessage::kFinished:
         report(message.finished(), &Core::ReportFinished);
         break;
+      case v1::WorkerMessage::kOutput:
+        // Kept also after its generation ended (a failed process's last lines come then):
+        // never answered with an abort.
+        if (absl::Status s = coordinator_->AppendProgramOutput(worker_id_, message.output());
+            !s.ok() && (++refused_ == 1 || refused_ % 1000 == 0)) {
+          LOG(WARNING) << "worker " << worker_id_ << ": output refused: "
+                       << EscapeForTerminal(s.ToString());
+        }
+        break;
       default:
         status = absl::InvalidArgumentError("unexpected message on an established session");
     }

@@ -5,6 +5,7 @@
 #   cluster.sh start --dir DIR [--workers N] [--listen HOST:PORT] [--bin BUILD_DIR]
 #                    [--token_file FILE] [--http_listen HOST:PORT]
 #                    [--data_root DIRS] [--checkpoint_root DIRS]
+#                    [--programs_root DIRS [--program_user USER]]
 #   cluster.sh stop  --dir DIR      (returns once every process has exited)
 # After start, DIR/address holds the coordinator address (HOST:PORT). With --token_file, every
 # process (and lockstepctl, given the same file or $LOCKSTEP_TOKEN) uses that token. With
@@ -13,11 +14,14 @@
 # default data roots (/var/lib/lockstep/data, /usr/share/datasets, /usr/share/games/fortunes)
 # or --data_root, and write checkpoints and exports only in DIR/checkpoints and
 # /var/lib/lockstep/checkpoints or --checkpoint_root (comma-separated; "/" allows any path).
+# With --programs_root the workers run program jobs (the user's own scripts) from there, as
+# --program_user (default: nobody when started as root, else the caller), with BUILD_DIR/python
+# on PYTHONPATH so that scripts import lockstep.torch from the build tree.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cmd="${1:-}"; shift || true
 dir=""; workers=2; listen="127.0.0.1:0"; bin="$root/build"; token_file=""; http_listen=""
-data_root=""; checkpoint_root=""
+data_root=""; checkpoint_root=""; programs_root=""; program_user=""
 while (($#)); do
   case "$1" in
     --dir) dir="$2"; shift ;;
@@ -28,6 +32,8 @@ while (($#)); do
     --http_listen) http_listen="$2"; shift ;;
     --data_root) data_root="$2"; shift ;;
     --checkpoint_root) checkpoint_root="$2"; shift ;;
+    --programs_root) programs_root="$2"; shift ;;
+    --program_user) program_user="$2"; shift ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -58,9 +64,20 @@ case "$cmd" in
     if [[ -n "$http_listen" ]]; then
       echo "http://${http_listen%:*}:$(cat "$dir/http_port")/" >"$dir/dashboard"
     fi
+    programs=()
+    if [[ -n "$programs_root" ]]; then
+      programs=(--programs_root="$programs_root")
+      if [[ -n "$program_user" ]]; then
+        programs+=(--program_user="$program_user")
+      elif [[ $(id -u) -eq 0 ]]; then
+        programs+=(--program_user=nobody)
+      fi
+    fi
     for ((i = 0; i < workers; i++)); do
+      PYTHONPATH="$bin/python${PYTHONPATH:+:$PYTHONPATH}" \
       "$bin/worker/lockstep-worker" --coordinator="$address" --device=cpu --name="w$i" \
-        --status_file="$dir/w$i.status" "${auth[@]}" "${roots[@]}" >"$dir/w$i.log" 2>&1 &
+        --status_file="$dir/w$i.status" "${auth[@]}" "${roots[@]}" "${programs[@]}" \
+        >"$dir/w$i.log" 2>&1 &
       echo $! >"$dir/w$i.pid"
     done
     # Wait until every worker has registered.

@@ -2,6 +2,7 @@
 import ipaddress
 import os
 import platform
+import time
 import warnings
 
 import grpc
@@ -13,6 +14,9 @@ from lockstep.v1 import job_pb2, job_pb2_grpc
 # `lockstepctl workers` when a call is refused).
 _AUTHORIZATION = "authorization"
 _CLIENT = "x-lockstep-client"
+
+# Job states after which nothing changes.
+_ENDED = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED)
 
 # list(): the most pages followed (10**8 jobs in the full pages of 1000 it asks for), a bound on a
 # server that pages in circles with ever new tokens. The same bound as lockstepctl's.
@@ -198,6 +202,31 @@ class Client:
         """
         return list(self._call(self._stub.GetTrainingCurve,
                                job_pb2.GetTrainingCurveRequest(job_id=job_id)).points)
+
+    def logs(self, job_id, rank=None, generation=0, follow=False, poll=0.5):
+        """A program job's output lines (LogLine messages: sequence, generation, rank, worker,
+        stderr, text, unix_ms), oldest first, as the coordinator keeps them (the latest 2 MiB of
+        the job). Only `rank`'s or `generation`'s when given. With follow=True it keeps yielding
+        new lines until the job has ended:
+
+            for line in client.logs(job_id, follow=True):
+                print(f"[default{line.rank}]:{line.text}")
+        """
+        request = job_pb2.GetJobLogsRequest(job_id=job_id, generation=generation)
+        if rank is not None:
+            request.rank = rank
+        while True:
+            ended = not follow or self.get(job_id).state in _ENDED
+            while True:
+                answer = self._call(self._stub.GetJobLogs, request)
+                yield from answer.lines
+                more = len(answer.lines) > 0 and answer.next_sequence > request.from_sequence
+                request.from_sequence = answer.next_sequence
+                if not more:
+                    break
+            if ended:
+                return
+            time.sleep(poll)
 
     def watch(self, job_id, from_sequence=0):
         """The job's events (JobEvent), from its history on, live until the job has ended."""

@@ -32,6 +32,9 @@ def main():
               "python3-protobuf, python3-pytest and python3-venv)")
         return 77
     work = tempfile.mkdtemp(prefix="lockstep-python.")
+    os.chmod(work, 0o755)  # the programs run as nobody when the test runs as root
+    programs = os.path.join(work, "programs")
+    os.makedirs(programs)
     cluster = os.path.join(work, "cluster")
     tls_cluster = os.path.join(work, "tls-cluster")
     try:
@@ -48,7 +51,8 @@ def main():
         with open(token_file, "w") as f:
             f.write(token + "\n")
         subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "start", "--dir", cluster,
-                        "--workers", "2", "--bin", args.build, "--token_file", token_file],
+                        "--workers", "2", "--bin", args.build, "--token_file", token_file,
+                        "--programs_root", programs],
                        check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(cluster, "address")) as f:
             address = f.read().strip()
@@ -77,7 +81,8 @@ done"""
             tls_address = f.read().strip()
         # The installed package, not the source tree: the tests run from the work directory.
         env = dict(os.environ, LOCKSTEP_TEST_ADDRESS=address, LOCKSTEP_TEST_TOKEN=token,
-                   LOCKSTEP_TEST_TLS_ADDRESS=tls_address, LOCKSTEP_TEST_PKI=pki)
+                   LOCKSTEP_TEST_TLS_ADDRESS=tls_address, LOCKSTEP_TEST_PKI=pki,
+                   LOCKSTEP_TEST_PROGRAMS=programs)
         for key in ["LOCKSTEP_TOKEN", "LOCKSTEP_TLS_CERT", "LOCKSTEP_TLS_KEY", "LOCKSTEP_TLS_CA"]:
             env.pop(key, None)
         here = os.path.dirname(os.path.abspath(__file__))

@@ -15,6 +15,7 @@ ADDRESS = os.environ.get("LOCKSTEP_TEST_ADDRESS", "")
 TOKEN = os.environ.get("LOCKSTEP_TEST_TOKEN", "")
 TLS_ADDRESS = os.environ.get("LOCKSTEP_TEST_TLS_ADDRESS", "")
 PKI = os.environ.get("LOCKSTEP_TEST_PKI", "")
+PROGRAMS = os.environ.get("LOCKSTEP_TEST_PROGRAMS", "")
 
 if not ADDRESS:
     pytest.skip("run through tests/python/client_test.py, which starts the clusters",
@@ -142,3 +143,24 @@ def test_bad_client_arguments():
     assert "/nonexistent/ca.pem" in str(e.value)
     with pytest.raises(ValueError):
         lockstep.Client(ADDRESS, tls={"cert": "c.pem"})
+
+
+def test_a_program_jobs_output_through_logs(client):
+    script = os.path.join(PROGRAMS, "hello.py")
+    with open(script, "w") as f:
+        f.write("import os, sys\n"
+                "print('hello from rank', os.environ['RANK'])\n"
+                "print('warned', file=sys.stderr)\n")
+    os.chmod(script, 0o644)
+    job = client.submit({"name": "hello", "minWorkers": 2, "maxWorkers": 2,
+                         "program": {"argv": ["/usr/bin/python3", "hello.py"],
+                                     "workdir": PROGRAMS}})
+    lines = list(client.logs(job.job_id, follow=True))
+    assert client.get(job.job_id).state == lockstep.v1.job_pb2.JOB_STATE_SUCCEEDED
+    texts = sorted((line.rank, line.stderr, line.text) for line in lines)
+    assert texts == [(0, False, "hello from rank 0"), (0, True, "warned"),
+                     (1, False, "hello from rank 1"), (1, True, "warned")], texts
+    assert sorted(line.text for line in client.logs(job.job_id, rank=1)) == [
+        "hello from rank 1", "warned"]
+    assert {line.generation for line in lines} == {1}
+

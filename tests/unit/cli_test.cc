@@ -114,6 +114,28 @@ class FakeStub : public v1::JobService::StubInterface {
                                 v1::TrainingCurve*) override {
     return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "not used by lockstepctl");
   }
+  // Serves `log_lines` from `first_kept` on, two at a time (so that paging is exercised), and
+  // calls `after_logs` after each answer (a follow test appends lines and ends the job there).
+  std::vector<v1::LogLine> log_lines;
+  int64_t first_kept = 0;
+  std::vector<int64_t> log_requests;
+  std::function<void()> after_logs;
+  grpc::Status GetJobLogs(grpc::ClientContext*, const v1::GetJobLogsRequest& r,
+                          v1::JobLogs* out) override {
+    log_requests.push_back(r.from_sequence());
+    out->set_first_sequence(first_kept);
+    int64_t next = std::max(r.from_sequence(), first_kept);
+    for (const v1::LogLine& line : log_lines) {
+      if (line.sequence() < next) continue;
+      if (out->lines_size() == 2) break;
+      next = line.sequence() + 1;
+      if (r.has_rank() && line.rank() != r.rank()) continue;
+      *out->add_lines() = line;
+    }
+    out->set_next_sequence(next);
+    if (after_logs) after_logs();
+    return grpc::Status::OK;
+  }
 
  private:
   grpc::ClientReaderInterface<v1::JobEvent>* WatchJobRaw(grpc::ClientContext*,
@@ -143,6 +165,7 @@ class FakeStub : public v1::JobService::StubInterface {
   NOASYNC(v1::Job, v1::CancelJobRequest, CancelJob)
   NOASYNC(v1::ListWorkersResponse, v1::ListWorkersRequest, ListWorkers)
   NOASYNC(v1::TrainingCurve, v1::GetTrainingCurveRequest, GetTrainingCurve)
+  NOASYNC(v1::JobLogs, v1::GetJobLogsRequest, GetJobLogs)
   grpc::ClientAsyncReaderInterface<v1::JobEvent>* AsyncWatchJobRaw(grpc::ClientContext*,
                                                                    const v1::WatchJobRequest&,
                                                                    grpc::CompletionQueue*,
@@ -1138,6 +1161,90 @@ TEST_F(ExportTest, FuzzedCheckpointsNeverCrashExport) {
   // Both outcomes happen, or the loop tested less than it seems to.
   EXPECT_GT(written, 100);
   EXPECT_GT(refused, 500);
+}
+
+v1::LogLine Line(int64_t sequence, int64_t generation, int32_t rank, const std::string& text) {
+  v1::LogLine line;
+  line.set_sequence(sequence);
+  line.set_generation(generation);
+  line.set_rank(rank);
+  line.set_text(text);
+  return line;
+}
+
+TEST(Logs, PrintsEachLineWithItsRankAndTheGenerationsBetween) {
+  FakeStub stub;
+  stub.first_kept = 1;
+  stub.log_lines = {Line(1, 1, 0, "epoch 0"), Line(2, 1, 1, "red \x1b[31mtext"),
+                    Line(3, 1, 1, "Traceback"), Line(4, 2, 0, "resumed at step 40"),
+                    Line(5, 2, 1, "done")};
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out;
+  ASSERT_TRUE(ShowLogs(stub, "job-1", -1, 0, false, TestOptions(&clock, &sleeps), out).ok());
+  EXPECT_EQ(out.str(),
+            "(1 older lines are no longer kept)\n"
+            "--- generation 1 ---\n"
+            "[default0]:epoch 0\n"
+            "[default1]:red \\x1b[31mtext\n"
+            "[default1]:Traceback\n"
+            "--- generation 2 ---\n"
+            "[default0]:resumed at step 40\n"
+            "[default1]:done\n");
+  EXPECT_THAT(stub.log_requests, ::testing::ElementsAre(0, 3, 5, 6));
+  std::ostringstream ones;
+  ASSERT_TRUE(ShowLogs(stub, "job-1", 1, 0, false, TestOptions(&clock, &sleeps), ones).ok());
+  EXPECT_THAT(ones.str(), HasSubstr("[default1]:Traceback\n--- generation 2 ---\n[default1]:done"));
+  EXPECT_THAT(ones.str(), ::testing::Not(HasSubstr("[default0]")));
+}
+
+TEST(Logs, FollowPrintsNewLinesUntilTheJobHasEnded) {
+  FakeStub stub;
+  stub.get_job.set_state(v1::JOB_STATE_RUNNING);
+  stub.log_lines = {Line(0, 1, 0, "step 1")};
+  int answers = 0;
+  stub.after_logs = [&] {
+    // The second poll finds a new line; after it the job ends.
+    if (++answers == 2) {
+      stub.log_lines.push_back(Line(1, 1, 0, "step 2"));
+      stub.get_job.set_state(v1::JOB_STATE_SUCCEEDED);
+    }
+  };
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out;
+  ASSERT_TRUE(ShowLogs(stub, "job-1", -1, 0, true, TestOptions(&clock, &sleeps), out).ok());
+  EXPECT_EQ(out.str(), "--- generation 1 ---\n[default0]:step 1\n[default0]:step 2\n");
+  EXPECT_FALSE(sleeps.empty());
+  v1::LogLine json_line = Line(7, 3, 2, "x");
+  stub.log_lines = {json_line};
+  stub.after_logs = nullptr;
+  CommandOptions json = TestOptions(&clock, &sleeps);
+  json.output = OutputFormat::kJson;
+  std::ostringstream json_out;
+  ASSERT_TRUE(ShowLogs(stub, "job-1", -1, 0, false, json, json_out).ok());
+  EXPECT_EQ(json_out.str(),
+            "{\"sequence\":\"7\",\"generation\":\"3\",\"rank\":2,\"worker\":\"\",\"stderr\":false,"
+            "\"text\":\"x\",\"unixMs\":\"0\"}\n");
+}
+
+TEST(Logs, FlagsApplyOnlyToLogs) {
+  FlagValues flags;
+  flags.follow = true;
+  std::istringstream in;
+  auto status = ParseInvocation({"status", "job-1"}, flags, nullptr, in);
+  EXPECT_THAT(std::string(status.status().message()), HasSubstr("only apply to logs"));
+  flags.rank = 3;
+  flags.generation = 2;
+  auto logs = ParseInvocation({"logs", "job-1"}, flags, nullptr, in);
+  ASSERT_TRUE(logs.ok()) << logs.status();
+  EXPECT_EQ(logs->command, Command::kLogs);
+  EXPECT_EQ(logs->rank, 3);
+  EXPECT_EQ(logs->generation, 2);
+  EXPECT_TRUE(logs->follow);
+  flags.rank = -7;
+  EXPECT_THAT(std::string(ParseInvocation({"logs", "job-1"}, flags, nullptr, in).status().message()),
+              HasSubstr("--rank: must be a rank"));
 }
 
 }  // namespace
