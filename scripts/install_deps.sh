@@ -6,6 +6,7 @@
 # --test adds what the tests need beyond the build: a Docker engine, docker-compose, debootstrap
 # and iptables for the deploy tests, clang for the thread-safety check, a Prometheus server
 # that scrapes a test cluster, what the Python client is installed and tested with (pytest),
+# PyTorch (Debian's python3-torch, CPU, with Gloo) for the program jobs' tests,
 # and the browser the dashboard is tested in (chromium).
 set -euo pipefail
 
@@ -21,6 +22,7 @@ for arg in "$@"; do
   case "$arg" in
     --bench) pkgs+=(python3-torch libopenblas0-openmp) ;;
     --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang prometheus
+                   python3-torch libopenblas0-openmp
                    python3-grpcio python3-protobuf python3-venv python3-pip python3-pytest openssl
                    chromium) ;;
     *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -535,6 +536,142 @@ TEST_F(ProgramTest, ProgramJobsWaitForWorkersThatRunPrograms) {
   EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason();
   ASSERT_EQ(done->members_size(), 1);
   EXPECT_EQ(done->members(0).worker_name(), "runner");
+}
+
+// The example script (examples/torch/train.py), copied into the test's programs root.
+void CopyExample(const Programs& p) {
+  std::filesystem::copy_file(std::string(LOCKSTEP_SOURCE_DIR) + "/examples/torch/train.py",
+                             p.root + "/train.py",
+                             std::filesystem::copy_options::overwrite_existing);
+  chmod((p.root + "/train.py").c_str(), 0644);
+}
+
+// "final_loss=..." as the script printed it (rank 0), or "" when it did not.
+std::string FinalLoss(const std::string& output) {
+  const size_t at = output.rfind("final_loss=");
+  if (at == std::string::npos) return "";
+  const size_t end = output.find_first_of("\r\n", at);
+  return output.substr(at + 11, end == std::string::npos ? std::string::npos : end - at - 11);
+}
+
+// The same script under torchrun on `n` processes of this host.
+std::string TorchrunFinalLoss(int n, const std::vector<std::string>& args,
+                              const std::string& dir) {
+  std::vector<std::string> argv = {"/usr/bin/python3", "-m", "torch.distributed.run",
+                                   "--standalone", absl::StrCat("--nproc_per_node=", n),
+                                   // Debian's torchrun on Python 3.11 needs both (FACTS).
+                                   "--redirects=9:1", "--tee=9:1", dir + "/train.py"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto result = testing::RunCommand(argv, absl::Seconds(300));
+  EXPECT_TRUE(result.ok()) << result.status();
+  if (!result.ok()) return "";
+  EXPECT_EQ(result->exit_code, 0) << result->output;
+  return FinalLoss(result->output);
+}
+
+// Rank 0's output lines of the job, joined.
+std::string RankZeroOutput(Cluster& cluster, const std::string& job_id) {
+  v1::GetJobLogsRequest request;
+  request.set_job_id(job_id);
+  request.set_rank(0);
+  request.set_max_lines(10000);
+  v1::JobLogs logs;
+  grpc::ClientContext context;
+  EXPECT_TRUE(cluster.jobs().GetJobLogs(&context, request, &logs).ok());
+  std::string out;
+  for (const v1::LogLine& line : logs.lines()) absl::StrAppend(&out, line.text(), "\n");
+  return out;
+}
+
+TEST_F(ProgramTest, ExampleEndsWithTorchrunsFinalLossOnTwoAndThreeWorkers) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  CopyExample(p);
+  for (const char* name : {"w0", "w1", "w2"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  for (int n : {2, 3}) {
+    SCOPED_TRACE(absl::StrCat(n, " workers"));
+    const std::string reference =
+        TorchrunFinalLoss(n, {"--steps=40", "--checkpoint-dir=" + p.out + "/torchrun-" +
+                                                absl::StrCat(n)},
+                          p.root);
+    ASSERT_FALSE(reference.empty());
+    v1::JobSpec spec =
+        ProgramJob(p,
+                   {"/usr/bin/python3", "train.py", "--steps=40",
+                    absl::StrCat("--checkpoint-dir=", p.out, "/lockstep-", n)},
+                   n, n);
+    spec.mutable_program()->set_local_rank_arg("--local_rank");
+    auto job = cluster->Submit(spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+    ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+    ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+    EXPECT_EQ(FinalLoss(RankZeroOutput(*cluster, job->job_id())), reference);
+    // The script reports through lockstep.torch: the job knows its steps and loss.
+    EXPECT_EQ(done->step(), 40);
+    EXPECT_GT(done->loss(), 0);
+  }
+}
+
+// The pid of the process whose command line holds every one of `parts` (0: none).
+pid_t FindProcess(const std::vector<std::string>& parts) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    int pid = 0;
+    if (!absl::SimpleAtoi(entry.path().filename().string(), &pid)) continue;
+    std::string cmdline = ReadFile(entry.path().string() + "/cmdline");
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    bool all = !cmdline.empty();
+    for (const std::string& part : parts) all = all && absl::StrContains(cmdline, part);
+    if (all) return pid;
+  }
+  return 0;
+}
+
+TEST_F(ProgramTest, KilledRankResumesFromItsCheckpointWithTheUndisturbedFinalLoss) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  CopyExample(p);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  const std::vector<std::string> args = {"--steps=100", "--checkpoint-every=20"};
+  std::vector<std::string> reference_args = args;
+  reference_args.push_back("--checkpoint-dir=" + p.out + "/reference");
+  const std::string reference = TorchrunFinalLoss(2, reference_args, p.root);
+  ASSERT_FALSE(reference.empty());
+  const std::string checkpoints = p.out + "/killed";
+  std::vector<std::string> argv = {"/usr/bin/python3", "train.py", "--sleep-ms=40",
+                                   "--checkpoint-dir=" + checkpoints};
+  argv.insert(argv.end(), args.begin(), args.end());
+  v1::JobSpec spec = ProgramJob(p, argv, 2, 2);
+  spec.mutable_program()->set_local_rank_arg("--local_rank");
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  // Past the checkpoint of step 40: kill -9 rank 1's Python process.
+  auto past = cluster->WaitFor(
+      job->job_id(), [](const v1::Job& j) { return j.step() >= 45; }, kJobWait);
+  ASSERT_TRUE(past.ok()) << past.status() << cluster->Logs();
+  const pid_t victim = FindProcess({"train.py", "--checkpoint-dir=" + checkpoints, "--local_rank=1"});
+  ASSERT_GT(victim, 0);
+  ASSERT_EQ(kill(victim, SIGKILL), 0);
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(done->step(), 100);
+  EXPECT_EQ(FinalLoss(RankZeroOutput(*cluster, job->job_id())), reference);
+  ASSERT_GE(done->recovery_history_size(), 1);
+  const v1::Recovery& r = done->recovery_history(0);
+  EXPECT_GE(r.step_at_detection(), 45);
+  // Resumed from a checkpoint (every 20 steps), not from the start.
+  EXPECT_GE(r.resumed_from_step(), 40) << r.reason();
+  EXPECT_EQ(r.resumed_from_step() % 20, 0) << r.reason();
+  EXPECT_EQ(r.steps_redone(), r.step_at_detection() - r.resumed_from_step());
+  ASSERT_GE(done->program_exits_size(), 1);
+  EXPECT_EQ(done->program_exits(0).signal(), "SIGKILL");
 }
 
 }  // namespace
