@@ -198,6 +198,31 @@ void AddRoutes(httplib::Server& server, Coordinator* c, const Admit& admit) {
     Reply(response,
           c->Call([&](Core& core, absl::Time, Decisions*) { return core.GetTrainingCurve(*id); }));
   });
+  // A program job's output: ?rank=N (default every rank's), ?from=SEQUENCE (default 0).
+  server.Get(R"(/api/v1/jobs/([^/]+)/logs)", [c, admit](const httplib::Request& request,
+                                                        httplib::Response& response) {
+    if (!admit(request, response)) return;
+    absl::StatusOr<std::string> id = JobIdOf(request);
+    if (!id.ok()) return ReplyError(response, id.status());
+    v1::GetJobLogsRequest logs;
+    logs.set_job_id(*id);
+    for (const auto& [name, field] : {std::pair<const char*, const char*>{"rank", "rank"},
+                                      {"from", "from"}}) {
+      if (!request.has_param(name)) continue;
+      int64_t value = 0;
+      if (!absl::SimpleAtoi(request.get_param_value(name), &value) || value < 0 ||
+          (std::string(field) == "rank" && value > INT32_MAX)) {
+        return ReplyError(response, absl::InvalidArgumentError(absl::StrCat(
+                                        field, ": must be a number >= 0")));
+      }
+      if (std::string(field) == "rank") {
+        logs.set_rank(static_cast<int32_t>(value));
+      } else {
+        logs.set_from_sequence(value);
+      }
+    }
+    Reply(response, c->JobLogs(logs));
+  });
   server.Get("/api/v1/workers",
              [c, admit](const httplib::Request& request, httplib::Response& response) {
                if (!admit(request, response)) return;
@@ -257,6 +282,7 @@ void AddGuards(httplib::Server& server, Coordinator* c) {
       const absl::Status status = absl::NotFoundError(absl::StrCat(
           "no ", request.method, " ", request.path,
           api ? " in the API (GET /api/v1/jobs, /api/v1/jobs/ID, /api/v1/jobs/ID/curve, "
+                "/api/v1/jobs/ID/logs, "
                 "/api/v1/workers; POST /api/v1/jobs/ID/cancel)"
               : " here (pages: /, /jobs/ID, /workers)"));
       if (api) return ReplyError(response, status);

@@ -4,7 +4,8 @@
 // shows nothing but the sign-in form until the token is given (a wrong one is refused), then
 // the loss chart fills; a member is killed and the membership timeline shows the recovery (who
 // left, who joined, detection to first step); the workers page lists the lost worker and the
-// refused sign-in; the jobs page lists the job; Cancel ends it; signing out empties the page.
+// refused sign-in; the jobs page lists the job; Cancel ends it; a program job that failed once
+// shows its failed process and each rank's output; signing out empties the page.
 // Screenshots of the three pages are kept in the artifacts directory.
 //
 // Usage: node tests/browser/dashboard_test.js --build BUILD_DIR --node_modules DIR --artifacts DIR
@@ -48,8 +49,19 @@ function lockstepctl(...rest) {
 }
 
 test("dashboard", { timeout: 8 * 60 * 1000 }, async (t) => {
+  // The workers also run program jobs from here (as nobody when the test runs as root).
+  const programs = path.join(dir, "programs");
+  fs.mkdirSync(programs);
+  fs.chmodSync(dir, 0o755);
+  fs.chmodSync(programs, 0o755);
+  fs.writeFileSync(path.join(programs, "hello.py"), [
+    "import os",
+    "print('hello from rank', os.environ['RANK'], flush=True)",
+    "if os.environ['LOCKSTEP_GENERATION'] == '1' and os.environ['RANK'] == '1':",
+    "    raise ValueError('boom on rank 1')",
+    ""].join("\n"), { mode: 0o644 });
   clusterSh("start", "--dir", cluster, "--workers", "3", "--bin", build, "--token_file", tokenFile,
-    "--http_listen", "127.0.0.1:0");
+    "--http_listen", "127.0.0.1:0", "--programs_root", programs);
   const base = fs.readFileSync(path.join(cluster, "dashboard"), "utf8").trim().replace(/\/$/, "");
   let browser = null;
   t.after(async () => {
@@ -181,6 +193,35 @@ test("dashboard", { timeout: 8 * 60 * 1000 }, async (t) => {
   await page.waitForFunction(() => document.querySelector(".job-head").dataset.state === "CANCELLED",
     null, { timeout: TIMEOUT });
   assert.match(lockstepctl("status", jobId), /CANCELLED/);
+
+  // A program job: rank 1 fails in generation 1, the group restarts and succeeds. Its page shows
+  // the failed process (rank, worker, exit, the traceback's last line) and the output by rank.
+  const programSpec = path.join(dir, "program.json");
+  fs.writeFileSync(programSpec, JSON.stringify({
+    name: "dashboard-program", minWorkers: 2, maxWorkers: 2,
+    program: { argv: ["/usr/bin/python3", "hello.py"], workdir: programs },
+  }));
+  const programJob = lockstepctl("submit", programSpec).split(/\s+/).pop();
+  await page.goto(base + "/jobs/" + programJob);
+  await page.waitForFunction(() => {
+    const head = document.querySelector(".job-head");
+    const logs = document.querySelector("#job-logs");
+    return head && head.dataset.state === "SUCCEEDED" && logs && Number(logs.dataset.lines) >= 4;
+  }, null, { timeout: TIMEOUT });
+  const failures = await page.textContent("#program-failures");
+  assert.match(failures, /code 1/);
+  assert.match(failures, /ValueError: boom on rank 1/);
+  assert.match(failures, /Traceback \(most recent call last\)/);
+  const everyRank = await page.textContent("#job-logs");
+  assert.match(everyRank, /\[default0\]:hello from rank 0/);
+  assert.match(everyRank, /\[default1\]:hello from rank 1/);
+  await page.click('.log-ranks button[data-rank="1"]');
+  await page.waitForFunction(() => {
+    const lines = document.querySelector("#job-logs").textContent.split("\n");
+    return lines.length >= 2 && lines.every((l) => l.startsWith("[default1]:"));
+  }, null, { timeout: TIMEOUT });
+  assert.equal(await page.$eval(".log-ranks button.active", (b) => b.dataset.rank), "1");
+  await page.screenshot({ path: path.join(artifacts, "dashboard-program.png"), fullPage: true });
 
   // Signing out leaves nothing on the page.
   await page.click("#sign-out");

@@ -358,7 +358,7 @@ function timeline(job) {
         h("div", { class: "why", text: (r.scaleUp ? "Scale-up: " : "Recovery: ") + (r.reason || "") }),
         h("dl", {},
           h("dt", { text: "detection → first step" }),
-          h("dd", { class: "recovery-time", text: firstStep > 0 ? fmtDuration(firstStep - detect) : "in progress" }),
+          h("dd", { class: "recovery-time", text: firstStep > 0 ? fmtDuration(firstStep - detect) : terminal(job.state) ? "no step reported" : "in progress" }),
           h("dt", { text: "steps redone" }),
           h("dd", { class: "steps-redone", text: String(num(r.stepsRedone)) + (r.stepsRedoneLowerBound ? "+" : "") }),
           h("dt", { text: "resumed from" }),
@@ -414,6 +414,63 @@ function extras(job) {
   return items.length ? h("section", { class: "card extras" }, items) : null;
 }
 
+// A program job's failed processes: generation, rank, worker, exit, what stderr said; and the
+// latest failure's stderr tail.
+function programFailures(job) {
+  const exits = job.programExits || [];
+  if (!exits.length) return null;
+  const last = exits[exits.length - 1];
+  return h("section", { class: "card", id: "program-failures" }, h("h2", { text: "Failed processes" }),
+    h("table", { class: "table" },
+      h("thead", {}, h("tr", {}, ["Generation", "Rank", "Worker", "Exit", "What it said"].map((t) => h("th", { text: t })))),
+      h("tbody", {}, exits.map((e) => h("tr", {},
+        h("td", { class: "num", text: String(num(e.generation)) }),
+        h("td", { class: "num", text: String(num(e.rank)) }),
+        h("td", { text: e.worker || "" }),
+        h("td", { text: e.signal || "code " + num(e.exitCode) }),
+        h("td", { class: "mono", text: e.summary || "–" }))))),
+    last.stderrTail ? h("div", {}, h("div", { class: "sub", text: "stderr of rank " + num(last.rank) + ", generation " + num(last.generation) + ":" }),
+      h("pre", { class: "sample logs", text: last.stderrTail })) : null);
+}
+
+// A program job's output, one rank at a time (or all): the lines kept since the page opened
+// the job, followed as they arrive (the latest 2,000 kept in the page).
+const logView = { job: null, rank: "all", next: 0, lines: [], box: null, buttons: null };
+const LOG_LINES_KEPT = 2000;
+
+async function refreshLogs(job) {
+  if (logView.job !== job.jobId) Object.assign(logView, { job: job.jobId, rank: "all", next: 0, lines: [] });
+  const query = "?from=" + logView.next + (logView.rank === "all" ? "" : "&rank=" + logView.rank);
+  const answer = await api("/api/v1/jobs/" + encodeURIComponent(job.jobId) + "/logs" + query);
+  for (const line of answer.lines || []) logView.lines.push(line);
+  if (logView.lines.length > LOG_LINES_KEPT) logView.lines.splice(0, logView.lines.length - LOG_LINES_KEPT);
+  logView.next = num(answer.nextSequence);
+}
+
+function logsCard(job) {
+  const ranks = new Set((job.members || []).map((m) => String(num(m.rank))));
+  for (const line of logView.lines) ranks.add(String(num(line.rank)));
+  const choose = (rank) => {
+    Object.assign(logView, { rank, next: 0, lines: [] });
+    for (const b of logView.buttons.children) b.classList.toggle("active", b.dataset.rank === rank);
+    refreshLogs(job).then(() => renderLogLines()).catch(() => {});
+  };
+  logView.buttons = h("div", { class: "log-ranks" }, ["all", ...[...ranks].sort((a, b) => a - b)].map((r) =>
+    h("button", { type: "button", class: r === logView.rank ? "active" : "", "data-rank": r, text: r === "all" ? "All ranks" : "Rank " + r, onclick: () => choose(r) })));
+  logView.box = h("pre", { class: "sample logs", id: "job-logs" });
+  renderLogLines();
+  return h("section", { class: "card" }, h("h2", { text: "Output" }), logView.buttons, logView.box);
+}
+
+function renderLogLines() {
+  if (!logView.box) return;
+  const text = logView.lines.map((l) => "[default" + num(l.rank) + "]:" + l.text).join("\n");
+  const atBottom = logView.box.scrollTop + logView.box.clientHeight >= logView.box.scrollHeight - 4;
+  logView.box.textContent = text || "(no output yet)";
+  logView.box.dataset.lines = String(logView.lines.length);
+  if (atBottom) logView.box.scrollTop = logView.box.scrollHeight;
+}
+
 async function cancelJob(id) {
   if (!window.confirm("Cancel " + id + "? Its workers stop and the job ends as CANCELLED.")) return;
   try {
@@ -428,6 +485,11 @@ async function cancelJob(id) {
 function configLine(spec) {
   const model = spec.model || {}, data = spec.dataset || {}, opt = spec.optimizer || {};
   const parts = [];
+  if (spec.program) {
+    parts.push("program: " + (spec.program.argv || []).join(" "));
+    if (num(spec.maxWorkers) > 0) parts.push(spec.minWorkers + "–" + spec.maxWorkers + " workers" + (spec.device ? " (" + spec.device + ")" : ""));
+    return parts.join(" · ");
+  }
   // The family's fields are in its message (model.gpt, model.mlp).
   const gpt = model.gpt || {}, mlp = model.mlp || {};
   if (model.type === "gpt") parts.push("gpt " + num(gpt.nLayer) + " layers, d_model " + num(gpt.dModel) + ", context " + num(gpt.contextLength));
@@ -482,7 +544,7 @@ async function renderJob(id, alive) {
     ? job.validationHistory[job.validationHistory.length - 1]
     : null;
   const validationLoss = job.eval && num(job.eval.testLoss) > 0 ? job.eval : lastValidation && lastValidation.eval;
-  const stepCard = statCard("step", fmt(step) + " / " + fmt(total), null, "job-step");
+  const stepCard = statCard("step", total > 0 ? fmt(step) + " / " + fmt(total) : fmt(step), null, "job-step");
   stepCard.append(progress(step, total));
   L.stats.replaceChildren(
     stepCard,
@@ -509,7 +571,11 @@ async function renderJob(id, alive) {
     { label: rate.unit, stroke: COLORS.throughput, width: 2, fill: "rgba(15,157,118,0.08)", points: { show: false } },
   ], rateData);
 
-  L.rest.replaceChildren(...[timeline(job), membersTable(job), extras(job)].filter(Boolean));
+  const program = Boolean(job.spec && job.spec.program);
+  if (program) await refreshLogs(job);
+  if (!alive()) return;
+  L.rest.replaceChildren(...[program ? programFailures(job) : null, timeline(job), membersTable(job),
+    program ? logsCard(job) : null, extras(job)].filter(Boolean));
   return terminal(job.state) ? ENDED_POLL_MS : POLL_MS;
 }
 
