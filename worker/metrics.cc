@@ -95,6 +95,13 @@ void WorkerMetrics::ObserveProgress(const v1::ProgressReport& progress) {
   if (progress.tokens_per_second() > 0) tokens_per_second_.Set(progress.tokens_per_second());
 }
 
+void WorkerMetrics::ObserveProgramReport(const v1::ProgressReport& progress, int64_t new_steps,
+                                         bool has_loss) {
+  if (new_steps > 0) steps_.Increment(static_cast<double>(new_steps));
+  if (has_loss) loss_.Set(progress.loss());
+  ObserveProgress(progress);
+}
+
 void WorkerMetrics::EndRun(bool aborted) {
   absl::MutexLock lock(&mu_);
   if (serving_gauge_ != nullptr) serving_.Remove(serving_gauge_);

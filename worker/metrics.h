@@ -31,6 +31,9 @@ class WorkerMetrics {
   // Every step (the training thread).
   void ObserveStep(const StepResult& step);
   void ObserveProgress(const v1::ProgressReport& progress);
+  // A program's report (lockstep.torch.report): `new_steps` steps since its previous one, its
+  // loss when it gave one, its throughput.
+  void ObserveProgramReport(const v1::ProgressReport& progress, int64_t new_steps, bool has_loss);
   // The run ended; `aborted`: the coordinator or a peer's failure stopped it.
   void EndRun(bool aborted);
 

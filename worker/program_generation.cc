@@ -304,7 +304,13 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   if (context_.program_server != nullptr) {
     registration = context_.program_server->Register(
         {store_, [this, &pacer](const v1::ProgramReportRequest& r) {
-           reporter_->Progress(pacer.Next(assignment_, r, context_.clock->Now()));
+           const int64_t before = pacer.last_step();
+           const v1::ProgressReport progress = pacer.Next(assignment_, r, context_.clock->Now());
+           if (context_.metrics != nullptr) {
+             context_.metrics->ObserveProgramReport(progress, progress.step() - before,
+                                                    r.has_loss());
+           }
+           reporter_->Progress(progress);
            return absl::OkStatus();
          }});
     lockstep_env = {{"LOCKSTEP_AGENT_ADDRESS", context_.program_server->address()},
@@ -337,6 +343,13 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
                                                launched.status().message()));
   }
   SupervisedProgram& program = **launched;
+  if (context_.metrics != nullptr) {
+    context_.metrics->BeginRun(assignment_.job_id(), assignment_.rank(), assignment_.world_size(),
+                               0);
+  }
+  absl::Cleanup end_metrics = [&] {
+    if (context_.metrics != nullptr) context_.metrics->EndRun(abort_->raised());
+  };
   LOG(INFO) << Name() << ": started " << launch.executable << " (pid " << program.program_pid()
             << ", MASTER_ADDR " << master_addr << ":" << master_port << ")";
 

@@ -50,6 +50,8 @@ class ReportPacer {
  public:
   v1::ProgressReport Next(const v1::Assignment& assignment, const v1::ProgramReportRequest& request,
                           absl::Time now);
+  // The step of the previous report (0: none yet).
+  int64_t last_step() const { return last_step_; }
 
  private:
   bool reported_ = false;

@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
+#include "tests/testing/http.h"
 
 namespace lockstep {
 namespace {
@@ -442,7 +443,10 @@ TEST_F(ProgramTest, HangInsideACollectiveIsFoundByTheStepTimeout) {
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/hang.py", kHangScript);
   for (const char* name : {"w0", "w1"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+    std::vector<std::string> flags = ProgramFlags(p);
+    flags.push_back("--metrics_listen=127.0.0.1:0");
+    flags.push_back(absl::StrCat("--metrics_port_file=", cluster->dir(), "/", name, ".port"));
+    ASSERT_TRUE(cluster->StartWorker(name, flags).ok()) << cluster->Logs();
   }
   v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "hang.py"}, 2, 2);
   spec.set_step_timeout_ms(4000);
@@ -462,6 +466,17 @@ TEST_F(ProgramTest, HangInsideACollectiveIsFoundByTheStepTimeout) {
   EXPECT_EQ(r.resumed_from_step(), 0);
   EXPECT_EQ(r.steps_redone(), 3);
   EXPECT_GT(r.first_step_unix_ms(), 0);
+  // The reports reached each worker's metrics: 3 steps, then 6 again.
+  for (const char* name : {"w0", "w1"}) {
+    int port = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(
+        absl::StripAsciiWhitespace(ReadFile(absl::StrCat(cluster->dir(), "/", name, ".port"))),
+        &port));
+    auto metrics = testing::HttpGet("127.0.0.1", port, "/metrics");
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    EXPECT_TRUE(absl::StrContains(*metrics, "lockstep_worker_steps_total 9")) << *metrics;
+    EXPECT_TRUE(absl::StrContains(*metrics, "lockstep_worker_runs_total 2")) << *metrics;
+  }
 }
 
 TEST_F(ProgramTest, ScriptsOutsideTheRootAreRefusedAndTheWorkerStaysHealthy) {
