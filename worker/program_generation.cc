@@ -268,6 +268,21 @@ absl::StatusOr<std::string> ProgramGeneration::Check() const {
                                           context_.worker_name));
 }
 
+absl::Status ProgramGeneration::CheckDevice(const v1::ProgramReportRequest& report) const {
+  if (!report.has_cuda_device() || report.cuda_device() == assignment_.local_rank()) {
+    return absl::OkStatus();
+  }
+  const std::string own =
+      assignment_.local_rank() < assignment_.local_device_uuids_size()
+          ? absl::StrCat(" (", assignment_.local_device_uuids(assignment_.local_rank()), ")")
+          : "";
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", assignment_.rank(), " (", context_.worker_name, ") computes on cuda:",
+      report.cuda_device(), ", not on its own GPU cuda:", assignment_.local_rank(), own,
+      ": call torch.cuda.set_device(local_rank) (LOCAL_RANK) before creating tensors or the "
+      "process group"));
+}
+
 absl::Status ProgramGeneration::Rendezvous(std::string* addr, int* port) {
   if (assignment_.rank() == 0) {
     absl::StatusOr<int> reserved = ReservePort(context_.comm_address);
@@ -298,12 +313,34 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
 
   // lockstep.torch's way in: the generation's store and progress reports, under a secret
   // that only this process's environment holds.
+  // The wake-up of the watch below: an abort, or a report from the wrong GPU.
+  int wake[2];
+  if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) return absl::ErrnoToStatus(errno, "pipe");
+  absl::Cleanup close_wake = [&] {
+    close(wake[0]);
+    close(wake[1]);
+  };
   ReportPacer pacer;  // before the registration, whose end waits for a report in progress
+  struct {
+    absl::Mutex mu;
+    absl::Status status;  // a report from the wrong GPU
+  } wrong_device;
   std::unique_ptr<ProgramServer::Registration> registration;
   std::map<std::string, std::string> lockstep_env;
   if (context_.program_server != nullptr) {
     registration = context_.program_server->Register(
-        {store_, [this, &pacer](const v1::ProgramReportRequest& r) {
+        {store_, [this, &pacer, &wrong_device, wake_fd = wake[1]](const v1::ProgramReportRequest& r) {
+           if (absl::Status s = CheckDevice(r); !s.ok()) {
+             // Stops the program (the watch below sees it): it would train on another
+             // member's GPU.
+             {
+               absl::MutexLock lock(&wrong_device.mu);
+               if (wrong_device.status.ok()) wrong_device.status = s;
+             }
+             const char byte = 1;
+             (void)!write(wake_fd, &byte, 1);
+             return s;
+           }
            const int64_t before = pacer.last_step();
            const v1::ProgressReport progress = pacer.Next(assignment_, r, context_.clock->Now());
            if (context_.metrics != nullptr) {
@@ -324,13 +361,6 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   launch.workdir = spec.workdir();
   launch.credentials = context_.programs.credentials;
   launch.stop_grace = absl::Milliseconds(spec.stop_grace_ms());
-  // The abort's wake-up for the poll below.
-  int wake[2];
-  if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) return absl::ErrnoToStatus(errno, "pipe");
-  absl::Cleanup close_wake = [&] {
-    close(wake[0]);
-    close(wake[1]);
-  };
   AbortSignal::Subscription on_abort = abort_->OnRaise([fd = wake[1]] {
     const char byte = 1;
     (void)!write(fd, &byte, 1);
@@ -391,6 +421,7 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
     }
   };
   absl::Status supervisor_status;
+  absl::Status device_error;
   while (!program.Reaped()) {
     pollfd fds[4] = {{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}, {status_fd, POLLIN, 0},
                      {wake[0], POLLIN, 0}};
@@ -411,7 +442,14 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
       char sink[16];
       while (read(wake[0], sink, sizeof(sink)) > 0) {
       }
-      if (!stopping) {
+      {
+        absl::MutexLock lock(&wrong_device.mu);
+        if (!wrong_device.status.ok() && device_error.ok()) {
+          device_error = wrong_device.status;
+          LOG(WARNING) << Name() << ": " << device_error.message();
+        }
+      }
+      if (!stopping && (abort_->raised() || !device_error.ok())) {
         stopping = true;
         LOG(INFO) << Name() << ": stopping the program (SIGTERM, then SIGKILL after "
                   << spec.stop_grace_ms() << " ms)";
@@ -426,6 +464,22 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   err_lines.Flush();
   send_output(true);
 
+  if (!device_error.ok()) {
+    // The script's own bug, the same on every try: the job fails at once, saying what to fix.
+    v1::ProgramExit exit;
+    exit.set_rank(assignment_.rank());
+    exit.set_worker(context_.worker_name);
+    exit.set_generation(assignment_.generation());
+    if (end.has_value() && end->signaled) {
+      exit.set_signal(SignalName(end->signal));
+    } else if (end.has_value()) {
+      exit.set_exit_code(end->exit_code);
+    }
+    exit.set_summary(std::string(device_error.message()));
+    exit.set_stderr_tail(TailLines(err_kept, kStderrTailBytes));
+    device_error.SetPayload(kProgramExitPayload, absl::Cord(exit.SerializeAsString()));
+    return device_error;
+  }
   if (!end.has_value()) {
     if (stopping) return absl::AbortedError(absl::StrCat(Name(), ": stopped"));
     return absl::UnavailableError(absl::StrCat(

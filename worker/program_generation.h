@@ -33,6 +33,9 @@ class ProgramGeneration final : public GenerationRun {
  private:
   // The executable's path for execve. NOT_FOUND / PERMISSION_DENIED naming the field.
   absl::StatusOr<std::string> Check() const;
+  // A report from a process that computes on another GPU than its own (cuda:LOCAL_RANK):
+  // FAILED_PRECONDITION naming both, and what to call.
+  absl::Status CheckDevice(const v1::ProgramReportRequest& report) const;
   // MASTER_ADDR and MASTER_PORT of this generation.
   absl::Status Rendezvous(std::string* addr, int* port);
   std::string Name() const;

@@ -127,6 +127,18 @@ def init_process_group(backend=None, timeout=None, **kwargs):
                                    world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
 
 
+def _cuda_device():
+    """The CUDA device this process computes on, when it has started using CUDA (the worker
+    checks that it is LOCAL_RANK, its own GPU)."""
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+    except Exception:  # no CUDA build, no driver: nothing to check
+        return None
+    return None
+
+
 def report(step, loss=None, samples=None):
     """Tells the worker this process completed optimizer step `step` (1-based), with its loss
     and the samples the step trained over all ranks. Returns False outside Lockstep, or when
@@ -135,6 +147,9 @@ def report(step, loss=None, samples=None):
     if not available():
         return False
     request = program_pb2.ProgramReportRequest(step=int(step), samples=int(samples or 0))
+    device = _cuda_device()
+    if device is not None:
+        request.cuda_device = device
     if loss is not None:
         request.loss = float(loss)
         request.has_loss = True
@@ -142,7 +157,7 @@ def report(step, loss=None, samples=None):
         _agent().Report(request, metadata=_metadata(), timeout=10)
         return True
     except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             raise ValueError(f"lockstep.torch.report: {e.details()}") from None
         if not _report_warned:
             warnings.warn(f"lockstep.torch.report: {e.code().name}: {e.details()}")

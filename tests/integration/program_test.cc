@@ -689,5 +689,42 @@ TEST_F(ProgramTest, KilledRankResumesFromItsCheckpointWithTheUndisturbedFinalLos
   EXPECT_EQ(done->program_exits(0).signal(), "SIGKILL");
 }
 
+// Reports as lockstep.torch does from a process that computes on cuda:1 while it is local
+// rank 0 (every rank on one GPU, the classic mistake): the worker's check, without a GPU.
+constexpr char kWrongGpuScript[] = R"py(import os, time
+from lockstep.v1 import program_pb2, program_pb2_grpc
+import grpc
+stub = program_pb2_grpc.ProgramServiceStub(grpc.insecure_channel(os.environ["LOCKSTEP_AGENT_ADDRESS"]))
+meta = (("x-lockstep-program", os.environ["LOCKSTEP_AGENT_TOKEN"]),)
+device = 1 if os.environ["LOCAL_RANK"] == "0" else 0
+try:
+    stub.Report(program_pb2.ProgramReportRequest(step=1, cuda_device=device), metadata=meta)
+except grpc.RpcError as e:
+    print("refused:", e.code().name, flush=True)
+time.sleep(600)
+)py";
+
+TEST_F(ProgramTest, AProcessOnAnotherMembersGpuFailsTheJobSayingWhatToCall) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/wrong_gpu.py", kWrongGpuScript);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
+  }
+  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "wrong_gpu.py"}, 2, 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(done->reason(),
+                                "computes on cuda:1, not on its own GPU cuda:0: call "
+                                "torch.cuda.set_device(local_rank)"))
+      << done->reason();
+  EXPECT_EQ(done->recoveries(), 0);
+  ASSERT_GE(done->program_exits_size(), 1);
+  EXPECT_EQ(done->program_exits(0).signal(), "SIGTERM");
+}
+
 }  // namespace
 }  // namespace lockstep
