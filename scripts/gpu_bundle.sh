@@ -14,10 +14,16 @@ if [[ ! -f "$build/build.ninja" ]]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" >/dev/null
 fi
-targets=(cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test nccl_id_test mlp_step_bench gpu_gpt_step_bench attention_bench lockstep-coordinator lockstep-worker lockstepctl)
+targets=(cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test nccl_id_test mlp_step_bench gpu_gpt_step_bench attention_bench lockstep-coordinator lockstep-worker lockstepctl lockstep_python)
 ninja -C "$build" -j "${LOCKSTEP_JOBS:-2}" "${targets[@]}"
 rm -rf "$out/gpu-bundle" "$out/gpu-bundle.tar.xz"
-LOCKSTEP_BUNDLE_SYSTEM_CUDA=1 "$root/scripts/bundle.sh" --build "$build" "$out/gpu-bundle" "${targets[@]}"
+binaries=()
+for t in "${targets[@]}"; do [[ "$t" == lockstep_python ]] || binaries+=("$t"); done
+LOCKSTEP_BUNDLE_SYSTEM_CUDA=1 "$root/scripts/bundle.sh" --build "$build" "$out/gpu-bundle" \
+  "${binaries[@]}"
+# Program jobs: the torchrun example and the lockstep package (lockstep.torch) it imports.
+cp -r "$build/python" "$out/gpu-bundle/python"
+install -D -m 0644 "$root/examples/torch/train.py" "$out/gpu-bundle/examples/torch/train.py"
 install -m 0755 "$root/tests/gpu/check.sh" "$out/gpu-bundle/check.sh"
 install -m 0644 "$root/bench/torch/gpu_mlp_step.py" "$out/gpu-bundle/gpu_mlp_step.py"
 install -m 0644 "$root/bench/torch/gpu_gpt_step.py" "$out/gpu-bundle/gpu_gpt_step.py"

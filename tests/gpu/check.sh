@@ -249,6 +249,64 @@ else
   stop_all
 fi
 
+# Program jobs: the worker gives the program CUDA_VISIBLE_DEVICES (its host's members' GPUs by
+# UUID, in local-rank order, so device LOCAL_RANK is its own GPU); then, where this host's
+# PyTorch has CUDA, examples/torch/train.py with NCCL through lockstep.torch's store.
+echo "== a program job on the GPU worker: CUDA_VISIBLE_DEVICES, then the torchrun example with NCCL" | tee -a "$log"
+prog_dir="$(mktemp -d)"
+chmod 755 "$prog_dir"
+mkdir -p "$prog_dir/programs" "$prog_dir/programs/out"
+chmod 755 "$prog_dir/programs"
+chmod 777 "$prog_dir/programs/out"
+cp "$bundle/examples/torch/train.py" "$prog_dir/programs/" 2>/dev/null
+printf '#!/bin/sh\necho "visible=$CUDA_VISIBLE_DEVICES local_rank=$LOCAL_RANK"\n' >"$prog_dir/programs/devices.sh"
+chmod 644 "$prog_dir/programs/"*
+as_root=()
+[[ $(id -u) -eq 0 ]] && as_root=(--allow_programs_as_root)
+start_coordinator "$prog_dir"
+start_worker "$prog_dir" prog-a PYTHONPATH="$bundle/python" --programs_root="$prog_dir/programs" \
+  "${as_root[@]}"
+# The program's output: rank 0's lines, after the job ended SUCCEEDED (else a FAILED line).
+program_output() {  # DIR NAME ARGV_JSON: prints rank 0's lines; 1 when the job failed
+  local dir="$1" name="$2" argv="$3" id
+  printf '{"name": "%s", "device": "%s", "program": {"argv": %s, "workdir": "%s"}}\n' \
+    "$name" "$device" "$argv" "$dir/programs" >"$dir/$name.json"
+  id="$(ctl submit "$dir/$name.json" 2>&1 | head -n 1)"
+  timeout 600 "$bundle/bin/lockstepctl" --coordinator="$address" watch "$id" >"$dir/watch-$name.log" 2>&1
+  ctl logs "$id" --rank=0 | sed 's/^\[default0\]://'
+  [[ "$(job_field "$id" "j.get('state', '')")" == JOB_STATE_SUCCEEDED ]] || {
+    echo "FAILED: $name ($id): $(job_field "$id" "j.get('reason', '')")" | tee -a "$log" >&2
+    return 1
+  }
+}
+if wait_registered "$prog_dir" prog-a; then
+  uuid="$(ctl --output=json workers | python3 -c "import json, sys; print([w.get('deviceUuid', '') for w in json.load(sys.stdin)['workers'] if w['name'] == 'prog-a'][0])")"
+  seen="$(program_output "$prog_dir" gpu-devices '["/bin/sh", "devices.sh"]' | grep '^visible=')"
+  echo "$seen (the worker's GPU: ${uuid:-none})" | tee -a "$log"
+  if [[ "$seen" == "visible=$uuid local_rank=0" ]]; then
+    echo "passed: the program sees its worker's GPU as device LOCAL_RANK" | tee -a "$log"
+  else
+    echo "FAILED: CUDA_VISIBLE_DEVICES is not the worker's GPU" | tee -a "$log"
+    failed=1
+  fi
+  if ! python3 -c "import torch, grpc, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "not run: this host's PyTorch has no CUDA (or no python3-grpcio): the example with NCCL needs both" | tee -a "$log"
+  else
+    out_example="$(program_output "$prog_dir" gpu-example \
+      "[\"$(command -v python3)\", \"train.py\", \"--steps=100\", \"--backend=nccl\", \"--checkpoint-dir=$prog_dir/programs/out/ck\"]")"
+    echo "$out_example" | tail -n 3 | tee -a "$log"
+    if [[ "$out_example" == *"final_loss="* ]]; then
+      echo "passed: the torchrun example trains with NCCL on the GPU under Lockstep" | tee -a "$log"
+    else
+      echo "FAILED: the torchrun example with NCCL" | tee -a "$log"
+      failed=1
+    fi
+  fi
+else
+  failed=1
+fi
+stop_all
+
 echo "== a group of 3 ranks on the one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1), one SIGKILLed" | tee -a "$log"
 if [[ "$shared_gpu_line" != *"allowed"* && "$device" != cpu ]]; then
   echo "not run: ${shared_gpu_line:-NCCL unknown}; several ranks on one GPU need NCCL 2.30.3 or later" | tee -a "$log"
