@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/bytes.h"
 #include "common/utf8.h"
 #include "glog/logging.h"
 #include "worker/program/supervisor.h"
@@ -507,6 +508,13 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   }
   exit.set_stderr_tail(TailLines(err_kept, kStderrTailBytes));
   exit.set_summary(SummarizeStderr(err_kept));
+  if (absl::StartsWith(exit.summary(), "CUDA out of memory") && context_.device != nullptr &&
+      context_.device->info().cuda_index >= 0) {
+    // The GPU it ran out of, as this worker knows it.
+    const DeviceInfo& gpu = context_.device->info();
+    exit.set_summary(absl::StrCat(exit.summary(), " [", gpu.device, ", ", gpu.name, ", ",
+                                  HumanBytes(gpu.total_memory_bytes), " in all]"));
+  }
   const bool fatal =
       !end->signaled && std::find(spec.fatal_exit_codes().begin(), spec.fatal_exit_codes().end(),
                                   end->exit_code) != spec.fatal_exit_codes().end();

@@ -260,6 +260,18 @@ TEST_F(ProgramTest, FailedProcessRestartsTheGroupAndTheJobSucceeds) {
     EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/restart-1-", rank)), "0");
     EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/restart-2-", rank)), "1");
   }
+  // lockstepctl logs: the failed rank's traceback, prefixed as torchrun's --tee does.
+  auto logs = testing::RunCommand({LOCKSTEP_CTL_BIN, "--coordinator=" + cluster->address(), "logs",
+                                   job->job_id(), "--rank=1", "--generation=1"},
+                                  absl::Seconds(30));
+  ASSERT_TRUE(logs.ok()) << logs.status();
+  EXPECT_EQ(logs->exit_code, 0) << logs->output;
+  EXPECT_TRUE(absl::StrContains(logs->output, "--- generation 1 ---\n[default1]:Traceback "
+                                              "(most recent call last):"))
+      << logs->output;
+  EXPECT_TRUE(absl::StrContains(logs->output, "[default1]:ValueError: boom on rank 1"))
+      << logs->output;
+  EXPECT_FALSE(absl::StrContains(logs->output, "[default0]")) << logs->output;
 }
 
 TEST_F(ProgramTest, FatalExitCodeFailsTheJobAtOnceNamingRankAndCode) {
@@ -509,6 +521,9 @@ TEST_F(ProgramTest, ScriptsOutsideTheRootAreRefusedAndTheWorkerStaysHealthy) {
                    "program.argv[1]: no file"});
   cases.push_back({"no interpreter", ProgramJob(p, {"no-such-python", "ok.py"}, 1, 1),
                    "not found in PATH"});
+  WriteFile(p.root + "/not_executable.sh", "#!/bin/sh\necho hi\n");  // mode 0644
+  cases.push_back({"not executable", ProgramJob(p, {"./not_executable.sh"}, 1, 1),
+                   "program.argv[0]: cannot run"});
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     auto job = cluster->Submit(c.spec);
