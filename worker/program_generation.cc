@@ -22,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "common/bytes.h"
 #include "common/utf8.h"
+#include "common/status_macros.h"
 #include "glog/logging.h"
 #include "worker/program/supervisor.h"
 
@@ -303,56 +304,30 @@ absl::Status ProgramGeneration::Rendezvous(std::string* addr, int* port) {
   return absl::OkStatus();
 }
 
-absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
-  trainer.reset();  // a program keeps no state in the worker
+ProgramGeneration::~ProgramGeneration() {
+  registration_.reset();  // first: it waits for a report in progress, which uses the rest
+  for (int fd : wake_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+absl::StatusOr<LaunchSpec> ProgramGeneration::Prepare() {
   const v1::ProgramSpec& spec = assignment_.spec().program();
   absl::StatusOr<std::string> executable = Check();
   if (!executable.ok()) return executable.status();
   std::string master_addr;
   int master_port = 0;
-  if (absl::Status s = Rendezvous(&master_addr, &master_port); !s.ok()) return s;
-
+  LOCKSTEP_RETURN_IF_ERROR(Rendezvous(&master_addr, &master_port));
+  // The wake-up of the watch: an abort, or a report from the wrong GPU.
+  if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) return absl::ErrnoToStatus(errno, "pipe");
   // lockstep.torch's way in: the generation's store and progress reports, under a secret
-  // that only this process's environment holds.
-  // The wake-up of the watch below: an abort, or a report from the wrong GPU.
-  int wake[2];
-  if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) return absl::ErrnoToStatus(errno, "pipe");
-  absl::Cleanup close_wake = [&] {
-    close(wake[0]);
-    close(wake[1]);
-  };
-  ReportPacer pacer;  // before the registration, whose end waits for a report in progress
-  struct {
-    absl::Mutex mu;
-    absl::Status status;  // a report from the wrong GPU
-  } wrong_device;
-  std::unique_ptr<ProgramServer::Registration> registration;
+  // that only the program's environment holds.
   std::map<std::string, std::string> lockstep_env;
   if (context_.program_server != nullptr) {
-    registration = context_.program_server->Register(
-        {store_, [this, &pacer, &wrong_device, wake_fd = wake[1]](const v1::ProgramReportRequest& r) {
-           if (absl::Status s = CheckDevice(r); !s.ok()) {
-             // Stops the program (the watch below sees it): it would train on another
-             // member's GPU.
-             {
-               absl::MutexLock lock(&wrong_device.mu);
-               if (wrong_device.status.ok()) wrong_device.status = s;
-             }
-             const char byte = 1;
-             (void)!write(wake_fd, &byte, 1);
-             return s;
-           }
-           const int64_t before = pacer.last_step();
-           const v1::ProgressReport progress = pacer.Next(assignment_, r, context_.clock->Now());
-           if (context_.metrics != nullptr) {
-             context_.metrics->ObserveProgramReport(progress, progress.step() - before,
-                                                    r.has_loss());
-           }
-           reporter_->Progress(progress);
-           return absl::OkStatus();
-         }});
+    registration_ = context_.program_server->Register(
+        {store_, [this](const v1::ProgramReportRequest& r) { return OnReport(r); }});
     lockstep_env = {{"LOCKSTEP_AGENT_ADDRESS", context_.program_server->address()},
-                    {"LOCKSTEP_AGENT_TOKEN", registration->token()}};
+                    {"LOCKSTEP_AGENT_TOKEN", registration_->token()}};
   }
   LaunchSpec launch;
   launch.executable = *executable;
@@ -362,18 +337,46 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   launch.workdir = spec.workdir();
   launch.credentials = context_.programs.credentials;
   launch.stop_grace = absl::Milliseconds(spec.stop_grace_ms());
-  AbortSignal::Subscription on_abort = abort_->OnRaise([fd = wake[1]] {
-    const char byte = 1;
-    (void)!write(fd, &byte, 1);
-  });
+  LOG(INFO) << Name() << ": MASTER_ADDR " << master_addr << ":" << master_port;
+  return launch;
+}
+
+absl::Status ProgramGeneration::OnReport(const v1::ProgramReportRequest& report) {
+  if (absl::Status s = CheckDevice(report); !s.ok()) {
+    // The watch stops the program: it would train on another member's GPU.
+    {
+      absl::MutexLock lock(&wrong_device_mu_);
+      if (wrong_device_.ok()) wrong_device_ = s;
+    }
+    Wake();
+    return s;
+  }
+  const int64_t before = pacer_.last_step();
+  const v1::ProgressReport progress = pacer_.Next(assignment_, report, context_.clock->Now());
+  if (context_.metrics != nullptr) {
+    context_.metrics->ObserveProgramReport(progress, progress.step() - before, report.has_loss());
+  }
+  reporter_->Progress(progress);
+  return absl::OkStatus();
+}
+
+void ProgramGeneration::Wake() const {
+  const char byte = 1;
+  (void)!write(wake_[1], &byte, 1);
+}
+
+absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
+  trainer.reset();  // a program keeps no state in the worker
+  absl::StatusOr<LaunchSpec> launch = Prepare();
+  if (!launch.ok()) return launch.status();
+  AbortSignal::Subscription on_abort = abort_->OnRaise([this] { Wake(); });
   if (abort_->raised()) return absl::AbortedError(absl::StrCat(Name(), ": aborted"));
-  absl::StatusOr<std::unique_ptr<SupervisedProgram>> launched = SupervisedProgram::Launch(launch);
+  absl::StatusOr<std::unique_ptr<SupervisedProgram>> launched = SupervisedProgram::Launch(*launch);
   if (!launched.ok()) {
     return absl::UnavailableError(absl::StrCat("worker ", context_.worker_name,
                                                " could not start the program: ",
                                                launched.status().message()));
   }
-  SupervisedProgram& program = **launched;
   if (context_.metrics != nullptr) {
     context_.metrics->BeginRun(assignment_.job_id(), assignment_.rank(), assignment_.world_size(),
                                0);
@@ -381,9 +384,12 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   absl::Cleanup end_metrics = [&] {
     if (context_.metrics != nullptr) context_.metrics->EndRun(abort_->raised());
   };
-  LOG(INFO) << Name() << ": started " << launch.executable << " (pid " << program.program_pid()
-            << ", MASTER_ADDR " << master_addr << ":" << master_port << ")";
+  LOG(INFO) << Name() << ": started " << launch->executable << " (pid "
+            << (*launched)->program_pid() << ")";
+  return Outcome(Watch(**launched), launch->executable);
+}
 
+ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program) {
   const std::string prefix =
       absl::StrCat("[", assignment_.job_id(), " rank ", assignment_.rank(), "]: ");
   // Output goes to the coordinator in batches: every 200 ms, or sooner when one is large.
@@ -401,10 +407,7 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
     flushed = absl::Now();
   };
   LineSink out_lines(prefix, false, &batch), err_lines(prefix, true, &batch);
-  std::string err_kept;
   int out_fd = program.stdout_fd(), err_fd = program.stderr_fd(), status_fd = program.status_fd();
-  std::optional<ProcessEnd> end;
-  bool stopping = false;
   char buffer[64 << 10];
   auto drain = [&](int& fd, LineSink& sink, bool keep) {
     for (;;) {
@@ -412,8 +415,8 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
       if (n > 0) {
         sink.Add(buffer, static_cast<size_t>(n));
         if (keep) {
-          err_kept.append(buffer, static_cast<size_t>(n));
-          if (err_kept.size() > kStderrKept) err_kept.erase(0, err_kept.size() - kStderrKept);
+          err_kept_.append(buffer, static_cast<size_t>(n));
+          if (err_kept_.size() > kStderrKept) err_kept_.erase(0, err_kept_.size() - kStderrKept);
         }
         continue;
       }
@@ -421,41 +424,36 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
       return;
     }
   };
-  absl::Status supervisor_status;
-  absl::Status device_error;
+  Watched w;
   while (!program.Reaped()) {
     pollfd fds[4] = {{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}, {status_fd, POLLIN, 0},
-                     {wake[0], POLLIN, 0}};
+                     {wake_[0], POLLIN, 0}};
     poll(fds, 4, 100);
     if (fds[0].revents != 0) drain(out_fd, out_lines, false);
     if (fds[1].revents != 0) drain(err_fd, err_lines, true);
     send_output(false);
     if (fds[2].revents != 0) {
-      absl::StatusOr<ProcessEnd> e = program.ReadEnd();
-      if (e.ok()) {
-        end = *e;
+      absl::StatusOr<ProcessEnd> end = program.ReadEnd();
+      if (end.ok()) {
+        w.end = *end;
       } else {
-        supervisor_status = e.status();
+        w.supervisor = end.status();
       }
       status_fd = -1;
     }
-    if (fds[3].revents != 0 || (abort_->raised() && !stopping)) {
-      char sink[16];
-      while (read(wake[0], sink, sizeof(sink)) > 0) {
-      }
-      {
-        absl::MutexLock lock(&wrong_device.mu);
-        if (!wrong_device.status.ok() && device_error.ok()) {
-          device_error = wrong_device.status;
-          LOG(WARNING) << Name() << ": " << device_error.message();
-        }
-      }
-      if (!stopping && (abort_->raised() || !device_error.ok())) {
-        stopping = true;
-        LOG(INFO) << Name() << ": stopping the program (SIGTERM, then SIGKILL after "
-                  << spec.stop_grace_ms() << " ms)";
-        program.Stop();
-      }
+    if (fds[3].revents == 0 && (!abort_->raised() || w.stopping)) continue;
+    char sink[16];
+    while (read(wake_[0], sink, sizeof(sink)) > 0) {
+    }
+    {
+      absl::MutexLock lock(&wrong_device_mu_);
+      if (!wrong_device_.ok() && w.device_error.ok()) w.device_error = wrong_device_;
+    }
+    if (!w.stopping && (abort_->raised() || !w.device_error.ok())) {
+      w.stopping = true;
+      LOG(INFO) << Name() << ": stopping the program (SIGTERM, then SIGKILL after "
+                << assignment_.spec().program().stop_grace_ms() << " ms)";
+      program.Stop();
     }
   }
   // What the group wrote before it ended.
@@ -464,31 +462,49 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   out_lines.Flush();
   err_lines.Flush();
   send_output(true);
+  return w;
+}
 
-  if (!device_error.ok()) {
-    // The script's own bug, the same on every try: the job fails at once, saying what to fix.
-    v1::ProgramExit exit;
-    exit.set_rank(assignment_.rank());
-    exit.set_worker(context_.worker_name);
-    exit.set_generation(assignment_.generation());
-    if (end.has_value() && end->signaled) {
-      exit.set_signal(SignalName(end->signal));
-    } else if (end.has_value()) {
-      exit.set_exit_code(end->exit_code);
-    }
-    exit.set_summary(std::string(device_error.message()));
-    exit.set_stderr_tail(TailLines(err_kept, kStderrTailBytes));
-    device_error.SetPayload(kProgramExitPayload, absl::Cord(exit.SerializeAsString()));
-    return device_error;
+v1::ProgramExit ProgramGeneration::ExitRecord(const std::optional<ProcessEnd>& end,
+                                              std::string summary) const {
+  v1::ProgramExit exit;
+  exit.set_rank(assignment_.rank());
+  exit.set_worker(context_.worker_name);
+  exit.set_generation(assignment_.generation());
+  if (end.has_value() && end->signaled) {
+    exit.set_signal(SignalName(end->signal));
+  } else if (end.has_value()) {
+    exit.set_exit_code(end->exit_code);
   }
-  if (!end.has_value()) {
-    if (stopping) return absl::AbortedError(absl::StrCat(Name(), ": stopped"));
+  exit.set_stderr_tail(TailLines(err_kept_, kStderrTailBytes));
+  if (absl::StartsWith(summary, "CUDA out of memory") && context_.device != nullptr &&
+      context_.device->info().cuda_index >= 0) {
+    // The GPU it ran out of, as this worker knows it.
+    const DeviceInfo& gpu = context_.device->info();
+    absl::StrAppend(&summary, " [", gpu.device, ", ", gpu.name, ", ",
+                    HumanBytes(gpu.total_memory_bytes), " in all]");
+  }
+  exit.set_summary(std::move(summary));
+  return exit;
+}
+
+absl::Status ProgramGeneration::Outcome(Watched w, const std::string& executable) {
+  if (!w.device_error.ok()) {
+    // The script's own bug, the same on every try: the job fails at once, saying what to fix.
+    const v1::ProgramExit exit = ExitRecord(w.end, std::string(w.device_error.message()));
+    LOG(WARNING) << Name() << ": " << w.device_error.message();
+    w.device_error.SetPayload(kProgramExitPayload, absl::Cord(exit.SerializeAsString()));
+    return w.device_error;
+  }
+  if (!w.end.has_value()) {
+    if (w.stopping) return absl::AbortedError(absl::StrCat(Name(), ": stopped"));
     return absl::UnavailableError(absl::StrCat(
         "worker ", context_.worker_name, ": the program's supervisor ended without its status",
-        supervisor_status.ok() ? "" : absl::StrCat(" (", supervisor_status.message(), ")")));
+        w.supervisor.ok() ? "" : absl::StrCat(" (", w.supervisor.message(), ")")));
   }
-  if (end->exec_failed) return ExecError(end->exec_errno, launch.executable);
-  if (!end->signaled && end->exit_code == 0) {
+  const ProcessEnd& end = *w.end;
+  if (end.exec_failed) return ExecError(end.exec_errno, executable);
+  if (!end.signaled && end.exit_code == 0) {
     LOG(INFO) << Name() << ": the program exited 0";
     v1::FinishedReport finished;
     finished.set_job_id(assignment_.job_id());
@@ -496,32 +512,15 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
     reporter_->Finished(finished);
     return absl::OkStatus();
   }
-  if (stopping) return absl::AbortedError(absl::StrCat(Name(), ": stopped"));
-  v1::ProgramExit exit;
-  exit.set_rank(assignment_.rank());
-  exit.set_worker(context_.worker_name);
-  exit.set_generation(assignment_.generation());
-  if (end->signaled) {
-    exit.set_signal(SignalName(end->signal));
-  } else {
-    exit.set_exit_code(end->exit_code);
-  }
-  exit.set_stderr_tail(TailLines(err_kept, kStderrTailBytes));
-  exit.set_summary(SummarizeStderr(err_kept));
-  if (absl::StartsWith(exit.summary(), "CUDA out of memory") && context_.device != nullptr &&
-      context_.device->info().cuda_index >= 0) {
-    // The GPU it ran out of, as this worker knows it.
-    const DeviceInfo& gpu = context_.device->info();
-    exit.set_summary(absl::StrCat(exit.summary(), " [", gpu.device, ", ", gpu.name, ", ",
-                                  HumanBytes(gpu.total_memory_bytes), " in all]"));
-  }
-  const bool fatal =
-      !end->signaled && std::find(spec.fatal_exit_codes().begin(), spec.fatal_exit_codes().end(),
-                                  end->exit_code) != spec.fatal_exit_codes().end();
+  if (w.stopping) return absl::AbortedError(absl::StrCat(Name(), ": stopped"));
+  const v1::ProgramExit exit = ExitRecord(w.end, SummarizeStderr(err_kept_));
+  const auto& fatal_codes = assignment_.spec().program().fatal_exit_codes();
+  const bool fatal = !end.signaled && std::find(fatal_codes.begin(), fatal_codes.end(),
+                                                end.exit_code) != fatal_codes.end();
   const std::string message = absl::StrCat(
       "rank ", assignment_.rank(), " (", context_.worker_name, ") ",
-      end->signaled ? absl::StrCat("was killed by ", exit.signal())
-                    : absl::StrCat("exited with code ", end->exit_code),
+      end.signaled ? absl::StrCat("was killed by ", exit.signal())
+                   : absl::StrCat("exited with code ", end.exit_code),
       fatal ? " (a fatal exit code)" : "", exit.summary().empty() ? "" : ": ", exit.summary());
   LOG(WARNING) << Name() << ": " << message;
   absl::Status failed = fatal ? absl::FailedPreconditionError(message)

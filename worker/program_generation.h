@@ -13,39 +13,18 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "lockstep/v1/program.pb.h"
 #include "worker/generation.h"
+#include "worker/program/supervisor.h"
 
 namespace lockstep::worker {
-
-class ProgramGeneration final : public GenerationRun {
- public:
-  ProgramGeneration(const GenerationContext& context, const v1::Assignment& assignment,
-                    std::shared_ptr<StoreClient> store, std::shared_ptr<AbortSignal> abort,
-                    GenerationReporter* reporter);
-  absl::Status Run(std::unique_ptr<Trainer>& trainer) override;
-
- private:
-  // The executable's path for execve. NOT_FOUND / PERMISSION_DENIED naming the field.
-  absl::StatusOr<std::string> Check() const;
-  // A report from a process that computes on another GPU than its own (cuda:LOCAL_RANK):
-  // FAILED_PRECONDITION naming both, and what to call.
-  absl::Status CheckDevice(const v1::ProgramReportRequest& report) const;
-  // MASTER_ADDR and MASTER_PORT of this generation.
-  absl::Status Rendezvous(std::string* addr, int* port);
-  std::string Name() const;
-
-  const GenerationContext& context_;
-  const v1::Assignment& assignment_;
-  const std::shared_ptr<StoreClient> store_;
-  const std::shared_ptr<AbortSignal> abort_;
-  GenerationReporter* const reporter_;
-};
 
 // A program's reports (lockstep.torch.report) as the coordinator takes them: the first of the
 // generation marked, samples per second from the samples per step and the time between them.
@@ -60,6 +39,58 @@ class ReportPacer {
   bool reported_ = false;
   int64_t last_step_ = 0;
   absl::Time last_time_;
+};
+
+class ProgramGeneration final : public GenerationRun {
+ public:
+  ProgramGeneration(const GenerationContext& context, const v1::Assignment& assignment,
+                    std::shared_ptr<StoreClient> store, std::shared_ptr<AbortSignal> abort,
+                    GenerationReporter* reporter);
+  ~ProgramGeneration() override;
+  absl::Status Run(std::unique_ptr<Trainer>& trainer) override;
+
+ private:
+  // What the watch saw: the main process's end (none when the supervisor said nothing), whether
+  // the worker stopped the program, and why when a report came from the wrong GPU.
+  struct Watched {
+    std::optional<ProcessEnd> end;
+    bool stopping = false;
+    absl::Status supervisor;
+    absl::Status device_error;
+  };
+  // Check, Rendezvous, the ProgramServer endpoint, and what to launch.
+  absl::StatusOr<LaunchSpec> Prepare();
+  // Until the supervisor has ended: output to the log and the coordinator, the end, an abort
+  // or a report from the wrong GPU (which stop the program).
+  Watched Watch(SupervisedProgram& program);
+  // The generation's status from what the watch saw (see the file comment).
+  absl::Status Outcome(Watched watched, const std::string& executable);
+  v1::ProgramExit ExitRecord(const std::optional<ProcessEnd>& end, std::string summary) const;
+  // A lockstep.torch report (on a gRPC thread).
+  absl::Status OnReport(const v1::ProgramReportRequest& report);
+  void Wake() const;
+  // The executable's path for execve. NOT_FOUND / PERMISSION_DENIED naming the field.
+  absl::StatusOr<std::string> Check() const;
+  // A report from a process that computes on another GPU than its own (cuda:LOCAL_RANK):
+  // FAILED_PRECONDITION naming both, and what to call.
+  absl::Status CheckDevice(const v1::ProgramReportRequest& report) const;
+  // MASTER_ADDR and MASTER_PORT of this generation.
+  absl::Status Rendezvous(std::string* addr, int* port);
+  std::string Name() const;
+
+  const GenerationContext& context_;
+  const v1::Assignment& assignment_;
+  const std::shared_ptr<StoreClient> store_;
+  const std::shared_ptr<AbortSignal> abort_;
+  GenerationReporter* const reporter_;
+
+  int wake_[2] = {-1, -1};  // the watch's wake-up pipe
+  std::string err_kept_;    // the end of the program's stderr
+  ReportPacer pacer_;       // reports, on the ProgramServer's threads (one at a time)
+  absl::Mutex wrong_device_mu_;
+  absl::Status wrong_device_ ABSL_GUARDED_BY(wrong_device_mu_);
+  // Last: destroyed first, it waits for a report in progress.
+  std::unique_ptr<ProgramServer::Registration> registration_;
 };
 
 // What a program's standard error says in one line: a CUDA out-of-memory error, else a Python
