@@ -38,21 +38,6 @@ int32_t SmallestDivisorAtLeast(int64_t b, int64_t k) {
   return static_cast<int32_t>(b);  // b <= 2^24 (validated)
 }
 
-// Text a spec carries into logs, status and file systems: no NUL or other control bytes
-// (they would cut paths short or forge log lines), and at most `limit` bytes.
-absl::Status CheckText(const std::string& field, const std::string& value, size_t limit) {
-  if (value.size() > limit) {
-    return Invalid(field, absl::StrCat("at most ", limit, " bytes, got ", value.size()));
-  }
-  for (size_t i = 0; i < value.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(value[i]);
-    if (c < 0x20 || c == 0x7f) {
-      return Invalid(field, absl::StrCat("holds control byte ", int{c}, " at offset ", i));
-    }
-  }
-  return absl::OkStatus();
-}
-
 // The sizes of everything in a spec, before any other check reads it (docs/job_spec_example.md).
 absl::Status CheckBounds(const v1::JobSpec& spec) {
   if (const size_t bytes = spec.ByteSizeLong(); bytes > kMaxJobSpecBytes) {
@@ -111,6 +96,19 @@ absl::Status CheckBounds(const v1::JobSpec& spec) {
 }
 
 }  // namespace
+
+absl::Status CheckText(const std::string& field, const std::string& value, size_t limit) {
+  if (value.size() > limit) {
+    return Invalid(field, absl::StrCat("at most ", limit, " bytes, got ", value.size()));
+  }
+  for (size_t i = 0; i < value.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(value[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return Invalid(field, absl::StrCat("holds control byte ", int{c}, " at offset ", i));
+    }
+  }
+  return absl::OkStatus();
+}
 
 void ApplyJobSpecDefaults(v1::JobSpec* spec) {
   if (spec->has_program()) return ApplyProgramSpecDefaults(spec);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "absl/status/status.h"
 #include "common/path_roots.h"
@@ -19,6 +20,11 @@ inline constexpr size_t kMaxPromptBytes = 4096;  // sample.prompt bytes or promp
 inline constexpr int kMaxHiddenLayers = 64;
 inline constexpr int kMaxFrozenPatterns = 256;
 inline constexpr int kMaxRestartsLimit = 1000;
+
+// Text a spec carries into logs, status, command lines and file systems: no NUL or other
+// control bytes (they would cut paths short or forge log lines), and at most `limit` bytes.
+// INVALID_ARGUMENT naming `field`.
+absl::Status CheckText(const std::string& field, const std::string& value, size_t limit);
 
 // Fills the fields left at zero/empty with their documented defaults, and moves a model of the
 // form before the family messages into its family's message (NormalizeModelSpec). Idempotent.

@@ -19,20 +19,6 @@ absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
-// Text that reaches a command line or a path: no NUL or other control bytes, bounded.
-absl::Status CheckArgument(const std::string& field, const std::string& value, size_t limit) {
-  if (value.size() > limit) {
-    return Invalid(field, absl::StrCat("at most ", limit, " bytes, got ", value.size()));
-  }
-  for (size_t i = 0; i < value.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(value[i]);
-    if (c < 0x20 || c == 0x7f) {
-      return Invalid(field, absl::StrCat("holds control byte ", int{c}, " at offset ", i));
-    }
-  }
-  return absl::OkStatus();
-}
-
 bool IsVariableName(const std::string& name) {
   if (name.empty() || absl::ascii_isdigit(static_cast<unsigned char>(name[0]))) return false;
   for (char c : name) {
@@ -94,14 +80,14 @@ absl::Status CheckProgram(const v1::ProgramSpec& program) {
   }
   for (int i = 0; i < program.argv_size(); ++i) {
     LOCKSTEP_RETURN_IF_ERROR(
-        CheckArgument(absl::StrCat("program.argv[", i, "]"), program.argv(i), kMaxPathBytes));
+        CheckText(absl::StrCat("program.argv[", i, "]"), program.argv(i), kMaxPathBytes));
   }
   if (program.workdir().empty()) {
     return Invalid("program.workdir",
                    "required: the directory the program runs in, inside the workers' "
                    "--programs_root");
   }
-  LOCKSTEP_RETURN_IF_ERROR(CheckArgument("program.workdir", program.workdir(), kMaxPathBytes));
+  LOCKSTEP_RETURN_IF_ERROR(CheckText("program.workdir", program.workdir(), kMaxPathBytes));
   if (program.workdir()[0] != '/') {
     return Invalid("program.workdir",
                    absl::StrCat("must be an absolute path, got \"", program.workdir(), "\""));
@@ -170,7 +156,7 @@ absl::Status ValidateProgramJob(const v1::JobSpec& spec) {
     return absl::InvalidArgumentError(absl::StrCat("spec: at most ", kMaxJobSpecBytes,
                                                    " bytes encoded, got ", bytes));
   }
-  LOCKSTEP_RETURN_IF_ERROR(CheckArgument("name", spec.name(), kMaxJobNameBytes));
+  LOCKSTEP_RETURN_IF_ERROR(CheckText("name", spec.name(), kMaxJobNameBytes));
   LOCKSTEP_RETURN_IF_ERROR(CheckNoTrainingFields(spec));
   LOCKSTEP_RETURN_IF_ERROR(CheckProgram(spec.program()));
   if (spec.device() != "cpu" && spec.device() != "cuda") {

@@ -21,13 +21,22 @@ and the batches of the current epoch that were already done are skipped).
 
 At the end rank 0 prints `final_loss=<float>` (the last step's loss averaged
 over ranks) and `final_step=<n>`, each on its own line.
+
+With --timing (for bench/program_bench.py) rank 0 also prints machine-readable
+lines `timing <name> <unix_time_s> [key=value ...]` to stdout: proc_start (the
+process's start from /proc, 10 ms resolution), script_start, import_torch,
+import_lockstep, init_process_group, checkpoint_load, first_step, and `step`
+(with step=N) at every --log-every step. Nothing else changes with it.
 """
+
+import time
+
+_T_SCRIPT_START = time.time()  # before the imports: --timing reports it
 
 import argparse
 import gc
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,10 +45,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+_T_IMPORT_TORCH = time.time()
+
 try:
     import lockstep.torch as lt
 except ImportError:
     lt = None
+
+_T_IMPORT_LOCKSTEP = time.time()
 
 NUM_SAMPLES = 4096
 SEQ_LEN = 16
@@ -52,6 +65,33 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 def log(*args):
     print(*args, flush=True)
+
+
+def _proc_start_time():
+    """This process's start (fork) as a unix time, from /proc (clock-tick resolution)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        # starttime counts clock ticks since boot (CLOCK_BOOTTIME); /proc/stat's btime is
+        # whole seconds, too coarse, so convert through the clocks' current offset.
+        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since_start
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class Timing:
+    """`timing <name> <unix_time> [key=value ...]` lines on rank 0 with --timing."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+
+    def mark(self, name, t=None, **fields):
+        if not self.enabled:
+            return
+        t = time.time() if t is None else t
+        extra = "".join(" %s=%s" % kv for kv in fields.items())
+        print("timing %s %.6f%s" % (name, t, extra), flush=True)
 
 
 def parse_args():
@@ -72,6 +112,9 @@ def parse_args():
     p.add_argument("--sleep-ms", type=float, default=0.0,
                    help="artificial sleep per step (for tests that kill a run)")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--timing", action="store_true",
+                   help="rank 0 prints `timing <name> <unix_time>` lines (start-up phases, "
+                        "first step, every --log-every step)")
     return p.parse_args()
 
 
@@ -118,6 +161,16 @@ def save_checkpoint(path, model, optimizer, step, loss):
 
 def main():
     args = parse_args()
+    # Rank 0 by the launcher's RANK (set before the process starts; a plain run is rank 0).
+    timing = Timing(args.timing and os.environ.get("RANK", "0") == "0")
+    if timing.enabled:
+        proc_start = _proc_start_time()
+        if proc_start is not None:
+            timing.mark("proc_start", proc_start, pid=os.getpid(),
+                        restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        timing.mark("script_start", _T_SCRIPT_START, pid=os.getpid())
+        timing.mark("import_torch", _T_IMPORT_TORCH)
+        timing.mark("import_lockstep", _T_IMPORT_LOCKSTEP, loaded=int(lt is not None))
 
     # Plain `python train.py` (no launcher): run as a group of one.
     if "RANK" not in os.environ:
@@ -136,6 +189,7 @@ def main():
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
     world = dist.get_world_size()
+    timing.mark("init_process_group", world=world)
 
     dataset = make_dataset(args.seed)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
@@ -164,6 +218,7 @@ def main():
             last_loss = state.get("loss")
             if rank == 0:
                 log("resumed from %s at step %d" % (ckpt_path, start_step))
+    timing.mark("checkpoint_load", start_step=start_step)
 
     # Every rank must resume from the same step (e.g. a node-local checkpoint
     # directory that is missing on some node would break this).
@@ -208,6 +263,10 @@ def main():
             step += 1
 
             loss_value = loss.item()
+            if step == start_step + 1:
+                timing.mark("first_step", step=step)
+            if step % args.log_every == 0:
+                timing.mark("step", step=step)
             if lt is not None:
                 lt.report(step=step, loss=loss_value, samples=global_batch)
             if args.sleep_ms > 0:

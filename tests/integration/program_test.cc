@@ -70,6 +70,14 @@ std::vector<std::string> ProgramFlags(const Programs& p, bool as_nobody = true) 
   return flags;
 }
 
+// Workers that run the test's programs.
+void StartProgramWorkers(Cluster& cluster, const Programs& p,
+                         const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    ASSERT_TRUE(cluster.StartWorker(name, ProgramFlags(p)).ok()) << cluster.Logs();
+  }
+}
+
 v1::JobSpec ProgramJob(const Programs& p, std::vector<std::string> argv, int min_workers,
                        int max_workers) {
   v1::JobSpec spec;
@@ -121,6 +129,13 @@ pid_t ReadPid(const std::string& path) {
   return pid;
 }
 
+// Submits `spec` and waits for the job to end.
+absl::StatusOr<v1::Job> RunToEnd(Cluster& cluster, const v1::JobSpec& spec) {
+  auto job = cluster.Submit(spec);
+  if (!job.ok()) return job.status();
+  return cluster.WaitForEnd(job->job_id(), kJobWait);
+}
+
 std::unique_ptr<Cluster> StartCluster(const std::string& token = "") {
   auto cluster = Cluster::Start({}, token);
   EXPECT_TRUE(cluster.ok()) << cluster.status();
@@ -166,9 +181,7 @@ TEST_F(ProgramTest, EnvironmentIsTorchrunsOnThreeWorkersAcrossTwoHosts) {
   spec.set_max_restarts(4);
   spec.mutable_program()->set_local_rank_arg("--local-rank");
   (*spec.mutable_program()->mutable_env())["EXTRA_SETTING"] = "yes";
-  auto job = cluster->Submit(spec);
-  ASSERT_TRUE(job.ok()) << job.status();
-  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  auto done = RunToEnd(*cluster, spec);
   ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
   ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
   EXPECT_EQ(done->recoveries(), 0);
@@ -194,10 +207,10 @@ TEST_F(ProgramTest, EnvironmentIsTorchrunsOnThreeWorkersAcrossTwoHosts) {
     EXPECT_TRUE(absl::SimpleAtoi(env["MASTER_PORT"], &port) && port > 0) << env["MASTER_PORT"];
     if (rank == 0) master = env["MASTER_PORT"];
     EXPECT_EQ(env["MASTER_PORT"], master);
-    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], job->job_id());
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], done->job_id());
     EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "0");
     EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "4");
-    EXPECT_EQ(env["LOCKSTEP_JOB_ID"], job->job_id());
+    EXPECT_EQ(env["LOCKSTEP_JOB_ID"], done->job_id());
     EXPECT_EQ(env["LOCKSTEP_GENERATION"], "1");
     EXPECT_EQ(env["LOCKSTEP_WORKER"], done->members(rank).worker_name());
     EXPECT_EQ(env["OMP_NUM_THREADS"], "2");
@@ -231,12 +244,8 @@ TEST_F(ProgramTest, FailedProcessRestartsTheGroupAndTheJobSucceeds) {
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/fail_once.py", kFailOnceScript);
-  for (const char* name : {"w0", "w1"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
-  }
-  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "fail_once.py"}, 2, 2));
-  ASSERT_TRUE(job.ok()) << job.status();
-  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
+  auto done = RunToEnd(*cluster, ProgramJob(p, {"/usr/bin/python3", "fail_once.py"}, 2, 2));
   ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
   ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
   EXPECT_EQ(done->recoveries(), 1);
@@ -262,7 +271,7 @@ TEST_F(ProgramTest, FailedProcessRestartsTheGroupAndTheJobSucceeds) {
   }
   // lockstepctl logs: the failed rank's traceback, prefixed as torchrun's --tee does.
   auto logs = testing::RunCommand({LOCKSTEP_CTL_BIN, "--coordinator=" + cluster->address(), "logs",
-                                   job->job_id(), "--rank=1", "--generation=1"},
+                                   done->job_id(), "--rank=1", "--generation=1"},
                                   absl::Seconds(30));
   ASSERT_TRUE(logs.ok()) << logs.status();
   EXPECT_EQ(logs->exit_code, 0) << logs->output;
@@ -284,14 +293,10 @@ if os.environ["RANK"] == "1":
     sys.exit(7)
 time.sleep(600)
 )py");
-  for (const char* name : {"w0", "w1"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
-  }
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
   v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "fatal.py"}, 2, 2);
   spec.mutable_program()->add_fatal_exit_codes(7);
-  auto job = cluster->Submit(spec);
-  ASSERT_TRUE(job.ok()) << job.status();
-  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  auto done = RunToEnd(*cluster, spec);
   ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
   EXPECT_EQ(done->state(), v1::JOB_STATE_FAILED) << done->reason();
   EXPECT_TRUE(absl::StrContains(done->reason(), "rank 1")) << done->reason();
@@ -327,9 +332,7 @@ TEST_F(ProgramTest, GrandchildIgnoringSigtermIsGoneAfterRestartAndCancel) {
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/grandchild.py", kGrandchildScript);
-  for (const char* name : {"w0", "w1"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
-  }
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
   auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "grandchild.py"}, 2, 2));
   ASSERT_TRUE(job.ok()) << job.status();
   ASSERT_TRUE(WaitForFile(p.out + "/grandchild-1", absl::Seconds(60))) << cluster->Logs();
@@ -378,9 +381,7 @@ TEST_F(ProgramTest, KilledWorkerTakesItsProgramAlongAndTheGroupReformsOntoASpare
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/pids.py", kPidsScript);
-  for (const char* name : {"w0", "w1", "w2"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
-  }
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1", "w2"}));
   auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "pids.py"}, 2, 2));
   ASSERT_TRUE(job.ok()) << job.status();
   auto running = cluster->WaitFor(
@@ -405,9 +406,7 @@ TEST_F(ProgramTest, KilledRankProcessRestartsTheGroup) {
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/pids.py", kPidsScript);
-  for (const char* name : {"w0", "w1"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
-  }
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
   auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "pids.py"}, 2, 2));
   ASSERT_TRUE(job.ok()) << job.status();
   auto running = cluster->WaitFor(
@@ -462,9 +461,7 @@ TEST_F(ProgramTest, HangInsideACollectiveIsFoundByTheStepTimeout) {
   }
   v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "hang.py"}, 2, 2);
   spec.set_step_timeout_ms(4000);
-  auto job = cluster->Submit(spec);
-  ASSERT_TRUE(job.ok()) << job.status();
-  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  auto done = RunToEnd(*cluster, spec);
   ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
   ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
   EXPECT_EQ(done->step(), 6);
@@ -618,9 +615,7 @@ TEST_F(ProgramTest, ExampleEndsWithTorchrunsFinalLossOnTwoAndThreeWorkers) {
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   CopyExample(p);
-  for (const char* name : {"w0", "w1", "w2"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
-  }
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1", "w2"}));
   for (int n : {2, 3}) {
     SCOPED_TRACE(absl::StrCat(n, " workers"));
     const std::string reference =
@@ -665,9 +660,7 @@ TEST_F(ProgramTest, KilledRankResumesFromItsCheckpointWithTheUndisturbedFinalLos
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   CopyExample(p);
-  for (const char* name : {"w0", "w1"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
-  }
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
   const std::vector<std::string> args = {"--steps=100", "--checkpoint-every=20"};
   std::vector<std::string> reference_args = args;
   reference_args.push_back("--checkpoint-dir=" + p.out + "/reference");
@@ -724,12 +717,8 @@ TEST_F(ProgramTest, AProcessOnAnotherMembersGpuFailsTheJobSayingWhatToCall) {
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/wrong_gpu.py", kWrongGpuScript);
-  for (const char* name : {"w0", "w1"}) {
-    ASSERT_TRUE(cluster->StartWorker(name, ProgramFlags(p)).ok()) << cluster->Logs();
-  }
-  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "wrong_gpu.py"}, 2, 2));
-  ASSERT_TRUE(job.ok()) << job.status();
-  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
+  auto done = RunToEnd(*cluster, ProgramJob(p, {"/usr/bin/python3", "wrong_gpu.py"}, 2, 2));
   ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
   EXPECT_EQ(done->state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(absl::StrContains(done->reason(),

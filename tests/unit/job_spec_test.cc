@@ -87,6 +87,19 @@ struct BadCase {
   absl::StatusCode code = absl::StatusCode::kInvalidArgument;
 };
 
+// Each case's change of `base` is refused (after the defaults) with its code, naming its field.
+void ExpectRefused(const v1::JobSpec& base, const std::vector<BadCase>& cases) {
+  for (const BadCase& c : cases) {
+    v1::JobSpec spec = base;
+    c.mutate(&spec);
+    ApplyJobSpecDefaults(&spec);
+    absl::Status status = ValidateJobSpec(spec);
+    EXPECT_EQ(status.code(), c.code) << c.name << ": " << status;
+    EXPECT_NE(status.message().find(c.field), std::string::npos)
+        << c.name << ": message \"" << status.message() << "\" does not name " << c.field;
+  }
+}
+
 TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
   const std::vector<BadCase> cases = {
       {"zero batch", [](v1::JobSpec* s) { s->set_global_batch_size(0); }, "global_batch_size"},
@@ -196,15 +209,7 @@ TEST(JobSpecTest, RefusesBadSpecsNamingTheField) {
        },
        "dataset.synthetic"},
   };
-  for (const BadCase& c : cases) {
-    v1::JobSpec spec = ValidSpec();
-    c.mutate(&spec);
-    ApplyJobSpecDefaults(&spec);
-    absl::Status status = ValidateJobSpec(spec);
-    EXPECT_EQ(status.code(), c.code) << c.name << ": " << status;
-    EXPECT_NE(status.message().find(c.field), std::string::npos)
-        << c.name << ": message \"" << status.message() << "\" does not name " << c.field;
-  }
+  ExpectRefused(ValidSpec(), cases);
 }
 
 v1::JobSpec GptSpec() {
@@ -395,15 +400,7 @@ TEST(JobSpecTest, RefusesBadGptSpecsNamingTheField) {
        },
        "model.gpt.n_head"},
   };
-  for (const BadCase& c : cases) {
-    v1::JobSpec spec = GptSpec();
-    c.mutate(&spec);
-    ApplyJobSpecDefaults(&spec);
-    absl::Status status = ValidateJobSpec(spec);
-    EXPECT_EQ(status.code(), c.code) << c.name << ": " << status;
-    EXPECT_NE(status.message().find(c.field), std::string::npos)
-        << c.name << ": message \"" << status.message() << "\" does not name " << c.field;
-  }
+  ExpectRefused(GptSpec(), cases);
   // An MLP cannot train on text, nor freeze a tensor it lacks.
   v1::JobSpec mlp = ValidSpec();
   mlp.mutable_dataset()->set_type("text");
@@ -518,15 +515,7 @@ TEST(JobSpecTest, RefusesBadProgramSpecsNamingTheField) {
       {"negative step timeout", [](v1::JobSpec* s) { s->set_step_timeout_ms(-5); },
        "step_timeout_ms"},
   };
-  for (const BadCase& c : cases) {
-    v1::JobSpec spec = ProgramSpec();
-    c.mutate(&spec);
-    ApplyJobSpecDefaults(&spec);
-    absl::Status status = ValidateJobSpec(spec);
-    EXPECT_EQ(status.code(), c.code) << c.name << ": " << status;
-    EXPECT_NE(status.message().find(c.field), std::string::npos)
-        << c.name << ": message \"" << status.message() << "\" does not name " << c.field;
-  }
+  ExpectRefused(ProgramSpec(), cases);
 }
 
 }  // namespace
