@@ -697,14 +697,16 @@ TEST_F(ProgramTest, KilledRankResumesFromItsCheckpointWithTheUndisturbedFinalLos
   EXPECT_EQ(done->program_exits(0).signal(), "SIGKILL");
 }
 
-// Reports as lockstep.torch does from a process that computes on cuda:1 while it is local
-// rank 0 (every rank on one GPU, the classic mistake): the worker's check, without a GPU.
+// Reports as lockstep.torch does from processes that all compute on cuda:1: local rank 1 is
+// on its own GPU, local rank 0 is not (every rank on one GPU, the classic mistake). The
+// worker's check, without a GPU; only rank 0 is wrong, so the reason names it whichever rank
+// reports first.
 constexpr char kWrongGpuScript[] = R"py(import os, time
 from lockstep.v1 import program_pb2, program_pb2_grpc
 import grpc
 stub = program_pb2_grpc.ProgramServiceStub(grpc.insecure_channel(os.environ["LOCKSTEP_AGENT_ADDRESS"]))
 meta = (("x-lockstep-program", os.environ["LOCKSTEP_AGENT_TOKEN"]),)
-device = 1 if os.environ["LOCAL_RANK"] == "0" else 0
+device = 1
 try:
     stub.Report(program_pb2.ProgramReportRequest(step=1, cuda_device=device), metadata=meta)
 except grpc.RpcError as e:
