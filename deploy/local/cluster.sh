@@ -39,6 +39,9 @@ while (($#)); do
   shift
 done
 [[ -n "$dir" ]] || { echo "cluster.sh: --dir is required" >&2; exit 2; }
+# Absolute, so that the PYTHONPATH the workers hand to programs (which run in their own
+# workdir) still finds BUILD_DIR/python.
+[[ -d "$bin" ]] && bin="$(realpath "$bin")"
 
 case "$cmd" in
   start)

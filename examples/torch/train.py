@@ -186,7 +186,12 @@ def main():
     else:
         device = torch.device("cpu")
 
-    dist.init_process_group(args.backend)
+    if lt is not None:
+        # Under Lockstep the group forms over the coordinator's store (no rank-0 port whose
+        # listener the others poll for); elsewhere this is dist.init_process_group itself.
+        lt.init_process_group(args.backend)
+    else:
+        dist.init_process_group(args.backend)
     rank = dist.get_rank()
     world = dist.get_world_size()
     timing.mark("init_process_group", world=world)

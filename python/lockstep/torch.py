@@ -17,55 +17,26 @@ collective is found and the group restarted. Outside Lockstep (no LOCKSTEP_AGENT
 the environment) init_process_group is torch's own and report() does nothing, so one script
 runs under torchrun and under Lockstep alike.
 """
+import atexit
 import datetime
 import os
+import threading
 import warnings
 
 import grpc
 import torch.distributed as dist
 
-from lockstep.v1 import program_pb2, program_pb2_grpc
+from lockstep._agent import agent as _agent, available, call as _call, metadata as _metadata
+from lockstep.v1 import program_pb2
 
-_SECRET_HEADER = "x-lockstep-program"
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
-_stub = None
 _report_warned = False
-
-
-def available():
-    """True when this process runs under a Lockstep worker (its agent can be reached)."""
-    return bool(os.environ.get("LOCKSTEP_AGENT_ADDRESS")) and bool(
-        os.environ.get("LOCKSTEP_AGENT_TOKEN"))
-
-
-def _agent():
-    global _stub
-    if _stub is None:
-        if not available():
-            raise RuntimeError("lockstep.torch: not running under a Lockstep worker "
-                               "(LOCKSTEP_AGENT_ADDRESS and LOCKSTEP_AGENT_TOKEN are not set)")
-        channel = grpc.insecure_channel(os.environ["LOCKSTEP_AGENT_ADDRESS"])
-        _stub = program_pb2_grpc.ProgramServiceStub(channel)
-    return _stub
-
-
-def _metadata():
-    return ((_SECRET_HEADER, os.environ["LOCKSTEP_AGENT_TOKEN"]),)
 
 
 def _ms(timeout):
     if timeout is None:
         return 0
     return max(1, int(timeout.total_seconds() * 1000))
-
-
-def _call(method, request, deadline_s=None):
-    try:
-        return method(request, metadata=_metadata(), timeout=deadline_s)
-    except grpc.RpcError as e:  # c10d wants exceptions it can report; a timeout as such
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise TimeoutError(f"lockstep store: {e.details()}") from None
-        raise RuntimeError(f"lockstep store: {e.code().name}: {e.details()}") from None
 
 
 class Store(dist.Store):
@@ -139,27 +110,95 @@ def _cuda_device():
     return None
 
 
+class _Reporter:
+    """Sends report()s to the worker from a thread of its own, so that a step costs the
+    training loop no round trip: the newest report waits in one slot (a newer one replaces it;
+    the worker counts samples over the steps between two reports), the first is sent at once
+    and the rest at most every INTERVAL_S, and what is still waiting at exit is sent then."""
+
+    INTERVAL_S = 0.1
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._pending = None
+        self._sending = False
+        self._gone = False  # the worker no longer takes reports: the generation is ending
+        self._flushing = 0  # flush() calls waiting: send without pacing
+        self._thread = None
+
+    def put(self, request):
+        with self._cv:
+            if self._gone:
+                return False
+            self._pending = request
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lockstep-report",
+                                                daemon=True)
+                self._thread.start()
+                atexit.register(self.flush)
+            self._cv.notify_all()
+            return True
+
+    def flush(self, timeout_s=5.0):
+        """Waits until the waiting report (if any) has been sent, up to timeout_s."""
+        with self._cv:
+            self._flushing += 1
+            self._cv.notify_all()
+            try:
+                self._cv.wait_for(lambda: (self._pending is None and not self._sending) or
+                                  self._gone, timeout=timeout_s)
+            finally:
+                self._flushing -= 1
+
+    def _run(self):
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None)
+                request, self._pending, self._sending = self._pending, None, True
+            gone = not self._send(request)
+            with self._cv:
+                self._sending = False
+                self._gone = self._gone or gone
+                self._cv.notify_all()
+                if self._gone:
+                    return
+                # Paces the next send (put() notifies every step: only flush() ends it early).
+                self._cv.wait_for(lambda: self._flushing > 0, timeout=self.INTERVAL_S)
+
+    @staticmethod
+    def _send(request):
+        global _report_warned
+        try:
+            _agent().Report(request, metadata=_metadata(), timeout=10)
+            return True
+        except grpc.RpcError as e:
+            if not _report_warned:
+                warnings.warn(f"lockstep.torch.report: {e.code().name}: {e.details()}")
+                _report_warned = True
+            return e.code() != grpc.StatusCode.UNAUTHENTICATED
+
+
+_reporter = _Reporter()
+
+
 def report(step, loss=None, samples=None):
     """Tells the worker this process completed optimizer step `step` (1-based), with its loss
-    and the samples the step trained over all ranks. Returns False outside Lockstep, or when
-    the worker no longer takes reports (the generation is ending); never raises for that."""
-    global _report_warned
+    and the samples the step trained over all ranks. Returns at once (a thread sends it: see
+    _Reporter); False outside Lockstep, or once the worker no longer takes reports (the
+    generation is ending). Raises ValueError for a step below 1 or negative samples."""
+    step = int(step)
+    samples = int(samples or 0)
+    if step < 1:
+        raise ValueError(f"lockstep.torch.report: step: must be > 0, got {step}")
+    if samples < 0:
+        raise ValueError(f"lockstep.torch.report: samples: must be >= 0, got {samples}")
     if not available():
         return False
-    request = program_pb2.ProgramReportRequest(step=int(step), samples=int(samples or 0))
+    request = program_pb2.ProgramReportRequest(step=step, samples=samples)
     device = _cuda_device()
     if device is not None:
         request.cuda_device = device
     if loss is not None:
         request.loss = float(loss)
         request.has_loss = True
-    try:
-        _agent().Report(request, metadata=_metadata(), timeout=10)
-        return True
-    except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            raise ValueError(f"lockstep.torch.report: {e.details()}") from None
-        if not _report_warned:
-            warnings.warn(f"lockstep.torch.report: {e.code().name}: {e.details()}")
-            _report_warned = True
-        return False
+    return _reporter.put(request)
