@@ -107,14 +107,16 @@ def first(events, name):
 
 
 def phases(events, origin_s):
-    """{event: seconds since the previous event (origin_s for the first)} for PHASES."""
+    """{event: seconds since the previous event (origin_s for the first)} for PHASES. A process
+    that started before origin_s (a Lockstep worker's warm interpreter, parked ahead) spawned
+    in 0 s; its interpreter start-up is then origin_s to the script's first line."""
     out, prev = {}, origin_s
     for name, _ in PHASES:
         e = first(events, name)
         if e is None:
             continue
-        out[name] = e[1] - prev
-        prev = e[1]
+        out[name] = max(0.0, e[1] - prev) if name == "proc_start" else e[1] - prev
+        prev = max(e[1], origin_s) if name == "proc_start" else e[1]
     return out
 
 
@@ -398,8 +400,10 @@ def recovery_run(system, lockstep, ws, a):
             raise
         lines = run.wait(a.timeout)
     inc = incarnations(parse_timing(lines))
-    before = [i for i in inc if i[0][1] < kill_t]
-    after = [i for i in inc if i[0][1] >= kill_t]
+    # By the script's start: a warm interpreter's process started before the kill.
+    began = lambda i: (first(i, "script_start") or i[0])[1]
+    before = [i for i in inc if began(i) < kill_t]
+    after = [i for i in inc if began(i) >= kill_t]
     if not before or not after:
         raise RuntimeError(f"{system}: no restarted rank 0 in the timing lines "
                            f"({len(inc)} processes)")
@@ -411,7 +415,9 @@ def recovery_run(system, lockstep, ws, a):
     out = {"system": system, "killed_pid": pid, "kill_unix_s": kill_t,
            "step_at_kill": step_at_kill, "resumed_from_step": resumed,
            "steps_redone": step_at_kill - resumed, "recovery_s": first_step - kill_t,
-           "restarts_seen": len(inc) - 1, "final_loss": final_loss(lines)}
+           "restarts_seen": len(inc) - 1, "final_loss": final_loss(lines),
+           "warm_start": int((first(restarted, "script_start") or (0, 0, {}))[2]
+                             .get("preloaded", 0)) == 1}
     if system == "Lockstep":
         hist = [r for r in job["recoveryHistory"] if int(r.get("detectUnixMs", 0)) / 1000 >= kill_t - 1]
         if not hist:
@@ -525,6 +531,7 @@ def summarize_and_print(result, systems, a):
             "startup_phases_s_median": {n: med(r["startup_phases_s"].get(n) for r in runs)
                                         for n, _ in PHASES},
             "recovery_s_median": med(r["recovery_s"] for r in kills),
+            "warm_starts": sum(1 for r in kills if r.get("warm_start")),
             "steps_redone": [r["steps_redone"] for r in kills],
             "recovery_phases_s_median": {n: med(r["phases_s"].get(n) for r in kills)
                                          for n, _ in PHASES},
@@ -605,6 +612,8 @@ def summarize_and_print(result, systems, a):
                      "tick, stop, rendezvous and spawn)")
         print(f"| {label} | " + " | ".join(
             fmt_s(summary[s]["recovery_phases_s_median"][n]) for s in systems) + " |")
+    print("| restarted rank 0 in a warm interpreter | " + " | ".join(
+        f"{summary[s]['warm_starts']} of {len(summary[s]['steps_redone'])}" for s in systems) + " |")
     print("| **kill to first step** | " + " | ".join(
         f"**{fmt_s(summary[s]['recovery_s_median'])}**" for s in systems) + " |")
     if "Lockstep" in systems:
@@ -613,8 +622,10 @@ def summarize_and_print(result, systems, a):
         imp = (ph.get("script_start") or 0) + (ph.get("import_torch") or 0) + \
             (ph.get("import_lockstep") or 0)
         total = ls["recovery_s_median"]
-        largest = max(((label, ph[n]) for n, label in PHASES if ph.get(n) is not None),
-                      key=lambda x: x[1], default=(None, 0))
+        candidates = [(label, ph[n]) for n, label in PHASES if ph.get(n) is not None]
+        candidates += [("detection", ls.get("detection_s_median") or 0),
+                       ("stop + re-form", ls.get("stop_reform_s_median") or 0)]
+        largest = max(candidates, key=lambda x: x[1], default=(None, 0))
         print(f"\nLockstep: interpreter start-up and imports (script start, import torch, import "
               f"lockstep.torch) take {imp:.3f} s of {total:.3f} s ({100 * imp / total:.0f}%); "
               f"the largest single phase is {largest[0]} ({largest[1]:.3f} s)."

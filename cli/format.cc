@@ -269,7 +269,10 @@ void AppendRecoveries(const v1::Job& job, std::string& out) {
                       : r.coordinator_caused() ? "coordinator"
                                                : "recovery",
                       reformed ? ShortMillis(r.reformed_unix_ms() - r.detect_unix_ms()) : kNone,
-                      trained ? ShortMillis(r.heal_ms()) : kNone,
+                      !trained                   ? kNone
+                      : r.restored_from().empty() ? ShortMillis(r.heal_ms())
+                                                  : absl::StrCat(ShortMillis(r.heal_ms()), " (",
+                                                                 r.restored_from(), ")"),
                       trained ? ShortMillis(r.first_step_unix_ms() - r.detect_unix_ms()) : kNone,
                       trained ? absl::StrCat("step ", r.resumed_from_step()) : kNone,
                       trained ? absl::StrCat(r.steps_redone_lower_bound() ? ">=" : "",

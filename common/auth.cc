@@ -1,5 +1,7 @@
 #include "common/auth.h"
 
+#include <sys/random.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -43,6 +45,22 @@ absl::string_view Value(const grpc::ServerContextBase& context, const char* key)
 }
 
 }  // namespace
+
+std::string RandomSecret() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string secret;
+  for (unsigned char b : bytes) {
+    secret += kHex[b >> 4];
+    secret += kHex[b & 15];
+  }
+  return secret;
+}
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -24,6 +24,10 @@ inline constexpr char kClientKey[] = "x-lockstep-client";
 // A worker's session secret on its store calls (WorkerService's Registered.session_key).
 inline constexpr char kSessionKeyMetadata[] = "x-lockstep-session";
 
+// 128 random bits from the kernel (getrandom), as 32 hex digits: session keys, the secrets of
+// programs' endpoints, names of checkpoint slots.
+std::string RandomSecret();
+
 // Reads a token file; surrounding whitespace (a trailing newline) is dropped. Errors name the
 // path: unreadable, empty, or with characters that cannot go into metadata.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);

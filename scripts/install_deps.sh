@@ -20,9 +20,9 @@ pkgs=(
 )
 for arg in "$@"; do
   case "$arg" in
-    --bench) pkgs+=(python3-torch libopenblas0-openmp) ;;
+    --bench) pkgs+=(python3-torch python3-xxhash libopenblas0-openmp) ;;
     --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang prometheus
-                   python3-torch libopenblas0-openmp
+                   python3-torch python3-xxhash libopenblas0-openmp
                    python3-grpcio python3-protobuf python3-venv python3-pip python3-pytest openssl
                    chromium) ;;
     *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;

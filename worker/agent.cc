@@ -42,6 +42,8 @@ Agent::Agent(AgentOptions options)
   generation_context_.metrics = options_.metrics;
   generation_context_.programs = options_.programs;
   generation_context_.program_server = options_.program_server;
+  generation_context_.warm_starts = options_.warm_starts;
+  generation_context_.checkpoint_memory = options_.checkpoint_memory;
   channel_ = MakeChannel(options_.coordinator,
                          {options_.token, absl::StrCat("lockstep-worker ", options_.name),
                           options_.credentials, options_.tls_server_name});

@@ -70,6 +70,8 @@ struct AgentOptions {
   // --program_user); a worker without a root runs none.
   ProgramSettings programs;
   ProgramServer* program_server = nullptr;  // not owned
+  WarmStarts* warm_starts = nullptr;        // not owned; null: programs always start cold
+  CheckpointMemory* checkpoint_memory = nullptr;  // not owned; null: no Checkpointer saves
   // Prometheus metrics of the runs (not owned; null: none).
   WorkerMetrics* metrics = nullptr;
 };

@@ -30,6 +30,9 @@
 
 namespace lockstep::worker {
 
+class WarmStarts;        // worker/program/warm_start.h
+class CheckpointMemory;  // worker/program/checkpoint_memory.h
+
 // Whether an error ends the job rather than this generation: a new group would meet it again.
 // INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (the spec, its data or its paths),
 // FAILED_PRECONDITION (the members hold different data, a checkpoint write failed under
@@ -72,6 +75,10 @@ struct GenerationContext {
   // service their lockstep.torch reaches (null: none).
   ProgramSettings programs;
   ProgramServer* program_server = nullptr;
+  // Interpreters parked ahead of a program job's next generation (null: always cold).
+  WarmStarts* warm_starts = nullptr;
+  // Where lockstep.torch.Checkpointer's saves live (null: none on this worker).
+  CheckpointMemory* checkpoint_memory = nullptr;
   WorkerMetrics* metrics = nullptr;  // null: none
   Clock* clock = RealClock::Get();
 };

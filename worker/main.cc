@@ -11,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/auth.h"
 #include "common/metrics.h"
@@ -25,6 +26,8 @@
 #include "worker/device/backend.h"
 #include "worker/device/device.h"
 #include "worker/metrics.h"
+#include "worker/program/checkpoint_memory.h"
+#include "worker/program/warm_start.h"
 #include "worker/program_service.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
@@ -62,6 +65,17 @@ ABSL_FLAG(std::string, programs_root, "",
 ABSL_FLAG(std::string, program_user, "",
           "Run programs as this user (the worker must run as root to switch; default: the "
           "worker's own user, which must not be root without --allow_programs_as_root).");
+ABSL_FLAG(bool, program_warm_start, true,
+          "Start a Python program's next generation in an interpreter parked ahead, with "
+          "--program_preload imported (a restart then skips Python's start and `import torch`).");
+ABSL_FLAG(std::string, program_preload, "torch,torch.distributed,torch.nn.parallel,lockstep.torch",
+          "Modules a parked interpreter imports (comma-separated; one that fails to import is "
+          "left to the script).");
+ABSL_FLAG(int64_t, checkpoint_memory_bytes, int64_t{4} << 30,
+          "Memory a program job's lockstep.torch.Checkpointer may use on this worker (its two "
+          "newest saves together; 0: none). A save that does not fit fails, naming the numbers.");
+ABSL_FLAG(std::string, checkpoint_memory_dir, "/dev/shm",
+          "A tmpfs where programs' checkpoint slots live (in a directory of this worker's own).");
 ABSL_FLAG(bool, allow_programs_as_root, false,
           "Let programs run as root (a worker running as root without --program_user, or "
           "--program_user=root).");
@@ -211,6 +225,8 @@ int main(int argc, char** argv) {
   }
   options.programs = *std::move(programs);
   std::unique_ptr<lockstep::worker::ProgramServer> program_server;
+  std::unique_ptr<lockstep::worker::WarmStarts> warm_starts;
+  std::unique_ptr<lockstep::worker::CheckpointMemory> checkpoint_memory;
   if (options.programs.root.restricted()) {
     absl::StatusOr<std::unique_ptr<lockstep::worker::ProgramServer>> started =
         lockstep::worker::ProgramServer::Start();
@@ -220,6 +236,28 @@ int main(int argc, char** argv) {
     }
     program_server = *std::move(started);
     options.program_server = program_server.get();
+    if (const int64_t bytes = absl::GetFlag(FLAGS_checkpoint_memory_bytes); bytes > 0) {
+      const lockstep::worker::ProgramCredentials& c = options.programs.credentials;
+      absl::StatusOr<std::unique_ptr<lockstep::worker::CheckpointMemory>> memory =
+          lockstep::worker::CheckpointMemory::Create(
+              absl::GetFlag(FLAGS_checkpoint_memory_dir), options.name, bytes,
+              c.switch_user ? c.uid : static_cast<uid_t>(-1),
+              c.switch_user ? c.gid : static_cast<gid_t>(-1));
+      if (!memory.ok()) {
+        LOG(ERROR) << "--checkpoint_memory_dir: " << memory.status().message();
+        return 2;
+      }
+      checkpoint_memory = *std::move(memory);
+      options.checkpoint_memory = checkpoint_memory.get();
+    } else if (bytes < 0) {
+      LOG(ERROR) << "--checkpoint_memory_bytes: must be >= 0, got " << bytes;
+      return 2;
+    }
+    if (absl::GetFlag(FLAGS_program_warm_start)) {
+      warm_starts = std::make_unique<lockstep::worker::WarmStarts>(
+          absl::StrSplit(absl::GetFlag(FLAGS_program_preload), ',', absl::SkipWhitespace()));
+      options.warm_starts = warm_starts.get();
+    }
     LOG(INFO) << "runs programs from " << options.programs.root.Describe() << " as "
               << (options.programs.user.empty() ? "this worker's user" : options.programs.user);
   }

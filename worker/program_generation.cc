@@ -11,13 +11,16 @@
 #include <algorithm>
 #include <map>
 #include <cstring>
+#include <limits>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/bytes.h"
@@ -35,6 +38,10 @@ constexpr size_t kStderrKept = 16 << 10;
 constexpr size_t kStderrTailBytes = 2 << 10;
 constexpr size_t kMaxLogLine = 4 << 10;
 constexpr char kMasterKey[] = "program/master";
+// The checkpoint agreement's keys: what each rank holds ("5,4"), and rank 0's choice ("none").
+constexpr char kHeldKeyPrefix[] = "program/checkpoint/held/";
+constexpr char kChosenKey[] = "program/checkpoint/chosen";
+constexpr absl::Duration kAgreementWait = absl::Minutes(5);
 constexpr int kOutputBatchLines = 256;
 constexpr absl::Duration kOutputEvery = absl::Milliseconds(200);
 
@@ -304,6 +311,108 @@ absl::Status ProgramGeneration::Rendezvous(std::string* addr, int* port) {
   return absl::OkStatus();
 }
 
+absl::Status ProgramGeneration::AgreeOnCheckpoint() {
+  CheckpointMemory* const memory = context_.checkpoint_memory;
+  const std::string& job = assignment_.job_id();
+  if (memory != nullptr) memory->DropAllBut(job);  // a worker keeps one job's saves
+  // A job's first generation: nobody can hold a save of it.
+  if (assignment_.generation() <= 1 && assignment_.restart_count() == 0) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  std::vector<HeldCheckpoint> held;
+  if (memory != nullptr) held = memory->Held(job);
+  std::set<int64_t> common;
+  for (const HeldCheckpoint& h : held) common.insert(h.step);
+  LOCKSTEP_RETURN_IF_ERROR(store_->Set(absl::StrCat(kHeldKeyPrefix, assignment_.rank()),
+                                       absl::StrJoin(common, ",")));
+  if (assignment_.rank() == 0) {
+    for (int rank = 1; rank < assignment_.world_size() && !common.empty(); ++rank) {
+      absl::StatusOr<std::string> theirs =
+          store_->Get(absl::StrCat(kHeldKeyPrefix, rank), kAgreementWait);
+      if (!theirs.ok()) return theirs.status();
+      std::set<int64_t> both;
+      for (absl::string_view text : absl::StrSplit(*theirs, ',', absl::SkipEmpty())) {
+        int64_t step = 0;
+        if (absl::SimpleAtoi(text, &step) && common.count(step) > 0) both.insert(step);
+      }
+      common = std::move(both);
+    }
+    LOCKSTEP_RETURN_IF_ERROR(
+        store_->Set(kChosenKey, common.empty() ? "none" : absl::StrCat(*common.rbegin())));
+  }
+  absl::StatusOr<std::string> chosen = store_->Get(kChosenKey, kAgreementWait);
+  if (!chosen.ok()) return chosen.status();
+  int64_t step = 0;
+  const bool found = *chosen != "none";
+  if (found && !absl::SimpleAtoi(*chosen, &step)) {
+    return absl::DataLossError(
+        absl::StrCat("rank 0 published a malformed checkpoint step \"", *chosen, "\""));
+  }
+  if (memory != nullptr) {
+    memory->DiscardAfter(job, found ? step : std::numeric_limits<int64_t>::min());
+  }
+  for (const HeldCheckpoint& h : held) {
+    if (found && h.step == step) restore_ = h;
+  }
+  if (found && !restore_.has_value()) {
+    return absl::DataLossError(absl::StrCat("rank 0 chose the checkpoint of step ", step,
+                                            ", which worker ", context_.worker_name,
+                                            " does not hold"));
+  }
+  agreement_time_ = absl::Now() - start;
+  LOG(INFO) << Name() << ": "
+            << (found ? absl::StrCat("restores step ", step, " from its worker's memory")
+                      : std::string("no checkpoint in memory that every member holds"))
+            << " (agreed in " << absl::FormatDuration(agreement_time_) << ")";
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CheckpointSlotsResponse> ProgramGeneration::OnCheckpointSlots(int64_t bytes) {
+  CheckpointMemory* const memory = context_.checkpoint_memory;
+  if (memory == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker ", context_.worker_name,
+        " keeps no checkpoint memory for programs (--checkpoint_memory_bytes=0)"));
+  }
+  absl::StatusOr<std::vector<std::string>> paths = memory->Slots(assignment_.job_id(), bytes);
+  if (!paths.ok()) {
+    return absl::Status(paths.status().code(), absl::StrCat("worker ", context_.worker_name, ": ",
+                                                            paths.status().message()));
+  }
+  v1::CheckpointSlotsResponse response;
+  for (const std::string& path : *paths) response.add_paths(path);
+  response.set_bytes(memory->slot_bytes(assignment_.job_id()));
+  return response;
+}
+
+absl::StatusOr<v1::CheckpointRestoreResponse> ProgramGeneration::OnCheckpointRestore(
+    const v1::CheckpointRestoreRequest& request) {
+  v1::CheckpointRestoreResponse response;
+  if (restore_.has_value()) {
+    response.set_found(true);
+    response.set_step(restore_->step);
+    response.set_path(restore_->path);
+    response.set_payload_bytes(static_cast<int64_t>(restore_->payload_bytes));
+    response.set_source("memory");
+  }
+  if (!request.loaded()) return response;
+  if (!restore_.has_value() || request.step() != restore_->step) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step: this member restores ",
+        restore_.has_value() ? absl::StrCat("step ", restore_->step) : std::string("nothing"),
+        ", not step ", request.step()));
+  }
+  if (!restore_reported_) {
+    restore_reported_ = true;
+    v1::ResumedReport resumed;
+    resumed.set_resumed_from_step(restore_->step);
+    resumed.set_source_rank(-1);  // each member from its own worker
+    resumed.set_heal_ms(absl::ToInt64Milliseconds(agreement_time_) + request.loaded_ms());
+    resumed.set_restored_from("memory");
+    reporter_->Resumed(resumed);
+  }
+  return response;
+}
+
 ProgramGeneration::~ProgramGeneration() {
   registration_.reset();  // first: it waits for a report in progress, which uses the rest
   for (int fd : wake_) {
@@ -318,6 +427,7 @@ absl::StatusOr<LaunchSpec> ProgramGeneration::Prepare() {
   std::string master_addr;
   int master_port = 0;
   LOCKSTEP_RETURN_IF_ERROR(Rendezvous(&master_addr, &master_port));
+  LOCKSTEP_RETURN_IF_ERROR(AgreeOnCheckpoint());
   // The wake-up of the watch: an abort, or a report from the wrong GPU.
   if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) return absl::ErrnoToStatus(errno, "pipe");
   // lockstep.torch's way in: the generation's store and progress reports, under a secret
@@ -325,7 +435,9 @@ absl::StatusOr<LaunchSpec> ProgramGeneration::Prepare() {
   std::map<std::string, std::string> lockstep_env;
   if (context_.program_server != nullptr) {
     registration_ = context_.program_server->Register(
-        {store_, [this](const v1::ProgramReportRequest& r) { return OnReport(r); }});
+        {store_, [this](const v1::ProgramReportRequest& r) { return OnReport(r); },
+         [this](int64_t bytes) { return OnCheckpointSlots(bytes); },
+         [this](const v1::CheckpointRestoreRequest& r) { return OnCheckpointRestore(r); }});
     lockstep_env = {{"LOCKSTEP_AGENT_ADDRESS", context_.program_server->address()},
                     {"LOCKSTEP_AGENT_TOKEN", registration_->token()}};
   }
@@ -351,6 +463,7 @@ absl::Status ProgramGeneration::OnReport(const v1::ProgramReportRequest& report)
     Wake();
     return s;
   }
+  reported_ = true;
   const int64_t before = pacer_.last_step();
   const v1::ProgressReport progress = pacer_.Next(assignment_, report, context_.clock->Now());
   if (context_.metrics != nullptr) {
@@ -371,11 +484,19 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   if (!launch.ok()) return launch.status();
   AbortSignal::Subscription on_abort = abort_->OnRaise([this] { Wake(); });
   if (abort_->raised()) return absl::AbortedError(absl::StrCat(Name(), ": aborted"));
-  absl::StatusOr<std::unique_ptr<SupervisedProgram>> launched = SupervisedProgram::Launch(*launch);
-  if (!launched.ok()) {
-    return absl::UnavailableError(absl::StrCat("worker ", context_.worker_name,
-                                               " could not start the program: ",
-                                               launched.status().message()));
+  // In the interpreter parked for it (torch imported already), else cold.
+  WarmStarts* const warm = context_.warm_starts;
+  std::unique_ptr<SupervisedProgram> program = warm != nullptr ? warm->Start(*launch) : nullptr;
+  const bool cold = program == nullptr;
+  if (cold) {
+    absl::StatusOr<std::unique_ptr<SupervisedProgram>> launched =
+        SupervisedProgram::Launch(*launch);
+    if (!launched.ok()) {
+      return absl::UnavailableError(absl::StrCat("worker ", context_.worker_name,
+                                                 " could not start the program: ",
+                                                 launched.status().message()));
+    }
+    program = *std::move(launched);
   }
   if (context_.metrics != nullptr) {
     context_.metrics->BeginRun(assignment_.job_id(), assignment_.rank(), assignment_.world_size(),
@@ -384,12 +505,24 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   absl::Cleanup end_metrics = [&] {
     if (context_.metrics != nullptr) context_.metrics->EndRun(abort_->raised());
   };
-  LOG(INFO) << Name() << ": started " << launch->executable << " (pid "
-            << (*launched)->program_pid() << ")";
-  return Outcome(Watch(**launched), launch->executable);
+  LOG(INFO) << Name() << ": started " << launch->executable << " (pid " << program->program_pid()
+            << (cold ? ")" : ", in a warm interpreter)");
+  absl::Status outcome = Outcome(Watch(*program, *launch), launch->executable);
+  // What was parked, and the saves in memory, serve the next generation of this job: none
+  // comes after a success or a failure of the job, nor after its end.
+  if (outcome.ok() || IsFatal(outcome) || abort_->job_ended()) {
+    if (warm != nullptr) warm->Discard();
+    if (context_.checkpoint_memory != nullptr) {
+      context_.checkpoint_memory->Drop(assignment_.job_id());
+    }
+  }
+  return outcome;
 }
 
-ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program) {
+ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program,
+                                                     const LaunchSpec& launch) {
+  const absl::Time park_at = absl::Now() + WarmStarts::kParkAfter;
+  bool parked = context_.warm_starts == nullptr;
   const std::string prefix =
       absl::StrCat("[", assignment_.job_id(), " rank ", assignment_.rank(), "]: ");
   // Output goes to the coordinator in batches: every 200 ms, or sooner when one is large.
@@ -429,6 +562,10 @@ ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program) 
     pollfd fds[4] = {{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}, {status_fd, POLLIN, 0},
                      {wake_[0], POLLIN, 0}};
     poll(fds, 4, 100);
+    if (!parked && (reported_ || absl::Now() >= park_at) && !abort_->raised()) {
+      context_.warm_starts->Park(launch);
+      parked = true;
+    }
     if (fds[0].revents != 0) drain(out_fd, out_lines, false);
     if (fds[1].revents != 0) drain(err_fd, err_lines, true);
     send_output(false);

@@ -2,6 +2,8 @@
 //   Check      the workdir and the script resolve inside --programs_root; the executable exists;
 //   Rendezvous rank 0 reserves MASTER_PORT on its communication address and publishes it in
 //              the generation's store; the others read it;
+//   Agree      the members agree on the newest lockstep.torch checkpoint all of them hold in
+//              their workers' memory (worker/program/checkpoint_memory.h);
 //   Launch     the program under its supervisor (worker/program/supervisor.h), with torchrun's
 //              environment, as --program_user;
 //   Watch      its output (each line to the worker's log with a "[job rank N]:" prefix; the
@@ -12,6 +14,7 @@
 // of its group) and returns ABORTED once nothing of it is left.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,7 +25,9 @@
 #include "absl/time/time.h"
 #include "lockstep/v1/program.pb.h"
 #include "worker/generation.h"
+#include "worker/program/checkpoint_memory.h"
 #include "worker/program/supervisor.h"
+#include "worker/program/warm_start.h"
 
 namespace lockstep::worker {
 
@@ -62,7 +67,9 @@ class ProgramGeneration final : public GenerationRun {
   absl::StatusOr<LaunchSpec> Prepare();
   // Until the supervisor has ended: output to the log and the coordinator, the end, an abort
   // or a report from the wrong GPU (which stop the program).
-  Watched Watch(SupervisedProgram& program);
+  // Parks a warm interpreter for the next generation once this one is under way (its first
+  // report, or WarmStarts::kParkAfter).
+  Watched Watch(SupervisedProgram& program, const LaunchSpec& launch);
   // The generation's status from what the watch saw (see the file comment).
   absl::Status Outcome(Watched watched, const std::string& executable);
   v1::ProgramExit ExitRecord(const std::optional<ProcessEnd>& end, std::string summary) const;
@@ -76,6 +83,14 @@ class ProgramGeneration final : public GenerationRun {
   absl::Status CheckDevice(const v1::ProgramReportRequest& report) const;
   // MASTER_ADDR and MASTER_PORT of this generation.
   absl::Status Rendezvous(std::string* addr, int* port);
+  // The members agree, through the generation's store, on the newest checkpoint step every one
+  // of them holds in its worker's memory (restore_; none: a fresh start), and each discards
+  // what it holds after it (another history's saves are never restored later).
+  absl::Status AgreeOnCheckpoint();
+  // lockstep.torch.Checkpointer's calls (on a gRPC thread).
+  absl::StatusOr<v1::CheckpointSlotsResponse> OnCheckpointSlots(int64_t bytes);
+  absl::StatusOr<v1::CheckpointRestoreResponse> OnCheckpointRestore(
+      const v1::CheckpointRestoreRequest& request);
   std::string Name() const;
 
   const GenerationContext& context_;
@@ -86,7 +101,13 @@ class ProgramGeneration final : public GenerationRun {
 
   int wake_[2] = {-1, -1};  // the watch's wake-up pipe
   std::string err_kept_;    // the end of the program's stderr
+  // The checkpoint this member restores (set before the program starts), how long the
+  // agreement took, and whether its restore was reported.
+  std::optional<HeldCheckpoint> restore_;
+  absl::Duration agreement_time_;
+  bool restore_reported_ = false;  // on the ProgramServer's threads (one at a time)
   ReportPacer pacer_;       // reports, on the ProgramServer's threads (one at a time)
+  std::atomic<bool> reported_{false};
   absl::Mutex wrong_device_mu_;
   absl::Status wrong_device_ ABSL_GUARDED_BY(wrong_device_mu_);
   // Last: destroyed first, it waits for a report in progress.

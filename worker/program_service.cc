@@ -4,11 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <random>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
+#include "common/auth.h"
 #include "common/grpc_status.h"
 #include "glog/logging.h"
 #include "grpcpp/security/server_credentials.h"
@@ -24,13 +23,6 @@ constexpr absl::Duration kMaxWait = absl::Seconds(300);
 absl::Duration WaitTimeout(int64_t timeout_ms) {
   if (timeout_ms <= 0) return kMaxWait;
   return std::min(absl::Milliseconds(timeout_ms), kMaxWait);
-}
-
-std::string RandomToken() {
-  std::random_device random;
-  std::string token;
-  for (int i = 0; i < 4; ++i) absl::StrAppendFormat(&token, "%08x", random());
-  return token;
 }
 
 }  // namespace
@@ -89,6 +81,40 @@ class ProgramServer::Service final : public v1::ProgramService::Service {
     if (held->closed) return Gone();
     return ToGrpcStatus(held->endpoint.report(*request));
   }
+  grpc::Status CheckpointSlots(grpc::ServerContext* context,
+                               const v1::CheckpointSlotsRequest* request,
+                               v1::CheckpointSlotsResponse* response) override {
+    std::shared_ptr<Held> held;
+    if (grpc::Status s = Authorize(*context, &held); !s.ok()) return s;
+    if (request->bytes() <= 0) {
+      return Invalid(absl::StrCat("bytes: must be > 0, got ", request->bytes()));
+    }
+    absl::MutexLock lock(&held->mu);
+    if (held->closed) return Gone();
+    if (!held->endpoint.checkpoint_slots) return NoCheckpoints();
+    absl::StatusOr<v1::CheckpointSlotsResponse> slots =
+        held->endpoint.checkpoint_slots(request->bytes());
+    if (!slots.ok()) return ToGrpcStatus(slots.status());
+    *response = *std::move(slots);
+    return grpc::Status::OK;
+  }
+  grpc::Status CheckpointRestore(grpc::ServerContext* context,
+                                 const v1::CheckpointRestoreRequest* request,
+                                 v1::CheckpointRestoreResponse* response) override {
+    std::shared_ptr<Held> held;
+    if (grpc::Status s = Authorize(*context, &held); !s.ok()) return s;
+    if (request->loaded_ms() < 0) {
+      return Invalid(absl::StrCat("loaded_ms: must be >= 0, got ", request->loaded_ms()));
+    }
+    absl::MutexLock lock(&held->mu);
+    if (held->closed) return Gone();
+    if (!held->endpoint.checkpoint_restore) return NoCheckpoints();
+    absl::StatusOr<v1::CheckpointRestoreResponse> restore =
+        held->endpoint.checkpoint_restore(*request);
+    if (!restore.ok()) return ToGrpcStatus(restore.status());
+    *response = *std::move(restore);
+    return grpc::Status::OK;
+  }
 
  private:
   static grpc::Status Invalid(const std::string& what) {
@@ -97,6 +123,10 @@ class ProgramServer::Service final : public v1::ProgramService::Service {
   static grpc::Status Gone() {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "no running program holds this secret (its generation ended)");
+  }
+  static grpc::Status NoCheckpoints() {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this worker keeps no checkpoint memory for programs");
   }
   grpc::Status Authorize(const grpc::ServerContext& context, std::shared_ptr<Held>* held) {
     const auto& metadata = context.client_metadata();
@@ -146,7 +176,7 @@ ProgramServer::~ProgramServer() {
 std::unique_ptr<ProgramServer::Registration> ProgramServer::Register(Endpoint endpoint) {
   auto held = std::make_shared<Held>();
   held->endpoint = std::move(endpoint);
-  std::string token = RandomToken();
+  std::string token = RandomSecret();
   {
     absl::MutexLock lock(&mu_);
     endpoints_[token] = std::move(held);

@@ -21,11 +21,17 @@ namespace lockstep::worker {
 
 class ProgramServer {
  public:
-  // What one running program's calls reach. `report` runs on a gRPC thread until the
-  // endpoint's Registration goes.
+  // What one running program's calls reach. Its functions run on gRPC threads, one at a time,
+  // until the endpoint's Registration goes.
   struct Endpoint {
     std::shared_ptr<StoreClient> store;
     std::function<absl::Status(const v1::ProgramReportRequest&)> report;
+    // lockstep.torch.Checkpointer (null: unavailable): its slots in the worker's memory, and
+    // the state to restore. Short calls, run like `report`.
+    std::function<absl::StatusOr<v1::CheckpointSlotsResponse>(int64_t bytes)> checkpoint_slots;
+    std::function<absl::StatusOr<v1::CheckpointRestoreResponse>(
+        const v1::CheckpointRestoreRequest&)>
+        checkpoint_restore;
   };
   // While it lives, the endpoint serves calls carrying `token()`; its destruction waits for a
   // report in progress and refuses later calls (UNAUTHENTICATED).

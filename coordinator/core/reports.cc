@@ -310,6 +310,7 @@ absl::Status Core::ReportResumed(const std::string& worker_id, const v1::Resumed
     r->set_resumed_from_step(report.resumed_from_step());
     r->set_source_rank(report.source_rank());
     r->set_heal_ms(report.heal_ms());
+    r->set_restored_from(report.restored_from());
     r->set_steps_redone(std::max<int64_t>(0, r->step_at_detection() - report.resumed_from_step()));
     // State from a member's memory is that member's last committed step; state from a disk
     // checkpoint (or none) means every member that held later steps is gone, and what they
@@ -353,11 +354,15 @@ void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note
   if (job.open_recovery < 0) return;
   v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
   r->set_first_step_unix_ms(ToUnixMillisOrZero(now));
+  const std::string source =
+      r->restored_from().empty()
+          ? absl::StrFormat("source rank %d, heal %d ms", r->source_rank(), r->heal_ms())
+          : absl::StrFormat("restored from %s in %d ms", r->restored_from(), r->heal_ms());
   AddEvent(job, v1::JobEvent::MEMBERSHIP,
-           absl::StrFormat("generation %d resumed after step %d (source rank %d, heal %d ms, %d ms "
+           absl::StrFormat("generation %d resumed after step %d (%s, %d ms "
                            "after detection, %s%d steps redone)%s",
-                           r->to_generation(), r->resumed_from_step(), r->source_rank(),
-                           r->heal_ms(), r->first_step_unix_ms() - r->detect_unix_ms(),
+                           r->to_generation(), r->resumed_from_step(), source,
+                           r->first_step_unix_ms() - r->detect_unix_ms(),
                            r->steps_redone_lower_bound() ? "at least " : "", r->steps_redone(),
                            note),
            now, out);

@@ -1,13 +1,12 @@
 // Shell state of the coordinator: applies the core's decisions outside the lock.
 #include "coordinator/service/coordinator.h"
 
-#include <sys/random.h>
-
 #include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/auth.h"
 #include "common/status_macros.h"
 #include "common/test_hooks.h"
 #include "glog/logging.h"
@@ -18,23 +17,6 @@ namespace {
 // How often workers send heartbeats (told to each at registration); the core declares one lost
 // after its heartbeat timeout of silence.
 constexpr int64_t kHeartbeatIntervalMs = 500;
-
-// 128 random bits from the kernel, in hex.
-std::string NewSessionKey() {
-  unsigned char bytes[16];
-  size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
-  }
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string key;
-  for (unsigned char b : bytes) {
-    key += kHex[b >> 4];
-    key += kHex[b & 15];
-  }
-  return key;
-}
 
 }  // namespace
 
@@ -64,7 +46,7 @@ absl::StatusOr<std::string> Coordinator::Register(const v1::RegisterRequest& req
     v1::CoordinatorMessage registered;
     registered.mutable_registered()->set_worker_id(*id);
     registered.mutable_registered()->set_heartbeat_interval_ms(kHeartbeatIntervalMs);
-    const std::string key = NewSessionKey();
+    const std::string key = RandomSecret();
     registered.mutable_registered()->set_session_key(key);
     session_keys_[key] = *id;
     outbox->Push(std::move(registered));

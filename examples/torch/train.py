@@ -24,19 +24,21 @@ over ranks) and `final_step=<n>`, each on its own line.
 
 With --timing (for bench/program_bench.py) rank 0 also prints machine-readable
 lines `timing <name> <unix_time_s> [key=value ...]` to stdout: proc_start (the
-process's start from /proc, 10 ms resolution), script_start, import_torch,
+process's start from /proc, 10 ms resolution), script_start (preloaded=1 when
+torch was imported before the script ran: a warm start), import_torch,
 import_lockstep, init_process_group, checkpoint_load, first_step, and `step`
 (with step=N) at every --log-every step. Nothing else changes with it.
 """
 
+import sys
 import time
 
 _T_SCRIPT_START = time.time()  # before the imports: --timing reports it
+_PRELOADED = "torch" in sys.modules  # started in a Lockstep worker's warm interpreter
 
 import argparse
 import gc
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -168,7 +170,8 @@ def main():
         if proc_start is not None:
             timing.mark("proc_start", proc_start, pid=os.getpid(),
                         restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        timing.mark("script_start", _T_SCRIPT_START, pid=os.getpid())
+        timing.mark("script_start", _T_SCRIPT_START, pid=os.getpid(),
+                    preloaded=int(_PRELOADED))
         timing.mark("import_torch", _T_IMPORT_TORCH)
         timing.mark("import_lockstep", _T_IMPORT_LOCKSTEP, loaded=int(lt is not None))
 

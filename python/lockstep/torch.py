@@ -8,6 +8,10 @@ This module adds what torchrun cannot give:
     lt.init_process_group("gloo")   # the group forms through the coordinator: no MASTER_PORT
     ...
     lt.report(step=step, loss=loss.item(), samples=global_batch_size)
+    ckpt = lt.Checkpointer()          # the model and optimizer in the worker's memory
+    start = ckpt.load(model, opt) or 0
+    ...
+    ckpt.save(step, model, opt)       # a memory copy; a restarted group resumes from it
 
 init_process_group forms the group over the coordinator's bootstrap store (the same scope the
 worker's generation has: a restarted group never meets an older one's keys), so NCCL's unique
@@ -202,3 +206,6 @@ def report(step, loss=None, samples=None):
         request.loss = float(loss)
         request.has_loss = True
     return _reporter.put(request)
+
+
+from lockstep.checkpoint import Checkpointer  # noqa: E402  (it imports torch)

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -184,7 +185,7 @@ TEST_F(ProgramTest, EnvironmentIsTorchrunsOnThreeWorkersAcrossTwoHosts) {
   auto done = RunToEnd(*cluster, spec);
   ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
   ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
-  EXPECT_EQ(done->recoveries(), 0);
+  ASSERT_EQ(done->recoveries(), 0) << done->DebugString() << cluster->Logs();
 
   std::string master;
   for (int rank = 0; rank < 3; ++rank) {
@@ -230,14 +231,120 @@ TEST_F(ProgramTest, EnvironmentIsTorchrunsOnThreeWorkersAcrossTwoHosts) {
 }
 
 // Raises in generation 1 on rank 1, writes its restart count in every generation.
-constexpr char kFailOnceScript[] = R"py(import os
+constexpr char kFailOnceScript[] = R"py(import os, time
 out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 gen, rank = os.environ["LOCKSTEP_GENERATION"], os.environ["RANK"]
-with open(os.path.join(out, "restart-%s-%s" % (gen, rank)), "w") as f:
+path = os.path.join(out, "restart-%s-%s" % (gen, rank))
+with open(path + ".tmp", "w") as f:
     f.write(os.environ["TORCHELASTIC_RESTART_COUNT"])
+os.rename(path + ".tmp", path)
 if gen == "1" and rank == "1":
+    # Once rank 0 has run (a failure stops the whole group, and on a loaded machine rank 0
+    # might not have started yet).
+    deadline = time.time() + 60
+    while not os.path.exists(os.path.join(out, "restart-1-0")) and time.time() < deadline:
+        time.sleep(0.02)
     raise ValueError("boom on rank 1")
 )py";
+
+// Writes its environment, how it was started, and whether torch was imported before the script
+// ran (a warm start) to out/gen-G-WORKER.env; in generation 1 it then runs until it is stopped.
+constexpr char kWarmScript[] = R"py(import os, sys, time
+warm = "torch" in sys.modules
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+gen = os.environ["LOCKSTEP_GENERATION"]
+path = os.path.join(out, "gen-%s-%s.env" % (gen, os.environ["LOCKSTEP_WORKER"]))
+with open(path + ".tmp", "w") as f:
+    for name, value in sorted(os.environ.items()):
+        f.write("%s=%s\n" % (name, value))
+    f.write("ARGV=%s\nCWD=%s\nPATH0=%s\nFILE=%s\nWARM=%s\n" % (
+        " ".join(sys.argv), os.getcwd(), sys.path[0], __file__, warm))
+os.rename(path + ".tmp", path)
+while gen == "1":
+    time.sleep(0.05)
+)py";
+
+// The interpreters parked by `worker` (worker/program/warm_start.h): children of its supervisors.
+std::vector<pid_t> ParkedInterpreters(pid_t worker) {
+  auto parent = [](const std::string& pid) {
+    // /proc/PID/stat: "PID (COMM) STATE PPID ...", COMM may hold spaces and parentheses.
+    const std::string stat = ReadFile("/proc/" + pid + "/stat");
+    const size_t close = stat.rfind(')');
+    int ppid = -1;
+    if (close == std::string::npos) return ppid;
+    const std::vector<std::string> fields =
+        absl::StrSplit(stat.substr(close + 2), ' ', absl::SkipEmpty());
+    if (fields.size() < 2 || !absl::SimpleAtoi(fields[1], &ppid)) return -1;
+    return ppid;
+  };
+  std::vector<pid_t> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string pid = entry.path().filename();
+    int n = 0;
+    if (!absl::SimpleAtoi(pid, &n)) continue;
+    if (!absl::StrContains(ReadFile("/proc/" + pid + "/cmdline"), "LOCKSTEP_PARKED_PROGRAM")) {
+      continue;
+    }
+    const int supervisor = parent(pid);
+    if (supervisor > 0 && parent(absl::StrCat(supervisor)) == worker) out.push_back(n);
+  }
+  return out;
+}
+
+TEST_F(ProgramTest, ARestartRunsInTheInterpreterParkedForItAndAParkedOneGoesWithItsWorker) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/warm.py", kWarmScript);
+  for (const std::string name : {"w0", "w1"}) {
+    std::vector<std::string> flags = ProgramFlags(p);
+    flags.push_back("--test_hooks=warm_interpreter_parked");
+    ASSERT_TRUE(cluster->StartWorker(name, flags).ok()) << cluster->Logs();
+  }
+  v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "warm.py", "--epochs=2"}, 1, 2);
+  spec.set_max_restarts(4);
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  // Both members' workers parked an interpreter for the next generation (and hold there).
+  for (const std::string name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->WaitForHook(name, "warm_interpreter_parked", absl::Seconds(60)).ok())
+        << name << cluster->Logs();
+  }
+  const std::vector<pid_t> parked = ParkedInterpreters(cluster->worker("w1")->pid());
+  ASSERT_EQ(parked.size(), 1u) << cluster->Logs();
+  // kill -9 of a worker while it holds a parked interpreter: the interpreter goes with it.
+  cluster->worker("w1")->Signal(SIGKILL);
+  EXPECT_TRUE(WaitGone(parked[0], absl::Seconds(10))) << "a parked interpreter outlived its worker";
+  cluster->ReleaseHook("w0", "warm_interpreter_parked");
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_TRUE(absl::StrContains(cluster->Logs(), "in a warm interpreter")) << cluster->Logs();
+
+  // The survivor's next generation ran in its parked interpreter, and saw what a cold start
+  // sees: every variable the same but those of the new generation, nothing more.
+  auto cold = ParseEnv(ReadFile(p.out + "/gen-1-w0.env"));
+  auto warm = ParseEnv(ReadFile(p.out + "/gen-2-w0.env"));
+  ASSERT_FALSE(warm.empty()) << cluster->Logs();
+  EXPECT_EQ(cold["WARM"], "False");
+  EXPECT_EQ(warm["WARM"], "True");
+  EXPECT_EQ(warm["WORLD_SIZE"], "1");
+  EXPECT_EQ(warm["RANK"], "0");
+  EXPECT_EQ(warm["LOCKSTEP_GENERATION"], "2");
+  EXPECT_EQ(warm["TORCHELASTIC_RESTART_COUNT"], "1");
+  const std::set<std::string> per_generation = {
+      "WARM", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ROLE_RANK",
+      "ROLE_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+      "LOCKSTEP_GENERATION", "TORCHELASTIC_RESTART_COUNT", "LOCKSTEP_AGENT_TOKEN"};
+  for (const auto& [name, value] : cold) {
+    if (per_generation.count(name) == 0) {
+      EXPECT_EQ(warm[name], value) << name;
+    }
+  }
+  for (const auto& [name, value] : warm) EXPECT_EQ(cold.count(name), 1u) << name << "=" << value;
+  EXPECT_EQ(warm["ARGV"], "warm.py --epochs=2");
+  EXPECT_EQ(warm["CWD"], cold["CWD"]);  // and PATH0 (sys.path[0]) and FILE (__file__) above
+}
 
 TEST_F(ProgramTest, FailedProcessRestartsTheGroupAndTheJobSucceeds) {
   auto cluster = StartCluster();
@@ -250,7 +357,7 @@ TEST_F(ProgramTest, FailedProcessRestartsTheGroupAndTheJobSucceeds) {
   ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
   EXPECT_EQ(done->recoveries(), 1);
   EXPECT_EQ(done->generation(), 2);
-  ASSERT_EQ(done->program_exits_size(), 1);
+  ASSERT_EQ(done->program_exits_size(), 1) << done->DebugString() << cluster->Logs();
   const v1::ProgramExit& exit = done->program_exits(0);
   EXPECT_EQ(exit.rank(), 1);
   EXPECT_EQ(exit.generation(), 1);
@@ -695,6 +802,156 @@ TEST_F(ProgramTest, KilledRankResumesFromItsCheckpointWithTheUndisturbedFinalLos
   EXPECT_EQ(r.steps_redone(), r.step_at_detection() - r.resumed_from_step());
   ASSERT_GE(done->program_exits_size(), 1);
   EXPECT_EQ(done->program_exits(0).signal(), "SIGKILL");
+}
+
+// Trains a small model with DDP over Gloo for STEPS steps (data depends only on step and rank),
+// saving through lockstep.torch.Checkpointer after every step; writes TAG-gen-G-rank-R.restored
+// (what load() returned) and, at the end, TAG-final (steps and a digest of the parameters).
+// HOLD (generation 1 only): "after-save:K" waits after every rank's save of step K (having
+// written TAG-held-RANK with its pid); "mid-save:K:R" holds rank R inside its save of step K,
+// its tensors copied and not committed (lockstep.checkpoint's test hook writes TAG-held-R).
+constexpr char kCheckpointScript[] = R"py(import hashlib, os, sys, time
+import torch, torch.nn as nn, torch.distributed as dist
+import lockstep.torch as lt
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+tag, steps = sys.argv[1], int(sys.argv[2])
+gen, rank = os.environ["LOCKSTEP_GENERATION"], int(os.environ["RANK"])
+hold = os.environ.get("HOLD", "") if gen == "1" else ""
+def write(name, text):
+    path = os.path.join(out, "%s-%s" % (tag, name))
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+lt.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+ddp = nn.parallel.DistributedDataParallel(model)
+ckpt = lt.Checkpointer()
+start = ckpt.load(model, opt)
+write("gen-%s-rank-%d.restored" % (gen, rank), str(start))
+for step in range((start or 0) + 1, steps + 1):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+    loss = ((ddp(x) - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if hold == "mid-save:%d:%d" % (step, rank):
+        os.environ["LOCKSTEP_TEST_HOLD_SAVE_AT_STEP"] = str(step)
+        os.environ["LOCKSTEP_TEST_HOLD_SAVE_FILE"] = os.path.join(out, "%s-held-%d" % (tag, rank))
+    ckpt.save(step, model, opt, extra={"step": step})
+    lt.report(step, loss=loss.item())
+    if hold == "after-save:%d" % step:
+        write("held-%d" % rank, str(os.getpid()))
+        while True:
+            time.sleep(1)
+digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in model.state_dict().values()))
+if rank == 0:
+    write("final", "%d %s" % (steps, digest.hexdigest()))
+del ddp
+dist.destroy_process_group()
+)py";
+
+TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/ckpt.py", kCheckpointScript);
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
+  auto spec = [&](const std::string& tag, const std::string& hold) {
+    v1::JobSpec s = ProgramJob(p, {"/usr/bin/python3", "ckpt.py", tag, "30"}, 2, 2);
+    s.set_max_restarts(3);
+    if (!hold.empty()) (*s.mutable_program()->mutable_env())["HOLD"] = hold;
+    return s;
+  };
+  auto restored = [&](const std::string& tag, int64_t generation, int rank) {
+    return ReadFile(absl::StrCat(p.out, "/", tag, "-gen-", generation, "-rank-", rank,
+                                 ".restored"));
+  };
+  auto kill_held = [&](const std::string& tag, int rank) {
+    const std::string held = absl::StrCat(p.out, "/", tag, "-held-", rank);
+    EXPECT_TRUE(WaitForFile(held, kJobWait)) << cluster->Logs();
+    const pid_t pid = ReadPid(held);
+    ASSERT_GT(pid, 0);
+    ASSERT_EQ(kill(pid, SIGKILL), 0);
+  };
+
+  // Undisturbed: the digest every disturbed run must end with.
+  auto reference = RunToEnd(*cluster, spec("ref", ""));
+  ASSERT_TRUE(reference.ok()) << reference.status() << cluster->Logs();
+  ASSERT_EQ(reference->state(), v1::JOB_STATE_SUCCEEDED) << reference->reason() << cluster->Logs();
+  const std::string digest = ReadFile(p.out + "/ref-final");
+  ASSERT_TRUE(absl::StartsWith(digest, "30 ")) << digest;
+  EXPECT_EQ(restored("ref", 1, 0), "None");
+
+  {
+    SCOPED_TRACE("kill -9 of rank 1 right after its save of step 12");
+    auto job = cluster->Submit(spec("after", "after-save:12"));
+    ASSERT_TRUE(job.ok()) << job.status();
+    ASSERT_TRUE(WaitForFile(p.out + "/after-held-0", kJobWait)) << cluster->Logs();
+    ASSERT_TRUE(cluster->WaitFor(job->job_id(), [](const v1::Job& j) { return j.step() >= 12; },
+                                 kJobWait).ok());
+    ASSERT_NO_FATAL_FAILURE(kill_held("after", 1));
+    auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+    ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+    ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+    EXPECT_EQ(ReadFile(p.out + "/after-final"), digest);
+    ASSERT_GE(done->recovery_history_size(), 1);
+    const v1::Recovery& r = done->recovery_history(0);
+    for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(restored("after", r.to_generation(), rank), "12");
+    EXPECT_EQ(r.restored_from(), "memory") << r.DebugString();
+    EXPECT_EQ(r.resumed_from_step(), 12) << r.DebugString();
+    EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
+    // status shows where the state came from with how long the restore took.
+    auto status = testing::RunCommand(
+        {LOCKSTEP_CTL_BIN, "--coordinator=" + cluster->address(), "status", job->job_id()},
+        absl::Seconds(30));
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_TRUE(absl::StrContains(status->output, "(memory)")) << status->output;
+  }
+  {
+    SCOPED_TRACE("kill -9 of rank 1 inside its save of step 12 (rank 0 completed it)");
+    auto job = cluster->Submit(spec("mid", "mid-save:12:1"));
+    ASSERT_TRUE(job.ok()) << job.status();
+    ASSERT_NO_FATAL_FAILURE(kill_held("mid", 1));
+    auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+    ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+    ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+    EXPECT_EQ(ReadFile(p.out + "/mid-final"), digest);
+    ASSERT_GE(done->recovery_history_size(), 1);
+    const v1::Recovery& r = done->recovery_history(0);
+    // Rank 1's torn save of step 12 is never restored; rank 0's whole one is discarded: the
+    // newest step both hold is 11.
+    for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(restored("mid", r.to_generation(), rank), "11");
+    EXPECT_EQ(r.restored_from(), "memory") << r.DebugString();
+    EXPECT_EQ(r.resumed_from_step(), 11) << r.DebugString();
+  }
+}
+
+// A save that cannot fit in the worker's --checkpoint_memory_bytes fails in the script with
+// the numbers (a MemoryError it may catch); here uncaught, with exit code 1 made fatal.
+TEST_F(ProgramTest, ASaveBeyondTheWorkersCheckpointMemoryFailsNamingTheNumbers) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/big.py", R"py(import torch, lockstep.torch as lt
+model = torch.nn.Linear(512, 512)
+ckpt = lt.Checkpointer()
+assert ckpt.load(model) is None
+ckpt.save(1, model)
+)py");
+  std::vector<std::string> flags = ProgramFlags(p);
+  flags.push_back("--checkpoint_memory_bytes=65536");
+  ASSERT_TRUE(cluster->StartWorker("w0", flags).ok()) << cluster->Logs();
+  v1::JobSpec spec = ProgramJob(p, {"/usr/bin/python3", "big.py"}, 1, 1);
+  spec.mutable_program()->add_fatal_exit_codes(1);
+  auto done = RunToEnd(*cluster, spec);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_FAILED) << cluster->Logs();
+  EXPECT_TRUE(absl::StrContains(done->reason(), "MemoryError")) << done->reason();
+  EXPECT_TRUE(absl::StrContains(done->reason(), "--checkpoint_memory_bytes is 65536 bytes"))
+      << done->reason();
 }
 
 // Reports as lockstep.torch does from processes that all compute on cuda:1: local rank 1 is

@@ -89,6 +89,17 @@ bool InheritedVariable(const std::string& name) {
          absl::StartsWith(name, "CUDA_");
 }
 
+bool PerGenerationVariable(const std::string& name) {
+  for (const char* varies :
+       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+        "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+        "LOCKSTEP_GENERATION", "CUDA_VISIBLE_DEVICES", "LOCKSTEP_AGENT_ADDRESS",
+        "LOCKSTEP_AGENT_TOKEN"}) {
+    if (name == varies) return true;
+  }
+  return false;
+}
+
 std::map<std::string, std::string> CurrentEnvironment() {
   std::map<std::string, std::string> env;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {

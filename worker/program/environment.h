@@ -51,6 +51,11 @@ std::vector<std::string> ProgramEnvironment(const v1::Assignment& assignment,
                                             const std::string& master_addr, int master_port,
                                             const std::map<std::string, std::string>& extra = {});
 
+// Whether ProgramEnvironment's value for `name` may differ between generations of one job on
+// one worker (ranks, sizes, MASTER_*, the restart count, the generation, the GPUs, the
+// lockstep.torch endpoint): what a warm interpreter learns only when its generation starts.
+bool PerGenerationVariable(const std::string& name);
+
 // The spec's argv, with "--local_rank=N" appended when local_rank_arg asks for it.
 std::vector<std::string> ProgramArgv(const v1::Assignment& assignment);
 

@@ -52,11 +52,11 @@ void CloseRange(int first, unsigned last) {
 
 void CloseFrom(int first) { CloseRange(first, ~0U); }
 
-// Closes every descriptor from 3 on but the three in `keep`.
-void CloseAllBut(int a, int b, int c) {
-  int keep[3] = {a, b, c};
-  for (int i = 0; i < 3; ++i) {
-    for (int j = i + 1; j < 3; ++j) {
+// Closes every descriptor from 3 on but the four in `keep` (-1: none).
+void CloseAllBut(int a, int b, int c, int d) {
+  int keep[4] = {a, b, c, d};
+  for (int i = 0; i < 4; ++i) {
+    for (int j = i + 1; j < 4; ++j) {
       if (keep[j] < keep[i]) {
         const int t = keep[i];
         keep[i] = keep[j];
@@ -91,13 +91,23 @@ void CloseAllBut(int a, int b, int c) {
     WriteMessage(status_w, kExecFailed, errno);
     _exit(127);
   }
+  // The handoff, if any, out of the way of fd 3 first (fcntl picks a free descriptor).
+  int handoff = -1;
+  if (spec.handoff_fd >= 0 && (handoff = fcntl(spec.handoff_fd, F_DUPFD, 10)) < 0) {
+    WriteMessage(status_w, kExecFailed, errno);
+    _exit(127);
+  }
   // The status pipe stays open (close-on-exec) to say why exec failed; nothing else of the
-  // worker's (its sockets, its files) reaches the program.
+  // worker's (its sockets, its files) reaches the program, but the handoff as fd 4.
   if (status_w != 3 && dup3(status_w, 3, O_CLOEXEC) < 0) {
     WriteMessage(status_w, kExecFailed, errno);
     _exit(127);
   }
-  CloseFrom(4);
+  if (handoff >= 0 && dup2(handoff, 4) < 0) {
+    WriteMessage(3, kExecFailed, errno);
+    _exit(127);
+  }
+  CloseFrom(handoff >= 0 ? 5 : 4);
   const ProgramCredentials& c = spec.credentials;
   if (c.switch_user &&
       (setgroups(c.groups.size(), c.groups.data()) != 0 || setgid(c.gid) != 0 ||
@@ -125,7 +135,7 @@ void CloseAllBut(int a, int b, int c) {
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   bool stopping = getppid() != worker;
   // None of the worker's sockets and files: its session must break the moment it dies.
-  CloseAllBut(out_w, err_w, status_w);
+  CloseAllBut(out_w, err_w, status_w, spec.handoff_fd);
   setpgid(0, 0);  // out of the worker's group: a terminal's ^C is the worker's business
   prctl(PR_SET_CHILD_SUBREAPER, 1);
   const pid_t program = fork();
@@ -137,6 +147,7 @@ void CloseAllBut(int a, int b, int c) {
   setpgid(program, program);  // also done by the child: whichever runs first
   close(out_w);
   close(err_w);
+  if (spec.handoff_fd >= 0) close(spec.handoff_fd);
   WriteMessage(status_w, kStarted, program);
   const int64_t grace_ms = absl::ToInt64Milliseconds(spec.stop_grace);
   bool main_exited = false;

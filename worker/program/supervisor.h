@@ -37,6 +37,10 @@ struct LaunchSpec {
   std::string workdir;
   ProgramCredentials credentials;
   absl::Duration stop_grace = absl::Seconds(5);
+  // A descriptor the program gets as its fd 4 (-1: none): how a warm interpreter
+  // (worker/program/warm_start.h) learns what to run. Launch leaves it open; the caller closes
+  // its copy.
+  int handoff_fd = -1;
 };
 
 // How the program's main process ended.

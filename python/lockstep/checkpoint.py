@@ -1,0 +1,384 @@
+"""lockstep.torch.Checkpointer: a program's model and optimizer state in its worker's memory.
+
+    ckpt = lockstep.torch.Checkpointer()
+    start_step = ckpt.load(model, optimizer) or 0     # after a restart: the group's newest step
+    for step in range(start_step + 1, steps + 1):
+        ...
+        ckpt.save(step, model, optimizer, extra={"epoch": epoch})
+
+save() copies every tensor of the state dicts (and the rest, pickled) into one of two slots
+that the worker keeps for the job: files on the worker's tmpfs, mapped into this process, so
+a save costs a memory copy and outlives the process. The slot's layout is the worker's
+(worker/program/checkpoint_memory.h): a 4096-byte header whose commit sequence is written last,
+then a safetensors payload. A save interrupted by the process's death leaves its slot
+uncommitted, and the other slot (the previous save) is what is restored.
+
+load() asks the worker which state to restore: the members of the generation agree on the
+newest step every one of them holds, and each takes it from its own worker. It fills the
+model's tensors in place and loads the optimizer's state; `extra` comes back as
+checkpointer.extra. Every rank of the group calls load() (before its first save).
+
+Outside Lockstep, Checkpointer() raises, unless fallback_dir names a directory: then save()
+and load() use torch.save / torch.load of DIR/checkpoint-rankN.pt (written atomically).
+"""
+import io
+import json
+import mmap
+import os
+import pickle
+import struct
+import time
+
+import torch
+
+from lockstep import _agent
+
+MAGIC = b"LSCKPT01"
+HEADER_BYTES = 4096
+# The non-tensor remainder (param_groups, small values of `extra`) is pickled; larger values
+# belong in tensors.
+MAX_REMAINDER_BYTES = 64 << 20
+_REMAINDER = "__lockstep_remainder__"
+
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+
+class _Tensor:
+    """A placeholder for a tensor in the pickled remainder."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+def _xxh3(view):
+    try:
+        import xxhash
+    except ImportError:
+        raise RuntimeError("lockstep.torch.Checkpointer needs the xxhash module "
+                           "(Debian: python3-xxhash)") from None
+    return xxhash.xxh3_64_intdigest(view)
+
+
+def _flatten(model, optimizer, extra):
+    """[(name, tensor)] and the picklable rest, with tensors replaced by _Tensor(name)."""
+    tensors = []
+
+    def take(prefix, value):
+        if isinstance(value, torch.Tensor):
+            if value.is_sparse or value.dtype not in _DTYPES:
+                raise TypeError(f"lockstep.torch.Checkpointer: {prefix} is a "
+                                f"{'sparse ' if value.is_sparse else ''}{value.dtype} tensor, "
+                                f"which a checkpoint cannot hold")
+            tensors.append((prefix, value.detach()))
+            return _Tensor(prefix)
+        if isinstance(value, dict):
+            return {k: take(f"{prefix}.{k}", v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(take(f"{prefix}.{i}", v) for i, v in enumerate(value))
+        return value
+
+    rest = {"model": take("model", dict(model.state_dict())) if model is not None else None,
+            "optimizer": take("optimizer", optimizer.state_dict()) if optimizer is not None
+            else None,
+            "extra": take("extra", dict(extra)) if extra is not None else None}
+    return tensors, rest
+
+
+def _pickle_rest(rest):
+    data = pickle.dumps(rest, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) > MAX_REMAINDER_BYTES:
+        sizes = []
+        for part in ("model", "optimizer", "extra"):
+            if isinstance(rest.get(part), dict):
+                for k, v in rest[part].items():
+                    sizes.append((len(pickle.dumps(v)), f"{part}.{k}"))
+        biggest = max(sizes, default=(0, "?"))
+        raise ValueError(f"lockstep.torch.Checkpointer: the non-tensor part of the state is "
+                         f"{len(data)} bytes pickled, more than {MAX_REMAINDER_BYTES}; the "
+                         f"largest is {biggest[1]} ({biggest[0]} bytes): keep large values in "
+                         f"tensors")
+    return data
+
+
+class _Layout:
+    """Where each tensor goes in the safetensors payload (computed once per set of shapes)."""
+
+    def __init__(self, tensors, remainder_bytes):
+        # Widest elements first: every tensor starts aligned to its own element size.
+        order = sorted(range(len(tensors)), key=lambda i: -tensors[i][1].element_size())
+        header, offset, self.entries = {}, 0, []
+        for i in order:
+            name, t = tensors[i]
+            n = t.numel() * t.element_size()
+            header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + n]}
+            self.entries.append((i, offset, n))
+            offset += n
+        header[_REMAINDER] = {"dtype": "U8", "shape": [remainder_bytes],
+                              "data_offsets": [offset, offset + remainder_bytes]}
+        self.remainder_offset = offset
+        self.data_bytes = offset + remainder_bytes
+        self.header_template = header
+        self.key = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors) + (
+            remainder_bytes,)
+
+    def header(self, step):
+        h = dict(self.header_template)
+        h["__metadata__"] = {"format": "lockstep.torch.Checkpointer/1", "step": str(step)}
+        text = json.dumps(h, separators=(",", ":")).encode()
+        # Data starts 64-byte aligned in the slot (the header ends padded with spaces).
+        pad = (-(HEADER_BYTES + 8 + len(text))) % 64
+        return text + b" " * pad
+
+
+class _Slot:
+    def __init__(self, path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.size = os.fstat(self.fd).st_size
+        self.map = mmap.mmap(self.fd, self.size)
+        self.views = None  # (layout key, data start, [views]) of the last save
+
+    def sequence(self):
+        magic, seq = struct.unpack_from("<8sQ", self.map, 0)
+        return seq if magic == MAGIC else 0
+
+    def close(self):
+        self.views = None
+        self.map.close()
+        os.close(self.fd)
+
+
+class Checkpointer:
+    def __init__(self, fallback_dir=None):
+        self.extra = None
+        self._fallback = None
+        self._slots = []
+        self._restored = False
+        self._last_step = None
+        self._layout = None
+        if not _agent.available():
+            if fallback_dir is None:
+                raise RuntimeError(
+                    "lockstep.torch.Checkpointer: not running under a Lockstep worker "
+                    "(LOCKSTEP_AGENT_ADDRESS and LOCKSTEP_AGENT_TOKEN are not set); pass "
+                    "fallback_dir=DIR to save with torch.save to DIR instead")
+            self._fallback = str(fallback_dir)
+
+    # ----------------------------------------------------------------------------------------
+    # save
+
+    def save(self, step, model, optimizer=None, extra=None):
+        """Copies the state at optimizer step `step` into the worker's memory and returns when
+        the copy is committed. A save of the step saved last is a no-op."""
+        step = int(step)
+        if step == self._last_step:
+            return
+        if self._fallback is not None:
+            self._save_fallback(step, model, optimizer, extra)
+            self._last_step = step
+            return
+        tensors, rest = _flatten(model, optimizer, extra)
+        remainder = _pickle_rest(rest)
+        layout = self._layout
+        if layout is None or layout.key != tuple(
+                (n, t.dtype, tuple(t.shape)) for n, t in tensors) + (len(remainder),):
+            layout = self._layout = _Layout(tensors, len(remainder))
+        head = layout.header(step)
+        payload_bytes = 8 + len(head) + layout.data_bytes
+        slot = self._slot_for(HEADER_BYTES + payload_bytes)
+        other = [s for s in self._slots if s is not slot][0]
+        sequence = max(slot.sequence(), other.sequence()) + 1
+        m = slot.map
+        struct.pack_into("<Q", m, 8, 0)  # not committed while written
+        struct.pack_into("<8s", m, 0, MAGIC)
+        struct.pack_into("<Q", m, HEADER_BYTES, len(head))
+        m[HEADER_BYTES + 8:HEADER_BYTES + 8 + len(head)] = head
+        data_start = HEADER_BYTES + 8 + len(head)
+        views = self._views(slot, layout, data_start, tensors)
+        with torch.no_grad():
+            for (i, _, _), view in zip(layout.entries, views):
+                view.copy_(tensors[i][1].reshape(view.shape))
+        r = data_start + layout.remainder_offset
+        m[r:r + len(remainder)] = remainder
+        _hold_for_test(step)
+        checksum = _xxh3(memoryview(m)[HEADER_BYTES:HEADER_BYTES + payload_bytes])
+        struct.pack_into("<qQQ", m, 16, step, payload_bytes, checksum)
+        struct.pack_into("<Q", m, 8, sequence)  # the commit: written last
+        self._last_step = step
+
+    def _slot_for(self, need):
+        """The slot to write next (the older save), mapped and at least `need` bytes."""
+        if not self._restored:
+            self.load(None)  # the group's agreement comes first (it may discard saves)
+        if not self._slots or self._slots[0].size < need:
+            response = _agent.call(_agent.agent().CheckpointSlots,
+                                   _program_pb2().CheckpointSlotsRequest(bytes=need),
+                                   what="lockstep.torch.Checkpointer.save")
+            for s in self._slots:
+                s.close()
+            self._slots = [_Slot(p) for p in response.paths]
+        a, b = self._slots
+        return a if a.sequence() <= b.sequence() else b
+
+    @staticmethod
+    def _views(slot, layout, data_start, tensors):
+        if slot.views is not None and slot.views[0] == layout.key and slot.views[1] == data_start:
+            return slot.views[2]
+        views = []
+        for i, offset, n in layout.entries:
+            t = tensors[i][1]
+            views.append(torch.frombuffer(slot.map, dtype=t.dtype, count=t.numel(),
+                                          offset=data_start + offset).view(t.shape)
+                         if n else torch.empty(t.shape, dtype=t.dtype))
+        slot.views = (layout.key, data_start, views)
+        return views
+
+    # ----------------------------------------------------------------------------------------
+    # load
+
+    def load(self, model, optimizer=None):
+        """Restores the group's newest common state into `model` (in place) and `optimizer`;
+        returns its step, or None when there is none (a fresh start). Sets self.extra."""
+        if self._fallback is not None:
+            return self._load_fallback(model, optimizer)
+        started = time.monotonic()
+        response = _agent.call(_agent.agent().CheckpointRestore,
+                               _program_pb2().CheckpointRestoreRequest(),
+                               what="lockstep.torch.Checkpointer.load")
+        self._restored = True
+        if not response.found:
+            return None
+        if model is None and optimizer is None:
+            return int(response.step)
+        with open(response.path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable: torch.frombuffer
+        try:
+            self._fill(m, int(response.step), model, optimizer)
+        finally:
+            m.close()
+        self._last_step = int(response.step)
+        # Restored: the recovery in status says from where, and how long it took.
+        _agent.call(_agent.agent().CheckpointRestore,
+                    _program_pb2().CheckpointRestoreRequest(
+                        loaded=True, step=self._last_step,
+                        loaded_ms=int((time.monotonic() - started) * 1000)),
+                    what="lockstep.torch.Checkpointer.load")
+        return self._last_step
+
+    def _fill(self, m, step, model, optimizer):
+        (n,) = struct.unpack_from("<Q", m, HEADER_BYTES)
+        header = json.loads(bytes(m[HEADER_BYTES + 8:HEADER_BYTES + 8 + n]))
+        data_start = HEADER_BYTES + 8 + n
+        header.pop("__metadata__", None)
+
+        def tensor(name):
+            if name not in header:
+                raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
+                               f"has no tensor {name}")
+            e = header[name]
+            begin, end = e["data_offsets"]
+            dtype = _TORCH_DTYPES[e["dtype"]]
+            count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+            if count == 0:
+                return torch.empty(e["shape"], dtype=dtype)
+            # A copy: the mapping closes when load returns.
+            return torch.frombuffer(m, dtype=dtype, count=count,
+                                    offset=data_start + begin).view(e["shape"]).clone()
+
+        rest = pickle.loads(bytes(tensor(_REMAINDER).numpy().tobytes()))
+
+        def build(value):
+            if isinstance(value, _Tensor):
+                return tensor(value.name)
+            if isinstance(value, dict):
+                return {k: build(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(build(v) for v in value)
+            return value
+
+        if model is not None:
+            if rest["model"] is None:
+                raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
+                               f"holds no model")
+            saved = rest["model"]
+            own = model.state_dict()
+            for k in saved:
+                if k not in own:
+                    raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint's tensor "
+                                   f"model.{k} is not in the model")
+            with torch.no_grad():
+                for k, dst in own.items():
+                    if k not in saved:
+                        raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step "
+                                       f"{step} has no tensor model.{k}")
+                    src = build(saved[k])
+                    if isinstance(dst, torch.Tensor):
+                        if tuple(src.shape) != tuple(dst.shape):
+                            raise ValueError(
+                                f"lockstep.torch.Checkpointer: model.{k} has shape "
+                                f"{tuple(dst.shape)}, the checkpoint's {tuple(src.shape)}")
+                        dst.copy_(src)
+        if optimizer is not None:
+            if rest["optimizer"] is None:
+                raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
+                               f"holds no optimizer state")
+            optimizer.load_state_dict(build(rest["optimizer"]))
+        self.extra = build(rest["extra"]) if rest["extra"] is not None else None
+
+    # ----------------------------------------------------------------------------------------
+    # outside Lockstep
+
+    def _fallback_path(self):
+        return os.path.join(self._fallback, f"checkpoint-rank{os.environ.get('RANK', '0')}.pt")
+
+    def _save_fallback(self, step, model, optimizer, extra):
+        os.makedirs(self._fallback, exist_ok=True)
+        path = self._fallback_path()
+        buf = io.BytesIO()
+        torch.save({"step": step, "model": model.state_dict() if model is not None else None,
+                    "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                    "extra": extra}, buf)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _load_fallback(self, model, optimizer):
+        path = self._fallback_path()
+        if not os.path.exists(path):
+            return None
+        state = torch.load(path, map_location="cpu")
+        if model is not None:
+            model.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        self.extra = state["extra"]
+        self._last_step = int(state["step"])
+        return self._last_step
+
+
+def _program_pb2():
+    from lockstep.v1 import program_pb2
+    return program_pb2
+
+
+def _hold_for_test(step):
+    """Test hook: with LOCKSTEP_TEST_HOLD_SAVE_AT_STEP=N, the save of step N stops after its
+    tensors are copied and before its commit, having created LOCKSTEP_TEST_HOLD_SAVE_FILE."""
+    at = os.environ.get("LOCKSTEP_TEST_HOLD_SAVE_AT_STEP")
+    if at is None or int(at) != step:
+        return
+    marker = os.environ.get("LOCKSTEP_TEST_HOLD_SAVE_FILE")
+    if marker:
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+    while True:
+        time.sleep(1)

@@ -1,0 +1,241 @@
+#include "worker/program/checkpoint_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/auth.h"
+
+namespace lockstep::worker {
+namespace {
+
+// Little-endian on every platform the worker runs on (x86-64, aarch64).
+uint64_t Load64(const unsigned char* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+std::string Readable(const std::string& name) {
+  std::string out;
+  for (char c : name) out.push_back(isalnum(static_cast<unsigned char>(c)) || c == '-' ? c : '_');
+  return out;
+}
+
+std::string Bytes(int64_t n) { return absl::StrCat(n, " bytes"); }
+
+}  // namespace
+
+CheckpointSlotHeader ReadCheckpointSlotHeader(int fd) {
+  CheckpointSlotHeader h;
+  unsigned char buf[40];
+  if (pread(fd, buf, sizeof buf, 0) != static_cast<ssize_t>(sizeof buf)) return h;
+  h.magic_ok = std::memcmp(buf, kCheckpointSlotMagic, 8) == 0;
+  h.sequence = Load64(buf + 8);
+  h.step = static_cast<int64_t>(Load64(buf + 16));
+  h.payload_bytes = Load64(buf + 24);
+  h.checksum = Load64(buf + 32);
+  return h;
+}
+
+absl::StatusOr<HeldCheckpoint> VerifyCheckpointSlot(const std::string& path, int slot) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "opening", path);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return ErrnoStatus(err, "reading", path);
+  }
+  const CheckpointSlotHeader h = ReadCheckpointSlotHeader(fd);
+  if (!h.magic_ok || h.sequence == 0) {
+    close(fd);
+    return absl::NotFoundError(absl::StrCat(path, ": no committed save"));
+  }
+  const uint64_t end = static_cast<uint64_t>(kCheckpointSlotHeaderBytes) + h.payload_bytes;
+  if (h.payload_bytes == 0 || end > static_cast<uint64_t>(st.st_size)) {
+    close(fd);
+    return absl::DataLossError(absl::StrCat(path, ": payload of ", h.payload_bytes,
+                                            " bytes does not fit its ", st.st_size, "-byte slot"));
+  }
+  void* map = mmap(nullptr, end, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (map == MAP_FAILED) return ErrnoStatus(errno, "mapping", path);
+  const auto* base = static_cast<const unsigned char*>(map);
+  const uint64_t sum = XXH3_64bits(base + kCheckpointSlotHeaderBytes, h.payload_bytes);
+  // The sequence again: a writer that began meanwhile zeroed it first.
+  const uint64_t sequence_after = Load64(base + 8);
+  munmap(map, end);
+  if (sum != h.checksum || sequence_after != h.sequence) {
+    return absl::DataLossError(absl::StrCat(path, ": the save of step ", h.step,
+                                            " does not match its checksum (torn or corrupted)"));
+  }
+  HeldCheckpoint held;
+  held.slot = slot;
+  held.step = h.step;
+  held.sequence = h.sequence;
+  held.payload_bytes = h.payload_bytes;
+  held.path = path;
+  return held;
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointMemory>> CheckpointMemory::Create(
+    const std::string& dir, const std::string& worker, int64_t limit_bytes, uid_t owner_uid,
+    gid_t owner_gid) {
+  std::string pattern = absl::StrCat(dir, "/lockstep-checkpoints-", Readable(worker), "-XXXXXX");
+  if (mkdtemp(pattern.data()) == nullptr) {
+    return ErrnoStatus(errno, "creating the checkpoint memory directory under", dir);
+  }
+  // Others may pass through to a slot whose name they were given, never list the names.
+  chmod(pattern.c_str(), 0711);
+  return std::unique_ptr<CheckpointMemory>(
+      new CheckpointMemory(pattern, limit_bytes, owner_uid, owner_gid));
+}
+
+CheckpointMemory::~CheckpointMemory() {
+  absl::MutexLock lock(&mu_);
+  for (JobSlots& job : jobs_) DropLocked(job);
+  jobs_.clear();
+  rmdir(dir_.c_str());
+}
+
+void CheckpointMemory::DropLocked(JobSlots& job) {
+  for (const std::string& path : job.paths) unlink(path.c_str());
+  job.paths.clear();
+  job.bytes = 0;
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointMemory::Slots(const std::string& job_id,
+                                                                 int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  DropAllButLocked(job_id);  // one job's slots at a time: a worker serves one job
+  if (jobs_.empty()) jobs_.push_back(JobSlots{job_id, {}, 0});
+  JobSlots& job = jobs_.front();
+  const int64_t want = std::max(bytes, job.bytes);
+  if (want > limit_bytes_ / 2) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a checkpoint of ", Bytes(bytes), " does not fit in this worker's checkpoint memory: ",
+        "it keeps two saves, ", Bytes(2 * want), ", and --checkpoint_memory_bytes is ",
+        Bytes(limit_bytes_)));
+  }
+  if (job.paths.empty()) {
+    for (int i = 0; i < 2; ++i) {
+      const std::string path = absl::StrCat(dir_, "/", RandomSecret(), ".slot");
+      const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+      if (fd < 0) {
+        const absl::Status s = ErrnoStatus(errno, "creating", path);
+        DropLocked(job);
+        return s;
+      }
+      close(fd);
+      job.paths.push_back(path);
+    }
+  }
+  if (want > job.bytes) {
+    for (const std::string& path : job.paths) {
+      const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+      // Allocated now, so that a full tmpfs is this error and not a SIGBUS in the program.
+      const int err = fd < 0 ? errno : posix_fallocate(fd, 0, want);
+      if (fd >= 0) close(fd);
+      if (err != 0) {
+        // The slots' sizes are what they were before (fallocate does not shrink).
+        return ErrnoStatus(err, absl::StrCat("reserving ", Bytes(want), " of checkpoint memory in"),
+                           path);
+      }
+    }
+    job.bytes = want;
+  }
+  for (const std::string& path : job.paths) {
+    if ((uid_ != static_cast<uid_t>(-1) || gid_ != static_cast<gid_t>(-1)) &&
+        chown(path.c_str(), uid_, gid_) != 0) {
+      return ErrnoStatus(errno, "handing to the programs' user", path);
+    }
+  }
+  return job.paths;
+}
+
+int64_t CheckpointMemory::slot_bytes(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  for (const JobSlots& job : jobs_) {
+    if (job.job_id == job_id) return job.bytes;
+  }
+  return 0;
+}
+
+std::vector<HeldCheckpoint> CheckpointMemory::Held(const std::string& job_id) const {
+  std::vector<std::string> paths;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const JobSlots& job : jobs_) {
+      if (job.job_id == job_id) paths = job.paths;
+    }
+  }
+  std::vector<HeldCheckpoint> held;
+  for (int i = 0; i < static_cast<int>(paths.size()); ++i) {
+    absl::StatusOr<HeldCheckpoint> h = VerifyCheckpointSlot(paths[i], i);
+    if (h.ok()) held.push_back(*std::move(h));
+  }
+  std::sort(held.begin(), held.end(), [](const HeldCheckpoint& a, const HeldCheckpoint& b) {
+    return a.sequence > b.sequence;
+  });
+  return held;
+}
+
+void CheckpointMemory::DiscardAfter(const std::string& job_id, int64_t step) {
+  absl::MutexLock lock(&mu_);
+  for (const JobSlots& job : jobs_) {
+    if (job.job_id != job_id) continue;
+    for (const std::string& path : job.paths) {
+      const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd < 0) continue;
+      const CheckpointSlotHeader h = ReadCheckpointSlotHeader(fd);
+      if (h.magic_ok && h.sequence != 0 && h.step > step) {
+        const uint64_t zero = 0;
+        (void)!pwrite(fd, &zero, sizeof zero, 8);
+      }
+      close(fd);
+    }
+  }
+}
+
+void CheckpointMemory::Drop(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  for (JobSlots& job : jobs_) {
+    if (job.job_id == job_id) DropLocked(job);
+  }
+  jobs_.erase(std::remove_if(jobs_.begin(), jobs_.end(),
+                             [&](const JobSlots& j) { return j.job_id == job_id; }),
+              jobs_.end());
+}
+
+void CheckpointMemory::DropAllBut(const std::string& keep_job_id) {
+  absl::MutexLock lock(&mu_);
+  DropAllButLocked(keep_job_id);
+}
+
+void CheckpointMemory::DropAllButLocked(const std::string& keep_job_id) {
+  for (JobSlots& job : jobs_) {
+    if (job.job_id != keep_job_id) DropLocked(job);
+  }
+  jobs_.erase(std::remove_if(jobs_.begin(), jobs_.end(),
+                             [&](const JobSlots& j) { return j.job_id != keep_job_id; }),
+              jobs_.end());
+}
+
+int64_t CheckpointMemory::used_bytes() const {
+  absl::MutexLock lock(&mu_);
+  int64_t used = 0;
+  for (const JobSlots& job : jobs_) used += static_cast<int64_t>(job.paths.size()) * job.bytes;
+  return used;
+}
+
+}  // namespace lockstep::worker

@@ -1,0 +1,265 @@
+#include "worker/program/warm_start.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/test_hooks.h"
+#include "glog/logging.h"
+#include "worker/program/environment.h"
+
+namespace lockstep::worker {
+namespace {
+
+// The parked interpreter's command line (short, for ps) runs its program from the environment,
+// which the handoff then replaces.
+constexpr char kParkedCommand[] = "import os; exec(os.environ['LOCKSTEP_PARKED_PROGRAM'])";
+
+// The parked interpreter's program: imports argv[1]'s modules (niced, beside), reads what to run
+// from fd 4 ("COUNT\0ARGV...\0NAME=VALUE\0..."; nothing: discarded), then becomes that script
+// (or module) as `python3 ARGV[1:]` would have run it. Tracebacks start with one frame of this.
+constexpr char kParkedProgram[] = R"py(import os, sys, threading
+def _lockstep_preload(names):
+    # SCHED_IDLE (else nice 19), in a thread of its own (both are per thread on Linux): the
+    # imports take only the CPU the running generation leaves idle, and the main thread, which
+    # runs the script and creates its threads, keeps the priority it started with.
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+    for name in names.split(","):
+        if name:
+            try:
+                __import__(name)
+            except BaseException:
+                pass  # the script's own import says what is wrong
+def _lockstep_parked():
+    preload = threading.Thread(target=_lockstep_preload, args=(sys.argv[1],),
+                               name="lockstep-preload", daemon=True)
+    preload.start()
+    data = bytearray()
+    while True:
+        chunk = os.read(4, 1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    os.close(4)
+    parts = bytes(data).split(b"\0")
+    if len(parts) < 3:
+        os._exit(0)
+    preload.join()
+    count = int(parts[0])
+    os.environ.clear()
+    for entry in parts[1 + count:]:
+        name, eq, value = entry.partition(b"=")
+        if eq:
+            os.environb[name] = value
+    return [os.fsdecode(a) for a in parts[1:1 + count]]
+_lockstep_argv = _lockstep_parked()
+del _lockstep_parked, _lockstep_preload
+if _lockstep_argv[1] == "-m":
+    import runpy
+    sys.argv = ["-m"] + _lockstep_argv[3:]
+    sys.path[0] = os.getcwd()
+    runpy.run_module(_lockstep_argv[2], run_name="__main__", alter_sys=True)
+else:
+    import builtins, importlib.machinery, io, types
+    sys.argv = _lockstep_argv[1:]
+    _lockstep_path = os.path.abspath(sys.argv[0])
+    sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
+    _lockstep_main = types.ModuleType("__main__")
+    _lockstep_main.__file__ = _lockstep_path
+    _lockstep_main.__builtins__ = builtins
+    _lockstep_main.__loader__ = importlib.machinery.SourceFileLoader("__main__", _lockstep_path)
+    sys.modules["__main__"] = _lockstep_main
+    with io.open_code(_lockstep_path) as _lockstep_file:
+        _lockstep_code = compile(_lockstep_file.read(), _lockstep_path, "exec")
+    exec(_lockstep_code, _lockstep_main.__dict__)
+)py";
+
+bool IsPython(const std::string& executable) {
+  const size_t slash = executable.rfind('/');
+  return absl::StartsWith(slash == std::string::npos ? executable : executable.substr(slash + 1),
+                          "python");
+}
+
+// What the parked interpreter reads from fd 4.
+std::string Handoff(const LaunchSpec& launch) {
+  std::string out = absl::StrCat(launch.argv.size());
+  out.push_back('\0');
+  for (const std::string& a : launch.argv) absl::StrAppend(&out, a, std::string(1, '\0'));
+  for (const std::string& e : launch.env) absl::StrAppend(&out, e, std::string(1, '\0'));
+  return out;
+}
+
+bool WriteAll(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Still parked: its supervisor has said nothing since the start (no end, no failed exec).
+bool StillParked(SupervisedProgram& program) {
+  pollfd p{program.status_fd(), POLLIN, 0};
+  return poll(&p, 1, 0) == 0 && !program.Reaped();
+}
+
+}  // namespace
+
+WarmStarts::WarmStarts(std::vector<std::string> preload)
+    : preload_(std::move(preload)), thread_([this] { Loop(); }) {}
+
+WarmStarts::~WarmStarts() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+std::optional<std::string> WarmStarts::KeyOf(const LaunchSpec& launch) {
+  const std::vector<std::string>& argv = launch.argv;
+  if (!IsPython(launch.executable) || argv.size() < 2) return std::nullopt;
+  const bool module = argv[1] == "-m" && argv.size() >= 3 && !absl::StartsWith(argv[2], "-");
+  if (!module && (argv[1].empty() || absl::StartsWith(argv[1], "-"))) return std::nullopt;
+  const ProgramCredentials& c = launch.credentials;
+  std::string key = absl::StrCat(launch.executable, std::string(1, '\0'), launch.workdir,
+                                 std::string(1, '\0'), c.switch_user, ":", c.uid, ":", c.gid, ":",
+                                 absl::StrJoin(c.groups, ","), std::string(1, '\0'),
+                                 absl::ToInt64Milliseconds(launch.stop_grace));
+  for (const std::string& entry : launch.env) {
+    if (PerGenerationVariable(entry.substr(0, entry.find('=')))) continue;
+    absl::StrAppend(&key, std::string(1, '\0'), entry);
+  }
+  return key;
+}
+
+std::unique_ptr<SupervisedProgram> WarmStarts::Start(const LaunchSpec& launch) {
+  const std::optional<std::string> key = KeyOf(launch);
+  std::optional<Parked> parked;
+  {
+    absl::MutexLock lock(&mu_);
+    to_park_.reset();  // for a launch before this one
+    if (parked_.has_value()) {
+      if (key.has_value() && parked_->key == *key) {
+        parked = std::move(parked_);
+      } else {
+        to_end_.push_back(*std::move(parked_));
+      }
+      parked_.reset();
+    }
+  }
+  if (!parked.has_value()) return nullptr;
+  if (!StillParked(*parked->program) || !WriteAll(parked->handoff, Handoff(launch))) {
+    LOG(WARNING) << "the warm interpreter (pid " << parked->program->program_pid()
+                 << ") ended while parked; starting the program cold";
+    absl::MutexLock lock(&mu_);
+    to_end_.push_back(*std::move(parked));
+    return nullptr;
+  }
+  close(parked->handoff);
+  absl::MutexLock lock(&mu_);
+  ++warm_starts_;
+  return std::move(parked->program);
+}
+
+void WarmStarts::Park(const LaunchSpec& launch) {
+  if (!KeyOf(launch).has_value()) return;
+  absl::MutexLock lock(&mu_);
+  to_park_ = launch;
+}
+
+void WarmStarts::Discard() {
+  absl::MutexLock lock(&mu_);
+  to_park_.reset();
+  if (parked_.has_value()) to_end_.push_back(*std::move(parked_));
+  parked_.reset();
+}
+
+int WarmStarts::warm_starts() const {
+  absl::MutexLock lock(&mu_);
+  return warm_starts_;
+}
+
+pid_t WarmStarts::parked_pid() const {
+  absl::MutexLock lock(&mu_);
+  return parked_.has_value() ? parked_->program->program_pid() : -1;
+}
+
+void WarmStarts::End(Parked& parked) {
+  // Without a handoff the interpreter exits 0 once its imports are done; the supervisor's
+  // stop (SIGTERM, the grace, SIGKILL) does not wait for them.
+  if (parked.handoff >= 0) close(parked.handoff);
+  parked.handoff = -1;
+  parked.program.reset();
+}
+
+void WarmStarts::Loop() {
+  for (bool stop = false; !stop;) {
+    std::optional<LaunchSpec> park;
+    std::vector<Parked> end;
+    {
+      absl::MutexLock lock(&mu_);
+      auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || to_park_.has_value() || !to_end_.empty();
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&work), absl::Seconds(1));
+      stop = stop_;
+      if (!stop) park = std::exchange(to_park_, std::nullopt);
+      end = std::exchange(to_end_, {});
+      if (parked_.has_value() && (stop || absl::Now() - parked_->since >= kIdleLimit)) {
+        end.push_back(*std::move(parked_));
+        parked_.reset();
+      }
+    }
+    for (Parked& p : end) End(p);
+    if (!park.has_value()) continue;
+    int handoff[2];
+    if (pipe2(handoff, O_CLOEXEC) != 0) {
+      PLOG(WARNING) << "warm start: pipe";
+      continue;
+    }
+    LaunchSpec spec = *std::move(park);
+    const std::string key = *KeyOf(spec);
+    spec.argv = {spec.argv[0], "-c", kParkedCommand, absl::StrJoin(preload_, ",")};
+    std::vector<std::string> env = {absl::StrCat("LOCKSTEP_PARKED_PROGRAM=", kParkedProgram)};
+    for (std::string& entry : spec.env) {
+      if (!PerGenerationVariable(entry.substr(0, entry.find('=')))) env.push_back(std::move(entry));
+    }
+    spec.env = std::move(env);
+    spec.handoff_fd = handoff[0];
+    absl::StatusOr<std::unique_ptr<SupervisedProgram>> launched = SupervisedProgram::Launch(spec);
+    close(handoff[0]);
+    if (!launched.ok()) {
+      LOG(WARNING) << "warm start: could not park an interpreter: " << launched.status();
+      close(handoff[1]);
+      continue;
+    }
+    LOG(INFO) << "warm interpreter parked (pid " << (*launched)->program_pid() << ", importing "
+              << (preload_.empty() ? "nothing" : absl::StrJoin(preload_, ", "))
+              << ") for the next generation";
+    {
+      absl::MutexLock lock(&mu_);
+      if (parked_.has_value()) to_end_.push_back(*std::move(parked_));
+      parked_ = Parked{key, *std::move(launched), handoff[1], absl::Now()};
+    }
+    // Tests kill the worker here, while an interpreter is parked.
+    test_hooks::Reach("warm_interpreter_parked");
+  }
+}
+
+}  // namespace lockstep::worker
