@@ -52,7 +52,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = "/usr/bin/python3"
 TRAIN = os.path.join(ROOT, "examples/torch/train.py")
-SYSTEMS = ["torchrun --standalone", "torchrun c10d", "Lockstep"]
+MEMORY = "Lockstep + memory checkpoints"
+SYSTEMS = ["torchrun --standalone", "torchrun c10d", "Lockstep", MEMORY]
+
+
+def is_lockstep(system):
+    return system.startswith("Lockstep")
 
 # Start-up phases, in the order train.py's --timing reports them: (event, label of the phase
 # that ends at the event).
@@ -359,7 +364,9 @@ class Torchrun:
 
 def steady_run(system, lockstep, ws, a):
     args = [f"--steps={a.steps}", f"--log-every={a.log_every}", "--timing"]
-    if system == "Lockstep":
+    if system == MEMORY:
+        args.append("--memory-checkpoint-every=1")
+    if is_lockstep(system):
         job_id, launch = lockstep.submit(args)
         job, lines = lockstep.wait(job_id, a.timeout)
         extra = {"job_id": job_id, "coordinator_first_step_latency_ms":
@@ -381,9 +388,11 @@ def recovery_run(system, lockstep, ws, a):
     ckpt = ws.checkpoint_dir()
     args = [f"--steps={a.recovery_steps}", f"--checkpoint-every={a.checkpoint_every}",
             f"--checkpoint-dir={ckpt}", f"--sleep-ms={a.sleep_ms}", "--log-every=1", "--timing"]
+    if system == MEMORY:
+        args.append("--memory-checkpoint-every=1")
     deadline = time.time() + a.timeout
     path = os.path.join(ckpt, "checkpoint.pt")
-    if system == "Lockstep":
+    if is_lockstep(system):
         job_id, launch = lockstep.submit(args)
         wait_for_checkpoints(path, 2, deadline)
         time.sleep(a.kill_delay)
@@ -418,7 +427,7 @@ def recovery_run(system, lockstep, ws, a):
            "restarts_seen": len(inc) - 1, "final_loss": final_loss(lines),
            "warm_start": int((first(restarted, "script_start") or (0, 0, {}))[2]
                              .get("preloaded", 0)) == 1}
-    if system == "Lockstep":
+    if is_lockstep(system):
         hist = [r for r in job["recoveryHistory"] if int(r.get("detectUnixMs", 0)) / 1000 >= kill_t - 1]
         if not hist:
             raise RuntimeError(f"{job_id}: no recovery recorded")
@@ -486,7 +495,7 @@ def main():
     ws = Workspace()
     lockstep = None
     try:
-        if "Lockstep" in systems:
+        if any(is_lockstep(s) for s in systems):
             lockstep = Lockstep(a.build, ws)
         # Steady state: A B C, C B A, A B C ... (each round reversed) against drift.
         for rep in range(a.repeats):
@@ -536,7 +545,7 @@ def summarize_and_print(result, systems, a):
             "recovery_phases_s_median": {n: med(r["phases_s"].get(n) for r in kills)
                                          for n, _ in PHASES},
         }
-        if s == "Lockstep" and kills:
+        if is_lockstep(s) and kills:
             summary[s]["detection_s_median"] = med(r["detection_s"] for r in kills)
             summary[s]["stop_reform_s_median"] = med(r["stop_reform_s"] for r in kills)
             summary[s]["coordinator_first_step_s_median"] = med(
@@ -566,10 +575,10 @@ def summarize_and_print(result, systems, a):
             fmt_s(summary[s]["startup_phases_s_median"][n]) for s in systems) + " |")
     print("| **launch/submit to first step** | " + " | ".join(
         f"**{fmt_s(summary[s]['launch_to_first_step_s_median'])}**" for s in systems) + " |")
-    if "Lockstep" in systems:
+    for system in filter(is_lockstep, systems):
         ls = [r["coordinator_first_step_latency_ms"] / 1000 for r in steady
-              if r["system"] == "Lockstep"]
-        print(f"\nLockstep's own firstStepLatencyMs (coordinator: submit to the first report), "
+              if r["system"] == system]
+        print(f"\n{system}: firstStepLatencyMs (coordinator: submit to the first report), "
               f"median {fmt_s(med(ls))} ({', '.join(f'{v:.3f}' for v in ls)})")
 
     if not rec:
@@ -588,24 +597,25 @@ def summarize_and_print(result, systems, a):
         steps = ", ".join("%d->%d" % (r["step_at_kill"], r["resumed_from_step"]) for r in kills)
         print(f"| {s} | {trials} | {fmt_s(summary[s]['recovery_s_median'])} | {redone} | "
               f"{steps} |")
-    if "Lockstep" in systems:
-        kills = [r for r in rec if r["system"] == "Lockstep"]
+    for system in filter(is_lockstep, systems):
+        kills = [r for r in rec if r["system"] == system]
         firsts = ", ".join("%.3f" % r["coordinator_first_step_s"] for r in kills)
         records = ", ".join("%d->%d (%d)" % (r["coordinator_step_at_detection"],
                                              r["coordinator_resumed_from_step"],
                                              r["coordinator_steps_redone"]) for r in kills)
-        print(f"\nLockstep's recoveryHistory: kill to firstStepUnixMs {firsts} s; "
-              f"stepAtDetection -> resumedFromStep (stepsRedone): {records}")
+        restored = ", ".join(r["recovery_record"].get("restoredFrom", "-") for r in kills)
+        print(f"\n{system}: recoveryHistory kill to firstStepUnixMs {firsts} s; "
+              f"stepAtDetection -> resumedFromStep (stepsRedone): {records}; "
+              f"restoredFrom: {restored}")
 
     print("\n4. Where the restart time goes (medians; the new rank 0's timing lines)\n")
     print("| phase | " + " | ".join(systems) + " |")
     print("|---|" + "---|" * len(systems))
-    if "Lockstep" in systems:
-        ls = summary["Lockstep"]
-        row = lambda label, v: print(f"| {label} | " + " | ".join(
-            fmt_s(v) if s == "Lockstep" else "-" for s in systems) + " |")
-        row("detection (kill to recoveryHistory.detectUnixMs)", ls["detection_s_median"])
-        row("stop + re-form (to reformedUnixMs)", ls["stop_reform_s_median"])
+    if any(is_lockstep(s) for s in systems):
+        row = lambda label, key: print(f"| {label} | " + " | ".join(
+            fmt_s(summary[s].get(key)) if is_lockstep(s) else "-" for s in systems) + " |")
+        row("detection (kill to recoveryHistory.detectUnixMs)", "detection_s_median")
+        row("stop + re-form (to reformedUnixMs)", "stop_reform_s_median")
     for n, label in PHASES:
         if n == "proc_start":
             label = ("spawn: Lockstep from reformedUnixMs; torchrun from the kill (its monitor "

@@ -559,9 +559,11 @@ ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program,
   };
   Watched w;
   while (!program.Reaped()) {
-    pollfd fds[4] = {{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}, {status_fd, POLLIN, 0},
-                     {wake_[0], POLLIN, 0}};
-    poll(fds, 4, 100);
+    // The supervisor's exit wakes the watch at once (its end, and a stop, are seen without
+    // waiting for the timeout: the group's restart waits on them).
+    pollfd fds[5] = {{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}, {status_fd, POLLIN, 0},
+                     {wake_[0], POLLIN, 0}, {program.exit_fd(), POLLIN, 0}};
+    poll(fds, 5, 100);
     if (!parked && (reported_ || absl::Now() >= park_at) && !abort_->raised()) {
       context_.warm_starts->Park(launch);
       parked = true;

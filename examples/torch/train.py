@@ -109,6 +109,10 @@ def parse_args():
                    help="directory for checkpoint.pt (empty: no checkpoints)")
     p.add_argument("--checkpoint-every", type=int, default=20,
                    help="save every N steps (0: only at the end)")
+    p.add_argument("--memory-checkpoint-every", type=int, default=0,
+                   help="under Lockstep, save to the worker's memory every N steps "
+                        "(lockstep.torch.Checkpointer; 0: never); a restart resumes from the "
+                        "newer of it and --checkpoint-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
     p.add_argument("--sleep-ms", type=float, default=0.0,
@@ -226,6 +230,17 @@ def main():
             last_loss = state.get("loss")
             if rank == 0:
                 log("resumed from %s at step %d" % (ckpt_path, start_step))
+    # The worker's memory (lockstep.torch.Checkpointer) when it holds a newer step: every
+    # member is told the same step (the newest all of them hold).
+    memory = None
+    if args.memory_checkpoint_every > 0 and lt is not None and lt.available():
+        memory = lt.Checkpointer()
+        held = memory.load(None)  # which step, without restoring yet
+        if held is not None and held > start_step:
+            start_step = memory.load(model, optimizer)
+            last_loss = (memory.extra or {}).get("loss")
+            if rank == 0:
+                log("resumed from the worker's memory at step %d" % start_step)
     timing.mark("checkpoint_load", start_step=start_step)
 
     # Every rank must resume from the same step (e.g. a node-local checkpoint
@@ -275,6 +290,9 @@ def main():
                 timing.mark("first_step", step=step)
             if step % args.log_every == 0:
                 timing.mark("step", step=step)
+            if memory is not None and step % args.memory_checkpoint_every == 0:
+                # Before the report: a step the coordinator saw is a step the memory holds.
+                memory.save(step, model, optimizer, extra={"loss": last_loss})
             if lt is not None:
                 lt.report(step=step, loss=loss_value, samples=global_batch)
             if args.sleep_ms > 0:

@@ -48,6 +48,9 @@ _DTYPES = {
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
+_CONTAINERS = (torch.Tensor, dict, list, tuple)
+
+
 class _Tensor:
     """A placeholder for a tensor in the pickled remainder."""
 
@@ -79,6 +82,8 @@ def _flatten(model, optimizer, extra):
         if isinstance(value, dict):
             return {k: take(f"{prefix}.{k}", v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
+            if not any(isinstance(v, _CONTAINERS) for v in value):
+                return value  # e.g. a param group's parameter indices
             return type(value)(take(f"{prefix}.{i}", v) for i, v in enumerate(value))
         return value
 
@@ -123,17 +128,13 @@ class _Layout:
                               "data_offsets": [offset, offset + remainder_bytes]}
         self.remainder_offset = offset
         self.data_bytes = offset + remainder_bytes
-        self.header_template = header
         self.key = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors) + (
             remainder_bytes,)
-
-    def header(self, step):
-        h = dict(self.header_template)
-        h["__metadata__"] = {"format": "lockstep.torch.Checkpointer/1", "step": str(step)}
-        text = json.dumps(h, separators=(",", ":")).encode()
+        # The step is in the slot's header, not here: one safetensors header per layout.
+        header["__metadata__"] = {"format": "lockstep.torch.Checkpointer/1"}
+        text = json.dumps(header, separators=(",", ":")).encode()
         # Data starts 64-byte aligned in the slot (the header ends padded with spaces).
-        pad = (-(HEADER_BYTES + 8 + len(text))) % 64
-        return text + b" " * pad
+        self.header = text + b" " * ((-(HEADER_BYTES + 8 + len(text))) % 64)
 
 
 class _Slot:
@@ -189,7 +190,7 @@ class Checkpointer:
         if layout is None or layout.key != tuple(
                 (n, t.dtype, tuple(t.shape)) for n, t in tensors) + (len(remainder),):
             layout = self._layout = _Layout(tensors, len(remainder))
-        head = layout.header(step)
+        head = layout.header
         payload_bytes = 8 + len(head) + layout.data_bytes
         slot = self._slot_for(HEADER_BYTES + payload_bytes)
         other = [s for s in self._slots if s is not slot][0]
@@ -277,7 +278,7 @@ class Checkpointer:
         data_start = HEADER_BYTES + 8 + n
         header.pop("__metadata__", None)
 
-        def tensor(name):
+        def tensor(name, copy=True):
             if name not in header:
                 raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
                                f"has no tensor {name}")
@@ -287,9 +288,10 @@ class Checkpointer:
             count = (end - begin) // torch.empty((), dtype=dtype).element_size()
             if count == 0:
                 return torch.empty(e["shape"], dtype=dtype)
-            # A copy: the mapping closes when load returns.
-            return torch.frombuffer(m, dtype=dtype, count=count,
-                                    offset=data_start + begin).view(e["shape"]).clone()
+            view = torch.frombuffer(m, dtype=dtype, count=count,
+                                    offset=data_start + begin).view(e["shape"])
+            # A copy, unless the caller copies it on: the mapping closes when load returns.
+            return view.clone() if copy else view
 
         rest = pickle.loads(bytes(tensor(_REMAINDER).numpy().tobytes()))
 
@@ -317,7 +319,9 @@ class Checkpointer:
                     if k not in saved:
                         raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step "
                                        f"{step} has no tensor model.{k}")
-                    src = build(saved[k])
+                    # Straight from the mapping into the model's tensor: one copy.
+                    src = (tensor(saved[k].name, copy=False) if isinstance(saved[k], _Tensor)
+                           else build(saved[k]))
                     if isinstance(dst, torch.Tensor):
                         if tuple(src.shape) != tuple(dst.shape):
                             raise ValueError(
@@ -328,7 +332,26 @@ class Checkpointer:
             if rest["optimizer"] is None:
                 raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
                                f"holds no optimizer state")
-            optimizer.load_state_dict(build(rest["optimizer"]))
+            # Views into the mapping: load_state_dict copies them (torch 1.13 deep-copies its
+            # argument); whatever it kept as it was is copied here, before the mapping closes.
+            views = {}
+
+            def view(value):
+                if isinstance(value, _Tensor):
+                    t = tensor(value.name, copy=False)
+                    views[t.data_ptr()] = t
+                    return t
+                if isinstance(value, dict):
+                    return {k: view(v) for k, v in value.items()}
+                if isinstance(value, (list, tuple)):
+                    return type(value)(view(v) for v in value)
+                return value
+
+            optimizer.load_state_dict(view(rest["optimizer"]))
+            for state in optimizer.state.values():
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.numel() > 0 and v.data_ptr() in views:
+                        state[k] = v.clone()
         self.extra = build(rest["extra"]) if rest["extra"] is not None else None
 
     # ----------------------------------------------------------------------------------------

@@ -239,6 +239,7 @@ absl::StatusOr<std::unique_ptr<SupervisedProgram>> SupervisedProgram::Launch(
   program->out_fd_ = out[0];
   program->err_fd_ = err[0];
   program->status_fd_ = status[0];
+  program->exit_fd_ = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
   // The supervisor says it started the program; the program's own word that exec failed may
   // come first (it is kept for ReadEnd).
   for (;;) {
@@ -323,7 +324,7 @@ SupervisedProgram::~SupervisedProgram() {
     kill(supervisor_pid_, SIGKILL);
     WaitReaped(absl::InfiniteDuration());
   }
-  for (int fd : {out_fd_, err_fd_, status_fd_}) {
+  for (int fd : {out_fd_, err_fd_, status_fd_, exit_fd_}) {
     if (fd >= 0) close(fd);
   }
 }

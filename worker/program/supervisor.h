@@ -69,6 +69,9 @@ class SupervisedProgram {
   int stderr_fd() const { return err_fd_; }
   // Readable when the supervisor reports the main process's end (then call ReadEnd).
   int status_fd() const { return status_fd_; }
+  // Readable once the supervisor has exited (a pidfd; -1 where the kernel has none): a watch
+  // polls it to call Reaped() at once instead of at its next timeout.
+  int exit_fd() const { return exit_fd_; }
   pid_t program_pid() const { return program_pid_; }
   pid_t supervisor_pid() const { return supervisor_pid_; }
 
@@ -89,6 +92,7 @@ class SupervisedProgram {
   int out_fd_ = -1;
   int err_fd_ = -1;
   int status_fd_ = -1;
+  int exit_fd_ = -1;
   absl::Duration grace_;
   int exec_errno_ = 0;  // exec failed, said before the supervisor's start
   bool stopped_ = false;

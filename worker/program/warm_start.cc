@@ -21,21 +21,11 @@ namespace {
 // which the handoff then replaces.
 constexpr char kParkedCommand[] = "import os; exec(os.environ['LOCKSTEP_PARKED_PROGRAM'])";
 
-// The parked interpreter's program: imports argv[1]'s modules (niced, beside), reads what to run
+// The parked interpreter's program: imports argv[1]'s modules, reads what to run
 // from fd 4 ("COUNT\0ARGV...\0NAME=VALUE\0..."; nothing: discarded), then becomes that script
 // (or module) as `python3 ARGV[1:]` would have run it. Tracebacks start with one frame of this.
-constexpr char kParkedProgram[] = R"py(import os, sys, threading
+constexpr char kParkedProgram[] = R"py(import os, sys
 def _lockstep_preload(names):
-    # SCHED_IDLE (else nice 19), in a thread of its own (both are per thread on Linux): the
-    # imports take only the CPU the running generation leaves idle, and the main thread, which
-    # runs the script and creates its threads, keeps the priority it started with.
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
     for name in names.split(","):
         if name:
             try:
@@ -43,9 +33,7 @@ def _lockstep_preload(names):
             except BaseException:
                 pass  # the script's own import says what is wrong
 def _lockstep_parked():
-    preload = threading.Thread(target=_lockstep_preload, args=(sys.argv[1],),
-                               name="lockstep-preload", daemon=True)
-    preload.start()
+    _lockstep_preload(sys.argv[1])
     data = bytearray()
     while True:
         chunk = os.read(4, 1 << 16)
@@ -56,7 +44,6 @@ def _lockstep_parked():
     parts = bytes(data).split(b"\0")
     if len(parts) < 3:
         os._exit(0)
-    preload.join()
     count = int(parts[0])
     os.environ.clear()
     for entry in parts[1 + count:]:
