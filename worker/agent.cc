@@ -19,6 +19,8 @@
 #include "common/program.h"
 #include "glog/logging.h"
 #include "worker/comm/store_client.h"
+#include "worker/program/checkpoint_memory.h"
+#include "worker/program/warm_start.h"
 
 namespace lockstep::worker {
 namespace {
@@ -301,6 +303,7 @@ absl::Status Agent::RunSession(bool* registered) {
           Decide([&](WorkerLifecycle& l, absl::Time now) {
             return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now);
           });
+          if (a.job_ended()) ForgetProgramJob(a.job_id());
         }
         Decide([&](WorkerLifecycle& l, absl::Time now) {
           return l.OnAssignment(message.assignment(), now);
@@ -311,6 +314,7 @@ absl::Status Agent::RunSession(bool* registered) {
         Decide([&](WorkerLifecycle& l, absl::Time now) {
           return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now);
         });
+        if (a.job_ended()) ForgetProgramJob(a.job_id());
         break;
       }
       default:
@@ -327,6 +331,11 @@ absl::Status Agent::RunSession(bool* registered) {
   result = ToAbslStatus(stream->Finish());
   if (result.ok()) result = absl::UnavailableError("coordinator ended the session");
   return result;
+}
+
+void Agent::ForgetProgramJob(const std::string& job_id) {
+  if (options_.checkpoint_memory != nullptr) options_.checkpoint_memory->Drop(job_id);
+  if (options_.warm_starts != nullptr) options_.warm_starts->Discard(job_id);
 }
 
 void Agent::Send(const v1::WorkerMessage& message) {

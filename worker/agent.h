@@ -116,6 +116,9 @@ class Agent {
   absl::Status RunSession(bool* registered) ABSL_LOCKS_EXCLUDED(mu_, session_mu_);
   // Writes options_.status_file (if set): "STATE detail".
   void WriteStatus(const std::string& state, const std::string& detail);
+  // A program job ended (the coordinator said so): its saves in memory and any interpreter
+  // parked for it go.
+  void ForgetProgramJob(const std::string& job_id);
   // Thread-safe; drops the message when no session is open.
   void Send(const v1::WorkerMessage& message) ABSL_LOCKS_EXCLUDED(session_mu_);
   // The body of a run's thread: runs its Generation (worker/generation.h).

@@ -367,6 +367,8 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
 }
 
 absl::StatusOr<v1::CheckpointSlotsResponse> ProgramGeneration::OnCheckpointSlots(int64_t bytes) {
+  // A generation being stopped saves nothing more (its successor may already use the slots).
+  if (abort_->raised()) return absl::AbortedError(absl::StrCat(Name(), ": stopping"));
   CheckpointMemory* const memory = context_.checkpoint_memory;
   if (memory == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -386,6 +388,7 @@ absl::StatusOr<v1::CheckpointSlotsResponse> ProgramGeneration::OnCheckpointSlots
 
 absl::StatusOr<v1::CheckpointRestoreResponse> ProgramGeneration::OnCheckpointRestore(
     const v1::CheckpointRestoreRequest& request) {
+  if (abort_->raised()) return absl::AbortedError(absl::StrCat(Name(), ": stopping"));
   v1::CheckpointRestoreResponse response;
   if (restore_.has_value()) {
     response.set_found(true);
@@ -508,13 +511,15 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
   LOG(INFO) << Name() << ": started " << launch->executable << " (pid " << program->program_pid()
             << (cold ? ")" : ", in a warm interpreter)");
   absl::Status outcome = Outcome(Watch(*program, *launch), launch->executable);
-  // What was parked, and the saves in memory, serve the next generation of this job: none
-  // comes after a success or a failure of the job, nor after its end.
-  if (outcome.ok() || IsFatal(outcome) || abort_->job_ended()) {
-    if (warm != nullptr) warm->Discard();
-    if (context_.checkpoint_memory != nullptr) {
-      context_.checkpoint_memory->Drop(assignment_.job_id());
-    }
+  // What was parked serves the next generation of this job: none comes after a success or a
+  // failure of the job, nor after its end.
+  if (warm != nullptr && (outcome.ok() || IsFatal(outcome) || abort_->job_ended())) {
+    warm->Discard(assignment_.job_id());
+  }
+  // The saves stay after an exit 0 too (another member may yet fail and the group restart);
+  // the job's end drops them (Agent, on the coordinator's word).
+  if (context_.checkpoint_memory != nullptr && (IsFatal(outcome) || abort_->job_ended())) {
+    context_.checkpoint_memory->Drop(assignment_.job_id());
   }
   return outcome;
 }
@@ -565,7 +570,7 @@ ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program,
                      {wake_[0], POLLIN, 0}, {program.exit_fd(), POLLIN, 0}};
     poll(fds, 5, 100);
     if (!parked && (reported_ || absl::Now() >= park_at) && !abort_->raised()) {
-      context_.warm_starts->Park(launch);
+      context_.warm_starts->Park(launch, assignment_.job_id());
       parked = true;
     }
     if (fds[0].revents != 0) drain(out_fd, out_lines, false);

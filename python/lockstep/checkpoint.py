@@ -77,8 +77,10 @@ def _flatten(model, optimizer, extra):
                 raise TypeError(f"lockstep.torch.Checkpointer: {prefix} is a "
                                 f"{'sparse ' if value.is_sparse else ''}{value.dtype} tensor, "
                                 f"which a checkpoint cannot hold")
-            tensors.append((prefix, value.detach()))
-            return _Tensor(prefix)
+            # Named by position too: "a.b" in extra and extra["a"]["b"] stay two tensors.
+            name = f"{len(tensors)}:{prefix}"
+            tensors.append((name, value.detach()))
+            return _Tensor(name)
         if isinstance(value, dict):
             return {k: take(f"{prefix}.{k}", v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -196,7 +198,7 @@ class Checkpointer:
         other = [s for s in self._slots if s is not slot][0]
         sequence = max(slot.sequence(), other.sequence()) + 1
         m = slot.map
-        struct.pack_into("<Q", m, 8, 0)  # not committed while written
+        _store_sequence(m, 0)  # not committed while written
         struct.pack_into("<8s", m, 0, MAGIC)
         struct.pack_into("<Q", m, HEADER_BYTES, len(head))
         m[HEADER_BYTES + 8:HEADER_BYTES + 8 + len(head)] = head
@@ -210,7 +212,7 @@ class Checkpointer:
         _hold_for_test(step)
         checksum = _xxh3(memoryview(m)[HEADER_BYTES:HEADER_BYTES + payload_bytes])
         struct.pack_into("<qQQ", m, 16, step, payload_bytes, checksum)
-        struct.pack_into("<Q", m, 8, sequence)  # the commit: written last
+        _store_sequence(m, sequence)  # the commit: written last
         self._last_step = step
 
     def _slot_for(self, need):
@@ -348,10 +350,23 @@ class Checkpointer:
                 return value
 
             optimizer.load_state_dict(view(rest["optimizer"]))
-            for state in optimizer.state.values():
-                for k, v in state.items():
-                    if torch.is_tensor(v) and v.numel() > 0 and v.data_ptr() in views:
-                        state[k] = v.clone()
+
+            def own(value):
+                if torch.is_tensor(value):
+                    return value.clone() if value.data_ptr() in views else value
+                if isinstance(value, dict):
+                    for k in value:
+                        value[k] = own(value[k])
+                    return value
+                if isinstance(value, list):
+                    value[:] = [own(v) for v in value]
+                    return value
+                if isinstance(value, tuple):
+                    return type(value)(own(v) for v in value)
+                return value
+
+            for p in list(optimizer.state):
+                optimizer.state[p] = own(optimizer.state[p])
         self.extra = build(rest["extra"]) if rest["extra"] is not None else None
 
     # ----------------------------------------------------------------------------------------
@@ -386,6 +401,13 @@ class Checkpointer:
         self.extra = state["extra"]
         self._last_step = int(state["step"])
         return self._last_step
+
+
+def _store_sequence(m, value):
+    """The slot's commit sequence in one 8-byte store (struct packs '<Q' byte by byte: a kill
+    in between would leave a valid-looking, wrong sequence)."""
+    with memoryview(m) as whole, whole[8:16] as field, field.cast("Q") as word:
+        word[0] = value
 
 
 def _program_pb2():

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <string>
 
@@ -123,6 +124,28 @@ TEST_F(CheckpointMemoryTest, OnlyCommittedSavesThatMatchTheirChecksumAreHeldNewe
   close(fd);
   verified = VerifyCheckpointSlot((*slots)[0], 0);
   EXPECT_EQ(verified.status().code(), absl::StatusCode::kDataLoss) << verified.status();
+  // A length that wraps around when the header's size is added: refused, not read.
+  const int fd2 = open((*slots)[0].c_str(), O_RDWR);
+  ASSERT_GE(fd2, 0);
+  const uint64_t wrapping = ~uint64_t{0} - 4096 + 100;
+  ASSERT_EQ(pwrite(fd2, &wrapping, sizeof(wrapping), 24), static_cast<ssize_t>(sizeof(wrapping)));
+  close(fd2);
+  verified = VerifyCheckpointSlot((*slots)[0], 0);
+  EXPECT_EQ(verified.status().code(), absl::StatusCode::kDataLoss) << verified.status();
+}
+
+TEST_F(CheckpointMemoryTest, AKilledWorkersDirectoryIsRemovedByItsNextStartALiveOnesNever) {
+  // A directory left by an earlier run of worker w/0 (nobody holds its lock), and the live one.
+  const std::string stale = root_ + "/lockstep-checkpoints-w_0-abcdef";
+  std::filesystem::create_directories(stale);
+  std::ofstream(stale + "/slot") << "old state";
+  const std::string live = memory_->dir();
+  auto again = CheckpointMemory::Create(root_, "w/0", 1 << 20, static_cast<uid_t>(-1),
+                                        static_cast<gid_t>(-1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(live)) << "a live worker's directory was removed";
+  EXPECT_NE((*again)->dir(), live);
 }
 
 TEST_F(CheckpointMemoryTest, SavesAfterAStepAreDiscarded) {

@@ -92,7 +92,7 @@ class WarmStartsTest : public ::testing::Test {
     if (!cold.ok()) return {};
     EXPECT_EQ(Run(*std::move(cold)), 0);
     WarmStarts warm({"json"});
-    warm.Park(Launch(1, args, dir_ + "/unused.txt"));
+    warm.Park(Launch(1, args, dir_ + "/unused.txt"), "job-1");
     EXPECT_TRUE(WaitParked(warm));
     std::unique_ptr<SupervisedProgram> started = warm.Start(Launch(2, args, dir_ + "/warm.txt"));
     EXPECT_NE(started, nullptr);
@@ -122,7 +122,7 @@ TEST_F(WarmStartsTest, AModuleSeesWhatItSeesStartedCold) {
 
 TEST_F(WarmStartsTest, ALaunchThatDiffersStartsColdAndWhatWasParkedGoes) {
   WarmStarts warm({});
-  warm.Park(Launch(1, {"probe.py"}, dir_ + "/a.txt"));
+  warm.Park(Launch(1, {"probe.py"}, dir_ + "/a.txt"), "job-1");
   ASSERT_TRUE(WaitParked(warm));
   LaunchSpec other = Launch(2, {"probe.py"}, dir_ + "/b.txt");
   other.env.push_back("EXTRA=1");  // a variable Python could read while starting
@@ -133,12 +133,50 @@ TEST_F(WarmStartsTest, ALaunchThatDiffersStartsColdAndWhatWasParkedGoes) {
 
 TEST_F(WarmStartsTest, AParkedInterpreterThatDiedIsNotUsed) {
   WarmStarts warm({});
-  warm.Park(Launch(1, {"probe.py"}, dir_ + "/a.txt"));
+  warm.Park(Launch(1, {"probe.py"}, dir_ + "/a.txt"), "job-1");
   ASSERT_TRUE(WaitParked(warm));
   ASSERT_EQ(kill(warm.parked_pid(), SIGKILL), 0);
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ(warm.Start(Launch(2, {"probe.py"}, dir_ + "/b.txt")), nullptr);
   EXPECT_EQ(warm.warm_starts(), 0);
+}
+
+TEST_F(WarmStartsTest, OnlyItsOwnJobsEndDiscardsWhatIsParked) {
+  WarmStarts warm({});
+  warm.Park(Launch(1, {"probe.py"}, dir_ + "/a.txt"), "job-1");
+  ASSERT_TRUE(WaitParked(warm));
+  const pid_t parked = warm.parked_pid();
+  warm.Discard("job-2");
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(warm.parked_pid(), parked);
+  warm.Discard("job-1");
+  EXPECT_EQ(warm.parked_pid(), -1);
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (kill(parked, 0) == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_NE(kill(parked, 0), 0) << "the discarded interpreter still runs";
+  // A park requested for a job that ends before it is done never stays.
+  warm.Park(Launch(1, {"probe.py"}, dir_ + "/a.txt"), "job-3");
+  warm.Discard("job-3");
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_EQ(warm.parked_pid(), -1);
+}
+
+TEST_F(WarmStartsTest, AnEnvironmentLargerThanTheHandoffStartsColdAndRunsNothing) {
+  // 1.6 MB of environment (each variable under execve's 128 KiB), more than the handoff pipe
+  // holds (1 MiB): written whole or not at all, so not at all.
+  LaunchSpec big = Launch(1, {"probe.py"}, dir_ + "/big.txt");
+  for (int i = 0; i < 16; ++i) {
+    big.env.push_back(absl::StrCat("BIG", i, "=", std::string(100 << 10, 'x')));
+  }
+  WarmStarts warm({});
+  warm.Park(big, "job-1");
+  ASSERT_TRUE(WaitParked(warm));
+  const pid_t parked = warm.parked_pid();
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_EQ(kill(parked, 0), 0) << "the parked interpreter did not start";
+  EXPECT_EQ(warm.Start(big), nullptr);
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/big.txt")) << "a partial handoff ran";
 }
 
 TEST_F(WarmStartsTest, OnlyAnInterpreterWithAScriptOrAModuleRunsWarm) {
@@ -151,6 +189,7 @@ TEST_F(WarmStartsTest, OnlyAnInterpreterWithAScriptOrAModuleRunsWarm) {
   EXPECT_NE(WarmStarts::KeyOf(next), WarmStarts::KeyOf(spec));
   for (const std::vector<std::string>& argv : std::vector<std::vector<std::string>>{
            {"python3", "-u", "probe.py"}, {"python3", "-c", "print(1)"}, {"python3"},
+           {"python3", "app.pyz"}, {"python3", "probe.pyc"},
            {"python3", "-m"}, {"python3", "-m", "-x"}}) {
     spec.argv = argv;
     EXPECT_FALSE(WarmStarts::KeyOf(spec).has_value()) << argv[1 % argv.size()];

@@ -1,7 +1,7 @@
 #include "worker/program/checkpoint_memory.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -10,7 +10,10 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/auth.h"
@@ -33,6 +36,9 @@ std::string Readable(const std::string& name) {
 
 std::string Bytes(int64_t n) { return absl::StrCat(n, " bytes"); }
 
+// The file a worker holds locked while its checkpoint directory is in use.
+constexpr char kLockName[] = ".lock";
+
 }  // namespace
 
 CheckpointSlotHeader ReadCheckpointSlotHeader(int fd) {
@@ -48,34 +54,45 @@ CheckpointSlotHeader ReadCheckpointSlotHeader(int fd) {
 }
 
 absl::StatusOr<HeldCheckpoint> VerifyCheckpointSlot(const std::string& path, int slot) {
+  // The program writes this file: every length is checked before use, and the payload is read
+  // with pread (a file truncated meanwhile gives a short read here, never a signal).
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "opening", path);
+  absl::Cleanup close_fd = [fd] { close(fd); };
   struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
-    return ErrnoStatus(err, "reading", path);
-  }
+  if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "reading", path);
   const CheckpointSlotHeader h = ReadCheckpointSlotHeader(fd);
   if (!h.magic_ok || h.sequence == 0) {
-    close(fd);
     return absl::NotFoundError(absl::StrCat(path, ": no committed save"));
   }
-  const uint64_t end = static_cast<uint64_t>(kCheckpointSlotHeaderBytes) + h.payload_bytes;
-  if (h.payload_bytes == 0 || end > static_cast<uint64_t>(st.st_size)) {
-    close(fd);
+  const uint64_t room = st.st_size > kCheckpointSlotHeaderBytes
+                            ? static_cast<uint64_t>(st.st_size - kCheckpointSlotHeaderBytes)
+                            : 0;
+  if (h.payload_bytes == 0 || h.payload_bytes > room) {
     return absl::DataLossError(absl::StrCat(path, ": payload of ", h.payload_bytes,
                                             " bytes does not fit its ", st.st_size, "-byte slot"));
   }
-  void* map = mmap(nullptr, end, PROT_READ, MAP_SHARED, fd, 0);
-  close(fd);
-  if (map == MAP_FAILED) return ErrnoStatus(errno, "mapping", path);
-  const auto* base = static_cast<const unsigned char*>(map);
-  const uint64_t sum = XXH3_64bits(base + kCheckpointSlotHeaderBytes, h.payload_bytes);
+  XXH3_state_t* state = XXH3_createState();
+  if (state == nullptr) return absl::ResourceExhaustedError("XXH3_createState");
+  absl::Cleanup free_state = [state] { XXH3_freeState(state); };
+  XXH3_64bits_reset(state);
+  std::vector<unsigned char> buffer(1 << 20);
+  uint64_t done = 0;
+  while (done < h.payload_bytes) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(buffer.size(), h.payload_bytes - done));
+    const ssize_t n = pread(fd, buffer.data(), want,
+                            static_cast<off_t>(kCheckpointSlotHeaderBytes + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return absl::DataLossError(absl::StrCat(path, ": the save of step ", h.step,
+                                              " ends early (the slot shrank)"));
+    }
+    XXH3_64bits_update(state, buffer.data(), static_cast<size_t>(n));
+    done += static_cast<uint64_t>(n);
+  }
   // The sequence again: a writer that began meanwhile zeroed it first.
-  const uint64_t sequence_after = Load64(base + 8);
-  munmap(map, end);
-  if (sum != h.checksum || sequence_after != h.sequence) {
+  const CheckpointSlotHeader after = ReadCheckpointSlotHeader(fd);
+  if (XXH3_64bits_digest(state) != h.checksum || after.sequence != h.sequence) {
     return absl::DataLossError(absl::StrCat(path, ": the save of step ", h.step,
                                             " does not match its checksum (torn or corrupted)"));
   }
@@ -91,21 +108,46 @@ absl::StatusOr<HeldCheckpoint> VerifyCheckpointSlot(const std::string& path, int
 absl::StatusOr<std::unique_ptr<CheckpointMemory>> CheckpointMemory::Create(
     const std::string& dir, const std::string& worker, int64_t limit_bytes, uid_t owner_uid,
     gid_t owner_gid) {
-  std::string pattern = absl::StrCat(dir, "/lockstep-checkpoints-", Readable(worker), "-XXXXXX");
+  const std::string prefix = absl::StrCat("lockstep-checkpoints-", Readable(worker), "-");
+  // What an earlier run of this worker left behind when it was killed (its lock is free): its
+  // saves can only be restored by the run that made them, and they hold the tmpfs's memory.
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename();
+    if (name.rfind(prefix, 0) != 0 || name.size() != prefix.size() + 6) continue;
+    const int lock = open((entry.path() / kLockName).c_str(), O_RDONLY | O_CLOEXEC);
+    const bool free = lock < 0 || flock(lock, LOCK_EX | LOCK_NB) == 0;
+    if (lock >= 0) close(lock);
+    if (free) std::filesystem::remove_all(entry.path(), error);
+  }
+  std::string pattern = absl::StrCat(dir, "/", prefix, "XXXXXX");
   if (mkdtemp(pattern.data()) == nullptr) {
     return ErrnoStatus(errno, "creating the checkpoint memory directory under", dir);
   }
   // Others may pass through to a slot whose name they were given, never list the names.
   chmod(pattern.c_str(), 0711);
-  return std::unique_ptr<CheckpointMemory>(
+  // Held while this worker lives: the next run of it removes the directory only when free.
+  const std::string lock_path = absl::StrCat(pattern, "/", kLockName);
+  const int lock = open(lock_path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0600);
+  if (lock < 0 || flock(lock, LOCK_EX | LOCK_NB) != 0) {
+    const absl::Status s = ErrnoStatus(errno, "locking", lock_path);
+    if (lock >= 0) close(lock);
+    std::filesystem::remove_all(pattern, error);
+    return s;
+  }
+  auto memory = std::unique_ptr<CheckpointMemory>(
       new CheckpointMemory(pattern, limit_bytes, owner_uid, owner_gid));
+  memory->lock_fd_ = lock;
+  return memory;
 }
 
 CheckpointMemory::~CheckpointMemory() {
   absl::MutexLock lock(&mu_);
   for (JobSlots& job : jobs_) DropLocked(job);
   jobs_.clear();
+  unlink(absl::StrCat(dir_, "/", kLockName).c_str());
   rmdir(dir_.c_str());
+  if (lock_fd_ >= 0) close(lock_fd_);
 }
 
 void CheckpointMemory::DropLocked(JobSlots& job) {

@@ -53,7 +53,8 @@ struct HeldCheckpoint {
 class CheckpointMemory {
  public:
   // Creates DIR/lockstep-checkpoints-WORKER-XXXXXX (mode 0711: files are reached by name only),
-  // `limit_bytes` the most its slots may take together. Slots are handed to `owner_uid` /
+  // locked while this object lives, after removing those of WORKER's earlier runs whose lock is
+  // free (a killed worker's); `limit_bytes` the most its slots may take together. Slots are handed to `owner_uid` /
   // `owner_gid` (the programs' user; -1: the worker's own).
   static absl::StatusOr<std::unique_ptr<CheckpointMemory>> Create(const std::string& dir,
                                                                   const std::string& worker,
@@ -96,6 +97,7 @@ class CheckpointMemory {
   const int64_t limit_bytes_;
   const uid_t uid_;
   const gid_t gid_;
+  int lock_fd_ = -1;
   mutable absl::Mutex mu_;
   std::vector<JobSlots> jobs_ ABSL_GUARDED_BY(mu_);
 };

@@ -22,7 +22,7 @@ namespace {
 constexpr char kParkedCommand[] = "import os; exec(os.environ['LOCKSTEP_PARKED_PROGRAM'])";
 
 // The parked interpreter's program: imports argv[1]'s modules, reads what to run
-// from fd 4 ("COUNT\0ARGV...\0NAME=VALUE\0..."; nothing: discarded), then becomes that script
+// from fd 4 ("COUNT\0ARGV...\0NAME=VALUE\0...END"; anything else: discarded), then becomes that script
 // (or module) as `python3 ARGV[1:]` would have run it. Tracebacks start with one frame of this.
 constexpr char kParkedProgram[] = R"py(import os, sys
 def _lockstep_preload(names):
@@ -42,8 +42,9 @@ def _lockstep_parked():
         data += chunk
     os.close(4)
     parts = bytes(data).split(b"\0")
-    if len(parts) < 3:
-        os._exit(0)
+    if len(parts) < 3 or parts[-1] != b"END":
+        os._exit(0)  # discarded (nothing, or not all of it, came)
+    parts.pop()
     count = int(parts[0])
     os.environ.clear()
     for entry in parts[1 + count:]:
@@ -53,18 +54,26 @@ def _lockstep_parked():
     return [os.fsdecode(a) for a in parts[1:1 + count]]
 _lockstep_argv = _lockstep_parked()
 del _lockstep_parked, _lockstep_preload
+# sys.path[0] is -c's "" (none with PYTHONSAFEPATH): it becomes what the script's start puts.
+_lockstep_safe = getattr(sys.flags, "safe_path", False)
 if _lockstep_argv[1] == "-m":
-    import runpy
+    import builtins, runpy, types
     sys.argv = ["-m"] + _lockstep_argv[3:]
-    sys.path[0] = os.getcwd()
-    runpy.run_module(_lockstep_argv[2], run_name="__main__", alter_sys=True)
+    if not _lockstep_safe:
+        sys.path[0] = os.getcwd()
+    _lockstep_main = types.ModuleType("__main__")  # a fresh one, as `python3 -m` runs in
+    _lockstep_main.__builtins__ = builtins
+    sys.modules["__main__"] = _lockstep_main
+    runpy._run_module_as_main(_lockstep_argv[2])  # what `python3 -m` itself runs
 else:
     import builtins, importlib.machinery, io, types
     sys.argv = _lockstep_argv[1:]
     _lockstep_path = os.path.abspath(sys.argv[0])
-    sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
+    if not _lockstep_safe:
+        sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
     _lockstep_main = types.ModuleType("__main__")
     _lockstep_main.__file__ = _lockstep_path
+    _lockstep_main.__cached__ = None
     _lockstep_main.__builtins__ = builtins
     _lockstep_main.__loader__ = importlib.machinery.SourceFileLoader("__main__", _lockstep_path)
     sys.modules["__main__"] = _lockstep_main
@@ -85,6 +94,7 @@ std::string Handoff(const LaunchSpec& launch) {
   out.push_back('\0');
   for (const std::string& a : launch.argv) absl::StrAppend(&out, a, std::string(1, '\0'));
   for (const std::string& e : launch.env) absl::StrAppend(&out, e, std::string(1, '\0'));
+  out += "END";
   return out;
 }
 
@@ -122,7 +132,10 @@ std::optional<std::string> WarmStarts::KeyOf(const LaunchSpec& launch) {
   const std::vector<std::string>& argv = launch.argv;
   if (!IsPython(launch.executable) || argv.size() < 2) return std::nullopt;
   const bool module = argv[1] == "-m" && argv.size() >= 3 && !absl::StartsWith(argv[2], "-");
-  if (!module && (argv[1].empty() || absl::StartsWith(argv[1], "-"))) return std::nullopt;
+  // A script is Python source (a zip app or a .pyc starts cold).
+  if (!module && (absl::StartsWith(argv[1], "-") || !absl::EndsWith(argv[1], ".py"))) {
+    return std::nullopt;
+  }
   const ProgramCredentials& c = launch.credentials;
   std::string key = absl::StrCat(launch.executable, std::string(1, '\0'), launch.workdir,
                                  std::string(1, '\0'), c.switch_user, ":", c.uid, ":", c.gid, ":",
@@ -140,7 +153,8 @@ std::unique_ptr<SupervisedProgram> WarmStarts::Start(const LaunchSpec& launch) {
   std::optional<Parked> parked;
   {
     absl::MutexLock lock(&mu_);
-    to_park_.reset();  // for a launch before this one
+    to_park_.reset();  // for a launch before this one, as is a park in progress
+    ++epoch_;
     if (parked_.has_value()) {
       if (key.has_value() && parked_->key == *key) {
         parked = std::move(parked_);
@@ -151,7 +165,17 @@ std::unique_ptr<SupervisedProgram> WarmStarts::Start(const LaunchSpec& launch) {
     }
   }
   if (!parked.has_value()) return nullptr;
-  if (!StillParked(*parked->program) || !WriteAll(parked->handoff, Handoff(launch))) {
+  // Written whole or not at all: the pipe is empty and holds it (else the start is cold).
+  const std::string handoff = Handoff(launch);
+  const int capacity = fcntl(parked->handoff, F_GETPIPE_SZ);
+  if (capacity < 0 || handoff.size() > static_cast<size_t>(capacity)) {
+    LOG(WARNING) << "the program's argv and environment (" << handoff.size()
+                 << " bytes) exceed the warm interpreter's pipe; starting the program cold";
+    absl::MutexLock lock(&mu_);
+    to_end_.push_back(*std::move(parked));
+    return nullptr;
+  }
+  if (!StillParked(*parked->program) || !WriteAll(parked->handoff, handoff)) {
     LOG(WARNING) << "the warm interpreter (pid " << parked->program->program_pid()
                  << ") ended while parked; starting the program cold";
     absl::MutexLock lock(&mu_);
@@ -164,17 +188,21 @@ std::unique_ptr<SupervisedProgram> WarmStarts::Start(const LaunchSpec& launch) {
   return std::move(parked->program);
 }
 
-void WarmStarts::Park(const LaunchSpec& launch) {
+void WarmStarts::Park(const LaunchSpec& launch, const std::string& job_id) {
   if (!KeyOf(launch).has_value()) return;
   absl::MutexLock lock(&mu_);
   to_park_ = launch;
+  to_park_job_ = job_id;
 }
 
-void WarmStarts::Discard() {
+void WarmStarts::Discard(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  to_park_.reset();
-  if (parked_.has_value()) to_end_.push_back(*std::move(parked_));
-  parked_.reset();
+  if (to_park_.has_value() && to_park_job_ == job_id) to_park_.reset();
+  if (parking_job_ == job_id) ++epoch_;
+  if (parked_.has_value() && parked_->job_id == job_id) {
+    to_end_.push_back(*std::move(parked_));
+    parked_.reset();
+  }
 }
 
 int WarmStarts::warm_starts() const {
@@ -198,6 +226,8 @@ void WarmStarts::End(Parked& parked) {
 void WarmStarts::Loop() {
   for (bool stop = false; !stop;) {
     std::optional<LaunchSpec> park;
+    std::string job_id;
+    uint64_t epoch = 0;
     std::vector<Parked> end;
     {
       absl::MutexLock lock(&mu_);
@@ -207,6 +237,9 @@ void WarmStarts::Loop() {
       mu_.AwaitWithTimeout(absl::Condition(&work), absl::Seconds(1));
       stop = stop_;
       if (!stop) park = std::exchange(to_park_, std::nullopt);
+      job_id = park.has_value() ? to_park_job_ : std::string();
+      parking_job_ = job_id;
+      epoch = epoch_;
       end = std::exchange(to_end_, {});
       if (parked_.has_value() && (stop || absl::Now() - parked_->since >= kIdleLimit)) {
         end.push_back(*std::move(parked_));
@@ -220,6 +253,10 @@ void WarmStarts::Loop() {
       PLOG(WARNING) << "warm start: pipe";
       continue;
     }
+    // Room for a large environment (best effort), and a write that never blocks the
+    // generation (the interpreter reads only once its imports are done).
+    fcntl(handoff[1], F_SETPIPE_SZ, 1 << 20);
+    fcntl(handoff[1], F_SETFL, O_NONBLOCK);
     LaunchSpec spec = *std::move(park);
     const std::string key = *KeyOf(spec);
     spec.argv = {spec.argv[0], "-c", kParkedCommand, absl::StrJoin(preload_, ",")};
@@ -241,8 +278,15 @@ void WarmStarts::Loop() {
               << ") for the next generation";
     {
       absl::MutexLock lock(&mu_);
+      parking_job_.clear();
+      Parked parked{key, job_id, *std::move(launched), handoff[1], absl::Now()};
+      if (epoch != epoch_) {
+        // Discarded, or overtaken by a start, while it launched.
+        to_end_.push_back(std::move(parked));
+        continue;
+      }
       if (parked_.has_value()) to_end_.push_back(*std::move(parked_));
-      parked_ = Parked{key, *std::move(launched), handoff[1], absl::Now()};
+      parked_ = std::move(parked);
     }
     // Tests kill the worker here, while an interpreter is parked.
     test_hooks::Reach("warm_interpreter_parked");

@@ -51,11 +51,12 @@ class WarmStarts {
   // The interpreter parked for launches like `launch`, now running it; null when none is
   // (then whatever is parked is discarded, and the caller starts `launch` cold).
   std::unique_ptr<SupervisedProgram> Start(const LaunchSpec& launch) ABSL_LOCKS_EXCLUDED(mu_);
-  // Parks an interpreter for the next launch like `launch`, in the background (replacing what
-  // is parked). Does nothing when `launch` cannot run in one.
-  void Park(const LaunchSpec& launch) ABSL_LOCKS_EXCLUDED(mu_);
-  // Discards what is parked, in the background (the job is over).
-  void Discard() ABSL_LOCKS_EXCLUDED(mu_);
+  // Parks an interpreter for the next launch like `launch` (of job `job_id`), in the
+  // background (replacing what is parked). Does nothing when `launch` cannot run in one.
+  void Park(const LaunchSpec& launch, const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Discards what is parked, or being parked, for `job_id`, in the background (the job is
+  // over).
+  void Discard(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // How many launches ran warm, for logs and tests.
   int warm_starts() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -65,6 +66,7 @@ class WarmStarts {
  private:
   struct Parked {
     std::string key;
+    std::string job_id;
     std::unique_ptr<SupervisedProgram> program;
     int handoff = -1;  // the write end of its fd 4
     absl::Time since;
@@ -77,6 +79,11 @@ class WarmStarts {
   const std::vector<std::string> preload_;
   mutable absl::Mutex mu_;
   std::optional<LaunchSpec> to_park_ ABSL_GUARDED_BY(mu_);
+  std::string to_park_job_ ABSL_GUARDED_BY(mu_);
+  // The job of the park in progress (Loop), and a count that Start and Discard bump to cancel
+  // it: a park that finds it changed ends what it launched.
+  std::string parking_job_ ABSL_GUARDED_BY(mu_);
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Parked> to_end_ ABSL_GUARDED_BY(mu_);
   std::optional<Parked> parked_ ABSL_GUARDED_BY(mu_);
   int warm_starts_ ABSL_GUARDED_BY(mu_) = 0;
