@@ -929,6 +929,55 @@ TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory)
   }
 }
 
+// Slice 1's limit, held to: a worker daemon killed with its memory, replaced by a spare that
+// holds nothing, leaves no step every member holds; the survivor discards its saves (the group
+// restarts from the script's own state, here the start) and the job still ends with the
+// undisturbed digest.
+TEST_F(ProgramTest, AKilledWorkersSavesAreGoneAndTheGroupRestartsFromTheScriptsOwnState) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/ckpt.py", kCheckpointScript);
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
+  auto spec = [&](const std::string& tag, const std::string& hold) {
+    v1::JobSpec s = ProgramJob(p, {"/usr/bin/python3", "ckpt.py", tag, "20"}, 2, 2);
+    s.set_max_restarts(3);
+    if (!hold.empty()) (*s.mutable_program()->mutable_env())["HOLD"] = hold;
+    return s;
+  };
+  auto reference = RunToEnd(*cluster, spec("ref", ""));
+  ASSERT_TRUE(reference.ok()) << reference.status() << cluster->Logs();
+  ASSERT_EQ(reference->state(), v1::JOB_STATE_SUCCEEDED) << reference->reason() << cluster->Logs();
+  const std::string digest = ReadFile(p.out + "/ref-final");
+  ASSERT_FALSE(digest.empty());
+
+  auto job = cluster->Submit(spec("lost", "after-save:8"));
+  ASSERT_TRUE(job.ok()) << job.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(WaitForFile(absl::StrCat(p.out, "/lost-held-", rank), kJobWait))
+        << cluster->Logs();
+  }
+  auto running = cluster->Get(job->job_id());
+  ASSERT_TRUE(running.ok()) << running.status();
+  const std::string victim = running->members(1).worker_name();
+  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"spare"}));
+  cluster->worker(victim)->Signal(SIGKILL);
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(ReadFile(p.out + "/lost-final"), digest);
+  ASSERT_GE(done->recovery_history_size(), 1);
+  const v1::Recovery& r = done->recovery_history(0);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/lost-gen-", r.to_generation(), "-rank-", rank,
+                                    ".restored")),
+              "None")
+        << "rank " << rank;
+  }
+  EXPECT_EQ(r.restored_from(), "") << r.DebugString();
+  EXPECT_EQ(r.resumed_from_step(), 0) << r.DebugString();
+}
+
 // A save that cannot fit in the worker's --checkpoint_memory_bytes fails in the script with
 // the numbers (a MemoryError it may catch); here uncaught, with exit code 1 made fatal.
 TEST_F(ProgramTest, ASaveBeyondTheWorkersCheckpointMemoryFailsNamingTheNumbers) {
