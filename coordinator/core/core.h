@@ -348,8 +348,12 @@ class Core {
   // member `worker_id` reported an error that retrying cannot help; it leaves the job for good
   // (idle, free for other jobs), and the job fails only when no member is left, so a lone
   // report, true or forged, never fails a job for the others.
+  // `no_culprit_behind`: the failure is known not to come from a dead peer (a program's process
+  // killed from outside, reported by its own live worker), so the job re-forms without the
+  // grace ReformAfter gives a dead peer's stream to close.
   void HandleMemberLoss(JobRecord& job, const std::string& worker_id, const std::string& reason,
-                        bool fatal, absl::Time now, Decisions* out);
+                        bool fatal, absl::Time now, Decisions* out,
+                        bool no_culprit_behind = false);
   // HandleMemberLoss once every other member has completed the last step: finish the job, or
   // re-form the members that hold the final state (a finishing generation).
   void HandleLossAfterLastStep(JobRecord& job, const std::string& worker_id,

@@ -66,7 +66,7 @@ absl::Time Core::ReformAfter(const std::string& worker_id, bool fatal, absl::Tim
 }
 
 void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const std::string& reason,
-                            bool fatal, absl::Time now, Decisions* out) {
+                            bool fatal, absl::Time now, Decisions* out, bool no_culprit_behind) {
   if (IsTerminal(job.job.state())) return;
   AddEvent(job, v1::JobEvent::MEMBERSHIP, reason, now, out);
   if (fatal) {
@@ -135,7 +135,7 @@ void Core::HandleMemberLoss(JobRecord& job, const std::string& worker_id, const 
                                           Seconds1(last_absence_), "; not counted)")
                            : reason + why_not_charged,
                        /*scale_up=*/false, coordinator_caused, charged,
-                       ReformAfter(worker_id, fatal, now), now, out);
+                       no_culprit_behind ? now : ReformAfter(worker_id, fatal, now), now, out);
   TryReform(job, now, out);
 }
 

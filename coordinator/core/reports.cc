@@ -156,7 +156,12 @@ absl::Status Core::ReportFailure(const std::string& worker_id, const v1::Failure
       FinishJob(job, v1::JOB_STATE_FAILED, reason, now, out);
       return absl::OkStatus();
     }
-    HandleMemberLoss(job, /*worker_id=*/"", reason, /*fatal=*/false, now, out);
+    // A process killed from outside (kill -9, the OOM killer; SIGTERM) was not brought down
+    // by a peer's failure, and its worker is alive (it reports): the group re-forms at once.
+    // An exit code may be a peer's death seen through a collective: the usual grace.
+    const std::string& signal = report.program_exit().signal();
+    HandleMemberLoss(job, /*worker_id=*/"", reason, /*fatal=*/false, now, out,
+                     /*no_culprit_behind=*/signal == "SIGKILL" || signal == "SIGTERM");
     return absl::OkStatus();
   }
   // A fatal error is the reporter's own (its data, its device, its memory): it leaves the job.

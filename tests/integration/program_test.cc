@@ -310,7 +310,12 @@ TEST_F(ProgramTest, ARestartRunsInTheInterpreterParkedForItAndAParkedOneGoesWith
     ASSERT_TRUE(cluster->WaitForHook(name, "warm_interpreter_parked", absl::Seconds(60)).ok())
         << name << cluster->Logs();
   }
-  const std::vector<pid_t> parked = ParkedInterpreters(cluster->worker("w1")->pid());
+  // Launched; its exec (which names it) may take a moment more.
+  std::vector<pid_t> parked;
+  for (const absl::Time until = absl::Now() + absl::Seconds(30);
+       parked.empty() && absl::Now() < until; absl::SleepFor(absl::Milliseconds(20))) {
+    parked = ParkedInterpreters(cluster->worker("w1")->pid());
+  }
   ASSERT_EQ(parked.size(), 1u) << cluster->Logs();
   // kill -9 of a worker while it holds a parked interpreter: the interpreter goes with it.
   cluster->worker("w1")->Signal(SIGKILL);

@@ -179,6 +179,35 @@ TEST_F(ProgramCoreTest, AFailedProcessRestartsTheGroupAndAFatalCodeFailsTheJob) 
   EXPECT_EQ(Job(job).program_exits_size(), 2);
 }
 
+// An exit code may be a dead peer seen through a collective: the group re-forms after the
+// grace that lets a dead worker's stream close. A process killed from outside (SIGKILL) was
+// not: its own live worker reports it, and the group re-forms at once.
+TEST_F(ProgramCoreTest, AProcessKilledFromOutsideReformsAtOnceAnExitCodeAfterTheGrace) {
+  Register("w0", "h1");
+  const std::string w1 = Register("w1", "h1");
+  const std::string job = Submit(ProgramSpec(2, 2));
+  ASSERT_TRUE(Fail(w1, job, 1, 1, /*fatal=*/false).ok());
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
+  Tick(absl::Milliseconds(100));
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING) << "re-formed within the grace";
+  Tick(absl::Milliseconds(300));
+  ASSERT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(Job(job).generation(), 2);
+
+  v1::FailureReport f;
+  f.set_job_id(job);
+  f.set_generation(2);
+  f.set_message("rank 1 (w1) was killed by SIGKILL");
+  f.mutable_program_exit()->set_rank(1);
+  f.mutable_program_exit()->set_signal("SIGKILL");
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFailure(w1, f, now_, &d).ok());
+  Collect(d);
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(job).generation(), 3);
+  EXPECT_EQ(Job(job).recoveries(), 2);
+}
+
 TEST_F(ProgramCoreTest, TheStepTimerRunsOnlyOnceTheProgramReports) {
   const std::string w0 = Register("w0", "h1");
   const std::string job = Submit(ProgramSpec(1, 1));
