@@ -4,9 +4,9 @@ For each state size: a model of bias-free 2048x2048 linear layers trained with A
 its parameters and Adam's two moments together are the size asked for. Measures (seconds,
 medians of --reps): lockstep.torch.Checkpointer.save (the first one apart: it allocates the
 worker's slots), torch.save to a file on local disk and on /dev/shm the way a torchrun script
-writes its checkpoint (write, fsync, rename), the copy back out of the worker's memory into
-the model and optimizer, torch.load from disk, and a training step with and without a save
-after it. Writes a JSON list to argv[1].
+writes its checkpoint (examples/torch/train.py's save_checkpoint: write, fsync, rename), the
+copy back out of the worker's memory into the model and optimizer, torch.load from disk,
+and a training step with and without a save after it. Writes a JSON list to argv[1].
 Usage: checkpoint_job.py OUT.json SIZES_MB DISK_DIR SHM_DIR REPS
 """
 import json
@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import lockstep.torch as lt
+from train import save_checkpoint  # examples/torch/train.py, beside this file
 
 WIDTH = 2048
 
@@ -28,15 +29,6 @@ def timed(fn):
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
-
-
-def torch_save(path, state):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def main():
@@ -62,7 +54,6 @@ def main():
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values()
                            for v in s.values() if torch.is_tensor(v))
-        state = lambda: {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
         def save():
             nonlocal step_no
@@ -73,8 +64,10 @@ def main():
         saves = [timed(save) for _ in range(reps)]
         disk = os.path.join(disk_dir, f"state-{mb}.pt")
         shm = os.path.join(shm_dir, f"state-{mb}.pt")
-        disk_saves = [timed(lambda: torch_save(disk, state())) for _ in range(reps)]
-        shm_saves = [timed(lambda: torch_save(shm, state())) for _ in range(reps)]
+        disk_saves = [timed(lambda: save_checkpoint(disk, model, opt, step_no, 0.0))
+                      for _ in range(reps)]
+        shm_saves = [timed(lambda: save_checkpoint(shm, model, opt, step_no, 0.0))
+                     for _ in range(reps)]
         # The copy back: what load() does once the worker named the slot.
         newest = max(ckpt._slots, key=lambda s: s.sequence())
         with open(newest.path, "rb") as f:

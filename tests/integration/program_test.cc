@@ -858,6 +858,33 @@ del ddp
 dist.destroy_process_group()
 )py";
 
+// ckpt.py TAG STEPS as a job of two workers, HOLD in its environment ("": none).
+v1::JobSpec CheckpointJob(const Programs& p, const std::string& tag, int steps,
+                          const std::string& hold) {
+  v1::JobSpec s =
+      ProgramJob(p, {"/usr/bin/python3", "ckpt.py", tag, absl::StrCat(steps)}, 2, 2);
+  s.set_max_restarts(3);
+  if (!hold.empty()) (*s.mutable_program()->mutable_env())["HOLD"] = hold;
+  return s;
+}
+
+// What load() returned to TAG's rank RANK in generation GENERATION.
+std::string Restored(const Programs& p, const std::string& tag, int64_t generation, int rank) {
+  return ReadFile(
+      absl::StrCat(p.out, "/", tag, "-gen-", generation, "-rank-", rank, ".restored"));
+}
+
+// Runs ckpt.py undisturbed (tag "ref"): `digest` is the final line every disturbed run of
+// STEPS must end with.
+void RunCheckpointReference(Cluster& cluster, const Programs& p, int steps, std::string* digest) {
+  auto reference = RunToEnd(cluster, CheckpointJob(p, "ref", steps, ""));
+  ASSERT_TRUE(reference.ok()) << reference.status() << cluster.Logs();
+  ASSERT_EQ(reference->state(), v1::JOB_STATE_SUCCEEDED) << reference->reason() << cluster.Logs();
+  *digest = ReadFile(p.out + "/ref-final");
+  ASSERT_TRUE(absl::StartsWith(*digest, absl::StrCat(steps, " "))) << *digest;
+  EXPECT_EQ(Restored(p, "ref", 1, 0), "None");
+}
+
 TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory) {
   auto cluster = StartCluster();
   ASSERT_NE(cluster, nullptr);
@@ -865,14 +892,10 @@ TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory)
   WriteFile(p.root + "/ckpt.py", kCheckpointScript);
   ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
   auto spec = [&](const std::string& tag, const std::string& hold) {
-    v1::JobSpec s = ProgramJob(p, {"/usr/bin/python3", "ckpt.py", tag, "30"}, 2, 2);
-    s.set_max_restarts(3);
-    if (!hold.empty()) (*s.mutable_program()->mutable_env())["HOLD"] = hold;
-    return s;
+    return CheckpointJob(p, tag, 30, hold);
   };
   auto restored = [&](const std::string& tag, int64_t generation, int rank) {
-    return ReadFile(absl::StrCat(p.out, "/", tag, "-gen-", generation, "-rank-", rank,
-                                 ".restored"));
+    return Restored(p, tag, generation, rank);
   };
   auto kill_held = [&](const std::string& tag, int rank) {
     const std::string held = absl::StrCat(p.out, "/", tag, "-held-", rank);
@@ -883,12 +906,8 @@ TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory)
   };
 
   // Undisturbed: the digest every disturbed run must end with.
-  auto reference = RunToEnd(*cluster, spec("ref", ""));
-  ASSERT_TRUE(reference.ok()) << reference.status() << cluster->Logs();
-  ASSERT_EQ(reference->state(), v1::JOB_STATE_SUCCEEDED) << reference->reason() << cluster->Logs();
-  const std::string digest = ReadFile(p.out + "/ref-final");
-  ASSERT_TRUE(absl::StartsWith(digest, "30 ")) << digest;
-  EXPECT_EQ(restored("ref", 1, 0), "None");
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunCheckpointReference(*cluster, p, 30, &digest));
 
   {
     SCOPED_TRACE("kill -9 of rank 1 right after its save of step 12");
@@ -904,7 +923,9 @@ TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory)
     EXPECT_EQ(ReadFile(p.out + "/after-final"), digest);
     ASSERT_GE(done->recovery_history_size(), 1);
     const v1::Recovery& r = done->recovery_history(0);
-    for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(restored("after", r.to_generation(), rank), "12");
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(restored("after", r.to_generation(), rank), "12");
+    }
     EXPECT_EQ(r.restored_from(), "memory") << r.DebugString();
     EXPECT_EQ(r.resumed_from_step(), 12) << r.DebugString();
     EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
@@ -928,7 +949,9 @@ TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory)
     const v1::Recovery& r = done->recovery_history(0);
     // Rank 1's torn save of step 12 is never restored; rank 0's whole one is discarded: the
     // newest step both hold is 11.
-    for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(restored("mid", r.to_generation(), rank), "11");
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(restored("mid", r.to_generation(), rank), "11");
+    }
     EXPECT_EQ(r.restored_from(), "memory") << r.DebugString();
     EXPECT_EQ(r.resumed_from_step(), 11) << r.DebugString();
   }
@@ -944,19 +967,10 @@ TEST_F(ProgramTest, AKilledWorkersSavesAreGoneAndTheGroupRestartsFromTheScriptsO
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/ckpt.py", kCheckpointScript);
   ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
-  auto spec = [&](const std::string& tag, const std::string& hold) {
-    v1::JobSpec s = ProgramJob(p, {"/usr/bin/python3", "ckpt.py", tag, "20"}, 2, 2);
-    s.set_max_restarts(3);
-    if (!hold.empty()) (*s.mutable_program()->mutable_env())["HOLD"] = hold;
-    return s;
-  };
-  auto reference = RunToEnd(*cluster, spec("ref", ""));
-  ASSERT_TRUE(reference.ok()) << reference.status() << cluster->Logs();
-  ASSERT_EQ(reference->state(), v1::JOB_STATE_SUCCEEDED) << reference->reason() << cluster->Logs();
-  const std::string digest = ReadFile(p.out + "/ref-final");
-  ASSERT_FALSE(digest.empty());
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunCheckpointReference(*cluster, p, 20, &digest));
 
-  auto job = cluster->Submit(spec("lost", "after-save:8"));
+  auto job = cluster->Submit(CheckpointJob(p, "lost", 20, "after-save:8"));
   ASSERT_TRUE(job.ok()) << job.status();
   for (int rank = 0; rank < 2; ++rank) {
     ASSERT_TRUE(WaitForFile(absl::StrCat(p.out, "/lost-held-", rank), kJobWait))
@@ -974,10 +988,7 @@ TEST_F(ProgramTest, AKilledWorkersSavesAreGoneAndTheGroupRestartsFromTheScriptsO
   ASSERT_GE(done->recovery_history_size(), 1);
   const v1::Recovery& r = done->recovery_history(0);
   for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/lost-gen-", r.to_generation(), "-rank-", rank,
-                                    ".restored")),
-              "None")
-        << "rank " << rank;
+    EXPECT_EQ(Restored(p, "lost", r.to_generation(), rank), "None") << "rank " << rank;
   }
   EXPECT_EQ(r.restored_from(), "") << r.DebugString();
   EXPECT_EQ(r.resumed_from_step(), 0) << r.DebugString();
