@@ -281,6 +281,12 @@ void AppendRecoveries(const v1::Job& job, std::string& out) {
                       r.reason()});
     }
     out += changes.Render("  ");
+    // How the state came back, in words (program jobs: peers' copies, or why none).
+    for (const v1::Recovery& r : job.recovery_history()) {
+      if (r.restore_detail().empty()) continue;
+      absl::StrAppend(&out, "  ", r.from_generation(), "->", r.to_generation(),
+                      " restore: ", r.restore_detail(), "\n");
+    }
   }
 }
 

@@ -20,6 +20,7 @@
 #include "glog/logging.h"
 #include "worker/comm/store_client.h"
 #include "worker/program/checkpoint_memory.h"
+#include "worker/program/checkpoint_peer.h"
 #include "worker/program/warm_start.h"
 
 namespace lockstep::worker {
@@ -46,6 +47,7 @@ Agent::Agent(AgentOptions options)
   generation_context_.program_server = options_.program_server;
   generation_context_.warm_starts = options_.warm_starts;
   generation_context_.checkpoint_memory = options_.checkpoint_memory;
+  generation_context_.checkpoint_peers = options_.checkpoint_peers;
   channel_ = MakeChannel(options_.coordinator,
                          {options_.token, absl::StrCat("lockstep-worker ", options_.name),
                           options_.credentials, options_.tls_server_name});
@@ -244,6 +246,9 @@ absl::Status Agent::RunSession(bool* registered) {
   }
   reg->set_incarnation(incarnation_);
   reg->set_comm_address(options_.comm_address);
+  if (options_.checkpoint_peers != nullptr) {
+    reg->set_peer_address(options_.checkpoint_peers->address());
+  }
   {
     // What this worker keeps for a job: the coordinator keeps it for that job, or tells it to
     // drop the state when the job has ended.

@@ -72,6 +72,7 @@ struct AgentOptions {
   ProgramServer* program_server = nullptr;  // not owned
   WarmStarts* warm_starts = nullptr;        // not owned; null: programs always start cold
   CheckpointMemory* checkpoint_memory = nullptr;  // not owned; null: no Checkpointer saves
+  CheckpointPeerServer* checkpoint_peers = nullptr;  // not owned; null: no copies to peers
   // Prometheus metrics of the runs (not owned; null: none).
   WorkerMetrics* metrics = nullptr;
 };

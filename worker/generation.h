@@ -31,7 +31,8 @@
 namespace lockstep::worker {
 
 class WarmStarts;        // worker/program/warm_start.h
-class CheckpointMemory;  // worker/program/checkpoint_memory.h
+class CheckpointMemory;      // worker/program/checkpoint_memory.h
+class CheckpointPeerServer;  // worker/program/checkpoint_peer.h
 
 // Whether an error ends the job rather than this generation: a new group would meet it again.
 // INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (the spec, its data or its paths),
@@ -79,6 +80,8 @@ struct GenerationContext {
   WarmStarts* warm_starts = nullptr;
   // Where lockstep.torch.Checkpointer's saves live (null: none on this worker).
   CheckpointMemory* checkpoint_memory = nullptr;
+  // Where copies of those saves go to and come from peers (null: nowhere).
+  CheckpointPeerServer* checkpoint_peers = nullptr;
   WorkerMetrics* metrics = nullptr;  // null: none
   Clock* clock = RealClock::Get();
 };

@@ -27,6 +27,7 @@
 #include "worker/device/device.h"
 #include "worker/metrics.h"
 #include "worker/program/checkpoint_memory.h"
+#include "worker/program/checkpoint_peer.h"
 #include "worker/program/warm_start.h"
 #include "worker/program_service.h"
 
@@ -73,7 +74,8 @@ ABSL_FLAG(std::string, program_preload, "torch,torch.distributed,torch.nn.parall
           "left to the script).");
 ABSL_FLAG(int64_t, checkpoint_memory_bytes, int64_t{4} << 30,
           "Memory a program job's lockstep.torch.Checkpointer may use on this worker (its two "
-          "newest saves together; 0: none). A save that does not fit fails, naming the numbers.");
+          "newest saves, and the copies kept of checkpoint peers' saves; 0: none). A save that "
+          "does not fit fails, naming the numbers.");
 ABSL_FLAG(std::string, checkpoint_memory_dir, "/dev/shm",
           "A tmpfs where programs' checkpoint slots live (in a directory of this worker's own).");
 ABSL_FLAG(bool, allow_programs_as_root, false,
@@ -227,6 +229,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<lockstep::worker::ProgramServer> program_server;
   std::unique_ptr<lockstep::worker::WarmStarts> warm_starts;
   std::unique_ptr<lockstep::worker::CheckpointMemory> checkpoint_memory;
+  std::unique_ptr<lockstep::worker::CheckpointPeerServer> checkpoint_peers;
   if (options.programs.root.restricted()) {
     absl::StatusOr<std::unique_ptr<lockstep::worker::ProgramServer>> started =
         lockstep::worker::ProgramServer::Start();
@@ -249,6 +252,16 @@ int main(int argc, char** argv) {
       }
       checkpoint_memory = *std::move(memory);
       options.checkpoint_memory = checkpoint_memory.get();
+      // Copies of the saves to and from checkpoint peers, on the collectives' address.
+      absl::StatusOr<std::unique_ptr<lockstep::worker::CheckpointPeerServer>> peers =
+          lockstep::worker::CheckpointPeerServer::Start(options.comm_address,
+                                                         checkpoint_memory.get());
+      if (!peers.ok()) {
+        LOG(ERROR) << "--comm_address: " << peers.status().message();
+        return 2;
+      }
+      checkpoint_peers = *std::move(peers);
+      options.checkpoint_peers = checkpoint_peers.get();
     } else if (bytes < 0) {
       LOG(ERROR) << "--checkpoint_memory_bytes: must be >= 0, got " << bytes;
       return 2;

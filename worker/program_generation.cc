@@ -27,6 +27,7 @@
 #include "common/utf8.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
+#include "worker/program/checkpoint_agreement.h"
 #include "worker/program/supervisor.h"
 
 namespace lockstep::worker {
@@ -38,7 +39,8 @@ constexpr size_t kStderrKept = 16 << 10;
 constexpr size_t kStderrTailBytes = 2 << 10;
 constexpr size_t kMaxLogLine = 4 << 10;
 constexpr char kMasterKey[] = "program/master";
-// The checkpoint agreement's keys: what each rank holds ("5,4"), and rank 0's choice ("none").
+// The checkpoint agreement's keys: what each rank holds (v1::CheckpointHoldings), and rank 0's
+// choice (v1::CheckpointChoice).
 constexpr char kHeldKeyPrefix[] = "program/checkpoint/held/";
 constexpr char kChosenKey[] = "program/checkpoint/chosen";
 constexpr absl::Duration kAgreementWait = absl::Minutes(5);
@@ -318,52 +320,107 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
   // A job's first generation: nobody can hold a save of it.
   if (assignment_.generation() <= 1 && assignment_.restart_count() == 0) return absl::OkStatus();
   const absl::Time start = absl::Now();
+  // What this member holds: its own saves, and the copies it keeps of other workers'.
+  v1::CheckpointHoldings mine;
+  mine.set_worker(context_.worker_name);
   std::vector<HeldCheckpoint> held;
-  if (memory != nullptr) held = memory->Held(job);
-  std::set<int64_t> common;
-  for (const HeldCheckpoint& h : held) common.insert(h.step);
-  LOCKSTEP_RETURN_IF_ERROR(store_->Set(absl::StrCat(kHeldKeyPrefix, assignment_.rank()),
-                                       absl::StrJoin(common, ",")));
+  if (memory != nullptr) {
+    std::vector<std::string> refused;
+    held = memory->Held(job, "", &refused);
+    for (const HeldCheckpoint& h : held) mine.add_own_steps(h.step);
+    for (const std::string& source : memory->ReplicaSources(job)) {
+      v1::ReplicaHolding* copy = mine.add_replicas();
+      copy->set_source_worker(source);
+      for (const HeldCheckpoint& h : memory->Held(job, source, &refused)) {
+        copy->add_steps(h.step);
+      }
+    }
+    for (std::string& r : refused) mine.add_refused(std::move(r));
+    if (peer_registration_ != nullptr) mine.set_peer_address(context_.checkpoint_peers->address());
+  }
+  LOCKSTEP_RETURN_IF_ERROR(
+      store_->Set(absl::StrCat(kHeldKeyPrefix, assignment_.rank()), mine.SerializeAsString()));
   if (assignment_.rank() == 0) {
-    for (int rank = 1; rank < assignment_.world_size() && !common.empty(); ++rank) {
+    std::vector<v1::CheckpointHoldings> by_rank(assignment_.world_size());
+    by_rank[0] = mine;
+    for (int rank = 1; rank < assignment_.world_size(); ++rank) {
       absl::StatusOr<std::string> theirs =
           store_->Get(absl::StrCat(kHeldKeyPrefix, rank), kAgreementWait);
       if (!theirs.ok()) return theirs.status();
-      std::set<int64_t> both;
-      for (absl::string_view text : absl::StrSplit(*theirs, ',', absl::SkipEmpty())) {
-        int64_t step = 0;
-        if (absl::SimpleAtoi(text, &step) && common.count(step) > 0) both.insert(step);
+      if (!by_rank[rank].ParseFromString(*theirs)) {
+        return absl::DataLossError(absl::StrCat("rank ", rank, " published malformed holdings"));
       }
-      common = std::move(both);
     }
-    LOCKSTEP_RETURN_IF_ERROR(
-        store_->Set(kChosenKey, common.empty() ? "none" : absl::StrCat(*common.rbegin())));
+    LOCKSTEP_RETURN_IF_ERROR(store_->Set(kChosenKey, ChooseCheckpoint(by_rank).SerializeAsString()));
   }
-  absl::StatusOr<std::string> chosen = store_->Get(kChosenKey, kAgreementWait);
-  if (!chosen.ok()) return chosen.status();
-  int64_t step = 0;
-  const bool found = *chosen != "none";
-  if (found && !absl::SimpleAtoi(*chosen, &step)) {
-    return absl::DataLossError(
-        absl::StrCat("rank 0 published a malformed checkpoint step \"", *chosen, "\""));
+  absl::StatusOr<std::string> chosen_text = store_->Get(kChosenKey, kAgreementWait);
+  if (!chosen_text.ok()) return chosen_text.status();
+  v1::CheckpointChoice chosen;
+  if (!chosen.ParseFromString(*chosen_text)) {
+    return absl::DataLossError("rank 0 published a malformed checkpoint choice");
   }
+  const int64_t step = chosen.step();
   if (memory != nullptr) {
-    memory->DiscardAfter(job, found ? step : std::numeric_limits<int64_t>::min());
+    memory->DiscardAfter(job, chosen.found() ? step : std::numeric_limits<int64_t>::min());
+  }
+  restored_from_ = chosen.restored_from();
+  restore_detail_ = chosen.detail();
+  if (!chosen.found()) {
+    agreement_time_ = absl::Now() - start;
+    LOG(INFO) << Name() << ": restores no checkpoint from memory"
+              << (chosen.detail().empty() ? "" : absl::StrCat(": ", chosen.detail()));
+    return absl::OkStatus();
   }
   for (const HeldCheckpoint& h : held) {
-    if (found && h.step == step) restore_ = h;
+    if (h.step == step) restore_ = h;
   }
-  if (found && !restore_.has_value()) {
+  for (const v1::CheckpointFetchPlan& fetch : chosen.fetches()) {
+    if (fetch.rank() != assignment_.rank() || restore_.has_value()) continue;
+    if (memory == nullptr) break;
+    // Before the program starts: its Checkpointer finds the save in its own slots.
+    const absl::Time fetch_start = absl::Now();
+    absl::StatusOr<HeldCheckpoint> fetched =
+        FetchCheckpoint(memory, fetch.holder_address(), fetch.holder_worker(),
+                        assignment_.checkpoint_secret(), job, fetch.source_worker(), step);
+    if (!fetched.ok()) {
+      // The group restarts (the coordinator re-forms it); the copy is never half-used.
+      return absl::Status(fetched.status().code(),
+                          absl::StrCat(Name(), ": ", fetched.status().message()));
+    }
+    restore_ = *std::move(fetched);
+    restore_source_ = absl::StrCat("peer ", fetch.holder_worker());
+    LOG(INFO) << Name() << ": fetched " << fetch.source_worker() << "'s checkpoint of step " << step
+              << " (" << HumanBytes(static_cast<int64_t>(restore_->payload_bytes)) << ") from "
+              << fetch.holder_worker() << " in " << absl::FormatDuration(absl::Now() - fetch_start);
+  }
+  if (!restore_.has_value()) {
     return absl::DataLossError(absl::StrCat("rank 0 chose the checkpoint of step ", step,
                                             ", which worker ", context_.worker_name,
-                                            " does not hold"));
+                                            " neither holds nor can fetch"));
   }
   agreement_time_ = absl::Now() - start;
-  LOG(INFO) << Name() << ": "
-            << (found ? absl::StrCat("restores step ", step, " from its worker's memory")
-                      : std::string("no checkpoint in memory that every member holds"))
-            << " (agreed in " << absl::FormatDuration(agreement_time_) << ")";
+  LOG(INFO) << Name() << ": restores step " << step << " from " << chosen.restored_from()
+            << (chosen.detail().empty() ? "" : absl::StrCat(" (", chosen.detail(), ")"))
+            << "; agreed in " << absl::FormatDuration(agreement_time_);
   return absl::OkStatus();
+}
+
+absl::Status ProgramGeneration::OnCheckpointSaved(int64_t step) {
+  if (abort_->raised()) return absl::AbortedError(absl::StrCat(Name(), ": stopping"));
+  if (step <= 0) return absl::InvalidArgumentError(absl::StrCat("step: must be > 0, got ", step));
+  if (replicator_ != nullptr) replicator_->Saved(step);
+  return absl::OkStatus();
+}
+
+void ProgramGeneration::StartCopies() {
+  const v1::CheckpointPeer& peer = assignment_.checkpoint_peer();
+  if (context_.checkpoint_memory == nullptr || peer.address().empty() ||
+      assignment_.checkpoint_secret().empty()) {
+    return;
+  }
+  replicator_ = std::make_unique<CheckpointReplicator>(
+      context_.checkpoint_memory, assignment_.job_id(), context_.worker_name, peer.worker_name(),
+      peer.address(), assignment_.checkpoint_secret());
 }
 
 absl::StatusOr<v1::CheckpointSlotsResponse> ProgramGeneration::OnCheckpointSlots(int64_t bytes) {
@@ -395,7 +452,7 @@ absl::StatusOr<v1::CheckpointRestoreResponse> ProgramGeneration::OnCheckpointRes
     response.set_step(restore_->step);
     response.set_path(restore_->path);
     response.set_payload_bytes(static_cast<int64_t>(restore_->payload_bytes));
-    response.set_source("memory");
+    response.set_source(restore_source_);
   }
   if (!request.loaded()) return response;
   if (!restore_.has_value() || request.step() != restore_->step) {
@@ -410,7 +467,8 @@ absl::StatusOr<v1::CheckpointRestoreResponse> ProgramGeneration::OnCheckpointRes
     resumed.set_resumed_from_step(restore_->step);
     resumed.set_source_rank(-1);  // each member from its own worker
     resumed.set_heal_ms(absl::ToInt64Milliseconds(agreement_time_) + request.loaded_ms());
-    resumed.set_restored_from("memory");
+    resumed.set_restored_from(restored_from_);
+    resumed.set_restore_detail(restore_detail_);
     reporter_->Resumed(resumed);
   }
   return response;
@@ -430,7 +488,14 @@ absl::StatusOr<LaunchSpec> ProgramGeneration::Prepare() {
   std::string master_addr;
   int master_port = 0;
   LOCKSTEP_RETURN_IF_ERROR(Rendezvous(&master_addr, &master_port));
+  // Copies of this generation's saves arrive here, and members fetch what they lack, under
+  // the generation's secret.
+  if (context_.checkpoint_peers != nullptr && !assignment_.checkpoint_secret().empty()) {
+    peer_registration_ =
+        context_.checkpoint_peers->Serve(assignment_.job_id(), assignment_.checkpoint_secret());
+  }
   LOCKSTEP_RETURN_IF_ERROR(AgreeOnCheckpoint());
+  StartCopies();
   // The wake-up of the watch: an abort, or a report from the wrong GPU.
   if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) return absl::ErrnoToStatus(errno, "pipe");
   // lockstep.torch's way in: the generation's store and progress reports, under a secret
@@ -440,7 +505,8 @@ absl::StatusOr<LaunchSpec> ProgramGeneration::Prepare() {
     registration_ = context_.program_server->Register(
         {store_, [this](const v1::ProgramReportRequest& r) { return OnReport(r); },
          [this](int64_t bytes) { return OnCheckpointSlots(bytes); },
-         [this](const v1::CheckpointRestoreRequest& r) { return OnCheckpointRestore(r); }});
+         [this](const v1::CheckpointRestoreRequest& r) { return OnCheckpointRestore(r); },
+         [this](int64_t step) { return OnCheckpointSaved(step); }});
     lockstep_env = {{"LOCKSTEP_AGENT_ADDRESS", context_.program_server->address()},
                     {"LOCKSTEP_AGENT_TOKEN", registration_->token()}};
   }
@@ -468,7 +534,11 @@ absl::Status ProgramGeneration::OnReport(const v1::ProgramReportRequest& report)
   }
   reported_ = true;
   const int64_t before = pacer_.last_step();
-  const v1::ProgressReport progress = pacer_.Next(assignment_, report, context_.clock->Now());
+  v1::ProgressReport progress = pacer_.Next(assignment_, report, context_.clock->Now());
+  // Nothing restored from memory although members held saves: why, for the recovery.
+  if (progress.first_of_generation() && !restore_.has_value()) {
+    progress.set_restore_detail(restore_detail_);
+  }
   if (context_.metrics != nullptr) {
     context_.metrics->ObserveProgramReport(progress, progress.step() - before, report.has_loss());
   }

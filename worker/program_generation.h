@@ -2,8 +2,9 @@
 //   Check      the workdir and the script resolve inside --programs_root; the executable exists;
 //   Rendezvous rank 0 reserves MASTER_PORT on its communication address and publishes it in
 //              the generation's store; the others read it;
-//   Agree      the members agree on the newest lockstep.torch checkpoint all of them hold in
-//              their workers' memory (worker/program/checkpoint_memory.h);
+//   Agree      the members agree on the newest lockstep.torch checkpoint every one of them can
+//              obtain: from its worker's memory (worker/program/checkpoint_memory.h), else from
+//              the copy a peer keeps (worker/program/checkpoint_peer.h), fetched now;
 //   Launch     the program under its supervisor (worker/program/supervisor.h), with torchrun's
 //              environment, as --program_user;
 //   Watch      its output (each line to the worker's log with a "[job rank N]:" prefix; the
@@ -26,6 +27,7 @@
 #include "lockstep/v1/program.pb.h"
 #include "worker/generation.h"
 #include "worker/program/checkpoint_memory.h"
+#include "worker/program/checkpoint_peer.h"
 #include "worker/program/supervisor.h"
 #include "worker/program/warm_start.h"
 
@@ -91,6 +93,10 @@ class ProgramGeneration final : public GenerationRun {
   absl::StatusOr<v1::CheckpointSlotsResponse> OnCheckpointSlots(int64_t bytes);
   absl::StatusOr<v1::CheckpointRestoreResponse> OnCheckpointRestore(
       const v1::CheckpointRestoreRequest& request);
+  // A committed save: copied to the checkpoint peer in the background.
+  absl::Status OnCheckpointSaved(int64_t step);
+  // The copies of this member's saves to its checkpoint peer (Assignment.checkpoint_peer).
+  void StartCopies();
   std::string Name() const;
 
   const GenerationContext& context_;
@@ -104,12 +110,19 @@ class ProgramGeneration final : public GenerationRun {
   // The checkpoint this member restores (set before the program starts), how long the
   // agreement took, and whether its restore was reported.
   std::optional<HeldCheckpoint> restore_;
+  std::string restore_source_ = "memory";  // or "peer WORKER"
+  // The group's, from rank 0's choice (v1::CheckpointChoice), for the recovery in status.
+  std::string restored_from_;
+  std::string restore_detail_;
   absl::Duration agreement_time_;
   bool restore_reported_ = false;  // on the ProgramServer's threads (one at a time)
   ReportPacer pacer_;       // reports, on the ProgramServer's threads (one at a time)
   std::atomic<bool> reported_{false};
   absl::Mutex wrong_device_mu_;
   absl::Status wrong_device_ ABSL_GUARDED_BY(wrong_device_mu_);
+  // Peers' calls for this generation, and the copies of its saves.
+  std::unique_ptr<CheckpointPeerServer::Registration> peer_registration_;
+  std::unique_ptr<CheckpointReplicator> replicator_;
   // Last: destroyed first, it waits for a report in progress.
   std::unique_ptr<ProgramServer::Registration> registration_;
 };

@@ -203,6 +203,20 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     local_rank[rank] = it->second.members++;
     if (job.job.spec().has_program()) it->second.gpus.push_back(info.device_uuid());
   }
+  // Program jobs: whose copies of its lockstep.torch checkpoints each member keeps, a ring over
+  // the hosts (the member at the same local rank, modulo, of the next host), so that losing a
+  // host loses no save; on one host, the next rank's worker.
+  std::vector<std::vector<size_t>> ranks_of_host(hosts.size());
+  for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
+    ranks_of_host[hosts.at(workers_.at(worker_ids[rank]).info.host()).index].push_back(rank);
+  }
+  const auto checkpoint_peer = [&](size_t rank) -> size_t {
+    if (hosts.size() == 1) return (rank + 1) % worker_ids.size();
+    const int32_t index = hosts.at(workers_.at(worker_ids[rank]).info.host()).index;
+    const std::vector<size_t>& next = ranks_of_host[(index + 1) % ranks_of_host.size()];
+    return next[static_cast<size_t>(local_rank[rank]) % next.size()];
+  };
+  const bool copies = job.job.spec().has_program() && worker_ids.size() > 1;
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     Worker& w = workers_.at(worker_ids[rank]);
     w.state = WorkerState::kBusy;
@@ -220,6 +234,13 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     mine->set_host_count(static_cast<int32_t>(hosts.size()));
     if (!uuid.empty()) {
       for (const std::string& gpu : host.gpus) mine->add_local_device_uuids(gpu);
+    }
+    if (copies) {
+      const v1::RegisterRequest& peer = workers_.at(worker_ids[checkpoint_peer(rank)]).info;
+      if (!peer.peer_address().empty()) {
+        mine->mutable_checkpoint_peer()->set_worker_name(peer.name());
+        mine->mutable_checkpoint_peer()->set_address(peer.peer_address());
+      }
     }
   }
   RefreshMembers(job);

@@ -55,6 +55,7 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
         r->set_resumed_from_step(resumed);
         r->set_steps_redone(std::max<int64_t>(0, r->step_at_detection() - resumed));
         r->set_steps_redone_lower_bound(true);
+        if (r->restore_detail().empty()) r->set_restore_detail(report.restore_detail());
       }
     }
     CloseRecovery(job, now, "", out);
@@ -316,6 +317,7 @@ absl::Status Core::ReportResumed(const std::string& worker_id, const v1::Resumed
     r->set_source_rank(report.source_rank());
     r->set_heal_ms(report.heal_ms());
     r->set_restored_from(report.restored_from());
+    r->set_restore_detail(report.restore_detail());
     r->set_steps_redone(std::max<int64_t>(0, r->step_at_detection() - report.resumed_from_step()));
     // State from a member's memory is that member's last committed step; state from a disk
     // checkpoint (or none) means every member that held later steps is gone, and what they
@@ -359,10 +361,11 @@ void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note
   if (job.open_recovery < 0) return;
   v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
   r->set_first_step_unix_ms(ToUnixMillisOrZero(now));
-  const std::string source =
+  std::string source =
       r->restored_from().empty()
           ? absl::StrFormat("source rank %d, heal %d ms", r->source_rank(), r->heal_ms())
           : absl::StrFormat("restored from %s in %d ms", r->restored_from(), r->heal_ms());
+  if (!r->restore_detail().empty()) absl::StrAppend(&source, ": ", r->restore_detail());
   AddEvent(job, v1::JobEvent::MEMBERSHIP,
            absl::StrFormat("generation %d resumed after step %d (%s, %d ms "
                            "after detection, %s%d steps redone)%s",

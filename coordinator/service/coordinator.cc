@@ -1,7 +1,9 @@
 // Shell state of the coordinator: applies the core's decisions outside the lock.
 #include "coordinator/service/coordinator.h"
 
+#include <map>
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -82,6 +84,17 @@ void Coordinator::QueueMessages(Decisions& decisions,
   // An abort and the assignment that replaces it travel as one message (half the writes of a
   // re-formation).
   FoldAbortsIntoAssignments(decisions.messages);
+  // A program job's generation: one secret for its members' checkpoint copies to each other
+  // (random, so outside the pure core; it travels only on the members' sessions).
+  std::map<std::pair<std::string, int64_t>, std::string> secrets;
+  for (auto& m : decisions.messages) {
+    if (!m.message.has_assignment()) continue;
+    v1::Assignment* a = m.message.mutable_assignment();
+    if (!a->spec().has_program() || a->world_size() < 2) continue;
+    std::string& secret = secrets[{a->job_id(), a->generation()}];
+    if (secret.empty()) secret = RandomSecret();
+    a->set_checkpoint_secret(secret);
+  }
   for (auto& m : decisions.messages) {
     auto it = sessions_.find(m.worker_id);
     if (it != sessions_.end()) it->second->Push(std::move(m.message));

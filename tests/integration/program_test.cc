@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <set>
@@ -957,41 +959,176 @@ TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory)
   }
 }
 
-// Slice 1's limit, held to: a worker daemon killed with its memory, replaced by a spare that
-// holds nothing, leaves no step every member holds; the survivor discards its saves (the group
-// restarts from the script's own state, here the start) and the job still ends with the
-// undisturbed digest.
-TEST_F(ProgramTest, AKilledWorkersSavesAreGoneAndTheGroupRestartsFromTheScriptsOwnState) {
+// The committed copies of a peer's saves that a worker keeps (".copy" slots in its checkpoint
+// memory directory under `dir`) of `step` (-1: of any step).
+std::vector<std::string> CommittedCopies(const std::string& dir, int64_t step) {
+  std::vector<std::string> copies;
+  std::error_code error;
+  for (const auto& memory : std::filesystem::directory_iterator(dir, error)) {
+    for (const auto& slot : std::filesystem::directory_iterator(memory.path(), error)) {
+      if (slot.path().extension() != ".copy") continue;
+      std::ifstream in(slot.path(), std::ios::binary);
+      char header[24] = {};
+      if (!in.read(header, sizeof header)) continue;
+      uint64_t sequence = 0;
+      int64_t saved = 0;
+      std::memcpy(&sequence, header + 8, 8);
+      std::memcpy(&saved, header + 16, 8);
+      if (std::string(header, 8) == "LSCKPT01" && sequence != 0 && (step < 0 || saved == step)) {
+        copies.push_back(slot.path());
+      }
+    }
+  }
+  return copies;
+}
+
+// A worker daemon killed with its memory (kill -9: its saves go with it). Its checkpoint peer
+// kept a copy of each of its saves, so no step is lost: restarted under its name, the worker
+// fetches its own copy back; replaced by a spare, the spare takes the departed worker's copy.
+// A copy corrupted at its holder is refused by its checksum: the group restarts from the
+// script's own state (here the start) and status says why. Every run ends with the digest of
+// an undisturbed run. The two workers are on two hosts: each keeps the other's copies.
+TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorruptOneIsRefused) {
   auto cluster = StartCluster();
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/ckpt.py", kCheckpointScript);
-  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"w0", "w1"}));
-  std::string digest;
-  ASSERT_NO_FATAL_FAILURE(RunCheckpointReference(*cluster, p, 20, &digest));
+  // Each worker's checkpoint memory where the test can look at it (its slots' headers).
+  const auto flags = [&](const std::string& name, const std::string& host) {
+    const std::string dir = absl::StrCat(cluster->dir(), "/shm-", name);
+    std::filesystem::create_directories(dir);
+    std::vector<std::string> f = ProgramFlags(p);
+    f.push_back("--checkpoint_memory_dir=" + dir);
+    f.push_back("--host=" + host);
+    return f;
+  };
+  const auto memory_dir = [&](const std::string& name) {
+    return absl::StrCat(cluster->dir(), "/shm-", name);
+  };
+  std::map<std::string, std::string> host_of = {{"w0", "h0"}, {"w1", "h1"}, {"spare", "h1"}};
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, flags(name, host_of[name])).ok()) << cluster->Logs();
+  }
+  // Starts TAG held after every rank's save of step 8; once the survivor (rank 0) keeps the
+  // victim's copy of step 8, calls `before_kill(survivor, victim)` and kills the victim's worker
+  // daemon: returns {survivor, victim}.
+  using BeforeKill = std::function<void(const std::string&, const std::string&)>;
+  const auto kill_after_copy = [&](const std::string& tag, std::string* job_id,
+                                   const BeforeKill& before_kill = nullptr)
+      -> std::pair<std::string, std::string> {
+    auto job = cluster->Submit(CheckpointJob(p, tag, 20, "after-save:8"));
+    EXPECT_TRUE(job.ok()) << job.status();
+    if (!job.ok()) return {};
+    *job_id = job->job_id();
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_TRUE(WaitForFile(absl::StrCat(p.out, "/", tag, "-held-", rank), kJobWait))
+          << cluster->Logs();
+    }
+    auto running = cluster->Get(job->job_id());
+    EXPECT_TRUE(running.ok()) << running.status();
+    const std::string survivor = running->members(0).worker_name();
+    const std::string victim = running->members(1).worker_name();
+    const absl::Time until = absl::Now() + absl::Seconds(60);
+    while (CommittedCopies(memory_dir(survivor), 8).empty() && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_FALSE(CommittedCopies(memory_dir(survivor), 8).empty())
+        << survivor << " keeps no copy of " << victim << "'s step 8" << cluster->Logs();
+    if (before_kill) before_kill(survivor, victim);
+    cluster->worker(victim)->Signal(SIGKILL);
+    EXPECT_TRUE(cluster->worker(victim)->Wait(absl::Seconds(30)).ok());
+    return {survivor, victim};
+  };
+  std::map<std::string, v1::Job> ended;
+  const auto wait_end = [&](const std::string& tag, const std::string& job_id) {
+    auto done = cluster->WaitForEnd(job_id, kJobWait);
+    ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+    ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+    ASSERT_GE(done->recovery_history_size(), 1) << done->DebugString();
+    ended[tag] = *done;
+  };
 
-  auto job = cluster->Submit(CheckpointJob(p, "lost", 20, "after-save:8"));
-  ASSERT_TRUE(job.ok()) << job.status();
-  for (int rank = 0; rank < 2; ++rank) {
-    ASSERT_TRUE(WaitForFile(absl::StrCat(p.out, "/lost-held-", rank), kJobWait))
+  std::string restarted_victim;
+  {
+    SCOPED_TRACE("the victim's worker restarts under its name, with empty memory");
+    std::string job_id;
+    const auto [survivor, victim] = kill_after_copy("again", &job_id);
+    ASSERT_FALSE(victim.empty());
+    ASSERT_TRUE(cluster->StartWorker(victim, flags(victim, host_of[victim])).ok())
+        << cluster->Logs();
+    ASSERT_NO_FATAL_FAILURE(wait_end("again", job_id));
+    const v1::Recovery& r = ended["again"].recovery_history(0);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(Restored(p, "again", r.to_generation(), rank), "8") << "rank " << rank;
+    }
+    EXPECT_EQ(r.resumed_from_step(), 8) << r.DebugString();
+    EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
+    EXPECT_EQ(r.restored_from(), "memory and peers' copies") << r.DebugString();
+    EXPECT_TRUE(absl::StrContains(r.restore_detail(), victim + " from " + survivor))
+        << r.DebugString();
+    restarted_victim = victim;
+  }
+  {
+    SCOPED_TRACE("a spare replaces the victim and takes its copy");
+    std::string job_id;
+    const auto [survivor, victim] = kill_after_copy("spare", &job_id);
+    ASSERT_FALSE(victim.empty());
+    ASSERT_TRUE(cluster->StartWorker("spare", flags("spare", host_of[victim])).ok())
+        << cluster->Logs();
+    ASSERT_NO_FATAL_FAILURE(wait_end("spare", job_id));
+    const v1::Recovery& r = ended["spare"].recovery_history(0);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(Restored(p, "spare", r.to_generation(), rank), "8") << "rank " << rank;
+    }
+    EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
+    EXPECT_TRUE(absl::StrContains(r.restore_detail(),
+                                  "spare took " + victim + "'s from " + survivor))
+        << r.DebugString();
+    // The victim comes back for the next run.
+    ASSERT_TRUE(cluster->StartWorker(victim, flags(victim, host_of[victim])).ok())
         << cluster->Logs();
   }
-  auto running = cluster->Get(job->job_id());
-  ASSERT_TRUE(running.ok()) << running.status();
-  const std::string victim = running->members(1).worker_name();
-  ASSERT_NO_FATAL_FAILURE(StartProgramWorkers(*cluster, p, {"spare"}));
-  cluster->worker(victim)->Signal(SIGKILL);
-  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
-  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
-  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
-  EXPECT_EQ(ReadFile(p.out + "/lost-final"), digest);
-  ASSERT_GE(done->recovery_history_size(), 1);
-  const v1::Recovery& r = done->recovery_history(0);
-  for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_EQ(Restored(p, "lost", r.to_generation(), rank), "None") << "rank " << rank;
+  {
+    SCOPED_TRACE("the survivor's copies of the victim's saves are corrupted: refused");
+    // Every copy (steps 8 and 7, say): with only the newest corrupted, the group restores the
+    // other. Three workers are up now: the group may re-form on the idle one at once, so the
+    // copies are corrupted before the kill.
+    std::string job_id;
+    const auto [survivor, victim] =
+        kill_after_copy("corrupt", &job_id, [&](const std::string& survivor, const std::string&) {
+          const std::vector<std::string> copies = CommittedCopies(memory_dir(survivor), -1);
+          ASSERT_FALSE(copies.empty());
+          for (const std::string& copy : copies) {
+            std::fstream f(copy, std::ios::in | std::ios::out | std::ios::binary);
+            f.seekp(4096 + 100);
+            f.put('\x5a');
+          }
+        });
+    ASSERT_FALSE(victim.empty());
+    ASSERT_TRUE(cluster->StartWorker(victim, flags(victim, host_of[victim])).ok())
+        << cluster->Logs();
+    ASSERT_NO_FATAL_FAILURE(wait_end("corrupt", job_id));
+    const v1::Recovery& r = ended["corrupt"].recovery_history(0);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(Restored(p, "corrupt", r.to_generation(), rank), "None") << "rank " << rank;
+    }
+    EXPECT_EQ(r.restored_from(), "") << r.DebugString();
+    EXPECT_EQ(r.resumed_from_step(), 0) << r.DebugString();
+    EXPECT_TRUE(absl::StrContains(r.restore_detail(), "checksum")) << r.DebugString();
+    EXPECT_TRUE(absl::StrContains(r.restore_detail(), "copy of " + victim)) << r.DebugString();
+    auto status = testing::RunCommand(
+        {LOCKSTEP_CTL_BIN, "--coordinator=" + cluster->address(), "status", job_id},
+        absl::Seconds(30));
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_TRUE(absl::StrContains(status->output, "restore: ")) << status->output;
+    EXPECT_TRUE(absl::StrContains(status->output, "checksum")) << status->output;
   }
-  EXPECT_EQ(r.restored_from(), "") << r.DebugString();
-  EXPECT_EQ(r.resumed_from_step(), 0) << r.DebugString();
+  // Undisturbed, last: every disturbed run ends with its digest.
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunCheckpointReference(*cluster, p, 20, &digest));
+  for (const char* tag : {"again", "spare", "corrupt"}) {
+    EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/", tag, "-final")), digest) << tag;
+  }
 }
 
 // A save that cannot fit in the worker's --checkpoint_memory_bytes fails in the script with

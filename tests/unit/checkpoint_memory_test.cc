@@ -1,7 +1,8 @@
 // The worker's memory for programs' checkpoints (worker/program/checkpoint_memory.h): two slots
 // per job within the bound, only committed saves whose checksum matches are held (a torn or
 // corrupted one never), newest first; saves after a step can be discarded; one job's slots go
-// when another job's are made, and all of them with the memory.
+// when another job's are made, and all of them with the memory. Copies of peers' saves are kept
+// per source within the same bound, written by a SlotWriter that commits only a matching copy.
 #include "worker/program/checkpoint_memory.h"
 
 #include <fcntl.h>
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
@@ -180,6 +182,104 @@ TEST_F(CheckpointMemoryTest, AnotherJobsSlotsReplaceAJobsAndEverythingGoesWithTh
   ASSERT_TRUE(memory_->Slots("job-3", 8192).ok());
   memory_.reset();
   EXPECT_FALSE(std::filesystem::exists(dir));
+}
+
+TEST_F(CheckpointMemoryTest, CopiesOfPeersSavesAreKeptPerSourceWithinTheBoundAndOwnSavesComeFirst) {
+  // 1 MiB in all: two copies of each of two sources at 128 KiB, and the job's own two slots.
+  auto w1 = memory_->ReplicaSlots("job-1", "w1", 128 << 10);
+  ASSERT_TRUE(w1.ok()) << w1.status();
+  auto w2 = memory_->ReplicaSlots("job-1", "w2", 128 << 10);
+  ASSERT_TRUE(w2.ok()) << w2.status();
+  EXPECT_NE((*w1)[0], (*w2)[0]);
+  WriteSave((*w1)[0], 1, 7, "w1's step 7");
+  WriteSave((*w2)[1], 4, 9, "w2's step 9");
+  EXPECT_EQ(memory_->Held("job-1", "w1")[0].step, 7);
+  EXPECT_EQ(memory_->Held("job-1", "w2")[0].step, 9);
+  EXPECT_TRUE(memory_->Held("job-1").empty()) << "copies are not the job's own saves";
+  std::vector<std::string> sources = memory_->ReplicaSources("job-1");
+  std::sort(sources.begin(), sources.end());
+  EXPECT_EQ(sources, (std::vector<std::string>{"w1", "w2"}));
+  EXPECT_EQ(memory_->used_bytes(), 4 * (128 << 10));
+  // A third source does not fit beside them: refused with the numbers, the others kept.
+  auto w3 = memory_->ReplicaSlots("job-1", "w3", 300 << 10);
+  EXPECT_EQ(w3.status().code(), absl::StatusCode::kResourceExhausted) << w3.status();
+  EXPECT_TRUE(absl::StrContains(w3.status().message(), "w3")) << w3.status();
+  EXPECT_TRUE(absl::StrContains(w3.status().message(), "--checkpoint_memory_bytes is 1048576"))
+      << w3.status();
+  EXPECT_EQ(memory_->ReplicaSources("job-1").size(), 2u);
+  // Saves after the agreed step go, the copies' too.
+  memory_->DiscardAfter("job-1", 8);
+  EXPECT_EQ(memory_->Held("job-1", "w1").size(), 1u);
+  EXPECT_TRUE(memory_->Held("job-1", "w2").empty());
+  // The job's own saves need the room: the copies make it.
+  auto own = memory_->Slots("job-1", 400 << 10);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_TRUE(memory_->ReplicaSources("job-1").empty());
+  EXPECT_LE(memory_->used_bytes(), memory_->limit_bytes());
+  // Another job's copies replace this job's slots, as its own saves do.
+  ASSERT_TRUE(memory_->ReplicaSlots("job-2", "w1", 8192).ok());
+  EXPECT_EQ(memory_->slot_bytes("job-1"), 0);
+}
+
+TEST_F(CheckpointMemoryTest, ASlotWriterCommitsOnlyACompleteMatchingCopyIntoTheOlderSlot) {
+  auto pair = memory_->ReplicaSlots("job-1", "w1", 8192);
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  WriteSave((*pair)[0], 5, 10, "state of step 10");
+  WriteSave((*pair)[1], 6, 11, "state of step 11");
+  const std::string payload = "state of step 12, copied";
+  const uint64_t checksum = XXH3_64bits(payload.data(), payload.size());
+  {
+    // Destroyed before its commit: the slot it wrote is not committed, the other is held.
+    auto writer = SlotWriter::Begin(*pair, 12, payload.size(), checksum);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    ASSERT_TRUE((*writer)->Append(payload.data(), 10).ok());
+  }
+  auto held = memory_->Held("job-1", "w1");
+  ASSERT_EQ(held.size(), 1u);
+  EXPECT_EQ(held[0].step, 11);
+  {
+    // Bytes that do not match the checksum: refused, naming the step.
+    auto writer = SlotWriter::Begin(*pair, 12, payload.size(), checksum ^ 1);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    ASSERT_TRUE((*writer)->Append(payload.data(), payload.size()).ok());
+    auto committed = (*writer)->Commit();
+    EXPECT_EQ(committed.status().code(), absl::StatusCode::kDataLoss) << committed.status();
+    EXPECT_TRUE(absl::StrContains(committed.status().message(), "step 12"));
+    // More than the header said: refused.
+    EXPECT_EQ((*writer)->Append("x", 1).code(), absl::StatusCode::kDataLoss);
+  }
+  {
+    // Short: refused.
+    auto writer = SlotWriter::Begin(*pair, 12, payload.size(), checksum);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    ASSERT_TRUE((*writer)->Append(payload.data(), payload.size() - 1).ok());
+    EXPECT_EQ((*writer)->Commit().status().code(), absl::StatusCode::kDataLoss);
+  }
+  auto writer = SlotWriter::Begin(*pair, 12, payload.size(), checksum);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  ASSERT_TRUE((*writer)->Append(payload.data(), 7).ok());
+  ASSERT_TRUE((*writer)->Append(payload.data() + 7, payload.size() - 7).ok());
+  auto committed = (*writer)->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  held = memory_->Held("job-1", "w1");
+  ASSERT_EQ(held.size(), 2u);
+  EXPECT_EQ(held[0].step, 12);
+  EXPECT_GT(held[0].sequence, 6u) << "the newest sequence of the pair";
+  EXPECT_EQ(held[1].step, 11) << "the previous save stays";
+  // Read back whole, in chunks, checked.
+  std::string read;
+  ASSERT_TRUE(ReadCheckpointPayload(held[0], 5, [&](const void* d, size_t n) {
+                read.append(static_cast<const char*>(d), n);
+                return absl::OkStatus();
+              }).ok());
+  EXPECT_EQ(read, payload);
+  // A save overwritten while it is read: the reader stops with DATA_LOSS.
+  int chunks = 0;
+  const absl::Status torn = ReadCheckpointPayload(held[0], 5, [&](const void*, size_t) {
+    if (++chunks == 2) WriteSave(held[0].path, 0, 13, "someone else's bytes....");
+    return absl::OkStatus();
+  });
+  EXPECT_EQ(torn.code(), absl::StatusCode::kDataLoss) << torn;
 }
 
 }  // namespace

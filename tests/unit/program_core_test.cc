@@ -36,6 +36,7 @@ class ProgramCoreTest : public ::testing::Test {
     r.set_device(uuid.empty() ? "cpu" : "cuda:0");
     r.set_device_uuid(uuid);
     if (programs) r.add_capabilities(kProgramCapability);
+    r.set_peer_address(name + ":4000");
     Decisions d;
     absl::StatusOr<std::string> id = core_.RegisterWorker(r, now_, &d);
     EXPECT_TRUE(id.ok()) << id.status();
@@ -151,6 +152,47 @@ TEST_F(ProgramCoreTest, MembersLearnTheirPlaceOnTheirHostAndTheirHostsGpus) {
                                      y0.local_device_uuids().end()),
             (std::vector<std::string>{"GPU-b0"}));
   EXPECT_EQ(x0.restart_count(), 0);
+}
+
+TEST_F(ProgramCoreTest, CheckpointPeersAreARingOverTheHosts) {
+  // alpha: a0 a1 a2; beta: b0; gamma: c0 c1. Each member's copies go to the next host's
+  // member at its local rank (modulo), and the last host's to the first's.
+  for (const char* name : {"a0", "b0", "c0", "a1", "c1", "a2"}) {
+    Register(name, std::string(name[0] == 'a' ? "alpha" : name[0] == 'b' ? "beta" : "gamma"));
+  }
+  Submit(ProgramSpec(6, 6));
+  ASSERT_EQ(assignments_.size(), 6u);
+  std::map<std::string, std::string> peer_of;
+  for (const auto& [id, a] : assignments_) {
+    ASSERT_TRUE(a.has_checkpoint_peer()) << a.ShortDebugString();
+    const std::string name = a.member_names(a.rank());
+    peer_of[name] = a.checkpoint_peer().worker_name();
+    EXPECT_EQ(a.checkpoint_peer().address(), peer_of[name] + ":4000");
+    EXPECT_NE(name.front(), peer_of[name].front()) << name << " keeps its copies on its own host";
+  }
+  EXPECT_EQ(peer_of["a0"], "b0");
+  EXPECT_EQ(peer_of["a1"], "b0");
+  EXPECT_EQ(peer_of["a2"], "b0");
+  EXPECT_EQ(peer_of["b0"], "c0");
+  EXPECT_EQ(peer_of["c0"], "a0");
+  EXPECT_EQ(peer_of["c1"], "a1");
+}
+
+TEST_F(ProgramCoreTest, OnOneHostTheNextRankKeepsTheCopiesAndAlonePeerless) {
+  Register("w0", "h1");
+  Register("w1", "h1");
+  Register("w2", "h1");
+  Submit(ProgramSpec(3, 3));
+  ASSERT_EQ(assignments_.size(), 3u);
+  for (const auto& [id, a] : assignments_) {
+    EXPECT_EQ(a.checkpoint_peer().worker_name(), a.member_names((a.rank() + 1) % 3));
+  }
+  assignments_.clear();
+  Register("solo", "h2");
+  Submit(ProgramSpec(1, 1));
+  ASSERT_EQ(assignments_.size(), 1u);
+  EXPECT_FALSE(assignments_.begin()->second.has_checkpoint_peer())
+      << "a job of one member keeps no copy";
 }
 
 TEST_F(ProgramCoreTest, AFailedProcessRestartsTheGroupAndAFatalCodeFailsTheJob) {

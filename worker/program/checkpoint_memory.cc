@@ -15,8 +15,11 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/atomic_file.h"
 #include "common/auth.h"
+#include "common/status_macros.h"
+#include "glog/logging.h"
 
 namespace lockstep::worker {
 namespace {
@@ -101,7 +104,135 @@ absl::StatusOr<HeldCheckpoint> VerifyCheckpointSlot(const std::string& path, int
   held.step = h.step;
   held.sequence = h.sequence;
   held.payload_bytes = h.payload_bytes;
+  held.checksum = h.checksum;
   held.path = path;
+  return held;
+}
+
+absl::StatusOr<CheckpointSlotHeader> ReadCheckpointSlotHeader(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "opening", path);
+  const CheckpointSlotHeader h = ReadCheckpointSlotHeader(fd);
+  close(fd);
+  return h;
+}
+
+absl::Status ReadCheckpointPayload(const HeldCheckpoint& held, size_t chunk,
+                                   const std::function<absl::Status(const void*, size_t)>& sink) {
+  const int fd = open(held.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "opening", held.path);
+  absl::Cleanup close_fd = [fd] { close(fd); };
+  XXH3_state_t* state = XXH3_createState();
+  if (state == nullptr) return absl::ResourceExhaustedError("XXH3_createState");
+  absl::Cleanup free_state = [state] { XXH3_freeState(state); };
+  XXH3_64bits_reset(state);
+  const auto changed = [&] {
+    return absl::DataLossError(absl::StrCat(held.path, ": the save of step ", held.step,
+                                            " was overwritten or corrupted while read"));
+  };
+  std::vector<unsigned char> buffer(chunk);
+  uint64_t done = 0;
+  while (done < held.payload_bytes) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(chunk, held.payload_bytes - done));
+    const ssize_t n = pread(fd, buffer.data(), want,
+                            static_cast<off_t>(kCheckpointSlotHeaderBytes + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return changed();
+    XXH3_64bits_update(state, buffer.data(), static_cast<size_t>(n));
+    // Checked before the bytes leave: a writer that began meanwhile zeroed the sequence first.
+    if (ReadCheckpointSlotHeader(fd).sequence != held.sequence) return changed();
+    LOCKSTEP_RETURN_IF_ERROR(sink(buffer.data(), static_cast<size_t>(n)));
+    done += static_cast<uint64_t>(n);
+  }
+  if (XXH3_64bits_digest(state) != held.checksum) return changed();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SlotWriter>> SlotWriter::Begin(const std::vector<std::string>& pair,
+                                                             int64_t step, uint64_t payload_bytes,
+                                                             uint64_t checksum) {
+  if (pair.size() != 2) return absl::InternalError("a slot pair has two slots");
+  uint64_t sequences[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<CheckpointSlotHeader> h = ReadCheckpointSlotHeader(pair[i]);
+    if (!h.ok()) return h.status();
+    sequences[i] = h->magic_ok ? h->sequence : 0;
+  }
+  auto writer = std::unique_ptr<SlotWriter>(new SlotWriter());
+  writer->slot_ = sequences[0] <= sequences[1] ? 0 : 1;
+  writer->path_ = pair[writer->slot_];
+  writer->step_ = step;
+  writer->payload_bytes_ = payload_bytes;
+  writer->checksum_ = checksum;
+  writer->sequence_ = std::max(sequences[0], sequences[1]) + 1;
+  writer->fd_ = open(writer->path_.c_str(), O_RDWR | O_CLOEXEC);
+  if (writer->fd_ < 0) return ErrnoStatus(errno, "opening", writer->path_);
+  struct stat st;
+  if (fstat(writer->fd_, &st) != 0) return ErrnoStatus(errno, "reading", writer->path_);
+  if (static_cast<uint64_t>(st.st_size) < kCheckpointSlotHeaderBytes + payload_bytes) {
+    return absl::InternalError(absl::StrCat(writer->path_, ": a ", st.st_size,
+                                            "-byte slot cannot hold a payload of ", payload_bytes,
+                                            " bytes"));
+  }
+  unsigned char head[40] = {};
+  std::memcpy(head, kCheckpointSlotMagic, 8);  // sequence 0: not committed while written
+  if (pwrite(writer->fd_, head, sizeof head, 0) != static_cast<ssize_t>(sizeof head)) {
+    return ErrnoStatus(errno, "writing", writer->path_);
+  }
+  XXH3_state_t* state = XXH3_createState();
+  if (state == nullptr) return absl::ResourceExhaustedError("XXH3_createState");
+  XXH3_64bits_reset(state);
+  writer->hash_ = state;
+  return writer;
+}
+
+SlotWriter::~SlotWriter() {
+  if (fd_ >= 0) close(fd_);
+  if (hash_ != nullptr) XXH3_freeState(static_cast<XXH3_state_t*>(hash_));
+}
+
+absl::Status SlotWriter::Append(const void* data, size_t n) {
+  if (written_ + n > payload_bytes_) {
+    return absl::DataLossError(absl::StrCat("the copy of step ", step_, " is longer than its ",
+                                            payload_bytes_, "-byte payload"));
+  }
+  const char* p = static_cast<const char*>(data);
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t w = pwrite(fd_, p + done, n - done,
+                             static_cast<off_t>(kCheckpointSlotHeaderBytes + written_ + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return ErrnoStatus(errno, "writing", path_);
+    done += static_cast<size_t>(w);
+  }
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(hash_), data, n);
+  written_ += n;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HeldCheckpoint> SlotWriter::Commit() {
+  if (written_ != payload_bytes_ ||
+      XXH3_64bits_digest(static_cast<XXH3_state_t*>(hash_)) != checksum_) {
+    return absl::DataLossError(absl::StrCat(
+        "the copy of step ", step_, " does not match its checksum (", written_, " of ",
+        payload_bytes_, " bytes received)"));
+  }
+  unsigned char fields[24];
+  const uint64_t step = static_cast<uint64_t>(step_);
+  std::memcpy(fields, &step, 8);
+  std::memcpy(fields + 8, &payload_bytes_, 8);
+  std::memcpy(fields + 16, &checksum_, 8);
+  if (pwrite(fd_, fields, sizeof fields, 16) != static_cast<ssize_t>(sizeof fields) ||
+      pwrite(fd_, &sequence_, sizeof sequence_, 8) != static_cast<ssize_t>(sizeof sequence_)) {
+    return ErrnoStatus(errno, "committing", path_);
+  }
+  HeldCheckpoint held;
+  held.slot = slot_;
+  held.step = step_;
+  held.sequence = sequence_;
+  held.payload_bytes = payload_bytes_;
+  held.checksum = checksum_;
+  held.path = path_;
   return held;
 }
 
@@ -156,12 +287,26 @@ void CheckpointMemory::DropLocked(JobSlots& job) {
   job.bytes = 0;
 }
 
+CheckpointMemory::JobSlots& CheckpointMemory::FindOrAddLocked(const std::string& job_id,
+                                                             const std::string& source) {
+  for (JobSlots& job : jobs_) {
+    if (job.job_id == job_id && job.source == source) return job;
+  }
+  jobs_.push_back(JobSlots{job_id, source, {}, 0});
+  return jobs_.back();
+}
+
+int64_t CheckpointMemory::UsedLocked() const {
+  int64_t used = 0;
+  for (const JobSlots& job : jobs_) used += static_cast<int64_t>(job.paths.size()) * job.bytes;
+  return used;
+}
+
 absl::StatusOr<std::vector<std::string>> CheckpointMemory::Slots(const std::string& job_id,
                                                                  int64_t bytes) {
   absl::MutexLock lock(&mu_);
   DropAllButLocked(job_id);  // one job's slots at a time: a worker serves one job
-  if (jobs_.empty()) jobs_.push_back(JobSlots{job_id, {}, 0});
-  JobSlots& job = jobs_.front();
+  JobSlots& job = FindOrAddLocked(job_id, "");
   const int64_t want = std::max(bytes, job.bytes);
   if (want > limit_bytes_ / 2) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -169,9 +314,51 @@ absl::StatusOr<std::vector<std::string>> CheckpointMemory::Slots(const std::stri
         "it keeps two saves, ", Bytes(2 * want), ", and --checkpoint_memory_bytes is ",
         Bytes(limit_bytes_)));
   }
+  // The job's own saves come first: copies of peers' saves make room.
+  if (UsedLocked() + 2 * (want - job.bytes) > limit_bytes_) {
+    for (JobSlots& other : jobs_) {
+      if (!other.source.empty()) DropLocked(other);
+    }
+    jobs_.erase(std::remove_if(jobs_.begin(), jobs_.end(),
+                               [](const JobSlots& j) { return !j.source.empty(); }),
+                jobs_.end());
+  }
+  return SlotsLocked(FindOrAddLocked(job_id, ""), bytes);
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointMemory::ReplicaSlots(
+    const std::string& job_id, const std::string& source_worker, int64_t bytes) {
+  if (source_worker.empty()) return absl::InvalidArgumentError("source_worker: required");
+  absl::MutexLock lock(&mu_);
+  DropAllButLocked(job_id);
+  JobSlots& job = FindOrAddLocked(job_id, source_worker);
+  const int64_t grow = 2 * std::max<int64_t>(0, bytes - job.bytes);
+  if (UsedLocked() + grow > limit_bytes_) {
+    const int64_t used = UsedLocked();
+    if (job.paths.empty()) {
+      jobs_.erase(std::remove_if(jobs_.begin(), jobs_.end(),
+                                 [&](const JobSlots& j) {
+                                   return j.job_id == job_id && j.source == source_worker;
+                                 }),
+                  jobs_.end());
+    }
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a copy of ", source_worker, "'s checkpoint of ", Bytes(bytes),
+        " does not fit in this worker's checkpoint memory: ", Bytes(used), " are kept, two ",
+        "copies take ", Bytes(grow), " more, and --checkpoint_memory_bytes is ",
+        Bytes(limit_bytes_)));
+  }
+  return SlotsLocked(job, bytes);
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointMemory::SlotsLocked(JobSlots& job,
+                                                                       int64_t bytes) {
+  const int64_t want = std::max(bytes, job.bytes);
   if (job.paths.empty()) {
     for (int i = 0; i < 2; ++i) {
-      const std::string path = absl::StrCat(dir_, "/", RandomSecret(), ".slot");
+      // ".slot": the job's own saves, which its program maps; ".copy": a peer's.
+      const std::string path =
+          absl::StrCat(dir_, "/", RandomSecret(), job.source.empty() ? ".slot" : ".copy");
       const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
       if (fd < 0) {
         const absl::Status s = ErrnoStatus(errno, "creating", path);
@@ -196,8 +383,10 @@ absl::StatusOr<std::vector<std::string>> CheckpointMemory::Slots(const std::stri
     }
     job.bytes = want;
   }
+  // The program maps its own slots; copies of peers' saves stay the worker's.
   for (const std::string& path : job.paths) {
-    if ((uid_ != static_cast<uid_t>(-1) || gid_ != static_cast<gid_t>(-1)) &&
+    if (job.source.empty() &&
+        (uid_ != static_cast<uid_t>(-1) || gid_ != static_cast<gid_t>(-1)) &&
         chown(path.c_str(), uid_, gid_) != 0) {
       return ErrnoStatus(errno, "handing to the programs' user", path);
     }
@@ -208,27 +397,81 @@ absl::StatusOr<std::vector<std::string>> CheckpointMemory::Slots(const std::stri
 int64_t CheckpointMemory::slot_bytes(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   for (const JobSlots& job : jobs_) {
-    if (job.job_id == job_id) return job.bytes;
+    if (job.job_id == job_id && job.source.empty()) return job.bytes;
   }
   return 0;
 }
 
-std::vector<HeldCheckpoint> CheckpointMemory::Held(const std::string& job_id) const {
-  std::vector<std::string> paths;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const JobSlots& job : jobs_) {
-      if (job.job_id == job_id) paths = job.paths;
+std::vector<std::string> CheckpointMemory::ReplicaSources(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> sources;
+  for (const JobSlots& job : jobs_) {
+    if (job.job_id == job_id && !job.source.empty() && !job.paths.empty()) {
+      sources.push_back(job.source);
     }
   }
-  std::vector<HeldCheckpoint> held;
-  for (int i = 0; i < static_cast<int>(paths.size()); ++i) {
-    absl::StatusOr<HeldCheckpoint> h = VerifyCheckpointSlot(paths[i], i);
-    if (h.ok()) held.push_back(*std::move(h));
+  return sources;
+}
+
+std::vector<std::string> CheckpointMemory::PathsOf(const std::string& job_id,
+                                                  const std::string& source) const {
+  absl::MutexLock lock(&mu_);
+  for (const JobSlots& job : jobs_) {
+    if (job.job_id == job_id && job.source == source) return job.paths;
   }
+  return {};
+}
+
+namespace {
+void NewestFirst(std::vector<HeldCheckpoint>& held) {
   std::sort(held.begin(), held.end(), [](const HeldCheckpoint& a, const HeldCheckpoint& b) {
     return a.sequence > b.sequence;
   });
+}
+}  // namespace
+
+std::vector<HeldCheckpoint> CheckpointMemory::Held(const std::string& job_id,
+                                                   const std::string& source_worker,
+                                                   std::vector<std::string>* refused) const {
+  const std::vector<std::string> paths = PathsOf(job_id, source_worker);
+  std::vector<HeldCheckpoint> held;
+  for (int i = 0; i < static_cast<int>(paths.size()); ++i) {
+    absl::StatusOr<HeldCheckpoint> h = VerifyCheckpointSlot(paths[i], i);
+    if (h.ok()) {
+      held.push_back(*std::move(h));
+    } else if (!absl::IsNotFound(h.status())) {
+      LOG(WARNING) << "checkpoint memory: " << h.status().message();
+      if (refused != nullptr) {
+        // Without the slot's path: its name is not for the job's readers.
+        const absl::string_view why =
+            absl::StripPrefix(h.status().message(), absl::StrCat(paths[i], ": "));
+        refused->push_back(source_worker.empty()
+                               ? absl::StrCat("its own save: ", why)
+                               : absl::StrCat("its copy of ", source_worker, "'s save: ", why));
+      }
+    }
+  }
+  NewestFirst(held);
+  return held;
+}
+
+std::vector<HeldCheckpoint> CheckpointMemory::Committed(const std::string& job_id,
+                                                        const std::string& source_worker) const {
+  const std::vector<std::string> paths = PathsOf(job_id, source_worker);
+  std::vector<HeldCheckpoint> held;
+  for (int i = 0; i < static_cast<int>(paths.size()); ++i) {
+    absl::StatusOr<CheckpointSlotHeader> h = ReadCheckpointSlotHeader(paths[i]);
+    if (!h.ok() || !h->magic_ok || h->sequence == 0) continue;
+    HeldCheckpoint c;
+    c.slot = i;
+    c.step = h->step;
+    c.sequence = h->sequence;
+    c.payload_bytes = h->payload_bytes;
+    c.checksum = h->checksum;
+    c.path = paths[i];
+    held.push_back(std::move(c));
+  }
+  NewestFirst(held);
   return held;
 }
 
@@ -275,9 +518,7 @@ void CheckpointMemory::DropAllButLocked(const std::string& keep_job_id) {
 
 int64_t CheckpointMemory::used_bytes() const {
   absl::MutexLock lock(&mu_);
-  int64_t used = 0;
-  for (const JobSlots& job : jobs_) used += static_cast<int64_t>(job.paths.size()) * job.bytes;
-  return used;
+  return UsedLocked();
 }
 
 }  // namespace lockstep::worker

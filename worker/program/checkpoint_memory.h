@@ -14,16 +14,22 @@
 //   [4096, ...) payload: a safetensors file (an 8-byte header length, a JSON header, raw data)
 // A save the process did not finish has sequence 0, or a checksum that does not match: it is
 // never restored, and the other slot (the previous save) is.
+//
+// The worker also keeps copies of its checkpoint peers' saves (worker/program/checkpoint_peer.h):
+// two slots per job and source worker, in the same layout, written by SlotWriter, within the
+// same --checkpoint_memory_bytes (a job's own saves come first: their growth drops copies).
 #pragma once
 
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 
@@ -47,6 +53,7 @@ struct HeldCheckpoint {
   int64_t step = 0;
   uint64_t sequence = 0;
   uint64_t payload_bytes = 0;
+  uint64_t checksum = 0;
   std::string path;
 };
 
@@ -69,10 +76,29 @@ class CheckpointMemory {
       ABSL_LOCKS_EXCLUDED(mu_);
   int64_t slot_bytes(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The job's committed saves whose payload matches its checksum, newest first.
-  std::vector<HeldCheckpoint> Held(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Marks every save of the job after `step` as not committed (a group that resumed from
-  // `step` never restores a later state of another history).
+  // Two slots for copies of `source_worker`'s saves of the job (grown to at least `bytes`).
+  // RESOURCE_EXHAUSTED naming the numbers when they do not fit beside what is kept.
+  absl::StatusOr<std::vector<std::string>> ReplicaSlots(const std::string& job_id,
+                                                        const std::string& source_worker,
+                                                        int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The job's committed saves whose payload matches its checksum, newest first: its own, or
+  // the copies kept of `source_worker`'s.
+  // `refused` (if given) gets, in words, the committed ones that do not match.
+  std::vector<HeldCheckpoint> Held(const std::string& job_id,
+                                   const std::string& source_worker = "",
+                                   std::vector<std::string>* refused = nullptr) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The same without reading the payloads: the slots' headers that say committed, newest
+  // first (a reader checks the checksum as it reads, ReadCheckpointPayload).
+  std::vector<HeldCheckpoint> Committed(const std::string& job_id,
+                                        const std::string& source_worker = "") const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The source workers whose saves of the job this worker keeps copies of.
+  std::vector<std::string> ReplicaSources(const std::string& job_id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks every save of the job after `step` as not committed, its own and the copies (a group
+  // that resumed from `step` never restores a later state of another history).
   void DiscardAfter(const std::string& job_id, int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the job's slots (the job ended); every job's other than `keep_job_id`'s.
   void Drop(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
@@ -85,9 +111,17 @@ class CheckpointMemory {
  private:
   struct JobSlots {
     std::string job_id;
+    std::string source;              // "" for the job's own saves; else whose copies
     std::vector<std::string> paths;  // two, once made
     int64_t bytes = 0;
   };
+  absl::StatusOr<std::vector<std::string>> SlotsLocked(JobSlots& job, int64_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  JobSlots& FindOrAddLocked(const std::string& job_id, const std::string& source)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t UsedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::string> PathsOf(const std::string& job_id, const std::string& source) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   CheckpointMemory(std::string dir, int64_t limit_bytes, uid_t uid, gid_t gid)
       : dir_(std::move(dir)), limit_bytes_(limit_bytes), uid_(uid), gid_(gid) {}
   void DropLocked(JobSlots& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -104,6 +138,38 @@ class CheckpointMemory {
 
 // A slot file's header (`magic_ok` false for a short or foreign file).
 CheckpointSlotHeader ReadCheckpointSlotHeader(int fd);
+
+// Writes one save into the older of a pair of slots: begun with the save's header (its commit
+// sequence zeroed first), fed its payload in order, committed when the payload matches the
+// checksum (the sequence, one more than either slot's, written last). A writer destroyed
+// uncommitted leaves that slot uncommitted, and the other slot as it was.
+class SlotWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<SlotWriter>> Begin(const std::vector<std::string>& pair,
+                                                           int64_t step, uint64_t payload_bytes,
+                                                           uint64_t checksum);
+  ~SlotWriter();
+  absl::Status Append(const void* data, size_t n);
+  // DATA_LOSS naming the step when the payload is short, long, or does not match.
+  absl::StatusOr<HeldCheckpoint> Commit();
+
+ private:
+  SlotWriter() = default;
+  int fd_ = -1;
+  int slot_ = 0;
+  std::string path_;
+  int64_t step_ = 0;
+  uint64_t payload_bytes_ = 0, checksum_ = 0, sequence_ = 0, written_ = 0;
+  void* hash_ = nullptr;  // XXH3_state_t
+};
+
+// Streams a verified save's payload to `sink` in chunks of at most `chunk` bytes, checking it
+// against its checksum and its slot's sequence as it goes: DATA_LOSS when the slot was
+// overwritten meanwhile or does not match; `sink`'s error ends it.
+absl::Status ReadCheckpointPayload(const HeldCheckpoint& held, size_t chunk,
+                                   const std::function<absl::Status(const void*, size_t)>& sink);
+// The save's checksum, as its header states it.
+absl::StatusOr<CheckpointSlotHeader> ReadCheckpointSlotHeader(const std::string& path);
 // The slot at `path` when it holds a committed save whose payload matches its checksum.
 // NOT_FOUND (nothing committed), DATA_LOSS (a torn or corrupted save), naming the path.
 absl::StatusOr<HeldCheckpoint> VerifyCheckpointSlot(const std::string& path, int slot);

@@ -364,7 +364,7 @@ function timeline(job) {
           h("dt", { text: "resumed from" }),
           h("dd", { text: num(r.resumedFromStep) > 0 ? "step " + fmt(num(r.resumedFromStep)) : (firstStep > 0 ? "the start" : "–") }),
           h("dt", { text: "state from" }),
-          h("dd", { class: "state-from", text: r.restoredFrom ? r.restoredFrom + " (each member's worker) in " + fmtDuration(num(r.healMs)) : num(r.sourceRank) >= 0 ? "rank " + r.sourceRank + (num(r.healMs) > 0 ? " in " + fmtDuration(r.healMs) : "") : "–" })));
+          h("dd", { class: "state-from", text: (r.restoredFrom ? r.restoredFrom + " in " + fmtDuration(num(r.healMs)) : num(r.sourceRank) >= 0 ? "rank " + r.sourceRank + (num(r.healMs) > 0 ? " in " + fmtDuration(r.healMs) : "") : "–") + (r.restoreDetail ? " (" + r.restoreDetail + ")" : "") })));
     }
     const ended = num(g.endedUnixMs);
     return h("li", { class: "generation" + (ended ? "" : " current"), "data-generation": String(gen) },

@@ -1,0 +1,118 @@
+// Which checkpoint a program job's new generation restores (worker/program/checkpoint_agreement.h):
+// the newest step every member can obtain, from its own memory, else a copy of its own saves
+// a peer keeps, else (a spare) a departed worker's copy, each taken once.
+#include "worker/program/checkpoint_agreement.h"
+
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+
+namespace lockstep::worker {
+namespace {
+
+v1::CheckpointHoldings Member(
+    const std::string& worker, std::initializer_list<int64_t> own,
+    std::initializer_list<std::pair<std::string, std::vector<int64_t>>> copies = {},
+    const std::string& address = "") {
+  v1::CheckpointHoldings h;
+  h.set_worker(worker);
+  for (int64_t s : own) h.add_own_steps(s);
+  h.set_peer_address(address.empty() ? worker + ":1" : address);
+  for (const auto& [source, steps] : copies) {
+    v1::ReplicaHolding* r = h.add_replicas();
+    r->set_source_worker(source);
+    for (int64_t s : steps) r->add_steps(s);
+  }
+  return h;
+}
+
+TEST(ChooseCheckpointTest, NobodyHoldsAnything) {
+  const v1::CheckpointChoice c = ChooseCheckpoint({Member("w0", {}), Member("w1", {})});
+  EXPECT_FALSE(c.found());
+  EXPECT_TRUE(c.fetches().empty());
+}
+
+TEST(ChooseCheckpointTest, TheNewestStepEveryMemberHoldsFromItsOwnMemory) {
+  const v1::CheckpointChoice c =
+      ChooseCheckpoint({Member("w0", {6, 5}), Member("w1", {5, 4}), Member("w2", {5, 6})});
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 5);
+  EXPECT_TRUE(c.fetches().empty());
+  EXPECT_EQ(c.restored_from(), "memory");
+  EXPECT_EQ(c.detail(), "");
+}
+
+TEST(ChooseCheckpointTest, AWorkerThatLostItsMemoryFetchesTheCopyOfItsOwnSaves) {
+  // w1 restarted: its memory is empty; w0 keeps copies of w1's steps 6 and 5.
+  const v1::CheckpointChoice c =
+      ChooseCheckpoint({Member("w0", {6, 5}, {{"w1", {6, 5}}}), Member("w1", {})});
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 6);
+  ASSERT_EQ(c.fetches_size(), 1);
+  EXPECT_EQ(c.fetches(0).rank(), 1);
+  EXPECT_EQ(c.fetches(0).holder_worker(), "w0");
+  EXPECT_EQ(c.fetches(0).holder_address(), "w0:1");
+  EXPECT_EQ(c.fetches(0).source_worker(), "w1");
+  EXPECT_EQ(c.restored_from(), "memory and peers' copies");
+  EXPECT_TRUE(absl::StrContains(c.detail(), "w1 from w0")) << c.detail();
+}
+
+TEST(ChooseCheckpointTest, AnOlderStepWhenTheCopyLagsBehind) {
+  // The copy of w1's step 6 had not arrived when w1 died: step 5 is what all can have.
+  const v1::CheckpointChoice c =
+      ChooseCheckpoint({Member("w0", {6, 5}, {{"w1", {5}}}), Member("w1", {})});
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 5);
+}
+
+TEST(ChooseCheckpointTest, ASpareTakesADepartedWorkersCopyOnlyOnce) {
+  // w1 and w2 are gone; w0 kept w1's copies, w3 kept w2's. Two spares, s1 and s2.
+  const std::vector<v1::CheckpointHoldings> members = {
+      Member("w0", {8}, {{"w1", {8}}}), Member("w3", {8}, {{"w2", {8}}}), Member("s1", {}),
+      Member("s2", {})};
+  const v1::CheckpointChoice c = ChooseCheckpoint(members);
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 8);
+  ASSERT_EQ(c.fetches_size(), 2);
+  EXPECT_NE(c.fetches(0).source_worker(), c.fetches(1).source_worker());
+  // A third spare has no copy left: no step for all.
+  std::vector<v1::CheckpointHoldings> more = members;
+  more.push_back(Member("s3", {}));
+  const v1::CheckpointChoice none = ChooseCheckpoint(more);
+  EXPECT_FALSE(none.found());
+  EXPECT_TRUE(absl::StrContains(none.detail(), "s3")) << none.detail();
+}
+
+TEST(ChooseCheckpointTest, AMembersCopyIsNotTakenByASpareAndACopyIsNotFetchedFromItself) {
+  // w1 is a member and holds its own step 4: its copy at w0 is not a spare's to take.
+  const v1::CheckpointChoice c = ChooseCheckpoint(
+      {Member("w0", {4}, {{"w1", {4}}}), Member("w1", {4}), Member("s", {})});
+  EXPECT_FALSE(c.found()) << c.ShortDebugString();
+  // A copy kept by the member itself (a worker that holds copies of its own name) is no source.
+  const v1::CheckpointChoice self = ChooseCheckpoint({Member("w0", {3}), Member("w1", {}, {{"w1", {3}}})});
+  EXPECT_FALSE(self.found());
+}
+
+TEST(ChooseCheckpointTest, RefusedCopiesAreNamedInTheDetail) {
+  v1::CheckpointHoldings w0 = Member("w0", {8});
+  w0.add_refused("the copy of w1's step 8 does not match its checksum");
+  const v1::CheckpointChoice c = ChooseCheckpoint({w0, Member("spare", {})});
+  EXPECT_FALSE(c.found());
+  EXPECT_TRUE(absl::StrContains(c.detail(), "spare (rank 1) holds no save of step 8"))
+      << c.detail();
+  EXPECT_TRUE(absl::StrContains(c.detail(), "w0: the copy of w1's step 8 does not match"))
+      << c.detail();
+}
+
+TEST(ChooseCheckpointTest, AHolderWithoutAnAddressCannotServe) {
+  v1::CheckpointHoldings w0 = Member("w0", {6}, {{"w1", {6}}});
+  w0.clear_peer_address();
+  EXPECT_FALSE(ChooseCheckpoint({w0, Member("w1", {})}).found());
+}
+
+}  // namespace
+}  // namespace lockstep::worker

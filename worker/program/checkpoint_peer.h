@@ -1,0 +1,120 @@
+// Copies of program jobs' lockstep.torch checkpoints between workers (CheckpointPeerService,
+// proto/lockstep/v1/program.proto; docs/programs.md). A worker serves, on its comm address, the
+// generations it takes part in: each member's saves arrive there from the member whose
+// checkpoint peer it is, and a member of a later generation that lacks the agreed step fetches
+// it from there. Calls carry the generation's secret (Assignment.checkpoint_secret); the
+// payload is checked against the save's XXH3-64 on both ends, and only a matching copy is
+// committed (SlotWriter).
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/server.h"
+#include "worker/program/checkpoint_memory.h"
+
+namespace lockstep::worker {
+
+// Payload bytes per message: well under gRPC's 4 MiB default limit.
+inline constexpr size_t kCheckpointChunkBytes = 1 << 20;
+inline constexpr char kCheckpointSecretMetadata[] = "x-lockstep-checkpoint";
+
+class CheckpointPeerServer {
+ public:
+  // Listens on HOST:0 (the worker's comm address); copies go into `memory` (not owned).
+  static absl::StatusOr<std::unique_ptr<CheckpointPeerServer>> Start(const std::string& host,
+                                                                     CheckpointMemory* memory);
+  ~CheckpointPeerServer();
+  // HOST:PORT, for RegisterRequest.peer_address.
+  const std::string& address() const { return address_; }
+
+  // While it lives, calls for `job_id` carrying `secret` are served (a later generation's
+  // registration replaces it; this one's end then leaves that one in place).
+  class Registration {
+   public:
+    ~Registration();
+    Registration(const Registration&) = delete;
+    Registration& operator=(const Registration&) = delete;
+
+   private:
+    friend class CheckpointPeerServer;
+    Registration(CheckpointPeerServer* server, std::string job_id, std::string secret)
+        : server_(server), job_id_(std::move(job_id)), secret_(std::move(secret)) {}
+    CheckpointPeerServer* const server_;
+    const std::string job_id_, secret_;
+  };
+  std::unique_ptr<Registration> Serve(const std::string& job_id, const std::string& secret)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // OK when `secret` is the one served for `job_id` (the service's check).
+  absl::Status Admit(const std::string& job_id, const std::string& secret) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  CheckpointMemory* memory() const { return memory_; }
+
+ private:
+  class Service;
+  CheckpointPeerServer() = default;
+
+  CheckpointMemory* memory_ = nullptr;
+  std::string address_;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::string> secrets_ ABSL_GUARDED_BY(mu_);  // job id -> secret
+};
+
+// Streams a member's newest committed save to its checkpoint peer, in the background: Saved()
+// after each commit wakes it; it copies the newest save not yet copied (a save made while one
+// is copied waits for it, and only the newest of those is copied next), never blocking the
+// caller. Errors are logged and counted; the next save tries again.
+class CheckpointReplicator {
+ public:
+  CheckpointReplicator(CheckpointMemory* memory, std::string job_id, std::string worker,
+                       std::string peer_worker, std::string peer_address, std::string secret);
+  ~CheckpointReplicator();  // cancels a copy in progress
+  void Saved(int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
+
+  struct Stats {
+    int64_t copied = 0, failed = 0;
+    int64_t last_step = 0;
+    uint64_t last_bytes = 0;
+    absl::Duration last_time;
+  };
+  Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until the save of `step` (or a later one) is copied or failed (tests, benchmarks).
+  bool WaitCopied(int64_t step, absl::Duration timeout) const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void Loop();
+  absl::Status Copy(const HeldCheckpoint& save);
+
+  CheckpointMemory* const memory_;
+  const std::string job_id_, worker_, peer_worker_, peer_address_, secret_;
+  mutable absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // a step saved and not yet copied (0: none)
+  int64_t done_ ABSL_GUARDED_BY(mu_) = 0;     // the last step copied or given up
+  Stats stats_ ABSL_GUARDED_BY(mu_);
+  grpc::ClientContext* in_flight_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::shared_ptr<grpc::Channel> channel_;  // the loop's own
+  std::thread thread_;
+};
+
+// Fetches `source_worker`'s save of `step` from the worker at `address` into this worker's own
+// slots for the job (the program restores it from there). DATA_LOSS when the copy does not
+// match its checksum; the holder's errors otherwise, each naming the holder.
+absl::StatusOr<HeldCheckpoint> FetchCheckpoint(CheckpointMemory* memory, const std::string& address,
+                                               const std::string& holder, const std::string& secret,
+                                               const std::string& job_id,
+                                               const std::string& source_worker, int64_t step);
+
+}  // namespace lockstep::worker
