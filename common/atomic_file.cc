@@ -50,6 +50,20 @@ absl::Status ErrnoStatus(int err, absl::string_view what, absl::string_view path
 absl::Status WriteFileAtomically(const std::string& path,
                                  std::initializer_list<absl::string_view> pieces,
                                  Durability durability) {
+  return WriteFileAtomically(
+      path,
+      [&](const AtomicWrite& write) {
+        for (absl::string_view piece : pieces) {
+          if (absl::Status s = write(piece.data(), piece.size()); !s.ok()) return s;
+        }
+        return absl::OkStatus();
+      },
+      durability);
+}
+
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::function<absl::Status(const AtomicWrite&)>& produce,
+                                 Durability durability) {
   const std::string tmp = TempName(path);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus(errno, "creating", tmp);
@@ -59,18 +73,21 @@ absl::Status WriteFileAtomically(const std::string& path,
     ::unlink(tmp.c_str());
     return ErrnoStatus(err, what, tmp);
   };
-  for (absl::string_view piece : pieces) {
+  const absl::Status produced = produce([&](const void* data, size_t size) {
+    const char* bytes = static_cast<const char*>(data);
     size_t written = 0;
-    while (written < piece.size()) {
-      const ssize_t n = ::write(fd, piece.data() + written, piece.size() - written);
+    while (written < size) {
+      const ssize_t n = ::write(fd, bytes + written, size - written);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return fail("writing");
-      if (n == 0) {
-        errno = EIO;
-        return fail("writing");
-      }
+      if (n <= 0) return ErrnoStatus(n < 0 ? errno : EIO, "writing", tmp);
       written += static_cast<size_t>(n);
     }
+    return absl::OkStatus();
+  });
+  if (!produced.ok()) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return produced;
   }
   // The data must be on disk before the name says it exists.
   if (durability == Durability::kDurable && ::fsync(fd) != 0) return fail("fsync of");

@@ -3,6 +3,7 @@
 // set cache, status and port files.
 #pragma once
 
+#include <functional>
 #include <initializer_list>
 #include <string>
 
@@ -31,6 +32,13 @@ inline absl::Status WriteFileAtomically(const std::string& path, absl::string_vi
                                         Durability durability) {
   return WriteFileAtomically(path, {bytes}, durability);
 }
+
+// The same for contents too large to hold at once: `produce` calls `write` with the contents
+// in order; its error (or write's) removes the temporary file and is returned.
+using AtomicWrite = std::function<absl::Status(const void* data, size_t n)>;
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::function<absl::Status(const AtomicWrite&)>& produce,
+                                 Durability durability);
 
 // The status for a failed system call `what` on `path` with `err` (an errno value), with the
 // code chosen as above: "writing /d/f.tmp: No space left on device".

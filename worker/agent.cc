@@ -48,6 +48,7 @@ Agent::Agent(AgentOptions options)
   generation_context_.warm_starts = options_.warm_starts;
   generation_context_.checkpoint_memory = options_.checkpoint_memory;
   generation_context_.checkpoint_peers = options_.checkpoint_peers;
+  generation_context_.checkpoint_copy_interval = options_.checkpoint_copy_interval;
   channel_ = MakeChannel(options_.coordinator,
                          {options_.token, absl::StrCat("lockstep-worker ", options_.name),
                           options_.credentials, options_.tls_server_name});

@@ -73,6 +73,7 @@ struct AgentOptions {
   WarmStarts* warm_starts = nullptr;        // not owned; null: programs always start cold
   CheckpointMemory* checkpoint_memory = nullptr;  // not owned; null: no Checkpointer saves
   CheckpointPeerServer* checkpoint_peers = nullptr;  // not owned; null: no copies to peers
+  absl::Duration checkpoint_copy_interval = absl::Milliseconds(500);
   // Prometheus metrics of the runs (not owned; null: none).
   WorkerMetrics* metrics = nullptr;
 };

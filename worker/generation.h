@@ -82,6 +82,8 @@ struct GenerationContext {
   CheckpointMemory* checkpoint_memory = nullptr;
   // Where copies of those saves go to and come from peers (null: nowhere).
   CheckpointPeerServer* checkpoint_peers = nullptr;
+  // At most one copy to the peer per this interval (--checkpoint_copy_interval).
+  absl::Duration checkpoint_copy_interval = absl::Milliseconds(500);
   WorkerMetrics* metrics = nullptr;  // null: none
   Clock* clock = RealClock::Get();
 };

@@ -76,6 +76,10 @@ ABSL_FLAG(int64_t, checkpoint_memory_bytes, int64_t{4} << 30,
           "Memory a program job's lockstep.torch.Checkpointer may use on this worker (its two "
           "newest saves, and the copies kept of checkpoint peers' saves; 0: none). A save that "
           "does not fit fails, naming the numbers.");
+ABSL_FLAG(absl::Duration, checkpoint_copy_interval, absl::Milliseconds(500),
+          "At most one copy of a program job's newest lockstep.torch save to its checkpoint peer "
+          "per this interval (and a quarter of the time): what a lost worker's peer copy may lag "
+          "behind its saves.");
 ABSL_FLAG(std::string, checkpoint_memory_dir, "/dev/shm",
           "A tmpfs where programs' checkpoint slots live (in a directory of this worker's own).");
 ABSL_FLAG(bool, allow_programs_as_root, false,
@@ -262,6 +266,7 @@ int main(int argc, char** argv) {
       }
       checkpoint_peers = *std::move(peers);
       options.checkpoint_peers = checkpoint_peers.get();
+      options.checkpoint_copy_interval = absl::GetFlag(FLAGS_checkpoint_copy_interval);
     } else if (bytes < 0) {
       LOG(ERROR) << "--checkpoint_memory_bytes: must be >= 0, got " << bytes;
       return 2;

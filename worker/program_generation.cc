@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <map>
 #include <cstring>
 #include <limits>
@@ -28,6 +29,7 @@
 #include "common/status_macros.h"
 #include "glog/logging.h"
 #include "worker/program/checkpoint_agreement.h"
+#include "worker/program/checkpoint_disk.h"
 #include "worker/program/supervisor.h"
 
 namespace lockstep::worker {
@@ -227,6 +229,13 @@ absl::StatusOr<std::string> ProgramGeneration::Check() const {
     return absl::NotFoundError(absl::StrCat("program.workdir: no directory \"", workdir,
                                             "\" on worker ", context_.worker_name));
   }
+  // Where the in-memory saves are persisted: inside this worker's --checkpoint_root.
+  if (const std::string& dir = assignment_.spec().checkpoint_dir(); !dir.empty()) {
+    if (absl::Status s = context_.checkpoint_roots.CheckOnHost("checkpoint_dir", dir); !s.ok()) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("worker ", context_.worker_name, ": ", s.message()));
+    }
+  }
   // The script: argv[0] itself when it is a path inside the root, else the first argument
   // that is not an option (after an interpreter); "-m MODULE" runs a module of the workdir.
   const std::vector<std::string> argv(program.argv().begin(), program.argv().end());
@@ -336,6 +345,12 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
       }
     }
     for (std::string& r : refused) mine.add_refused(std::move(r));
+    // What the job's checkpoint_dir holds (as this host sees it).
+    if (const std::string& dir = assignment_.spec().checkpoint_dir(); !dir.empty()) {
+      std::set<int64_t> steps;
+      for (const DiskCheckpoint& f : ListDiskCheckpoints(dir, job)) steps.insert(f.step);
+      for (int64_t s : steps) mine.add_disk_steps(s);
+    }
     if (peer_registration_ != nullptr) mine.set_peer_address(context_.checkpoint_peers->address());
   }
   LOCKSTEP_RETURN_IF_ERROR(
@@ -360,8 +375,11 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
     return absl::DataLossError("rank 0 published a malformed checkpoint choice");
   }
   const int64_t step = chosen.step();
-  if (memory != nullptr) {
-    memory->DiscardAfter(job, chosen.found() ? step : std::numeric_limits<int64_t>::min());
+  const int64_t keep_up_to = chosen.found() ? step : std::numeric_limits<int64_t>::min();
+  if (memory != nullptr) memory->DiscardAfter(job, keep_up_to);
+  if (const std::string& dir = assignment_.spec().checkpoint_dir();
+      !dir.empty() && assignment_.rank() == 0) {
+    DiscardDiskAfter(dir, job, keep_up_to);
   }
   restored_from_ = chosen.restored_from();
   restore_detail_ = chosen.detail();
@@ -377,6 +395,10 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
   for (const v1::CheckpointFetchPlan& fetch : chosen.fetches()) {
     if (fetch.rank() != assignment_.rank() || restore_.has_value()) continue;
     if (memory == nullptr) break;
+    if (fetch.from_disk()) {
+      LOCKSTEP_RETURN_IF_ERROR(RestoreDiskStep(step));
+      continue;
+    }
     // Before the program starts: its Checkpointer finds the save in its own slots.
     const absl::Time fetch_start = absl::Now();
     absl::StatusOr<HeldCheckpoint> fetched =
@@ -405,22 +427,61 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
   return absl::OkStatus();
 }
 
-absl::Status ProgramGeneration::OnCheckpointSaved(int64_t step) {
-  if (abort_->raised()) return absl::AbortedError(absl::StrCat(Name(), ": stopping"));
-  if (step <= 0) return absl::InvalidArgumentError(absl::StrCat("step: must be > 0, got ", step));
-  if (replicator_ != nullptr) replicator_->Saved(step);
-  return absl::OkStatus();
+absl::Status ProgramGeneration::RestoreDiskStep(int64_t step) {
+  // This rank's file of the step first, then any other rank's (the model and optimizer are
+  // the same under DDP; only `extra` is the other rank's).
+  std::vector<DiskCheckpoint> files;
+  for (DiskCheckpoint& f : ListDiskCheckpoints(assignment_.spec().checkpoint_dir(),
+                                               assignment_.job_id())) {
+    if (f.step == step) files.push_back(std::move(f));
+  }
+  std::stable_partition(files.begin(), files.end(),
+                        [&](const DiskCheckpoint& f) { return f.rank == assignment_.rank(); });
+  absl::Status last = absl::NotFoundError(absl::StrCat(
+      "no file of step ", step, " in ", assignment_.spec().checkpoint_dir(), " on worker ",
+      context_.worker_name));
+  const absl::Time start = absl::Now();
+  for (const DiskCheckpoint& f : files) {
+    absl::StatusOr<HeldCheckpoint> restored =
+        RestoreFromDisk(context_.checkpoint_memory, assignment_.job_id(), f);
+    if (restored.ok()) {
+      restore_ = *std::move(restored);
+      restore_source_ = "disk";
+      LOG(INFO) << Name() << ": read step " << step << " from " << f.path << " ("
+                << HumanBytes(static_cast<int64_t>(restore_->payload_bytes)) << ") in "
+                << absl::FormatDuration(absl::Now() - start);
+      return absl::OkStatus();
+    }
+    LOG(WARNING) << Name() << ": " << restored.status();
+    last = restored.status();
+  }
+  // The group restarts (the coordinator re-forms it); a refused file is not offered again.
+  return absl::Status(last.code(), absl::StrCat(Name(), ": ", last.message()));
 }
 
 void ProgramGeneration::StartCopies() {
-  const v1::CheckpointPeer& peer = assignment_.checkpoint_peer();
-  if (context_.checkpoint_memory == nullptr || peer.address().empty() ||
-      assignment_.checkpoint_secret().empty()) {
-    return;
+  CheckpointMemory* const memory = context_.checkpoint_memory;
+  if (memory == nullptr) return;
+  const v1::JobSpec& spec = assignment_.spec();
+  if (spec.program().persist_every_saves() > 0 && !spec.checkpoint_dir().empty()) {
+    const std::string dir = spec.checkpoint_dir();
+    const std::string job = assignment_.job_id();
+    const int rank = assignment_.rank();
+    const int keep = spec.keep_checkpoints() > 0 ? spec.keep_checkpoints() : 3;
+    persister_ = std::make_unique<SaveFollower>(
+        memory, job, absl::StrCat("checkpoint writes to ", dir),
+        SaveFollower::Options{spec.program().persist_every_saves()},
+        [dir, job, rank, keep](const HeldCheckpoint& save) {
+          std::error_code error;
+          std::filesystem::create_directories(dir, error);
+          return PersistCheckpoint(save, dir, job, rank, keep).status();
+        });
   }
+  const v1::CheckpointPeer& peer = assignment_.checkpoint_peer();
+  if (peer.address().empty() || assignment_.checkpoint_secret().empty()) return;
   replicator_ = std::make_unique<CheckpointReplicator>(
-      context_.checkpoint_memory, assignment_.job_id(), context_.worker_name, peer.worker_name(),
-      peer.address(), assignment_.checkpoint_secret());
+      memory, assignment_.job_id(), context_.worker_name, peer.worker_name(), peer.address(),
+      assignment_.checkpoint_secret(), context_.checkpoint_copy_interval);
 }
 
 absl::StatusOr<v1::CheckpointSlotsResponse> ProgramGeneration::OnCheckpointSlots(int64_t bytes) {
@@ -505,8 +566,7 @@ absl::StatusOr<LaunchSpec> ProgramGeneration::Prepare() {
     registration_ = context_.program_server->Register(
         {store_, [this](const v1::ProgramReportRequest& r) { return OnReport(r); },
          [this](int64_t bytes) { return OnCheckpointSlots(bytes); },
-         [this](const v1::CheckpointRestoreRequest& r) { return OnCheckpointRestore(r); },
-         [this](int64_t step) { return OnCheckpointSaved(step); }});
+         [this](const v1::CheckpointRestoreRequest& r) { return OnCheckpointRestore(r); }});
     lockstep_env = {{"LOCKSTEP_AGENT_ADDRESS", context_.program_server->address()},
                     {"LOCKSTEP_AGENT_TOKEN", registration_->token()}};
   }

@@ -93,10 +93,11 @@ class ProgramGeneration final : public GenerationRun {
   absl::StatusOr<v1::CheckpointSlotsResponse> OnCheckpointSlots(int64_t bytes);
   absl::StatusOr<v1::CheckpointRestoreResponse> OnCheckpointRestore(
       const v1::CheckpointRestoreRequest& request);
-  // A committed save: copied to the checkpoint peer in the background.
-  absl::Status OnCheckpointSaved(int64_t step);
-  // The copies of this member's saves to its checkpoint peer (Assignment.checkpoint_peer).
+  // The copies of this member's saves to its checkpoint peer (Assignment.checkpoint_peer), and
+  // to the job's checkpoint_dir (ProgramSpec.persist_every_saves).
   void StartCopies();
+  // Reads the agreed step from the job's checkpoint_dir into this worker's slots.
+  absl::Status RestoreDiskStep(int64_t step);
   std::string Name() const;
 
   const GenerationContext& context_;
@@ -123,6 +124,7 @@ class ProgramGeneration final : public GenerationRun {
   // Peers' calls for this generation, and the copies of its saves.
   std::unique_ptr<CheckpointPeerServer::Registration> peer_registration_;
   std::unique_ptr<CheckpointReplicator> replicator_;
+  std::unique_ptr<SaveFollower> persister_;
   // Last: destroyed first, it waits for a report in progress.
   std::unique_ptr<ProgramServer::Registration> registration_;
 };

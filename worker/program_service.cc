@@ -116,17 +116,6 @@ class ProgramServer::Service final : public v1::ProgramService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status CheckpointSaved(grpc::ServerContext* context,
-                               const v1::CheckpointSavedRequest* request,
-                               v1::CheckpointSavedResponse*) override {
-    std::shared_ptr<Held> held;
-    if (grpc::Status s = Authorize(*context, &held); !s.ok()) return s;
-    absl::MutexLock lock(&held->mu);
-    if (held->closed) return Gone();
-    if (!held->endpoint.checkpoint_saved) return grpc::Status::OK;  // no copies: nothing to do
-    return ToGrpcStatus(held->endpoint.checkpoint_saved(request->step()));
-  }
-
  private:
   static grpc::Status Invalid(const std::string& what) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what);

@@ -32,8 +32,6 @@ class ProgramServer {
     std::function<absl::StatusOr<v1::CheckpointRestoreResponse>(
         const v1::CheckpointRestoreRequest&)>
         checkpoint_restore;
-    // A committed save (null: copies are not made).
-    std::function<absl::Status(int64_t step)> checkpoint_saved;
   };
   // While it lives, the endpoint serves calls carrying `token()`; its destruction waits for a
   // report in progress and refuses later calls (UNAUTHENTICATED).

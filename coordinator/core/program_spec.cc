@@ -1,5 +1,6 @@
 // Program jobs' specs (JobSpec.program): defaults and validation, each refusal naming its
-// field. A program job sets none of the built-in training's fields.
+// field. A program job sets none of the built-in training's fields but checkpoint_dir and
+// keep_checkpoints, where its workers persist lockstep.torch.Checkpointer's saves.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -14,6 +15,9 @@
 
 namespace lockstep::coordinator {
 namespace {
+
+constexpr int32_t kMaxPersistEverySaves = 1000000;
+constexpr int32_t kMaxKeepCheckpoints = 1000;
 
 absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
@@ -46,8 +50,6 @@ absl::Status CheckNoTrainingFields(const v1::JobSpec& spec) {
       {"bucket_size_kib", spec.bucket_size_kib() != 0},
       {"collective_timeout_ms", spec.collective_timeout_ms() != 0},
       {"checkpoint_every_steps", spec.checkpoint_every_steps() != 0},
-      {"checkpoint_dir", !spec.checkpoint_dir().empty()},
-      {"keep_checkpoints", spec.keep_checkpoints() != 0},
       {"skip_evaluation", spec.skip_evaluation()},
       {"precision", !spec.precision().empty()},
       {"checkpoint_failure_policy", !spec.checkpoint_failure_policy().empty()},
@@ -183,6 +185,28 @@ absl::Status ValidateProgramJob(const v1::JobSpec& spec) {
   if (spec.max_restarts() < 0 || spec.max_restarts() > kMaxRestartsLimit) {
     return Invalid("max_restarts", absl::StrCat("must be in [0, ", kMaxRestartsLimit, "], got ",
                                                 spec.max_restarts()));
+  }
+  // The in-memory checkpoints' persistence (lockstep.torch.Checkpointer's saves on disk).
+  const int32_t persist = spec.program().persist_every_saves();
+  if (persist < 0 || persist > kMaxPersistEverySaves) {
+    return Invalid("program.persist_every_saves",
+                   absl::StrCat("must be in [0, ", kMaxPersistEverySaves, "], got ", persist));
+  }
+  if (persist > 0 && spec.checkpoint_dir().empty()) {
+    return Invalid("checkpoint_dir",
+                   "required when program.persist_every_saves > 0 (where the saves are written)");
+  }
+  if (persist == 0 && !spec.checkpoint_dir().empty()) {
+    return Invalid("program.persist_every_saves",
+                   "required when checkpoint_dir is set: every how many "
+                   "lockstep.torch.Checkpointer saves the workers write one there");
+  }
+  if (spec.keep_checkpoints() < 0 || spec.keep_checkpoints() > kMaxKeepCheckpoints) {
+    return Invalid("keep_checkpoints", absl::StrCat("must be in [0, ", kMaxKeepCheckpoints,
+                                                    "], got ", spec.keep_checkpoints()));
+  }
+  if (spec.keep_checkpoints() > 0 && persist == 0) {
+    return Invalid("keep_checkpoints", "means nothing without program.persist_every_saves");
   }
   return absl::OkStatus();
 }

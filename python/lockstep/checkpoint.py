@@ -13,9 +13,10 @@ a save costs a memory copy and outlives the process. The slot's layout is the wo
 then a safetensors payload. A save interrupted by the process's death leaves its slot
 uncommitted, and the other slot (the previous save) is what is restored.
 
-After each save the worker copies it, in the background, to the member's checkpoint peer (a
-worker on another host, chosen by the coordinator), so that a worker or a host lost with its
-memory loses no save.
+The worker watches the slots: it copies the newest save, in the background, to the member's
+checkpoint peer (a worker on another host, chosen by the coordinator), so that a worker or a
+host lost with its memory does not lose its saves, and, when the job asks, writes one save in
+N to its checkpoint_dir.
 
 load() asks the worker which state to restore: the members of the generation agree on the
 newest step every one of them can obtain, and each takes it from its own worker's memory; a
@@ -33,7 +34,6 @@ import mmap
 import os
 import pickle
 import struct
-import sys
 import time
 
 import torch
@@ -172,7 +172,6 @@ class Checkpointer:
         self._restored = False
         self._last_step = None
         self._layout = None
-        self._warned = False
         if not _agent.available():
             if fallback_dir is None:
                 raise RuntimeError(
@@ -222,20 +221,6 @@ class Checkpointer:
         struct.pack_into("<qQQ", m, 16, step, payload_bytes, checksum)
         _store_sequence(m, sequence)  # the commit: written last
         self._last_step = step
-        self._saved(step)
-
-    def _saved(self, step):
-        """Tells the worker a save is committed: it copies it to its checkpoint peer in the
-        background. A failure to tell it costs that copy only, never the training."""
-        try:
-            _agent.call(_agent.agent().CheckpointSaved,
-                        _program_pb2().CheckpointSavedRequest(step=step), deadline_s=10,
-                        what="lockstep.torch.Checkpointer.save")
-        except Exception as e:  # noqa: BLE001: the save itself is committed
-            if not self._warned:
-                self._warned = True
-                print(f"lockstep.torch.Checkpointer: the worker was not told of the save of "
-                      f"step {step} (no copy to its peer): {e}", file=sys.stderr, flush=True)
 
     def _slot_for(self, need):
         """The slot to write next (the older save), mapped and at least `need` bytes."""

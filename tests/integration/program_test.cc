@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -985,8 +986,8 @@ std::vector<std::string> CommittedCopies(const std::string& dir, int64_t step) {
 // A worker daemon killed with its memory (kill -9: its saves go with it). Its checkpoint peer
 // kept a copy of each of its saves, so no step is lost: restarted under its name, the worker
 // fetches its own copy back; replaced by a spare, the spare takes the departed worker's copy.
-// A copy corrupted at its holder is refused by its checksum: the group restarts from the
-// script's own state (here the start) and status says why. Every run ends with the digest of
+// Copies corrupted at their holder are refused by their checksums: the group restores the
+// newest step on disk (program.persist_every_saves) and status says why. Every run ends with the digest of
 // an undisturbed run. The two workers are on two hosts: each keeps the other's copies.
 TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorruptOneIsRefused) {
   auto cluster = StartCluster();
@@ -1014,9 +1015,15 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
   // daemon: returns {survivor, victim}.
   using BeforeKill = std::function<void(const std::string&, const std::string&)>;
   const auto kill_after_copy = [&](const std::string& tag, std::string* job_id,
-                                   const BeforeKill& before_kill = nullptr)
+                                   const BeforeKill& before_kill = nullptr,
+                                   const std::string& persist_dir = "")
       -> std::pair<std::string, std::string> {
-    auto job = cluster->Submit(CheckpointJob(p, tag, 20, "after-save:8"));
+    v1::JobSpec spec = CheckpointJob(p, tag, 20, "after-save:8");
+    if (!persist_dir.empty()) {
+      spec.set_checkpoint_dir(persist_dir);
+      spec.mutable_program()->set_persist_every_saves(5);
+    }
+    auto job = cluster->Submit(spec);
     EXPECT_TRUE(job.ok()) << job.status();
     if (!job.ok()) return {};
     *job_id = job->job_id();
@@ -1089,13 +1096,36 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
         << cluster->Logs();
   }
   {
-    SCOPED_TRACE("the survivor's copies of the victim's saves are corrupted: refused");
+    SCOPED_TRACE("the survivor's copies are corrupted: refused, and the disk's newest step used");
     // Every copy (steps 8 and 7, say): with only the newest corrupted, the group restores the
     // other. Three workers are up now: the group may re-form on the idle one at once, so the
-    // copies are corrupted before the kill.
+    // copies are corrupted before the kill. The job writes one save in 5 to disk.
+    const std::string persist = absl::StrCat(cluster->dir(), "/persist");
+    // The newest step on disk once each rank wrote one (the saves' newest when the fifth was
+    // seen: step 5 or a little later).
+    int64_t on_disk = 0;
     std::string job_id;
-    const auto [survivor, victim] =
-        kill_after_copy("corrupt", &job_id, [&](const std::string& survivor, const std::string&) {
+    const auto [survivor, victim] = kill_after_copy(
+        "corrupt", &job_id,
+        [&](const std::string& survivor, const std::string&) {
+          const absl::Time until = absl::Now() + kJobWait;
+          std::set<int> ranks;
+          while (ranks.size() < 2 && absl::Now() < until) {
+            absl::SleepFor(absl::Milliseconds(20));
+            std::error_code error;
+            for (const auto& f : std::filesystem::directory_iterator(persist, error)) {
+              const std::string name = f.path().filename();
+              int64_t step = 0;
+              int rank = 0;
+              if (sscanf(name.c_str(), (job_id + ".step-%ld.rank-%d.lsckpt").c_str(), &step,
+                         &rank) == 2 &&
+                  absl::EndsWith(name, ".lsckpt")) {
+                ranks.insert(rank);
+                on_disk = std::max(on_disk, step);
+              }
+            }
+          }
+          ASSERT_EQ(ranks.size(), 2u) << "no save on disk" << cluster->Logs();
           const std::vector<std::string> copies = CommittedCopies(memory_dir(survivor), -1);
           ASSERT_FALSE(copies.empty());
           for (const std::string& copy : copies) {
@@ -1103,17 +1133,22 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
             f.seekp(4096 + 100);
             f.put('\x5a');
           }
-        });
+        },
+        persist);
     ASSERT_FALSE(victim.empty());
     ASSERT_TRUE(cluster->StartWorker(victim, flags(victim, host_of[victim])).ok())
         << cluster->Logs();
     ASSERT_NO_FATAL_FAILURE(wait_end("corrupt", job_id));
     const v1::Recovery& r = ended["corrupt"].recovery_history(0);
     for (int rank = 0; rank < 2; ++rank) {
-      EXPECT_EQ(Restored(p, "corrupt", r.to_generation(), rank), "None") << "rank " << rank;
+      EXPECT_EQ(Restored(p, "corrupt", r.to_generation(), rank), absl::StrCat(on_disk))
+          << "rank " << rank;
     }
-    EXPECT_EQ(r.restored_from(), "") << r.DebugString();
-    EXPECT_EQ(r.resumed_from_step(), 0) << r.DebugString();
+    EXPECT_GE(on_disk, 5);
+    // The survivor itself holds its saves of steps 7 and 8 in memory.
+    EXPECT_EQ(r.restored_from(), on_disk >= 7 ? "memory and disk" : "disk") << r.DebugString();
+    EXPECT_EQ(r.resumed_from_step(), on_disk) << r.DebugString();
+    EXPECT_EQ(r.steps_redone(), 8 - on_disk) << r.DebugString();
     EXPECT_TRUE(absl::StrContains(r.restore_detail(), "checksum")) << r.DebugString();
     EXPECT_TRUE(absl::StrContains(r.restore_detail(), "copy of " + victim)) << r.DebugString();
     auto status = testing::RunCommand(

@@ -108,6 +108,38 @@ TEST(ChooseCheckpointTest, RefusedCopiesAreNamedInTheDetail) {
       << c.detail();
 }
 
+TEST(ChooseCheckpointTest, TheDiskServesWhatNeitherMemoryNorACopyHolds) {
+  // Both workers restarted: nothing in memory; the disk has steps 5 and 10 (every 5 saves).
+  v1::CheckpointHoldings w0 = Member("w0", {}), w1 = Member("w1", {});
+  for (auto* h : {&w0, &w1}) {
+    h->add_disk_steps(10);
+    h->add_disk_steps(5);
+  }
+  v1::CheckpointChoice c = ChooseCheckpoint({w0, w1});
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 10);
+  ASSERT_EQ(c.fetches_size(), 2);
+  EXPECT_TRUE(c.fetches(0).from_disk());
+  EXPECT_EQ(c.restored_from(), "disk");
+  // Memory first: w0 holds step 12 and 10 itself; w1 only the disk's 10.
+  w0.add_own_steps(12);
+  w0.add_own_steps(10);
+  c = ChooseCheckpoint({w0, w1});
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 10);
+  ASSERT_EQ(c.fetches_size(), 1);
+  EXPECT_EQ(c.fetches(0).rank(), 1);
+  EXPECT_EQ(c.restored_from(), "memory and disk");
+  EXPECT_TRUE(absl::StrContains(c.detail(), "w1 from disk")) << c.detail();
+  // And a copy before the disk: w0 keeps w1's step 12.
+  v1::ReplicaHolding* copy = w0.add_replicas();
+  copy->set_source_worker("w1");
+  copy->add_steps(12);
+  c = ChooseCheckpoint({w0, w1});
+  EXPECT_EQ(c.step(), 12);
+  EXPECT_FALSE(c.fetches(0).from_disk());
+}
+
 TEST(ChooseCheckpointTest, AHolderWithoutAnAddressCannotServe) {
   v1::CheckpointHoldings w0 = Member("w0", {6}, {{"w1", {6}}});
   w0.clear_peer_address();

@@ -21,7 +21,7 @@ bool Has(const google::protobuf::RepeatedField<int64_t>& steps, int64_t step) {
 struct Source {
   bool own = false;
   bool found = false;
-  v1::CheckpointFetchPlan fetch;
+  v1::CheckpointFetchPlan fetch;  // a copy, or the disk (fetch.from_disk)
 };
 
 Source Find(const std::vector<v1::CheckpointHoldings>& by_rank, int rank, int64_t step,
@@ -52,6 +52,12 @@ Source Find(const std::vector<v1::CheckpointHoldings>& by_rank, int rank, int64_
       }
     }
   }
+  // The slowest source last: the job's checkpoint_dir.
+  if (!source.found && Has(me.disk_steps(), step)) {
+    source.found = true;
+    source.fetch.set_rank(rank);
+    source.fetch.set_from_disk(true);
+  }
   return source;
 }
 
@@ -64,6 +70,7 @@ v1::CheckpointChoice ChooseCheckpoint(const std::vector<v1::CheckpointHoldings>&
   for (const v1::CheckpointHoldings& h : by_rank) {
     members.insert(h.worker());
     candidates.insert(h.own_steps().begin(), h.own_steps().end());
+    candidates.insert(h.disk_steps().begin(), h.disk_steps().end());
     for (const v1::ReplicaHolding& copy : h.replicas()) {
       candidates.insert(copy.steps().begin(), copy.steps().end());
     }
@@ -85,7 +92,7 @@ v1::CheckpointChoice ChooseCheckpoint(const std::vector<v1::CheckpointHoldings>&
         if (why_not.empty()) {
           why_not = absl::StrCat("no step every member can obtain: ", by_rank[rank].worker(),
                                  " (rank ", rank, ") holds no save of step ", step,
-                                 " and no member keeps a copy of it");
+                                 ", no member keeps a copy of it, and it is not on disk");
         }
         every = false;
         break;
@@ -96,14 +103,32 @@ v1::CheckpointChoice ChooseCheckpoint(const std::vector<v1::CheckpointHoldings>&
     choice.set_found(true);
     choice.set_step(step);
     std::vector<std::string> copies;
+    const bool memory = fetches.size() < by_rank.size();
+    bool peers = false, disk = false;
     for (v1::CheckpointFetchPlan& f : fetches) {
-      copies.push_back(f.source_worker() == by_rank[f.rank()].worker()
-                           ? absl::StrCat(f.source_worker(), " from ", f.holder_worker())
-                           : absl::StrCat(by_rank[f.rank()].worker(), " took ",
-                                          f.source_worker(), "'s from ", f.holder_worker()));
+      const std::string& who = by_rank[f.rank()].worker();
+      if (f.from_disk()) {
+        disk = true;
+        copies.push_back(absl::StrCat(who, " from disk"));
+      } else {
+        peers = true;
+        copies.push_back(f.source_worker() == who
+                             ? absl::StrCat(who, " from ", f.holder_worker())
+                             : absl::StrCat(who, " took ", f.source_worker(), "'s from ",
+                                            f.holder_worker()));
+      }
       *choice.add_fetches() = std::move(f);
     }
-    choice.set_restored_from(copies.empty() ? "memory" : "memory and peers' copies");
+    std::vector<std::string> sources;
+    if (memory) sources.push_back("memory");
+    if (peers) sources.push_back("peers' copies");
+    if (disk) sources.push_back("disk");
+    // "memory", "memory and disk", "memory, peers' copies and disk".
+    std::string from = sources.back();
+    if (sources.size() > 1) {
+      from = absl::StrCat(absl::StrJoin(sources.begin(), sources.end() - 1, ", "), " and ", from);
+    }
+    choice.set_restored_from(from);
     std::vector<std::string> detail;
     if (!copies.empty()) detail.push_back(absl::StrJoin(copies, ", "));
     if (!refused_text.empty()) detail.push_back(refused_text);

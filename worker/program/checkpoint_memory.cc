@@ -18,6 +18,7 @@
 #include "absl/strings/strip.h"
 #include "common/atomic_file.h"
 #include "common/auth.h"
+#include "common/bytes.h"
 #include "common/status_macros.h"
 #include "glog/logging.h"
 
@@ -519,6 +520,98 @@ void CheckpointMemory::DropAllButLocked(const std::string& keep_job_id) {
 int64_t CheckpointMemory::used_bytes() const {
   absl::MutexLock lock(&mu_);
   return UsedLocked();
+}
+
+SaveFollower::SaveFollower(CheckpointMemory* memory, std::string job_id, std::string what,
+                           Options options,
+                           std::function<absl::Status(const HeldCheckpoint&)> act,
+                           std::function<void()> cancel)
+    : memory_(memory),
+      job_id_(std::move(job_id)),
+      what_(std::move(what)),
+      options_{std::max(1, options.every), options.interval,
+               std::clamp(options.duty, 0.01, 1.0)},
+      act_(std::move(act)),
+      cancel_(std::move(cancel)) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+SaveFollower::~SaveFollower() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (cancel_) cancel_();
+  thread_.join();
+}
+
+void SaveFollower::Wake() {
+  absl::MutexLock lock(&mu_);
+  woken_ = true;
+}
+
+SaveFollower::Stats SaveFollower::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+bool SaveFollower::WaitDone(int64_t step, absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  const auto done = [this, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return done_ >= step || stopping();
+  };
+  return mu_.AwaitWithTimeout(absl::Condition(&done), timeout) && done_ >= step;
+}
+
+void SaveFollower::Loop() {
+  uint64_t seen = 0;   // the newest commit sequence seen
+  int64_t counted = 0; // saves since the last action
+  absl::Time not_before = absl::InfinitePast();
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      const auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping() || woken_;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), kPoll);
+      if (stopping()) return;
+      woken_ = false;
+    }
+    // Each save commits one more than the pair's sequence: the saves made since the last look.
+    const std::vector<HeldCheckpoint> saves = memory_->Committed(job_id_);
+    if (saves.empty()) continue;
+    const uint64_t sequence = saves.front().sequence;
+    if (sequence != seen) {
+      counted += seen != 0 && sequence > seen ? static_cast<int64_t>(sequence - seen) : 1;
+      seen = sequence;
+    }
+    // Due: enough saves since the last action, and its share of the time left.
+    if (counted < options_.every || absl::Now() < not_before) continue;
+    const HeldCheckpoint& newest = saves.front();
+    const absl::Time start = absl::Now();
+    const absl::Status acted = act_(newest);
+    const absl::Time end = absl::Now();
+    not_before = std::max(start + options_.interval,
+                          end + (end - start) * (1.0 / options_.duty - 1.0));
+    // A failed action is tried again (on the newest save then), not left for the next save.
+    counted = acted.ok() || stopping() ? 0 : options_.every;
+    absl::MutexLock lock(&mu_);
+    if (acted.ok()) {
+      ++stats_.done;
+      stats_.last_step = newest.step;
+      stats_.last_bytes = newest.payload_bytes;
+      stats_.last_time = end - start;
+      if (stats_.done == 1) {
+        LOG(INFO) << what_ << " of job " << job_id_ << ": step " << stats_.last_step << ", "
+                  << HumanBytes(static_cast<int64_t>(stats_.last_bytes)) << " in "
+                  << absl::FormatDuration(stats_.last_time);
+      }
+    } else if (!stopping()) {
+      ++stats_.failed;
+      LOG_EVERY_N(WARNING, 20) << what_ << " of job " << job_id_ << " failed: " << acted;
+    }
+    done_ = std::max(done_, newest.step);
+  }
 }
 
 }  // namespace lockstep::worker

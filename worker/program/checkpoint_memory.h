@@ -22,16 +22,19 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace lockstep::worker {
 
@@ -161,6 +164,58 @@ class SlotWriter {
   int64_t step_ = 0;
   uint64_t payload_bytes_ = 0, checksum_ = 0, sequence_ = 0, written_ = 0;
   void* hash_ = nullptr;  // XXH3_state_t
+};
+
+// Does something with a job's newest committed save, in the background (a copy to a peer, a
+// write to disk), never blocking the program: its thread watches the job's slots (their
+// headers, every kPoll, or at once after Wake()), counts the saves by their commit sequences,
+// and after every `every`-th acts on the newest committed save then (saves made meanwhile are
+// coalesced). Its share of the time is bounded: an action starts no sooner than `interval`
+// after the previous one began, nor sooner than its duration times (1/duty - 1) after it ended.
+// Errors are logged (`what` names the action) and counted; the next turn tries again.
+class SaveFollower {
+ public:
+  static constexpr absl::Duration kPoll = absl::Milliseconds(10);
+  struct Options {
+    int every = 1;
+    absl::Duration interval = absl::ZeroDuration();
+    double duty = 1.0;  // (0, 1]
+  };
+  struct Stats {
+    int64_t done = 0, failed = 0;
+    int64_t last_step = 0;
+    uint64_t last_bytes = 0;
+    absl::Duration last_time;
+  };
+  // `cancel` (may be null) is called, under no lock of the follower's, when it is destroyed
+  // while acting: it ends the action early.
+  SaveFollower(CheckpointMemory* memory, std::string job_id, std::string what, Options options,
+               std::function<absl::Status(const HeldCheckpoint&)> act,
+               std::function<void()> cancel = nullptr);
+  ~SaveFollower();
+  SaveFollower(const SaveFollower&) = delete;
+  SaveFollower& operator=(const SaveFollower&) = delete;
+  // Looks at the slots now (a save was just committed) instead of at the next poll.
+  void Wake() ABSL_LOCKS_EXCLUDED(mu_);
+  Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until a save of `step` or later was acted on, or failed (tests, benchmarks).
+  bool WaitDone(int64_t step, absl::Duration timeout) const ABSL_LOCKS_EXCLUDED(mu_);
+  bool stopping() const { return stopping_.load(std::memory_order_relaxed); }
+
+ private:
+  void Loop();
+
+  CheckpointMemory* const memory_;
+  const std::string job_id_, what_;
+  const Options options_;
+  const std::function<absl::Status(const HeldCheckpoint&)> act_;
+  const std::function<void()> cancel_;
+  std::atomic<bool> stopping_{false};
+  mutable absl::Mutex mu_;
+  bool woken_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t done_ ABSL_GUARDED_BY(mu_) = 0;  // the last step acted on or given up
+  Stats stats_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
 };
 
 // Streams a verified save's payload to `sink` in chunks of at most `chunk` bytes, checking it

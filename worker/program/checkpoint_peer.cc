@@ -131,6 +131,8 @@ absl::StatusOr<std::unique_ptr<CheckpointPeerServer>> CheckpointPeerServer::Star
   int port = 0;
   grpc::ServerBuilder builder;
   builder.AddListeningPort(HostPort(host, 0), grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(kCheckpointMessageLimit);
+  builder.AddChannelArgument("grpc.http2.lookahead_bytes", kCheckpointMessageLimit * 4);
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || port == 0) {
@@ -176,84 +178,27 @@ absl::Status CheckpointPeerServer::Admit(const std::string& job_id,
 
 CheckpointReplicator::CheckpointReplicator(CheckpointMemory* memory, std::string job_id,
                                            std::string worker, std::string peer_worker,
-                                           std::string peer_address, std::string secret)
-    : memory_(memory),
-      job_id_(std::move(job_id)),
+                                           std::string peer_address, std::string secret,
+                                           absl::Duration interval)
+    : job_id_(std::move(job_id)),
       worker_(std::move(worker)),
-      peer_worker_(std::move(peer_worker)),
       peer_address_(std::move(peer_address)),
-      secret_(std::move(secret)) {
-  thread_ = std::thread([this] { Loop(); });
+      secret_(std::move(secret)),
+      channel_(grpc::CreateChannel(peer_address_, grpc::InsecureChannelCredentials())) {
+  follower_ = std::make_unique<SaveFollower>(
+      memory, job_id_, absl::StrCat("checkpoint copies to ", peer_worker, " (", peer_address_, ")"),
+      SaveFollower::Options{1, interval, kDuty},
+      [this](const HeldCheckpoint& save) { return Copy(save); },
+      [this] {
+        absl::MutexLock lock(&mu_);
+        cancelled_ = true;
+        if (in_flight_ != nullptr) in_flight_->TryCancel();
+      });
 }
 
-CheckpointReplicator::~CheckpointReplicator() {
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;
-    if (in_flight_ != nullptr) in_flight_->TryCancel();
-  }
-  thread_.join();
-}
-
-void CheckpointReplicator::Saved(int64_t step) {
-  absl::MutexLock lock(&mu_);
-  pending_ = std::max(pending_, step);
-}
-
-CheckpointReplicator::Stats CheckpointReplicator::stats() const {
-  absl::MutexLock lock(&mu_);
-  return stats_;
-}
-
-bool CheckpointReplicator::WaitCopied(int64_t step, absl::Duration timeout) const {
-  absl::MutexLock lock(&mu_);
-  const auto done = [this, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return done_ >= step || stop_;
-  };
-  return mu_.AwaitWithTimeout(absl::Condition(&done), timeout) && done_ >= step;
-}
-
-void CheckpointReplicator::Loop() {
-  for (;;) {
-    int64_t target = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      const auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || pending_ > done_;
-      };
-      mu_.Await(absl::Condition(&ready));
-      if (stop_) return;
-      target = pending_;
-    }
-    // The newest committed save (a later one than `target` when the program saved again).
-    const std::vector<HeldCheckpoint> saves = memory_->Committed(job_id_);
-    absl::Status copied = absl::NotFoundError("no committed save to copy");
-    const absl::Time start = absl::Now();
-    if (!saves.empty()) copied = Copy(saves.front());
-    absl::MutexLock lock(&mu_);
-    if (copied.ok()) {
-      ++stats_.copied;
-      stats_.last_step = saves.front().step;
-      stats_.last_bytes = saves.front().payload_bytes;
-      stats_.last_time = absl::Now() - start;
-      if (stats_.copied == 1) {
-        LOG(INFO) << "checkpoint copies of job " << job_id_ << " go to " << peer_worker_ << " ("
-                  << peer_address_ << "): step " << stats_.last_step << ", "
-                  << stats_.last_bytes << " bytes in " << absl::FormatDuration(stats_.last_time);
-      }
-    } else if (!stop_) {
-      ++stats_.failed;
-      LOG_EVERY_N(WARNING, 20) << "checkpoint copy of job " << job_id_ << " to " << peer_worker_
-                               << " (" << peer_address_ << ") failed: " << copied;
-    }
-    done_ = std::max(done_, std::max(target, saves.empty() ? 0 : saves.front().step));
-  }
-}
+CheckpointReplicator::~CheckpointReplicator() { follower_.reset(); }
 
 absl::Status CheckpointReplicator::Copy(const HeldCheckpoint& save) {
-  if (channel_ == nullptr) {
-    channel_ = grpc::CreateChannel(peer_address_, grpc::InsecureChannelCredentials());
-  }
   auto stub = v1::CheckpointPeerService::NewStub(channel_);
   grpc::ClientContext context;
   context.AddMetadata(kCheckpointSecretMetadata, secret_);
@@ -261,7 +206,7 @@ absl::Status CheckpointReplicator::Copy(const HeldCheckpoint& save) {
                        absl::ToChronoMilliseconds(kCopyDeadline));
   {
     absl::MutexLock lock(&mu_);
-    if (stop_) return absl::CancelledError("stopping");
+    if (cancelled_) return absl::CancelledError("stopping");
     in_flight_ = &context;
   }
   v1::CheckpointPutResponse response;
@@ -304,8 +249,11 @@ absl::StatusOr<HeldCheckpoint> FetchCheckpoint(CheckpointMemory* memory, const s
                                                step, " from ", holder, " (", address,
                                                "): ", s.message()));
   };
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kCheckpointMessageLimit);
+  args.SetInt("grpc.http2.lookahead_bytes", kCheckpointMessageLimit * 4);
   auto stub = v1::CheckpointPeerService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
   grpc::ClientContext context;
   context.AddMetadata(kCheckpointSecretMetadata, secret);
   context.set_deadline(std::chrono::system_clock::now() +

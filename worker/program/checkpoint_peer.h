@@ -24,8 +24,10 @@
 
 namespace lockstep::worker {
 
-// Payload bytes per message: well under gRPC's 4 MiB default limit.
-inline constexpr size_t kCheckpointChunkBytes = 1 << 20;
+// Payload bytes per message, and the most a message may take (both ends raise gRPC's 4 MiB
+// default to it).
+inline constexpr size_t kCheckpointChunkBytes = 4 << 20;
+inline constexpr int kCheckpointMessageLimit = 8 << 20;
 inline constexpr char kCheckpointSecretMetadata[] = "x-lockstep-checkpoint";
 
 class CheckpointPeerServer {
@@ -72,41 +74,31 @@ class CheckpointPeerServer {
   std::map<std::string, std::string> secrets_ ABSL_GUARDED_BY(mu_);  // job id -> secret
 };
 
-// Streams a member's newest committed save to its checkpoint peer, in the background: Saved()
-// after each commit wakes it; it copies the newest save not yet copied (a save made while one
-// is copied waits for it, and only the newest of those is copied next), never blocking the
-// caller. Errors are logged and counted; the next save tries again.
+// Streams a member's newest committed save to its checkpoint peer, in the background (a
+// SaveFollower: after saves, coalesced, at most one copy per `interval` and a quarter of the
+// time, never blocking the program).
 class CheckpointReplicator {
  public:
+  static constexpr double kDuty = 0.25;
   CheckpointReplicator(CheckpointMemory* memory, std::string job_id, std::string worker,
-                       std::string peer_worker, std::string peer_address, std::string secret);
+                       std::string peer_worker, std::string peer_address, std::string secret,
+                       absl::Duration interval);
   ~CheckpointReplicator();  // cancels a copy in progress
-  void Saved(int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
-
-  struct Stats {
-    int64_t copied = 0, failed = 0;
-    int64_t last_step = 0;
-    uint64_t last_bytes = 0;
-    absl::Duration last_time;
-  };
-  Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Waits until the save of `step` (or a later one) is copied or failed (tests, benchmarks).
-  bool WaitCopied(int64_t step, absl::Duration timeout) const ABSL_LOCKS_EXCLUDED(mu_);
+  void Wake() { follower_->Wake(); }
+  SaveFollower::Stats stats() const { return follower_->stats(); }
+  bool WaitCopied(int64_t step, absl::Duration timeout) const {
+    return follower_->WaitDone(step, timeout);
+  }
 
  private:
-  void Loop();
-  absl::Status Copy(const HeldCheckpoint& save);
+  absl::Status Copy(const HeldCheckpoint& save) ABSL_LOCKS_EXCLUDED(mu_);
 
-  CheckpointMemory* const memory_;
-  const std::string job_id_, worker_, peer_worker_, peer_address_, secret_;
-  mutable absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // a step saved and not yet copied (0: none)
-  int64_t done_ ABSL_GUARDED_BY(mu_) = 0;     // the last step copied or given up
-  Stats stats_ ABSL_GUARDED_BY(mu_);
+  const std::string job_id_, worker_, peer_address_, secret_;
+  std::shared_ptr<grpc::Channel> channel_;
+  absl::Mutex mu_;
   grpc::ClientContext* in_flight_ ABSL_GUARDED_BY(mu_) = nullptr;
-  std::shared_ptr<grpc::Channel> channel_;  // the loop's own
-  std::thread thread_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<SaveFollower> follower_;  // last: its thread uses the rest
 };
 
 // Fetches `source_worker`'s save of `step` from the worker at `address` into this worker's own
