@@ -53,6 +53,32 @@ TEST_F(AtomicFileTest, ReplacesTheWholeFileFromPieces) {
   EXPECT_EQ(Entries(dir_), 1) << "no temporary file is left";
 }
 
+TEST_F(AtomicFileTest, StreamsContentsAndAProducersErrorLeavesTheOldFile) {
+  const std::string path = dir_ + "/f";
+  ASSERT_TRUE(WriteFileAtomically(path, "old", Durability::kDurable).ok());
+  const absl::Status failed = WriteFileAtomically(
+      path,
+      [](const AtomicWrite& write) {
+        EXPECT_TRUE(write("half of ", 8).ok());
+        return absl::DataLossError("the source changed");
+      },
+      Durability::kDurable);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kDataLoss) << failed;
+  EXPECT_EQ(Read(path), "old");
+  EXPECT_EQ(Entries(dir_), 1) << "no temporary file is left";
+  ASSERT_TRUE(WriteFileAtomically(
+                  path,
+                  [](const AtomicWrite& write) {
+                    for (int i = 0; i < 3; ++i) {
+                      if (absl::Status s = write("ab", 2); !s.ok()) return s;
+                    }
+                    return absl::OkStatus();
+                  },
+                  Durability::kDurable)
+                  .ok());
+  EXPECT_EQ(Read(path), "ababab");
+}
+
 TEST_F(AtomicFileTest, ErrorsNameTheFileAndTheReason) {
   absl::Status missing = WriteFileAtomically(dir_ + "/no/such/dir/f", "x", Durability::kDurable);
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;

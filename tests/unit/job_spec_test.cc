@@ -450,6 +450,13 @@ TEST(JobSpecTest, ProgramSpecWithDefaultsPasses) {
                   .ok());
   ApplyJobSpecDefaults(&parsed);
   EXPECT_TRUE(ValidateJobSpec(parsed).ok()) << ValidateJobSpec(parsed);
+  // Saves persisted to disk every 10 (lockstep.torch.Checkpointer), the newest 2 steps kept.
+  v1::JobSpec persisted = ProgramSpec();
+  persisted.set_checkpoint_dir("/srv/checkpoints/ddp");
+  persisted.set_keep_checkpoints(2);
+  persisted.mutable_program()->set_persist_every_saves(10);
+  ApplyJobSpecDefaults(&persisted);
+  EXPECT_TRUE(ValidateJobSpec(persisted).ok()) << ValidateJobSpec(persisted);
 }
 
 TEST(JobSpecTest, RefusesBadProgramSpecsNamingTheField) {
@@ -460,7 +467,23 @@ TEST(JobSpecTest, RefusesBadProgramSpecsNamingTheField) {
        "global_batch_size: means nothing for a program job"},
       {"an optimizer", [](v1::JobSpec* s) { s->mutable_optimizer()->set_type("sgd"); },
        "optimizer"},
-      {"checkpoints", [](v1::JobSpec* s) { s->set_checkpoint_dir("/ckpt"); }, "checkpoint_dir"},
+      {"checkpoint_dir without persisting",
+       [](v1::JobSpec* s) { s->set_checkpoint_dir("/ckpt"); },
+       "program.persist_every_saves: required when checkpoint_dir is set"},
+      {"persisting without a directory",
+       [](v1::JobSpec* s) { s->mutable_program()->set_persist_every_saves(5); },
+       "checkpoint_dir: required when program.persist_every_saves > 0"},
+      {"negative persist_every_saves",
+       [](v1::JobSpec* s) {
+         s->set_checkpoint_dir("/ckpt");
+         s->mutable_program()->set_persist_every_saves(-1);
+       },
+       "program.persist_every_saves: must be in [0, 1000000], got -1"},
+      {"keep without persisting", [](v1::JobSpec* s) { s->set_keep_checkpoints(2); },
+       "keep_checkpoints: means nothing without program.persist_every_saves"},
+      {"the built-in checkpoint interval",
+       [](v1::JobSpec* s) { s->set_checkpoint_every_steps(10); },
+       "checkpoint_every_steps: means nothing for a program job"},
       {"empty argv", [](v1::JobSpec* s) { s->mutable_program()->clear_argv(); }, "program.argv"},
       {"empty interpreter", [](v1::JobSpec* s) { s->mutable_program()->set_argv(0, ""); },
        "program.argv[0]"},
