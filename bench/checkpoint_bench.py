@@ -5,9 +5,9 @@ Starts a local cluster (deploy/local/cluster.sh, 2 workers with --programs_root)
 bench/checkpoint_job.py as a one-process program job, and prints what it measured: save into
 the worker's memory against torch.save (write, fsync, rename) to local disk and to /dev/shm,
 the copy back into the model and optimizer against torch.load from disk (page cache dropped),
-and a training step with and without a save after it. The restart itself (kill -9 of a rank
-to the next step, with the state from memory against torchrun from its disk checkpoint) is
-bench/program_bench.py's "Lockstep + memory checkpoints".
+and a training step with and without a save after it (blocking and not). The restart itself
+(kill -9 of a rank to the next step, with the state from memory against torchrun from its disk
+checkpoint) is bench/program_bench.py's "Lockstep + memory checkpoints".
 
 Prints a Markdown table and writes JSON (default bench/results/checkpoint_bench.json).
 Usage: bench/checkpoint_bench.py [--build build-dev] [--sizes 100,1024] [--reps 3] [--out F]
@@ -69,15 +69,18 @@ def main():
     ms = lambda s: f"{s * 1000:,.0f} ms" if s >= 0.1 else f"{s * 1000:.1f} ms"
     print("\n| state (model + Adam) | Checkpointer.save (first: slots allocated) | "
           "torch.save, disk | torch.save, /dev/shm | copy back from memory | "
-          "torch.load, disk | step | step + save |")
-    print("|---|---|---|---|---|---|---|---|")
+          "torch.load, disk | step | step + save | save(blocking=False) returns | "
+          "step + save(blocking=False) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         gb_s = r["state_bytes"] / r["checkpointer_save_s"] / 1e9
         print(f"| {r['state_bytes'] / 2**20:,.0f} MiB | {ms(r['checkpointer_save_s'])} "
               f"({gb_s:.1f} GB/s; first {ms(r['checkpointer_first_save_s'])}) | "
               f"{ms(r['torch_save_disk_s'])} | {ms(r['torch_save_shm_s'])} | "
               f"{ms(r['checkpointer_restore_copy_s'])} | {ms(r['torch_load_disk_s'])} | "
-              f"{ms(r['step_s'])} | {ms(r['step_and_save_s'])} |")
+              f"{ms(r['step_s'])} | {ms(r['step_and_save_s'])} | "
+              f"{ms(r['checkpointer_save_nonblocking_s'])} | "
+              f"{ms(r['step_and_save_nonblocking_s'])} |")
     result = {"host": os.uname().nodename, "cpus": os.cpu_count(),
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "settings": {k: v for k, v in vars(a).items() if k != "out"}, "rows": rows}

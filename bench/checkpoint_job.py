@@ -6,7 +6,8 @@ medians of --reps): lockstep.torch.Checkpointer.save (the first one apart: it al
 worker's slots), torch.save to a file on local disk and on /dev/shm the way a torchrun script
 writes its checkpoint (examples/torch/train.py's save_checkpoint: write, fsync, rename), the
 copy back out of the worker's memory into the model and optimizer, torch.load from disk,
-and a training step with and without a save after it. Writes a JSON list to argv[1].
+and a training step with and without a save after it (blocking, and blocking=False). Writes
+a JSON list to argv[1].
 Usage: checkpoint_job.py OUT.json SIZES_MB DISK_DIR SHM_DIR REPS
 """
 import json
@@ -87,6 +88,25 @@ def main():
             save()
 
         saved_steps = [timed(step_and_save) for _ in range(reps)]
+
+        # save(blocking=False): the time it returns in (the checksum and the commit go on in a
+        # thread), and a step with one after it (the previous one's commit waited for first).
+        def save_async():
+            nonlocal step_no
+            step_no += 1
+            return ckpt.save(step_no, model, opt, blocking=False)
+
+        async_saves = []
+        for _ in range(reps):
+            async_saves.append(timed(save_async))
+            ckpt.wait()
+
+        def step_and_save_async():
+            step()
+            save_async()
+
+        async_steps = [timed(step_and_save_async) for _ in range(reps)]
+        ckpt.wait()
         os.remove(disk)
         os.remove(shm)
         results.append({
@@ -99,6 +119,8 @@ def main():
             "torch_load_disk_s": statistics.median(disk_loads),
             "step_s": statistics.median(plain_steps),
             "step_and_save_s": statistics.median(saved_steps),
+            "checkpointer_save_nonblocking_s": statistics.median(async_saves),
+            "step_and_save_nonblocking_s": statistics.median(async_steps),
             "reps": reps,
         })
         print(json.dumps(results[-1]), flush=True)

@@ -34,6 +34,7 @@ import mmap
 import os
 import pickle
 import struct
+import threading
 import time
 
 import torch
@@ -172,6 +173,9 @@ class Checkpointer:
         self._restored = False
         self._last_step = None
         self._layout = None
+        self._pending = None  # the SaveHandle of a save not yet committed
+        self._staging = None  # pinned host buffers for GPU tensors (blocking=False)
+        self._stream = None
         if not _agent.available():
             if fallback_dir is None:
                 raise RuntimeError(
@@ -183,22 +187,33 @@ class Checkpointer:
     # ----------------------------------------------------------------------------------------
     # save
 
-    def save(self, step, model, optimizer=None, extra=None):
+    def save(self, step, model, optimizer=None, extra=None, blocking=True):
         """Copies the state at optimizer step `step` into the worker's memory and returns when
-        the copy is committed. A save of the step saved last is a no-op."""
+        the copy is committed. A save of the step saved last is a no-op.
+
+        With blocking=False it returns a SaveHandle once the state is captured, and the rest
+        goes on in a thread, overlapping the next step: CPU tensors are copied into the slot
+        before it returns, their checksum and the commit follow in the thread; GPU tensors'
+        copies to pinned host buffers are enqueued on a side stream that the current stream
+        then waits for (later work on the device, the next forward included, cannot change
+        them under the copy, and the host does not wait), and the thread copies them on into
+        the slot. The next save waits until this one is committed; handle.wait() waits for
+        the commit and raises what failed."""
         step = int(step)
+        self.wait()  # the previous save owns the slots until it is committed
         if step == self._last_step:
-            return
+            return None if blocking else SaveHandle.completed()
         if self._fallback is not None:
             self._save_fallback(step, model, optimizer, extra)
             self._last_step = step
-            return
+            return None if blocking else SaveHandle.completed()
         tensors, rest = _flatten(model, optimizer, extra)
         remainder = _pickle_rest(rest)
         layout = self._layout
         if layout is None or layout.key != tuple(
                 (n, t.dtype, tuple(t.shape)) for n, t in tensors) + (len(remainder),):
             layout = self._layout = _Layout(tensors, len(remainder))
+            self._staging = None
         head = layout.header
         payload_bytes = 8 + len(head) + layout.data_bytes
         slot = self._slot_for(HEADER_BYTES + payload_bytes)
@@ -211,16 +226,73 @@ class Checkpointer:
         m[HEADER_BYTES + 8:HEADER_BYTES + 8 + len(head)] = head
         data_start = HEADER_BYTES + 8 + len(head)
         views = self._views(slot, layout, data_start, tensors)
-        with torch.no_grad():
-            for (i, _, _), view in zip(layout.entries, views):
-                view.copy_(tensors[i][1].reshape(view.shape))
         r = data_start + layout.remainder_offset
-        m[r:r + len(remainder)] = remainder
-        _hold_for_test(step)
-        checksum = _xxh3(memoryview(m)[HEADER_BYTES:HEADER_BYTES + payload_bytes])
-        struct.pack_into("<qQQ", m, 16, step, payload_bytes, checksum)
-        _store_sequence(m, sequence)  # the commit: written last
+        sources = [tensors[i][1] for i, _, _ in layout.entries]
+
+        def copy(srcs):
+            with torch.no_grad():
+                for src, view in zip(srcs, views):
+                    view.copy_(src.reshape(view.shape))
+            m[r:r + len(remainder)] = remainder
+
+        def commit():
+            _hold_for_test(step)
+            checksum = _xxh3(memoryview(m)[HEADER_BYTES:HEADER_BYTES + payload_bytes])
+            struct.pack_into("<qQQ", m, 16, step, payload_bytes, checksum)
+            _store_sequence(m, sequence)  # the commit: written last
+
+        if blocking:
+            copy(sources)
+            commit()
+            self._last_step = step
+            return None
+        handle = SaveHandle(step)
+        event = None
+        if any(t.is_cuda for t in sources):
+            # Device -> pinned host memory on a side stream, after the work that produced the
+            # state; later work on the device waits for these copies, the host does not.
+            if self._staging is None:
+                self._staging = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                 if t.is_cuda else None for t in sources]
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                for i, t in enumerate(sources):
+                    if t.is_cuda:
+                        self._staging[i].copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            torch.cuda.current_stream().wait_event(event)
+            sources = [st if st is not None else t for st, t in zip(self._staging, sources)]
+        else:
+            copy(sources)  # the host's tensors: captured before save returns
+
+        def run():
+            try:
+                if event is not None:
+                    event.synchronize()
+                    copy(sources)
+                commit()
+            except BaseException as e:  # noqa: BLE001: handed to wait()
+                handle._error = e
+            finally:
+                handle._done.set()
+
+        self._pending = handle
         self._last_step = step
+        handle._thread = threading.Thread(target=run, name=f"lockstep-save-{step}")
+        handle._thread.start()
+        return handle
+
+    def wait(self):
+        """Waits for a save made with blocking=False to be committed; raises what failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.wait()
+            except BaseException:
+                self._last_step = None  # not committed: a save of that step again is not a no-op
+                raise
 
     def _slot_for(self, need):
         """The slot to write next (the older save), mapped and at least `need` bytes."""
@@ -408,6 +480,33 @@ class Checkpointer:
         self.extra = state["extra"]
         self._last_step = int(state["step"])
         return self._last_step
+
+
+class SaveHandle:
+    """A save made with blocking=False: wait() returns once it is committed in the worker's
+    memory (and raises what failed); done() says whether it is."""
+
+    def __init__(self, step):
+        self.step = step
+        self._done = threading.Event()
+        self._error = None
+        self._thread = None
+
+    @classmethod
+    def completed(cls):
+        h = cls(None)
+        h._done.set()
+        return h
+
+    def done(self):
+        return self._done.is_set()
+
+    def wait(self):
+        self._done.wait()
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _store_sequence(m, value):

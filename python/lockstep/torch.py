@@ -208,4 +208,4 @@ def report(step, loss=None, samples=None):
     return _reporter.put(request)
 
 
-from lockstep.checkpoint import Checkpointer  # noqa: E402  (it imports torch)
+from lockstep.checkpoint import Checkpointer, SaveHandle  # noqa: E402  (it imports torch)

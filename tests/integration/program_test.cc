@@ -818,6 +818,7 @@ TEST_F(ProgramTest, KilledRankResumesFromItsCheckpointWithTheUndisturbedFinalLos
 // HOLD (generation 1 only): "after-save:K" waits after every rank's save of step K (having
 // written TAG-held-RANK with its pid); "mid-save:K:R" holds rank R inside its save of step K,
 // its tensors copied and not committed (lockstep.checkpoint's test hook writes TAG-held-R).
+// NONBLOCKING=1: every save is save(..., blocking=False), its checksum and commit in a thread.
 constexpr char kCheckpointScript[] = R"py(import hashlib, os, sys, time
 import torch, torch.nn as nn, torch.distributed as dist
 import lockstep.torch as lt
@@ -825,6 +826,7 @@ out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 tag, steps = sys.argv[1], int(sys.argv[2])
 gen, rank = os.environ["LOCKSTEP_GENERATION"], int(os.environ["RANK"])
 hold = os.environ.get("HOLD", "") if gen == "1" else ""
+nonblocking = os.environ.get("NONBLOCKING") == "1"
 def write(name, text):
     path = os.path.join(out, "%s-%s" % (tag, name))
     with open(path + ".tmp", "w") as f:
@@ -848,9 +850,11 @@ for step in range((start or 0) + 1, steps + 1):
     if hold == "mid-save:%d:%d" % (step, rank):
         os.environ["LOCKSTEP_TEST_HOLD_SAVE_AT_STEP"] = str(step)
         os.environ["LOCKSTEP_TEST_HOLD_SAVE_FILE"] = os.path.join(out, "%s-held-%d" % (tag, rank))
-    ckpt.save(step, model, opt, extra={"step": step})
+    handle = ckpt.save(step, model, opt, extra={"step": step}, blocking=not nonblocking)
     lt.report(step, loss=loss.item())
     if hold == "after-save:%d" % step:
+        if handle is not None:
+            handle.wait()
         write("held-%d" % rank, str(os.getpid()))
         while True:
             time.sleep(1)
@@ -938,6 +942,25 @@ TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory)
         absl::Seconds(30));
     ASSERT_TRUE(status.ok()) << status.status();
     EXPECT_TRUE(absl::StrContains(status->output, "(memory)")) << status->output;
+  }
+  {
+    SCOPED_TRACE("non-blocking saves: kill -9 of rank 1 right after its save of step 12");
+    v1::JobSpec s = spec("async", "after-save:12");
+    (*s.mutable_program()->mutable_env())["NONBLOCKING"] = "1";
+    auto job = cluster->Submit(s);
+    ASSERT_TRUE(job.ok()) << job.status();
+    ASSERT_TRUE(WaitForFile(p.out + "/async-held-0", kJobWait)) << cluster->Logs();
+    ASSERT_NO_FATAL_FAILURE(kill_held("async", 1));
+    auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+    ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+    ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+    EXPECT_EQ(ReadFile(p.out + "/async-final"), digest);
+    ASSERT_GE(done->recovery_history_size(), 1);
+    const v1::Recovery& r = done->recovery_history(0);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(restored("async", r.to_generation(), rank), "12");
+    }
+    EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
   }
   {
     SCOPED_TRACE("kill -9 of rank 1 inside its save of step 12 (rank 0 completed it)");
