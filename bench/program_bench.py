@@ -130,8 +130,13 @@ def throughput(events, warmup, global_batch):
     if len(steps) < 2:
         raise RuntimeError(f"too few step timing lines after step {warmup}: {steps}")
     (s0, t0), (s1, t1) = steps[0], steps[-1]
+    saved = [float(f.get("save_s", 0)) for n, t, f in events
+             if n == "step" and int(f["step"]) in (s0, s1)]
     return {"samples_per_second": global_batch * (s1 - s0) / (t1 - t0),
-            "ms_per_step": (t1 - t0) * 1000 / (s1 - s0), "from_step": s0, "to_step": s1}
+            "ms_per_step": (t1 - t0) * 1000 / (s1 - s0), "from_step": s0, "to_step": s1,
+            # rank 0's time inside lockstep.torch.Checkpointer.save, per step, same window
+            "save_ms_per_step": (saved[-1] - saved[0]) * 1000 / (s1 - s0)
+            if len(saved) == 2 else None}
 
 
 def final_loss(lines):
@@ -565,6 +570,17 @@ def summarize_and_print(result, systems, a):
         print(f"| {s} | " + " | ".join(f"{r['samples_per_second']:,.0f}" for r in runs) +
               f" | {m:,.0f} | {med(r['ms_per_step'] for r in runs):.2f} | {ratio} |")
     print("\nRun order: " + ", ".join(f"{r['system']}" for r in steady))
+    if MEMORY in systems:
+        runs = [r for r in steady if r["system"] == MEMORY]
+        save_ms, step_ms = med(r["save_ms_per_step"] for r in runs), med(
+            r["ms_per_step"] for r in runs)
+        plain = summary.get("Lockstep", {}).get("samples_per_second_median")
+        mem = summary[MEMORY]["samples_per_second_median"]
+        summary[MEMORY]["save_ms_per_step_median"] = save_ms
+        print(f"\n{MEMORY} (a save after every step): rank 0 spends {save_ms:.3f} ms per step "
+              f"in Checkpointer.save, {100 * save_ms / step_ms:.1f}% of its {step_ms:.2f} ms "
+              f"step" + (f"; samples/s {100 * (1 - mem / plain):.1f}% below plain Lockstep "
+                         f"(the save, the worker's copies to its peer, noise)" if plain else ""))
 
     print("\n2. Launch (torchrun) or submit (Lockstep, before `lockstepctl submit`) to the "
           "first completed step, medians of the runs above\n")

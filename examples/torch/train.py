@@ -27,7 +27,8 @@ lines `timing <name> <unix_time_s> [key=value ...]` to stdout: proc_start (the
 process's start from /proc, 10 ms resolution), script_start (preloaded=1 when
 torch was imported before the script ran: a warm start), import_torch,
 import_lockstep, init_process_group, checkpoint_load, first_step, and `step`
-(with step=N) at every --log-every step. Nothing else changes with it.
+(with step=N and save_s=S, the seconds spent in memory saves so far) at every --log-every
+step. Nothing else changes with it.
 """
 
 import sys
@@ -271,6 +272,7 @@ def main():
     epoch, skip = divmod(step, batches_per_epoch)
     t_start = time.perf_counter()
     t_log, step_log = t_start, step
+    save_s = 0.0  # time spent in memory.save, for --timing
     while step < args.steps:
         sampler.set_epoch(epoch)
         for i, (tokens, labels) in enumerate(loader):
@@ -288,11 +290,13 @@ def main():
             loss_value = loss.item()
             if step == start_step + 1:
                 timing.mark("first_step", step=step)
-            if step % args.log_every == 0:
-                timing.mark("step", step=step)
             if memory is not None and step % args.memory_checkpoint_every == 0:
                 # Before the report: a step the coordinator saw is a step the memory holds.
+                t_save = time.perf_counter()
                 memory.save(step, model, optimizer, extra={"loss": last_loss})
+                save_s += time.perf_counter() - t_save
+            if step % args.log_every == 0:
+                timing.mark("step", step=step, save_s="%.6f" % save_s)
             if lt is not None:
                 lt.report(step=step, loss=loss_value, samples=global_batch)
             if args.sleep_ms > 0:
