@@ -97,6 +97,8 @@ TEST_F(CheckpointDiskTest, SavesArePersistedPrunedAndReadBackChecked) {
   auto refused = RestoreFromDisk(fresh->get(), "job-1", files[1]);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "step 15")) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "does not match its checksum"))
+      << refused.status();
   EXPECT_TRUE(std::filesystem::exists(files[1].path + ".refused"));
   EXPECT_EQ(ListDiskCheckpoints(disk_, "job-1").size(), 1u);
   EXPECT_EQ((*fresh)->Held("job-1")[0].step, 20) << "the refused copy committed nothing";

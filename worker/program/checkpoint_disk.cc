@@ -114,25 +114,24 @@ absl::StatusOr<HeldCheckpoint> RestoreFromDisk(CheckpointMemory* memory, const s
   absl::StatusOr<std::unique_ptr<SlotWriter>> writer =
       SlotWriter::Begin(*pair, h.step, h.payload_bytes, h.checksum);
   if (!writer.ok()) return writer.status();
-  std::vector<char> buffer(4 << 20);
-  uint64_t done = 0;
-  while (done < h.payload_bytes) {
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(buffer.size(), h.payload_bytes - done));
-    const ssize_t n = pread(fd, buffer.data(), want,
-                            static_cast<off_t>(kCheckpointSlotHeaderBytes + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    LOCKSTEP_RETURN_IF_ERROR((*writer)->Append(buffer.data(), static_cast<size_t>(n)));
-    done += static_cast<uint64_t>(n);
-  }
-  absl::StatusOr<HeldCheckpoint> held = (*writer)->Commit();
+  HeldCheckpoint saved;
+  saved.step = h.step;
+  saved.sequence = h.sequence;
+  saved.payload_bytes = h.payload_bytes;
+  saved.checksum = h.checksum;
+  saved.path = file.path;
+  const absl::Status read = ReadCheckpointPayload(
+      saved, 4 << 20, [&](const void* data, size_t n) { return (*writer)->Append(data, n); });
+  absl::StatusOr<HeldCheckpoint> held = read.ok() ? (*writer)->Commit() : read;
   if (!held.ok() && absl::IsDataLoss(held.status())) {
     // Never offered again; kept for a person to look at.
     const std::string refused = absl::StrCat(file.path, ".refused");
     if (rename(file.path.c_str(), refused.c_str()) == 0) {
       LOG(WARNING) << file.path << " does not match its checksum: renamed " << refused;
     }
-    return absl::DataLossError(absl::StrCat(file.path, ": ", held.status().message()));
+    // The read's error names the file; the commit's names the slot.
+    return read.ok() ? absl::DataLossError(absl::StrCat(file.path, ": ", held.status().message()))
+                     : read;
   }
   return held;
 }

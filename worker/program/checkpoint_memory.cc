@@ -129,7 +129,8 @@ absl::Status ReadCheckpointPayload(const HeldCheckpoint& held, size_t chunk,
   XXH3_64bits_reset(state);
   const auto changed = [&] {
     return absl::DataLossError(absl::StrCat(held.path, ": the save of step ", held.step,
-                                            " was overwritten or corrupted while read"));
+                                            " does not match its checksum (overwritten or "
+                                            "corrupted while read)"));
   };
   std::vector<unsigned char> buffer(chunk);
   uint64_t done = 0;
