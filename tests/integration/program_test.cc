@@ -983,14 +983,56 @@ TEST_F(ProgramTest, CheckpointerRestoresTheNewestStepEveryMemberHoldsFromMemory)
   }
 }
 
+// Flags for a program worker NAME on HOST whose checkpoint memory is where the test can look at
+// it (its slots' headers: MemoryDir), plus `more`.
+std::vector<std::string> PeerCopyFlags(Cluster& cluster, const Programs& p, const std::string& name,
+                                       const std::string& host,
+                                       const std::vector<std::string>& more = {}) {
+  const std::string dir = absl::StrCat(cluster.dir(), "/shm-", name);
+  std::filesystem::create_directories(dir);
+  std::vector<std::string> f = ProgramFlags(p);
+  f.push_back("--checkpoint_memory_dir=" + dir);
+  f.push_back("--host=" + host);
+  f.insert(f.end(), more.begin(), more.end());
+  return f;
+}
+
+std::string MemoryDir(Cluster& cluster, const std::string& name) {
+  return absl::StrCat(cluster.dir(), "/shm-", name);
+}
+
+// Waits until every one of `ranks` ranks of JOB has a save in the persist directory `dir`;
+// returns the newest step there (0 if that did not happen within kJobWait).
+int64_t WaitForDiskSaves(const std::string& dir, const std::string& job_id, int ranks) {
+  const absl::Time until = absl::Now() + kJobWait;
+  std::set<int> seen;
+  int64_t newest = 0;
+  while (static_cast<int>(seen.size()) < ranks && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(20));
+    std::error_code error;
+    for (const auto& f : std::filesystem::directory_iterator(dir, error)) {
+      const std::string name = f.path().filename();
+      int64_t step = 0;
+      int rank = 0;
+      if (sscanf(name.c_str(), (job_id + ".step-%ld.rank-%d.lsckpt").c_str(), &step, &rank) == 2 &&
+          absl::EndsWith(name, ".lsckpt")) {
+        seen.insert(rank);
+        newest = std::max(newest, step);
+      }
+    }
+  }
+  return static_cast<int>(seen.size()) < ranks ? 0 : newest;
+}
+
 // The committed copies of a peer's saves that a worker keeps (".copy" slots in its checkpoint
-// memory directory under `dir`) of `step` (-1: of any step).
-std::vector<std::string> CommittedCopies(const std::string& dir, int64_t step) {
+// memory directory under `dir`; with `kind` ".slot", its own) of `step` (-1: of any step).
+std::vector<std::string> CommittedCopies(const std::string& dir, int64_t step,
+                                         const std::string& kind = ".copy") {
   std::vector<std::string> copies;
   std::error_code error;
   for (const auto& memory : std::filesystem::directory_iterator(dir, error)) {
     for (const auto& slot : std::filesystem::directory_iterator(memory.path(), error)) {
-      if (slot.path().extension() != ".copy") continue;
+      if (slot.path().extension() != kind) continue;
       std::ifstream in(slot.path(), std::ios::binary);
       char header[24] = {};
       if (!in.read(header, sizeof header)) continue;
@@ -1017,18 +1059,10 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
   ASSERT_NE(cluster, nullptr);
   const Programs p = MakePrograms(*cluster);
   WriteFile(p.root + "/ckpt.py", kCheckpointScript);
-  // Each worker's checkpoint memory where the test can look at it (its slots' headers).
   const auto flags = [&](const std::string& name, const std::string& host) {
-    const std::string dir = absl::StrCat(cluster->dir(), "/shm-", name);
-    std::filesystem::create_directories(dir);
-    std::vector<std::string> f = ProgramFlags(p);
-    f.push_back("--checkpoint_memory_dir=" + dir);
-    f.push_back("--host=" + host);
-    return f;
+    return PeerCopyFlags(*cluster, p, name, host);
   };
-  const auto memory_dir = [&](const std::string& name) {
-    return absl::StrCat(cluster->dir(), "/shm-", name);
-  };
+  const auto memory_dir = [&](const std::string& name) { return MemoryDir(*cluster, name); };
   std::map<std::string, std::string> host_of = {{"w0", "h0"}, {"w1", "h1"}, {"spare", "h1"}};
   for (const char* name : {"w0", "w1"}) {
     ASSERT_TRUE(cluster->StartWorker(name, flags(name, host_of[name])).ok()) << cluster->Logs();
@@ -1131,24 +1165,8 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
     const auto [survivor, victim] = kill_after_copy(
         "corrupt", &job_id,
         [&](const std::string& survivor, const std::string&) {
-          const absl::Time until = absl::Now() + kJobWait;
-          std::set<int> ranks;
-          while (ranks.size() < 2 && absl::Now() < until) {
-            absl::SleepFor(absl::Milliseconds(20));
-            std::error_code error;
-            for (const auto& f : std::filesystem::directory_iterator(persist, error)) {
-              const std::string name = f.path().filename();
-              int64_t step = 0;
-              int rank = 0;
-              if (sscanf(name.c_str(), (job_id + ".step-%ld.rank-%d.lsckpt").c_str(), &step,
-                         &rank) == 2 &&
-                  absl::EndsWith(name, ".lsckpt")) {
-                ranks.insert(rank);
-                on_disk = std::max(on_disk, step);
-              }
-            }
-          }
-          ASSERT_EQ(ranks.size(), 2u) << "no save on disk" << cluster->Logs();
+          on_disk = WaitForDiskSaves(persist, job_id, 2);
+          ASSERT_GT(on_disk, 0) << "no save on disk" << cluster->Logs();
           const std::vector<std::string> copies = CommittedCopies(memory_dir(survivor), -1);
           ASSERT_FALSE(copies.empty());
           for (const std::string& copy : copies) {
@@ -1185,6 +1203,135 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
   std::string digest;
   ASSERT_NO_FATAL_FAILURE(RunCheckpointReference(*cluster, p, 20, &digest));
   for (const char* tag : {"again", "spare", "corrupt"}) {
+    EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/", tag, "-final")), digest) << tag;
+  }
+}
+
+// Copies and fetches cut by a kill (test hooks hold the sender with the save's data sent, the
+// stream not ended): a cut copy is never committed at its peer, so a worker that lost its
+// memory starts over rather than restore it; a fetch cut by its holder's death commits nothing,
+// the group re-forms and restores the newest step on disk. Both runs end with the digest of an undisturbed run.
+TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/ckpt.py", kCheckpointScript);
+  std::map<std::string, std::string> host_of = {{"w0", "h0"}, {"w1", "h1"}};
+  const auto start = [&](const std::string& name, const std::string& hooks) {
+    ASSERT_TRUE(cluster
+                    ->StartWorker(name, PeerCopyFlags(*cluster, p, name, host_of[name],
+                                                      {"--test_hooks=" + hooks}))
+                    .ok())
+        << cluster->Logs();
+  };
+  // The members of TAG's job once every rank holds after its save of step 8.
+  const auto held = [&](const std::string& tag, const std::string& job_id) {
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_TRUE(WaitForFile(absl::StrCat(p.out, "/", tag, "-held-", rank), kJobWait))
+          << cluster->Logs();
+    }
+    auto running = cluster->Get(job_id);
+    EXPECT_TRUE(running.ok()) << running.status();
+    if (!running.ok() || running->members_size() != 2) return std::make_pair(std::string(), std::string());
+    return std::make_pair(running->members(0).worker_name(), running->members(1).worker_name());
+  };
+  const auto wait_end = [&](const std::string& job_id) -> absl::StatusOr<v1::Job> {
+    auto done = cluster->WaitForEnd(job_id, kJobWait);
+    if (!done.ok()) return done.status();
+    EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+    return done;
+  };
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_NO_FATAL_FAILURE(start(name, "checkpoint_copy_midway,checkpoint_fetch_midway"));
+  }
+  {
+    SCOPED_TRACE("a worker daemon killed inside its copy to the peer");
+    v1::JobSpec spec = CheckpointJob(p, "cut", 20, "after-save:8");
+    spec.set_max_restarts(5);
+    auto job = cluster->Submit(spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    const auto [survivor, victim] = held("cut", job->job_id());
+    ASSERT_FALSE(victim.empty());
+    // Each worker's first copy is held with its first chunk sent: none went further.
+    ASSERT_TRUE(cluster->WaitForHook(victim, "checkpoint_copy_midway", kJobWait).ok())
+        << cluster->Logs();
+    ASSERT_TRUE(cluster->WaitForHook(survivor, "checkpoint_copy_midway", kJobWait).ok())
+        << cluster->Logs();
+    cluster->worker(victim)->Signal(SIGKILL);
+    ASSERT_TRUE(cluster->worker(victim)->Wait(absl::Seconds(30)).ok());
+    cluster->ReleaseHook(survivor, "checkpoint_copy_midway");
+    EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, survivor), -1).empty())
+        << "the survivor committed a copy that was cut";
+    ASSERT_NO_FATAL_FAILURE(start(victim, "checkpoint_fetch_midway"));
+    auto done = wait_end(job->job_id());
+    ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+    ASSERT_GE(done->recovery_history_size(), 1) << done->DebugString();
+    const v1::Recovery& r = done->recovery_history(0);
+    // The victim holds nothing, no copy of its saves was committed: a fresh start.
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(Restored(p, "cut", r.to_generation(), rank), "None") << "rank " << rank;
+    }
+    EXPECT_TRUE(absl::StrContains(r.restore_detail(), "no step every member can obtain"))
+        << r.DebugString();
+    EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, survivor), 8).empty());
+  }
+  {
+    SCOPED_TRACE("the holder killed while a restarted worker fetches its copy from it");
+    const std::string persist = absl::StrCat(cluster->dir(), "/persist");
+    v1::JobSpec spec = CheckpointJob(p, "fetch", 20, "after-save:8");
+    spec.set_max_restarts(5);
+    spec.set_checkpoint_dir(persist);
+    spec.mutable_program()->set_persist_every_saves(5);
+    auto job = cluster->Submit(spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    const auto [survivor, victim] = held("fetch", job->job_id());
+    ASSERT_FALSE(victim.empty());
+    const int64_t on_disk = WaitForDiskSaves(persist, job->job_id(), 2);
+    ASSERT_GE(on_disk, 5) << cluster->Logs();
+    const absl::Time until = absl::Now() + kJobWait;
+    while (CommittedCopies(MemoryDir(*cluster, survivor), 8).empty() && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_FALSE(CommittedCopies(MemoryDir(*cluster, survivor), 8).empty()) << cluster->Logs();
+    cluster->worker(victim)->Signal(SIGKILL);
+    ASSERT_TRUE(cluster->worker(victim)->Wait(absl::Seconds(30)).ok());
+    // Restarted with empty memory: it fetches its step 8 from the survivor, which holds with
+    // the data sent. Killed there: the fetch ends without its end of stream.
+    ASSERT_NO_FATAL_FAILURE(start(victim, ""));
+    ASSERT_TRUE(cluster->WaitForHook(survivor, "checkpoint_fetch_midway", kJobWait).ok())
+        << cluster->Logs();
+    cluster->worker(survivor)->Signal(SIGKILL);
+    ASSERT_TRUE(cluster->worker(survivor)->Wait(absl::Seconds(30)).ok());
+    // The victim's fetch fails; the part it received is not committed in its slots.
+    const std::string failed = absl::StrCat("fetching ", victim, "'s checkpoint of step 8 from ",
+                                            survivor);
+    const absl::Time fetch_until = absl::Now() + kJobWait;
+    while (!absl::StrContains(ReadFile(absl::StrCat(cluster->dir(), "/", victim, ".log")), failed) &&
+           absl::Now() < fetch_until) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_TRUE(absl::StrContains(ReadFile(absl::StrCat(cluster->dir(), "/", victim, ".log")),
+                                  failed))
+        << cluster->Logs();
+    EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, victim), 8, ".slot").empty())
+        << "a cut fetch was committed";
+    ASSERT_NO_FATAL_FAILURE(start(survivor, ""));
+    auto done = wait_end(job->job_id());
+    ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+    ASSERT_GE(done->recovery_history_size(), 1) << done->DebugString();
+    // Both memories are gone (the survivor's with its daemon; the fetch committed nothing):
+    // the newest step on disk, everywhere.
+    const v1::Recovery& r = done->recovery_history(done->recovery_history_size() - 1);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_EQ(Restored(p, "fetch", r.to_generation(), rank), absl::StrCat(on_disk))
+          << "rank " << rank << " " << done->DebugString();
+    }
+    EXPECT_EQ(r.restored_from(), "disk") << r.DebugString();
+    EXPECT_EQ(r.resumed_from_step(), on_disk) << r.DebugString();
+  }
+  std::string digest;
+  ASSERT_NO_FATAL_FAILURE(RunCheckpointReference(*cluster, p, 20, &digest));
+  for (const char* tag : {"cut", "fetch"}) {
     EXPECT_EQ(ReadFile(absl::StrCat(p.out, "/", tag, "-final")), digest) << tag;
   }
 }

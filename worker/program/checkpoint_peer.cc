@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "common/test_hooks.h"
 #include "glog/logging.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -114,7 +115,10 @@ class CheckpointPeerServer::Service final : public v1::CheckpointPeerService::Se
     const absl::Status read =
         ReadCheckpointPayload(*it, kCheckpointChunkBytes, [&](const void* data, size_t n) {
           chunk.set_data(data, n);
-          return writer->Write(chunk) ? absl::OkStatus() : absl::CancelledError("fetch ended");
+          if (!writer->Write(chunk)) return absl::CancelledError("fetch ended");
+          // Test hook: the fetch is on its way, the fetcher has not committed it.
+          test_hooks::Reach("checkpoint_fetch_midway", request->step());
+          return absl::OkStatus();
         });
     return ToGrpcStatus(read);
   }
@@ -192,6 +196,7 @@ CheckpointReplicator::CheckpointReplicator(CheckpointMemory* memory, std::string
       [this] {
         absl::MutexLock lock(&mu_);
         cancelled_ = true;
+        stopping_ = true;
         if (in_flight_ != nullptr) in_flight_->TryCancel();
       });
 }
@@ -225,7 +230,10 @@ absl::Status CheckpointReplicator::Copy(const HeldCheckpoint& save) {
   if (open) {
     read = ReadCheckpointPayload(save, kCheckpointChunkBytes, [&](const void* data, size_t n) {
       chunk.set_data(data, n);
-      return writer->Write(chunk) ? absl::OkStatus() : absl::UnavailableError("stream closed");
+      if (!writer->Write(chunk)) return absl::UnavailableError("stream closed");
+      // Test hook: the copy is on its way, the peer has not committed it.
+      test_hooks::Reach("checkpoint_copy_midway", save.step, &stopping_);
+      return absl::OkStatus();
     });
     // A save overwritten while read is not committed there: the stream ends cancelled.
     if (!read.ok() && !absl::IsUnavailable(read)) context.TryCancel();
@@ -243,7 +251,8 @@ absl::Status CheckpointReplicator::Copy(const HeldCheckpoint& save) {
 absl::StatusOr<HeldCheckpoint> FetchCheckpoint(CheckpointMemory* memory, const std::string& address,
                                                const std::string& holder, const std::string& secret,
                                                const std::string& job_id,
-                                               const std::string& source_worker, int64_t step) {
+                                               const std::string& source_worker, int64_t step,
+                                               const std::atomic<bool>* abort) {
   const auto named = [&](const absl::Status& s) {
     return absl::Status(s.code(), absl::StrCat("fetching ", source_worker, "'s checkpoint of step ",
                                                step, " from ", holder, " (", address,
@@ -289,6 +298,9 @@ absl::StatusOr<HeldCheckpoint> FetchCheckpoint(CheckpointMemory* memory, const s
       writer = *std::move(begun);
     }
     if (!chunk.data().empty()) status = writer->Append(chunk.data().data(), chunk.data().size());
+    if (status.ok() && abort != nullptr && abort->load()) {
+      status = absl::CancelledError("the generation was aborted");
+    }
   }
   if (!status.ok()) context.TryCancel();
   const grpc::Status finished = reader->Finish();

@@ -98,15 +98,18 @@ class CheckpointReplicator {
   absl::Mutex mu_;
   grpc::ClientContext* in_flight_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> stopping_{false};  // the same, for the test hook inside a copy
   std::unique_ptr<SaveFollower> follower_;  // last: its thread uses the rest
 };
 
 // Fetches `source_worker`'s save of `step` from the worker at `address` into this worker's own
 // slots for the job (the program restores it from there). DATA_LOSS when the copy does not
-// match its checksum; the holder's errors otherwise, each naming the holder.
+// match its checksum; the holder's errors otherwise, each naming the holder. Once `abort` (if
+// given) is set, CANCELLED at the next chunk. Nothing is committed unless all of it arrived.
 absl::StatusOr<HeldCheckpoint> FetchCheckpoint(CheckpointMemory* memory, const std::string& address,
                                                const std::string& holder, const std::string& secret,
                                                const std::string& job_id,
-                                               const std::string& source_worker, int64_t step);
+                                               const std::string& source_worker, int64_t step,
+                                               const std::atomic<bool>* abort = nullptr);
 
 }  // namespace lockstep::worker
