@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""lockstep.torch.Checkpointer in one process, against a stand-in for the worker's agent.
+
+The stand-in serves the two calls the Checkpointer makes on a Unix socket, as the worker does:
+CheckpointSlots (two files of the size asked for) and CheckpointRestore (the slot whose commit
+sequence is the higher, among those whose payload matches its checksum, as the worker's
+agreement would choose for a group of one). What the tests check is the Checkpointer's side:
+a state saved (blocking or not) comes back bit for bit after a "restart", a save of the
+same step is a no-op, a save cut by kill -9 before its commit is never restored, and bad input gets an
+error that names the tensor or the value. The real worker, peers and disk are in
+tests/integration/program_test.cc.
+
+Run: PYTHONPATH=BUILD/python checkpointer_test.py  (exit 77: no torch, grpc or xxhash here)
+"""
+import importlib
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from concurrent import futures
+
+try:
+    import grpc
+    import torch
+    import torch.nn as nn
+    import xxhash
+    from lockstep.v1 import program_pb2, program_pb2_grpc
+except ImportError as e:  # the dependencies CI installs: a skip here, not a failure
+    print(f"skipped: {e}")
+    sys.exit(77)
+
+HEADER_BYTES = 4096
+
+
+def committed(path):
+    """(sequence, step) of the slot at `path` when it holds a whole save, else None."""
+    with open(path, "rb") as f:
+        data = f.read()
+    magic, sequence, step, payload, checksum = struct.unpack_from("<8sQqQQ", data, 0)
+    if magic != b"LSCKPT01" or sequence == 0 or payload == 0:
+        return None
+    if xxhash.xxh3_64_intdigest(data[HEADER_BYTES:HEADER_BYTES + payload]) != checksum:
+        return None
+    return sequence, step, payload
+
+
+class Agent(program_pb2_grpc.ProgramServiceServicer):
+    def __init__(self, dir):
+        self.dir = dir
+        self.paths = []
+        self.restores = []
+
+    def CheckpointSlots(self, request, context):
+        if not self.paths or os.path.getsize(self.paths[0]) < request.bytes:
+            self.paths = [os.path.join(self.dir, f"job.{i}.slot") for i in range(2)]
+            for p in self.paths:
+                with open(p, "ab") as f:
+                    f.truncate(max(request.bytes, os.path.getsize(p)))
+        return program_pb2.CheckpointSlotsResponse(paths=self.paths,
+                                                   bytes=os.path.getsize(self.paths[0]))
+
+    def CheckpointRestore(self, request, context):
+        if request.loaded:
+            self.restores.append(request.step)
+            return program_pb2.CheckpointRestoreResponse()
+        held = [(committed(p), p) for p in self.paths]
+        held = sorted(((c, p) for c, p in held if c is not None), reverse=True)
+        if not held:
+            return program_pb2.CheckpointRestoreResponse(found=False)
+        (sequence, step, payload), path = held[0]
+        return program_pb2.CheckpointRestoreResponse(found=True, step=step, path=path,
+                                                     payload_bytes=payload, source="memory")
+
+
+def model_and_optimizer(seed=0, out=3):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, out))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def train(model, opt, steps):
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        loss = model(torch.randn(16, 4, generator=g)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def same_state(test, a_model, a_opt, b_model, b_opt):
+    for (k, a), b in zip(a_model.state_dict().items(), b_model.state_dict().values()):
+        test.assertTrue(torch.equal(a, b), k)
+    sa, sb = a_opt.state_dict(), b_opt.state_dict()
+    test.assertEqual(sa["param_groups"], sb["param_groups"])
+    for i, state in sa["state"].items():
+        for k, v in state.items():
+            test.assertTrue(torch.equal(v, sb["state"][i][k]), f"optimizer state {i}.{k}")
+
+
+class CheckpointerTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.agent = Agent(self.tmp.name)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        program_pb2_grpc.add_ProgramServiceServicer_to_server(self.agent, self.server)
+        socket = os.path.join(self.tmp.name, "agent.sock")
+        self.server.add_insecure_port(f"unix:{socket}")
+        self.server.start()
+        os.environ["LOCKSTEP_AGENT_ADDRESS"] = f"unix:{socket}"
+        os.environ["LOCKSTEP_AGENT_TOKEN"] = "secret"
+        self.lt = self.fresh_process()
+
+    def tearDown(self):
+        self.server.stop(None)
+        self.tmp.cleanup()
+        for k in ("LOCKSTEP_AGENT_ADDRESS", "LOCKSTEP_AGENT_TOKEN"):
+            os.environ.pop(k, None)
+
+    @staticmethod
+    def fresh_process():
+        """lockstep.torch as a restarted process finds it (no channel, no state)."""
+        import lockstep._agent
+        import lockstep.checkpoint
+        import lockstep.torch
+        importlib.reload(lockstep._agent)
+        importlib.reload(lockstep.checkpoint)
+        return importlib.reload(lockstep.torch)
+
+    def test_a_save_comes_back_bit_for_bit_after_a_restart(self):
+        for blocking in (True, False):
+            with self.subTest(blocking=blocking):
+                model, opt = model_and_optimizer()
+                ckpt = self.lt.Checkpointer()
+                self.assertIsNone(ckpt.load(model, opt))  # nothing saved yet (or the last run's)
+                train(model, opt, 3)
+                handle = ckpt.save(3, model, opt, extra={"epoch": 1, "note": "x"},
+                                   blocking=blocking)
+                if not blocking:
+                    handle.wait()
+                    self.assertTrue(handle.done())
+                self.lt = self.fresh_process()
+                restored, restored_opt = model_and_optimizer(seed=1)
+                again = self.lt.Checkpointer()
+                self.assertEqual(again.load(restored, restored_opt), 3)
+                same_state(self, model, opt, restored, restored_opt)
+                self.assertEqual(again.extra, {"epoch": 1, "note": "x"})
+                self.assertEqual(self.agent.restores[-1], 3)
+                # Both train on identically from there.
+                train(model, opt, 2)
+                train(restored, restored_opt, 2)
+                same_state(self, model, opt, restored, restored_opt)
+                for p in self.agent.paths:
+                    os.truncate(p, 0)  # the next round starts with empty memory
+                self.agent.paths = []
+
+    def test_a_large_non_blocking_save_is_committed_in_its_thread(self):
+        model = nn.Linear(1024, 512)  # 2 MiB: past the size committed inline
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        expected = model.weight.detach().clone()
+        handle = ckpt.save(1, model, opt, blocking=False)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # after save() returned: not in the save
+        handle.wait()
+        self.lt = self.fresh_process()
+        restored = nn.Linear(1024, 512)
+        self.assertEqual(self.lt.Checkpointer().load(restored), 1)
+        self.assertTrue(torch.equal(restored.weight, expected))
+
+    def test_a_save_of_the_same_step_is_a_no_op(self):
+        model, opt = model_and_optimizer()
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        train(model, opt, 1)
+        ckpt.save(1, model, opt)
+        before = [committed(p) for p in self.agent.paths]
+        train(model, opt, 1)
+        ckpt.save(1, model, opt)
+        self.assertEqual([committed(p) for p in self.agent.paths], before)
+
+    def test_a_process_killed_inside_a_save_restores_the_save_before(self):
+        # A process saves steps 1 and 2, then is killed -9 inside its save of step 3 (its
+        # tensors copied, the commit not written: the save's test hook holds it there).
+        held = os.path.join(self.tmp.name, "held")
+        state_2 = os.path.join(self.tmp.name, "state-2.pt")
+        child = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, torch
+sys.path[:0] = {sys.path!r}
+from checkpointer_test import model_and_optimizer, train
+import lockstep.torch as lt
+model, opt = model_and_optimizer()
+ckpt = lt.Checkpointer()
+ckpt.load(None)
+for step in (1, 2):
+    train(model, opt, 1)
+    ckpt.save(step, model, opt)
+torch.save(model.state_dict(), {state_2!r})
+train(model, opt, 1)
+os.environ["LOCKSTEP_TEST_HOLD_SAVE_AT_STEP"] = "3"
+os.environ["LOCKSTEP_TEST_HOLD_SAVE_FILE"] = {held!r}
+ckpt.save(3, model, opt)
+"""], cwd=os.path.dirname(os.path.abspath(__file__)))
+        try:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(held) and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertTrue(os.path.exists(held), "the save of step 3 never reached its hook")
+        finally:
+            child.kill()
+            child.wait()
+        self.lt = self.fresh_process()
+        restored, restored_opt = model_and_optimizer(seed=1)
+        self.assertEqual(self.lt.Checkpointer().load(restored, restored_opt), 2)
+        for k, v in torch.load(state_2).items():
+            self.assertTrue(torch.equal(v, restored.state_dict()[k]), k)
+
+    def test_bad_input_names_the_tensor_or_the_value(self):
+        model, opt = model_and_optimizer()
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        with self.assertRaisesRegex(ValueError, r"extra\.blob .*keep large values in tensors"):
+            ckpt.save(1, model, opt, extra={"blob": b"x" * (65 << 20)})
+        with self.assertRaisesRegex(TypeError, r"extra\.grid is a sparse"):
+            ckpt.save(1, model, opt, extra={"grid": torch.eye(3).to_sparse()})
+        with self.assertRaisesRegex(TypeError, r"extra\.c is a torch.complex64 tensor"):
+            ckpt.save(1, model, opt, extra={"c": torch.zeros(2, dtype=torch.complex64)})
+        ckpt.save(1, model, opt)
+        self.lt = self.fresh_process()
+        wider, wider_opt = model_and_optimizer(out=5)
+        with self.assertRaisesRegex(ValueError, r"model\.2\.weight has shape \(5, 8\), the "
+                                                r"checkpoint's \(3, 8\)"):
+            self.lt.Checkpointer().load(wider, wider_opt)
+        self.lt = self.fresh_process()
+        with self.assertRaisesRegex(KeyError, r"model\.2\.weight is not in the model"):
+            bigger = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+            self.lt.Checkpointer().load(bigger)
+
+
+class OutsideLockstepTest(unittest.TestCase):
+    def setUp(self):
+        for k in ("LOCKSTEP_AGENT_ADDRESS", "LOCKSTEP_AGENT_TOKEN"):
+            os.environ.pop(k, None)
+        self.lt = CheckpointerTest.fresh_process()
+
+    def test_outside_a_job_it_says_so_or_falls_back_to_torch_save(self):
+        with self.assertRaisesRegex(RuntimeError, r"not running under a Lockstep worker.*"
+                                                  r"fallback_dir"):
+            self.lt.Checkpointer()
+        with tempfile.TemporaryDirectory() as d:
+            model, opt = model_and_optimizer()
+            ckpt = self.lt.Checkpointer(fallback_dir=d)
+            self.assertIsNone(ckpt.load(model, opt))
+            train(model, opt, 2)
+            ckpt.save(2, model, opt, extra={"epoch": 0})
+            self.assertTrue(os.path.exists(os.path.join(d, "checkpoint-rank0.pt")))
+            restored, restored_opt = model_and_optimizer(seed=1)
+            again = self.lt.Checkpointer(fallback_dir=d)
+            self.assertEqual(again.load(restored, restored_opt), 2)
+            same_state(self, model, opt, restored, restored_opt)
+            self.assertEqual(again.extra, {"epoch": 0})
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
