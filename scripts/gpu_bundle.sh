@@ -25,6 +25,7 @@ LOCKSTEP_BUNDLE_SYSTEM_CUDA=1 "$root/scripts/bundle.sh" --build "$build" "$out/g
 cp -r "$build/python" "$out/gpu-bundle/python"
 install -D -m 0644 "$root/examples/torch/train.py" "$out/gpu-bundle/examples/torch/train.py"
 install -m 0755 "$root/tests/gpu/check.sh" "$out/gpu-bundle/check.sh"
+install -m 0644 "$root/tests/gpu/gpu_checkpoint.py" "$out/gpu-bundle/gpu_checkpoint.py"
 install -m 0644 "$root/bench/torch/gpu_mlp_step.py" "$out/gpu-bundle/gpu_mlp_step.py"
 install -m 0644 "$root/bench/torch/gpu_gpt_step.py" "$out/gpu-bundle/gpu_gpt_step.py"
 install -m 0644 "$root/bench/torch/gpu_attention.py" "$out/gpu-bundle/gpu_attention.py"

@@ -251,14 +251,15 @@ fi
 
 # Program jobs: the worker gives the program CUDA_VISIBLE_DEVICES (its host's members' GPUs by
 # UUID, in local-rank order, so device LOCAL_RANK is its own GPU); then, where this host's
-# PyTorch has CUDA, examples/torch/train.py with NCCL through lockstep.torch's store.
+# PyTorch has CUDA, examples/torch/train.py with NCCL through lockstep.torch's store, and
+# tests/gpu/gpu_checkpoint.py (memory checkpoints of CUDA tensors).
 echo "== a program job on the GPU worker: CUDA_VISIBLE_DEVICES, then the torchrun example with NCCL" | tee -a "$log"
 prog_dir="$(mktemp -d)"
 chmod 755 "$prog_dir"
 mkdir -p "$prog_dir/programs" "$prog_dir/programs/out"
 chmod 755 "$prog_dir/programs"
 chmod 777 "$prog_dir/programs/out"
-cp "$bundle/examples/torch/train.py" "$prog_dir/programs/" 2>/dev/null
+cp "$bundle/examples/torch/train.py" "$bundle/gpu_checkpoint.py" "$prog_dir/programs/" 2>/dev/null
 printf '#!/bin/sh\necho "visible=$CUDA_VISIBLE_DEVICES local_rank=$LOCAL_RANK"\n' >"$prog_dir/programs/devices.sh"
 chmod 644 "$prog_dir/programs/"*
 as_root=()
@@ -299,6 +300,18 @@ if wait_registered "$prog_dir" prog-a; then
       echo "passed: the torchrun example trains with NCCL on the GPU under Lockstep" | tee -a "$log"
     else
       echo "FAILED: the torchrun example with NCCL" | tee -a "$log"
+      failed=1
+    fi
+    # lockstep.torch.Checkpointer with CUDA tensors: save(blocking=False) (device -> pinned
+    # staging on a side stream) with the next step queued behind it, then a restart restores
+    # exactly the state saved.
+    out_ckpt="$(program_output "$prog_dir" gpu-checkpoint \
+      "[\"$(command -v python3)\", \"gpu_checkpoint.py\", \"out\"]")"
+    echo "$out_ckpt" | grep "gpu-checkpoint:" | tee -a "$log"
+    if [[ "$out_ckpt" == *"gpu-checkpoint: ok"* ]]; then
+      echo "passed: a non-blocking save of CUDA tensors restores bit for bit" | tee -a "$log"
+    else
+      echo "FAILED: the GPU checkpoint (tests/gpu/gpu_checkpoint.py)" | tee -a "$log"
       failed=1
     fi
   fi
