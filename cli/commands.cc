@@ -126,6 +126,19 @@ absl::Status ListJobs(v1::JobService::StubInterface& stub, const CommandOptions&
   return absl::OkStatus();
 }
 
+absl::Status ListQueue(v1::JobService::StubInterface& stub, const CommandOptions& options,
+                       std::ostream& out) {
+  v1::ListJobsRequest request;
+  request.set_queue(true);
+  request.set_page_size(1000);
+  v1::ListJobsResponse queue;
+  auto context = UnaryContext(options);
+  LOCKSTEP_RETURN_IF_ERROR(ToAbslStatus(stub.ListJobs(context.get(), request, &queue)));
+  if (options.output == OutputFormat::kJson) return PrintJson(queue, false, out);
+  out << FormatQueue(queue, options.clock->Now());
+  return absl::OkStatus();
+}
+
 absl::Status ShowJob(v1::JobService::StubInterface& stub, const std::string& job_id,
                      const CommandOptions& options, std::ostream& out) {
   LOCKSTEP_ASSIGN_OR_RETURN(v1::Job job, GetJob(stub, job_id, options));
@@ -475,6 +488,9 @@ int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub
     }
     case Command::kList:
       status = ListJobs(stub, options, out);
+      break;
+    case Command::kQueue:
+      status = ListQueue(stub, options, out);
       break;
     case Command::kStatus:
       status = ShowJob(stub, invocation.job_id, options, out);

@@ -71,6 +71,9 @@ absl::Status CancelJob(v1::JobService::StubInterface& stub, const std::string& j
 
 // Table: WORKER NAME HOST DEVICE STATE JOB LAST HEARTBEAT, then the clients the coordinator
 // rejected (missing or wrong token). JSON: ListWorkersResponse.
+// The queue in the order its jobs will start.
+absl::Status ListQueue(v1::JobService::StubInterface& stub, const CommandOptions& options,
+                       std::ostream& out);
 absl::Status ListWorkers(v1::JobService::StubInterface& stub, const CommandOptions& options,
                          std::ostream& out);
 

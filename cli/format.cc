@@ -175,7 +175,7 @@ std::string FormatEval(const v1::Job& job) {
 
 std::string FormatJobList(const v1::ListJobsResponse& response, absl::Time now) {
   if (response.jobs().empty()) return "No jobs.\n";
-  Table table({"JOB", "NAME", "STATE", "STEP", "LOSS", "WORKERS", "AGE/DURATION"});
+  Table table({"JOB", "NAME", "STATE", "PRIORITY", "STEP", "LOSS", "WORKERS", "AGE/DURATION"});
   for (const v1::Job& job : response.jobs()) {
     const absl::Time submit = FromUnixMillisOrInfinitePast(job.submit_time_unix_ms());
     std::string age;
@@ -185,7 +185,23 @@ std::string FormatJobList(const v1::ListJobsResponse& response, absl::Time now) 
       age = submit == absl::InfinitePast() ? kNone : ShortDuration(now - submit);
     }
     table.AddRow({job.job_id(), OrNone(job.spec().name()), JobStateName(job.state()),
-                  StepOfTotal(job), LossOrNone(job), absl::StrCat(job.members_size()), age});
+                  absl::StrCat(job.spec().priority()), StepOfTotal(job), LossOrNone(job),
+                  absl::StrCat(job.members_size()), age});
+  }
+  return table.Render();
+}
+
+std::string FormatQueue(const v1::ListJobsResponse& queue, absl::Time now) {
+  if (queue.jobs().empty()) return "No queued jobs.\n";
+  Table table({"#", "JOB", "NAME", "PRIORITY", "WORKERS", "WAITING", "WHY"});
+  int position = 0;
+  for (const v1::Job& job : queue.jobs()) {
+    const absl::Time submit = FromUnixMillisOrInfinitePast(job.submit_time_unix_ms());
+    table.AddRow({absl::StrCat(++position), job.job_id(), OrNone(job.spec().name()),
+                  absl::StrCat(job.spec().priority()),
+                  absl::StrCat(job.spec().min_workers(), "-", job.spec().max_workers()),
+                  submit == absl::InfinitePast() ? kNone : ShortDuration(now - submit),
+                  job.reason()});
   }
   return table.Render();
 }
@@ -342,6 +358,7 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
   AddField(out, "Job", job.job_id());
   AddField(out, "Name", OrNone(job.spec().name()));
   AddField(out, "State", JobStateName(job.state()));
+  AddField(out, "Priority", absl::StrCat(job.spec().priority()));
   if (!job.reason().empty()) AddField(out, "Reason", job.reason());
   AddField(out, "Generation", absl::StrCat(job.generation()));
   AddField(out, "Workers",

@@ -59,6 +59,9 @@ std::string FormatEval(const v1::Job& job);
 // The `list` table: JOB, NAME, STATE, STEP, LOSS, WORKERS, AGE/DURATION. AGE/DURATION is the
 // time since submission for a job that is not finished, and the run time for a finished one.
 std::string FormatJobList(const v1::ListJobsResponse& response, absl::Time now);
+// The queue (ListJobsRequest.queue): position, job, priority, workers asked for, time waited
+// and why it waits.
+std::string FormatQueue(const v1::ListJobsResponse& queue, absl::Time now);
 
 // The `status` block: identity, state and reason, generation and its members, progress, timing,
 // evaluation and recoveries. Absolute times are shown in `tz`.

@@ -33,6 +33,8 @@ constexpr char kUsageBody[] =
     "commands:\n"
     "  submit FILE [--watch]  submit a JSON job spec ('-' reads stdin), print the job id\n"
     "  list                   list jobs\n"
+    "  queue                  the queued jobs in the order they will start, with why each\n"
+    "                         waits\n"
     "  status JOB             show one job in detail\n"
     "  watch JOB              follow a job until it ends (exit 0 only if it succeeded)\n"
     "  cancel JOB             cancel a job\n"
@@ -67,6 +69,7 @@ struct CommandInfo {
 
 constexpr CommandInfo kCommands[] = {
     {Command::kSubmit, "submit", "FILE", 1}, {Command::kList, "list", "", 0},
+    {Command::kQueue, "queue", "", 0},
     {Command::kStatus, "status", "JOB", 1},  {Command::kWatch, "watch", "JOB", 1},
     {Command::kCancel, "cancel", "JOB", 1},  {Command::kWorkers, "workers", "", 0},
     {Command::kHealth, "health", "", 0},     {Command::kHelp, "help", "", 0},
@@ -273,6 +276,7 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
       break;
     case Command::kHelp:
     case Command::kList:
+    case Command::kQueue:
     case Command::kWorkers:
     case Command::kHealth:
       break;

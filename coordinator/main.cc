@@ -78,6 +78,10 @@ ABSL_FLAG(bool, grpc_reflection, false,
           "callers with the operators' token.");
 ABSL_FLAG(int64_t, heartbeat_timeout_ms, 5000,
           "Silence after which a worker is declared lost (jobs may set their own).");
+ABSL_FLAG(int64_t, priority_aging_ms, 300000,
+          "A queued job's priority grows by one for each this long it has waited (up to 1000), "
+          "so that higher-priority jobs cannot starve it (0: never). Only the queue's order "
+          "ages; preemption goes by the priorities jobs declared.");
 ABSL_FLAG(int64_t, restart_grace_ms, 5000,
           "After a restart, how long a running job waits for the members of its last generation "
           "to register again before it re-forms without them (it re-forms at once when they are "
@@ -256,6 +260,9 @@ absl::StatusOr<lockstep::coordinator::CoreOptions> CoreOptionsFromFlags(
   if (absl::GetFlag(FLAGS_heartbeat_timeout_ms) <= 0) {
     return absl::InvalidArgumentError("--heartbeat_timeout_ms must be > 0");
   }
+  if (absl::GetFlag(FLAGS_priority_aging_ms) < 0) {
+    return absl::InvalidArgumentError("--priority_aging_ms must be >= 0 (0: no aging)");
+  }
   if (absl::GetFlag(FLAGS_restart_grace_ms) < 0) {
     return absl::InvalidArgumentError("--restart_grace_ms must be >= 0");
   }
@@ -263,6 +270,7 @@ absl::StatusOr<lockstep::coordinator::CoreOptions> CoreOptionsFromFlags(
   options.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms));
   options.tick_interval = kTickInterval;
   options.restart_grace = absl::Milliseconds(absl::GetFlag(FLAGS_restart_grace_ms));
+  options.priority_aging = absl::Milliseconds(absl::GetFlag(FLAGS_priority_aging_ms));
   LOCKSTEP_RETURN_IF_ERROR(
       lockstep::ParseRootFlags(absl::GetFlag(FLAGS_data_root), absl::GetFlag(FLAGS_checkpoint_root),
                                &options.data_roots, &options.checkpoint_roots));

@@ -191,20 +191,19 @@ void Core::ObserveTime(absl::Time now) {
     if (w.state != WorkerState::kLost) w.last_heartbeat = std::min(now, w.last_heartbeat + credit);
   }
   // (Every live job: an absence is rare, and this is the one cost that grows with them.)
-  for (const std::set<JobKey>* index : {&active_, &pending_}) {
-    for (const auto& [seq, id] : *index) {
-      JobRecord& job = jobs_.at(id);
-      if (job.last_advance != absl::InfinitePast()) {
-        job.last_advance = std::min(now, job.last_advance + credit);
-      }
-      if (job.reconfigure_since != absl::InfinitePast()) {
-        job.reconfigure_since = std::min(now, job.reconfigure_since + credit);
-      }
-      job.pending_since = std::min(now, job.pending_since + credit);
+  const auto credit_job = [&](JobRecord& job) {
+    if (job.last_advance != absl::InfinitePast()) {
+      job.last_advance = std::min(now, job.last_advance + credit);
     }
-  }
+    if (job.reconfigure_since != absl::InfinitePast()) {
+      job.reconfigure_since = std::min(now, job.reconfigure_since + credit);
+    }
+    job.pending_since = std::min(now, job.pending_since + credit);
+  };
+  for (const auto& [seq, id] : active_) credit_job(jobs_.at(id));
+  for (const auto& [priority, seq, id] : pending_) credit_job(jobs_.at(id));
   pending_deadlines_.clear();
-  for (const auto& [seq, id] : pending_) {
+  for (const auto& [priority, seq, id] : pending_) {
     JobRecord& job = jobs_.at(id);
     if (job.pending_deadline == absl::InfiniteFuture()) continue;
     job.pending_deadline =
@@ -288,6 +287,7 @@ void Core::Tick(absl::Time now, Decisions* out) {
               now, out);
   }
   PruneLostWorkers();
+  AgeQueue(now);
   Schedule(now, out);
 }
 

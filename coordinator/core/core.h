@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -60,6 +61,10 @@ struct CoreOptions {
   // is one re-formation, not one per worker that comes back late). A job whose previous
   // members are all back re-forms at once.
   absl::Duration restart_grace = absl::Seconds(5);
+  // A queued job's priority grows by one for each this long it has waited, up to kMaxPriority
+  // (zero: never), so that a stream of higher-priority jobs cannot starve it. Only the queue's
+  // order ages: preemption goes by the priorities the jobs declared.
+  absl::Duration priority_aging = absl::Minutes(5);
 };
 
 // What the shell must do after an input: messages to push to workers, sessions to close
@@ -228,6 +233,8 @@ class Core {
   enum class WorkerState { kIdle, kBusy, kLost };
   // A job in the indices by state: (submission number, id).
   using JobKey = std::pair<uint64_t, std::string>;
+  // A queued job: (minus its aged priority, submission number, id): the order it starts in.
+  using QueueKey = std::tuple<int64_t, uint64_t, std::string>;
   struct Worker {
     v1::RegisterRequest info;
     std::string id;
@@ -268,6 +275,10 @@ class Core {
     // pending_since + rendezvous_timeout while PENDING (its key in pending_deadlines_), else
     // InfiniteFuture.
     absl::Time pending_deadline = absl::InfiniteFuture();
+    // While PENDING: its priority in the queue (the declared one, aged: priority_aging), and
+    // when it ages next (its key in aging_deadlines_; InfiniteFuture when it does not).
+    int64_t queue_priority = 0;
+    absl::Time next_aging = absl::InfiniteFuture();
     absl::Time started = absl::InfinitePast();
     absl::Time last_advance = absl::InfinitePast();
     absl::Time last_progress_event = absl::InfinitePast();
@@ -337,6 +348,23 @@ class Core {
   // The job's state, keeping the indices (pending_, active_, pending_deadlines_) in step.
   void SetState(JobRecord& job, v1::JobState state);
   static JobKey KeyOf(const JobRecord& job) { return {job.submit_seq, job.job.job_id()}; }
+  static QueueKey QueueKeyOf(const JobRecord& job) {
+    return {-job.queue_priority, job.submit_seq, job.job.job_id()};
+  }
+  // The head of the queue, or nullptr.
+  const JobRecord* QueueHead() const;
+  // Ages the queued jobs whose next aging is due (priority_aging).
+  void AgeQueue(absl::Time now);
+  // Preemption for the queued `job`, which lacks `needed` workers: takes them from running
+  // jobs of a lower declared priority, each shrunk toward its min_workers at a step boundary
+  // (an elastic re-formation: nothing lost), lowest priority first, then the newest. The
+  // workers taken are kept for `job` until it starts. Only when enough can be taken; else
+  // nothing changes and `why` (if given) says what shrinking could free.
+  bool PreemptFor(JobRecord& job, size_t needed, absl::Time now, Decisions* out,
+                  std::string* why);
+  // Members of `victim` that `job` could take (device, memory, programs; not excluded), from
+  // the highest rank down.
+  std::vector<std::string> TakeableMembers(const JobRecord& victim, const JobRecord& job) const;
   // The job as a reader sees it: a queued job that is not the head says what it waits for
   // (computed here, so the head's changing reason costs nothing per queued job).
   v1::Job View(const JobRecord& job) const;
@@ -461,7 +489,12 @@ class Core {
   // number of jobs. Keys are JobKeys: submission order.
   std::map<std::string, JobRecord> jobs_;  // by job id
   std::set<JobKey> order_;                 // every job
-  std::set<JobKey> pending_;               // PENDING: the queue, FIFO
+  std::set<QueueKey> pending_;             // PENDING: the queue, in the order jobs start
+  // Queued jobs by when their priority ages next (JobRecord::next_aging).
+  std::set<std::pair<absl::Time, std::string>> aging_deadlines_;
+  // The declared priorities of the queued jobs (a running job does not grow onto idle
+  // workers while a job of a higher priority waits).
+  std::multiset<int32_t> pending_priorities_;
   std::set<JobKey> active_;                // RUNNING or RECONFIGURING
   // PENDING jobs with a rendezvous_timeout, by when it expires (JobRecord::pending_deadline).
   std::set<std::pair<absl::Time, std::string>> pending_deadlines_;

@@ -453,6 +453,10 @@ absl::Status ValidateOperations(const v1::JobSpec& spec) {
 }  // namespace
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  if (spec.priority() < kMinPriority || spec.priority() > kMaxPriority) {
+    return Invalid("priority", absl::StrCat("must be from ", kMinPriority, " to ", kMaxPriority,
+                                            ", got ", spec.priority()));
+  }
   if (spec.has_program()) return ValidateProgramJob(spec);
   LOCKSTEP_RETURN_IF_ERROR(CheckBounds(spec));
   LOCKSTEP_RETURN_IF_ERROR(ValidateDevice(spec));

@@ -20,6 +20,9 @@ inline constexpr size_t kMaxPromptBytes = 4096;  // sample.prompt bytes or promp
 inline constexpr int kMaxHiddenLayers = 64;
 inline constexpr int kMaxFrozenPatterns = 256;
 inline constexpr int kMaxRestartsLimit = 1000;
+// JobSpec.priority's range (a queued job's aged priority stops at kMaxPriority too).
+inline constexpr int kMinPriority = -1000;
+inline constexpr int kMaxPriority = 1000;
 
 // Text a spec carries into logs, status, command lines and file systems: no NUL or other
 // control bytes (they would cut paths short or forge log lines), and at most `limit` bytes.

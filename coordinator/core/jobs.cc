@@ -152,13 +152,39 @@ absl::StatusOr<v1::Job> Core::GetJob(const std::string& job_id) const {
   return View(it->second);
 }
 
+const Core::JobRecord* Core::QueueHead() const {
+  return pending_.empty() ? nullptr : &jobs_.at(std::get<2>(*pending_.begin()));
+}
+
+void Core::AgeQueue(absl::Time now) {
+  while (!aging_deadlines_.empty() && aging_deadlines_.begin()->first <= now) {
+    JobRecord& job = jobs_.at(aging_deadlines_.begin()->second);
+    const absl::Time due = aging_deadlines_.begin()->first;
+    aging_deadlines_.erase(aging_deadlines_.begin());
+    pending_.erase(QueueKeyOf(job));
+    ++job.queue_priority;
+    pending_.insert(QueueKeyOf(job));
+    job.next_aging = absl::InfiniteFuture();
+    if (job.queue_priority < kMaxPriority) {
+      job.next_aging = due + options_.priority_aging;  // a long gap ages it by all of it
+      aging_deadlines_.emplace(job.next_aging, job.job.job_id());
+    }
+  }
+}
+
 v1::Job Core::View(const JobRecord& job) const {
   v1::Job view = job.job;
-  if (view.state() == v1::JOB_STATE_PENDING && !pending_.empty() &&
-      pending_.begin()->second != view.job_id()) {
-    const JobRecord& head = jobs_.at(pending_.begin()->second);
-    view.set_reason(absl::StrCat("queued behind ", head.job.job_id(), ", which is ",
-                                 head.job.reason()));
+  const JobRecord* head = QueueHead();
+  if (view.state() == v1::JOB_STATE_PENDING && head != nullptr && head != &job) {
+    view.set_reason(absl::StrCat("queued behind ", head->job.job_id(),
+                                 job.queue_priority < head->queue_priority
+                                     ? absl::StrCat(" (priority ", head->queue_priority, ")")
+                                     : "",
+                                 ", which is ", head->job.reason()));
+  }
+  if (view.state() == v1::JOB_STATE_PENDING && job.queue_priority != job.job.spec().priority()) {
+    view.set_reason(absl::StrCat(view.reason(), "; priority ", job.queue_priority,
+                                 " after waiting (declared ", job.job.spec().priority(), ")"));
   }
   return view;
 }
@@ -169,11 +195,25 @@ void Core::SetState(JobRecord& job, v1::JobState state) {
     pending_deadlines_.erase({job.pending_deadline, job.job.job_id()});
     job.pending_deadline = absl::InfiniteFuture();
   }
-  pending_.erase(key);
+  if (job.job.state() == v1::JOB_STATE_PENDING && pending_.erase(QueueKeyOf(job)) > 0) {
+    pending_priorities_.erase(pending_priorities_.find(job.job.spec().priority()));
+  }
+  if (job.next_aging != absl::InfiniteFuture()) {
+    aging_deadlines_.erase({job.next_aging, job.job.job_id()});
+    job.next_aging = absl::InfiniteFuture();
+  }
   active_.erase(key);
   job.job.set_state(state);
   if (state == v1::JOB_STATE_PENDING) {
-    pending_.insert(key);
+    // Queued at its declared priority; it ages from the time it has waited (a restored job
+    // keeps what it waited before).
+    job.queue_priority = job.job.spec().priority();
+    pending_.insert(QueueKeyOf(job));
+    pending_priorities_.insert(job.job.spec().priority());
+    if (options_.priority_aging > absl::ZeroDuration() && job.queue_priority < kMaxPriority) {
+      job.next_aging = job.pending_since + options_.priority_aging;
+      aging_deadlines_.emplace(job.next_aging, job.job.job_id());
+    }
     if (job.job.spec().rendezvous_timeout_ms() > 0) {
       job.pending_deadline =
           job.pending_since + absl::Milliseconds(job.job.spec().rendezvous_timeout_ms());
@@ -205,6 +245,22 @@ absl::StatusOr<v1::ListJobsResponse> Core::ListJobs(const v1::ListJobsRequest& r
   v1::ListJobsResponse page;
   page.set_total_jobs(static_cast<int64_t>(order_.size()));
   size_t bytes = 0;
+  if (request.queue()) {
+    if (!request.page_token().empty()) {
+      return absl::InvalidArgumentError("the queue is one page: it takes no page_token");
+    }
+    for (const auto& [priority, seq, id] : pending_) {
+      const JobRecord& record = jobs_.at(id);
+      const size_t size = record.job.ByteSizeLong();
+      if (static_cast<size_t>(page.jobs_size()) == page_size ||
+          (page.jobs_size() > 0 && bytes + size > kMaxJobsPageBytes)) {
+        break;
+      }
+      bytes += size;
+      *page.add_jobs() = View(record);
+    }
+    return page;
+  }
   uint64_t last = 0;
   for (auto it = std::make_reverse_iterator(order_.lower_bound({before, ""}));
        it != order_.rend(); ++it) {

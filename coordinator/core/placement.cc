@@ -81,16 +81,24 @@ void Core::Schedule(absl::Time now, Decisions* out) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() == v1::JOB_STATE_RECONFIGURING) TryReform(job, now, out);
   }
-  // 2. Strict FIFO gang scheduling: the head job waits until its min_workers are idle, and
-  // later jobs wait behind it so that a large job cannot starve (View says so for them).
+  // 2. Gang scheduling in the queue's order (priority, aged; then first come first served):
+  // the head job starts once its min_workers are idle, or once shrinking running jobs of a
+  // lower priority frees them; later jobs wait behind it so that a large job cannot starve
+  // (View says so for them).
   while (!pending_.empty()) {
-    JobRecord& job = jobs_.at(pending_.begin()->second);
+    JobRecord& job = jobs_.at(std::get<2>(*pending_.begin()));
     const v1::JobSpec& spec = job.job.spec();
     std::vector<RankCandidate> left_out;
     const std::vector<RankCandidate> fitting =
         IdleWorkers(spec.device(), job.memory_needed, &job);
     const size_t fitting_count = fitting.size();
     std::vector<RankCandidate> idle = OneRankPerGpu({}, fitting, job.memory_needed, &left_out);
+    std::string preemption;
+    if (static_cast<int64_t>(idle.size()) < spec.min_workers() &&
+        PreemptFor(job, static_cast<size_t>(spec.min_workers()) - idle.size(), now, out,
+                   &preemption)) {
+      continue;  // the workers taken are kept for it: the next pass starts it
+    }
     if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
       const size_t all_idle = IdleWorkers(spec.device()).size();
       std::string reason =
@@ -103,7 +111,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         absl::StrAppend(&reason, ", ", fitting_count, " with the ", HumanBytes(job.memory_needed),
                         " free that each worker needs");
       }
-      reason += SharedGpuNote(left_out.size()) + ")";
+      reason += SharedGpuNote(left_out.size()) + ")" + preemption;
       if (reason != job.job.reason()) {
         job.job.set_reason(reason);
         out->changed_jobs.insert(job.job.job_id());
@@ -115,10 +123,15 @@ void Core::Schedule(absl::Time now, Decisions* out) {
   }
   // 3. Spares: a running job below max_workers grows onto idle workers, once its current
   // generation has completed a step (so every re-formation is followed by progress), and
-  // never once it has trained its last step (there is nothing left to share).
+  // never once it has trained its last step (there is nothing left to share), nor while a job
+  // of a higher priority waits (the workers are its; a job shrunk for one grows back after).
+  const int32_t waiting_priority = pending_priorities_.empty()
+                                       ? std::numeric_limits<int32_t>::min()
+                                       : *pending_priorities_.rbegin();
   for (const auto& [seq, id] : active) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() != v1::JOB_STATE_RUNNING || !job.first_report_of_generation_seen ||
+        job.job.spec().priority() < waiting_priority ||
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers() || job.finishing ||
         AnyMemberAtLastStep(job)) {
       continue;
@@ -294,6 +307,99 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
                                              : "",
                         " (", names.size(), " worker", names.size() == 1 ? "" : "s", ")"),
            now, out);
+}
+
+std::vector<std::string> Core::TakeableMembers(const JobRecord& victim,
+                                               const JobRecord& job) const {
+  std::vector<std::string> takeable;
+  const v1::JobSpec& spec = job.job.spec();
+  for (auto m = victim.members.rbegin(); m != victim.members.rend(); ++m) {
+    auto it = workers_.find(m->worker_id);
+    if (it == workers_.end()) continue;
+    const Worker* w = &it->second;
+    if (w->state != WorkerState::kBusy || w->job_id != victim.job.job_id()) continue;
+    PlacementView view;  // as it will be once the victim lets it go
+    view.idle = true;
+    view.excluded = Excluded(job, w->id, w->info.name());
+    view.benched = job.benched.count(w->id) > 0;
+    view.device = DeviceKind(w->info.device());
+    view.free_memory = w->info.free_memory_bytes();
+    view.runs_programs = RunsPrograms(*w);
+    if (MayTakeRank(view, job.job.job_id(), spec.device(), job.memory_needed,
+                    spec.has_program())) {
+      takeable.push_back(w->id);
+    }
+  }
+  return takeable;
+}
+
+bool Core::PreemptFor(JobRecord& job, size_t needed, absl::Time now, Decisions* out,
+                      std::string* why) {
+  const int32_t priority = job.job.spec().priority();
+  // Running jobs of a lower declared priority, lowest first, then the newest first (it has
+  // the least to lose); never one re-forming, finishing or at its last step.
+  struct Victim {
+    JobRecord* job;
+    std::vector<std::string> take;
+  };
+  std::vector<Victim> victims;
+  for (const auto& [seq, id] : active_) {
+    JobRecord& v = jobs_.at(id);
+    if (v.job.state() != v1::JOB_STATE_RUNNING || v.job.spec().priority() >= priority ||
+        v.finishing || AnyMemberAtLastStep(v)) {
+      continue;
+    }
+    const int64_t spare = static_cast<int64_t>(v.members.size()) - v.job.spec().min_workers();
+    if (spare <= 0) continue;
+    std::vector<std::string> take = TakeableMembers(v, job);
+    if (static_cast<int64_t>(take.size()) > spare) take.resize(static_cast<size_t>(spare));
+    if (!take.empty()) victims.push_back({&v, std::move(take)});
+  }
+  std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
+    const int32_t pa = a.job->job.spec().priority(), pb = b.job->job.spec().priority();
+    return pa != pb ? pa < pb : a.job->submit_seq > b.job->submit_seq;
+  });
+  size_t could = 0;
+  for (const Victim& v : victims) could += v.take.size();
+  if (could < needed) {
+    if (why != nullptr) {
+      *why = could == 0 ? ""
+                        : absl::StrCat("; shrinking lower-priority jobs to their min_workers "
+                                       "would free only ", could);
+    }
+    return false;
+  }
+  const std::string by = absl::StrCat(job.job.job_id(), " (priority ", priority, ")");
+  for (Victim& v : victims) {
+    if (needed == 0) break;
+    if (v.take.size() > needed) v.take.resize(needed);
+    needed -= v.take.size();
+    JobRecord& victim = *v.job;
+    std::vector<std::string> names;
+    for (const std::string& id : v.take) {
+      Worker& w = workers_.at(id);
+      names.push_back(w.info.name());
+      PushAbort(victim, id, absl::StrCat("preempted by ", by), out);
+      EraseMember(victim, id);
+      w.state = WorkerState::kIdle;
+      w.job_id.clear();
+      w.generation = 0;
+      w.reserved_for = job.job.job_id();
+      job.reserved.insert(id);
+    }
+    const std::string taken = absl::StrJoin(names, ", ");
+    AddEvent(job, v1::JobEvent::MEMBERSHIP,
+             absl::StrCat("took ", taken, " from ", victim.job.job_id(), " (priority ",
+                          victim.job.spec().priority(), "), shrunk toward its min_workers"),
+             now, out);
+    // The rest re-form at once; it grows back onto idle workers when no job of a higher
+    // priority waits.
+    BeginReconfiguration(victim, absl::StrCat("preempted by ", by, ": ", taken, " taken"),
+                         /*scale_up=*/false, /*coordinator_caused=*/false, /*counted=*/false,
+                         now, now, out);
+    TryReform(victim, now, out);
+  }
+  return true;
 }
 
 std::vector<RankCandidate> Core::MemberCandidates(const JobRecord& job) const {

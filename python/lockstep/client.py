@@ -185,6 +185,12 @@ class Client:
                     f"the coordinator sent more than {MAX_LIST_PAGES} pages of jobs; stopped "
                     "following them")
 
+    def queue(self):
+        """The queued (PENDING) jobs in the order they will start; each one's reason says why
+        it waits (docs/scheduling.md)."""
+        return list(self._call(self._stub.ListJobs,
+                               job_pb2.ListJobsRequest(queue=True, page_size=1000)).jobs)
+
     def cancel(self, job_id):
         return self._call(self._stub.CancelJob, job_pb2.CancelJobRequest(job_id=job_id))
 

@@ -89,6 +89,26 @@ def test_cancel_a_running_job(client):
     assert lockstep.to_dict(list(client.watch(job.job_id))[-1].job)["state"] == "JOB_STATE_CANCELLED"
 
 
+def test_the_queue_lists_jobs_in_the_order_they_start(client):
+    running = client.submit(spec(1_000_000))
+    for event in client.watch(running.job_id):
+        if event.job.step > 0:
+            break
+    later = client.submit(spec(10))
+    urgent = client.submit(dict(spec(10), priority=3))
+    try:
+        queue = client.queue()
+        # The running job is at its min_workers: priority 3 cannot shrink it, and waits first.
+        assert [j.job_id for j in queue] == [urgent.job_id, later.job_id]
+        assert "waiting for 2 idle" in queue[0].reason
+        assert f"queued behind {urgent.job_id} (priority 3)" in queue[1].reason
+        assert queue[0].spec.priority == 3
+    finally:
+        for job in (urgent, later, running):
+            client.cancel(job.job_id)
+    assert client.queue() == []
+
+
 def test_errors_carry_the_code_and_the_coordinators_words(client):
     bad = spec(10)
     bad["globalBatchSize"] = -5

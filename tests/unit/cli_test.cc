@@ -262,6 +262,27 @@ TEST(Format, UntrustedTextIsEscaped) {
   EXPECT_NE(summary.find("no sample: not written: rank 0"), std::string::npos) << summary;
 }
 
+TEST(Format, QueueListsPositionPriorityWorkersWaitAndWhy) {
+  v1::ListJobsResponse q;
+  EXPECT_EQ(FormatQueue(q, absl::UnixEpoch()), "No queued jobs.\n");
+  for (int i = 0; i < 2; ++i) {
+    v1::Job* j = q.add_jobs();
+    j->set_job_id(absl::StrCat("job-", 7 + i));
+    j->set_state(v1::JOB_STATE_PENDING);
+    j->set_submit_time_unix_ms(1'700'000'000'000);
+    j->mutable_spec()->set_priority(i == 0 ? 10 : 0);
+    j->mutable_spec()->set_min_workers(2);
+    j->mutable_spec()->set_max_workers(4);
+  }
+  q.mutable_jobs(0)->set_reason("waiting for 2 idle cpu workers (1 idle)");
+  q.mutable_jobs(1)->set_reason("queued behind job-7 (priority 10), which is waiting");
+  const std::string s = FormatQueue(q, absl::FromUnixMillis(1'700'000'090'000));
+  std::cout << s;
+  EXPECT_THAT(s, HasSubstr("#  JOB    NAME  PRIORITY  WORKERS  WAITING  WHY"));
+  EXPECT_THAT(s, HasSubstr("1  job-7  -     10        2-4      1m30s    waiting for 2 idle"));
+  EXPECT_THAT(s, HasSubstr("2  job-8  -     0         2-4      1m30s    queued behind job-7"));
+}
+
 TEST(Format, Tables) {
   v1::ListJobsResponse r;
   *r.add_jobs() = Ev(0, v1::JobEvent::PROGRESS, v1::JOB_STATE_RUNNING, 120).job();
@@ -270,8 +291,8 @@ TEST(Format, Tables) {
   r.mutable_jobs(1)->mutable_spec()->set_name("fmnist");
   std::string s = FormatJobList(r, absl::FromUnixMillis(1'700'000'200'000));
   std::cout << s;
-  EXPECT_THAT(s, HasSubstr("job-1  -       RUNNING    120/468  0.5123  0        3m20s"));
-  EXPECT_THAT(s, HasSubstr("job-2  fmnist  SUCCEEDED  468/468  0.5123  0        1m02s"));
+  EXPECT_THAT(s, HasSubstr("job-1  -       RUNNING    0         120/468  0.5123  0        3m20s"));
+  EXPECT_THAT(s, HasSubstr("job-2  fmnist  SUCCEEDED  0         468/468  0.5123  0        1m02s"));
   v1::Job j = r.jobs(1);
   auto* m = j.add_members();
   m->set_rank(0);
@@ -590,6 +611,11 @@ TEST(Invocation, ForceOnlyAppliesToExport) {
   auto listed = ParseInvocation({"list"}, f, nullptr, in);
   EXPECT_EQ(listed.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(listed.status().message()), HasSubstr("--force"));
+  auto queue = ParseInvocation({"queue"}, FlagValues(), nullptr, in);
+  ASSERT_TRUE(queue.ok()) << queue.status();
+  EXPECT_EQ(queue->command, Command::kQueue);
+  EXPECT_EQ(ParseInvocation({"queue", "extra"}, FlagValues(), nullptr, in).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // A coordinator (or something posing as one) that repeats a page token, a job, or sends empty

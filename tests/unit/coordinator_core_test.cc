@@ -5,7 +5,9 @@
 #include <functional>
 #include <fstream>
 #include <memory>
+#include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/core.h"
 #include "coordinator/core/job_spec.h"
@@ -39,7 +41,7 @@ v1::JobSpec Spec(int min_workers, int max_workers) {
 
 class CoreTest : public ::testing::Test {
  protected:
-  CoreTest() : core_(Options()) {}
+  explicit CoreTest(CoreOptions options = Options()) : core_(options) {}
   static CoreOptions Options() {
     CoreOptions o;
     o.heartbeat_timeout = absl::Seconds(5);
@@ -2676,6 +2678,222 @@ TEST(CorePauseTest, APauseAfterTheLastStepDoesNotCostTheSample) {
   j = core.GetJob(job).value();
   EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
   EXPECT_EQ(j.sample().text(), "a sample") << j.sample_error();
+}
+
+// ---- Priorities, aging and preemption by shrinking (docs/scheduling.md) ----
+
+v1::JobSpec PrioritySpec(int min_workers, int max_workers, int priority) {
+  v1::JobSpec spec = Spec(min_workers, max_workers);
+  spec.set_priority(priority);
+  return spec;
+}
+
+class SchedulingTest : public CoreTest {
+ protected:
+  explicit SchedulingTest(CoreOptions options = Options()) : CoreTest(options) {}
+  // The queued jobs' ids in the order they will start.
+  std::vector<std::string> Queue() {
+    v1::ListJobsRequest request;
+    request.set_queue(true);
+    const v1::ListJobsResponse queue = core_.ListJobs(request).value();
+    std::vector<std::string> ids;
+    for (const v1::Job& j : queue.jobs()) ids.push_back(j.job_id());
+    return ids;
+  }
+  // Every member reports step `step` of the job's current generation (its first of it).
+  void Step(const std::string& job, int64_t step) {
+    const v1::Job j = Job(job);
+    for (const v1::Member& m : j.members()) {
+      v1::ProgressReport p;
+      p.set_job_id(job);
+      p.set_generation(j.generation());
+      p.set_step(step);
+      p.set_first_of_generation(true);
+      p.set_total_steps(100);
+      Decisions d;
+      ASSERT_TRUE(core_.ReportProgress(m.worker_id(), p, now_, &d).ok());
+      Collect(d);
+    }
+  }
+  void Cancel(const std::string& job) {
+    Decisions d;
+    ASSERT_TRUE(core_.CancelJob(job, now_, &d).ok());
+    Collect(d);
+  }
+  std::set<std::string> Members(const std::string& job) {
+    const v1::Job j = Job(job);
+    std::set<std::string> ids;
+    for (const v1::Member& m : j.members()) ids.insert(m.worker_id());
+    return ids;
+  }
+};
+
+TEST_F(SchedulingTest, TheQueueStartsJobsByPriorityFirstComeFirstServedWithinOne) {
+  Register("w0");
+  const std::string running = Submit(PrioritySpec(1, 1, 0));
+  const std::string b = Submit(PrioritySpec(1, 1, 0));
+  const std::string c = Submit(PrioritySpec(1, 1, 5));
+  const std::string d = Submit(PrioritySpec(1, 1, 5));
+  const std::string e = Submit(PrioritySpec(1, 1, -3));
+  EXPECT_EQ(Queue(), (std::vector<std::string>{c, d, b, e}));
+  // The running job is at its min_workers: nothing to take from it.
+  EXPECT_EQ(Job(running).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_TRUE(absl::StrContains(Job(d).reason(), "queued behind " + c)) << Job(d).reason();
+  EXPECT_TRUE(absl::StrContains(Job(b).reason(), "queued behind " + c + " (priority 5)"))
+      << Job(b).reason();
+  std::string current = running;
+  for (const std::string& next : {c, d, b, e}) {
+    Cancel(current);
+    EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING) << next;
+    current = next;
+  }
+}
+
+TEST_F(SchedulingTest, AHigherPriorityJobShrinksALowerOneWhichGrowsBackAfterIt) {
+  for (int i = 0; i < 4; ++i) Register(absl::StrCat("w", i));
+  const std::string low = Submit(PrioritySpec(1, 4, 0));
+  Step(low, 1);
+  ASSERT_EQ(Members(low).size(), 4u);
+  TakeAssignments();
+  const std::string high = Submit(PrioritySpec(2, 2, 10));
+  // Two of low's four are taken (its highest ranks), and it re-forms on the other two at once.
+  const v1::Job h = Job(high);
+  ASSERT_EQ(h.state(), v1::JOB_STATE_RUNNING) << h.reason();
+  ASSERT_EQ(h.members_size(), 2);
+  v1::Job l = Job(low);
+  EXPECT_EQ(l.state(), v1::JOB_STATE_RUNNING) << l.reason();
+  EXPECT_EQ(l.members_size(), 2);
+  EXPECT_EQ(l.generation(), 2);
+  for (const std::string& id : Members(high)) EXPECT_EQ(Members(low).count(id), 0u);
+  ASSERT_EQ(l.recovery_history_size(), 1);
+  const v1::Recovery& r = l.recovery_history(0);
+  EXPECT_TRUE(absl::StrContains(r.reason(), "preempted by " + high + " (priority 10)"))
+      << r.reason();
+  EXPECT_FALSE(r.counted()) << "a preemption is not a failure";
+  EXPECT_EQ(l.recoveries(), 0);
+  auto a = TakeAssignments();
+  EXPECT_EQ(a.size(), 4u);  // two for low's next generation, two for high
+  // While high runs, low does not grow onto anything.
+  Step(low, 2);
+  Tick();
+  EXPECT_EQ(Job(low).members_size(), 2);
+  // high's history says whose workers it took.
+  bool took = false;
+  auto events = core_.EventsSince(high, 0).value();
+  for (const v1::JobEvent& e : events) took = took || absl::StrContains(e.message(), "from " + low);
+  EXPECT_TRUE(took);
+  // high ends (here: cancelled; a failure frees them the same way): low grows back to 4.
+  Cancel(high);
+  Tick();
+  EXPECT_EQ(Job(low).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(low).members_size(), 4);
+  EXPECT_EQ(Job(low).recoveries(), 0);
+}
+
+TEST_F(SchedulingTest, NoPreemptionOfAnEqualOrHigherPriorityNorBelowMinWorkers) {
+  for (int i = 0; i < 4; ++i) Register(absl::StrCat("w", i));
+  const std::string peer = Submit(PrioritySpec(1, 2, 5));
+  const std::string firm = Submit(PrioritySpec(2, 2, 0));
+  Step(peer, 1);
+  Step(firm, 1);
+  // Equal priority: waits.
+  const std::string same = Submit(PrioritySpec(1, 1, 5));
+  EXPECT_EQ(Job(same).state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(Job(same).reason(), "waiting for 1 idle")) << Job(same).reason();
+  Cancel(same);
+  // Higher than `firm` but firm is at its min_workers and `peer` is not lower: nothing to take.
+  const std::string urgent = Submit(PrioritySpec(1, 1, 3));
+  EXPECT_EQ(Job(urgent).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Members(peer).size(), 2u);
+  EXPECT_EQ(Members(firm).size(), 2u);
+  Cancel(urgent);
+  // Needs 3; shrinking `firm` (0 spare) and `peer` (1 spare, but priority 5 < 6) frees only 1:
+  // nobody is shrunk for nothing.
+  const std::string big = Submit(PrioritySpec(3, 3, 6));
+  EXPECT_EQ(Job(big).state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(Job(big).reason(), "would free only 1")) << Job(big).reason();
+  EXPECT_EQ(Members(peer).size(), 2u);
+  EXPECT_EQ(Job(peer).generation(), 1);
+  // A job needing what one shrink frees starts: peer gives up its rank 1, never its last.
+  Cancel(big);
+  const std::string fits = Submit(PrioritySpec(1, 1, 6));
+  EXPECT_EQ(Job(fits).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Members(peer).size(), 1u);
+  EXPECT_EQ(Members(firm).size(), 2u);
+}
+
+TEST_F(SchedulingTest, LowerPriorityJobsGiveUpWorkersLowestPriorityFirst) {
+  for (int i = 0; i < 4; ++i) Register(absl::StrCat("w", i));
+  const std::string p1 = Submit(PrioritySpec(1, 2, 1));
+  const std::string p0 = Submit(PrioritySpec(1, 2, 0));
+  Step(p1, 1);
+  Step(p0, 1);
+  const std::string urgent = Submit(PrioritySpec(1, 1, 9));
+  EXPECT_EQ(Job(urgent).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Members(p0).size(), 1u) << "the lowest priority gives first";
+  EXPECT_EQ(Members(p1).size(), 2u);
+}
+
+TEST_F(SchedulingTest, RunningJobsDoNotGrowOntoWorkersAHigherPriorityJobWaitsFor) {
+  Register("w0");
+  Register("w1");
+  const std::string low = Submit(PrioritySpec(1, 4, 0));
+  Step(low, 1);
+  ASSERT_EQ(Members(low).size(), 2u);
+  // Needs 4: two idle soon, one from low (down to its min 1): 3, not enough.
+  const std::string high = Submit(PrioritySpec(4, 4, 10));
+  Register("w2");
+  Register("w3");
+  Step(low, 2);
+  Tick();
+  EXPECT_EQ(Job(high).state(), v1::JOB_STATE_PENDING) << Job(high).reason();
+  EXPECT_EQ(Members(low).size(), 2u) << "low grew onto workers high waits for";
+  // With a fifth, low's spare rank completes high's four.
+  Register("w4");
+  Tick();
+  EXPECT_EQ(Job(high).state(), v1::JOB_STATE_RUNNING) << Job(high).reason();
+  EXPECT_EQ(Members(low).size(), 1u);
+}
+
+class AgingTest : public SchedulingTest {
+ protected:
+  AgingTest() : SchedulingTest(AgingOptions()) {}
+  static CoreOptions AgingOptions() {
+    CoreOptions o = Options();
+    o.priority_aging = absl::Minutes(1);
+    return o;
+  }
+};
+
+TEST_F(AgingTest, AQueuedJobAgesPastNewerHigherPriorityOnesButPreemptsByItsDeclaredOne) {
+  const std::string w0 = Register("w0"), w1 = Register("w1");
+  const std::string running = Submit(PrioritySpec(1, 2, 1));
+  Step(running, 1);
+  const std::string old = Submit(PrioritySpec(1, 1, 0));
+  for (int minute = 1; minute <= 5; ++minute) {
+    now_ += absl::Minutes(1);
+    Heartbeats({w0, w1});
+    Step(running, 1 + minute);
+    Tick();
+  }
+  const std::string fresh = Submit(PrioritySpec(1, 1, 2));
+  // Without aging the newer one would lead.
+  EXPECT_EQ(Queue(), (std::vector<std::string>{old, fresh}));
+  EXPECT_TRUE(absl::StrContains(Job(old).reason(), "priority 5 after waiting (declared 0)"))
+      << Job(old).reason();
+  // Aged to 5, it still does not preempt the running job of priority 1 (its declared 0 is
+  // lower), and `fresh`, which could, waits behind it.
+  EXPECT_EQ(Members(running).size(), 2u);
+  EXPECT_EQ(Job(fresh).state(), v1::JOB_STATE_PENDING);
+}
+
+TEST_F(AgingTest, AgingStopsAtTheHighestPriority) {
+  const std::string job = Submit(PrioritySpec(1, 1, kMaxPriority - 2));
+  now_ += absl::Minutes(10);
+  Tick();
+  EXPECT_TRUE(absl::StrContains(Job(job).reason(), absl::StrCat("priority ", kMaxPriority,
+                                                                " after waiting")))
+      << Job(job).reason();
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <functional>
 #include <limits>
 
+#include "absl/strings/match.h"
 #include "common/data_format.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -36,6 +37,31 @@ TEST(JobSpecTest, ValidSpecWithDefaultsPasses) {
   EXPECT_EQ(spec.min_workers(), 1);
   EXPECT_EQ(spec.max_workers(), 1);
   EXPECT_EQ(spec.model().mlp().activation(), "relu");
+}
+
+TEST(JobSpecTest, PriorityIsWithinItsRangeForBuiltInAndProgramJobs) {
+  for (int priority : {kMinPriority, -1, 0, 7, kMaxPriority}) {
+    v1::JobSpec spec = ValidSpec();
+    spec.set_priority(priority);
+    ApplyJobSpecDefaults(&spec);
+    EXPECT_TRUE(ValidateJobSpec(spec).ok()) << priority << ": " << ValidateJobSpec(spec);
+  }
+  for (int priority : {kMinPriority - 1, kMaxPriority + 1, 1 << 30}) {
+    v1::JobSpec spec = ValidSpec();
+    spec.set_priority(priority);
+    ApplyJobSpecDefaults(&spec);
+    const absl::Status s = ValidateJobSpec(spec);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << priority;
+    EXPECT_TRUE(absl::StrContains(s.message(), "priority")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "-1000 to 1000")) << s;
+  }
+  v1::JobSpec program;
+  program.mutable_program()->add_argv("/usr/bin/python3");
+  program.mutable_program()->add_argv("train.py");
+  program.set_priority(5000);
+  ApplyJobSpecDefaults(&program);
+  EXPECT_TRUE(absl::StrContains(ValidateJobSpec(program).message(), "priority"))
+      << ValidateJobSpec(program);
 }
 
 TEST(JobSpecTest, MicroBatchOfWholeMicroShardsPasses) {
