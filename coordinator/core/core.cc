@@ -203,8 +203,13 @@ void Core::ObserveTime(absl::Time now) {
   for (const auto& [seq, id] : active_) credit_job(jobs_.at(id));
   for (const auto& [priority, seq, id] : pending_) credit_job(jobs_.at(id));
   pending_deadlines_.clear();
+  aging_deadlines_.clear();
   for (const auto& [priority, seq, id] : pending_) {
     JobRecord& job = jobs_.at(id);
+    if (job.next_aging != absl::InfiniteFuture()) {  // nobody waited while nobody could serve
+      job.next_aging += credit;
+      aging_deadlines_.emplace(job.next_aging, id);
+    }
     if (job.pending_deadline == absl::InfiniteFuture()) continue;
     job.pending_deadline =
         job.pending_since + absl::Milliseconds(job.job.spec().rendezvous_timeout_ms());

@@ -355,16 +355,18 @@ class Core {
   const JobRecord* QueueHead() const;
   // Ages the queued jobs whose next aging is due (priority_aging).
   void AgeQueue(absl::Time now);
-  // Preemption for the queued `job`, which lacks `needed` workers: takes them from running
-  // jobs of a lower declared priority, each shrunk toward its min_workers at a step boundary
-  // (an elastic re-formation: nothing lost), lowest priority first, then the newest. The
-  // workers taken are kept for `job` until it starts. Only when enough can be taken; else
-  // nothing changes and `why` (if given) says what shrinking could free.
-  bool PreemptFor(JobRecord& job, size_t needed, absl::Time now, Decisions* out,
-                  std::string* why);
+  // Preemption for the queued `job`, which has only `idle` (fitting, one rank per GPU) of its
+  // min_workers: takes the rest from running jobs of a lower declared priority that have
+  // completed a step in their current generation, each shrunk toward its min_workers (an
+  // elastic re-formation: nothing lost), lowest priority first, then the newest. The idle
+  // workers and those taken are kept for `job` until it starts (the victims' re-formations
+  // cannot take them). Only when enough can be taken, GPU sharing counted; else nothing
+  // changes and `why` says what shrinking could free.
+  bool PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, absl::Time now,
+                  Decisions* out, std::string* why);
   // Members of `victim` that `job` could take (device, memory, programs; not excluded), from
   // the highest rank down.
-  std::vector<std::string> TakeableMembers(const JobRecord& victim, const JobRecord& job) const;
+  std::vector<RankCandidate> TakeableMembers(const JobRecord& victim, const JobRecord& job) const;
   // The job as a reader sees it: a queued job that is not the head says what it waits for
   // (computed here, so the head's changing reason costs nothing per queued job).
   v1::Job View(const JobRecord& job) const;
@@ -492,9 +494,6 @@ class Core {
   std::set<QueueKey> pending_;             // PENDING: the queue, in the order jobs start
   // Queued jobs by when their priority ages next (JobRecord::next_aging).
   std::set<std::pair<absl::Time, std::string>> aging_deadlines_;
-  // The declared priorities of the queued jobs (a running job does not grow onto idle
-  // workers while a job of a higher priority waits).
-  std::multiset<int32_t> pending_priorities_;
   std::set<JobKey> active_;                // RUNNING or RECONFIGURING
   // PENDING jobs with a rendezvous_timeout, by when it expires (JobRecord::pending_deadline).
   std::set<std::pair<absl::Time, std::string>> pending_deadlines_;

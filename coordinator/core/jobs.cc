@@ -195,9 +195,7 @@ void Core::SetState(JobRecord& job, v1::JobState state) {
     pending_deadlines_.erase({job.pending_deadline, job.job.job_id()});
     job.pending_deadline = absl::InfiniteFuture();
   }
-  if (job.job.state() == v1::JOB_STATE_PENDING && pending_.erase(QueueKeyOf(job)) > 0) {
-    pending_priorities_.erase(pending_priorities_.find(job.job.spec().priority()));
-  }
+  if (job.job.state() == v1::JOB_STATE_PENDING) pending_.erase(QueueKeyOf(job));
   if (job.next_aging != absl::InfiniteFuture()) {
     aging_deadlines_.erase({job.next_aging, job.job.job_id()});
     job.next_aging = absl::InfiniteFuture();
@@ -205,13 +203,12 @@ void Core::SetState(JobRecord& job, v1::JobState state) {
   active_.erase(key);
   job.job.set_state(state);
   if (state == v1::JOB_STATE_PENDING) {
-    // Queued at its declared priority; it ages from the time it has waited (a restored job
-    // keeps what it waited before).
+    // Queued at its declared priority; it ages from its submission (a job restored by a
+    // restarted coordinator catches up on what it waited before at the next tick).
     job.queue_priority = job.job.spec().priority();
     pending_.insert(QueueKeyOf(job));
-    pending_priorities_.insert(job.job.spec().priority());
     if (options_.priority_aging > absl::ZeroDuration() && job.queue_priority < kMaxPriority) {
-      job.next_aging = job.pending_since + options_.priority_aging;
+      job.next_aging = job.submitted + options_.priority_aging;
       aging_deadlines_.emplace(job.next_aging, job.job.job_id());
     }
     if (job.job.spec().rendezvous_timeout_ms() > 0) {

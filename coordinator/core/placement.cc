@@ -95,9 +95,8 @@ void Core::Schedule(absl::Time now, Decisions* out) {
     std::vector<RankCandidate> idle = OneRankPerGpu({}, fitting, job.memory_needed, &left_out);
     std::string preemption;
     if (static_cast<int64_t>(idle.size()) < spec.min_workers() &&
-        PreemptFor(job, static_cast<size_t>(spec.min_workers()) - idle.size(), now, out,
-                   &preemption)) {
-      continue;  // the workers taken are kept for it: the next pass starts it
+        PreemptFor(job, idle, now, out, &preemption)) {
+      continue;  // the workers are kept for it: the next pass starts it
     }
     if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
       const size_t all_idle = IdleWorkers(spec.device()).size();
@@ -123,15 +122,17 @@ void Core::Schedule(absl::Time now, Decisions* out) {
   }
   // 3. Spares: a running job below max_workers grows onto idle workers, once its current
   // generation has completed a step (so every re-formation is followed by progress), and
-  // never once it has trained its last step (there is nothing left to share), nor while a job
-  // of a higher priority waits (the workers are its; a job shrunk for one grows back after).
-  const int32_t waiting_priority = pending_priorities_.empty()
-                                       ? std::numeric_limits<int32_t>::min()
-                                       : *pending_priorities_.rbegin();
+  // never once it has trained its last step (there is nothing left to share), nor while the
+  // job at the head of the queue has a higher priority and could use idle workers (they are
+  // its to gather; a job shrunk for it grows back after it).
+  const JobRecord* head = QueueHead();
+  const bool head_gathers =
+      head != nullptr &&
+      !IdleWorkers(head->job.spec().device(), head->memory_needed, head).empty();
   for (const auto& [seq, id] : active) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() != v1::JOB_STATE_RUNNING || !job.first_report_of_generation_seen ||
-        job.job.spec().priority() < waiting_priority ||
+        (head_gathers && job.job.spec().priority() < head->job.spec().priority()) ||
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers() || job.finishing ||
         AnyMemberAtLastStep(job)) {
       continue;
@@ -309,91 +310,115 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
            now, out);
 }
 
-std::vector<std::string> Core::TakeableMembers(const JobRecord& victim,
-                                               const JobRecord& job) const {
-  std::vector<std::string> takeable;
+std::vector<RankCandidate> Core::TakeableMembers(const JobRecord& victim,
+                                                 const JobRecord& job) const {
+  std::vector<RankCandidate> takeable;
   const v1::JobSpec& spec = job.job.spec();
   for (auto m = victim.members.rbegin(); m != victim.members.rend(); ++m) {
     auto it = workers_.find(m->worker_id);
     if (it == workers_.end()) continue;
-    const Worker* w = &it->second;
-    if (w->state != WorkerState::kBusy || w->job_id != victim.job.job_id()) continue;
+    const Worker& w = it->second;
+    if (w.state != WorkerState::kBusy || w.job_id != victim.job.job_id()) continue;
     PlacementView view;  // as it will be once the victim lets it go
     view.idle = true;
-    view.excluded = Excluded(job, w->id, w->info.name());
-    view.benched = job.benched.count(w->id) > 0;
-    view.device = DeviceKind(w->info.device());
-    view.free_memory = w->info.free_memory_bytes();
-    view.runs_programs = RunsPrograms(*w);
+    view.excluded = Excluded(job, w.id, w.info.name());
+    view.benched = job.benched.count(w.id) > 0;
+    view.device = DeviceKind(w.info.device());
+    view.free_memory = w.info.free_memory_bytes();
+    view.runs_programs = RunsPrograms(w);
     if (MayTakeRank(view, job.job.job_id(), spec.device(), job.memory_needed,
                     spec.has_program())) {
-      takeable.push_back(w->id);
+      takeable.push_back(Candidate(w));
     }
   }
   return takeable;
 }
 
-bool Core::PreemptFor(JobRecord& job, size_t needed, absl::Time now, Decisions* out,
-                      std::string* why) {
-  const int32_t priority = job.job.spec().priority();
-  // Running jobs of a lower declared priority, lowest first, then the newest first (it has
-  // the least to lose); never one re-forming, finishing or at its last step.
+bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, absl::Time now,
+                      Decisions* out, std::string* why) {
+  const v1::JobSpec& spec = job.job.spec();
+  const int32_t priority = spec.priority();
+  // Running jobs of a lower declared priority at a step boundary (their current generation has
+  // completed a step), lowest first, then the newest first (it has the least to lose); never
+  // one re-forming, finishing or at its last step.
   struct Victim {
     JobRecord* job;
-    std::vector<std::string> take;
+    std::vector<RankCandidate> takeable;
   };
   std::vector<Victim> victims;
   for (const auto& [seq, id] : active_) {
     JobRecord& v = jobs_.at(id);
     if (v.job.state() != v1::JOB_STATE_RUNNING || v.job.spec().priority() >= priority ||
-        v.finishing || AnyMemberAtLastStep(v)) {
+        !v.first_report_of_generation_seen || v.finishing || AnyMemberAtLastStep(v)) {
       continue;
     }
     const int64_t spare = static_cast<int64_t>(v.members.size()) - v.job.spec().min_workers();
     if (spare <= 0) continue;
-    std::vector<std::string> take = TakeableMembers(v, job);
-    if (static_cast<int64_t>(take.size()) > spare) take.resize(static_cast<size_t>(spare));
-    if (!take.empty()) victims.push_back({&v, std::move(take)});
+    std::vector<RankCandidate> takeable = TakeableMembers(v, job);
+    if (static_cast<int64_t>(takeable.size()) > spare) takeable.resize(static_cast<size_t>(spare));
+    if (!takeable.empty()) victims.push_back({&v, std::move(takeable)});
   }
+  if (victims.empty()) return false;
   std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
     const int32_t pa = a.job->job.spec().priority(), pb = b.job->job.spec().priority();
     return pa != pb ? pa < pb : a.job->submit_seq > b.job->submit_seq;
   });
-  size_t could = 0;
-  for (const Victim& v : victims) could += v.take.size();
-  if (could < needed) {
-    if (why != nullptr) {
-      *why = could == 0 ? ""
-                        : absl::StrCat("; shrinking lower-priority jobs to their min_workers "
-                                       "would free only ", could);
+  // What the job could have, in that order, with one rank per GPU as it will start.
+  std::vector<RankCandidate> pool = idle;
+  for (const Victim& v : victims) pool.insert(pool.end(), v.takeable.begin(), v.takeable.end());
+  const std::vector<RankCandidate> usable = OneRankPerGpu({}, pool, job.memory_needed);
+  if (static_cast<int64_t>(usable.size()) < spec.min_workers()) {
+    const size_t could = usable.size() - std::min(usable.size(), idle.size());
+    if (could > 0) {
+      *why = absl::StrCat("; shrinking lower-priority jobs to their min_workers would free only ",
+                          could);
     }
     return false;
   }
+  // The workers it starts with: every idle one it can use (up to max_workers), and from the
+  // victims what min_workers still lacks.
+  absl::flat_hash_set<std::string> chosen;
+  size_t from_victims = static_cast<size_t>(spec.min_workers()) - std::min<size_t>(
+                                                                       idle.size(), spec.min_workers());
+  for (const RankCandidate& c : usable) {
+    const bool was_idle = std::any_of(idle.begin(), idle.end(), [&](const RankCandidate& i) {
+      return i.worker_id == c.worker_id;
+    });
+    if (was_idle ? chosen.size() < static_cast<size_t>(spec.max_workers()) : from_victims > 0) {
+      chosen.insert(c.worker_id);
+      if (!was_idle) --from_victims;
+    }
+  }
+  for (const RankCandidate& c : idle) {
+    if (chosen.count(c.worker_id) == 0) continue;
+    Worker& w = workers_.at(c.worker_id);
+    w.reserved_for = job.job.job_id();
+    job.reserved.insert(w.id);
+  }
   const std::string by = absl::StrCat(job.job.job_id(), " (priority ", priority, ")");
   for (Victim& v : victims) {
-    if (needed == 0) break;
-    if (v.take.size() > needed) v.take.resize(needed);
-    needed -= v.take.size();
     JobRecord& victim = *v.job;
     std::vector<std::string> names;
-    for (const std::string& id : v.take) {
-      Worker& w = workers_.at(id);
+    for (const RankCandidate& c : v.takeable) {
+      if (chosen.count(c.worker_id) == 0) continue;
+      Worker& w = workers_.at(c.worker_id);
       names.push_back(w.info.name());
-      PushAbort(victim, id, absl::StrCat("preempted by ", by), out);
-      EraseMember(victim, id);
+      PushAbort(victim, w.id, absl::StrCat("preempted by ", by), out);
+      EraseMember(victim, w.id);
       w.state = WorkerState::kIdle;
       w.job_id.clear();
       w.generation = 0;
       w.reserved_for = job.job.job_id();
-      job.reserved.insert(id);
+      job.reserved.insert(w.id);
     }
+    if (names.empty()) continue;
     const std::string taken = absl::StrJoin(names, ", ");
     AddEvent(job, v1::JobEvent::MEMBERSHIP,
              absl::StrCat("took ", taken, " from ", victim.job.job_id(), " (priority ",
                           victim.job.spec().priority(), "), shrunk toward its min_workers"),
              now, out);
-    // The rest re-form at once; it grows back onto idle workers when no job of a higher
-    // priority waits.
+    // The rest re-form at once (the workers kept for `job` are not theirs to take); the job
+    // grows back onto idle workers when no job of a higher priority can use them.
     BeginReconfiguration(victim, absl::StrCat("preempted by ", by, ": ", taken, " taken"),
                          /*scale_up=*/false, /*coordinator_caused=*/false, /*counted=*/false,
                          now, now, out);

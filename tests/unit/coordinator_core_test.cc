@@ -2848,11 +2848,34 @@ TEST_F(SchedulingTest, RunningJobsDoNotGrowOntoWorkersAHigherPriorityJobWaitsFor
   Tick();
   EXPECT_EQ(Job(high).state(), v1::JOB_STATE_PENDING) << Job(high).reason();
   EXPECT_EQ(Members(low).size(), 2u) << "low grew onto workers high waits for";
-  // With a fifth, low's spare rank completes high's four.
+  // With a fifth, low's spare rank completes high's four: one shrink, the idle three kept for
+  // high meanwhile (low's re-formation does not take them).
   Register("w4");
   Tick();
   EXPECT_EQ(Job(high).state(), v1::JOB_STATE_RUNNING) << Job(high).reason();
-  EXPECT_EQ(Members(low).size(), 1u);
+  EXPECT_EQ(Members(high).size(), 4u);
+  const v1::Job l = Job(low);
+  EXPECT_EQ(l.members_size(), 1);
+  ASSERT_EQ(l.recovery_history_size(), 1) << l.DebugString();
+  EXPECT_EQ(l.generation(), 2);
+}
+
+TEST_F(SchedulingTest, AJobIsShrunkOnlyAtAStepBoundary) {
+  for (int i = 0; i < 4; ++i) Register(absl::StrCat("w", i));
+  const std::string low = Submit(PrioritySpec(1, 4, 0));
+  Step(low, 1);
+  // A member lost: low re-forms on three at once, and has not completed a step in it yet.
+  Decisions lost;
+  core_.WorkerDisconnected(FindId("w3"), "stream closed", now_, &lost);
+  Collect(lost);
+  ASSERT_EQ(Job(low).state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(Members(low).size(), 3u);
+  const std::string high = Submit(PrioritySpec(1, 1, 10));
+  EXPECT_EQ(Job(high).state(), v1::JOB_STATE_PENDING) << "shrunk before a step of its generation";
+  Step(low, 2);
+  Tick();
+  EXPECT_EQ(Job(high).state(), v1::JOB_STATE_RUNNING) << Job(high).reason();
+  EXPECT_EQ(Members(low).size(), 2u);
 }
 
 class AgingTest : public SchedulingTest {
