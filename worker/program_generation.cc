@@ -403,7 +403,8 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
     const absl::Time fetch_start = absl::Now();
     absl::StatusOr<HeldCheckpoint> fetched =
         FetchCheckpoint(memory, fetch.holder_address(), fetch.holder_worker(),
-                        assignment_.checkpoint_secret(), job, fetch.source_worker(), step,
+                        assignment_.checkpoint_secret(), job,
+                        fetch.holders_own() ? "" : fetch.source_worker(), step,
                         &abort_->flag());
     if (!fetched.ok()) {
       // The group restarts (the coordinator re-forms it); the copy is never half-used.

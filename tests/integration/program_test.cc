@@ -1336,6 +1336,39 @@ TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
   }
 }
 
+// A worker that joins a running program job (a scale-up; the same as a job growing back after
+// a preemption) has nothing of its own: it takes a member's own save of the newest step from
+// that member's memory, so the grown group goes on from there with no step redone.
+TEST_F(ProgramTest, AWorkerThatJoinsARunningProgramJobTakesAMembersSave) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/ckpt.py", kCheckpointScript);
+  ASSERT_TRUE(cluster->StartWorker("w0", PeerCopyFlags(*cluster, p, "w0", "h0")).ok())
+      << cluster->Logs();
+  v1::JobSpec spec = CheckpointJob(p, "grow", 20, "after-save:8");
+  spec.set_min_workers(1);
+  auto job = cluster->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(WaitForFile(p.out + "/grow-held-0", kJobWait)) << cluster->Logs();
+  ASSERT_TRUE(cluster->StartWorker("w1", PeerCopyFlags(*cluster, p, "w1", "h1")).ok())
+      << cluster->Logs();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(done->members_size(), 2);
+  ASSERT_EQ(done->recovery_history_size(), 1) << done->DebugString();
+  const v1::Recovery& r = done->recovery_history(0);
+  EXPECT_TRUE(r.scale_up());
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(Restored(p, "grow", r.to_generation(), rank), "8") << "rank " << rank;
+  }
+  EXPECT_EQ(r.resumed_from_step(), 8) << r.DebugString();
+  EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
+  EXPECT_TRUE(absl::StrContains(r.restore_detail(), "w1 took w0's from w0")) << r.DebugString();
+  EXPECT_TRUE(absl::StartsWith(ReadFile(p.out + "/grow-final"), "20 "));
+}
+
 // A save that cannot fit in the worker's --checkpoint_memory_bytes fails in the script with
 // the numbers (a MemoryError it may catch); here uncaught, with exit code 1 made fatal.
 TEST_F(ProgramTest, ASaveBeyondTheWorkersCheckpointMemoryFailsNamingTheNumbers) {

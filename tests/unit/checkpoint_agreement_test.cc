@@ -1,6 +1,7 @@
 // Which checkpoint a program job's new generation restores (worker/program/checkpoint_agreement.h):
 // the newest step every member can obtain, from its own memory, else a copy of its own saves
-// a peer keeps, else (a spare) a departed worker's copy, each taken once.
+// a peer keeps, else (a spare) a departed worker's copy, each taken once, else the disk, else
+// (a member with nothing of its own) a replica's own save.
 #include "worker/program/checkpoint_agreement.h"
 
 #include <initializer_list>
@@ -79,19 +80,29 @@ TEST(ChooseCheckpointTest, ASpareTakesADepartedWorkersCopyOnlyOnce) {
   EXPECT_EQ(c.step(), 8);
   ASSERT_EQ(c.fetches_size(), 2);
   EXPECT_NE(c.fetches(0).source_worker(), c.fetches(1).source_worker());
-  // A third spare has no copy left: no step for all.
+  EXPECT_FALSE(c.fetches(0).holders_own());
+  EXPECT_FALSE(c.fetches(1).holders_own());
+  // A third spare has no departed worker's copy left: it takes a replica's own save.
   std::vector<v1::CheckpointHoldings> more = members;
   more.push_back(Member("s3", {}));
-  const v1::CheckpointChoice none = ChooseCheckpoint(more);
-  EXPECT_FALSE(none.found());
-  EXPECT_TRUE(absl::StrContains(none.detail(), "s3")) << none.detail();
+  const v1::CheckpointChoice third = ChooseCheckpoint(more);
+  ASSERT_TRUE(third.found());
+  EXPECT_EQ(third.step(), 8);
+  ASSERT_EQ(third.fetches_size(), 3);
+  EXPECT_EQ(third.fetches(2).rank(), 4);
+  EXPECT_TRUE(third.fetches(2).holders_own());
+  EXPECT_EQ(third.fetches(2).holder_worker(), "w0");
 }
 
 TEST(ChooseCheckpointTest, AMembersCopyIsNotTakenByASpareAndACopyIsNotFetchedFromItself) {
-  // w1 is a member and holds its own step 4: its copy at w0 is not a spare's to take.
+  // w1 is a member and holds its own step 4: its copy at w0 is not a spare's to take; the
+  // spare takes w0's own save instead.
   const v1::CheckpointChoice c = ChooseCheckpoint(
       {Member("w0", {4}, {{"w1", {4}}}), Member("w1", {4}), Member("s", {})});
-  EXPECT_FALSE(c.found()) << c.ShortDebugString();
+  ASSERT_TRUE(c.found()) << c.ShortDebugString();
+  ASSERT_EQ(c.fetches_size(), 1);
+  EXPECT_TRUE(c.fetches(0).holders_own());
+  EXPECT_EQ(c.fetches(0).source_worker(), "w0");
   // A copy kept by the member itself (a worker that holds copies of its own name) is no source.
   const v1::CheckpointChoice self = ChooseCheckpoint({Member("w0", {3}), Member("w1", {}, {{"w1", {3}}})});
   EXPECT_FALSE(self.found());
@@ -100,10 +111,20 @@ TEST(ChooseCheckpointTest, AMembersCopyIsNotTakenByASpareAndACopyIsNotFetchedFro
 TEST(ChooseCheckpointTest, RefusedCopiesAreNamedInTheDetail) {
   v1::CheckpointHoldings w0 = Member("w0", {8});
   w0.add_refused("the copy of w1's step 8 does not match its checksum");
+  // Without w1's copy the spare takes w0's own save; the refused copy is still named.
   const v1::CheckpointChoice c = ChooseCheckpoint({w0, Member("spare", {})});
-  EXPECT_FALSE(c.found());
-  EXPECT_TRUE(absl::StrContains(c.detail(), "spare (rank 1) holds no save of step 8"))
-      << c.detail();
+  ASSERT_TRUE(c.found());
+  EXPECT_TRUE(absl::StrContains(c.detail(), "spare took w0's from w0")) << c.detail();
+  // Nobody to take it from: the reason names who lacks what.
+  v1::CheckpointHoldings alone = Member("w0", {});
+  alone.add_refused("the copy of w1's step 8 does not match its checksum");
+  alone.add_disk_steps(8);
+  const v1::CheckpointChoice none = ChooseCheckpoint({alone, Member("spare", {})});
+  EXPECT_FALSE(none.found());
+  EXPECT_TRUE(absl::StrContains(none.detail(), "spare (rank 1) holds no save of step 8"))
+      << none.detail();
+  EXPECT_TRUE(absl::StrContains(none.detail(), "w0: the copy of w1's step 8 does not match"))
+      << none.detail();
   EXPECT_TRUE(absl::StrContains(c.detail(), "w0: the copy of w1's step 8 does not match"))
       << c.detail();
 }
@@ -144,6 +165,40 @@ TEST(ChooseCheckpointTest, AHolderWithoutAnAddressCannotServe) {
   v1::CheckpointHoldings w0 = Member("w0", {6}, {{"w1", {6}}});
   w0.clear_peer_address();
   EXPECT_FALSE(ChooseCheckpoint({w0, Member("w1", {})}).found());
+}
+
+TEST(ChooseCheckpointTest, AWorkerThatJoinedTakesAReplicasOwnSave) {
+  // w2 joined a running job (a scale-up, or the job growing back after a preemption): nothing
+  // of its own anywhere. The others hold 7 and 8 in memory; it takes rank 0's save of 8.
+  const v1::CheckpointChoice c = ChooseCheckpoint(
+      {Member("w0", {8, 7}, {{"w1", {7}}}), Member("w1", {8, 7}, {{"w0", {8}}}), Member("w2", {})});
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 8);
+  ASSERT_EQ(c.fetches_size(), 1);
+  EXPECT_EQ(c.fetches(0).rank(), 2);
+  EXPECT_TRUE(c.fetches(0).holders_own());
+  EXPECT_EQ(c.fetches(0).holder_worker(), "w0");
+  EXPECT_EQ(c.fetches(0).source_worker(), "w0");
+  EXPECT_EQ(c.restored_from(), "memory and peers' copies");
+  EXPECT_TRUE(absl::StrContains(c.detail(), "w2 took w0's from w0")) << c.detail();
+}
+
+TEST(ChooseCheckpointTest, OnlyAMemberWithNothingOfItsOwnTakesAReplicasSave) {
+  // w1 holds its own older saves (and its disk has none of 9): it is not a newcomer, so the
+  // group restores 8, which both hold, rather than give w1 w0's state of 9.
+  const v1::CheckpointChoice c =
+      ChooseCheckpoint({Member("w0", {9, 8}), Member("w1", {8, 7})});
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 8);
+  EXPECT_TRUE(c.fetches().empty());
+  // A restarted worker whose saves a peer keeps takes its own copy, not a replica's save.
+  const v1::CheckpointChoice again =
+      ChooseCheckpoint({Member("w0", {9, 8}, {{"w1", {8}}}), Member("w1", {})});
+  ASSERT_TRUE(again.found());
+  EXPECT_EQ(again.step(), 8);
+  ASSERT_EQ(again.fetches_size(), 1);
+  EXPECT_FALSE(again.fetches(0).holders_own());
+  EXPECT_EQ(again.fetches(0).source_worker(), "w1");
 }
 
 }  // namespace

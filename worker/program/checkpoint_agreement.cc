@@ -24,6 +24,16 @@ struct Source {
   v1::CheckpointFetchPlan fetch;  // a copy, or the disk (fetch.from_disk)
 };
 
+// Whether any member keeps a copy of `worker`'s saves (of any step).
+bool KeptAnywhere(const std::vector<v1::CheckpointHoldings>& by_rank, const std::string& worker) {
+  for (const v1::CheckpointHoldings& h : by_rank) {
+    for (const v1::ReplicaHolding& copy : h.replicas()) {
+      if (copy.source_worker() == worker && !copy.steps().empty()) return true;
+    }
+  }
+  return false;
+}
+
 Source Find(const std::vector<v1::CheckpointHoldings>& by_rank, int rank, int64_t step,
             const absl::flat_hash_set<std::string>& members, std::set<std::string>* claimed) {
   Source source;
@@ -52,11 +62,28 @@ Source Find(const std::vector<v1::CheckpointHoldings>& by_rank, int rank, int64_
       }
     }
   }
-  // The slowest source last: the job's checkpoint_dir.
+  // The slowest source of its own: the job's checkpoint_dir.
   if (!source.found && Has(me.disk_steps(), step)) {
     source.found = true;
     source.fetch.set_rank(rank);
     source.fetch.set_from_disk(true);
+  }
+  // A member with nothing of its own anywhere (it joined: a scale-up, a job growing back after
+  // a preemption) takes another member's own save of the step: data-parallel replicas hold the
+  // same model and optimizer state.
+  if (!source.found && me.own_steps().empty() && me.disk_steps().empty() &&
+      !KeptAnywhere(by_rank, me.worker())) {
+    for (int holder = 0; holder < static_cast<int>(by_rank.size()); ++holder) {
+      const v1::CheckpointHoldings& h = by_rank[holder];
+      if (holder == rank || h.peer_address().empty() || !Has(h.own_steps(), step)) continue;
+      source.found = true;
+      source.fetch.set_rank(rank);
+      source.fetch.set_holder_address(h.peer_address());
+      source.fetch.set_holder_worker(h.worker());
+      source.fetch.set_source_worker(h.worker());
+      source.fetch.set_holders_own(true);
+      break;
+    }
   }
   return source;
 }

@@ -254,9 +254,10 @@ absl::StatusOr<HeldCheckpoint> FetchCheckpoint(CheckpointMemory* memory, const s
                                                const std::string& source_worker, int64_t step,
                                                const std::atomic<bool>* abort) {
   const auto named = [&](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat("fetching ", source_worker, "'s checkpoint of step ",
-                                               step, " from ", holder, " (", address,
-                                               "): ", s.message()));
+    return absl::Status(s.code(), absl::StrCat("fetching ",
+                                               source_worker.empty() ? holder : source_worker,
+                                               "'s checkpoint of step ", step, " from ", holder,
+                                               " (", address, "): ", s.message()));
   };
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kCheckpointMessageLimit);

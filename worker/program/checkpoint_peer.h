@@ -104,7 +104,8 @@ class CheckpointReplicator {
 
 // Fetches `source_worker`'s save of `step` from the worker at `address` into this worker's own
 // slots for the job (the program restores it from there). DATA_LOSS when the copy does not
-// match its checksum; the holder's errors otherwise, each naming the holder. Once `abort` (if
+// match its checksum; the holder's errors otherwise, each naming the holder. `source_worker`
+// empty: the holder's own save (CheckpointFetchPlan.holders_own). Once `abort` (if
 // given) is set, CANCELLED at the next chunk. Nothing is committed unless all of it arrived.
 absl::StatusOr<HeldCheckpoint> FetchCheckpoint(CheckpointMemory* memory, const std::string& address,
                                                const std::string& holder, const std::string& secret,
