@@ -352,6 +352,7 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
       for (int64_t s : steps) mine.add_disk_steps(s);
     }
     if (peer_registration_ != nullptr) mine.set_peer_address(context_.checkpoint_peers->address());
+    mine.set_joined(assignment_.joined());
   }
   LOCKSTEP_RETURN_IF_ERROR(
       store_->Set(absl::StrCat(kHeldKeyPrefix, assignment_.rank()), mine.SerializeAsString()));

@@ -231,6 +231,15 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     return next[static_cast<size_t>(local_rank[rank]) % next.size()];
   };
   const bool copies = job.job.spec().has_program() && worker_ids.size() > 1;
+  // Program jobs: who was a member of the previous generation (by id; by name when that one
+  // was a previous coordinator's). The others joined (Assignment.joined).
+  absl::flat_hash_set<std::string> previous;
+  const bool has_previous = job.job.spec().has_program() && job.job.generations_size() > 0;
+  if (has_previous) {
+    const v1::Generation& last = *job.job.generations().rbegin();
+    const auto& ids = job.timeline_ids_stale ? last.members() : last.member_ids();
+    previous.insert(ids.begin(), ids.end());
+  }
   for (size_t rank = 0; rank < worker_ids.size(); ++rank) {
     Worker& w = workers_.at(worker_ids[rank]);
     w.state = WorkerState::kBusy;
@@ -248,6 +257,9 @@ void Core::StartGeneration(JobRecord& job, std::vector<std::string> worker_ids, 
     mine->set_host_count(static_cast<int32_t>(hosts.size()));
     if (!uuid.empty()) {
       for (const std::string& gpu : host.gpus) mine->add_local_device_uuids(gpu);
+    }
+    if (has_previous) {
+      mine->set_joined(previous.count(job.timeline_ids_stale ? w.info.name() : w.id) == 0);
     }
     if (copies) {
       const v1::RegisterRequest& peer = workers_.at(worker_ids[checkpoint_peer(rank)]).info;

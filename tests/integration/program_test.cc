@@ -827,6 +827,7 @@ tag, steps = sys.argv[1], int(sys.argv[2])
 gen, rank = os.environ["LOCKSTEP_GENERATION"], int(os.environ["RANK"])
 hold = os.environ.get("HOLD", "") if gen == "1" else ""
 nonblocking = os.environ.get("NONBLOCKING") == "1"
+step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
 def write(name, text):
     path = os.path.join(out, "%s-%s" % (tag, name))
     with open(path + ".tmp", "w") as f:
@@ -852,6 +853,7 @@ for step in range((start or 0) + 1, steps + 1):
         os.environ["LOCKSTEP_TEST_HOLD_SAVE_FILE"] = os.path.join(out, "%s-held-%d" % (tag, rank))
     handle = ckpt.save(step, model, opt, extra={"step": step}, blocking=not nonblocking)
     lt.report(step, loss=loss.item())
+    time.sleep(step_sleep)
     if hold == "after-save:%d" % step:
         if handle is not None:
             handle.wait()
@@ -1051,8 +1053,8 @@ std::vector<std::string> CommittedCopies(const std::string& dir, int64_t step,
 // A worker daemon killed with its memory (kill -9: its saves go with it). Its checkpoint peer
 // kept a copy of each of its saves, so no step is lost: restarted under its name, the worker
 // fetches its own copy back; replaced by a spare, the spare takes the departed worker's copy.
-// Copies corrupted at their holder are refused by their checksums: the group restores the
-// newest step on disk (program.persist_every_saves) and status says why. Every run ends with the digest of
+// Copies (and the holder's own saves) corrupted at their holder are refused by their checksums:
+// the group restores the newest step on disk (program.persist_every_saves) and status says why. Every run ends with the digest of
 // an undisturbed run. The two workers are on two hosts: each keeps the other's copies.
 TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorruptOneIsRefused) {
   auto cluster = StartCluster();
@@ -1153,7 +1155,7 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
         << cluster->Logs();
   }
   {
-    SCOPED_TRACE("the survivor's copies are corrupted: refused, and the disk's newest step used");
+    SCOPED_TRACE("the survivor's memory is corrupted: refused, and the disk's newest step used");
     // Every copy (steps 8 and 7, say): with only the newest corrupted, the group restores the
     // other. Three workers are up now: the group may re-form on the idle one at once, so the
     // copies are corrupted before the kill. The job writes one save in 5 to disk.
@@ -1167,8 +1169,13 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
         [&](const std::string& survivor, const std::string&) {
           on_disk = WaitForDiskSaves(persist, job_id, 2);
           ASSERT_GT(on_disk, 0) << "no save on disk" << cluster->Logs();
-          const std::vector<std::string> copies = CommittedCopies(memory_dir(survivor), -1);
+          // The survivor's own saves too: else the restarted victim, having joined, would take
+          // the survivor's save of step 8 (a replica's state) and the disk would not be needed.
+          std::vector<std::string> copies = CommittedCopies(memory_dir(survivor), -1);
           ASSERT_FALSE(copies.empty());
+          for (const std::string& own : CommittedCopies(memory_dir(survivor), -1, ".slot")) {
+            copies.push_back(own);
+          }
           for (const std::string& copy : copies) {
             std::fstream f(copy, std::ios::in | std::ios::out | std::ios::binary);
             f.seekp(4096 + 100);
@@ -1186,8 +1193,7 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
           << "rank " << rank;
     }
     EXPECT_GE(on_disk, 5);
-    // The survivor itself holds its saves of steps 7 and 8 in memory.
-    EXPECT_EQ(r.restored_from(), on_disk >= 7 ? "memory and disk" : "disk") << r.DebugString();
+    EXPECT_EQ(r.restored_from(), "disk") << r.DebugString();
     EXPECT_EQ(r.resumed_from_step(), on_disk) << r.DebugString();
     EXPECT_EQ(r.steps_redone(), 8 - on_disk) << r.DebugString();
     EXPECT_TRUE(absl::StrContains(r.restore_detail(), "checksum")) << r.DebugString();
@@ -1209,7 +1215,8 @@ TEST_F(ProgramTest, AKilledWorkerDaemonsSavesComeBackFromItsPeersCopyAndACorrupt
 
 // Copies and fetches cut by a kill (test hooks hold the sender with the save's data sent, the
 // stream not ended): a cut copy is never committed at its peer, so a worker that lost its
-// memory starts over rather than restore it; a fetch cut by its holder's death commits nothing,
+// memory takes the survivor's own save (it joined) rather than restore it; a fetch cut by its
+// holder's death commits nothing,
 // the group re-forms and restores the newest step on disk. Both runs end with the digest of an undisturbed run.
 TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
   auto cluster = StartCluster();
@@ -1242,7 +1249,8 @@ TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
     return done;
   };
   for (const char* name : {"w0", "w1"}) {
-    ASSERT_NO_FATAL_FAILURE(start(name, "checkpoint_copy_midway,checkpoint_fetch_midway"));
+    // The fetch hook holds only the second part's fetch (of step 9).
+    ASSERT_NO_FATAL_FAILURE(start(name, "checkpoint_copy_midway,checkpoint_fetch_midway@9"));
   }
   {
     SCOPED_TRACE("a worker daemon killed inside its copy to the peer");
@@ -1262,23 +1270,25 @@ TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
     cluster->ReleaseHook(survivor, "checkpoint_copy_midway");
     EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, survivor), -1).empty())
         << "the survivor committed a copy that was cut";
-    ASSERT_NO_FATAL_FAILURE(start(victim, "checkpoint_fetch_midway"));
+    ASSERT_NO_FATAL_FAILURE(start(victim, "checkpoint_fetch_midway@9"));
     auto done = wait_end(job->job_id());
     ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
     ASSERT_GE(done->recovery_history_size(), 1) << done->DebugString();
     const v1::Recovery& r = done->recovery_history(0);
-    // The victim holds nothing, no copy of its saves was committed: a fresh start.
+    // The restarted victim holds nothing and no copy of its saves was committed: having
+    // joined, it takes the survivor's own save of step 8 (never the cut copy).
     for (int rank = 0; rank < 2; ++rank) {
-      EXPECT_EQ(Restored(p, "cut", r.to_generation(), rank), "None") << "rank " << rank;
+      EXPECT_EQ(Restored(p, "cut", r.to_generation(), rank), "8") << "rank " << rank;
     }
-    EXPECT_TRUE(absl::StrContains(r.restore_detail(), "no step every member can obtain"))
+    EXPECT_TRUE(absl::StrContains(r.restore_detail(), victim + " took " + survivor + "'s from " +
+                                                          survivor))
         << r.DebugString();
     EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, survivor), 8).empty());
   }
   {
     SCOPED_TRACE("the holder killed while a restarted worker fetches its copy from it");
     const std::string persist = absl::StrCat(cluster->dir(), "/persist");
-    v1::JobSpec spec = CheckpointJob(p, "fetch", 20, "after-save:8");
+    v1::JobSpec spec = CheckpointJob(p, "fetch", 20, "after-save:9");
     spec.set_max_restarts(5);
     spec.set_checkpoint_dir(persist);
     spec.mutable_program()->set_persist_every_saves(5);
@@ -1289,13 +1299,13 @@ TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
     const int64_t on_disk = WaitForDiskSaves(persist, job->job_id(), 2);
     ASSERT_GE(on_disk, 5) << cluster->Logs();
     const absl::Time until = absl::Now() + kJobWait;
-    while (CommittedCopies(MemoryDir(*cluster, survivor), 8).empty() && absl::Now() < until) {
+    while (CommittedCopies(MemoryDir(*cluster, survivor), 9).empty() && absl::Now() < until) {
       absl::SleepFor(absl::Milliseconds(20));
     }
-    ASSERT_FALSE(CommittedCopies(MemoryDir(*cluster, survivor), 8).empty()) << cluster->Logs();
+    ASSERT_FALSE(CommittedCopies(MemoryDir(*cluster, survivor), 9).empty()) << cluster->Logs();
     cluster->worker(victim)->Signal(SIGKILL);
     ASSERT_TRUE(cluster->worker(victim)->Wait(absl::Seconds(30)).ok());
-    // Restarted with empty memory: it fetches its step 8 from the survivor, which holds with
+    // Restarted with empty memory: it fetches its step 9 from the survivor, which holds with
     // the data sent. Killed there: the fetch ends without its end of stream.
     ASSERT_NO_FATAL_FAILURE(start(victim, ""));
     ASSERT_TRUE(cluster->WaitForHook(survivor, "checkpoint_fetch_midway", kJobWait).ok())
@@ -1303,7 +1313,7 @@ TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
     cluster->worker(survivor)->Signal(SIGKILL);
     ASSERT_TRUE(cluster->worker(survivor)->Wait(absl::Seconds(30)).ok());
     // The victim's fetch fails; the part it received is not committed in its slots.
-    const std::string failed = absl::StrCat("fetching ", victim, "'s checkpoint of step 8 from ",
+    const std::string failed = absl::StrCat("fetching ", victim, "'s checkpoint of step 9 from ",
                                             survivor);
     const absl::Time fetch_until = absl::Now() + kJobWait;
     while (!absl::StrContains(ReadFile(absl::StrCat(cluster->dir(), "/", victim, ".log")), failed) &&
@@ -1313,20 +1323,21 @@ TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
     EXPECT_TRUE(absl::StrContains(ReadFile(absl::StrCat(cluster->dir(), "/", victim, ".log")),
                                   failed))
         << cluster->Logs();
-    EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, victim), 8, ".slot").empty())
+    EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, victim), 9, ".slot").empty())
         << "a cut fetch was committed";
     ASSERT_NO_FATAL_FAILURE(start(survivor, ""));
     auto done = wait_end(job->job_id());
     ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
     ASSERT_GE(done->recovery_history_size(), 1) << done->DebugString();
     // Both memories are gone (the survivor's with its daemon; the fetch committed nothing):
-    // the newest step on disk, everywhere.
+    // the newest step on disk, everywhere (a member may find that step in a copy its peer
+    // kept of an older save, the rest reads the disk).
     const v1::Recovery& r = done->recovery_history(done->recovery_history_size() - 1);
     for (int rank = 0; rank < 2; ++rank) {
       EXPECT_EQ(Restored(p, "fetch", r.to_generation(), rank), absl::StrCat(on_disk))
           << "rank " << rank << " " << done->DebugString();
     }
-    EXPECT_EQ(r.restored_from(), "disk") << r.DebugString();
+    EXPECT_TRUE(absl::StrContains(r.restored_from(), "disk")) << r.DebugString();
     EXPECT_EQ(r.resumed_from_step(), on_disk) << r.DebugString();
   }
   std::string digest;
@@ -1367,6 +1378,55 @@ TEST_F(ProgramTest, AWorkerThatJoinsARunningProgramJobTakesAMembersSave) {
   EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
   EXPECT_TRUE(absl::StrContains(r.restore_detail(), "w1 took w0's from w0")) << r.DebugString();
   EXPECT_TRUE(absl::StartsWith(ReadFile(p.out + "/grow-final"), "20 "));
+}
+
+// Preemption of a program job (docs/scheduling.md): an urgent job of priority 10 takes one of
+// its two workers; the script's processes stop, and it goes on on the other from the newest
+// step in memory; when the urgent job ends it grows back, the joiner taking a member's save.
+TEST_F(ProgramTest, AProgramJobShrunkForAnUrgentJobGoesOnFromMemoryAndGrowsBack) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/ckpt.py", kCheckpointScript);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, PeerCopyFlags(*cluster, p, name, name)).ok())
+        << cluster->Logs();
+  }
+  v1::JobSpec low = CheckpointJob(p, "low", 40, "after-save:8");
+  low.set_min_workers(1);
+  (*low.mutable_program()->mutable_env())["STEP_SLEEP"] = "0.1";
+  auto job = cluster->Submit(low);
+  ASSERT_TRUE(job.ok()) << job.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(WaitForFile(absl::StrCat(p.out, "/low-held-", rank), kJobWait)) << cluster->Logs();
+  }
+  v1::JobSpec urgent_spec = testing::SyntheticJob(1, 1, 300);
+  urgent_spec.set_priority(10);
+  auto urgent = cluster->Submit(urgent_spec);
+  ASSERT_TRUE(urgent.ok()) << urgent.status();
+  auto urgent_done = cluster->WaitForEnd(urgent->job_id(), kJobWait);
+  ASSERT_TRUE(urgent_done.ok()) << urgent_done.status();
+  EXPECT_EQ(urgent_done->state(), v1::JOB_STATE_SUCCEEDED) << urgent_done->reason();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_TRUE(absl::StartsWith(ReadFile(p.out + "/low-final"), "40 "));
+  EXPECT_EQ(done->recoveries(), 0) << "preemption and growth are not failures";
+  ASSERT_GE(done->recovery_history_size(), 2) << done->DebugString();
+  const v1::Recovery& shrunk = done->recovery_history(0);
+  EXPECT_TRUE(absl::StrContains(shrunk.reason(), "preempted by " + urgent->job_id()))
+      << shrunk.reason();
+  // Both ranks held after their saves of step 8: nothing redone.
+  EXPECT_EQ(Restored(p, "low", shrunk.to_generation(), 0), "8");
+  EXPECT_EQ(shrunk.steps_redone(), 0) << shrunk.DebugString();
+  // The worker back from the urgent job joined: its own saves are of step 8, from before it
+  // left; it takes the other member's save of the newest step instead, nothing redone.
+  const v1::Recovery& grew = done->recovery_history(1);
+  EXPECT_TRUE(grew.scale_up()) << grew.DebugString();
+  EXPECT_EQ(grew.steps_redone(), 0) << grew.DebugString();
+  EXPECT_EQ(grew.resumed_from_step(), grew.step_at_detection()) << grew.DebugString();
+  EXPECT_TRUE(absl::StrContains(grew.restore_detail(), "took")) << grew.DebugString();
+  EXPECT_EQ(done->members_size(), 2);
 }
 
 // A save that cannot fit in the worker's --checkpoint_memory_bytes fails in the script with

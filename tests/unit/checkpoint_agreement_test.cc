@@ -183,6 +183,23 @@ TEST(ChooseCheckpointTest, AWorkerThatJoinedTakesAReplicasOwnSave) {
   EXPECT_TRUE(absl::StrContains(c.detail(), "w2 took w0's from w0")) << c.detail();
 }
 
+TEST(ChooseCheckpointTest, AWorkerThatJoinedBackTakesAReplicasSaveOverItsOldOnes) {
+  // w1 was taken by a preemption at step 8 and comes back while w0 is at 30: its own saves
+  // (7, 8) are of the time before it left. As a member that joined it takes w0's 30.
+  v1::CheckpointHoldings back = Member("w1", {8, 7});
+  back.set_joined(true);
+  const v1::CheckpointChoice c = ChooseCheckpoint({Member("w0", {30, 29}), back});
+  ASSERT_TRUE(c.found());
+  EXPECT_EQ(c.step(), 30);
+  ASSERT_EQ(c.fetches_size(), 1);
+  EXPECT_TRUE(c.fetches(0).holders_own());
+  EXPECT_EQ(c.fetches(0).rank(), 1);
+  // Not joined (it stayed, and its newer saves were lost): no step the two hold in common
+  // but their own history's; here none, and nothing is taken from w0.
+  const v1::CheckpointChoice stayed = ChooseCheckpoint({Member("w0", {30, 29}), Member("w1", {8, 7})});
+  EXPECT_FALSE(stayed.found());
+}
+
 TEST(ChooseCheckpointTest, OnlyAMemberWithNothingOfItsOwnTakesAReplicasSave) {
   // w1 holds its own older saves (and its disk has none of 9): it is not a newcomer, so the
   // group restores 8, which both hold, rather than give w1 w0's state of 9.

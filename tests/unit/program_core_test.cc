@@ -195,6 +195,20 @@ TEST_F(ProgramCoreTest, OnOneHostTheNextRankKeepsTheCopiesAndAlonePeerless) {
       << "a job of one member keeps no copy";
 }
 
+TEST_F(ProgramCoreTest, AMemberThatJoinedIsToldSoTheOthersAreNot) {
+  const std::string w0 = Register("w0", "h1");
+  const std::string job = Submit(ProgramSpec(1, 2));
+  ASSERT_EQ(assignments_.size(), 1u);
+  EXPECT_FALSE(assignments_.at(w0).joined()) << "the first generation has nobody before it";
+  ASSERT_TRUE(Report(w0, job, 1, 1, true).ok());
+  assignments_.clear();
+  const std::string w1 = Register("w1", "h2");
+  Tick(absl::Seconds(1));
+  ASSERT_EQ(assignments_.size(), 2u) << "a scale-up";
+  EXPECT_FALSE(assignments_.at(w0).joined());
+  EXPECT_TRUE(assignments_.at(w1).joined());
+}
+
 TEST_F(ProgramCoreTest, AFailedProcessRestartsTheGroupAndAFatalCodeFailsTheJob) {
   const std::string w0 = Register("w0", "h1");
   const std::string w1 = Register("w1", "h1");

@@ -68,11 +68,13 @@ Source Find(const std::vector<v1::CheckpointHoldings>& by_rank, int rank, int64_
     source.fetch.set_rank(rank);
     source.fetch.set_from_disk(true);
   }
-  // A member with nothing of its own anywhere (it joined: a scale-up, a job growing back after
-  // a preemption) takes another member's own save of the step: data-parallel replicas hold the
-  // same model and optimizer state.
-  if (!source.found && me.own_steps().empty() && me.disk_steps().empty() &&
-      !KeptAnywhere(by_rank, me.worker())) {
+  // A member that joined (a scale-up, a job growing back after a preemption; its own saves, if
+  // any, are of the time before it left), or that has nothing of its own anywhere, takes
+  // another member's own save of the step: data-parallel replicas hold the same model and
+  // optimizer state. A member that stayed keeps to its own saves' history.
+  if (!source.found &&
+      (me.joined() || (me.own_steps().empty() && me.disk_steps().empty() &&
+                       !KeptAnywhere(by_rank, me.worker())))) {
     for (int holder = 0; holder < static_cast<int>(by_rank.size()); ++holder) {
       const v1::CheckpointHoldings& h = by_rank[holder];
       if (holder == rank || h.peer_address().empty() || !Has(h.own_steps(), step)) continue;

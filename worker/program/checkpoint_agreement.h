@@ -14,9 +14,9 @@ namespace lockstep::worker {
 // copy of its own worker's saves kept by another member (a worker that restarted and lost its
 // memory); else, a member whose worker's saves nobody keeps (a spare), from a copy of a worker
 // that is no longer a member (the one it replaces), each such copy taken by one spare; else
-// from the job's checkpoint_dir; else, a member with nothing of its own anywhere (it joined a
-// running job), from another member's own save of the step (holders_own: replicas of a
-// data-parallel job hold the same state). Copies are fetched only from a member that has a
+// from the job's checkpoint_dir; else, a member that joined this generation (joined) or has
+// nothing of its own anywhere, from another member's own save of the step (holders_own:
+// replicas of a data-parallel job hold the same state). Copies are fetched only from a member that has a
 // peer address.
 v1::CheckpointChoice ChooseCheckpoint(const std::vector<v1::CheckpointHoldings>& by_rank);
 
