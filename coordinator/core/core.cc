@@ -255,6 +255,15 @@ void Core::Tick(absl::Time now, Decisions* out) {
     JobRecord& job = jobs_.at(id);
     if (IsTerminal(job.job.state())) continue;
     const v1::JobSpec& spec = job.job.spec();
+    if (spec.max_wall_time_ms() > 0 && job.started != absl::InfinitePast() &&
+        now - job.started > absl::Milliseconds(spec.max_wall_time_ms()) && !job.finishing &&
+        !AtLastStep(job)) {
+      FinishJob(job, v1::JOB_STATE_FAILED,
+                absl::StrCat("ran for ", Seconds1(now - job.started), ", past its max_wall_time_ms ",
+                             spec.max_wall_time_ms(), " (at step ", job.job.step(), ")"),
+                now, out);
+      continue;
+    }
     if (job.job.state() == v1::JOB_STATE_RUNNING) {
       const absl::Duration step_timeout = absl::Milliseconds(spec.step_timeout_ms());
       // After the last step no step is left to complete: the evaluation, the sample and the

@@ -457,6 +457,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     return Invalid("priority", absl::StrCat("must be from ", kMinPriority, " to ", kMaxPriority,
                                             ", got ", spec.priority()));
   }
+  if (spec.max_wall_time_ms() < 0) {
+    return Invalid("max_wall_time_ms",
+                   absl::StrCat("must be >= 0 (0: no limit), got ", spec.max_wall_time_ms()));
+  }
   if (spec.has_program()) return ValidateProgramJob(spec);
   LOCKSTEP_RETURN_IF_ERROR(CheckBounds(spec));
   LOCKSTEP_RETURN_IF_ERROR(ValidateDevice(spec));

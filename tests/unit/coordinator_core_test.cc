@@ -2878,6 +2878,29 @@ TEST_F(SchedulingTest, AJobIsShrunkOnlyAtAStepBoundary) {
   EXPECT_EQ(Members(low).size(), 2u);
 }
 
+TEST_F(SchedulingTest, AJobPastItsMaxWallTimeFailsNamingTheLimitAndFreesItsWorkers) {
+  const std::string w0 = Register("w0");
+  v1::JobSpec spec = PrioritySpec(1, 1, 0);
+  spec.set_max_wall_time_ms(60'000);
+  spec.set_step_timeout_ms(600'000);
+  const std::string job = Submit(spec);
+  const std::string next = Submit(PrioritySpec(1, 1, 0));
+  Step(job, 1);
+  for (int i = 0; i < 59; ++i) {
+    now_ += absl::Seconds(1);
+    Heartbeats({w0});
+    Tick();
+  }
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  now_ += absl::Seconds(2);
+  Heartbeats({w0});
+  Tick();
+  const v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StrContains(j.reason(), "max_wall_time_ms 60000")) << j.reason();
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING) << "its worker went to the next job";
+}
+
 class AgingTest : public SchedulingTest {
  protected:
   AgingTest() : SchedulingTest(AgingOptions()) {}

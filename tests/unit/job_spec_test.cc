@@ -55,6 +55,11 @@ TEST(JobSpecTest, PriorityIsWithinItsRangeForBuiltInAndProgramJobs) {
     EXPECT_TRUE(absl::StrContains(s.message(), "priority")) << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "-1000 to 1000")) << s;
   }
+  v1::JobSpec late = ValidSpec();
+  late.set_max_wall_time_ms(-1);
+  ApplyJobSpecDefaults(&late);
+  EXPECT_TRUE(absl::StrContains(ValidateJobSpec(late).message(), "max_wall_time_ms"))
+      << ValidateJobSpec(late);
   v1::JobSpec program;
   program.mutable_program()->add_argv("/usr/bin/python3");
   program.mutable_program()->add_argv("train.py");
