@@ -2,6 +2,7 @@
 // scheduling, and the start of a generation.
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -126,16 +127,20 @@ void Core::Schedule(absl::Time now, Decisions* out) {
   // job at the head of the queue has a higher priority and could use idle workers (they are
   // its to gather; a job shrunk for it grows back after it).
   const JobRecord* head = QueueHead();
-  const bool head_gathers =
-      head != nullptr &&
-      !IdleWorkers(head->job.spec().device(), head->memory_needed, head).empty();
+  std::optional<bool> head_gathers;  // looked up once, only when a lower job would grow
   for (const auto& [seq, id] : active) {
     JobRecord& job = jobs_.at(id);
     if (job.job.state() != v1::JOB_STATE_RUNNING || !job.first_report_of_generation_seen ||
-        (head_gathers && job.job.spec().priority() < head->job.spec().priority()) ||
         static_cast<int>(job.members.size()) >= job.job.spec().max_workers() || job.finishing ||
         AnyMemberAtLastStep(job)) {
       continue;
+    }
+    if (head != nullptr && job.job.spec().priority() < head->job.spec().priority()) {
+      if (!head_gathers.has_value()) {
+        head_gathers =
+            !IdleWorkers(head->job.spec().device(), head->memory_needed, head).empty();
+      }
+      if (*head_gathers) continue;
     }
     std::vector<RankCandidate> idle =
         OneRankPerGpu(MemberCandidates(job), IdleWorkers(job.job.spec().device(),
@@ -390,12 +395,12 @@ bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, ab
   // The workers it starts with: every idle one it can use (up to max_workers), and from the
   // victims what min_workers still lacks.
   absl::flat_hash_set<std::string> chosen;
+  absl::flat_hash_set<std::string_view> idle_ids;
+  for (const RankCandidate& c : idle) idle_ids.insert(c.worker_id);
   size_t from_victims = static_cast<size_t>(spec.min_workers()) - std::min<size_t>(
                                                                        idle.size(), spec.min_workers());
   for (const RankCandidate& c : usable) {
-    const bool was_idle = std::any_of(idle.begin(), idle.end(), [&](const RankCandidate& i) {
-      return i.worker_id == c.worker_id;
-    });
+    const bool was_idle = idle_ids.count(c.worker_id) > 0;
     if (was_idle ? chosen.size() < static_cast<size_t>(spec.max_workers()) : from_victims > 0) {
       chosen.insert(c.worker_id);
       if (!was_idle) --from_victims;
