@@ -103,9 +103,15 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
     }
   }
   if (actions.drop_kept_state && kept_ != nullptr) dropped->push_back(std::move(kept_));
+  if (actions.drop_parked_state && parked_ != nullptr) dropped->push_back(std::move(parked_));
+  if (actions.park_kept_state) parked_ = std::move(kept_);
   if (actions.keep_state_of.has_value()) {
     auto it = runs_.find(*actions.keep_state_of);
     if (it != runs_.end()) kept_ = std::move(it->second->state);
+  }
+  if (actions.park_state_of.has_value()) {
+    auto it = runs_.find(*actions.park_state_of);
+    if (it != runs_.end()) parked_ = std::move(it->second->state);
   }
   for (LifecycleActions::Start& start : actions.start) {
     auto run = std::make_unique<RunHandle>();
@@ -113,6 +119,7 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
     run->assignment = std::move(start.assignment);
     std::unique_ptr<Trainer> state;
     if (start.with_kept_state) state = std::move(kept_);
+    if (start.with_parked_state) state = std::move(parked_);
     const v1::Assignment& a = run->assignment;
     LOG(INFO) << "assigned " << a.job_id() << " generation " << a.generation() << " rank "
               << a.rank() << "/" << a.world_size() << " ("
@@ -258,6 +265,10 @@ absl::Status Agent::RunSession(bool* registered) {
       reg->mutable_held()->set_job_id(lifecycle_.kept()->job_id);
       reg->mutable_held()->set_step(kept_->completed_step());
     }
+    if (parked_ != nullptr && lifecycle_.parked().has_value()) {
+      reg->mutable_parked()->set_job_id(lifecycle_.parked()->job_id);
+      reg->mutable_parked()->set_step(parked_->completed_step());
+    }
   }
 
   absl::Status result;
@@ -307,7 +318,8 @@ absl::Status Agent::RunSession(bool* registered) {
           const v1::Abort a = std::move(*message.mutable_assignment()->mutable_abort_previous());
           message.mutable_assignment()->clear_abort_previous();
           Decide([&](WorkerLifecycle& l, absl::Time now) {
-            return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now);
+            return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now,
+                             a.suspended());
           });
           if (a.job_ended()) ForgetProgramJob(a.job_id());
         }
@@ -318,7 +330,8 @@ absl::Status Agent::RunSession(bool* registered) {
       case v1::CoordinatorMessage::kAbort: {
         const v1::Abort& a = message.abort();
         Decide([&](WorkerLifecycle& l, absl::Time now) {
-          return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now);
+          return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now,
+                           a.suspended());
         });
         if (a.job_ended()) ForgetProgramJob(a.job_id());
         break;

@@ -152,6 +152,9 @@ class Agent {
   std::map<RunId, std::unique_ptr<RunHandle>> runs_ ABSL_GUARDED_BY(mu_);
   // The state kept between runs of one job (lifecycle_.kept() says whose).
   std::unique_ptr<Trainer> kept_ ABSL_GUARDED_BY(mu_);
+  // A suspended job's state, set aside while other jobs run (lifecycle_.parked() says whose).
+  // On a GPU worker it stays in the GPU's memory.
+  std::unique_ptr<Trainer> parked_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> ended_ ABSL_GUARDED_BY(mu_);  // threads of ended runs, to join
 };
 

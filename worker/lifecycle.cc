@@ -22,6 +22,22 @@ bool WorkerLifecycle::JobEnded(const std::string& job_id) const {
   return std::find(ended_jobs_.begin(), ended_jobs_.end(), job_id) != ended_jobs_.end();
 }
 
+bool WorkerLifecycle::Suspended(const std::string& job_id) const {
+  return std::find(suspended_jobs_.begin(), suspended_jobs_.end(), job_id) !=
+         suspended_jobs_.end();
+}
+
+void WorkerLifecycle::Park(const JobKey& key, LifecycleActions* out) {
+  if (parked_.has_value()) {
+    out->log.push_back(absl::StrCat("dropping the state parked for ", parked_->job_id, ": ",
+                                    key.job_id, "'s takes its place"));
+    out->drop_parked_state = true;
+  }
+  parked_ = key;
+  out->log.push_back(absl::StrCat("parking the state of ", key.job_id,
+                                  " (suspended) while other jobs run"));
+}
+
 void WorkerLifecycle::AbortRun(RunId id, Run& run, const std::string& reason,
                                LifecycleActions* out, bool job_ended) {
   if (run.phase == Phase::kRunning || (run.phase == Phase::kStopping && job_ended)) {
@@ -72,16 +88,29 @@ LifecycleActions WorkerLifecycle::OnAssignment(const v1::Assignment& a, absl::Ti
   run.assignment = a;
   run.key = JobKey::Of(a.job_id(), a.spec());
   run.assigned = now;
+  // Rule 7: a suspended job assigned again is resumed.
+  suspended_jobs_.erase(std::remove(suspended_jobs_.begin(), suspended_jobs_.end(), a.job_id()),
+                        suspended_jobs_.end());
   // Rule 1: this assignment supersedes everything else.
   AbortOthers(id, absl::StrCat("superseded by ", a.job_id(), " generation ", a.generation()),
               &out);
   // Rule 3: state of another job (or of this id with another spec) is never used.
-  if (kept_.has_value() && *kept_ != run.key) {
+  if (kept_.has_value() && *kept_ != run.key && Suspended(kept_->job_id)) {
+    Park(*kept_, &out);  // rule 7
+    kept_.reset();
+    out.park_kept_state = true;
+  } else if (kept_.has_value() && *kept_ != run.key) {
     out.log.push_back(absl::StrCat("dropping the state kept for ", kept_->job_id, ": ",
                                    kept_->job_id == a.job_id() ? "the job's spec differs"
                                                                : "another job was assigned"));
     kept_.reset();
     out.drop_kept_state = true;
+  }
+  if (parked_.has_value() && parked_->job_id == a.job_id() && *parked_ != run.key) {
+    out.log.push_back(absl::StrCat("dropping the state parked for ", a.job_id(),
+                                   ": the job's spec differs"));
+    parked_.reset();
+    out.drop_parked_state = true;
   }
   runs_.emplace(id, std::move(run));
   StartReady(now, &out);
@@ -114,14 +143,18 @@ void WorkerLifecycle::StartReady(absl::Time now, LifecycleActions* out) {
     run.phase = Phase::kRunning;
     const bool with_state = kept_.has_value() && *kept_ == run.key && !same_job_active;
     if (with_state) kept_.reset();
-    out->start.push_back({id, run.assignment, with_state});
+    const bool with_parked =
+        !with_state && parked_.has_value() && *parked_ == run.key && !same_job_active;
+    if (with_parked) parked_.reset();
+    out->start.push_back({id, run.assignment, with_state, with_parked});
   }
 }
 
 LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t generation,
                                           const std::string& reason, bool job_ended,
-                                          absl::Time now) {
+                                          absl::Time now, bool suspended) {
   LifecycleActions out;
+  if (suspended && !job_ended) Remember(suspended_jobs_, job_id);
   for (auto it = runs_.begin(); it != runs_.end();) {
     const v1::Assignment& a = it->second.assignment;
     if (a.job_id() != job_id || (a.generation() != generation && !job_ended)) {
@@ -143,6 +176,12 @@ LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t gen
       kept_.reset();
       out.drop_kept_state = true;
     }
+    if (parked_.has_value() && parked_->job_id == job_id) {
+      parked_.reset();
+      out.drop_parked_state = true;
+    }
+    suspended_jobs_.erase(std::remove(suspended_jobs_.begin(), suspended_jobs_.end(), job_id),
+                          suspended_jobs_.end());
   }
   StartReady(now, &out);
   return out;
@@ -192,6 +231,7 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
 
   // Rule 4: where the run's state goes.
   std::string drop_why;
+  bool park = false;
   if (!result.holds_state) {
     drop_why = "";
   } else if (result.kind == RunResult::kFatal) {
@@ -206,11 +246,15 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
       // was assigned after this one.
       if (other.key != run.key && other.phase != Phase::kStopping) {
         drop_why = absl::StrCat(other.assignment.job_id(), " was assigned since");
+        park = Suspended(a.job_id());  // rule 7
         break;
       }
     }
   }
-  if (result.holds_state && drop_why.empty()) {
+  if (result.holds_state && park) {
+    Park(run.key, &out);
+    out.park_state_of = id;
+  } else if (result.holds_state && drop_why.empty()) {
     if (kept_.has_value()) out.drop_kept_state = true;
     kept_ = run.key;
     out.keep_state_of = id;

@@ -26,6 +26,12 @@
 //  6. The session ending aborts every run; their state is kept as rule 4 says. A new session
 //     is a new registration: the coordinator (perhaps restarted, perhaps from older saved
 //     state) may assign a generation number again, so the stale-assignment memory is cleared.
+//  7. A suspended job's state is parked, not dropped: once the coordinator has aborted a job
+//     saying it is suspended (Abort.suspended), its state, kept or handed on when its run
+//     ends, is set aside when another job is assigned (where rules 3 and 4 would drop it), and
+//     stays while the worker serves other jobs. One parked state at a time: a newer one
+//     replaces it. The job's next assignment starts with it (it is no longer suspended); its
+//     end drops it.
 #pragma once
 
 #include <cstdint>
@@ -64,7 +70,8 @@ struct LifecycleActions {
   struct Start {
     RunId run = 0;
     v1::Assignment assignment;
-    bool with_kept_state = false;  // the run takes the kept state
+    bool with_kept_state = false;    // the run takes the kept state
+    bool with_parked_state = false;  // the run takes the parked state (rule 7)
   };
   struct Abort {
     RunId run = 0;
@@ -72,9 +79,13 @@ struct LifecycleActions {
     bool job_ended = false;  // the job is over: the run may stop loading its data too
   };
   std::vector<Abort> abort;
-  // Applied in this order: drop the kept state, keep the ended run's state, start runs.
+  // Applied in this order: drop the kept state, drop the parked state, park the kept state,
+  // keep or park the ended run's state, start runs.
   bool drop_kept_state = false;
+  bool drop_parked_state = false;
+  bool park_kept_state = false;        // the kept state becomes the parked one (rule 7)
   std::optional<RunId> keep_state_of;  // the run that just ended (its state becomes the kept one)
+  std::optional<RunId> park_state_of;  // the run that just ended (its state becomes the parked one)
   std::vector<Start> start;
   std::vector<v1::WorkerMessage> send;  // failure and heal reports
   std::vector<std::string> log;         // decisions worth a log line (ignored assignments, ...)
@@ -87,9 +98,10 @@ class WorkerLifecycle {
       : handover_timeout_(handover_timeout) {}
 
   LifecycleActions OnAssignment(const v1::Assignment& assignment, absl::Time now);
-  // The coordinator aborted (job, generation); `job_ended`: the job is over, its state can go.
+  // The coordinator aborted (job, generation); `job_ended`: the job is over, its state can go;
+  // `suspended`: the job is suspended, its state is parked when another job comes (rule 7).
   LifecycleActions OnAbort(const std::string& job_id, int64_t generation, const std::string& reason,
-                           bool job_ended, absl::Time now);
+                           bool job_ended, absl::Time now, bool suspended = false);
   LifecycleActions OnSessionEnded(const std::string& reason, absl::Time now);
   // The run's group agreed on its state (report: its resumed report, without job and generation).
   LifecycleActions OnHealed(RunId run, const v1::ResumedReport& report, absl::Time now);
@@ -100,6 +112,7 @@ class WorkerLifecycle {
   // Introspection for the agent's status and for tests.
   size_t active_runs() const { return runs_.size(); }
   std::optional<JobKey> kept() const { return kept_; }
+  std::optional<JobKey> parked() const { return parked_; }
 
  private:
   enum class Phase {
@@ -125,16 +138,21 @@ class WorkerLifecycle {
   // Starts waiting runs that may start now (nobody else active, or timed out).
   void StartReady(absl::Time now, LifecycleActions* out);
   bool JobEnded(const std::string& job_id) const;
+  bool Suspended(const std::string& job_id) const;
+  // Rule 7: `key`'s state becomes the parked one (a parked state of another job is dropped).
+  void Park(const JobKey& key, LifecycleActions* out);
 
   const absl::Duration handover_timeout_;
   RunId next_run_ = 1;
   std::map<RunId, Run> runs_;
   std::optional<JobKey> kept_;
+  std::optional<JobKey> parked_;
   // Highest generation assigned per job, for the stale-assignment rule; and jobs that ended.
   // Both bounded: a worker serves one job at a time, so only recent jobs matter.
   std::map<std::string, int64_t> newest_generation_;
   std::deque<std::string> recent_jobs_;
   std::deque<std::string> ended_jobs_;
+  std::deque<std::string> suspended_jobs_;  // aborted as suspended, not assigned since
 };
 
 }  // namespace lockstep::worker

@@ -162,13 +162,15 @@ absl::StatusOr<std::pair<int32_t, std::string>> Core::GenerationMember(
 }
 
 v1::CoordinatorMessage Core::AbortMessage(const std::string& job_id, int64_t generation,
-                                          const std::string& reason, bool job_ended) {
+                                          const std::string& reason, bool job_ended,
+                                          bool suspended) {
   v1::CoordinatorMessage message;
   v1::Abort* abort = message.mutable_abort();
   abort->set_job_id(job_id);
   abort->set_generation(generation);
   abort->set_reason(reason);
   abort->set_job_ended(job_ended);
+  abort->set_suspended(suspended);
   return message;
 }
 

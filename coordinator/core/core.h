@@ -185,6 +185,15 @@ class Core {
                                     bool schedule = true);
   // NOT_FOUND, or FAILED_PRECONDITION when the job already finished.
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, absl::Time now, Decisions* out);
+  // A user suspends a pending, running or re-forming job (suspension.cc): its members stop and
+  // keep its state in memory while they serve other jobs; it waits for ResumeJob. NOT_FOUND;
+  // FAILED_PRECONDITION when it has ended, is already suspended by a user, or has trained its
+  // last step (it is finishing).
+  absl::StatusOr<v1::Job> SuspendJob(const std::string& job_id, absl::Time now, Decisions* out);
+  // Queues a job a user suspended: it resumes from its members' memory when workers free up.
+  // NOT_FOUND; FAILED_PRECONDITION when it is not suspended, or was suspended for another job
+  // (it resumes by itself).
+  absl::StatusOr<v1::Job> ResumeJob(const std::string& job_id, absl::Time now, Decisions* out);
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id) const;
   // A page of jobs, newest first (see ListJobsRequest); INVALID_ARGUMENT for a negative page
   // size or a token this coordinator did not issue.
@@ -215,9 +224,11 @@ class Core {
                                                                    const std::string& worker_id) const;
 
   // The message that tells a worker to stop (job, generation), with the reason; `job_ended`
-  // lets it drop what it kept for the job.
+  // lets it drop what it kept for the job; `suspended` that it parks the job's state while it
+  // serves other jobs (worker lifecycle rule 7).
   static v1::CoordinatorMessage AbortMessage(const std::string& job_id, int64_t generation,
-                                             const std::string& reason, bool job_ended = false);
+                                             const std::string& reason, bool job_ended = false,
+                                             bool suspended = false);
 
   // The shell has saved a job that succeeded (Decisions::ends_to_record). Until then its final
   // members keep the trained state in memory and stay the job's (busy), so a coordinator lost
@@ -351,8 +362,34 @@ class Core {
   static QueueKey QueueKeyOf(const JobRecord& job) {
     return {-job.queue_priority, job.submit_seq, job.job.job_id()};
   }
+  // In the queue (pending_): a pending job, or one suspended for another job.
+  static bool Queued(const JobRecord& job) {
+    return job.job.state() == v1::JOB_STATE_PENDING ||
+           (job.job.state() == v1::JOB_STATE_SUSPENDED && !job.job.suspension().by_user());
+  }
   // The head of the queue, or nullptr.
   const JobRecord* QueueHead() const;
+  // Suspends a running or re-forming job (suspension.cc): its busy members are aborted as
+  // suspended (they park its state) and freed, and listed as its holders; it leaves nothing
+  // reserved. Queued unless `by_user`.
+  void Suspend(JobRecord& job, const std::string& reason, const std::string& by_job, bool by_user,
+               absl::Time now, Decisions* out);
+  // A suspended job at the queue's head: puts its holders first among `idle`; true (and `why`)
+  // when it must wait because its live holders are all busy (it resumes from one of them, not
+  // from nothing, unless none is alive any more).
+  bool WaitsForHolder(const JobRecord& job, std::vector<RankCandidate>& idle,
+                      std::string* why) const;
+  // Starts the suspended job's next generation on `worker_ids`, recorded as a recovery (its
+  // first step says what was redone), and stops counting the time suspended.
+  void Resume(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
+              Decisions* out);
+  // A registering worker's parked and kept states, for the suspended jobs' holder lists: a
+  // holder back without the job's state leaves the list; one with it joins. A parked state of
+  // an ended or unknown job is dropped (Abort.job_ended).
+  void NoteHolder(const Worker& worker, absl::Time now, Decisions* out);
+  // `name` no longer keeps the state of suspended jobs other than `except` (it parks one).
+  void ForgetHolder(const std::string& name, const std::string& except, absl::Time now,
+                    Decisions* out);
   // Ages the queued jobs whose next aging is due (priority_aging).
   void AgeQueue(absl::Time now);
   // Preemption for the queued `job`, which has only `idle` (fitting, one rank per GPU) of its
@@ -468,7 +505,7 @@ class Core {
   void CloseRecovery(JobRecord& job, absl::Time now, const std::string& note, Decisions* out);
   // Tells one member to stop the job's current generation.
   void PushAbort(const JobRecord& job, const std::string& worker_id, const std::string& reason,
-                 Decisions* out, bool job_ended = false);
+                 Decisions* out, bool job_ended = false, bool suspended = false);
   void MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time now, Decisions* out);
   void RefreshMembers(JobRecord& job);
   void AddEvent(JobRecord& job, v1::JobEvent::Kind kind, const std::string& message, absl::Time now,
@@ -497,6 +534,8 @@ class Core {
   std::set<JobKey> active_;                // RUNNING or RECONFIGURING
   // PENDING jobs with a rendezvous_timeout, by when it expires (JobRecord::pending_deadline).
   std::set<std::pair<absl::Time, std::string>> pending_deadlines_;
+  // SUSPENDED jobs, by id (for the holder lists at registration).
+  std::set<std::string> suspended_;
   // Name -> id of a restored job that awaits a member of that name (previous_names).
   std::map<std::string, std::string> awaited_names_;
 };

@@ -98,7 +98,9 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     record.submitted = absl::FromUnixMillis(record.job.submit_time_unix_ms());
     record.pending_since = now;  // the time the coordinator was down is not the job's wait
     if (record.job.start_time_unix_ms() > 0) {
-      record.started = absl::FromUnixMillis(record.job.start_time_unix_ms());
+      // Time suspended does not count against max_wall_time_ms.
+      record.started = absl::FromUnixMillis(record.job.start_time_unix_ms()) +
+                       absl::Milliseconds(record.job.suspended_ms());
     }
     record.submit_seq = seq_of(record.job);
     record.last_advance = now;
@@ -112,6 +114,12 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     if (job.job.state() == v1::JOB_STATE_PENDING) {
       SetState(job, v1::JOB_STATE_PENDING);
       AddEvent(job, v1::JobEvent::STATE, "coordinator restarted; queued again", now, out);
+      continue;
+    }
+    if (job.job.state() == v1::JOB_STATE_SUSPENDED) {
+      // Its holders tell whether they still keep its state when they register again.
+      SetState(job, v1::JOB_STATE_SUSPENDED);
+      AddEvent(job, v1::JobEvent::STATE, "coordinator restarted; still suspended", now, out);
       continue;
     }
     // Its members are unknown to this coordinator until they register again: the job waits a
@@ -195,7 +203,8 @@ void Core::SetState(JobRecord& job, v1::JobState state) {
     pending_deadlines_.erase({job.pending_deadline, job.job.job_id()});
     job.pending_deadline = absl::InfiniteFuture();
   }
-  if (job.job.state() == v1::JOB_STATE_PENDING) pending_.erase(QueueKeyOf(job));
+  if (Queued(job)) pending_.erase(QueueKeyOf(job));
+  if (job.job.state() == v1::JOB_STATE_SUSPENDED) suspended_.erase(job.job.job_id());
   if (job.next_aging != absl::InfiniteFuture()) {
     aging_deadlines_.erase({job.next_aging, job.job.job_id()});
     job.next_aging = absl::InfiniteFuture();
@@ -215,6 +224,13 @@ void Core::SetState(JobRecord& job, v1::JobState state) {
       job.pending_deadline =
           job.pending_since + absl::Milliseconds(job.job.spec().rendezvous_timeout_ms());
       pending_deadlines_.emplace(job.pending_deadline, job.job.job_id());
+    }
+  } else if (state == v1::JOB_STATE_SUSPENDED) {
+    // Queued at its declared priority (it does not age: it has run), unless a user holds it.
+    suspended_.insert(job.job.job_id());
+    if (Queued(job)) {
+      job.queue_priority = job.job.spec().priority();
+      pending_.insert(QueueKeyOf(job));
     }
   } else if (!IsTerminal(state)) {
     active_.insert(key);
@@ -314,6 +330,16 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
     }
     w->job_id.clear();
     w->generation = 0;
+  }
+  if (job.job.state() == v1::JOB_STATE_SUSPENDED) {
+    // Its holders may drop the state they keep for it.
+    for (const std::string& name : job.job.suspension().holders()) {
+      auto it = live_names_.find(name);
+      if (it == live_names_.end()) continue;
+      out->messages.push_back(
+          {it->second, AbortMessage(job.job.job_id(), 0, reason, /*job_ended=*/true)});
+    }
+    job.job.clear_suspension();
   }
   if (succeeded) {
     job.end_recorded = false;

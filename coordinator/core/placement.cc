@@ -94,6 +94,16 @@ void Core::Schedule(absl::Time now, Decisions* out) {
         IdleWorkers(spec.device(), job.memory_needed, &job);
     const size_t fitting_count = fitting.size();
     std::vector<RankCandidate> idle = OneRankPerGpu({}, fitting, job.memory_needed, &left_out);
+    const bool suspended = job.job.state() == v1::JOB_STATE_SUSPENDED;
+    std::string holder_wait;
+    if (suspended && WaitsForHolder(job, idle, &holder_wait)) {
+      const std::string reason = absl::StrCat(job.job.suspension().reason(), "; ", holder_wait);
+      if (reason != job.job.reason()) {
+        job.job.set_reason(reason);
+        out->changed_jobs.insert(job.job.job_id());
+      }
+      break;  // nothing may overtake the head job
+    }
     std::string preemption;
     if (static_cast<int64_t>(idle.size()) < spec.min_workers() &&
         PreemptFor(job, idle, now, out, &preemption)) {
@@ -112,6 +122,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
                         " free that each worker needs");
       }
       reason += SharedGpuNote(left_out.size()) + ")" + preemption;
+      if (suspended) reason = absl::StrCat(job.job.suspension().reason(), "; ", reason);
       if (reason != job.job.reason()) {
         job.job.set_reason(reason);
         out->changed_jobs.insert(job.job.job_id());
@@ -119,7 +130,11 @@ void Core::Schedule(absl::Time now, Decisions* out) {
       break;  // nothing may overtake the head job
     }
     idle.resize(std::min<size_t>(idle.size(), spec.max_workers()));
-    StartGeneration(job, AssignRanks({}, std::move(idle)), now, out);
+    if (suspended) {
+      Resume(job, AssignRanks({}, std::move(idle)), now, out);
+    } else {
+      StartGeneration(job, AssignRanks({}, std::move(idle)), now, out);
+    }
   }
   // 3. Spares: a running job below max_workers grows onto idle workers, once its current
   // generation has completed a step (so every re-formation is followed by progress), and
@@ -360,7 +375,9 @@ bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, ab
   // one re-forming, finishing or at its last step.
   struct Victim {
     JobRecord* job;
-    std::vector<RankCandidate> takeable;
+    std::vector<RankCandidate> all;       // every member `job` could use
+    std::vector<RankCandidate> takeable;  // those above its min_workers
+    bool suspend = false;                 // shrinking is not enough: it is suspended whole
   };
   std::vector<Victim> victims;
   for (const auto& [seq, id] : active_) {
@@ -369,26 +386,41 @@ bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, ab
         !v.first_report_of_generation_seen || v.finishing || AnyMemberAtLastStep(v)) {
       continue;
     }
-    const int64_t spare = static_cast<int64_t>(v.members.size()) - v.job.spec().min_workers();
-    if (spare <= 0) continue;
-    std::vector<RankCandidate> takeable = TakeableMembers(v, job);
-    if (static_cast<int64_t>(takeable.size()) > spare) takeable.resize(static_cast<size_t>(spare));
-    if (!takeable.empty()) victims.push_back({&v, std::move(takeable)});
+    std::vector<RankCandidate> all = TakeableMembers(v, job);
+    if (all.empty()) continue;
+    const int64_t spare = std::max<int64_t>(
+        0, static_cast<int64_t>(v.members.size()) - v.job.spec().min_workers());
+    std::vector<RankCandidate> takeable(
+        all.begin(), all.begin() + static_cast<ptrdiff_t>(std::min<size_t>(all.size(), spare)));
+    victims.push_back({&v, std::move(all), std::move(takeable)});
   }
   if (victims.empty()) return false;
   std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
     const int32_t pa = a.job->job.spec().priority(), pb = b.job->job.spec().priority();
     return pa != pb ? pa < pb : a.job->submit_seq > b.job->submit_seq;
   });
-  // What the job could have, in that order, with one rank per GPU as it will start.
-  std::vector<RankCandidate> pool = idle;
-  for (const Victim& v : victims) pool.insert(pool.end(), v.takeable.begin(), v.takeable.end());
-  const std::vector<RankCandidate> usable = OneRankPerGpu({}, pool, job.memory_needed);
+  // What the job could have, in that order, with one rank per GPU as it will start: first by
+  // shrinking every victim toward its min_workers; when that is not enough, by suspending
+  // victims whole as well, in the same order, until it is.
+  std::vector<RankCandidate> usable;
+  const auto plan = [&] {
+    std::vector<RankCandidate> pool = idle;
+    for (const Victim& v : victims) {
+      const std::vector<RankCandidate>& given = v.suspend ? v.all : v.takeable;
+      pool.insert(pool.end(), given.begin(), given.end());
+    }
+    usable = OneRankPerGpu({}, pool, job.memory_needed);
+  };
+  plan();
+  for (size_t i = 0; static_cast<int64_t>(usable.size()) < spec.min_workers() && i < victims.size();
+       ++i) {
+    victims[i].suspend = true;
+    plan();
+  }
   if (static_cast<int64_t>(usable.size()) < spec.min_workers()) {
     const size_t could = usable.size() - std::min(usable.size(), idle.size());
     if (could > 0) {
-      *why = absl::StrCat("; shrinking lower-priority jobs to their min_workers would free only ",
-                          could);
+      *why = absl::StrCat("; shrinking or suspending lower-priority jobs would free only ", could);
     }
     return false;
   }
@@ -416,6 +448,27 @@ bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, ab
   for (Victim& v : victims) {
     JobRecord& victim = *v.job;
     std::vector<std::string> names;
+    if (v.suspend) {
+      // Stopped whole: its members keep its state while they serve others; it resumes from
+      // them when workers free up (suspension.cc).
+      for (const RankCandidate& c : v.all) {
+        if (chosen.count(c.worker_id) > 0) names.push_back(workers_.at(c.worker_id).info.name());
+      }
+      if (names.empty()) continue;  // the others sufficed after all
+      Suspend(victim, absl::StrCat("preempted by ", by), job.job.job_id(), /*by_user=*/false, now,
+              out);
+      for (const RankCandidate& c : v.all) {
+        if (chosen.count(c.worker_id) == 0) continue;
+        Worker& w = workers_.at(c.worker_id);
+        w.reserved_for = job.job.job_id();
+        job.reserved.insert(w.id);
+      }
+      AddEvent(job, v1::JobEvent::MEMBERSHIP,
+               absl::StrCat("took ", absl::StrJoin(names, ", "), " from ", victim.job.job_id(), " (priority ",
+                            victim.job.spec().priority(), "), suspended"),
+               now, out);
+      continue;
+    }
     for (const RankCandidate& c : v.takeable) {
       if (chosen.count(c.worker_id) == 0) continue;
       Worker& w = workers_.at(c.worker_id);

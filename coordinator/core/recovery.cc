@@ -219,9 +219,9 @@ bool Core::LeaveOutSilentMembers(JobRecord& job, const std::string& reason, std:
 }
 
 void Core::PushAbort(const JobRecord& job, const std::string& worker_id, const std::string& reason,
-                     Decisions* out, bool job_ended) {
-  out->messages.push_back(
-      {worker_id, AbortMessage(job.job.job_id(), job.job.generation(), reason, job_ended)});
+                     Decisions* out, bool job_ended, bool suspended) {
+  out->messages.push_back({worker_id, AbortMessage(job.job.job_id(), job.job.generation(), reason,
+                                                   job_ended, suspended)});
 }
 
 void Core::BeginReconfiguration(JobRecord& job, const std::string& reason, bool scale_up,

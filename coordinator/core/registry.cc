@@ -81,7 +81,9 @@ absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& requ
   worker.last_heartbeat = now;
   std::string id = worker.id;
   live_names_[request.name()] = id;
-  ReserveOrRelease(workers_.emplace(id, std::move(worker)).first->second, out);
+  Worker& added = workers_.emplace(id, std::move(worker)).first->second;
+  NoteHolder(added, now, out);
+  ReserveOrRelease(added, out);
   Schedule(now, out);
   return id;
 }
@@ -114,6 +116,8 @@ void Core::ReserveOrRelease(Worker& worker, Decisions* out) {
       drop("this worker is no longer one of the job's members");
       return;
     case HeldVerdict::kResume:
+      // A suspended job's holder serves other jobs meanwhile (NoteHolder counts it).
+      if (job->job.state() == v1::JOB_STATE_SUSPENDED) return;
       worker.held_step = held.step();
       break;
   }

@@ -2790,35 +2790,41 @@ TEST_F(SchedulingTest, AHigherPriorityJobShrinksALowerOneWhichGrowsBackAfterIt) 
   EXPECT_EQ(Job(low).recoveries(), 0);
 }
 
-TEST_F(SchedulingTest, NoPreemptionOfAnEqualOrHigherPriorityNorBelowMinWorkers) {
+TEST_F(SchedulingTest, NoPreemptionOfAnEqualOrHigherPriority) {
+  Register("w0");
+  Register("w1");
+  const std::string peer = Submit(PrioritySpec(1, 2, 5));
+  Step(peer, 1);
+  ASSERT_EQ(Members(peer).size(), 2u);
+  for (int priority : {5, 3}) {
+    const std::string other = Submit(PrioritySpec(1, 1, priority));
+    EXPECT_EQ(Job(other).state(), v1::JOB_STATE_PENDING) << priority;
+    EXPECT_TRUE(absl::StrContains(Job(other).reason(), "waiting for 1 idle")) << Job(other).reason();
+    EXPECT_EQ(Members(peer).size(), 2u);
+    Cancel(other);
+  }
+}
+
+TEST_F(SchedulingTest, ShrinkingComesBeforeSuspendingAndNobodyGivesUpWorkersForNothing) {
   for (int i = 0; i < 4; ++i) Register(absl::StrCat("w", i));
   const std::string peer = Submit(PrioritySpec(1, 2, 5));
   const std::string firm = Submit(PrioritySpec(2, 2, 0));
   Step(peer, 1);
   Step(firm, 1);
-  // Equal priority: waits.
-  const std::string same = Submit(PrioritySpec(1, 1, 5));
-  EXPECT_EQ(Job(same).state(), v1::JOB_STATE_PENDING);
-  EXPECT_TRUE(absl::StrContains(Job(same).reason(), "waiting for 1 idle")) << Job(same).reason();
-  Cancel(same);
-  // Higher than `firm` but firm is at its min_workers and `peer` is not lower: nothing to take.
-  const std::string urgent = Submit(PrioritySpec(1, 1, 3));
-  EXPECT_EQ(Job(urgent).state(), v1::JOB_STATE_PENDING);
+  // Needs 5 of 4: suspending firm and peer frees only 4, so nobody is shrunk or suspended.
+  const std::string big = Submit(PrioritySpec(5, 5, 6));
+  EXPECT_EQ(Job(big).state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(Job(big).reason(), "would free only 4")) << Job(big).reason();
   EXPECT_EQ(Members(peer).size(), 2u);
   EXPECT_EQ(Members(firm).size(), 2u);
-  Cancel(urgent);
-  // Needs 3; shrinking `firm` (0 spare) and `peer` (1 spare, but priority 5 < 6) frees only 1:
-  // nobody is shrunk for nothing.
-  const std::string big = Submit(PrioritySpec(3, 3, 6));
-  EXPECT_EQ(Job(big).state(), v1::JOB_STATE_PENDING);
-  EXPECT_TRUE(absl::StrContains(Job(big).reason(), "would free only 1")) << Job(big).reason();
-  EXPECT_EQ(Members(peer).size(), 2u);
   EXPECT_EQ(Job(peer).generation(), 1);
-  // A job needing what one shrink frees starts: peer gives up its rank 1, never its last.
   Cancel(big);
+  // Needs 1: firm (the lowest priority) is at its min_workers, peer can shrink: peer gives up
+  // its rank 1, never its last, and firm is not suspended.
   const std::string fits = Submit(PrioritySpec(1, 1, 6));
   EXPECT_EQ(Job(fits).state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(Members(peer).size(), 1u);
+  EXPECT_EQ(Job(firm).state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(Members(firm).size(), 2u);
 }
 
@@ -2840,24 +2846,22 @@ TEST_F(SchedulingTest, RunningJobsDoNotGrowOntoWorkersAHigherPriorityJobWaitsFor
   const std::string low = Submit(PrioritySpec(1, 4, 0));
   Step(low, 1);
   ASSERT_EQ(Members(low).size(), 2u);
-  // Needs 4: two idle soon, one from low (down to its min 1): 3, not enough.
+  // Needs 4: one idle soon, one from low's shrink (or two suspending it): 3, not enough.
   const std::string high = Submit(PrioritySpec(4, 4, 10));
   Register("w2");
-  Register("w3");
   Step(low, 2);
   Tick();
   EXPECT_EQ(Job(high).state(), v1::JOB_STATE_PENDING) << Job(high).reason();
-  EXPECT_EQ(Members(low).size(), 2u) << "low grew onto workers high waits for";
-  // With a fifth, low's spare rank completes high's four: one shrink, the idle three kept for
-  // high meanwhile (low's re-formation does not take them).
-  Register("w4");
+  EXPECT_TRUE(absl::StrContains(Job(high).reason(), "would free only 2")) << Job(high).reason();
+  EXPECT_EQ(Members(low).size(), 2u) << "low grew onto a worker high waits for";
+  EXPECT_EQ(Job(low).generation(), 1);
+  // With a fourth, suspending low completes high's four (shrinking it would not): the idle two
+  // are kept for high meanwhile.
+  Register("w3");
   Tick();
   EXPECT_EQ(Job(high).state(), v1::JOB_STATE_RUNNING) << Job(high).reason();
   EXPECT_EQ(Members(high).size(), 4u);
-  const v1::Job l = Job(low);
-  EXPECT_EQ(l.members_size(), 1);
-  ASSERT_EQ(l.recovery_history_size(), 1) << l.DebugString();
-  EXPECT_EQ(l.generation(), 2);
+  EXPECT_EQ(Job(low).state(), v1::JOB_STATE_SUSPENDED) << Job(low).reason();
 }
 
 TEST_F(SchedulingTest, AJobIsShrunkOnlyAtAStepBoundary) {
@@ -2899,6 +2903,288 @@ TEST_F(SchedulingTest, AJobPastItsMaxWallTimeFailsNamingTheLimitAndFreesItsWorke
   EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(absl::StrContains(j.reason(), "max_wall_time_ms 60000")) << j.reason();
   EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING) << "its worker went to the next job";
+}
+
+// ---- Suspension: when shrinking is not enough, and by hand (suspension.cc) ----
+
+class SuspensionTest : public SchedulingTest {
+ protected:
+  // A spec whose steps may take long (the tests move the clock by minutes).
+  static v1::JobSpec Patient(int min_workers, int max_workers, int priority) {
+    v1::JobSpec spec = PrioritySpec(min_workers, max_workers, priority);
+    spec.set_step_timeout_ms(3'600'000);
+    return spec;
+  }
+  absl::Status SuspendByHand(const std::string& job) {
+    Decisions d;
+    absl::StatusOr<v1::Job> j = core_.SuspendJob(job, now_, &d);
+    Collect(d);
+    return j.status();
+  }
+  absl::Status ResumeByHand(const std::string& job) {
+    Decisions d;
+    absl::StatusOr<v1::Job> j = core_.ResumeJob(job, now_, &d);
+    Collect(d);
+    return j.status();
+  }
+  std::set<std::string> Holders(const std::string& job) {
+    const v1::Job j = Job(job);
+    return {j.suspension().holders().begin(), j.suspension().holders().end()};
+  }
+  // Aborts of `job` sent since the last TakeAssignments, by worker id: whether each said
+  // suspended (and job_ended).
+  std::map<std::string, std::string> AbortsOf(const std::string& job) {
+    std::map<std::string, std::string> out;
+    for (const auto& m : sent_) {
+      if (!m.message.has_abort() || m.message.abort().job_id() != job) continue;
+      const v1::Abort& a = m.message.abort();
+      out[m.worker_id] = a.job_ended() ? "ended" : a.suspended() ? "suspended" : "aborted";
+    }
+    return out;
+  }
+  std::set<std::string> MemberNames(const std::string& job) {
+    std::set<std::string> names;
+    const v1::Job j = Job(job);
+    for (const v1::Member& m : j.members()) names.insert(m.worker_name());
+    return names;
+  }
+};
+
+TEST_F(SuspensionTest, AJobIsSuspendedWhenShrinkingIsNotEnoughAndResumesFromItsMembersMemory) {
+  const std::string w0 = Register("w0");
+  const std::string w1 = Register("w1");
+  v1::JobSpec low_spec = Patient(2, 2, 0);
+  low_spec.set_max_wall_time_ms(120'000);
+  const std::string low = Submit(low_spec);
+  Step(low, 5);
+  TakeAssignments();
+  const std::string high = Submit(Patient(2, 2, 10));
+  v1::Job l = Job(low);
+  ASSERT_EQ(l.state(), v1::JOB_STATE_SUSPENDED) << l.reason();
+  EXPECT_TRUE(absl::StrContains(l.reason(), "preempted by " + high + " (priority 10)"))
+      << l.reason();
+  EXPECT_TRUE(absl::StrContains(l.reason(), "waiting for a worker that keeps its state of step 5 (w0, w1 are busy)")) << l.reason();
+  EXPECT_EQ(l.suspension().step(), 5);
+  EXPECT_EQ(l.suspension().by_job(), high);
+  EXPECT_FALSE(l.suspension().by_user());
+  EXPECT_EQ(Holders(low), (std::set<std::string>{"w0", "w1"}));
+  EXPECT_EQ(l.members_size(), 0);
+  // Its members were told that it is suspended (they park its state), then given to high.
+  EXPECT_EQ(AbortsOf(low), (std::map<std::string, std::string>{{w0, "suspended"},
+                                                                {w1, "suspended"}}));
+  std::map<std::string, v1::Assignment> a = TakeAssignments();
+  ASSERT_EQ(a.size(), 2u);
+  for (const auto& [id, assignment] : a) EXPECT_EQ(assignment.job_id(), high);
+  EXPECT_EQ(Job(high).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Queue(), (std::vector<std::string>{low}));
+  bool said = false;
+  const std::vector<v1::JobEvent> events_of_high = core_.EventsSince(high, 0).value();
+  for (const v1::JobEvent& e : events_of_high) {
+    said = said || absl::StrContains(e.message(), "from " + low + " (priority 0), suspended");
+  }
+  EXPECT_TRUE(said);
+  // Only a job a user suspended is resumed by hand.
+  EXPECT_EQ(ResumeByHand(low).code(), absl::StatusCode::kFailedPrecondition);
+  // Suspended for longer than its max wall time: that time does not count.
+  Step(high, 1);
+  for (int i = 0; i < 150; ++i) {
+    now_ += absl::Seconds(1);
+    Heartbeats({w0, w1});
+    Tick();
+  }
+  EXPECT_EQ(Job(low).state(), v1::JOB_STATE_SUSPENDED);
+  // high fails (a fatal error of one member, without whom it cannot go on): its workers go
+  // back, and low resumes on them from step 6, in a re-formation that is not a failure.
+  v1::FailureReport f;
+  f.set_job_id(high);
+  f.set_generation(Job(high).generation());
+  f.set_message("out of memory");
+  f.set_fatal(true);
+  Decisions d;
+  ASSERT_TRUE(core_.ReportFailure(w0, f, now_, &d).ok());
+  Collect(d);
+  for (int i = 0; i < 10 && Job(high).state() != v1::JOB_STATE_FAILED; ++i) {
+    now_ += absl::Seconds(1);
+    Heartbeats({w0, w1});
+    Tick();
+  }
+  ASSERT_EQ(Job(high).state(), v1::JOB_STATE_FAILED) << Job(high).reason();
+  l = Job(low);
+  ASSERT_EQ(l.state(), v1::JOB_STATE_RUNNING) << l.reason();
+  EXPECT_EQ(l.generation(), 2);
+  EXPECT_FALSE(l.has_suspension());
+  EXPECT_GE(l.suspended_ms(), 150'000);
+  EXPECT_EQ(l.recoveries(), 0);
+  ASSERT_EQ(l.recovery_history_size(), 1);
+  EXPECT_TRUE(absl::StartsWith(l.recovery_history(0).reason(), "resumed after 152.0s suspended (preempted by " + high)) <<
+      l.recovery_history(0).reason();
+  EXPECT_FALSE(l.recovery_history(0).counted());
+  EXPECT_EQ(l.recovery_history(0).to_generation(), 2);
+  a = TakeAssignments();
+  ASSERT_EQ(a.size(), 2u);
+  for (const auto& [id, assignment] : a) {
+    EXPECT_EQ(assignment.job_id(), low);
+    EXPECT_EQ(assignment.start_step(), 6);
+  }
+  Step(low, 6);
+  now_ += absl::Seconds(10);
+  Heartbeats({w0, w1});
+  Tick();
+  EXPECT_EQ(Job(low).state(), v1::JOB_STATE_RUNNING) << Job(low).reason();
+}
+
+TEST_F(SuspensionTest, ASuspendedJobWaitsForAWorkerThatKeepsItsStateUnlessNoneIsLeft) {
+  const std::string w0 = Register("w0");
+  const std::string w1 = Register("w1");
+  const std::string low = Submit(Patient(2, 2, 0));
+  Step(low, 3);
+  const std::string high = Submit(Patient(2, 2, 10));
+  ASSERT_EQ(Job(low).state(), v1::JOB_STATE_SUSPENDED);
+  Register("w2");
+  Register("w3");
+  // Two idle workers, but neither keeps its state: it waits for one that does, and so does the
+  // job behind it.
+  v1::Job l = Job(low);
+  EXPECT_EQ(l.state(), v1::JOB_STATE_SUSPENDED);
+  EXPECT_TRUE(absl::StrContains(l.reason(),
+                                "waiting for a worker that keeps its state of step 3 (w0, w1 are busy)"))
+      << l.reason();
+  const std::string behind = Submit(Patient(1, 1, 0));
+  EXPECT_EQ(Job(behind).state(), v1::JOB_STATE_PENDING);
+  EXPECT_TRUE(absl::StrContains(Job(behind).reason(), "queued behind " + low)) << Job(behind).reason();
+  Cancel(behind);
+  // high ends: low resumes on its holders, not on the idle others.
+  Cancel(high);
+  ASSERT_EQ(Job(low).state(), v1::JOB_STATE_RUNNING) << Job(low).reason();
+  EXPECT_EQ(MemberNames(low), (std::set<std::string>{"w0", "w1"}));
+  Step(low, 4);
+  // Suspended again (by hand), its holders lost, and back as new processes without its state:
+  // nobody keeps it any more, so it resumes on whichever workers are idle.
+  ASSERT_TRUE(SuspendByHand(low).ok());
+  EXPECT_EQ(Holders(low), (std::set<std::string>{"w0", "w1"}));
+  Decisions d;
+  core_.WorkerDisconnected(w0, "stream closed", now_, &d);
+  core_.WorkerDisconnected(w1, "stream closed", now_, &d);
+  Collect(d);
+  Register("w0");
+  EXPECT_EQ(Holders(low), (std::set<std::string>{"w1"}));
+  ASSERT_TRUE(ResumeByHand(low).ok());
+  l = Job(low);
+  ASSERT_EQ(l.state(), v1::JOB_STATE_RUNNING) << l.reason();
+  EXPECT_EQ(l.generation(), 3);
+  bool said = false;
+  const std::vector<v1::JobEvent> events_of_low = core_.EventsSince(low, 0).value();
+  for (const v1::JobEvent& e : events_of_low) {
+    said = said || absl::StrContains(e.message(), "w0 registered again without its state");
+  }
+  EXPECT_TRUE(said);
+}
+
+TEST_F(SuspensionTest, AUserSuspendsAndResumesJobsWithClearErrors) {
+  const std::string w0 = Register("w0");
+  const std::string w1 = Register("w1");
+  const std::string job = Submit(Patient(1, 2, 0));
+  Step(job, 4);
+  TakeAssignments();
+  EXPECT_EQ(SuspendByHand("job-404").code(), absl::StatusCode::kNotFound);
+  const absl::Status running = ResumeByHand(job);
+  EXPECT_EQ(running.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(running.message(), "is not suspended (JOB_STATE_RUNNING)"))
+      << running;
+  ASSERT_TRUE(SuspendByHand(job).ok());
+  v1::Job j = Job(job);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUSPENDED);
+  EXPECT_TRUE(j.suspension().by_user());
+  EXPECT_TRUE(absl::StrContains(j.reason(), "suspended by a user")) << j.reason();
+  EXPECT_EQ(Holders(job), (std::set<std::string>{"w0", "w1"}));
+  EXPECT_EQ(AbortsOf(job), (std::map<std::string, std::string>{{w0, "suspended"},
+                                                               {w1, "suspended"}}));
+  EXPECT_TRUE(Queue().empty()) << "a job a user suspended waits for resume, not for workers";
+  const absl::Status twice = SuspendByHand(job);
+  EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(twice.message(), "already suspended")) << twice;
+  // Its workers serve another job meanwhile.
+  const std::string other = Submit(Patient(2, 2, 0));
+  EXPECT_EQ(Job(other).state(), v1::JOB_STATE_RUNNING);
+  ASSERT_TRUE(ResumeByHand(job).ok());
+  EXPECT_EQ(Queue(), (std::vector<std::string>{job}));
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_SUSPENDED);
+  Cancel(other);
+  j = Job(job);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_RUNNING) << j.reason();
+  EXPECT_EQ(j.generation(), 2);
+  // Cancelled while suspended: its holders are told to drop its state.
+  ASSERT_TRUE(SuspendByHand(job).ok());
+  TakeAssignments();
+  Cancel(job);
+  EXPECT_EQ(AbortsOf(job), (std::map<std::string, std::string>{{w0, "ended"}, {w1, "ended"}}));
+  const absl::Status ended = SuspendByHand(job);
+  EXPECT_EQ(ended.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(ended.message(), "has already ended")) << ended;
+  // A pending job suspended by hand leaves the queue, and comes back to it pending.
+  const std::string big = Submit(Patient(3, 3, 0));
+  ASSERT_EQ(Job(big).state(), v1::JOB_STATE_PENDING);
+  ASSERT_TRUE(SuspendByHand(big).ok());
+  EXPECT_EQ(Job(big).state(), v1::JOB_STATE_SUSPENDED);
+  EXPECT_TRUE(Queue().empty());
+  ASSERT_TRUE(ResumeByHand(big).ok());
+  EXPECT_EQ(Job(big).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Queue(), (std::vector<std::string>{big}));
+}
+
+TEST_F(SuspensionTest, ARestartedCoordinatorKeepsASuspendedJobAndLearnsItsHoldersAgain) {
+  Register("w0");
+  Register("w1");
+  const std::string low = Submit(Patient(2, 2, 0));
+  Step(low, 7);
+  const std::string high = Submit(Patient(2, 2, 10));
+  ASSERT_EQ(Job(low).state(), v1::JOB_STATE_SUSPENDED);
+  const std::vector<v1::Job> saved = {Job(low), Job(high)};
+
+  Core fresh(Options());
+  Decisions d;
+  EXPECT_EQ(fresh.RestoreJobs(saved, now_, &d), 2);
+  ASSERT_EQ(fresh.GetJob(low)->state(), v1::JOB_STATE_SUSPENDED);
+  // w0 comes back keeping low's state aside, w1 as a new process without it, w9 keeping the
+  // state of a job this coordinator does not know.
+  std::map<std::string, std::string> ids;
+  std::vector<Decisions::Outgoing> sent;
+  for (const char* name : {"w0", "w1", "w9"}) {
+    v1::RegisterRequest r;
+    r.set_name(name);
+    r.set_host("h1");
+    r.set_device("cpu");
+    if (std::string(name) == "w0") {
+      r.mutable_parked()->set_job_id(low);
+      r.mutable_parked()->set_step(7);
+    } else if (std::string(name) == "w9") {
+      r.mutable_parked()->set_job_id("job-999");
+    }
+    Decisions rd;
+    ids[name] = fresh.RegisterWorker(r, now_, &rd).value();
+    sent.insert(sent.end(), rd.messages.begin(), rd.messages.end());
+  }
+  const v1::Job l = fresh.GetJob(low).value();
+  EXPECT_EQ(l.state(), v1::JOB_STATE_SUSPENDED);
+  EXPECT_EQ(std::vector<std::string>(l.suspension().holders().begin(),
+                                     l.suspension().holders().end()),
+            std::vector<std::string>{"w0"});
+  bool told_w9 = false;
+  for (const auto& m : sent) {
+    told_w9 = told_w9 || (m.worker_id == ids["w9"] && m.message.has_abort() &&
+                          m.message.abort().job_id() == "job-999" &&
+                          m.message.abort().job_ended());
+  }
+  EXPECT_TRUE(told_w9);
+  // high re-forms on its members; once it ends, low resumes from w0's state.
+  ASSERT_EQ(fresh.GetJob(high)->state(), v1::JOB_STATE_RUNNING) << fresh.GetJob(high)->reason();
+  Decisions cd;
+  ASSERT_TRUE(fresh.CancelJob(high, now_, &cd).ok());
+  const v1::Job resumed = fresh.GetJob(low).value();
+  ASSERT_EQ(resumed.state(), v1::JOB_STATE_RUNNING) << resumed.reason();
+  std::set<std::string> names;
+  for (const v1::Member& m : resumed.members()) names.insert(m.worker_name());
+  EXPECT_EQ(names.count("w0"), 1u);
 }
 
 class AgingTest : public SchedulingTest {

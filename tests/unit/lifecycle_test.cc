@@ -23,7 +23,7 @@ v1::JobSpec Spec(uint64_t seed) {
 
 // One event; `spec` distinguishes two specs under one job id.
 struct Event {
-  enum Kind { kAssign, kAbort, kJobEnded, kSessionEnded, kHealed, kEnded, kTick } kind;
+  enum Kind { kAssign, kAbort, kSuspend, kJobEnded, kSessionEnded, kHealed, kEnded, kTick } kind;
   std::string job = "job-1";
   int64_t generation = 1;
   RunId run = 0;
@@ -37,6 +37,9 @@ Event Assign(const std::string& job, int64_t generation, uint64_t spec = 1) {
 }
 Event Abort(const std::string& job, int64_t generation) {
   return {Event::kAbort, job, generation};
+}
+Event Suspend(const std::string& job, int64_t generation) {
+  return {Event::kSuspend, job, generation};
 }
 Event JobEnded(const std::string& job) { return {Event::kJobEnded, job, 0}; }
 Event SessionEnded() { return {Event::kSessionEnded}; }
@@ -56,11 +59,16 @@ std::string Describe(const LifecycleActions& a) {
     parts.push_back(absl::StrCat("abort #", x.run, x.job_ended ? " (job ended)" : ""));
   }
   if (a.drop_kept_state) parts.push_back("drop kept");
+  if (a.drop_parked_state) parts.push_back("drop parked");
+  if (a.park_kept_state) parts.push_back("park kept");
   if (a.keep_state_of.has_value()) parts.push_back(absl::StrCat("keep #", *a.keep_state_of));
+  if (a.park_state_of.has_value()) parts.push_back(absl::StrCat("park #", *a.park_state_of));
   for (const auto& s : a.start) {
     parts.push_back(absl::StrCat("start #", s.run, " ", s.assignment.job_id(), "/",
                                  s.assignment.generation(),
-                                 s.with_kept_state ? " with state" : " fresh"));
+                                 s.with_kept_state     ? " with state"
+                                 : s.with_parked_state ? " with parked state"
+                                                       : " fresh"));
   }
   for (const v1::WorkerMessage& m : a.send) {
     if (m.has_failure()) {
@@ -97,6 +105,10 @@ std::vector<std::string> Play(const std::vector<Event>& events) {
       }
       case Event::kAbort:
         a = lifecycle.OnAbort(e.job, e.generation, "aborted", /*job_ended=*/false, now);
+        break;
+      case Event::kSuspend:
+        a = lifecycle.OnAbort(e.job, e.generation, "suspended", /*job_ended=*/false, now,
+                              /*suspended=*/true);
         break;
       case Event::kJobEnded:
         a = lifecycle.OnAbort(e.job, e.generation, "the job ended", /*job_ended=*/true, now);
@@ -244,6 +256,37 @@ INSTANTIATE_TEST_SUITE_P(
               Assign("job-1", 6), Ended(2, K::kStopped), Ended(1, K::kStopped)},
              {"start #1 job-2/1 fresh", "abort #1", "start #2 job-1/5 fresh", "abort #2",
               "keep #2", "start #3 job-1/6 with state"}},
+        // Rule 7: a suspended job's state waits beside the job that took the worker, and the
+        // job resumes with it; that job's own state goes (the resumed job was assigned since).
+        Case{"ASuspendedJobsStateIsParkedForAnotherJobAndResumesWithIt",
+             {Assign("job-1", 1), Suspend("job-1", 1), Ended(1, K::kStopped), Assign("job-2", 1),
+              Assign("job-1", 2), Ended(2, K::kStopped)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "park kept, start #2 job-2/1 fresh",
+              "abort #2", "start #3 job-1/2 with parked state"}},
+        // The other job assigned before the suspended run returned: its state is parked then.
+        Case{"ASuspendedRunEndingAfterAnotherJobWasAssignedIsParked",
+             {Assign("job-1", 1), Suspend("job-1", 1), Assign("job-2", 1), Ended(1, K::kStopped),
+              Ended(2, K::kFinished), Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "abort #1", "nothing",
+              "park #1, start #2 job-2/1 fresh", "keep #2",
+              "drop kept, start #3 job-1/2 with parked state"}},
+        Case{"ASuspendedJobThatEndsDropsItsParkedState",
+             {Assign("job-1", 1), Suspend("job-1", 1), Ended(1, K::kStopped), Assign("job-2", 1),
+              JobEnded("job-1")},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "park kept, start #2 job-2/1 fresh",
+              "drop parked"}},
+        // One parked state: a second suspended job's replaces the first's.
+        Case{"ANewerParkedStateReplacesTheOlder",
+             {Assign("job-1", 1), Suspend("job-1", 1), Ended(1, K::kStopped), Assign("job-2", 1),
+              Suspend("job-2", 1), Ended(2, K::kStopped), Assign("job-3", 1)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "park kept, start #2 job-2/1 fresh",
+              "abort #2", "keep #2", "drop parked, park kept, start #3 job-3/1 fresh"}},
+        // A job resumed is no longer suspended: its state is dropped for another job as usual.
+        Case{"AResumedJobIsNoLongerSuspended",
+             {Assign("job-1", 1), Suspend("job-1", 1), Ended(1, K::kStopped), Assign("job-1", 2),
+              Abort("job-1", 2), Ended(2, K::kStopped), Assign("job-2", 1)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "start #2 job-1/2 with state",
+              "abort #2", "keep #2", "drop kept, start #3 job-2/1 fresh"}},
         Case{"AnAbortOfAnOlderGenerationLeavesTheCurrentRunAlone",
              {Assign("job-1", 1), Assign("job-1", 2), Ended(1, K::kStopped), Abort("job-1", 1)},
              {"start #1 job-1/1 fresh", "abort #1", "keep #1, start #2 job-1/2 with state",
