@@ -212,6 +212,31 @@ absl::Status CancelJob(v1::JobService::StubInterface& stub, const std::string& j
   return absl::OkStatus();
 }
 
+absl::Status SuspendJob(v1::JobService::StubInterface& stub, const std::string& job_id,
+                        const CommandOptions& options, std::ostream& out) {
+  v1::SuspendJobRequest request;
+  request.set_job_id(job_id);
+  v1::Job job;
+  auto context = UnaryContext(options);
+  LOCKSTEP_RETURN_IF_ERROR(ToAbslStatus(stub.SuspendJob(context.get(), request, &job)));
+  if (options.output == OutputFormat::kJson) return PrintJson(job, false, out);
+  out << "suspended " << job.job_id() << ": " << EscapeForTerminal(job.reason()) << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status ResumeJob(v1::JobService::StubInterface& stub, const std::string& job_id,
+                       const CommandOptions& options, std::ostream& out) {
+  v1::ResumeJobRequest request;
+  request.set_job_id(job_id);
+  v1::Job job;
+  auto context = UnaryContext(options);
+  LOCKSTEP_RETURN_IF_ERROR(ToAbslStatus(stub.ResumeJob(context.get(), request, &job)));
+  if (options.output == OutputFormat::kJson) return PrintJson(job, false, out);
+  out << "resumed " << job.job_id() << " (state " << JobStateName(job.state())
+      << "): " << EscapeForTerminal(job.reason()) << "\n";
+  return absl::OkStatus();
+}
+
 absl::Status ListWorkers(v1::JobService::StubInterface& stub, const CommandOptions& options,
                          std::ostream& out) {
   v1::ListWorkersResponse response;
@@ -499,6 +524,12 @@ int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub
       return watch(invocation.job_id);
     case Command::kCancel:
       status = CancelJob(stub, invocation.job_id, options, out);
+      break;
+    case Command::kSuspend:
+      status = SuspendJob(stub, invocation.job_id, options, out);
+      break;
+    case Command::kResume:
+      status = ResumeJob(stub, invocation.job_id, options, out);
       break;
     case Command::kLogs:
       status = ShowLogs(stub, invocation.job_id, invocation.rank, invocation.generation,

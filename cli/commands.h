@@ -69,6 +69,12 @@ absl::Status ShowJob(v1::JobService::StubInterface& stub, const std::string& job
 absl::Status CancelJob(v1::JobService::StubInterface& stub, const std::string& job_id,
                        const CommandOptions& options, std::ostream& out);
 
+// Table: one line on what the suspend or resume did (the job's state and why). JSON: the Job.
+absl::Status SuspendJob(v1::JobService::StubInterface& stub, const std::string& job_id,
+                        const CommandOptions& options, std::ostream& out);
+absl::Status ResumeJob(v1::JobService::StubInterface& stub, const std::string& job_id,
+                       const CommandOptions& options, std::ostream& out);
+
 // Table: WORKER NAME HOST DEVICE STATE JOB LAST HEARTBEAT, then the clients the coordinator
 // rejected (missing or wrong token). JSON: ListWorkersResponse.
 // The queue in the order its jobs will start.

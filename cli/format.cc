@@ -360,6 +360,21 @@ std::string FormatJobDetail(const v1::Job& job, absl::Time now, absl::TimeZone t
   AddField(out, "State", JobStateName(job.state()));
   AddField(out, "Priority", absl::StrCat(job.spec().priority()));
   if (!job.reason().empty()) AddField(out, "Reason", job.reason());
+  if (job.has_suspension()) {
+    const v1::Suspension& s = job.suspension();
+    const absl::Time since = FromUnixMillisOrInfinitePast(s.since_unix_ms());
+    AddField(out, "Suspended",
+             absl::StrCat(s.by_user() ? "by a user" : absl::StrCat("for ", s.by_job()),
+                          since == absl::InfinitePast()
+                              ? ""
+                              : absl::StrCat(", ", ShortDuration(now - since), " ago"),
+                          ", at step ", s.step(), "; state kept by ",
+                          s.holders().empty() ? std::string("nobody")
+                                              : absl::StrJoin(s.holders(), ", ")));
+  }
+  if (job.suspended_ms() > 0) {
+    AddField(out, "Time suspended", ShortDuration(absl::Milliseconds(job.suspended_ms())));
+  }
   AddField(out, "Generation", absl::StrCat(job.generation()));
   AddField(out, "Workers",
            absl::StrFormat("%d (min %d, max %d)", job.members_size(), job.spec().min_workers(),

@@ -38,6 +38,8 @@ constexpr char kUsageBody[] =
     "  status JOB             show one job in detail\n"
     "  watch JOB              follow a job until it ends (exit 0 only if it succeeded)\n"
     "  cancel JOB             cancel a job\n"
+    "  suspend JOB            stop a job, its state kept in its workers' memory\n"
+    "  resume JOB             queue a suspended job again: it goes on from that state\n"
     "  workers                list the registered workers and rejected clients\n"
     "  health                 ask the coordinator's gRPC health service (exit 0 if SERVING)\n"
     "  logs JOB [--rank=N] [--generation=G] [--follow]\n"
@@ -71,7 +73,8 @@ constexpr CommandInfo kCommands[] = {
     {Command::kSubmit, "submit", "FILE", 1}, {Command::kList, "list", "", 0},
     {Command::kQueue, "queue", "", 0},
     {Command::kStatus, "status", "JOB", 1},  {Command::kWatch, "watch", "JOB", 1},
-    {Command::kCancel, "cancel", "JOB", 1},  {Command::kWorkers, "workers", "", 0},
+    {Command::kCancel, "cancel", "JOB", 1},  {Command::kSuspend, "suspend", "JOB", 1},
+    {Command::kResume, "resume", "JOB", 1},  {Command::kWorkers, "workers", "", 0},
     {Command::kHealth, "health", "", 0},     {Command::kHelp, "help", "", 0},
     {Command::kExport, "export", "CHECKPOINT", 1}, {Command::kLogs, "logs", "JOB", 1},
 };
@@ -264,6 +267,8 @@ absl::StatusOr<Invocation> ParseInvocation(const std::vector<std::string>& args,
     case Command::kStatus:
     case Command::kWatch:
     case Command::kCancel:
+    case Command::kSuspend:
+    case Command::kResume:
       if (args[1].empty()) return absl::InvalidArgumentError("JOB must not be empty");
       inv.job_id = args[1];
       break;

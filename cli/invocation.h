@@ -27,7 +27,8 @@ inline constexpr char kDefaultCoordinator[] = "127.0.0.1:7070";
 inline constexpr char kCoordinatorEnv[] = "LOCKSTEP_COORDINATOR";
 
 enum class Command {
-  kHelp, kSubmit, kList, kQueue, kStatus, kWatch, kCancel, kWorkers, kHealth, kExport, kLogs
+  kHelp, kSubmit, kList, kQueue, kStatus, kWatch, kCancel, kSuspend, kResume, kWorkers, kHealth,
+  kExport, kLogs
 };
 
 // The values of the global flags, as absl parsed them.

@@ -74,6 +74,32 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status JobServiceImpl::SuspendJob(grpc::ServerContext* context,
+                                        const v1::SuspendJobRequest* request, v1::Job* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
+  if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
+  absl::StatusOr<v1::Job> job = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
+    return core.SuspendJob(request->job_id(), now, d);
+  });
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  LOG(INFO) << "suspended " << job->job_id();
+  *response = *std::move(job);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::ResumeJob(grpc::ServerContext* context,
+                                       const v1::ResumeJobRequest* request, v1::Job* response) {
+  if (grpc::Status s = coordinator_->gate().Admit(*context, Role::kOperator); !s.ok()) return s;
+  if (auto s = RequireJobId(request->job_id()); !s.ok()) return s;
+  absl::StatusOr<v1::Job> job = coordinator_->Call([&](Core& core, absl::Time now, Decisions* d) {
+    return core.ResumeJob(request->job_id(), now, d);
+  });
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  LOG(INFO) << "resumed " << job->job_id();
+  *response = *std::move(job);
+  return grpc::Status::OK;
+}
+
 // One WatchJob stream. It holds no thread while its job is quiet: the coordinator's change
 // notification (Changed) posts a fetch of the new events to the watch's strand, and gRPC's
 // callbacks write them one at a time. One batch at most is held: the next fetch waits until the

@@ -47,6 +47,7 @@ std::string StateName(v1::JobState state) {
     case v1::JOB_STATE_SUCCEEDED: return "succeeded";
     case v1::JOB_STATE_FAILED: return "failed";
     case v1::JOB_STATE_CANCELLED: return "cancelled";
+    case v1::JOB_STATE_SUSPENDED: return "suspended";
     default: return "unspecified";
   }
 }
@@ -200,7 +201,8 @@ std::vector<prometheus::MetricFamily> CoordinatorMetrics::StateFamilies(
   std::vector<std::pair<Labels, double>> jobs;
   for (v1::JobState state : {v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING,
                              v1::JOB_STATE_RECONFIGURING, v1::JOB_STATE_SUCCEEDED,
-                             v1::JOB_STATE_FAILED, v1::JOB_STATE_CANCELLED}) {
+                             v1::JOB_STATE_FAILED, v1::JOB_STATE_CANCELLED,
+                             v1::JOB_STATE_SUSPENDED}) {
     auto it = counts.jobs.find(state);
     jobs.push_back({{{"state", StateName(state)}},
                     static_cast<double>(it == counts.jobs.end() ? 0 : it->second)});

@@ -41,6 +41,10 @@ class JobServiceImpl final
                         v1::ListJobsResponse* response) override;
   grpc::Status CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,
                          v1::Job* response) override;
+  grpc::Status SuspendJob(grpc::ServerContext* context, const v1::SuspendJobRequest* request,
+                          v1::Job* response) override;
+  grpc::Status ResumeJob(grpc::ServerContext* context, const v1::ResumeJobRequest* request,
+                         v1::Job* response) override;
   // The job's events from from_sequence on, as they happen; the stream ends OK once the job
   // has ended and every event was sent. INVALID_ARGUMENT, NOT_FOUND for an unknown job,
   // CANCELLED when the client goes.

@@ -186,13 +186,23 @@ class Client:
                     "following them")
 
     def queue(self):
-        """The queued (PENDING) jobs in the order they will start; each one's reason says why
-        it waits (docs/scheduling.md)."""
+        """The queued jobs (PENDING, and SUSPENDED for another job) in the order they will
+        start; each one's reason says why it waits (docs/scheduling.md)."""
         return list(self._call(self._stub.ListJobs,
                                job_pb2.ListJobsRequest(queue=True, page_size=1000)).jobs)
 
     def cancel(self, job_id):
         return self._call(self._stub.CancelJob, job_pb2.CancelJobRequest(job_id=job_id))
+
+    def suspend(self, job_id):
+        """Stops the job, its state kept in its workers' memory; it waits, SUSPENDED, for
+        resume(). FAILED_PRECONDITION for a job that has ended or is already suspended."""
+        return self._call(self._stub.SuspendJob, job_pb2.SuspendJobRequest(job_id=job_id))
+
+    def resume(self, job_id):
+        """Queues a job suspended by suspend(): it goes on from its kept state when workers
+        free up. FAILED_PRECONDITION for a job that is not suspended."""
+        return self._call(self._stub.ResumeJob, job_pb2.ResumeJobRequest(job_id=job_id))
 
     def workers(self):
         """The registered workers (WorkerInfo messages)."""

@@ -105,6 +105,17 @@ class FakeStub : public v1::JobService::StubInterface {
   grpc::Status CancelJob(grpc::ClientContext*, const v1::CancelJobRequest&, v1::Job*) override {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "job job-1 has already ended");
   }
+  grpc::Status SuspendJob(grpc::ClientContext*, const v1::SuspendJobRequest& r,
+                          v1::Job* j) override {
+    j->set_job_id(r.job_id());
+    j->set_state(v1::JOB_STATE_SUSPENDED);
+    j->set_reason("suspended by a user; its state of step 40 is kept by w0, w1");
+    return grpc::Status::OK;
+  }
+  grpc::Status ResumeJob(grpc::ClientContext*, const v1::ResumeJobRequest& r, v1::Job*) override {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "job " + r.job_id() + " is not suspended (JOB_STATE_RUNNING)");
+  }
   grpc::Status ListWorkers(grpc::ClientContext*, const v1::ListWorkersRequest&,
                            v1::ListWorkersResponse* r) override {
     *r = workers;
@@ -163,6 +174,8 @@ class FakeStub : public v1::JobService::StubInterface {
   NOASYNC(v1::Job, v1::GetJobRequest, GetJob)
   NOASYNC(v1::ListJobsResponse, v1::ListJobsRequest, ListJobs)
   NOASYNC(v1::Job, v1::CancelJobRequest, CancelJob)
+  NOASYNC(v1::Job, v1::SuspendJobRequest, SuspendJob)
+  NOASYNC(v1::Job, v1::ResumeJobRequest, ResumeJob)
   NOASYNC(v1::ListWorkersResponse, v1::ListWorkersRequest, ListWorkers)
   NOASYNC(v1::TrainingCurve, v1::GetTrainingCurveRequest, GetTrainingCurve)
   NOASYNC(v1::JobLogs, v1::GetJobLogsRequest, GetJobLogs)
@@ -574,6 +587,47 @@ TEST(Commands, SubmitSetsDeadlineAndCancelError) {
   inv.job_id = "job-1";
   EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
   EXPECT_EQ(err.str(), "lockstepctl: FAILED_PRECONDITION: job job-1 has already ended\n");
+}
+
+TEST(Commands, SuspendSaysWhereTheStateIsAndResumeErrorsExitThree) {
+  FakeStub stub;
+  FakeClock clock;
+  std::vector<absl::Duration> sleeps;
+  std::ostringstream out, err;
+  Invocation inv;
+  inv.command = Command::kSuspend;
+  inv.job_id = "job-3";
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 0);
+  EXPECT_EQ(out.str(),
+            "suspended job-3: suspended by a user; its state of step 40 is kept by w0, w1\n");
+  inv.command = Command::kResume;
+  EXPECT_EQ(RunCommand(inv, stub, TestOptions(&clock, &sleeps), out, err), 3);
+  EXPECT_EQ(err.str(),
+            "lockstepctl: FAILED_PRECONDITION: job job-3 is not suspended (JOB_STATE_RUNNING)\n");
+  // `status` of a suspended job says by whom, since when, and who keeps its state.
+  v1::Job job;
+  job.set_job_id("job-3");
+  job.set_state(v1::JOB_STATE_SUSPENDED);
+  job.mutable_suspension()->set_by_job("job-7");
+  job.mutable_suspension()->set_step(40);
+  job.mutable_suspension()->set_since_unix_ms(60'000);
+  job.mutable_suspension()->add_holders("w0");
+  job.mutable_suspension()->add_holders("w1");
+  const std::string detail =
+      FormatJobDetail(job, absl::FromUnixSeconds(150), absl::UTCTimeZone());
+  EXPECT_NE(detail.find("Suspended:"), std::string::npos) << detail;
+  EXPECT_NE(detail.find("for job-7, 1m30s ago, at step 40; state kept by w0, w1"),
+            std::string::npos)
+      << detail;
+  // Both take exactly one JOB.
+  FlagValues f;
+  std::istringstream in;
+  for (const char* command : {"suspend", "resume"}) {
+    EXPECT_FALSE(ParseInvocation({command}, f, nullptr, in).ok()) << command;
+    auto parsed = ParseInvocation({command, "job-9"}, f, nullptr, in);
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(parsed->job_id, "job-9");
+  }
 }
 
 // `list` follows the pages to the last one and shows every job, oldest first.

@@ -8,7 +8,7 @@ const POLL_MS = 1500;
 const ENDED_POLL_MS = 10000;  // a finished job changes no more
 const REQUEST_TIMEOUT_MS = 10000;
 const TOKEN_KEY = "lockstep-token";
-const STATES = ["RUNNING", "RECONFIGURING", "PENDING", "SUCCEEDED", "FAILED", "CANCELLED"];
+const STATES = ["RUNNING", "RECONFIGURING", "PENDING", "SUSPENDED", "SUCCEEDED", "FAILED", "CANCELLED"];
 const COLORS = { train: "#3b6cf6", validation: "#e8910c", throughput: "#0f9d76" };
 
 // ---- Small helpers ----
