@@ -375,9 +375,10 @@ class Core {
   void Suspend(JobRecord& job, const std::string& reason, const std::string& by_job, bool by_user,
                absl::Time now, Decisions* out);
   // A suspended job at the queue's head: puts its holders first among `idle`; true (and `why`)
-  // when it must wait because its live holders are all busy (it resumes from one of them, not
-  // from nothing, unless none is alive any more).
-  bool WaitsForHolder(const JobRecord& job, std::vector<RankCandidate>& idle,
+  // when it must wait because its live holders are all busy, or, after a coordinator restart,
+  // while its holders may still register again (it resumes from one of them, not from
+  // nothing, unless none is alive any more).
+  bool WaitsForHolder(const JobRecord& job, std::vector<RankCandidate>& idle, absl::Time now,
                       std::string* why) const;
   // Starts the suspended job's next generation on `worker_ids`, recorded as a recovery (its
   // first step says what was redone), and stops counting the time suspended.

@@ -117,7 +117,9 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
       continue;
     }
     if (job.job.state() == v1::JOB_STATE_SUSPENDED) {
-      // Its holders tell whether they still keep its state when they register again.
+      // Its holders tell whether they still keep its state when they register again: it waits
+      // for them as long as a running job waits for its members.
+      job.restart_grace_until = now + options_.restart_grace;
       SetState(job, v1::JOB_STATE_SUSPENDED);
       AddEvent(job, v1::JobEvent::STATE, "coordinator restarted; still suspended", now, out);
       continue;

@@ -96,7 +96,7 @@ void Core::Schedule(absl::Time now, Decisions* out) {
     std::vector<RankCandidate> idle = OneRankPerGpu({}, fitting, job.memory_needed, &left_out);
     const bool suspended = job.job.state() == v1::JOB_STATE_SUSPENDED;
     std::string holder_wait;
-    if (suspended && WaitsForHolder(job, idle, &holder_wait)) {
+    if (suspended && WaitsForHolder(job, idle, now, &holder_wait)) {
       const std::string reason = absl::StrCat(job.job.suspension().reason(), "; ", holder_wait);
       if (reason != job.job.reason()) {
         job.job.set_reason(reason);

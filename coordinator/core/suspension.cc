@@ -136,7 +136,7 @@ void Core::NoteHolder(const Worker& worker, absl::Time now, Decisions* out) {
 }
 
 bool Core::WaitsForHolder(const JobRecord& job, std::vector<RankCandidate>& idle,
-                          std::string* why) const {
+                          absl::Time now, std::string* why) const {
   const auto& holders = job.job.suspension().holders();
   const auto holds = [&](const RankCandidate& c) {
     return std::find(holders.begin(), holders.end(), workers_.at(c.worker_id).info.name()) !=
@@ -147,6 +147,13 @@ bool Core::WaitsForHolder(const JobRecord& job, std::vector<RankCandidate>& idle
   std::vector<std::string> alive;
   for (const std::string& name : holders) {
     if (live_names_.count(name) > 0) alive.push_back(name);
+  }
+  if (alive.empty() && now < job.restart_grace_until && !holders.empty()) {
+    *why = absl::StrCat("waiting up to ", Seconds1(options_.restart_grace),
+                        " for the workers that keep its state (",
+                        absl::StrJoin(holders.begin(), holders.end(), ", "),
+                        ") to register again after the coordinator restarted");
+    return true;
   }
   if (alive.empty()) return false;  // nobody to wait for: it resumes from what it can
   *why = absl::StrCat("waiting for a worker that keeps its state of step ",

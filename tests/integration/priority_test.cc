@@ -1,7 +1,10 @@
 // Priorities with real workers (docs/scheduling.md): an urgent job takes workers from a running
 // job of a lower priority by shrinking it toward its min_workers, and the shrunk job grows back
 // once the urgent one has ended, finishing with exactly its steps and the bits of an
-// undisturbed run, no step redone. Bad priorities are refused with INVALID_ARGUMENT.
+// undisturbed run, no step redone. When shrinking is not enough the lower job is suspended
+// whole, its state kept in its workers' memory (through a coordinator restart, and through a
+// suspend and resume by hand), and it ends with the same bits. Bad priorities are refused with
+// INVALID_ARGUMENT; suspend and resume of the wrong jobs with FAILED_PRECONDITION.
 #include <signal.h>
 
 #include <string>
@@ -120,6 +123,127 @@ TEST(PriorityTest, AnUrgentJobShrinksALowerOneWhichGrowsBackAndEndsWithTheSameBi
   EXPECT_TRUE(absl::StrContains(queue->output, "No queued jobs.")) << queue->output;
 }
 
+// Runs lockstepctl against the cluster; the exit code and what it printed.
+testing::CommandResult Ctl(Cluster& cluster, const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {LOCKSTEP_CTL_BIN, "--coordinator=" + cluster.address()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto result = testing::RunCommand(argv, absl::Seconds(30));
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *result : testing::CommandResult{};
+}
+
+TEST(PriorityTest, ASuspendedJobKeepsItsStateThroughARestartAndEndsWithTheSameBits) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  const v1::JobSpec low_spec = testing::DeterministicJob(2, 2, kLowSteps, 0, 5000);
+  ASSERT_TRUE(cluster.StartWorker("ref").ok());
+  v1::JobSpec reference = low_spec;
+  reference.set_min_workers(1);
+  reference.set_max_workers(1);
+  const std::string checksum = testing::ReferenceChecksum(cluster, reference);
+  ASSERT_FALSE(checksum.empty());
+  cluster.worker("ref")->Signal(SIGTERM);
+  ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
+
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(cluster
+                    .StartWorker(absl::StrCat("w", i),
+                                 {absl::StrCat("--test_hooks=before_step@", kHeldAt)})
+                    .ok())
+        << cluster.Logs();
+  }
+  auto low = cluster.Submit(low_spec);
+  ASSERT_TRUE(low.ok()) << low.status();
+  ASSERT_TRUE(cluster.WaitFor(low->job_id(), [](const v1::Job& j) { return j.step() >= 200; },
+                              kWait)
+                  .ok())
+      << cluster.Logs();
+
+  // An urgent job needs both workers; low is at its min_workers: it is suspended whole.
+  v1::JobSpec urgent_spec = testing::DeterministicJob(2, 2, 600, 0, 5000);
+  urgent_spec.set_priority(10);
+  auto urgent = cluster.Submit(urgent_spec);
+  ASSERT_TRUE(urgent.ok()) << urgent.status();
+  auto suspended = cluster.WaitFor(
+      low->job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SUSPENDED; }, kWait);
+  ASSERT_TRUE(suspended.ok()) << suspended.status() << cluster.Logs();
+  EXPECT_TRUE(absl::StrContains(suspended->reason(),
+                                "preempted by " + urgent->job_id() + " (priority 10)"))
+      << suspended->reason();
+  EXPECT_EQ(suspended->suspension().holders_size(), 2) << suspended->DebugString();
+  EXPECT_GE(suspended->suspension().step(), 200);
+  ASSERT_TRUE(cluster.WaitFor(urgent->job_id(), [](const v1::Job& j) { return j.step() >= 20; },
+                              kWait)
+                  .ok())
+      << cluster.Logs();
+
+  // The coordinator restarts while low is suspended: its workers come back keeping its state
+  // aside (and the urgent job's), and low is still suspended with both of them as holders.
+  ASSERT_TRUE(cluster.RestartCoordinator().ok()) << cluster.Logs();
+  auto after = cluster.WaitFor(
+      low->job_id(),
+      [](const v1::Job& j) {
+        return j.state() == v1::JOB_STATE_SUSPENDED && j.suspension().holders_size() == 2;
+      },
+      kWait);
+  ASSERT_TRUE(after.ok()) << after.status() << cluster.Logs();
+
+  // The urgent job ends; low resumes from its workers' memory, no step trained again.
+  auto urgent_done = cluster.WaitForEnd(urgent->job_id(), kWait);
+  ASSERT_TRUE(urgent_done.ok()) << urgent_done.status();
+  ASSERT_EQ(urgent_done->state(), v1::JOB_STATE_SUCCEEDED) << urgent_done->reason();
+  auto resumed = cluster.WaitFor(
+      low->job_id(),
+      [](const v1::Job& j) {
+        return j.state() == v1::JOB_STATE_RUNNING && j.recovery_history_size() > 0 &&
+               j.recovery_history().rbegin()->first_step_unix_ms() > 0 &&
+               absl::StartsWith(j.recovery_history().rbegin()->reason(), "resumed after");
+      },
+      kWait);
+  ASSERT_TRUE(resumed.ok()) << resumed.status() << cluster.Logs();
+  EXPECT_EQ(resumed->recovery_history().rbegin()->steps_redone(), 0)
+      << resumed->recovery_history().rbegin()->DebugString();
+  EXPECT_GE(resumed->suspended_ms(), 1);
+
+  // By hand: the wrong jobs are refused; low is suspended (held before kHeldAt) and resumed.
+  const testing::CommandResult ended = Ctl(cluster, {"suspend", urgent->job_id()});
+  EXPECT_EQ(ended.exit_code, 3) << ended.output;
+  EXPECT_TRUE(absl::StrContains(ended.output, "FAILED_PRECONDITION")) << ended.output;
+  EXPECT_TRUE(absl::StrContains(ended.output, "has already ended")) << ended.output;
+  const testing::CommandResult not_suspended = Ctl(cluster, {"resume", low->job_id()});
+  EXPECT_EQ(not_suspended.exit_code, 3) << not_suspended.output;
+  EXPECT_TRUE(absl::StrContains(not_suspended.output, "is not suspended")) << not_suspended.output;
+  ASSERT_TRUE(cluster.WaitForHook("w0", "before_step", kWait).ok()) << cluster.Logs();
+  const testing::CommandResult suspend = Ctl(cluster, {"suspend", low->job_id()});
+  ASSERT_EQ(suspend.exit_code, 0) << suspend.output;
+  EXPECT_TRUE(absl::StartsWith(suspend.output, "suspended " + low->job_id())) << suspend.output;
+  auto by_hand = cluster.Get(low->job_id());
+  ASSERT_TRUE(by_hand.ok()) << by_hand.status();
+  EXPECT_EQ(by_hand->state(), v1::JOB_STATE_SUSPENDED);
+  EXPECT_TRUE(by_hand->suspension().by_user());
+  const testing::CommandResult status = Ctl(cluster, {"status", low->job_id()});
+  EXPECT_TRUE(absl::StrContains(status.output, "Suspended:")) << status.output;
+  EXPECT_TRUE(absl::StrContains(status.output, "by a user")) << status.output;
+  const testing::CommandResult resume = Ctl(cluster, {"resume", low->job_id()});
+  ASSERT_EQ(resume.exit_code, 0) << resume.output;
+  for (int i = 0; i < 2; ++i) cluster.ReleaseHook(absl::StrCat("w", i), "before_step");
+
+  auto done = cluster.WaitForEnd(low->job_id(), kWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  testing::ExpectExact(cluster, *done, kLowSteps, checksum);
+  EXPECT_EQ(done->recoveries(), 0);
+  int resumes = 0;
+  for (const v1::Recovery& r : done->recovery_history()) {
+    resumes += absl::StartsWith(r.reason(), "resumed after");
+    EXPECT_FALSE(r.counted()) << r.reason();
+    if (r.first_step_unix_ms() > 0) {
+      EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
+    }
+  }
+  EXPECT_EQ(resumes, 2) << done->DebugString();
+}
+
 TEST(PriorityTest, AQueuedJobSaysWhyItWaitsAndABadPriorityIsRefused) {
   auto started = Cluster::Start();
   ASSERT_TRUE(started.ok()) << started.status();
@@ -130,11 +254,11 @@ TEST(PriorityTest, AQueuedJobSaysWhyItWaitsAndABadPriorityIsRefused) {
   auto refused = cluster.Submit(bad);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "priority")) << refused.status();
-  // One worker, held by a job of priority 5 at its min_workers: a job of priority 9 cannot
-  // take it, and the queue lists the waiting jobs in their order with why.
+  // Two workers, held by a job of priority 9: a job of the same priority cannot take them
+  // (nor suspend it), and the queue lists the waiting jobs in their order with why.
   ASSERT_TRUE(cluster.StartWorker("w1", {"--test_hooks=before_step@50"}).ok());
   v1::JobSpec busy = testing::SyntheticJob(2, 2, 100);
-  busy.set_priority(5);
+  busy.set_priority(9);
   busy.set_collective_timeout_ms(120000);  // w0 waits for the held w1 in a collective
   auto running = cluster.Submit(busy);
   ASSERT_TRUE(running.ok()) << running.status();

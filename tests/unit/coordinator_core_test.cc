@@ -3145,6 +3145,19 @@ TEST_F(SuspensionTest, ARestartedCoordinatorKeepsASuspendedJobAndLearnsItsHolder
   Decisions d;
   EXPECT_EQ(fresh.RestoreJobs(saved, now_, &d), 2);
   ASSERT_EQ(fresh.GetJob(low)->state(), v1::JOB_STATE_SUSPENDED);
+  // Another worker registers first: low waits for its holders rather than start from nothing.
+  {
+    v1::RegisterRequest r;
+    r.set_name("w5");
+    r.set_host("h1");
+    r.set_device("cpu");
+    Decisions rd;
+    ASSERT_TRUE(fresh.RegisterWorker(r, now_, &rd).ok());
+  }
+  EXPECT_EQ(fresh.GetJob(low)->state(), v1::JOB_STATE_SUSPENDED);
+  EXPECT_TRUE(absl::StrContains(fresh.GetJob(low)->reason(),
+                                "(w0, w1) to register again after the coordinator restarted"))
+      << fresh.GetJob(low)->reason();
   // w0 comes back keeping low's state aside, w1 as a new process without it, w9 keeping the
   // state of a job this coordinator does not know.
   std::map<std::string, std::string> ids;
