@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Preemption by shrinking: an urgent job takes a worker from a running lower-priority job.
+"""Preemption: an urgent job takes workers from a running lower-priority job, by shrinking it
+or, when that is not enough, by suspending it.
 
 Two workers (deploy/local/cluster.sh) train the reference MLP (Fashion-MNIST, batch 256) as a
 low-priority job (min 1, max 2). Once it has trained --warm_steps steps on both, a job of
@@ -19,8 +20,16 @@ checkpoint; once the urgent job has ended, kills the low job again and relaunche
 Measured from the kill: the urgent job's first step, the low job's first step after each
 relaunch, and the steps it redid (from its last checkpoint).
 
-Prints a Markdown table and writes JSON (default bench/results/preemption.json).
-Usage: bench/preemption_bench.py [--build build] [--trials 5] [--skip-torch]
+The suspend scenario (--scenario suspend or both): the low job needs both workers (min 2), and
+so does the urgent job: the low job is suspended whole, its state kept in its workers' memory,
+and resumes from it once the urgent job has ended. Per trial: submit to the urgent job's first
+step; the low job's resume (from the urgent job's end to the low job's first step after it) and
+its steps redone. torchrun: kill the low job, run the urgent one on both processes, relaunch the
+low job on both from its checkpoint; measured from the kill and from the urgent job's end.
+
+Prints Markdown tables and writes JSON (default bench/results/preemption.json).
+Usage: bench/preemption_bench.py [--build build] [--trials 5] [--scenario shrink|suspend|both]
+       [--skip-torch]
 """
 import argparse
 import json
@@ -95,6 +104,38 @@ def trial(cluster, a):
         "low_steps_redone": int(shrink.get("stepsRedone", 0)) + int(grow.get("stepsRedone", 0)),
         "low_counted_restarts": int(job.get("recoveries", 0)),
         "shrink_reason": shrink["reason"],
+    }
+
+
+def trial_suspend(cluster, a):
+    low = reference_spec(2, 2, max_steps=1_000_000, skip_eval=True)
+    low.update(name="low", priority=0)
+    low_id = submit(cluster, low)
+    try:
+        wait(cluster, low_id, lambda j: len(j.get("members", [])) == 2 and
+             int(j.get("step", 0)) >= a.warm_steps)
+        urgent = reference_spec(2, 2, max_steps=a.urgent_steps, skip_eval=True)
+        urgent.update(name="urgent", priority=10)
+        urgent_id = submit(cluster, urgent)
+        suspended = wait(cluster, low_id, lambda j: j["state"] == "JOB_STATE_SUSPENDED")
+        done = wait(cluster, urgent_id, lambda j: j["state"] not in
+                    ("JOB_STATE_PENDING", "JOB_STATE_RUNNING", "JOB_STATE_RECONFIGURING"))
+        if done["state"] != "JOB_STATE_SUCCEEDED":
+            raise RuntimeError(f"urgent {urgent_id} {done['state']}: {done.get('reason')}")
+        job = wait(cluster, low_id, lambda j: any(
+            r["reason"].startswith("resumed after") and int(r.get("firstStepUnixMs", 0)) > 0
+            for r in j.get("recoveryHistory", [])))
+    finally:
+        cluster.ctl("cancel", low_id)
+    resume = next(r for r in job["recoveryHistory"] if r["reason"].startswith("resumed after"))
+    return {
+        "urgent_job": urgent_id, "low_job": low_id,
+        "submit_to_first_step_s": int(done["firstStepLatencyMs"]) / 1000,
+        "low_resume_s": (int(resume["firstStepUnixMs"]) - int(done["endTimeUnixMs"])) / 1000,
+        "low_suspended_s": int(job.get("suspendedMs", 0)) / 1000,
+        "low_steps_redone": int(resume.get("stepsRedone", 0)),
+        "low_counted_restarts": int(job.get("recoveries", 0)),
+        "suspended_at_step": int(suspended["suspension"].get("step", 0)),
     }
 
 
@@ -176,6 +217,28 @@ def torch_trial(a):
             "low_steps_redone": redone, "low_counted_restarts": 2}
 
 
+def torch_trial_suspend(a):
+    ckpt = tempfile.mkdtemp(prefix="torch-suspend.")
+    common = ["--max_steps", 1_000_000, "--checkpoint_dir", ckpt,
+              "--checkpoint_every", a.checkpoint_every]
+    low = Torchrun(2, *common)
+    low.wait_step(a.warm_steps)
+    kill_ms = time.time() * 1000
+    at_kill = low.kill()
+    urgent = Torchrun(2, "--max_steps", a.urgent_steps)
+    urgent_first = urgent.first_step_ms()
+    urgent.proc.wait(timeout=300)
+    end_ms = time.time() * 1000
+    low = Torchrun(2, *common)
+    low_first = low.first_step_ms()
+    redone = at_kill - (low.resumed or 0)
+    low.kill()
+    return {"submit_to_first_step_s": (urgent_first - kill_ms) / 1000,
+            "low_resume_s": (low_first - end_ms) / 1000,
+            "low_suspended_s": (low_first - kill_ms) / 1000,
+            "low_steps_redone": redone, "low_counted_restarts": 1}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -184,32 +247,73 @@ def main():
     p.add_argument("--urgent_steps", type=int, default=100)
     p.add_argument("--checkpoint_every", type=int, default=50, help="torchrun's checkpoints")
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--scenario", choices=["shrink", "suspend", "both"], default="both")
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/preemption.json"))
     a = p.parse_args()
     cluster = Cluster(a.build, 2)
-    trials = {"Lockstep": [], "torchrun": []}
+    scenarios = ["shrink", "suspend"] if a.scenario == "both" else [a.scenario]
+    trials = {(s, system): [] for s in scenarios for system in ("Lockstep", "torchrun")}
+    runners = {("shrink", "Lockstep"): lambda: trial(cluster, a),
+               ("shrink", "torchrun"): lambda: torch_trial(a),
+               ("suspend", "Lockstep"): lambda: trial_suspend(cluster, a),
+               ("suspend", "torchrun"): lambda: torch_trial_suspend(a)}
     try:
         for i in range(a.trials):
-            # Alternated against drift.
-            for system in (["Lockstep", "torchrun"] if i % 2 == 0 else ["torchrun", "Lockstep"]):
-                if system == "torchrun" and a.skip_torch:
-                    continue
-                t = trial(cluster, a) if system == "Lockstep" else torch_trial(a)
-                trials[system].append(t)
-                print(f"{system} trial {i + 1}: urgent first step after "
-                      f"{t['submit_to_first_step_s']:.3f} s, low paused "
-                      f"{t['low_pause_at_shrink_s']:.3f} s + {t['low_pause_at_growth_s']:.3f} s, "
-                      f"{t['low_steps_redone']} steps redone", file=sys.stderr)
+            for scenario in scenarios:
+                # Alternated against drift.
+                for system in (["Lockstep", "torchrun"] if i % 2 == 0 else
+                               ["torchrun", "Lockstep"]):
+                    if system == "torchrun" and a.skip_torch:
+                        continue
+                    t = runners[(scenario, system)]()
+                    trials[(scenario, system)].append(t)
+                    print(f"{scenario} {system} trial {i + 1}: urgent first step after "
+                          f"{t['submit_to_first_step_s']:.3f} s, {t['low_steps_redone']} steps "
+                          "redone", file=sys.stderr)
     finally:
         cluster.stop()
 
-    def cells(system, key, fmt):
-        values = [t[key] for t in trials[system]]
+    def cells(system, key, fmt, scenario="shrink"):
+        values = [t[key] for t in trials.get((scenario, system), [])]
         if not values:
             return "-"
         return (", ".join(fmt.format(v) for v in values) +
                 f" (median {fmt.format(statistics.median(values))})")
 
+    if "shrink" in scenarios:
+        shrink_table(a, cells)
+    if "suspend" in scenarios:
+        suspend_table(a, cells)
+    result = {"workload": "reference MLP, Fashion-MNIST, batch 256", "host_cpus": os.cpu_count(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "build": a.build,
+              "settings": vars(a),
+              "trials": {f"{s}/{system}": t for (s, system), t in trials.items()}}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nJSON: {a.out}")
+
+
+def suspend_table(a, cells):
+    print(f"\nSuspension: 2 workers, the reference MLP as a low-priority job needing both "
+          f"(Lockstep: min 2; torchrun: 2 processes, checkpoints every {a.checkpoint_every} "
+          f"steps); after {a.warm_steps} steps a job needing both ({a.urgent_steps} steps; "
+          f"Lockstep: priority 10). torchrun's times count from the operator's kill. "
+          f"{a.trials} trials each, alternated.\n")
+    print("| measure | Lockstep (suspend, state in memory) | torchrun (kill, relaunch from "
+          "checkpoint) |")
+    print("|---|---|---|")
+    for name, key, fmt in [
+            ("submit (torchrun: kill) to the urgent job's first step", "submit_to_first_step_s",
+             "{:.3f} s"),
+            ("urgent job's end to the low job's first step", "low_resume_s", "{:.3f} s"),
+            ("low job's steps redone", "low_steps_redone", "{}"),
+            ("low job's restarts counted", "low_counted_restarts", "{}")]:
+        print(f"| {name} | {cells('Lockstep', key, fmt, 'suspend')} | "
+              f"{cells('torchrun', key, fmt, 'suspend')} |")
+
+
+def shrink_table(a, cells):
     print(f"\nPreemption: 2 workers, the reference MLP as a low-priority job (Lockstep: min 1, "
           f"max 2; torchrun: 2 processes, checkpoints every {a.checkpoint_every} steps); after "
           f"{a.warm_steps} steps a job needing 1 worker ({a.urgent_steps} steps; Lockstep: "
@@ -225,13 +329,6 @@ def main():
             ("low job's steps redone (both)", "low_steps_redone", "{}"),
             ("low job's restarts counted", "low_counted_restarts", "{}")]:
         print(f"| {name} | {cells('Lockstep', key, fmt)} | {cells('torchrun', key, fmt)} |")
-    result = {"workload": "reference MLP, Fashion-MNIST, batch 256", "host_cpus": os.cpu_count(),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "build": a.build,
-              "settings": vars(a), "trials": trials}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\nJSON: {a.out}")
 
 
 if __name__ == "__main__":
