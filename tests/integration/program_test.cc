@@ -1429,6 +1429,52 @@ TEST_F(ProgramTest, AProgramJobShrunkForAnUrgentJobGoesOnFromMemoryAndGrowsBack)
   EXPECT_EQ(done->members_size(), 2);
 }
 
+// Suspended whole for an urgent job that needs both its workers: its processes stop (SIGTERM),
+// its saves stay in the workers' checkpoint memory while they run the urgent job, and it
+// resumes from them once that job ends, nothing redone.
+TEST_F(ProgramTest, AProgramJobSuspendedForAnUrgentJobResumesFromItsSaves) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/ckpt.py", kCheckpointScript);
+  for (const char* name : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster->StartWorker(name, PeerCopyFlags(*cluster, p, name, name)).ok())
+        << cluster->Logs();
+  }
+  auto job = cluster->Submit(CheckpointJob(p, "susp", 40, "after-save:8"));
+  ASSERT_TRUE(job.ok()) << job.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(WaitForFile(absl::StrCat(p.out, "/susp-held-", rank), kJobWait))
+        << cluster->Logs();
+  }
+  v1::JobSpec urgent_spec = testing::SyntheticJob(2, 2, 300);
+  urgent_spec.set_priority(10);
+  auto urgent = cluster->Submit(urgent_spec);
+  ASSERT_TRUE(urgent.ok()) << urgent.status();
+  auto suspended = cluster->WaitFor(
+      job->job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SUSPENDED; },
+      kJobWait);
+  ASSERT_TRUE(suspended.ok()) << suspended.status() << cluster->Logs();
+  EXPECT_EQ(suspended->suspension().holders_size(), 2) << suspended->DebugString();
+  auto urgent_done = cluster->WaitForEnd(urgent->job_id(), kJobWait);
+  ASSERT_TRUE(urgent_done.ok()) << urgent_done.status();
+  EXPECT_EQ(urgent_done->state(), v1::JOB_STATE_SUCCEEDED) << urgent_done->reason();
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_TRUE(absl::StartsWith(ReadFile(p.out + "/susp-final"), "40 "));
+  EXPECT_EQ(done->recoveries(), 0);
+  ASSERT_EQ(done->recovery_history_size(), 1) << done->DebugString();
+  const v1::Recovery& resumed = done->recovery_history(0);
+  EXPECT_TRUE(absl::StartsWith(resumed.reason(), "resumed after")) << resumed.reason();
+  EXPECT_TRUE(absl::StrContains(resumed.reason(), "preempted by " + urgent->job_id()))
+      << resumed.reason();
+  // Both ranks had saved step 8 before they were stopped: nothing redone.
+  EXPECT_EQ(Restored(p, "susp", resumed.to_generation(), 0), "8");
+  EXPECT_EQ(Restored(p, "susp", resumed.to_generation(), 1), "8");
+  EXPECT_EQ(resumed.steps_redone(), 0) << resumed.DebugString();
+}
+
 // A save that cannot fit in the worker's --checkpoint_memory_bytes fails in the script with
 // the numbers (a MemoryError it may catch); here uncaught, with exit code 1 made fatal.
 TEST_F(ProgramTest, ASaveBeyondTheWorkersCheckpointMemoryFailsNamingTheNumbers) {
