@@ -193,15 +193,16 @@ std::string FormatJobList(const v1::ListJobsResponse& response, absl::Time now) 
 
 std::string FormatQueue(const v1::ListJobsResponse& queue, absl::Time now) {
   if (queue.jobs().empty()) return "No queued jobs.\n";
-  Table table({"#", "JOB", "NAME", "PRIORITY", "WORKERS", "WAITING", "WHY"});
+  Table table({"#", "JOB", "NAME", "STATE", "PRIORITY", "WORKERS", "WAITING", "WOULD PREEMPT",
+               "WHY"});
   int position = 0;
   for (const v1::Job& job : queue.jobs()) {
     const absl::Time submit = FromUnixMillisOrInfinitePast(job.submit_time_unix_ms());
     table.AddRow({absl::StrCat(++position), job.job_id(), OrNone(job.spec().name()),
-                  absl::StrCat(job.spec().priority()),
+                  JobStateName(job.state()), absl::StrCat(job.spec().priority()),
                   absl::StrCat(job.spec().min_workers(), "-", job.spec().max_workers()),
                   submit == absl::InfinitePast() ? kNone : ShortDuration(now - submit),
-                  job.reason()});
+                  OrNone(job.would_preempt()), job.reason()});
   }
   return table.Render();
 }

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -126,6 +127,8 @@ class Core {
   // not charged, so one failing or malicious worker cannot use up a job's restarts.
   static constexpr int kMaxChargesPerWorker = 3;
   static constexpr size_t kMaxJobsPageBytes = 4 << 20;
+  // A queue listing says what this many queued jobs would preempt (Job.would_preempt).
+  static constexpr int kPlannedQueueJobs = 32;
 
   explicit Core(CoreOptions options = {});
 
@@ -400,6 +403,23 @@ class Core {
   // workers and those taken are kept for `job` until it starts (the victims' re-formations
   // cannot take them). Only when enough can be taken, GPU sharing counted; else nothing
   // changes and `why` says what shrinking could free.
+  // What preempting for `job` would do (PreemptFor carries it out; the queue shows it).
+  struct PreemptionPlan {
+    struct Victim {
+      std::string job_id;
+      bool suspend = false;            // suspended whole, else shrunk
+      std::vector<std::string> taken;  // worker ids `job` takes from it
+    };
+    bool enough = false;             // it frees enough for `job`'s min_workers
+    size_t could = 0;                // when not: how many it could free
+    std::vector<Victim> victims;     // when enough: in the order they give
+    std::vector<std::string> idle;   // when enough: the idle workers it starts with
+    absl::flat_hash_set<std::string> chosen;  // every worker id it starts with
+  };
+  PreemptionPlan PlanPreemption(const JobRecord& job, const std::vector<RankCandidate>& idle) const;
+  // "shrink job-3 (priority 0) by 1, suspend job-5 (priority 0)"; why not when it is not
+  // enough; "" when nothing would be preempted.
+  std::string DescribePlan(const PreemptionPlan& plan) const;
   bool PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, absl::Time now,
                   Decisions* out, std::string* why);
   // Members of `victim` that `job` could take (device, memory, programs; not excluded), from

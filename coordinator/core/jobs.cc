@@ -272,7 +272,17 @@ absl::StatusOr<v1::ListJobsResponse> Core::ListJobs(const v1::ListJobsRequest& r
         break;
       }
       bytes += size;
-      *page.add_jobs() = View(record);
+      v1::Job* view = page.add_jobs();
+      *view = View(record);
+      if (page.jobs_size() <= kPlannedQueueJobs) {
+        // What it would take at the head now (each plan looks at every running job).
+        const v1::JobSpec& spec = record.job.spec();
+        const std::vector<RankCandidate> idle = OneRankPerGpu(
+            {}, IdleWorkers(spec.device(), record.memory_needed, &record), record.memory_needed);
+        if (static_cast<int64_t>(idle.size()) < spec.min_workers()) {
+          view->set_would_preempt(DescribePlan(PlanPreemption(record, idle)));
+        }
+      }
     }
     return page;
   }

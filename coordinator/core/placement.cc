@@ -366,22 +366,23 @@ std::vector<RankCandidate> Core::TakeableMembers(const JobRecord& victim,
   return takeable;
 }
 
-bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, absl::Time now,
-                      Decisions* out, std::string* why) {
+Core::PreemptionPlan Core::PlanPreemption(const JobRecord& job,
+                                           const std::vector<RankCandidate>& idle) const {
+  PreemptionPlan plan;
   const v1::JobSpec& spec = job.job.spec();
   const int32_t priority = spec.priority();
   // Running jobs of a lower declared priority at a step boundary (their current generation has
   // completed a step), lowest first, then the newest first (it has the least to lose); never
   // one re-forming, finishing or at its last step.
-  struct Victim {
-    JobRecord* job;
+  struct Candidate {
+    const JobRecord* job;
     std::vector<RankCandidate> all;       // every member `job` could use
     std::vector<RankCandidate> takeable;  // those above its min_workers
     bool suspend = false;                 // shrinking is not enough: it is suspended whole
   };
-  std::vector<Victim> victims;
+  std::vector<Candidate> victims;
   for (const auto& [seq, id] : active_) {
-    JobRecord& v = jobs_.at(id);
+    const JobRecord& v = jobs_.at(id);
     if (v.job.state() != v1::JOB_STATE_RUNNING || v.job.spec().priority() >= priority ||
         !v.first_report_of_generation_seen || v.finishing || AnyMemberAtLastStep(v)) {
       continue;
@@ -394,8 +395,8 @@ bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, ab
         all.begin(), all.begin() + static_cast<ptrdiff_t>(std::min<size_t>(all.size(), spare)));
     victims.push_back({&v, std::move(all), std::move(takeable)});
   }
-  if (victims.empty()) return false;
-  std::sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) {
+  if (victims.empty()) return plan;
+  std::sort(victims.begin(), victims.end(), [](const Candidate& a, const Candidate& b) {
     const int32_t pa = a.job->job.spec().priority(), pb = b.job->job.spec().priority();
     return pa != pb ? pa < pb : a.job->submit_seq > b.job->submit_seq;
   });
@@ -403,88 +404,118 @@ bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, ab
   // shrinking every victim toward its min_workers; when that is not enough, by suspending
   // victims whole as well, in the same order, until it is.
   std::vector<RankCandidate> usable;
-  const auto plan = [&] {
-    std::vector<RankCandidate> pool = idle;
-    for (const Victim& v : victims) {
+  const auto pool = [&] {
+    std::vector<RankCandidate> all = idle;
+    for (const Candidate& v : victims) {
       const std::vector<RankCandidate>& given = v.suspend ? v.all : v.takeable;
-      pool.insert(pool.end(), given.begin(), given.end());
+      all.insert(all.end(), given.begin(), given.end());
     }
-    usable = OneRankPerGpu({}, pool, job.memory_needed);
+    usable = OneRankPerGpu({}, all, job.memory_needed);
   };
-  plan();
+  pool();
   for (size_t i = 0; static_cast<int64_t>(usable.size()) < spec.min_workers() && i < victims.size();
        ++i) {
     victims[i].suspend = true;
-    plan();
+    pool();
   }
   if (static_cast<int64_t>(usable.size()) < spec.min_workers()) {
-    const size_t could = usable.size() - std::min(usable.size(), idle.size());
-    if (could > 0) {
-      *why = absl::StrCat("; shrinking or suspending lower-priority jobs would free only ", could);
+    plan.could = usable.size() - std::min(usable.size(), idle.size());
+    return plan;
+  }
+  plan.enough = true;
+  // The workers it starts with: every idle one it can use (up to max_workers), and from the
+  // victims what min_workers still lacks.
+  absl::flat_hash_set<std::string_view> idle_ids;
+  for (const RankCandidate& c : idle) idle_ids.insert(c.worker_id);
+  size_t from_victims = static_cast<size_t>(spec.min_workers()) -
+                        std::min<size_t>(idle.size(), spec.min_workers());
+  for (const RankCandidate& c : usable) {
+    const bool was_idle = idle_ids.count(c.worker_id) > 0;
+    if (was_idle ? plan.chosen.size() < static_cast<size_t>(spec.max_workers())
+                 : from_victims > 0) {
+      plan.chosen.insert(c.worker_id);
+      if (was_idle) {
+        plan.idle.push_back(c.worker_id);
+      } else {
+        --from_victims;
+      }
+    }
+  }
+  for (const Candidate& v : victims) {
+    PreemptionPlan::Victim victim{v.job->job.job_id(), v.suspend, {}};
+    for (const RankCandidate& c : v.suspend ? v.all : v.takeable) {
+      if (plan.chosen.count(c.worker_id) > 0) victim.taken.push_back(c.worker_id);
+    }
+    // A victim nobody is taken from after all (the others sufficed) is left alone.
+    if (!victim.taken.empty()) plan.victims.push_back(std::move(victim));
+  }
+  return plan;
+}
+
+std::string Core::DescribePlan(const PreemptionPlan& plan) const {
+  if (!plan.enough) {
+    return plan.could > 0
+               ? absl::StrCat("not enough: shrinking or suspending lower-priority jobs would free "
+                              "only ", plan.could)
+               : std::string();
+  }
+  std::vector<std::string> parts;
+  for (const PreemptionPlan::Victim& v : plan.victims) {
+    const JobRecord& victim = jobs_.at(v.job_id);
+    parts.push_back(v.suspend ? absl::StrCat("suspend ", v.job_id, " (priority ",
+                                             victim.job.spec().priority(), ")")
+                              : absl::StrCat("shrink ", v.job_id, " (priority ",
+                                             victim.job.spec().priority(), ") by ",
+                                             v.taken.size()));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, absl::Time now,
+                      Decisions* out, std::string* why) {
+  const PreemptionPlan plan = PlanPreemption(job, idle);
+  if (!plan.enough) {
+    if (plan.could > 0) {
+      *why = absl::StrCat("; shrinking or suspending lower-priority jobs would free only ",
+                          plan.could);
     }
     return false;
   }
-  // The workers it starts with: every idle one it can use (up to max_workers), and from the
-  // victims what min_workers still lacks.
-  absl::flat_hash_set<std::string> chosen;
-  absl::flat_hash_set<std::string_view> idle_ids;
-  for (const RankCandidate& c : idle) idle_ids.insert(c.worker_id);
-  size_t from_victims = static_cast<size_t>(spec.min_workers()) - std::min<size_t>(
-                                                                       idle.size(), spec.min_workers());
-  for (const RankCandidate& c : usable) {
-    const bool was_idle = idle_ids.count(c.worker_id) > 0;
-    if (was_idle ? chosen.size() < static_cast<size_t>(spec.max_workers()) : from_victims > 0) {
-      chosen.insert(c.worker_id);
-      if (!was_idle) --from_victims;
-    }
-  }
-  for (const RankCandidate& c : idle) {
-    if (chosen.count(c.worker_id) == 0) continue;
-    Worker& w = workers_.at(c.worker_id);
+  const auto keep = [&](Worker& w) {
     w.reserved_for = job.job.job_id();
     job.reserved.insert(w.id);
-  }
-  const std::string by = absl::StrCat(job.job.job_id(), " (priority ", priority, ")");
-  for (Victim& v : victims) {
-    JobRecord& victim = *v.job;
+  };
+  for (const std::string& id : plan.idle) keep(workers_.at(id));
+  const std::string by = absl::StrCat(job.job.job_id(), " (priority ", job.job.spec().priority(),
+                                      ")");
+  for (const PreemptionPlan::Victim& v : plan.victims) {
+    JobRecord& victim = jobs_.at(v.job_id);
     std::vector<std::string> names;
+    for (const std::string& id : v.taken) names.push_back(workers_.at(id).info.name());
+    const std::string taken = absl::StrJoin(names, ", ");
     if (v.suspend) {
       // Stopped whole: its members keep its state while they serve others; it resumes from
       // them when workers free up (suspension.cc).
-      for (const RankCandidate& c : v.all) {
-        if (chosen.count(c.worker_id) > 0) names.push_back(workers_.at(c.worker_id).info.name());
-      }
-      if (names.empty()) continue;  // the others sufficed after all
       Suspend(victim, absl::StrCat("preempted by ", by), job.job.job_id(), /*by_user=*/false, now,
               out);
-      for (const RankCandidate& c : v.all) {
-        if (chosen.count(c.worker_id) == 0) continue;
-        Worker& w = workers_.at(c.worker_id);
-        w.reserved_for = job.job.job_id();
-        job.reserved.insert(w.id);
-      }
+      for (const std::string& id : v.taken) keep(workers_.at(id));
       AddEvent(job, v1::JobEvent::MEMBERSHIP,
-               absl::StrCat("took ", absl::StrJoin(names, ", "), " from ", victim.job.job_id(), " (priority ",
+               absl::StrCat("took ", taken, " from ", v.job_id, " (priority ",
                             victim.job.spec().priority(), "), suspended"),
                now, out);
       continue;
     }
-    for (const RankCandidate& c : v.takeable) {
-      if (chosen.count(c.worker_id) == 0) continue;
-      Worker& w = workers_.at(c.worker_id);
-      names.push_back(w.info.name());
+    for (const std::string& id : v.taken) {
+      Worker& w = workers_.at(id);
       PushAbort(victim, w.id, absl::StrCat("preempted by ", by), out);
       EraseMember(victim, w.id);
       w.state = WorkerState::kIdle;
       w.job_id.clear();
       w.generation = 0;
-      w.reserved_for = job.job.job_id();
-      job.reserved.insert(w.id);
+      keep(w);
     }
-    if (names.empty()) continue;
-    const std::string taken = absl::StrJoin(names, ", ");
     AddEvent(job, v1::JobEvent::MEMBERSHIP,
-             absl::StrCat("took ", taken, " from ", victim.job.job_id(), " (priority ",
+             absl::StrCat("took ", taken, " from ", v.job_id, " (priority ",
                           victim.job.spec().priority(), "), shrunk toward its min_workers"),
              now, out);
     // The rest re-form at once (the workers kept for `job` are not theirs to take); the job

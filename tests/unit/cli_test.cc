@@ -289,11 +289,12 @@ TEST(Format, QueueListsPositionPriorityWorkersWaitAndWhy) {
   }
   q.mutable_jobs(0)->set_reason("waiting for 2 idle cpu workers (1 idle)");
   q.mutable_jobs(1)->set_reason("queued behind job-7 (priority 10), which is waiting");
+  q.mutable_jobs(0)->set_would_preempt("suspend job-3 (priority 0)");
   const std::string s = FormatQueue(q, absl::FromUnixMillis(1'700'000'090'000));
   std::cout << s;
-  EXPECT_THAT(s, HasSubstr("#  JOB    NAME  PRIORITY  WORKERS  WAITING  WHY"));
-  EXPECT_THAT(s, HasSubstr("1  job-7  -     10        2-4      1m30s    waiting for 2 idle"));
-  EXPECT_THAT(s, HasSubstr("2  job-8  -     0         2-4      1m30s    queued behind job-7"));
+  EXPECT_THAT(s, HasSubstr("#  JOB    NAME  STATE    PRIORITY  WORKERS  WAITING  WOULD PREEMPT               WHY"));
+  EXPECT_THAT(s, HasSubstr("1  job-7  -     PENDING  10        2-4      1m30s    suspend job-3 (priority 0)  waiting for 2 idle"));
+  EXPECT_THAT(s, HasSubstr("2  job-8  -     PENDING  0         2-4      1m30s    -                           queued behind job-7"));
 }
 
 TEST(Format, Tables) {

@@ -3132,6 +3132,31 @@ TEST_F(SuspensionTest, AUserSuspendsAndResumesJobsWithClearErrors) {
   EXPECT_EQ(Queue(), (std::vector<std::string>{big}));
 }
 
+TEST_F(SuspensionTest, TheQueueSaysWhatEachJobWouldPreemptAtItsHead) {
+  Register("w0");
+  Register("w1");
+  const std::string low = Submit(PrioritySpec(1, 2, 0));
+  Step(low, 1);
+  const std::string head = Submit(PrioritySpec(3, 3, 5));   // more than there are
+  const std::string shrinks = Submit(PrioritySpec(1, 1, 4));
+  const std::string suspends = Submit(PrioritySpec(2, 2, 3));
+  const std::string equal = Submit(PrioritySpec(1, 1, 0));
+  v1::ListJobsRequest request;
+  request.set_queue(true);
+  const v1::ListJobsResponse queue = core_.ListJobs(request).value();
+  ASSERT_EQ(queue.jobs_size(), 4);
+  std::map<std::string, std::string> plans;
+  for (const v1::Job& j : queue.jobs()) plans[j.job_id()] = j.would_preempt();
+  EXPECT_EQ(plans[head],
+            "not enough: shrinking or suspending lower-priority jobs would free only 2");
+  EXPECT_EQ(plans[shrinks], "shrink " + low + " (priority 0) by 1");
+  EXPECT_EQ(plans[suspends], "suspend " + low + " (priority 0)");
+  EXPECT_EQ(plans[equal], "");
+  // Only a listing of the queue says it; nothing was preempted.
+  EXPECT_EQ(Job(shrinks).would_preempt(), "");
+  EXPECT_EQ(Members(low).size(), 2u);
+}
+
 TEST_F(SuspensionTest, ARestartedCoordinatorKeepsASuspendedJobAndLearnsItsHoldersAgain) {
   Register("w0");
   Register("w1");
