@@ -104,6 +104,7 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
   }
   if (actions.drop_kept_state && kept_ != nullptr) dropped->push_back(std::move(kept_));
   if (actions.drop_parked_state && parked_ != nullptr) dropped->push_back(std::move(parked_));
+  if (actions.swap_kept_and_parked) std::swap(kept_, parked_);
   if (actions.park_kept_state) parked_ = std::move(kept_);
   if (actions.keep_state_of.has_value()) {
     auto it = runs_.find(*actions.keep_state_of);
@@ -150,6 +151,10 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
       continue;
     }
     runs_.emplace(start.run, std::move(run));
+  }
+  if (actions.park_state_after_start_of.has_value()) {
+    auto it = runs_.find(*actions.park_state_after_start_of);
+    if (it != runs_.end()) parked_ = std::move(it->second->state);
   }
   for (v1::WorkerMessage& m : actions.send) sends->push_back(std::move(m));
 }
@@ -319,7 +324,7 @@ absl::Status Agent::RunSession(bool* registered) {
           message.mutable_assignment()->clear_abort_previous();
           Decide([&](WorkerLifecycle& l, absl::Time now) {
             return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now,
-                             a.suspended());
+                             a.suspended(), a.drop_parked());
           });
           if (a.job_ended()) ForgetProgramJob(a.job_id());
         }
@@ -331,7 +336,7 @@ absl::Status Agent::RunSession(bool* registered) {
         const v1::Abort& a = message.abort();
         Decide([&](WorkerLifecycle& l, absl::Time now) {
           return l.OnAbort(a.job_id(), a.generation(), a.reason(), a.job_ended(), now,
-                           a.suspended());
+                           a.suspended(), a.drop_parked());
         });
         if (a.job_ended()) ForgetProgramJob(a.job_id());
         break;

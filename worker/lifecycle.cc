@@ -94,6 +94,15 @@ LifecycleActions WorkerLifecycle::OnAssignment(const v1::Assignment& a, absl::Ti
   // Rule 1: this assignment supersedes everything else.
   AbortOthers(id, absl::StrCat("superseded by ", a.job_id(), " generation ", a.generation()),
               &out);
+  // Rule 7: the job's own parked state is used now; a suspended job's kept state takes its
+  // place.
+  if (parked_.has_value() && *parked_ == run.key && kept_.has_value() && *kept_ != run.key &&
+      Suspended(kept_->job_id)) {
+    out.log.push_back(absl::StrCat("parking the state of ", kept_->job_id, " (suspended); ",
+                                   a.job_id(), " resumes from its parked state"));
+    std::swap(kept_, parked_);
+    out.swap_kept_and_parked = true;
+  }
   // Rule 3: state of another job (or of this id with another spec) is never used.
   if (kept_.has_value() && *kept_ != run.key && Suspended(kept_->job_id)) {
     Park(*kept_, &out);  // rule 7
@@ -152,9 +161,26 @@ void WorkerLifecycle::StartReady(absl::Time now, LifecycleActions* out) {
 
 LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t generation,
                                           const std::string& reason, bool job_ended,
-                                          absl::Time now, bool suspended) {
+                                          absl::Time now, bool suspended, bool drop_parked) {
   LifecycleActions out;
   if (suspended && !job_ended) Remember(suspended_jobs_, job_id);
+  if (drop_parked && !job_ended) {
+    // Rule 7: it resumed on other workers.
+    suspended_jobs_.erase(std::remove(suspended_jobs_.begin(), suspended_jobs_.end(), job_id),
+                          suspended_jobs_.end());
+    if (parked_.has_value() && parked_->job_id == job_id) {
+      out.log.push_back(absl::StrCat("dropping the state parked for ", job_id, ": ", reason));
+      parked_.reset();
+      out.drop_parked_state = true;
+    }
+    bool running = false;
+    for (const auto& [id, run] : runs_) running = running || run.key.job_id == job_id;
+    if (!running && kept_.has_value() && kept_->job_id == job_id) {
+      out.log.push_back(absl::StrCat("dropping the state kept for ", job_id, ": ", reason));
+      kept_.reset();
+      out.drop_kept_state = true;
+    }
+  }
   for (auto it = runs_.begin(); it != runs_.end();) {
     const v1::Assignment& a = it->second.assignment;
     if (a.job_id() != job_id || (a.generation() != generation && !job_ended)) {
@@ -251,7 +277,15 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
       }
     }
   }
-  if (result.holds_state && park) {
+  bool claimed = false;  // the parked state is a waiting run's (rule 7)
+  for (const auto& [other_id, other] : runs_) {
+    claimed = claimed || (parked_.has_value() && other.key == *parked_ &&
+                          other.phase != Phase::kStopping);
+  }
+  const bool park_after_start = result.holds_state && park && claimed;
+  if (park_after_start) {
+    // Parked once the waiting run has taken the parked state (below).
+  } else if (result.holds_state && park) {
     Park(run.key, &out);
     out.park_state_of = id;
   } else if (result.holds_state && drop_why.empty()) {
@@ -268,6 +302,13 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
                      drop_why));
   }
   StartReady(now, &out);
+  if (park_after_start && !parked_.has_value()) {
+    Park(run.key, &out);
+    out.park_state_after_start_of = id;
+  } else if (park_after_start) {
+    out.log.push_back(absl::StrCat("dropping the state of ", a.job_id(), " (suspended): ",
+                                   parked_->job_id, " waits to resume from the parked state"));
+  }
   return out;
 }
 

@@ -30,8 +30,11 @@
 //     saying it is suspended (Abort.suspended), its state, kept or handed on when its run
 //     ends, is set aside when another job is assigned (where rules 3 and 4 would drop it), and
 //     stays while the worker serves other jobs. One parked state at a time: a newer one
-//     replaces it. The job's next assignment starts with it (it is no longer suspended); its
-//     end drops it.
+//     replaces it, except that a job assigned again keeps its parked state: it swaps places
+//     with a suspended job's kept state, or a run of another suspended job ending meanwhile
+//     parks its state once the job's run has taken the parked one. The job's next assignment
+//     starts with it (it is no longer suspended); its end drops it, and so does an abort
+//     saying it resumed elsewhere.
 #pragma once
 
 #include <cstdint>
@@ -79,13 +82,17 @@ struct LifecycleActions {
     bool job_ended = false;  // the job is over: the run may stop loading its data too
   };
   std::vector<Abort> abort;
-  // Applied in this order: drop the kept state, drop the parked state, park the kept state,
-  // keep or park the ended run's state, start runs.
+  // Applied in this order: drop the kept state, drop the parked state, swap the kept and
+  // parked states, park the kept state, keep or park the ended run's state, start runs, park
+  // the ended run's state (park_state_after_start_of).
   bool drop_kept_state = false;
   bool drop_parked_state = false;
   bool park_kept_state = false;        // the kept state becomes the parked one (rule 7)
+  bool swap_kept_and_parked = false;   // rule 7: the parked state is to be used now
   std::optional<RunId> keep_state_of;  // the run that just ended (its state becomes the kept one)
   std::optional<RunId> park_state_of;  // the run that just ended (its state becomes the parked one)
+  // The same, once the runs started (one of them took the parked state): applied last.
+  std::optional<RunId> park_state_after_start_of;
   std::vector<Start> start;
   std::vector<v1::WorkerMessage> send;  // failure and heal reports
   std::vector<std::string> log;         // decisions worth a log line (ignored assignments, ...)
@@ -99,9 +106,11 @@ class WorkerLifecycle {
 
   LifecycleActions OnAssignment(const v1::Assignment& assignment, absl::Time now);
   // The coordinator aborted (job, generation); `job_ended`: the job is over, its state can go;
-  // `suspended`: the job is suspended, its state is parked when another job comes (rule 7).
+  // `suspended`: the job is suspended, its state is parked when another job comes (rule 7);
+  // `drop_parked`: it resumed elsewhere, what this worker keeps or parks of it can go.
   LifecycleActions OnAbort(const std::string& job_id, int64_t generation, const std::string& reason,
-                           bool job_ended, absl::Time now, bool suspended = false);
+                           bool job_ended, absl::Time now, bool suspended = false,
+                           bool drop_parked = false);
   LifecycleActions OnSessionEnded(const std::string& reason, absl::Time now);
   // The run's group agreed on its state (report: its resumed report, without job and generation).
   LifecycleActions OnHealed(RunId run, const v1::ResumedReport& report, absl::Time now);

@@ -377,12 +377,15 @@ class Core {
   // reserved. Queued unless `by_user`.
   void Suspend(JobRecord& job, const std::string& reason, const std::string& by_job, bool by_user,
                absl::Time now, Decisions* out);
-  // A suspended job at the queue's head: puts its holders first among `idle`; true (and `why`)
-  // when it must wait because its live holders are all busy, or, after a coordinator restart,
-  // while its holders may still register again (it resumes from one of them, not from
-  // nothing, unless none is alive any more).
-  bool WaitsForHolder(const JobRecord& job, std::vector<RankCandidate>& idle, absl::Time now,
-                      std::string* why) const;
+  // A suspended job at the queue's head whose `idle` (holders first) starts with no holder:
+  // true (and `why`) when it must wait because its live holders are busy or kept for another
+  // job, or, after a coordinator restart, while its holders may still register again (it
+  // resumes from one of them, not from nothing, unless none is left to wait for).
+  bool WaitsForHolder(const JobRecord& job, const std::vector<RankCandidate>& idle,
+                      absl::Time now, std::string* why) const;
+  // Whether the candidate is one of the suspended job's holders; holders first (stable).
+  bool Holds(const JobRecord& job, const RankCandidate& c) const;
+  void HoldersFirst(const JobRecord& job, std::vector<RankCandidate>& idle) const;
   // Starts the suspended job's next generation on `worker_ids`, recorded as a recovery (its
   // first step says what was redone), and stops counting the time suspended.
   void Resume(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
@@ -391,9 +394,10 @@ class Core {
   // holder back without the job's state leaves the list; one with it joins. A parked state of
   // an ended or unknown job is dropped (Abort.job_ended).
   void NoteHolder(const Worker& worker, absl::Time now, Decisions* out);
-  // `name` no longer keeps the state of suspended jobs other than `except` (it parks one).
-  void ForgetHolder(const std::string& name, const std::string& except, absl::Time now,
-                    Decisions* out);
+  // `name` no longer keeps the state of suspended jobs other than `except` and `keep` (it
+  // parks one; `keep` is the job it is taken for, which resumes from its parked state).
+  void ForgetHolder(const std::string& name, const std::string& except, const std::string& keep,
+                    absl::Time now, Decisions* out);
   // Ages the queued jobs whose next aging is due (priority_aging).
   void AgeQueue(absl::Time now);
   // Preemption for the queued `job`, which has only `idle` (fitting, one rank per GPU) of its
@@ -420,6 +424,12 @@ class Core {
   // "shrink job-3 (priority 0) by 1, suspend job-5 (priority 0)"; why not when it is not
   // enough; "" when nothing would be preempted.
   std::string DescribePlan(const PreemptionPlan& plan) const;
+  void ApplyPreemption(JobRecord& job, const PreemptionPlan& plan, absl::Time now,
+                       Decisions* out);
+  // A suspended job whose holders are all busy: takes one back from a running job of a lower
+  // declared priority at a step boundary (shrunk when above its min_workers, else suspended),
+  // kept for `job`. False when no holder can be taken.
+  bool FreeHolder(JobRecord& job, absl::Time now, Decisions* out);
   bool PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, absl::Time now,
                   Decisions* out, std::string* why);
   // Members of `victim` that `job` could take (device, memory, programs; not excluded), from

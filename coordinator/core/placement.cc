@@ -90,13 +90,19 @@ void Core::Schedule(absl::Time now, Decisions* out) {
     JobRecord& job = jobs_.at(std::get<2>(*pending_.begin()));
     const v1::JobSpec& spec = job.job.spec();
     std::vector<RankCandidate> left_out;
-    const std::vector<RankCandidate> fitting =
-        IdleWorkers(spec.device(), job.memory_needed, &job);
+    std::vector<RankCandidate> fitting = IdleWorkers(spec.device(), job.memory_needed, &job);
+    // The workers kept for it first (those it preempted for), and a suspended job's holders
+    // before all, before one rank per GPU drops any.
+    std::stable_partition(fitting.begin(), fitting.end(), [&](const RankCandidate& c) {
+      return job.reserved.count(c.worker_id) > 0;
+    });
+    const bool suspended = job.job.state() == v1::JOB_STATE_SUSPENDED;
+    if (suspended) HoldersFirst(job, fitting);
     const size_t fitting_count = fitting.size();
     std::vector<RankCandidate> idle = OneRankPerGpu({}, fitting, job.memory_needed, &left_out);
-    const bool suspended = job.job.state() == v1::JOB_STATE_SUSPENDED;
     std::string holder_wait;
     if (suspended && WaitsForHolder(job, idle, now, &holder_wait)) {
+      if (FreeHolder(job, now, out)) continue;  // a holder is kept for it: the next pass
       const std::string reason = absl::StrCat(job.job.suspension().reason(), "; ", holder_wait);
       if (reason != job.job.reason()) {
         job.job.set_reason(reason);
@@ -481,6 +487,12 @@ bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, ab
     }
     return false;
   }
+  ApplyPreemption(job, plan, now, out);
+  return true;
+}
+
+void Core::ApplyPreemption(JobRecord& job, const PreemptionPlan& plan, absl::Time now,
+                           Decisions* out) {
   const auto keep = [&](Worker& w) {
     w.reserved_for = job.job.job_id();
     job.reserved.insert(w.id);
@@ -525,7 +537,32 @@ bool Core::PreemptFor(JobRecord& job, const std::vector<RankCandidate>& idle, ab
                          now, now, out);
     TryReform(victim, now, out);
   }
-  return true;
+}
+
+bool Core::FreeHolder(JobRecord& job, absl::Time now, Decisions* out) {
+  for (const std::string& name : job.job.suspension().holders()) {
+    const auto live = live_names_.find(name);
+    if (live == live_names_.end()) continue;
+    const Worker& w = workers_.at(live->second);
+    if (w.state != WorkerState::kBusy || Excluded(job, w.id, name)) continue;
+    const JobRecord* busy = FindJob(w.job_id);
+    if (busy == nullptr || busy->job.state() != v1::JOB_STATE_RUNNING ||
+        busy->job.spec().priority() >= job.job.spec().priority() ||
+        !busy->first_report_of_generation_seen || busy->finishing ||
+        AnyMemberAtLastStep(*busy)) {
+      continue;
+    }
+    PreemptionPlan plan;
+    plan.enough = true;
+    plan.victims.push_back(
+        {busy->job.job_id(),
+         /*suspend=*/static_cast<int64_t>(busy->members.size()) <= busy->job.spec().min_workers(),
+         {w.id}});
+    plan.chosen.insert(w.id);
+    ApplyPreemption(job, plan, now, out);
+    return true;
+  }
+  return false;
 }
 
 std::vector<RankCandidate> Core::MemberCandidates(const JobRecord& job) const {

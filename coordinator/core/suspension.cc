@@ -70,7 +70,9 @@ void Core::Suspend(JobRecord& job, const std::string& reason, const std::string&
   }
   ReleaseReserved(job, /*job_ended=*/false, reason, out);
   // A worker parks one suspended job's state: this one's replaces any other's.
-  for (const std::string& name : s.holders()) ForgetHolder(name, job.job.job_id(), now, out);
+  for (const std::string& name : s.holders()) {
+    ForgetHolder(name, job.job.job_id(), by_job, now, out);
+  }
   if (job.job.state() == v1::JOB_STATE_RUNNING) {
     out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
     EndGeneration(job, reason, now);
@@ -85,10 +87,10 @@ void Core::Suspend(JobRecord& job, const std::string& reason, const std::string&
   AddEvent(job, v1::JobEvent::STATE, job.job.reason(), now, out);
 }
 
-void Core::ForgetHolder(const std::string& name, const std::string& except, absl::Time now,
-                        Decisions* out) {
+void Core::ForgetHolder(const std::string& name, const std::string& except,
+                        const std::string& keep, absl::Time now, Decisions* out) {
   for (const std::string& id : suspended_) {
-    if (id == except) continue;
+    if (id == except || id == keep) continue;
     JobRecord& job = jobs_.at(id);
     auto* holders = job.job.mutable_suspension()->mutable_holders();
     auto it = std::find(holders->begin(), holders->end(), name);
@@ -118,10 +120,15 @@ void Core::NoteHolder(const Worker& worker, absl::Time now, Decisions* out) {
   const std::string& name = worker.info.name();
   for (const std::string& id : suspended_) {
     JobRecord& job = jobs_.at(id);
-    const bool keeps = parked.job_id() == id || worker.info.held().job_id() == id;
+    // A program job's saves are in the worker's checkpoint memory, a tmpfs that outlives the
+    // worker's process: its holders stay. An excluded worker's state is dropped
+    // (ReserveOrRelease): it is no holder.
+    const bool program = job.job.spec().has_program();
+    const bool keeps = program || ((parked.job_id() == id || worker.info.held().job_id() == id) &&
+                                   !Excluded(job, worker.id, name));
     auto* holders = job.job.mutable_suspension()->mutable_holders();
     auto it = std::find(holders->begin(), holders->end(), name);
-    if (keeps == (it != holders->end())) continue;
+    if (keeps == (it != holders->end()) || (program && it == holders->end())) continue;
     if (keeps) {
       holders->Add(std::string(name));
     } else {
@@ -135,18 +142,32 @@ void Core::NoteHolder(const Worker& worker, absl::Time now, Decisions* out) {
   }
 }
 
-bool Core::WaitsForHolder(const JobRecord& job, std::vector<RankCandidate>& idle,
+bool Core::Holds(const JobRecord& job, const RankCandidate& c) const {
+  const auto& holders = job.job.suspension().holders();
+  return std::find(holders.begin(), holders.end(), workers_.at(c.worker_id).info.name()) !=
+         holders.end();
+}
+
+void Core::HoldersFirst(const JobRecord& job, std::vector<RankCandidate>& idle) const {
+  std::stable_partition(idle.begin(), idle.end(),
+                        [&](const RankCandidate& c) { return Holds(job, c); });
+}
+
+bool Core::WaitsForHolder(const JobRecord& job, const std::vector<RankCandidate>& idle,
                           absl::Time now, std::string* why) const {
   const auto& holders = job.job.suspension().holders();
-  const auto holds = [&](const RankCandidate& c) {
-    return std::find(holders.begin(), holders.end(), workers_.at(c.worker_id).info.name()) !=
-           holders.end();
-  };
-  std::stable_partition(idle.begin(), idle.end(), holds);
-  if (!idle.empty() && holds(idle.front())) return false;
+  if (!idle.empty() && Holds(job, idle.front())) return false;
+  // Worth waiting for: a holder busy with another job, or kept for one that is about to start.
+  // (An idle holder this job cannot use, excluded or short of memory, is not.)
   std::vector<std::string> alive;
   for (const std::string& name : holders) {
-    if (live_names_.count(name) > 0) alive.push_back(name);
+    const auto live = live_names_.find(name);
+    if (live == live_names_.end()) continue;
+    const Worker& w = workers_.at(live->second);
+    if (w.state == WorkerState::kBusy ||
+        (!w.reserved_for.empty() && w.reserved_for != job.job.job_id())) {
+      alive.push_back(name);
+    }
   }
   if (alive.empty() && now < job.restart_grace_until && !holders.empty()) {
     *why = absl::StrCat("waiting up to ", Seconds1(options_.restart_grace),
@@ -187,6 +208,16 @@ void Core::Resume(JobRecord& job, std::vector<std::string> worker_ids, absl::Tim
     job.open_recovery = job.job.recovery_history_size() - 1;
   }
   job.reconfigure_since = now;
+  // Holders it resumes without (busy elsewhere, or beyond max_workers) may drop its state.
+  absl::flat_hash_set<std::string> chosen(worker_ids.begin(), worker_ids.end());
+  for (const std::string& name : suspension.holders()) {
+    const auto live = live_names_.find(name);
+    if (live == live_names_.end() || chosen.count(live->second) > 0) continue;
+    v1::CoordinatorMessage drop =
+        AbortMessage(job.job.job_id(), 0, "it resumed on other workers");
+    drop.mutable_abort()->set_drop_parked(true);
+    out->messages.push_back({live->second, std::move(drop)});
+  }
   StartGeneration(job, std::move(worker_ids), now, out);
   v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
   r->set_to_generation(job.job.generation());
@@ -222,6 +253,7 @@ absl::StatusOr<v1::Job> Core::SuspendJob(const std::string& job_id, absl::Time n
     job->job.set_reason(absl::StrCat(s->reason(), "; ", Outlook(*s)));
     AddEvent(*job, v1::JobEvent::STATE, job->job.reason(), now, out);
   } else if (state == v1::JOB_STATE_PENDING) {
+    ReleaseReserved(*job, /*job_ended=*/false, reason, out);
     v1::Suspension* s = job->job.mutable_suspension();
     s->set_reason(absl::StrCat(reason, " before it started"));
     s->set_by_user(true);

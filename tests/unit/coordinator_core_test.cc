@@ -3132,6 +3132,57 @@ TEST_F(SuspensionTest, AUserSuspendsAndResumesJobsWithClearErrors) {
   EXPECT_EQ(Queue(), (std::vector<std::string>{big}));
 }
 
+TEST_F(SuspensionTest, ASuspendedJobTakesAHolderBackFromALowerPriorityJob) {
+  Register("w0");
+  Register("w1");
+  const std::string x = Submit(Patient(2, 2, 5));
+  Step(x, 3);
+  ASSERT_TRUE(SuspendByHand(x).ok());
+  // While it is suspended by hand, a job of a lower priority runs on its holders.
+  const std::string low = Submit(Patient(2, 2, 0));
+  ASSERT_EQ(Job(low).state(), v1::JOB_STATE_RUNNING);
+  Step(low, 1);
+  // Resumed: it does not wait for low to end, it takes its holders back (low is at its
+  // min_workers: suspended), and resumes on them.
+  ASSERT_TRUE(ResumeByHand(x).ok());
+  const v1::Job j = Job(x);
+  ASSERT_EQ(j.state(), v1::JOB_STATE_RUNNING) << j.reason();
+  EXPECT_EQ(j.generation(), 2);
+  EXPECT_EQ(MemberNames(x), (std::set<std::string>{"w0", "w1"}));
+  const v1::Job l = Job(low);
+  ASSERT_EQ(l.state(), v1::JOB_STATE_SUSPENDED) << l.reason();
+  EXPECT_TRUE(absl::StrContains(l.reason(), "preempted by " + x + " (priority 5)")) << l.reason();
+  // Its workers keep low's state aside while they run x (they park one state besides x's).
+  EXPECT_EQ(Holders(low), (std::set<std::string>{"w0", "w1"}));
+}
+
+TEST_F(SuspensionTest, AHolderLeftOutOfTheResumeIsToldToDropTheState) {
+  Register("w0");
+  Register("w1");
+  Register("w2");
+  const std::string x = Submit(Patient(2, 2, 5));
+  Step(x, 3);
+  // Needs 2: w2 idle and one of x's, which is at its min_workers: x is suspended, w1 taken.
+  const std::string high = Submit(Patient(2, 2, 9));
+  ASSERT_EQ(Job(high).state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(Job(x).state(), v1::JOB_STATE_SUSPENDED);
+  ASSERT_EQ(Holders(x), (std::set<std::string>{"w0", "w1"}));
+  EXPECT_EQ(MemberNames(high), (std::set<std::string>{"w1", "w2"}));
+  // One holder idle, one busy with a job of a higher priority: it waits for a second worker.
+  EXPECT_TRUE(absl::StrContains(Job(x).reason(), "waiting for 2 idle")) << Job(x).reason();
+  TakeAssignments();
+  const std::string w3 = Register("w3");
+  ASSERT_EQ(Job(x).state(), v1::JOB_STATE_RUNNING) << Job(x).reason();
+  EXPECT_EQ(MemberNames(x), (std::set<std::string>{"w0", "w3"}));
+  bool told = false;
+  for (const auto& m : sent_) {
+    told = told || (m.worker_id == FindId("w1") && m.message.has_abort() &&
+                    m.message.abort().job_id() == x && m.message.abort().drop_parked() &&
+                    !m.message.abort().job_ended());
+  }
+  EXPECT_TRUE(told) << "w1 may drop x's state";
+}
+
 TEST_F(SuspensionTest, TheQueueSaysWhatEachJobWouldPreemptAtItsHead) {
   Register("w0");
   Register("w1");

@@ -23,7 +23,9 @@ v1::JobSpec Spec(uint64_t seed) {
 
 // One event; `spec` distinguishes two specs under one job id.
 struct Event {
-  enum Kind { kAssign, kAbort, kSuspend, kJobEnded, kSessionEnded, kHealed, kEnded, kTick } kind;
+  enum Kind {
+    kAssign, kAbort, kSuspend, kDropParked, kJobEnded, kSessionEnded, kHealed, kEnded, kTick
+  } kind;
   std::string job = "job-1";
   int64_t generation = 1;
   RunId run = 0;
@@ -41,6 +43,7 @@ Event Abort(const std::string& job, int64_t generation) {
 Event Suspend(const std::string& job, int64_t generation) {
   return {Event::kSuspend, job, generation};
 }
+Event DropParked(const std::string& job) { return {Event::kDropParked, job, 0}; }
 Event JobEnded(const std::string& job) { return {Event::kJobEnded, job, 0}; }
 Event SessionEnded() { return {Event::kSessionEnded}; }
 Event Healed(RunId run) { return {Event::kHealed, "", 0, run}; }
@@ -60,6 +63,7 @@ std::string Describe(const LifecycleActions& a) {
   }
   if (a.drop_kept_state) parts.push_back("drop kept");
   if (a.drop_parked_state) parts.push_back("drop parked");
+  if (a.swap_kept_and_parked) parts.push_back("swap kept and parked");
   if (a.park_kept_state) parts.push_back("park kept");
   if (a.keep_state_of.has_value()) parts.push_back(absl::StrCat("keep #", *a.keep_state_of));
   if (a.park_state_of.has_value()) parts.push_back(absl::StrCat("park #", *a.park_state_of));
@@ -69,7 +73,10 @@ std::string Describe(const LifecycleActions& a) {
                                  s.with_kept_state     ? " with state"
                                  : s.with_parked_state ? " with parked state"
                                                        : " fresh"));
+  }  if (a.park_state_after_start_of.has_value()) {
+    parts.push_back(absl::StrCat("then park #", *a.park_state_after_start_of));
   }
+
   for (const v1::WorkerMessage& m : a.send) {
     if (m.has_failure()) {
       parts.push_back(absl::StrCat("report failure", m.failure().fatal() ? " (fatal)" : "",
@@ -109,6 +116,10 @@ std::vector<std::string> Play(const std::vector<Event>& events) {
       case Event::kSuspend:
         a = lifecycle.OnAbort(e.job, e.generation, "suspended", /*job_ended=*/false, now,
                               /*suspended=*/true);
+        break;
+      case Event::kDropParked:
+        a = lifecycle.OnAbort(e.job, e.generation, "resumed elsewhere", /*job_ended=*/false, now,
+                              /*suspended=*/false, /*drop_parked=*/true);
         break;
       case Event::kJobEnded:
         a = lifecycle.OnAbort(e.job, e.generation, "the job ended", /*job_ended=*/true, now);
@@ -287,6 +298,28 @@ INSTANTIATE_TEST_SUITE_P(
               Abort("job-1", 2), Ended(2, K::kStopped), Assign("job-2", 1)},
              {"start #1 job-1/1 fresh", "abort #1", "keep #1", "start #2 job-1/2 with state",
               "abort #2", "keep #2", "drop kept, start #3 job-2/1 fresh"}},
+        // A job resumed on a worker that keeps another suspended job's state uses its own
+        // parked state; the other's takes the parked place.
+        Case{"AResumedJobSwapsItsParkedStateWithASuspendedJobsKeptOne",
+             {Assign("job-1", 1), Suspend("job-1", 1), Ended(1, K::kStopped), Assign("job-2", 1),
+              Suspend("job-2", 1), Ended(2, K::kStopped), Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "park kept, start #2 job-2/1 fresh",
+              "abort #2", "keep #2", "swap kept and parked, start #3 job-1/2 with state"}},
+        // ... and when the other suspended job's run ends only after the assignment, its state
+        // is parked once the resumed job's run has taken the parked one.
+        Case{"ASuspendedRunEndingWhileAJobWaitsForItsParkedStateIsParkedAfterIt",
+             {Assign("job-1", 1), Suspend("job-1", 1), Ended(1, K::kStopped), Assign("job-2", 1),
+              Suspend("job-2", 1), Assign("job-1", 2), Ended(2, K::kStopped)},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "park kept, start #2 job-2/1 fresh",
+              "abort #2", "nothing", "start #3 job-1/2 with parked state, then park #2"}},
+        // Resumed on other workers: what this one keeps or parks of it goes.
+        Case{"AJobResumedElsewhereDropsItsParkedAndKeptState",
+             {Assign("job-1", 1), Suspend("job-1", 1), Ended(1, K::kStopped), Assign("job-2", 1),
+              DropParked("job-1"), Assign("job-3", 1), Ended(2, K::kStopped), Suspend("job-3", 1),
+              Ended(3, K::kStopped), DropParked("job-3")},
+             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "park kept, start #2 job-2/1 fresh",
+              "drop parked", "abort #2", "start #3 job-3/1 fresh", "abort #3", "keep #3",
+              "drop kept"}},
         Case{"AnAbortOfAnOlderGenerationLeavesTheCurrentRunAlone",
              {Assign("job-1", 1), Assign("job-1", 2), Ended(1, K::kStopped), Abort("job-1", 1)},
              {"start #1 job-1/1 fresh", "abort #1", "keep #1, start #2 job-1/2 with state",
