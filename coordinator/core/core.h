@@ -337,6 +337,9 @@ class Core {
     bool end_recorded = true;
     // Idle workers kept for this job (Worker::reserved_for).
     std::set<std::string> reserved;
+    // Resumed from a suspension: holders it resumed without (by name), told to drop its state
+    // once the resumed generation has trained a step (CloseRecovery).
+    std::vector<std::string> parked_elsewhere;
     // Restored by a restarted coordinator: the names of its last generation's members, awaited
     // until restart_grace_until (CoreOptions::restart_grace).
     std::vector<std::string> previous_names;

@@ -343,15 +343,21 @@ void Core::FinishJob(JobRecord& job, v1::JobState state, const std::string& reas
     w->job_id.clear();
     w->generation = 0;
   }
+  // Its holders (suspended, or resumed without them) may drop the state they keep for it.
+  std::vector<std::string> holders = std::move(job.parked_elsewhere);
+  job.parked_elsewhere.clear();
   if (job.job.state() == v1::JOB_STATE_SUSPENDED) {
-    // Its holders may drop the state they keep for it.
-    for (const std::string& name : job.job.suspension().holders()) {
-      auto it = live_names_.find(name);
-      if (it == live_names_.end()) continue;
-      out->messages.push_back(
-          {it->second, AbortMessage(job.job.job_id(), 0, reason, /*job_ended=*/true)});
-    }
+    holders.insert(holders.end(), job.job.suspension().holders().begin(),
+                   job.job.suspension().holders().end());
     job.job.clear_suspension();
+  }
+  for (const std::string& name : holders) {
+    auto it = live_names_.find(name);
+    if (it == live_names_.end()) continue;
+    const Worker& w = workers_.at(it->second);
+    if (w.job_id == job.job.job_id()) continue;  // a member: told below (or once recorded)
+    out->messages.push_back(
+        {it->second, AbortMessage(job.job.job_id(), 0, reason, /*job_ended=*/true)});
   }
   if (succeeded) {
     job.end_recorded = false;

@@ -375,6 +375,19 @@ void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note
                            note),
            now, out);
   job.open_recovery = -1;
+  // A resumed job has trained a step: the holders it resumed without may drop its state.
+  for (const std::string& name : job.parked_elsewhere) {
+    const auto live = live_names_.find(name);
+    const Worker* w = live == live_names_.end() ? nullptr : FindWorker(live->second);
+    if (w == nullptr || (w->state == WorkerState::kBusy && w->job_id == job.job.job_id())) {
+      continue;
+    }
+    v1::CoordinatorMessage drop =
+        AbortMessage(job.job.job_id(), 0, "it resumed on other workers");
+    drop.mutable_abort()->set_drop_parked(true);
+    out->messages.push_back({w->id, std::move(drop)});
+  }
+  job.parked_elsewhere.clear();
 }
 
 }  // namespace lockstep::coordinator

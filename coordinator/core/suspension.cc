@@ -208,15 +208,16 @@ void Core::Resume(JobRecord& job, std::vector<std::string> worker_ids, absl::Tim
     job.open_recovery = job.job.recovery_history_size() - 1;
   }
   job.reconfigure_since = now;
-  // Holders it resumes without (busy elsewhere, or beyond max_workers) may drop its state.
+  // Holders it resumes without (busy elsewhere, or beyond max_workers) may drop its state once
+  // the resumed generation has trained a step (CloseRecovery): until then they are its
+  // fallback, should the holder it resumes from be lost while it heals the others.
   absl::flat_hash_set<std::string> chosen(worker_ids.begin(), worker_ids.end());
+  job.parked_elsewhere.clear();
   for (const std::string& name : suspension.holders()) {
     const auto live = live_names_.find(name);
-    if (live == live_names_.end() || chosen.count(live->second) > 0) continue;
-    v1::CoordinatorMessage drop =
-        AbortMessage(job.job.job_id(), 0, "it resumed on other workers");
-    drop.mutable_abort()->set_drop_parked(true);
-    out->messages.push_back({live->second, std::move(drop)});
+    if (live == live_names_.end() || chosen.count(live->second) == 0) {
+      job.parked_elsewhere.push_back(name);
+    }
   }
   StartGeneration(job, std::move(worker_ids), now, out);
   v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);

@@ -132,11 +132,15 @@ testing::CommandResult Ctl(Cluster& cluster, const std::vector<std::string>& arg
   return result.ok() ? *result : testing::CommandResult{};
 }
 
+// Suspended for an urgent job needing both its workers; then held by a user too, the
+// coordinator restarted while it is suspended, its workers back with its state, resumed by hand:
+// it ends with the bits of an undisturbed run, nothing redone.
 TEST(PriorityTest, ASuspendedJobKeepsItsStateThroughARestartAndEndsWithTheSameBits) {
   auto started = Cluster::Start();
   ASSERT_TRUE(started.ok()) << started.status();
   Cluster& cluster = **started;
-  const v1::JobSpec low_spec = testing::DeterministicJob(2, 2, kLowSteps, 0, 5000);
+  v1::JobSpec low_spec = testing::DeterministicJob(2, 2, kLowSteps, 0, 120000);
+  low_spec.set_step_timeout_ms(120000);
   ASSERT_TRUE(cluster.StartWorker("ref").ok());
   v1::JobSpec reference = low_spec;
   reference.set_min_workers(1);
@@ -146,41 +150,46 @@ TEST(PriorityTest, ASuspendedJobKeepsItsStateThroughARestartAndEndsWithTheSameBi
   cluster.worker("ref")->Signal(SIGTERM);
   ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
 
-  for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(cluster
-                    .StartWorker(absl::StrCat("w", i),
-                                 {absl::StrCat("--test_hooks=before_step@", kHeldAt)})
-                    .ok())
-        << cluster.Logs();
-  }
+  // w0 holds low before its step 1000 (it is still training when the urgent job comes; the
+  // suspension lets it go); w1 holds the urgent job before its step 1500.
+  ASSERT_TRUE(cluster.StartWorker("w0", {"--test_hooks=before_step@1000"}).ok()) << cluster.Logs();
+  ASSERT_TRUE(cluster.StartWorker("w1", {"--test_hooks=before_step@1500"}).ok()) << cluster.Logs();
   auto low = cluster.Submit(low_spec);
   ASSERT_TRUE(low.ok()) << low.status();
-  ASSERT_TRUE(cluster.WaitFor(low->job_id(), [](const v1::Job& j) { return j.step() >= 200; },
-                              kWait)
-                  .ok())
-      << cluster.Logs();
+  ASSERT_TRUE(cluster.WaitForHook("w0", "before_step", kWait).ok()) << cluster.Logs();
 
   // An urgent job needs both workers; low is at its min_workers: it is suspended whole.
-  v1::JobSpec urgent_spec = testing::DeterministicJob(2, 2, 600, 0, 5000);
+  v1::JobSpec urgent_spec = testing::DeterministicJob(2, 2, 2000, 0, 120000);
+  urgent_spec.set_step_timeout_ms(120000);
   urgent_spec.set_priority(10);
   auto urgent = cluster.Submit(urgent_spec);
   ASSERT_TRUE(urgent.ok()) << urgent.status();
-  auto suspended = cluster.WaitFor(
-      low->job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SUSPENDED; }, kWait);
-  ASSERT_TRUE(suspended.ok()) << suspended.status() << cluster.Logs();
+  ASSERT_TRUE(cluster.WaitForHook("w1", "before_step", kWait).ok()) << cluster.Logs();
+  auto suspended = cluster.Get(low->job_id());
+  ASSERT_TRUE(suspended.ok()) << suspended.status();
+  ASSERT_EQ(suspended->state(), v1::JOB_STATE_SUSPENDED) << suspended->reason();
   EXPECT_TRUE(absl::StrContains(suspended->reason(),
                                 "preempted by " + urgent->job_id() + " (priority 10)"))
       << suspended->reason();
   EXPECT_EQ(suspended->suspension().holders_size(), 2) << suspended->DebugString();
-  EXPECT_GE(suspended->suspension().step(), 200);
-  ASSERT_TRUE(cluster.WaitFor(urgent->job_id(), [](const v1::Job& j) { return j.step() >= 20; },
-                              kWait)
-                  .ok())
-      << cluster.Logs();
 
-  // The coordinator restarts while low is suspended: its workers come back keeping its state
-  // aside (and the urgent job's), and low is still suspended with both of them as holders.
+  // By hand: the wrong jobs are refused; low, suspended for the urgent job, is now also held
+  // by a user (it waits for `resume`, not for workers).
+  const testing::CommandResult running = Ctl(cluster, {"resume", urgent->job_id()});
+  EXPECT_EQ(running.exit_code, 3) << running.output;
+  EXPECT_TRUE(absl::StrContains(running.output, "FAILED_PRECONDITION")) << running.output;
+  EXPECT_TRUE(absl::StrContains(running.output, "is not suspended")) << running.output;
+  const testing::CommandResult suspend = Ctl(cluster, {"suspend", low->job_id()});
+  ASSERT_EQ(suspend.exit_code, 0) << suspend.output;
+  EXPECT_TRUE(absl::StartsWith(suspend.output, "suspended " + low->job_id())) << suspend.output;
+
+  // The coordinator restarts while low is suspended; the urgent job re-forms on its workers
+  // and ends; they come back keeping low's state aside, and low is still suspended.
   ASSERT_TRUE(cluster.RestartCoordinator().ok()) << cluster.Logs();
+  cluster.ReleaseHook("w1", "before_step");
+  auto urgent_done = cluster.WaitForEnd(urgent->job_id(), kWait);
+  ASSERT_TRUE(urgent_done.ok()) << urgent_done.status();
+  ASSERT_EQ(urgent_done->state(), v1::JOB_STATE_SUCCEEDED) << urgent_done->reason();
   auto after = cluster.WaitFor(
       low->job_id(),
       [](const v1::Job& j) {
@@ -188,47 +197,17 @@ TEST(PriorityTest, ASuspendedJobKeepsItsStateThroughARestartAndEndsWithTheSameBi
       },
       kWait);
   ASSERT_TRUE(after.ok()) << after.status() << cluster.Logs();
-
-  // The urgent job ends; low resumes from its workers' memory, no step trained again.
-  auto urgent_done = cluster.WaitForEnd(urgent->job_id(), kWait);
-  ASSERT_TRUE(urgent_done.ok()) << urgent_done.status();
-  ASSERT_EQ(urgent_done->state(), v1::JOB_STATE_SUCCEEDED) << urgent_done->reason();
-  auto resumed = cluster.WaitFor(
-      low->job_id(),
-      [](const v1::Job& j) {
-        return j.state() == v1::JOB_STATE_RUNNING && j.recovery_history_size() > 0 &&
-               j.recovery_history().rbegin()->first_step_unix_ms() > 0 &&
-               absl::StartsWith(j.recovery_history().rbegin()->reason(), "resumed after");
-      },
-      kWait);
-  ASSERT_TRUE(resumed.ok()) << resumed.status() << cluster.Logs();
-  EXPECT_EQ(resumed->recovery_history().rbegin()->steps_redone(), 0)
-      << resumed->recovery_history().rbegin()->DebugString();
-  EXPECT_GE(resumed->suspended_ms(), 1);
-
-  // By hand: the wrong jobs are refused; low is suspended (held before kHeldAt) and resumed.
-  const testing::CommandResult ended = Ctl(cluster, {"suspend", urgent->job_id()});
-  EXPECT_EQ(ended.exit_code, 3) << ended.output;
-  EXPECT_TRUE(absl::StrContains(ended.output, "FAILED_PRECONDITION")) << ended.output;
-  EXPECT_TRUE(absl::StrContains(ended.output, "has already ended")) << ended.output;
-  const testing::CommandResult not_suspended = Ctl(cluster, {"resume", low->job_id()});
-  EXPECT_EQ(not_suspended.exit_code, 3) << not_suspended.output;
-  EXPECT_TRUE(absl::StrContains(not_suspended.output, "is not suspended")) << not_suspended.output;
-  ASSERT_TRUE(cluster.WaitForHook("w0", "before_step", kWait).ok()) << cluster.Logs();
-  const testing::CommandResult suspend = Ctl(cluster, {"suspend", low->job_id()});
-  ASSERT_EQ(suspend.exit_code, 0) << suspend.output;
-  EXPECT_TRUE(absl::StartsWith(suspend.output, "suspended " + low->job_id())) << suspend.output;
-  auto by_hand = cluster.Get(low->job_id());
-  ASSERT_TRUE(by_hand.ok()) << by_hand.status();
-  EXPECT_EQ(by_hand->state(), v1::JOB_STATE_SUSPENDED);
-  EXPECT_TRUE(by_hand->suspension().by_user());
+  EXPECT_TRUE(after->suspension().by_user());
   const testing::CommandResult status = Ctl(cluster, {"status", low->job_id()});
   EXPECT_TRUE(absl::StrContains(status.output, "Suspended:")) << status.output;
-  EXPECT_TRUE(absl::StrContains(status.output, "by a user")) << status.output;
+  EXPECT_TRUE(absl::StrContains(status.output, "state kept by w0, w1")) << status.output;
+  const testing::CommandResult ended = Ctl(cluster, {"suspend", urgent->job_id()});
+  EXPECT_EQ(ended.exit_code, 3) << ended.output;
+  EXPECT_TRUE(absl::StrContains(ended.output, "has already ended")) << ended.output;
+
+  // Resumed by hand: from its workers' memory, nothing trained again, the same bits.
   const testing::CommandResult resume = Ctl(cluster, {"resume", low->job_id()});
   ASSERT_EQ(resume.exit_code, 0) << resume.output;
-  for (int i = 0; i < 2; ++i) cluster.ReleaseHook(absl::StrCat("w", i), "before_step");
-
   auto done = cluster.WaitForEnd(low->job_id(), kWait);
   ASSERT_TRUE(done.ok()) << done.status();
   testing::ExpectExact(cluster, *done, kLowSteps, checksum);
@@ -237,11 +216,90 @@ TEST(PriorityTest, ASuspendedJobKeepsItsStateThroughARestartAndEndsWithTheSameBi
   for (const v1::Recovery& r : done->recovery_history()) {
     resumes += absl::StartsWith(r.reason(), "resumed after");
     EXPECT_FALSE(r.counted()) << r.reason();
+    EXPECT_GT(r.first_step_unix_ms(), 0) << r.DebugString();
+    EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
+  }
+  EXPECT_EQ(resumes, 1) << done->DebugString();
+  EXPECT_GE(done->suspended_ms(), 1);
+}
+
+// The window inside a resume: the suspended job resumes on one holder and a new worker, and
+// the holder is killed while it broadcasts the state to the new one. The other holder (busy
+// with the urgent job meanwhile) still keeps it: the job re-forms on it once the urgent job
+// ends, and ends with the bits of an undisturbed run, nothing redone.
+TEST(PriorityTest, AHolderKilledWhileItHealsTheResumedGroupLosesNothing) {
+  auto started = Cluster::Start();
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  v1::JobSpec low_spec = testing::DeterministicJob(2, 2, 1500, 0, 5000);
+  low_spec.set_collective_timeout_ms(120000);  // w0 waits for the held w1
+  low_spec.set_step_timeout_ms(120000);
+  ASSERT_TRUE(cluster.StartWorker("ref").ok());
+  v1::JobSpec reference = low_spec;
+  reference.set_min_workers(1);
+  reference.set_max_workers(1);
+  const std::string checksum = testing::ReferenceChecksum(cluster, reference);
+  ASSERT_FALSE(checksum.empty());
+  cluster.worker("ref")->Signal(SIGTERM);
+  ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
+
+  // w0 holds when it first broadcasts a heal; w1 holds low before its step 1000 (so that it
+  // is still training when the urgent job comes; the suspension lets it go), w2 the urgent
+  // job before its step 50.
+  ASSERT_TRUE(cluster.StartWorker("w0", {"--test_hooks=heal_broadcast"}).ok()) << cluster.Logs();
+  ASSERT_TRUE(cluster.StartWorker("w1", {"--test_hooks=before_step@1000"}).ok())
+      << cluster.Logs();
+  auto low = cluster.Submit(low_spec);
+  ASSERT_TRUE(low.ok()) << low.status();
+  ASSERT_TRUE(cluster.WaitForHook("w1", "before_step", kWait).ok()) << cluster.Logs();
+  ASSERT_TRUE(cluster.StartWorker("w2", {"--test_hooks=before_step@50"}).ok()) << cluster.Logs();
+  // Needs 2: w2 and one of low's (at its min_workers): low is suspended, w1 taken.
+  v1::JobSpec urgent_spec = testing::DeterministicJob(2, 2, 300, 0, 5000);
+  urgent_spec.set_priority(10);
+  urgent_spec.set_collective_timeout_ms(120000);  // w1 waits for the held w2
+  urgent_spec.set_step_timeout_ms(120000);
+  auto urgent = cluster.Submit(urgent_spec);
+  ASSERT_TRUE(urgent.ok()) << urgent.status();
+  if (!cluster.WaitForHook("w2", "before_step", kWait).ok()) {
+    auto u = cluster.Get(urgent->job_id());
+    auto l = cluster.Get(low->job_id());
+    FAIL() << "w2 never held in the urgent job: urgent " << (u.ok() ? u->DebugString() : "?")
+           << "\nlow " << (l.ok() ? l->DebugString() : "?") << cluster.Logs();
+  }
+  auto suspended = cluster.Get(low->job_id());
+  ASSERT_TRUE(suspended.ok()) << suspended.status();
+  ASSERT_EQ(suspended->state(), v1::JOB_STATE_SUSPENDED) << suspended->reason();
+  ASSERT_EQ(suspended->suspension().holders_size(), 2) << suspended->DebugString();
+
+  // A fourth worker: low resumes on w0 (a holder) and w3, and w0 heals w3; killed there.
+  ASSERT_TRUE(cluster.StartWorker("w3").ok()) << cluster.Logs();
+  ASSERT_TRUE(cluster.WaitForHook("w0", "heal_broadcast", kWait).ok()) << cluster.Logs();
+  cluster.worker("w0")->Signal(SIGKILL);
+  // The urgent job goes on and ends; its workers free, low re-forms on w1, which kept its state.
+  cluster.ReleaseHook("w2", "before_step");
+  auto urgent_done = cluster.WaitForEnd(urgent->job_id(), kWait);
+  ASSERT_TRUE(urgent_done.ok()) << urgent_done.status();
+  EXPECT_EQ(urgent_done->state(), v1::JOB_STATE_SUCCEEDED) << urgent_done->reason();
+  auto done = cluster.WaitForEnd(low->job_id(), kWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  testing::ExpectExact(cluster, *done, 1500, checksum);
+  // The resume's generation never trained (w0 was killed inside its heal); the next one
+  // healed from w1, which had kept the state while it ran the urgent job.
+  ASSERT_GE(done->recovery_history_size(), 2) << done->DebugString();
+  EXPECT_TRUE(absl::StartsWith(done->recovery_history(0).reason(), "resumed after"))
+      << done->DebugString();
+  EXPECT_EQ(done->recovery_history(0).first_step_unix_ms(), 0) << done->DebugString();
+  bool from_w1 = false;
+  for (const v1::Generation& g : done->generations()) {
+    if (g.generation() != done->generation()) continue;
+    for (const std::string& m : g.members()) from_w1 = from_w1 || m == "w1";
+  }
+  EXPECT_TRUE(from_w1) << done->DebugString();
+  for (const v1::Recovery& r : done->recovery_history()) {
     if (r.first_step_unix_ms() > 0) {
       EXPECT_EQ(r.steps_redone(), 0) << r.DebugString();
     }
   }
-  EXPECT_EQ(resumes, 2) << done->DebugString();
 }
 
 TEST(PriorityTest, AQueuedJobSaysWhyItWaitsAndABadPriorityIsRefused) {

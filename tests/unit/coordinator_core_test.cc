@@ -3174,6 +3174,9 @@ TEST_F(SuspensionTest, AHolderLeftOutOfTheResumeIsToldToDropTheState) {
   const std::string w3 = Register("w3");
   ASSERT_EQ(Job(x).state(), v1::JOB_STATE_RUNNING) << Job(x).reason();
   EXPECT_EQ(MemberNames(x), (std::set<std::string>{"w0", "w3"}));
+  // Not before the resumed generation has trained a step (w1 is its fallback meanwhile).
+  EXPECT_TRUE(AbortsOf(x).empty());
+  Step(x, 4);
   bool told = false;
   for (const auto& m : sent_) {
     told = told || (m.worker_id == FindId("w1") && m.message.has_abort() &&
