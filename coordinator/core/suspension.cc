@@ -78,6 +78,7 @@ void Core::Suspend(JobRecord& job, const std::string& reason, const std::string&
     EndGeneration(job, reason, now);
   }
   job.members.clear();
+  job.job.set_eta_ms(0);  // nothing trains until it resumes
   job.finishing = false;
   job.benched.clear();
   *job.job.mutable_suspension() = std::move(s);

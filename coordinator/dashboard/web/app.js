@@ -407,11 +407,31 @@ function extras(job) {
       num(c.lastGoodStep) > 0 ? "step " + fmt(num(c.lastGoodStep)) + " in " + c.lastGoodPath : "none yet",
       num(c.failedWrites) > 0 ? h("span", { class: "error", text: " · " + c.failedWrites + " failed writes, last: " + c.lastError }) : null));
   }
+  if (num(job.suspendedMs) > 0) items.push(h("div", {}, h("strong", { text: "Time suspended: " }), fmtDuration(num(job.suspendedMs))));
   if (job.exportPath) items.push(h("div", {}, h("strong", { text: "Export: " }), h("span", { class: "mono", text: job.exportPath })));
   if (job.exportError) items.push(h("div", { class: "error", text: "Export " + job.exportError }));
   if (job.sampleError) items.push(h("div", { class: "error", text: "No sample: " + job.sampleError }));
   if (job.sample && job.sample.text) items.push(h("div", {}, h("strong", { text: "Sample" }), h("pre", { class: "sample", text: job.sample.text })));
   return items.length ? h("section", { class: "card extras" }, items) : null;
+}
+
+// A suspended job: for whom (or by a user), since when, from which step, and which workers keep
+// its state in memory.
+function suspensionCard(job) {
+  const s = job.suspension;
+  if (!s || stateName(job.state) !== "SUSPENDED") return null;
+  const since = num(s.sinceUnixMs);
+  return h("section", { class: "card", id: "suspension" }, h("h2", { text: "Suspended" }),
+    h("dl", { class: "suspension" },
+      h("dt", { text: "for" }),
+      h("dd", {}, s.byUser ? "a user (resumes on Resume, lockstepctl resume)"
+        : h("a", { href: "/jobs/" + encodeURIComponent(s.byJob || ""), text: s.byJob || "" })),
+      h("dt", { text: "since" }),
+      h("dd", { text: since > 0 ? fmtDuration(Date.now() - since) + " ago" : "–" }),
+      h("dt", { text: "at step" }),
+      h("dd", { text: fmt(num(s.step)) }),
+      h("dt", { text: "state kept by" }),
+      h("dd", { class: "holders", text: (s.holders || []).length ? s.holders.join(", ") : "nobody (it resumes from its last checkpoint, else its first step)" })));
 }
 
 // A program job's failed processes: generation, rank, worker, exit, what stderr said; and the
@@ -574,7 +594,7 @@ async function renderJob(id, alive) {
   const program = Boolean(job.spec && job.spec.program);
   if (program) await refreshLogs(job);
   if (!alive()) return;
-  L.rest.replaceChildren(...[program ? programFailures(job) : null, timeline(job), membersTable(job),
+  L.rest.replaceChildren(...[suspensionCard(job), program ? programFailures(job) : null, timeline(job), membersTable(job),
     program ? logsCard(job) : null, extras(job)].filter(Boolean));
   return terminal(job.state) ? ENDED_POLL_MS : POLL_MS;
 }
