@@ -5,6 +5,7 @@ job is NOT_FOUND, cancelling a finished job is FAILED_PRECONDITION, a wrong or m
 UNAUTHENTICATED, a spec with an unknown key never leaves the client."""
 import os
 import sys
+import time
 
 import grpc
 import pytest
@@ -89,23 +90,72 @@ def test_cancel_a_running_job(client):
     assert lockstep.to_dict(list(client.watch(job.job_id))[-1].job)["state"] == "JOB_STATE_CANCELLED"
 
 
+def wait_for(client, job_id, done):
+    for event in client.watch(job_id):
+        if done(event.job):
+            return event.job
+    return client.get(job_id)
+
+
+def poll(client, job_id, done, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = client.get(job_id)
+        if done(job) or time.monotonic() > deadline:
+            return job
+        time.sleep(0.05)
+
+
 def test_the_queue_lists_jobs_in_the_order_they_start(client):
-    running = client.submit(spec(1_000_000))
-    for event in client.watch(running.job_id):
-        if event.job.step > 0:
-            break
+    running = client.submit(dict(spec(1_000_000), priority=5))
+    wait_for(client, running.job_id, lambda j: j.step > 0)
     later = client.submit(spec(10))
     urgent = client.submit(dict(spec(10), priority=3))
     try:
         queue = client.queue()
-        # The running job is at its min_workers: priority 3 cannot shrink it, and waits first.
+        # The running job has the higher priority: priority 3 cannot preempt it, and waits first.
         assert [j.job_id for j in queue] == [urgent.job_id, later.job_id]
         assert "waiting for 2 idle" in queue[0].reason
         assert f"queued behind {urgent.job_id} (priority 3)" in queue[1].reason
         assert queue[0].spec.priority == 3
+        assert lockstep.to_dict(queue[0])["state"] == "JOB_STATE_PENDING"
+
+        # Suspended by hand, the running job gives its workers to the queue and keeps its state
+        # in their memory; it waits for resume(), not for workers.
+        suspended = client.suspend(running.job_id)
+        assert lockstep.to_dict(suspended)["state"] == "JOB_STATE_SUSPENDED"
+        assert suspended.suspension.by_user
+        assert suspended.suspension.step > 0
+        with pytest.raises(lockstep.LockstepError) as e:
+            client.suspend(running.job_id)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        for job in (urgent, later):
+            ended = wait_for(client, job.job_id, lambda j: j.state in (4, 5, 6))
+            assert lockstep.to_dict(ended)["state"] == "JOB_STATE_SUCCEEDED", ended.reason
+        assert [j.job_id for j in client.queue()] == []
+        held = client.get(running.job_id)
+        assert lockstep.to_dict(held)["state"] == "JOB_STATE_SUSPENDED"
+        assert len(held.suspension.holders) == 2
+
+        # Resumed, it goes on from the step it was suspended at: nothing redone, no restart
+        # counted.
+        client.resume(running.job_id)
+        resumed = poll(client, running.job_id,
+                       lambda j: j.step > suspended.suspension.step and j.recovery_history)
+        assert lockstep.to_dict(resumed)["state"] == "JOB_STATE_RUNNING", (resumed.step, resumed.reason)
+        assert resumed.recovery_history[-1].resumed_from_step >= held.suspension.step
+        assert "resumed after" in resumed.recovery_history[-1].reason
+        assert not resumed.recovery_history[-1].counted
+        assert resumed.recoveries == 0
+        with pytest.raises(lockstep.LockstepError) as e:
+            client.resume(running.job_id)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         for job in (urgent, later, running):
-            client.cancel(job.job_id)
+            try:
+                client.cancel(job.job_id)
+            except lockstep.LockstepError:
+                pass  # ended already
     assert client.queue() == []
 
 
