@@ -15,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "cli/watch_printer.h"
 #include "common/atomic_file.h"
+#include "common/coordinators.h"
+#include "common/grpc_options.h"
 #include "common/grpc_status.h"
 #include "common/proto_json.h"
 #include "common/safetensors.h"
@@ -428,6 +430,7 @@ std::string UnavailableHint(const absl::Status& status, bool tls, bool client_ce
   std::string text = absl::AsciiStrToLower(status.message());
   std::replace(text.begin(), text.end(), '_', ' ');
   auto has = [&text](absl::string_view what) { return absl::StrContains(text, what); };
+  if (has("this coordinator is a standby")) return "";  // it names the leader itself
   if (has("connection refused") || has("dns resolution failed") ||
       has("name or service not known")) {
     return "(nothing answers at that address: is the coordinator running, and is --coordinator "
@@ -471,6 +474,30 @@ std::string PlaintextTokenWarning(const std::string& coordinator, const std::str
   return absl::StrCat("lockstepctl: warning: sending the token to ", coordinator,
                       " without TLS: anyone on the network path can read it (pass --tls_ca "
                       "to use TLS)");
+}
+
+std::shared_ptr<grpc::Channel> LeaderChannel(const std::vector<std::string>& coordinators,
+                                             const ClientAuth& auth, absl::Duration timeout) {
+  if (coordinators.size() == 1) return MakeChannel(coordinators.front(), auth);
+  const absl::Duration probe = std::min(timeout, absl::Seconds(2));
+  for (const std::string& address : coordinators) {
+    std::shared_ptr<grpc::Channel> channel = MakeChannel(address, auth);
+    auto health = grpc::health::v1::Health::NewStub(channel);
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + probe));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status status = health->Check(&context, request, &response);
+    if (const std::string leader = LeaderNamedBy(context); !leader.empty()) {
+      return MakeChannel(leader, auth);
+    }
+    // Serving, or answering (a refused token, say): the command's call gets the same answer.
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE &&
+        status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return channel;
+    }
+  }
+  return MakeChannel(coordinators.front(), auth);
 }
 
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,

@@ -4,13 +4,16 @@
 
 #include <functional>
 #include <ostream>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cli/format.h"
 #include "cli/invocation.h"
+#include "common/auth.h"
 #include "common/clock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "lockstep/v1/job.grpc.pb.h"
@@ -128,6 +131,13 @@ std::string UnavailableHint(const absl::Status& status, bool tls, bool client_ce
 // loopback, where anyone on the path can read it; empty otherwise (no token, TLS, loopback).
 std::string PlaintextTokenWarning(const std::string& coordinator, const std::string& token,
                                   bool tls);
+
+// The channel to the coordinator that leads among `coordinators` (--coordinator, split). One
+// address: that one. Several: each is asked in turn (gRPC's health check, at most `timeout`
+// each) and the first that serves is used, or the leader a standby names; when none answers,
+// the first, whose error the command then reports.
+std::shared_ptr<grpc::Channel> LeaderChannel(const std::vector<std::string>& coordinators,
+                                             const ClientAuth& auth, absl::Duration timeout);
 
 // Runs a checked invocation and returns the process exit code (see invocation.h): errors are
 // printed to `err` as "lockstepctl: CODE: message". `health` serves the health command.

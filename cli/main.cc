@@ -13,13 +13,15 @@
 #include "absl/flags/usage.h"
 #include "cli/commands.h"
 #include "cli/invocation.h"
+#include "common/coordinators.h"
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
 #include "common/tls_flags.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
 ABSL_FLAG(std::string, coordinator, "",
-          "coordinator address HOST:PORT (default: $LOCKSTEP_COORDINATOR, else 127.0.0.1:7070)");
+          "coordinator address HOST:PORT, or several comma-separated (coordinators on etcd: the "
+          "leader is found and used) (default: $LOCKSTEP_COORDINATOR, else 127.0.0.1:7070)");
 ABSL_FLAG(std::string, token_file, "",
           "file holding the coordinator's token (default: $LOCKSTEP_TOKEN_FILE, else "
           "$LOCKSTEP_TOKEN, else none)");
@@ -73,9 +75,12 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       lockstep::MakeChannelCredentials(tls);
   if (!credentials.ok()) return usage_error(credentials.status());
-  auto channel = lockstep::MakeChannel(
-      invocation->coordinator,
-      {invocation->token, "lockstepctl", *std::move(credentials), tls.server_name});
+  const lockstep::ClientAuth auth{invocation->token, "lockstepctl", *std::move(credentials),
+                                  tls.server_name};
+  absl::StatusOr<std::vector<std::string>> coordinators =
+      lockstep::SplitCoordinators(invocation->coordinator);
+  if (!coordinators.ok()) return usage_error(coordinators.status());
+  auto channel = cli::LeaderChannel(*coordinators, auth, options.rpc_timeout);
   auto stub = lockstep::v1::JobService::NewStub(channel);
   auto health = grpc::health::v1::Health::NewStub(channel);
   return cli::RunCommand(*invocation, *stub, options, std::cout, std::cerr, health.get());

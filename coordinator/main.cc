@@ -1,6 +1,7 @@
 // lockstep-coordinator: job queue, worker registry, rendezvous and recovery for one cluster.
 #include <malloc.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
@@ -24,6 +25,10 @@
 #include "common/tls.h"
 #include "coordinator/dashboard/dashboard.h"
 #include "coordinator/service/services.h"
+#include "coordinator/service/standby_server.h"
+#include "coordinator/store/etcd_client.h"
+#include "coordinator/store/etcd_job_store.h"
+#include "coordinator/store/leadership.h"
 #include "glog/logging.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -37,6 +42,20 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "Address to serve on; port 0 lets the OS pick (see --port_file).");
 ABSL_FLAG(std::string, state_dir, "",
           "Directory for durable coordinator state (created if missing).");
+ABSL_FLAG(std::string, state_backend, "file",
+          "Where jobs and the cluster id are kept: \"file\" (--state_dir, one coordinator) or "
+          "\"etcd\" (--etcd_endpoints: coordinators on several hosts, one leads and the others "
+          "stand by).");
+ABSL_FLAG(std::string, etcd_endpoints, "",
+          "With --state_backend=etcd: the etcd members, comma-separated http://HOST:PORT.");
+ABSL_FLAG(std::string, etcd_prefix, "/lockstep/",
+          "With --state_backend=etcd: the prefix of every key this cluster keeps in etcd.");
+ABSL_FLAG(int64_t, leader_lease_seconds, 2,
+          "With --state_backend=etcd: the leader's lease; a standby takes over within about this "
+          "long of the leader's death.");
+ABSL_FLAG(std::string, advertise_address, "",
+          "With --state_backend=etcd: the address standbys name when this coordinator leads "
+          "(default: --listen with its port, the host's name for 0.0.0.0 or [::]).");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the selected port is written to this file once serving.");
 ABSL_FLAG(std::string, token_file, "",
@@ -254,9 +273,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ApiCredentials(
   return credentials;
 }
 
-// The core's options from the flags (state_dir holds the cluster's id).
+// The core's options from the flags; `cluster_id` suffixes every job id.
 absl::StatusOr<lockstep::coordinator::CoreOptions> CoreOptionsFromFlags(
-    const std::string& state_dir) {
+    const std::string& cluster_id) {
   if (absl::GetFlag(FLAGS_heartbeat_timeout_ms) <= 0) {
     return absl::InvalidArgumentError("--heartbeat_timeout_ms must be > 0");
   }
@@ -280,18 +299,130 @@ absl::StatusOr<lockstep::coordinator::CoreOptions> CoreOptionsFromFlags(
   }
   LOG(INFO) << "jobs read data in " << options.data_roots.Describe()
             << " and write checkpoints and outputs in " << options.checkpoint_roots.Describe();
-  absl::StatusOr<std::string> cluster_id = lockstep::coordinator::ClusterId(state_dir);
-  if (!cluster_id.ok()) {
-    return absl::Status(cluster_id.status().code(),
-                        absl::StrCat("--state_dir: ", cluster_id.status().message()));
-  }
-  options.job_id_suffix = *cluster_id;
+  options.job_id_suffix = cluster_id;
   return options;
 }
 
-// Jobs survive a restart when there is a state directory.
+// --state_backend=etcd: the client, and the leadership once this coordinator has won it.
+struct Etcd {
+  std::unique_ptr<lockstep::coordinator::EtcdClient> client;
+  std::string prefix;
+  std::unique_ptr<lockstep::coordinator::Leadership> leadership;
+};
+
+// The state backend's flags checked, etcd connected, and the cluster's id.
+absl::StatusOr<std::string> OpenStateBackend(const std::string& state_dir, Etcd& etcd) {
+  const std::string backend = absl::GetFlag(FLAGS_state_backend);
+  if (backend == "file") {
+    if (!absl::GetFlag(FLAGS_etcd_endpoints).empty()) {
+      return absl::InvalidArgumentError("--etcd_endpoints needs --state_backend=etcd");
+    }
+    absl::StatusOr<std::string> cluster_id = lockstep::coordinator::ClusterId(state_dir);
+    if (!cluster_id.ok()) {
+      return absl::Status(cluster_id.status().code(),
+                          absl::StrCat("--state_dir: ", cluster_id.status().message()));
+    }
+    return cluster_id;
+  }
+  if (backend != "etcd") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--state_backend=", backend, ": not \"file\" or \"etcd\""));
+  }
+  if (!state_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--state_dir is the file backend's: with --state_backend=etcd the state is in etcd");
+  }
+  if (absl::GetFlag(FLAGS_leader_lease_seconds) < 1) {
+    return absl::InvalidArgumentError("--leader_lease_seconds must be >= 1");
+  }
+  etcd.prefix = absl::GetFlag(FLAGS_etcd_prefix);
+  if (etcd.prefix.empty() || etcd.prefix[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--etcd_prefix '", etcd.prefix, "' must start with /"));
+  }
+  if (etcd.prefix.back() != '/') etcd.prefix += '/';
+  absl::StatusOr<std::unique_ptr<lockstep::coordinator::EtcdClient>> client =
+      lockstep::coordinator::EtcdClient::Connect(absl::GetFlag(FLAGS_etcd_endpoints),
+                                                 etcd.prefix, absl::Seconds(5));
+  if (!client.ok()) {
+    return absl::Status(client.status().code(),
+                        absl::StrCat("--etcd_endpoints: ", client.status().message()));
+  }
+  etcd.client = *std::move(client);
+  absl::StatusOr<std::string> cluster_id =
+      lockstep::coordinator::EtcdClusterId(etcd.client.get(), etcd.prefix);
+  if (!cluster_id.ok()) {
+    return absl::Status(cluster_id.status().code(),
+                        absl::StrCat("--etcd_prefix: ", cluster_id.status().message()));
+  }
+  return cluster_id;
+}
+
+// What standbys tell callers when this coordinator leads.
+std::string AdvertisedAddress(int port) {
+  if (std::string flag = absl::GetFlag(FLAGS_advertise_address); !flag.empty()) return flag;
+  std::string host = absl::GetFlag(FLAGS_listen);
+  host = host.substr(0, host.rfind(':'));
+  if (host == "0.0.0.0" || host == "[::]" || host.empty()) {
+    char name[256] = {};
+    if (gethostname(name, sizeof(name) - 1) == 0) host = name;
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+// Stands by, answering every call with the leader's address, until this coordinator leads
+// (then the standby's port is free for the real server) or is asked to stop (null).
+absl::StatusOr<std::unique_ptr<lockstep::coordinator::Leadership>> StandBy(
+    Etcd& etcd, const std::shared_ptr<grpc::ServerCredentials>& credentials, int* port) {
+  absl::StatusOr<std::unique_ptr<lockstep::coordinator::StandbyServer>> standby =
+      lockstep::coordinator::StandbyServer::Start(absl::GetFlag(FLAGS_listen), credentials, port);
+  if (!standby.ok()) return standby.status();
+  if (const std::string file = absl::GetFlag(FLAGS_port_file); !file.empty()) {
+    if (absl::Status s = lockstep::WriteFileAtomically(file, absl::StrCat(*port, "\n"),
+                                                        lockstep::Durability::kVisible);
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("--port_file: ", s.message()));
+    }
+  }
+  lockstep::coordinator::LeadershipOptions options;
+  options.prefix = etcd.prefix;
+  options.address = AdvertisedAddress(*port);
+  options.ttl = absl::Seconds(absl::GetFlag(FLAGS_leader_lease_seconds));
+  LOG(INFO) << "standing by on port " << *port << " for the leadership of " << etcd.prefix
+            << " in etcd (" << etcd.client->endpoints() << ")";
+  auto on_standby = [&standby](const std::string& leader, const std::string& why) {
+    (*standby)->SetLeader(leader, why);
+    if (!leader.empty()) {
+      LOG(INFO) << "standing by: the leader is " << leader;
+    } else {
+      LOG(WARNING) << "standing by, no leader known: " << why;
+    }
+  };
+  // A deposed leader stops at once: it may hold sessions and decisions that are no longer its
+  // own. Its supervisor (systemd, compose) starts it again, as a standby.
+  auto on_lost = [](const std::string& reason) {
+    LOG(ERROR) << "stepping down: " << reason << "; exiting (status 3)";
+    std::_Exit(3);
+  };
+  absl::StatusOr<std::unique_ptr<lockstep::coordinator::Leadership>> won =
+      lockstep::coordinator::Leadership::Campaign(etcd.client.get(), options, on_standby, on_lost,
+                                                  [] { return g_stop_requested != 0; });
+  (*standby)->Stop();
+  if (!won.ok()) {
+    if (absl::IsCancelled(won.status())) return nullptr;
+    return won.status();
+  }
+  LOG(INFO) << "leading as " << options.address << " (term " << (*won)->term() << ")";
+  return won;
+}
+
+// Jobs survive a restart when there is a state directory or etcd.
 absl::StatusOr<std::unique_ptr<lockstep::coordinator::JobStore>> OpenJobStore(
-    const std::string& state_dir) {
+    const std::string& state_dir, Etcd& etcd) {
+  if (etcd.leadership != nullptr) {
+    return std::make_unique<lockstep::coordinator::EtcdJobStore>(etcd.client.get(), etcd.prefix,
+                                                                 etcd.leadership.get());
+  }
   if (state_dir.empty()) {
     LOG(WARNING) << "no --state_dir: jobs are kept in memory only and lost on restart";
     return std::make_unique<lockstep::coordinator::InMemoryJobStore>();
@@ -354,7 +485,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
     const std::shared_ptr<grpc::ServerCredentials>& credentials,
     lockstep::coordinator::JobServiceImpl& jobs, lockstep::coordinator::WorkerServiceImpl& workers,
     lockstep::coordinator::StoreServiceImpl& store,
-    lockstep::coordinator::CoordinatorMetrics* metrics, int* port) {
+    lockstep::coordinator::CoordinatorMetrics* metrics, const std::string& listen, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   const bool reflection = absl::GetFlag(FLAGS_grpc_reflection);
   if (reflection) {
@@ -364,7 +495,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
   grpc::ServerBuilder builder;
   lockstep::ConfigureServer(builder);
   builder.SetOption(std::make_unique<ReflectionOption>(reflection));
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), credentials, port);
+  builder.AddListeningPort(listen, credentials, port);
   builder.RegisterService(&jobs);
   builder.RegisterService(workers.service());
   workers.AddQueues(builder);
@@ -376,7 +507,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
   builder.experimental().SetInterceptorCreators(std::move(creators));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || *port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", listen,
                                                " (address in use or invalid?)"));
   }
   LOG(INFO) << "lockstep-coordinator serving on port " << *port;
@@ -395,7 +526,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
 // Every error before serving is logged as it is and exits with 1.
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "lockstep-coordinator --listen=HOST:PORT [--state_dir=DIR] [--port_file=FILE]");
+      "lockstep-coordinator --listen=HOST:PORT [--state_dir=DIR | --state_backend=etcd "
+      "--etcd_endpoints=URL,...] [--port_file=FILE]");
   absl::ParseCommandLine(argc, argv);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
@@ -413,7 +545,10 @@ int main(int argc, char** argv) {
           absl::StrCat("cannot create --state_dir ", state_dir, ": ", ec.message())));
     }
   }
-  absl::StatusOr<lockstep::coordinator::CoreOptions> options = CoreOptionsFromFlags(state_dir);
+  Etcd etcd;
+  absl::StatusOr<std::string> cluster_id = OpenStateBackend(state_dir, etcd);
+  if (!cluster_id.ok()) return fail(cluster_id.status());
+  absl::StatusOr<lockstep::coordinator::CoreOptions> options = CoreOptionsFromFlags(*cluster_id);
   if (!options.ok()) return fail(options.status());
   if (absl::Status s = lockstep::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
                                                 absl::GetFlag(FLAGS_test_hooks_dir));
@@ -426,8 +561,22 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca));
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = ApiCredentials(tls);
   if (!credentials.ok()) return fail(credentials.status());
+  std::signal(SIGINT, RequestStop);
+  std::signal(SIGTERM, RequestStop);
+  std::string listen = absl::GetFlag(FLAGS_listen);
+  int port = 0;
+  if (etcd.client != nullptr) {
+    absl::StatusOr<std::unique_ptr<lockstep::coordinator::Leadership>> won =
+        StandBy(etcd, *credentials, &port);
+    if (!won.ok()) return fail(won.status());
+    if (*won == nullptr) return 0;  // stopped while standing by
+    etcd.leadership = *std::move(won);
+    listen = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);  // the standby's port
+  }
+  const std::string state_name =
+      etcd.client != nullptr ? absl::StrCat("etcd ", etcd.prefix) : state_dir;
   absl::StatusOr<std::unique_ptr<lockstep::coordinator::JobStore>> job_store =
-      OpenJobStore(state_dir);
+      OpenJobStore(state_dir, etcd);
   if (!job_store.ok()) return fail(job_store.status());
   lockstep::coordinator::Coordinator coordinator(*options, lockstep::RealClock::Get(),
                                                  job_store->get(), tokens->operators,
@@ -438,11 +587,11 @@ int main(int argc, char** argv) {
   absl::StatusOr<int> restored = coordinator.Restore();
   if (!restored.ok()) {
     return fail(absl::Status(restored.status().code(),
-                             absl::StrCat("cannot load the jobs in ", state_dir, ": ",
+                             absl::StrCat("cannot load the jobs in ", state_name, ": ",
                                           restored.status().ToString())));
   }
   if (*restored > 0) {
-    LOG(INFO) << "restored " << *restored << " unfinished job(s) from " << state_dir
+    LOG(INFO) << "restored " << *restored << " unfinished job(s) from " << state_name
               << "; they resume as workers register";
   }
   absl::StatusOr<std::unique_ptr<lockstep::coordinator::Dashboard>> dashboard =
@@ -451,15 +600,12 @@ int main(int argc, char** argv) {
   lockstep::coordinator::JobServiceImpl jobs(&coordinator);
   lockstep::coordinator::WorkerServiceImpl workers(&coordinator);
   lockstep::coordinator::StoreServiceImpl store(&coordinator);
-  int port = 0;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartServer(
-      coordinator, *credentials, jobs, workers, store, metrics.coordinator.get(), &port);
+      coordinator, *credentials, jobs, workers, store, metrics.coordinator.get(), listen, &port);
   if (!server.ok()) return fail(server.status());
 
   // Sessions start only now: every return above leaves before any exists.
   workers.Start();
-  std::signal(SIGINT, RequestStop);
-  std::signal(SIGTERM, RequestStop);
   while (!g_stop_requested) {
     coordinator.Tick();
     coordinator.WaitForTick(kTickInterval);
@@ -469,5 +615,7 @@ int main(int argc, char** argv) {
   coordinator.Shutdown();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   workers.Stop(absl::Seconds(2));
+  // Last: a standby takes over at once, and nothing of this one's is left to write.
+  if (etcd.leadership != nullptr) etcd.leadership->Resign();
   return 0;
 }

@@ -7,7 +7,8 @@
 # and iptables for the deploy tests, clang for the thread-safety check, a Prometheus server
 # that scrapes a test cluster, what the Python client is installed and tested with (pytest),
 # PyTorch (Debian's python3-torch, CPU, with Gloo) for the program jobs' tests,
-# and the browser the dashboard is tested in (chromium).
+# the browser the dashboard is tested in (chromium), and etcd (etcd-server: etcd and etcdctl)
+# for the coordinators' etcd backend.
 set -euo pipefail
 
 pkgs=(
@@ -24,7 +25,7 @@ for arg in "$@"; do
     --test) pkgs+=(docker.io docker-compose debootstrap iptables python3 systemd clang prometheus
                    python3-torch python3-xxhash libopenblas0-openmp
                    python3-grpcio python3-protobuf python3-venv python3-pip python3-pytest openssl
-                   chromium) ;;
+                   chromium etcd-server) ;;
     *) echo "install_deps.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
+#include "common/coordinators.h"
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
 #include "common/program.h"
@@ -49,10 +50,35 @@ Agent::Agent(AgentOptions options)
   generation_context_.checkpoint_memory = options_.checkpoint_memory;
   generation_context_.checkpoint_peers = options_.checkpoint_peers;
   generation_context_.checkpoint_copy_interval = options_.checkpoint_copy_interval;
-  channel_ = MakeChannel(options_.coordinator,
-                         {options_.token, absl::StrCat("lockstep-worker ", options_.name),
-                          options_.credentials, options_.tls_server_name});
+  absl::StatusOr<std::vector<std::string>> coordinators = SplitCoordinators(options_.coordinator);
+  coordinators_ = coordinators.ok() ? *std::move(coordinators)
+                                    : std::vector<std::string>{options_.coordinator};
+  UseCoordinator(coordinators_.front());
+}
+
+void Agent::UseCoordinator(const std::string& address) {
+  if (std::find(coordinators_.begin(), coordinators_.end(), address) == coordinators_.end()) {
+    coordinators_.push_back(address);  // a leader a standby named
+  }
+  std::shared_ptr<grpc::Channel>& channel = channels_[address];
+  if (channel == nullptr) {
+    channel = MakeChannel(address, {options_.token, absl::StrCat("lockstep-worker ", options_.name),
+                                    options_.credentials, options_.tls_server_name});
+  }
+  if (coordinator_ != address && !coordinator_.empty()) {
+    LOG(INFO) << "coordinator " << coordinator_ << " -> " << address;
+  }
+  coordinator_ = address;
+  channel_ = channel;
+  absl::MutexLock lock(&session_key_mu_);
   store_stub_ = v1::StoreService::NewStub(channel_);
+}
+
+void Agent::NextCoordinator() {
+  if (coordinators_.size() < 2) return;
+  auto it = std::find(coordinators_.begin(), coordinators_.end(), coordinator_);
+  const size_t next = it == coordinators_.end() ? 0 : (it - coordinators_.begin() + 1) % coordinators_.size();
+  UseCoordinator(coordinators_[next]);
 }
 
 Agent::~Agent() {
@@ -162,7 +188,7 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
 absl::Status Agent::Run() {
   absl::Duration backoff = absl::Milliseconds(50);
   absl::Time last_session = absl::Now();  // start of the outage we are in
-  WriteStatus("connecting", options_.coordinator);
+  WriteStatus("connecting", coordinator_);
   absl::Status status = absl::UnavailableError("not connected yet");
   absl::Time name_refused_since = absl::InfiniteFuture();  // refused for its name since then
   while (!stop_) {
@@ -177,9 +203,14 @@ absl::Status Agent::Run() {
     }
     // Waits for gRPC's own reconnection (at most 250 ms apart), so a coordinator that serves
     // again is found at once, however long it was away.
-    if (!channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + kConnectWait))) continue;
+    // With several coordinators, one that does not answer is passed over for the next.
+    if (!channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + kConnectWait))) {
+      NextCoordinator();
+      continue;
+    }
     const absl::Time started = absl::Now();
     bool registered = false;
+    leader_named_.clear();
     status = RunSession(&registered);
     Decide([&](WorkerLifecycle& l, absl::Time now) {
       return l.OnSessionEnded(absl::StrCat("session with the coordinator ended: ",
@@ -191,7 +222,7 @@ absl::Status Agent::Run() {
     if (absl::IsUnauthenticated(status) || absl::IsPermissionDenied(status) ||
         (!registered && absl::IsInvalidArgument(status))) {
       // The token, the role or the registration itself: retrying cannot help.
-      const std::string why = absl::StrCat("coordinator ", options_.coordinator,
+      const std::string why = absl::StrCat("coordinator ", coordinator_,
                                            " rejected this worker: ", status.message());
       WriteStatus("rejected", why);
       return absl::Status(status.code(), why);
@@ -201,7 +232,7 @@ absl::Status Agent::Run() {
       if (absl::Now() - name_refused_since >= options_.name_conflict_timeout) {
         const std::string why = absl::StrCat(
             "another live worker holds the name ", options_.name, " on coordinator ",
-            options_.coordinator, " (refused for ",
+            coordinator_, " (refused for ",
             absl::FormatDuration(options_.name_conflict_timeout), "): ", status.message(),
             "; give this worker another --name");
         WriteStatus("rejected", why);
@@ -213,9 +244,16 @@ absl::Status Agent::Run() {
     // A session that lasted was healthy: its end is no reason to wait. One refused at once
     // (e.g. the name is still held by our previous session) backs off a little.
     if (absl::Now() - started > absl::Seconds(2)) backoff = absl::Milliseconds(50);
-    WriteStatus("connecting", absl::StrCat(options_.coordinator, ": ", StatusLine(status)));
-    LOG(WARNING) << "session with coordinator " << options_.coordinator
+    WriteStatus("connecting", absl::StrCat(coordinator_, ": ", StatusLine(status)));
+    LOG(WARNING) << "session with coordinator " << coordinator_
                  << " ended: " << StatusLine(status) << "; reconnecting";
+    // A standby named the leader: straight there. Any other coordinator that is unavailable
+    // may have lost the leadership: the next one is asked.
+    if (!leader_named_.empty()) {
+      UseCoordinator(leader_named_);
+      continue;
+    }
+    if (absl::IsUnavailable(status)) NextCoordinator();
     const absl::Time until = absl::Now() + backoff;
     while (!stop_ && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
     backoff = std::min(backoff * 2, options_.max_backoff);
@@ -281,6 +319,7 @@ absl::Status Agent::RunSession(bool* registered) {
   if (!stream->Write(hello) || !stream->Read(&message) || !message.has_registered()) {
     result = ToAbslStatus(stream->Finish());
     if (result.ok()) result = absl::UnavailableError("coordinator closed the session");
+    leader_named_ = LeaderNamedBy(context);
     absl::MutexLock lock(&session_mu_);
     context_ = nullptr;
     return result;
@@ -291,10 +330,10 @@ absl::Status Agent::RunSession(bool* registered) {
     session_key_ = message.registered().session_key();
   }
   *registered = true;
-  WriteStatus("registered", absl::StrCat("as ", worker_id, " with ", options_.coordinator));
+  WriteStatus("registered", absl::StrCat("as ", worker_id, " with ", coordinator_));
   const absl::Duration interval =
       absl::Milliseconds(std::max<int64_t>(50, message.registered().heartbeat_interval_ms()));
-  LOG(INFO) << "registered with " << options_.coordinator << " as " << worker_id << " ("
+  LOG(INFO) << "registered with " << coordinator_ << " as " << worker_id << " ("
             << options_.name << ", " << device.device << ")";
   {
     absl::MutexLock lock(&session_mu_);
@@ -418,11 +457,13 @@ void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
     // client cancels its call, Gloo's calls are abandoned, shared-memory waits woken, NCCL
     // aborted.
     std::string session_key;
+    std::shared_ptr<v1::StoreService::StubInterface> store_stub;
     {
       absl::MutexLock lock(&session_key_mu_);
       session_key = session_key_;
+      store_stub = store_stub_;
     }
-    auto store = std::make_shared<CoordinatorStoreClient>(store_stub_, session_key, a.job_id(),
+    auto store = std::make_shared<CoordinatorStoreClient>(store_stub, session_key, a.job_id(),
                                                           a.generation(), run->abort);
     RunReporter reporter(this, run->id);
     // Destroyed before the state is handed on: it lets go of the device and the group.

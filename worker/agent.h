@@ -32,7 +32,9 @@
 namespace lockstep::worker {
 
 struct AgentOptions {
-  std::string coordinator;  // host:port
+  // host:port, or several comma-separated (coordinators on etcd, one leading): the worker
+  // registers with the one that leads, following the leader a standby names.
+  std::string coordinator;
   std::string name;
   std::string host;
   // The worker's device (--device, opened): registered with the coordinator, and what each
@@ -135,11 +137,21 @@ class Agent {
   // What every generation of this worker uses (the options' roots, device and metrics).
   GenerationContext generation_context_;
   const uint64_t incarnation_;
+  // The coordinators (AgentOptions::coordinator, and any leader a standby named), a channel
+  // each, and the one sessions go to now: Run's thread alone changes them.
+  void UseCoordinator(const std::string& address) ABSL_LOCKS_EXCLUDED(session_key_mu_);
+  void NextCoordinator();
+  std::vector<std::string> coordinators_;
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
+  std::string coordinator_;
   std::shared_ptr<grpc::Channel> channel_;
-  std::shared_ptr<v1::StoreService::StubInterface> store_stub_;
-  // The current session's key (Registered.session_key), for the store calls of its runs.
+  // The leader the last session's coordinator named (a standby's answer), or empty.
+  std::string leader_named_;
+  // The current session's key (Registered.session_key) and the store of its coordinator, for
+  // the store calls of its runs.
   absl::Mutex session_key_mu_;
   std::string session_key_ ABSL_GUARDED_BY(session_key_mu_);
+  std::shared_ptr<v1::StoreService::StubInterface> store_stub_ ABSL_GUARDED_BY(session_key_mu_);
 
   std::atomic<bool> stop_{false};
   absl::Mutex session_mu_ ABSL_ACQUIRED_AFTER(mu_);  // the stream and writes to it

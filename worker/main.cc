@@ -14,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/auth.h"
+#include "common/coordinators.h"
 #include "common/metrics.h"
 #include "common/path_roots.h"
 #include "common/status_macros.h"
@@ -31,7 +32,9 @@
 #include "worker/program/warm_start.h"
 #include "worker/program_service.h"
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "Coordinator address, HOST:PORT.");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070",
+          "Coordinator address, HOST:PORT; or several, comma-separated (coordinators on etcd): "
+          "the worker registers with the one that leads.");
 ABSL_FLAG(std::string, device, "cpu", "Device this worker owns: cpu or cuda:N.");
 ABSL_FLAG(std::string, name, "", "Worker name, unique in the cluster (default HOST-PID).");
 ABSL_FLAG(std::string, host, "", "Host name reported to the coordinator (default gethostname).");
@@ -181,7 +184,7 @@ absl::Status StartMetrics(const std::string& name, const std::string& device,
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "lockstep-worker --coordinator=HOST:PORT --device=cpu [--name=NAME]");
+      "lockstep-worker --coordinator=HOST:PORT[,HOST:PORT...] --device=cpu [--name=NAME]");
   absl::ParseCommandLine(argc, argv);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
@@ -190,6 +193,12 @@ int main(int argc, char** argv) {
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   if (options.coordinator.empty()) {
     LOG(ERROR) << "--coordinator is required (HOST:PORT)";
+    return 2;
+  }
+  absl::StatusOr<std::vector<std::string>> coordinators =
+      lockstep::SplitCoordinators(options.coordinator);
+  if (!coordinators.ok()) {
+    LOG(ERROR) << coordinators.status().message();
     return 2;
   }
   absl::StatusOr<lockstep::worker::DeviceInfo> device =
@@ -214,7 +223,7 @@ int main(int argc, char** argv) {
   options.name = absl::GetFlag(FLAGS_name).empty() ? absl::StrCat(options.host, "-", getpid())
                                                    : absl::GetFlag(FLAGS_name);
   options.comm_address = absl::GetFlag(FLAGS_comm_address).empty()
-                             ? LocalAddressTowards(options.coordinator)
+                             ? LocalAddressTowards(coordinators->front())
                              : absl::GetFlag(FLAGS_comm_address);
   options.shared_memory_collectives = absl::GetFlag(FLAGS_shared_memory_collectives);
   if (absl::Status s = RootsFromFlags(options); !s.ok()) {

@@ -14,6 +14,8 @@ from lockstep.v1 import job_pb2, job_pb2_grpc
 # `lockstepctl workers` when a call is refused).
 _AUTHORIZATION = "authorization"
 _CLIENT = "x-lockstep-client"
+# A standby coordinator (coordinators on etcd) names the leader in this trailing metadata.
+_LEADER = "x-lockstep-leader"
 
 # Job states after which nothing changes.
 _ENDED = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED)
@@ -74,7 +76,10 @@ def _read(path, what):
 class Client:
     """A connection to a coordinator.
 
-    address: HOST:PORT. token: the cluster's shared token (default $LOCKSTEP_TOKEN; None sends
+    address: HOST:PORT, or several comma-separated (coordinators on etcd, one leading): calls go
+    to the leader, following the one a standby names, or to the next address when one cannot
+    be reached (a call that reached a coordinator that then failed is not sent again: it may
+    have been done). token: the cluster's shared token (default $LOCKSTEP_TOKEN; None sends
     none). tls: None (plaintext), True (TLS with the system's roots), or a dict with "ca" (the
     CA file that signed the coordinator's certificate) and, for mutual TLS, "cert" and "key".
     timeout: seconds for each call (watch streams are not limited).
@@ -84,21 +89,27 @@ class Client:
     """
 
     def __init__(self, address, token=None, tls=None, timeout=30.0):
-        if not isinstance(address, str) or ":" not in address:
+        if not isinstance(address, str):
             raise ValueError(f"address {address!r} is not HOST:PORT")
+        self._addresses = [a.strip() for a in address.split(",")]
+        for a in self._addresses:
+            if ":" not in a:
+                raise ValueError(f"address {a!r} in {address!r} is not HOST:PORT")
         if token is None:
             token = os.environ.get("LOCKSTEP_TOKEN") or None
         self._timeout = timeout
         self._metadata = [(_CLIENT, f"python {platform.node()}-{os.getpid()}")]
         if token:
             self._metadata.append((_AUTHORIZATION, f"Bearer {token}"))
+        self._credentials = None
+        self._channel = None
         if tls is None or tls is False:
-            if token and not _is_loopback(address):
+            beyond = [a for a in self._addresses if not _is_loopback(a)]
+            if token and beyond:
                 warnings.warn(
-                    f"lockstep.Client: sending the token to {address} without TLS: anyone on "
+                    f"lockstep.Client: sending the token to {beyond[0]} without TLS: anyone on "
                     "the network path can read it (pass tls=...)",
                     InsecureTokenWarning, stacklevel=2)
-            self._channel = grpc.insecure_channel(address)
         else:
             options = {} if tls is True else dict(tls)
             unknown = set(options) - {"ca", "cert", "key"}
@@ -106,11 +117,20 @@ class Client:
                 raise ValueError(f"tls: unknown keys {sorted(unknown)} (ca, cert, key)")
             if ("cert" in options) != ("key" in options):
                 raise ValueError("tls: cert and key go together (mutual TLS)")
-            credentials = grpc.ssl_channel_credentials(
+            self._credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read(options["ca"], "ca") if "ca" in options else None,
                 private_key=_read(options["key"], "key") if "key" in options else None,
                 certificate_chain=_read(options["cert"], "cert") if "cert" in options else None)
-            self._channel = grpc.secure_channel(address, credentials)
+        self._connect(self._addresses[0])
+
+    def _connect(self, address):
+        if self._channel is not None:
+            self._channel.close()
+        self._address = address
+        if self._credentials is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            self._channel = grpc.secure_channel(address, self._credentials)
         self._stub = job_pb2_grpc.JobServiceStub(self._channel)
 
     def close(self):
@@ -123,10 +143,30 @@ class Client:
         self.close()
 
     def _call(self, method, request):
-        try:
-            return method(request, timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise LockstepError(e.code(), e.details() or "") from None
+        tried = set()
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=self._timeout,
+                                                   metadata=self._metadata)
+            except grpc.RpcError as e:
+                tried.add(self._address)
+                following = self._next_address(e, tried)
+                if following is None:
+                    raise LockstepError(e.code(), e.details() or "") from None
+                self._connect(following)
+
+    def _next_address(self, error, tried):
+        """Where a call that failed with `error` goes next: the leader a standby named, or, when
+        the coordinator could not be reached at all, the next address; None: nowhere."""
+        if error.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        leader = dict(error.trailing_metadata() or ()).get(_LEADER)
+        if leader:
+            return leader if leader not in tried else None
+        if "failed to connect" not in (error.details() or "").lower():
+            return None
+        untried = [a for a in self._addresses if a not in tried]
+        return untried[0] if untried else None
 
     def submit(self, spec):
         """Submits a job: a JobSpec, or a dict in the JSON form of docs/job_spec_example.md
@@ -138,10 +178,10 @@ class Client:
                 raise LockstepError(grpc.StatusCode.INVALID_ARGUMENT, f"job spec: {e}") from None
         elif not isinstance(spec, job_pb2.JobSpec):
             raise TypeError(f"submit takes a dict or a lockstep.v1 JobSpec, not {type(spec).__name__}")
-        return self._call(self._stub.SubmitJob, job_pb2.SubmitJobRequest(spec=spec))
+        return self._call("SubmitJob", job_pb2.SubmitJobRequest(spec=spec))
 
     def get(self, job_id):
-        return self._call(self._stub.GetJob, job_pb2.GetJobRequest(job_id=job_id))
+        return self._call("GetJob", job_pb2.GetJobRequest(job_id=job_id))
 
     def list(self):
         """Every job, newest first (the coordinator pages them; this follows every page).
@@ -154,7 +194,7 @@ class Client:
         tokens, job_ids = set(), set()
         pages = 0
         while True:
-            page = self._call(self._stub.ListJobs,
+            page = self._call("ListJobs",
                               job_pb2.ListJobsRequest(page_size=1000, page_token=token))
             pages += 1
             for job in page.jobs:
@@ -188,25 +228,25 @@ class Client:
     def queue(self):
         """The queued jobs (PENDING, and SUSPENDED for another job) in the order they will
         start; each one's reason says why it waits (docs/scheduling.md)."""
-        return list(self._call(self._stub.ListJobs,
+        return list(self._call("ListJobs",
                                job_pb2.ListJobsRequest(queue=True, page_size=1000)).jobs)
 
     def cancel(self, job_id):
-        return self._call(self._stub.CancelJob, job_pb2.CancelJobRequest(job_id=job_id))
+        return self._call("CancelJob", job_pb2.CancelJobRequest(job_id=job_id))
 
     def suspend(self, job_id):
         """Stops the job, its state kept in its workers' memory; it waits, SUSPENDED, for
         resume(). FAILED_PRECONDITION for a job that has ended or is already suspended."""
-        return self._call(self._stub.SuspendJob, job_pb2.SuspendJobRequest(job_id=job_id))
+        return self._call("SuspendJob", job_pb2.SuspendJobRequest(job_id=job_id))
 
     def resume(self, job_id):
         """Queues a job suspended by suspend(): it goes on from its kept state when workers
         free up. FAILED_PRECONDITION for a job that is not suspended."""
-        return self._call(self._stub.ResumeJob, job_pb2.ResumeJobRequest(job_id=job_id))
+        return self._call("ResumeJob", job_pb2.ResumeJobRequest(job_id=job_id))
 
     def workers(self):
         """The registered workers (WorkerInfo messages)."""
-        return list(self._call(self._stub.ListWorkers, job_pb2.ListWorkersRequest()).workers)
+        return list(self._call("ListWorkers", job_pb2.ListWorkersRequest()).workers)
 
     def curve(self, job_id):
         """The job's training loss and throughput, oldest first (TrainingPoint messages: step,
@@ -216,7 +256,7 @@ class Client:
             points = client.curve(job_id)
             plt.plot([p.step for p in points], [p.loss for p in points])
         """
-        return list(self._call(self._stub.GetTrainingCurve,
+        return list(self._call("GetTrainingCurve",
                                job_pb2.GetTrainingCurveRequest(job_id=job_id)).points)
 
     def logs(self, job_id, rank=None, generation=0, follow=False, poll=0.5):
@@ -234,7 +274,7 @@ class Client:
         while True:
             ended = not follow or self.get(job_id).state in _ENDED
             while True:
-                answer = self._call(self._stub.GetJobLogs, request)
+                answer = self._call("GetJobLogs", request)
                 yield from answer.lines
                 more = len(answer.lines) > 0 and answer.next_sequence > request.from_sequence
                 request.from_sequence = answer.next_sequence
@@ -246,6 +286,8 @@ class Client:
 
     def watch(self, job_id, from_sequence=0):
         """The job's events (JobEvent), from its history on, live until the job has ended."""
+        if len(self._addresses) > 1:
+            self.get(job_id)  # on the leader first (a stream is not sent again)
         stream = self._stub.WatchJob(
             job_pb2.WatchJobRequest(job_id=job_id, from_sequence=from_sequence),
             metadata=self._metadata)

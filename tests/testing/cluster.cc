@@ -7,16 +7,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 
 extern char** environ;
@@ -195,9 +198,71 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(
     cluster->coordinator_flags_.push_back("--token_file=" + cluster->token_file_);
   }
   LOCKSTEP_RETURN_IF_ERROR(cluster->StartCoordinator("127.0.0.1:0"));
-  cluster->jobs_ = v1::JobService::NewStub(MakeChannel(
-      cluster->address_, {token, "integration test", *credentials, client_tls.server_name}));
+  cluster->client_auth_ = {token, "integration test", *credentials, client_tls.server_name};
+  cluster->jobs_ = v1::JobService::NewStub(MakeChannel(cluster->address_, cluster->client_auth_));
   return cluster;
+}
+
+absl::StatusOr<std::unique_ptr<Cluster>> Cluster::StartOnEtcd(
+    const std::string& etcd_endpoints, int coordinators,
+    const std::vector<std::string>& coordinator_flags) {
+  std::vector<std::string> flags = {"--state_backend=etcd", "--etcd_endpoints=" + etcd_endpoints};
+  flags.insert(flags.end(), coordinator_flags.begin(), coordinator_flags.end());
+  absl::StatusOr<std::unique_ptr<Cluster>> cluster = Start(flags);
+  if (!cluster.ok()) return cluster.status();
+  Cluster& c = **cluster;
+  c.addresses_.push_back(c.address_);
+  for (int i = 1; i < coordinators; ++i) LOCKSTEP_RETURN_IF_ERROR(c.StartStandby(i));
+  return cluster;
+}
+
+absl::Status Cluster::StartStandby(int i) {
+  const std::string port_file = absl::StrCat(dir_, "/port", i);
+  std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                                   "--port_file=" + port_file,
+                                   absl::StrCat("--test_hooks_dir=", dir_, "/hooks/coordinator", i)};
+  if (test_roots_) {
+    for (const std::string& flag : TestRootFlags()) argv.push_back(flag);
+  }
+  argv.insert(argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+  auto process = Process::Spawn(argv, absl::StrCat(dir_, "/coordinator", i, ".log"));
+  if (!process.ok()) return process.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!std::filesystem::exists(port_file)) {
+    if (!(*process)->running() || absl::Now() > deadline) {
+      return absl::UnavailableError(absl::StrCat("coordinator ", i, " did not start:\n", Logs()));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  addresses_.push_back(absl::StrCat("127.0.0.1:", std::stoi(ReadFile(port_file))));
+  standbys_.push_back(*std::move(process));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> Cluster::FollowLeader(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  do {
+    for (size_t i = 0; i < addresses_.size(); ++i) {
+      std::shared_ptr<grpc::Channel> channel = MakeChannel(addresses_[i], client_auth_);
+      auto health = grpc::health::v1::Health::NewStub(channel);
+      grpc::ClientContext context;
+      context.set_deadline(Deadline(absl::Milliseconds(300)));
+      grpc::health::v1::HealthCheckResponse response;
+      if (health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response).ok() &&
+          response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+        jobs_ = v1::JobService::NewStub(channel);
+        address_ = addresses_[i];
+        return static_cast<int>(i);
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  } while (absl::Now() < deadline);
+  return absl::UnavailableError(absl::StrCat("no coordinator serves within ",
+                                             absl::FormatDuration(timeout), ":\n", Logs()));
+}
+
+std::string Cluster::WorkerCoordinatorFlag() const {
+  return addresses_.empty() ? address_ : absl::StrJoin(addresses_, ",");
 }
 
 absl::Status Cluster::StartCoordinator(const std::string& listen) {
@@ -207,8 +272,12 @@ absl::Status Cluster::StartCoordinator(const std::string& listen) {
   const std::string hooks = dir_ + "/hooks/coordinator";
   std::filesystem::remove_all(hooks);
   std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=" + listen,
-                                   "--port_file=" + port_file, "--state_dir=" + dir_ + "/state",
-                                   "--test_hooks_dir=" + hooks};
+                                   "--port_file=" + port_file, "--test_hooks_dir=" + hooks};
+  // On etcd the state is there (the coordinator refuses a --state_dir beside it).
+  if (std::find(coordinator_flags_.begin(), coordinator_flags_.end(), "--state_backend=etcd") ==
+      coordinator_flags_.end()) {
+    argv.push_back("--state_dir=" + dir_ + "/state");
+  }
   if (test_roots_) {
     for (const std::string& flag : TestRootFlags()) argv.push_back(flag);
   }
@@ -255,6 +324,10 @@ absl::Status Cluster::WaitForWorker(const std::string& name, const std::string& 
 
 Cluster::~Cluster() {
   workers_.clear();
+  for (auto& standby : standbys_) {
+    if (standby->running()) standby->Signal(SIGTERM);
+  }
+  for (auto& standby : standbys_) (void)standby->Wait(absl::Seconds(5));
   if (coordinator_ != nullptr) {
     coordinator_->Signal(SIGTERM);
     (void)coordinator_->Wait(absl::Seconds(5));
@@ -267,7 +340,7 @@ absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std
   std::filesystem::remove_all(hooks);
   std::vector<std::string> argv = launcher;
   for (const std::string& arg :
-       {std::string(LOCKSTEP_WORKER_BIN), "--coordinator=" + address_, std::string("--device=cpu"),
+       {std::string(LOCKSTEP_WORKER_BIN), "--coordinator=" + WorkerCoordinatorFlag(), std::string("--device=cpu"),
         "--name=" + name, "--test_hooks_dir=" + hooks, "--data_cache_dir=" + dir_ + "/cache"}) {
     argv.push_back(arg);
   }
@@ -348,8 +421,10 @@ absl::StatusOr<v1::Job> Cluster::WaitFor(const std::string& job_id,
   v1::Job last;
   while (absl::Now() < deadline) {
     absl::StatusOr<v1::Job> job = Get(job_id);
-    // A coordinator that is restarting (or was just frozen) is asked again.
+    // A coordinator that is restarting (or was just frozen) is asked again; on etcd, the one
+    // that leads now.
     if (absl::IsUnavailable(job.status()) || absl::IsDeadlineExceeded(job.status())) {
+      if (addresses_.size() > 1) (void)FollowLeader(absl::ZeroDuration());
       absl::SleepFor(absl::Milliseconds(50));
       continue;
     }

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/auth.h"
 #include "common/tls.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
@@ -65,6 +66,12 @@ class Cluster {
   static absl::StatusOr<std::unique_ptr<Cluster>> Start(
       const std::vector<std::string>& coordinator_flags = {}, const std::string& token = "",
       const TlsFiles& client_tls = {}, bool test_roots = true);
+  // Coordinators on etcd (--state_backend=etcd): `coordinators` of them, started in order
+  // (the first leads), each on its own port, all with `coordinator_flags`; workers are given
+  // every address. The cluster's own calls follow the leader (FollowLeader).
+  static absl::StatusOr<std::unique_ptr<Cluster>> StartOnEtcd(
+      const std::string& etcd_endpoints, int coordinators,
+      const std::vector<std::string>& coordinator_flags = {});
   // --data_root and --checkpoint_root for tests: the test temporary directory (where they
   // write their data, checkpoints and exports) and the Debian data the examples use.
   static std::vector<std::string> TestRootFlags();
@@ -95,6 +102,11 @@ class Cluster {
     coordinator_flags_ = std::move(flags);
   }
   Process* coordinator() { return coordinator_.get(); }
+  // Coordinators on etcd: the i-th, its address, and the index of the one that serves now
+  // (asked through gRPC's health check, for up to `timeout`; the cluster's calls go there).
+  Process* coordinator(int i) { return i == 0 ? coordinator_.get() : standbys_.at(i - 1).get(); }
+  const std::string& coordinator_address(int i) const { return addresses_.at(i); }
+  absl::StatusOr<int> FollowLeader(absl::Duration timeout);
   absl::Status StartWorkers(int n);  // w0 .. w{n-1}
   // Test hooks (common/test_hooks.h) of a worker started with --test_hooks=...: waits until it
   // holds at `hook`, and lets it go on. The coordinator's (its flag --test_hooks=...) go by the
@@ -122,7 +134,14 @@ class Cluster {
  private:
   Cluster() = default;
   absl::Status StartCoordinator(const std::string& listen);
+  // Starts one more coordinator on etcd (the i-th, i >= 1) and waits until it listens.
+  absl::Status StartStandby(int i);
+  // The address workers are given: the coordinator's, or every coordinator's on etcd.
+  std::string WorkerCoordinatorFlag() const;
   std::vector<std::string> coordinator_flags_;
+  std::vector<std::string> addresses_;  // coordinators on etcd, in start order
+  std::vector<std::unique_ptr<Process>> standbys_;  // coordinators 1.. on etcd
+  ClientAuth client_auth_;
   bool test_roots_ = true;
   std::string dir_;
   std::string token_file_;

@@ -1,0 +1,326 @@
+// Coordinators on etcd (--state_backend=etcd; docs/deploy.md), with real etcd processes on
+// loopback that the tests start and remove: three coordinators, one leading. Killed with -9
+// while a job trains (and after one etcd member of three was killed), a standby leads, the
+// workers follow it, and the job ends with exactly its steps, the bits of an undisturbed run
+// and no step redone; the job queued behind it runs. A leader frozen past its lease is
+// deposed: a standby leads, and the old one, thawed, steps down (exit 3). A deposed leader's
+// writes are refused by etcd (the fence), and bad flags and foreign prefixes are refused at
+// start with the reason.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "coordinator/store/etcd_client.h"
+#include "coordinator/store/etcd_job_store.h"
+#include "coordinator/store/leadership.h"
+#include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
+#include "tests/testing/exact.h"
+
+namespace lockstep {
+namespace {
+
+using testing::Cluster;
+using testing::Process;
+
+constexpr char kEtcdBin[] = "/usr/bin/etcd";
+constexpr absl::Duration kWait = absl::Seconds(180);
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// An etcd cluster of `n` members on loopback, in a directory of its own; removed with it.
+class Etcd {
+ public:
+  static absl::StatusOr<std::unique_ptr<Etcd>> Start(int n) {
+    std::unique_ptr<Etcd> etcd(new Etcd());
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    etcd->dir_ = absl::StrCat(::testing::TempDir(), "/lockstep-etcd-", getpid(), "-",
+                              info ? info->name() : "etcd");
+    std::filesystem::remove_all(etcd->dir_);
+    std::filesystem::create_directories(etcd->dir_);
+    std::vector<std::string> peers;
+    for (int i = 0; i < n; ++i) {
+      etcd->client_urls_.push_back(absl::StrCat("http://127.0.0.1:", FreePort()));
+      peers.push_back(absl::StrCat("m", i, "=http://127.0.0.1:", FreePort()));
+    }
+    for (int i = 0; i < n; ++i) {
+      const std::string peer = peers[i].substr(peers[i].find('=') + 1);
+      etcd->argv_.push_back({kEtcdBin, absl::StrCat("--name=m", i),
+                             absl::StrCat("--data-dir=", etcd->dir_, "/m", i),
+                             "--listen-client-urls=" + etcd->client_urls_[i],
+                             "--advertise-client-urls=" + etcd->client_urls_[i],
+                             "--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
+                             "--initial-cluster=" + absl::StrJoin(peers, ","),
+                             "--initial-cluster-state=new", "--initial-cluster-token=lockstep-test"});
+      etcd->members_.emplace_back();
+      LOCKSTEP_RETURN_IF_ERROR(etcd->Restart(i));
+    }
+    // Serving once a write goes through (the members have elected their leader).
+    auto client = coordinator::EtcdClient::Connect(etcd->endpoints(), "/probe", absl::Seconds(20));
+    if (!client.ok()) return client.status();
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    for (;;) {
+      etcdserverpb::TxnRequest txn;
+      etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
+      put->set_key("/probe");
+      put->set_value("1");
+      if ((*client)->Txn(txn).ok()) break;
+      if (absl::Now() > deadline) return absl::UnavailableError("etcd did not serve writes");
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return etcd;
+  }
+  ~Etcd() {
+    members_.clear();
+    std::filesystem::remove_all(dir_);
+  }
+
+  std::string endpoints() const { return absl::StrJoin(client_urls_, ","); }
+  Process* member(int i) { return members_.at(i).get(); }
+  absl::Status Restart(int i) {
+    auto process = Process::Spawn(argv_[i], absl::StrCat(dir_, "/m", i, ".log"));
+    if (!process.ok()) return process.status();
+    members_[i] = *std::move(process);
+    return absl::OkStatus();
+  }
+
+ private:
+  Etcd() = default;
+  std::string dir_;
+  std::vector<std::string> client_urls_;
+  std::vector<std::vector<std::string>> argv_;
+  std::vector<std::unique_ptr<Process>> members_;
+};
+
+bool EtcdInstalled() { return std::filesystem::exists(kEtcdBin); }
+
+#define SKIP_WITHOUT_ETCD()                                                          \
+  if (!EtcdInstalled()) GTEST_SKIP() << kEtcdBin << " is missing (Debian etcd-server; " \
+                                        "scripts/install_deps.sh --test installs it)"
+
+TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
+  SKIP_WITHOUT_ETCD();
+  auto etcd = Etcd::Start(3);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 3);
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+
+  constexpr int64_t kSteps = 600, kHeldAt = 300;
+  const v1::JobSpec spec = testing::DeterministicJob(2, 2, kSteps, 0, 5000);
+  ASSERT_TRUE(cluster.StartWorker("ref").ok()) << cluster.Logs();
+  v1::JobSpec reference = spec;
+  reference.set_min_workers(1);
+  reference.set_max_workers(1);
+  const std::string checksum = testing::ReferenceChecksum(cluster, reference);
+  ASSERT_FALSE(checksum.empty());
+  cluster.worker("ref")->Signal(SIGTERM);
+  ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
+
+  // The members hold before step kHeldAt, so the failover lands mid-training on any machine.
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(cluster
+                    .StartWorker(absl::StrCat("w", i),
+                                 {absl::StrCat("--test_hooks=before_step@", kHeldAt)})
+                    .ok())
+        << cluster.Logs();
+  }
+  auto job = cluster.Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto queued = cluster.Submit(testing::DeterministicJob(2, 2, 50, 0, 5000));
+  ASSERT_TRUE(queued.ok()) << queued.status();
+  for (const char* w : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster.WaitForHook(w, "before_step", kWait).ok());
+  }
+
+  // One etcd member of three lost: nothing to see.
+  (*etcd)->member(2)->Signal(SIGKILL);
+  auto still = cluster.Get(job->job_id());
+  ASSERT_TRUE(still.ok()) << still.status();
+  EXPECT_EQ(still->state(), v1::JOB_STATE_RUNNING);
+
+  const absl::Time killed = absl::Now();
+  cluster.coordinator(0)->Signal(SIGKILL);
+  auto leader = cluster.FollowLeader(absl::Seconds(20));
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  EXPECT_NE(*leader, 0);
+  std::cout << "a standby led " << absl::FormatDuration(absl::Now() - killed)
+            << " after the leader was killed\n";
+  for (const char* w : {"w0", "w1"}) cluster.ReleaseHook(w, "before_step");
+
+  auto done = cluster.WaitForEnd(job->job_id(), kWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  testing::ExpectExact(cluster, *done, kSteps, checksum);
+  for (const v1::Recovery& r : done->recovery_history()) {
+    EXPECT_EQ(r.steps_redone(), 0) << r.reason();
+    EXPECT_FALSE(r.counted()) << r.reason();
+  }
+  auto next = cluster.WaitForEnd(queued->job_id(), kWait);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->state(), v1::JOB_STATE_SUCCEEDED) << next->reason() << cluster.Logs();
+
+  // A standby names the leader; lockstepctl given every address finds it.
+  const std::string standby = cluster.coordinator_address(*leader == 1 ? 2 : 1);
+  auto named = testing::RunCommand({LOCKSTEP_CTL_BIN, "--coordinator=" + standby, "list"},
+                                   absl::Seconds(20));
+  ASSERT_TRUE(named.ok());
+  EXPECT_EQ(named->exit_code, 3) << named->output;
+  EXPECT_TRUE(absl::StrContains(named->output, "the leader is at " +
+                                                   cluster.coordinator_address(*leader)))
+      << named->output;
+  auto listed = testing::RunCommand(
+      {LOCKSTEP_CTL_BIN,
+       absl::StrCat("--coordinator=", cluster.coordinator_address(0), ",", standby), "list"},
+      absl::Seconds(20));
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->exit_code, 0) << listed->output;
+  EXPECT_TRUE(absl::StrContains(listed->output, job->job_id())) << listed->output;
+}
+
+TEST(EtcdTest, ALeaderFrozenPastItsLeaseIsDeposedAndStepsDown) {
+  SKIP_WITHOUT_ETCD();
+  auto etcd = Etcd::Start(1);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 2);
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  ASSERT_TRUE(cluster.StartWorkers(2).ok()) << cluster.Logs();
+  constexpr int64_t kSteps = 400;
+  auto job = cluster.Submit(testing::DeterministicJob(2, 2, kSteps, 0, 5000));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(cluster.WaitFor(job->job_id(), [](const v1::Job& j) { return j.step() > 0; }, kWait)
+                  .ok());
+
+  cluster.coordinator(0)->Signal(SIGSTOP);
+  auto leader = cluster.FollowLeader(absl::Seconds(20));
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  ASSERT_EQ(*leader, 1);
+  cluster.coordinator(0)->Signal(SIGCONT);
+  // Thawed, it finds its lease gone and stops: whatever it would still write is fenced off.
+  auto code = cluster.coordinator(0)->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok()) << code.status() << cluster.Logs();
+  EXPECT_EQ(*code, 3) << cluster.Logs();
+
+  auto done = cluster.WaitForEnd(job->job_id(), kWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster.Logs();
+  EXPECT_EQ(done->step(), kSteps);
+  ASSERT_EQ(done->members_size(), 2);
+  EXPECT_EQ(done->members(0).parameter_checksum(), done->members(1).parameter_checksum());
+  for (const v1::Recovery& r : done->recovery_history()) EXPECT_EQ(r.steps_redone(), 0);
+}
+
+TEST(EtcdTest, ADeposedLeadersWritesAreRefused) {
+  SKIP_WITHOUT_ETCD();
+  auto etcd = Etcd::Start(1);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  auto client = coordinator::EtcdClient::Connect((*etcd)->endpoints(), "/t/", absl::Seconds(10));
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE(coordinator::EtcdClusterId(client->get(), "/t/").ok());
+  auto campaign = [&](const std::string& address, std::string* lost) {
+    coordinator::LeadershipOptions options;
+    options.prefix = "/t/";
+    options.address = address;
+    return coordinator::Leadership::Campaign(
+        client->get(), options, [](const std::string&, const std::string&) {},
+        [lost](const std::string& reason) { *lost = reason; }, [] { return false; });
+  };
+  std::string a_lost, b_lost;
+  auto a = campaign("a:1", &a_lost);
+  ASSERT_TRUE(a.ok()) << a.status();
+  coordinator::EtcdJobStore a_store(client->get(), "/t/", a->get());
+  v1::Job job;
+  job.set_job_id("job-1-abcdef");
+  job.set_step(10);
+  ASSERT_TRUE(a_store.Save(job).ok());
+
+  // A's lease ends behind its back (as when it was frozen past it); B leads.
+  ASSERT_TRUE((*client)->LeaseRevoke((*a)->lease()).ok());
+  auto b = campaign("b:2", &b_lost);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_GT((*b)->term(), (*a)->term());
+  coordinator::EtcdJobStore b_store(client->get(), "/t/", b->get());
+  job.set_step(20);
+  ASSERT_TRUE(b_store.Save(job).ok());
+
+  job.set_step(11);
+  absl::Status refused = a_store.Save(job);
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "no longer leads")) << refused;
+  EXPECT_TRUE(absl::StrContains(a_lost, "another coordinator leads")) << a_lost;
+  EXPECT_TRUE(b_lost.empty()) << b_lost;
+  auto jobs = b_store.LoadAll();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ(jobs->size(), 1u);
+  EXPECT_EQ((*jobs)[0].step(), 20);  // B's write, never A's late one
+  (*b)->Resign();
+}
+
+TEST(EtcdTest, BadEndpointsAndForeignPrefixesAreRefusedAtStart) {
+  SKIP_WITHOUT_ETCD();
+  auto etcd = Etcd::Start(1);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  auto run = [](std::vector<std::string> flags) {
+    std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto result = testing::RunCommand(argv, absl::Seconds(30));
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : testing::CommandResult{};
+  };
+  const int dead = FreePort();
+  auto unreachable = run({"--state_backend=etcd", absl::StrCat("--etcd_endpoints=http://127.0.0.1:", dead)});
+  EXPECT_EQ(unreachable.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(unreachable.output, "no etcd endpoint answers")) << unreachable.output;
+  EXPECT_TRUE(absl::StrContains(unreachable.output, absl::StrCat("127.0.0.1:", dead)))
+      << unreachable.output;
+
+  auto client = coordinator::EtcdClient::Connect((*etcd)->endpoints(), "/", absl::Seconds(10));
+  ASSERT_TRUE(client.ok());
+  etcdserverpb::TxnRequest txn;
+  txn.add_success()->mutable_request_put()->set_key("/theirs/config");
+  ASSERT_TRUE((*client)->Txn(txn).ok());
+  auto foreign = run({"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(),
+                      "--etcd_prefix=/theirs"});
+  EXPECT_EQ(foreign.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(foreign.output, "not a Lockstep cluster's (/theirs/config"))
+      << foreign.output;
+
+  for (const auto& [flags, words] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(), "--state_dir=/tmp/x"},
+            "--state_dir is the file backend's"},
+           {{"--state_backend=zookeeper"}, "not \"file\" or \"etcd\""},
+           {{"--etcd_endpoints=" + (*etcd)->endpoints()}, "--etcd_endpoints needs --state_backend=etcd"},
+           {{"--state_backend=etcd", "--etcd_endpoints=https://127.0.0.1:1"}, "TLS to etcd"},
+           {{"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(), "--etcd_prefix=x"},
+            "must start with /"}}) {
+    auto result = run(flags);
+    EXPECT_EQ(result.exit_code, 1) << absl::StrJoin(flags, " ");
+    EXPECT_TRUE(absl::StrContains(result.output, words)) << result.output;
+  }
+}
+
+}  // namespace
+}  // namespace lockstep
