@@ -35,6 +35,13 @@ absl::Status EtcdJobStore::Save(const v1::Job& job) {
   }
   absl::StatusOr<etcdserverpb::TxnResponse> answer = etcd_->Txn(txn);
   if (!answer.ok()) {
+    // Unreachable: what this coordinator decided is not durable, so it must not go on as the
+    // leader (a job it accepted would be lost with it). Refused by etcd (a full quota, a
+    // request too large): the error goes to the caller, and another leader would get the same.
+    if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status())) {
+      leadership_->WriteFailed(absl::StrCat("the write of ", job.job_id(), " (",
+                                            answer.status().message(), ")"));
+    }
     return absl::Status(answer.status().code(),
                         absl::StrCat("saving ", job.job_id(), " (", put->value().size(),
                                      " bytes) in etcd: ", answer.status().message()));

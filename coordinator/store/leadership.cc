@@ -127,6 +127,10 @@ void Leadership::Refused(const std::string& what) {
                     term_, ")"));
 }
 
+void Leadership::WriteFailed(const std::string& what) {
+  Lose(absl::StrCat(what, " did not reach etcd (term ", term_, ")"));
+}
+
 void Leadership::Lose(const std::string& reason) {
   if (lost_.exchange(true)) return;
   Stop();

@@ -57,6 +57,9 @@ class Leadership {
 
   // A fenced write was refused: leadership is lost (calls on_lost, once).
   void Refused(const std::string& what);
+  // A write could not reach etcd: this coordinator cannot keep what it decides, so it gives
+  // the leadership up (calls on_lost, once) rather than serve state that is not durable.
+  void WriteFailed(const std::string& what);
 
   // Stops renewing and revokes the lease, so that a standby takes over at once (a clean
   // shutdown). on_lost is not called.

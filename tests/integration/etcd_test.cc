@@ -233,6 +233,63 @@ TEST(EtcdTest, ALeaderFrozenPastItsLeaseIsDeposedAndStepsDown) {
   for (const v1::Recovery& r : done->recovery_history()) EXPECT_EQ(r.steps_redone(), 0);
 }
 
+TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
+  SKIP_WITHOUT_ETCD();
+  auto etcd = Etcd::Start(1);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 2);
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  constexpr int64_t kSteps = 400, kHeldAt = 200;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(cluster
+                    .StartWorker(absl::StrCat("w", i),
+                                 {absl::StrCat("--test_hooks=before_step@", kHeldAt)})
+                    .ok())
+        << cluster.Logs();
+  }
+  auto job = cluster.Submit(testing::DeterministicJob(2, 2, kSteps, 0, 5000));
+  ASSERT_TRUE(job.ok()) << job.status();
+  for (const char* w : {"w0", "w1"}) {
+    ASSERT_TRUE(cluster.WaitForHook(w, "before_step", kWait).ok());
+  }
+
+  // etcd gone: the leader cannot renew its lease nor keep what it decides, and steps down; the
+  // standby cannot lead, and says why.
+  (*etcd)->member(0)->Signal(SIGKILL);
+  ASSERT_TRUE((*etcd)->member(0)->Wait(absl::Seconds(10)).ok());
+  auto code = cluster.coordinator(0)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status() << cluster.Logs();
+  EXPECT_EQ(*code, 3);
+  const std::string standby = cluster.coordinator_address(1);
+  std::string said;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!absl::StrContains(said, "no leader is known") && absl::Now() < deadline) {
+    auto listed = testing::RunCommand({LOCKSTEP_CTL_BIN, "--coordinator=" + standby, "list"},
+                                      absl::Seconds(20));
+    ASSERT_TRUE(listed.ok());
+    said = listed->output;
+  }
+  EXPECT_TRUE(absl::StrContains(said, "UNAVAILABLE: this coordinator is a standby and no leader "
+                                      "is known: etcd"))
+      << said;
+
+  // etcd back: the standby leads with every job, and the job ends with exactly its steps.
+  ASSERT_TRUE((*etcd)->Restart(0).ok());
+  auto leader = cluster.FollowLeader(absl::Seconds(60));
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  EXPECT_EQ(*leader, 1);
+  for (const char* w : {"w0", "w1"}) cluster.ReleaseHook(w, "before_step");
+  auto done = cluster.WaitForEnd(job->job_id(), kWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster.Logs();
+  EXPECT_EQ(done->step(), kSteps);
+  ASSERT_EQ(done->members_size(), 2);
+  EXPECT_EQ(done->members(0).parameter_checksum(), done->members(1).parameter_checksum());
+  for (const v1::Recovery& r : done->recovery_history()) EXPECT_EQ(r.steps_redone(), 0);
+}
+
 TEST(EtcdTest, ADeposedLeadersWritesAreRefused) {
   SKIP_WITHOUT_ETCD();
   auto etcd = Etcd::Start(1);
