@@ -12,8 +12,8 @@ absl::StatusOr<std::vector<std::string>> SplitCoordinators(const std::string& fl
   for (absl::string_view part : absl::StrSplit(flag, ',')) {
     part = absl::StripAsciiWhitespace(part);
     if (part.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--coordinator '", flag, "': an empty address (HOST:PORT[,HOST:PORT...])"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--coordinator '", flag, "': an empty address (HOST:PORT[,HOST:PORT...])"));
     }
     out.emplace_back(part);
   }

@@ -1,8 +1,8 @@
 // What a standby coordinator (--state_backend=etcd, another coordinator leads) serves on its
 // --listen address: every call, of any service, is answered UNAVAILABLE with the leader's
 // address in words and in the trailing metadata kLeaderMetadataKey (common/coordinators.h),
-// so that lockstepctl, the Python client and workers are told where to go. The port is held from the start, so that a
-// standby that wins serves on the same address.
+// so that lockstepctl, the Python client and workers are told where to go. The port is held from
+// the start, so that a standby that wins serves on the same address.
 #pragma once
 
 #include <memory>
@@ -32,7 +32,8 @@ class StandbyServer final : public grpc::CallbackGenericService {
   // Stops answering and frees the port.
   void Stop();
 
-  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* context) override;
 
  private:
   StandbyServer() = default;

@@ -38,16 +38,27 @@ std::string EtcdClient::PrefixEnd(const std::string& prefix) {
   return std::string(1, '\0');  // every key
 }
 
+void EtcdClient::AddAbsent(etcdserverpb::TxnRequest* txn, const std::string& key,
+                           const std::string& range_end) {
+  etcdserverpb::Compare* absent = txn->add_compare();
+  absent->set_key(key);
+  if (!range_end.empty()) absent->set_range_end(range_end);
+  absent->set_target(etcdserverpb::Compare::CREATE);
+  absent->set_result(etcdserverpb::Compare::EQUAL);
+  absent->set_create_revision(0);
+}
+
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const std::string& endpoints,
-                                                                 const std::string& probe_key,
-                                                                 absl::Duration timeout) {
+                                                                const std::string& probe_key,
+                                                                absl::Duration timeout) {
   std::unique_ptr<EtcdClient> client(new EtcdClient(endpoints));
   for (absl::string_view part : absl::StrSplit(endpoints, ',', absl::SkipWhitespace())) {
     std::string address(absl::StripAsciiWhitespace(part));
     if (absl::StartsWith(address, "https://")) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "etcd endpoint ", address, ": TLS to etcd is not supported; use http:// endpoints on a "
-          "trusted network"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("etcd endpoint ", address,
+                       ": TLS to etcd is not supported; use http:// endpoints on a "
+                       "trusted network"));
     }
     address = std::string(absl::StripPrefix(address, "http://"));
     address = std::string(absl::StripSuffix(address, "/"));
@@ -80,8 +91,8 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const std::strin
     answered = client->Range(probe);
   }
   if (!answered.ok()) {
-    return absl::UnavailableError(absl::StrCat("no etcd endpoint answers (", endpoints,
-                                               "): ", answered.status().message()));
+    return absl::UnavailableError(
+        absl::StrCat("no etcd endpoint answers (", endpoints, "): ", answered.status().message()));
   }
   return client;
 }
@@ -101,9 +112,9 @@ absl::Status EtcdClient::OnSomeEndpoint(const char* what, Call call) {
     if (status.ok() || !Unreachable(status)) {
       current_.store(index);
       if (status.ok()) return absl::OkStatus();
-      return absl::Status(ToAbslStatus(status).code(),
-                          absl::StrCat("etcd ", endpoint.address, ": ", what, ": ",
-                                       status.error_message()));
+      return absl::Status(
+          ToAbslStatus(status).code(),
+          absl::StrCat("etcd ", endpoint.address, ": ", what, ": ", status.error_message()));
     }
     failures.push_back(absl::StrCat(endpoint.address, ": ", status.error_message()));
   }
@@ -156,7 +167,7 @@ absl::Status EtcdClient::LeaseRevoke(int64_t lease) {
 absl::StatusOr<int64_t> EtcdClient::KeepAliveOnce(int64_t lease) {
   etcdserverpb::LeaseKeepAliveResponse response;
   absl::Status s = OnSomeEndpoint("lease keep-alive", [&](Endpoint& e,
-                                                           grpc::ClientContext* context) {
+                                                          grpc::ClientContext* context) {
     std::unique_ptr<grpc::ClientReaderWriter<etcdserverpb::LeaseKeepAliveRequest,
                                              etcdserverpb::LeaseKeepAliveResponse>>
         stream = e.lease->LeaseKeepAlive(context);

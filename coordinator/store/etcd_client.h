@@ -37,11 +37,17 @@ class EtcdClient {
   absl::StatusOr<int64_t> KeepAliveOnce(int64_t lease);
 
   const std::string& endpoints() const { return endpoints_text_; }
-  void set_call_timeout(absl::Duration timeout) { call_timeout_ms_ = absl::ToInt64Milliseconds(timeout); }
+  void set_call_timeout(absl::Duration timeout) {
+    call_timeout_ms_ = absl::ToInt64Milliseconds(timeout);
+  }
 
   // The end of the range of every key that starts with `prefix` (etcd's convention: the
   // prefix with its last byte incremented).
   static std::string PrefixEnd(const std::string& prefix);
+  // Adds to `txn` the condition that no key in [key, range_end) exists (range_end empty: the
+  // key alone): none was ever created, or it has been deleted since.
+  static void AddAbsent(etcdserverpb::TxnRequest* txn, const std::string& key,
+                        const std::string& range_end = "");
 
  private:
   struct Endpoint {

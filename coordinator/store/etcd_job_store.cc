@@ -39,8 +39,8 @@ absl::Status EtcdJobStore::Save(const v1::Job& job) {
     // leader (a job it accepted would be lost with it). Refused by etcd (a full quota, a
     // request too large): the error goes to the caller, and another leader would get the same.
     if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status())) {
-      leadership_->WriteFailed(absl::StrCat("the write of ", job.job_id(), " (",
-                                            answer.status().message(), ")"));
+      leadership_->WriteFailed(
+          absl::StrCat("the write of ", job.job_id(), " (", answer.status().message(), ")"));
     }
     return absl::Status(answer.status().code(),
                         absl::StrCat("saving ", job.job_id(), " (", put->value().size(),
@@ -49,9 +49,8 @@ absl::Status EtcdJobStore::Save(const v1::Job& job) {
   if (!answer->succeeded()) {
     const std::string what = absl::StrCat("the write of ", job.job_id());
     leadership_->Refused(what);
-    return absl::FailedPreconditionError(
-        absl::StrCat(what, " was refused: this coordinator no longer leads (term ",
-                     leadership_->term(), ")"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " was refused: this coordinator no longer leads (term ", leadership_->term(), ")"));
   }
   return absl::OkStatus();
 }
@@ -87,18 +86,9 @@ absl::StatusOr<std::string> EtcdClusterId(EtcdClient* etcd, const std::string& p
   std::random_device rd;
   const std::string fresh = absl::StrFormat("%06x", rd() & 0xffffff);
   etcdserverpb::TxnRequest txn;
-  etcdserverpb::Compare* absent = txn.add_compare();
-  absent->set_key(key);
-  absent->set_target(etcdserverpb::Compare::CREATE);
-  absent->set_result(etcdserverpb::Compare::EQUAL);
-  absent->set_create_revision(0);
+  EtcdClient::AddAbsent(&txn, key);
   // Created only under an empty prefix: keys without a cluster id are not ours.
-  etcdserverpb::Compare* empty = txn.add_compare();
-  empty->set_key(prefix);
-  empty->set_range_end(EtcdClient::PrefixEnd(prefix));
-  empty->set_target(etcdserverpb::Compare::CREATE);
-  empty->set_result(etcdserverpb::Compare::EQUAL);
-  empty->set_create_revision(0);
+  EtcdClient::AddAbsent(&txn, prefix, EtcdClient::PrefixEnd(prefix));
   etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
   put->set_key(key);
   put->set_value(fresh);
@@ -123,9 +113,9 @@ absl::StatusOr<std::string> EtcdClusterId(EtcdClient* etcd, const std::string& p
   if (answer->responses_size() == 2 && answer->responses(1).response_range().kvs_size() > 0) {
     example = answer->responses(1).response_range().kvs(0).key();
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "etcd prefix ", prefix, " holds keys that are not a Lockstep cluster's (", example,
-      ", and no ", key, "): choose another --etcd_prefix"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("etcd prefix ", prefix, " holds keys that are not a Lockstep cluster's (",
+                   example, ", and no ", key, "): choose another --etcd_prefix"));
 }
 
 }  // namespace lockstep::coordinator

@@ -13,11 +13,9 @@ absl::Duration RenewEvery(absl::Duration ttl) { return ttl / 4; }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Leadership>> Leadership::Campaign(EtcdClient* etcd,
-                                                                 LeadershipOptions options,
-                                                                 StandbyCallback on_standby,
-                                                                 LostCallback on_lost,
-                                                                 const std::function<bool()>& stop) {
+absl::StatusOr<std::unique_ptr<Leadership>> Leadership::Campaign(
+    EtcdClient* etcd, LeadershipOptions options, StandbyCallback on_standby, LostCallback on_lost,
+    const std::function<bool()>& stop) {
   const std::string key = options.prefix + "leader";
   int64_t lease = 0;
   absl::Time renewed = absl::InfinitePast();
@@ -50,11 +48,7 @@ absl::StatusOr<std::unique_ptr<Leadership>> Leadership::Campaign(EtcdClient* etc
     }
     if (lease == 0) continue;
     etcdserverpb::TxnRequest txn;
-    etcdserverpb::Compare* absent = txn.add_compare();
-    absent->set_key(key);
-    absent->set_target(etcdserverpb::Compare::CREATE);
-    absent->set_result(etcdserverpb::Compare::EQUAL);
-    absent->set_create_revision(0);
+    EtcdClient::AddAbsent(&txn, key);
     etcdserverpb::PutRequest* put = txn.add_success()->mutable_request_put();
     put->set_key(key);
     put->set_value(options.address);
@@ -73,8 +67,10 @@ absl::StatusOr<std::unique_ptr<Leadership>> Leadership::Campaign(EtcdClient* etc
                answer->responses(0).response_range().kvs_size() == 1) {
       const etcdserverpb::KeyValue& held = answer->responses(0).response_range().kvs(0);
       // Our own key (an earlier attempt succeeded but its answer was lost): we lead.
-      if (held.lease() == lease) term = held.create_revision();
-      else standby(held.value(), "");
+      if (held.lease() == lease)
+        term = held.create_revision();
+      else
+        standby(held.value(), "");
     }
     if (term > 0) {
       return std::unique_ptr<Leadership>(
@@ -123,8 +119,8 @@ void Leadership::AddFence(etcdserverpb::TxnRequest* txn) const {
 }
 
 void Leadership::Refused(const std::string& what) {
-  Lose(absl::StrCat(what, " was refused: another coordinator leads now (this one led term ",
-                    term_, ")"));
+  Lose(absl::StrCat(what, " was refused: another coordinator leads now (this one led term ", term_,
+                    ")"));
 }
 
 void Leadership::WriteFailed(const std::string& what) {
@@ -159,8 +155,8 @@ void Leadership::Renew() {
     // frozen): etcd may have let the lease go and another coordinator may lead.
     if (absl::Now() - renewed >= options_.ttl) {
       Lose(absl::StrCat("the leader's lease was not renewed for ",
-                        absl::FormatDuration(absl::Now() - renewed), " (term ", term_, "): ",
-                        ttl.ok() ? "this process was not running" : ttl.status().message()));
+                        absl::FormatDuration(absl::Now() - renewed), " (term ", term_,
+                        "): ", ttl.ok() ? "this process was not running" : ttl.status().message()));
       return;
     }
   }

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,13 +67,13 @@ class Etcd {
     }
     for (int i = 0; i < n; ++i) {
       const std::string peer = peers[i].substr(peers[i].find('=') + 1);
-      etcd->argv_.push_back({kEtcdBin, absl::StrCat("--name=m", i),
-                             absl::StrCat("--data-dir=", etcd->dir_, "/m", i),
-                             "--listen-client-urls=" + etcd->client_urls_[i],
-                             "--advertise-client-urls=" + etcd->client_urls_[i],
-                             "--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
-                             "--initial-cluster=" + absl::StrJoin(peers, ","),
-                             "--initial-cluster-state=new", "--initial-cluster-token=lockstep-test"});
+      etcd->argv_.push_back(
+          {kEtcdBin, absl::StrCat("--name=m", i), absl::StrCat("--data-dir=", etcd->dir_, "/m", i),
+           "--listen-client-urls=" + etcd->client_urls_[i],
+           "--advertise-client-urls=" + etcd->client_urls_[i], "--listen-peer-urls=" + peer,
+           "--initial-advertise-peer-urls=" + peer,
+           "--initial-cluster=" + absl::StrJoin(peers, ","), "--initial-cluster-state=new",
+           "--initial-cluster-token=lockstep-test"});
       etcd->members_.emplace_back();
       LOCKSTEP_RETURN_IF_ERROR(etcd->Restart(i));
     }
@@ -115,9 +116,55 @@ class Etcd {
 
 bool EtcdInstalled() { return std::filesystem::exists(kEtcdBin); }
 
-#define SKIP_WITHOUT_ETCD()                                                          \
-  if (!EtcdInstalled()) GTEST_SKIP() << kEtcdBin << " is missing (Debian etcd-server; " \
-                                        "scripts/install_deps.sh --test installs it)"
+#define SKIP_WITHOUT_ETCD()                           \
+  if (!EtcdInstalled())                               \
+  GTEST_SKIP() << kEtcdBin                            \
+               << " is missing (Debian etcd-server; " \
+                  "scripts/install_deps.sh --test installs it)"
+
+// Waits until every thread of `pid` is stopped (a SIGSTOP is delivered to a process's threads
+// one by one: a thread already running may still answer a call meanwhile).
+bool WaitStopped(pid_t pid) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    bool all = true;
+    const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+    for (const auto& task : std::filesystem::directory_iterator(tasks)) {
+      std::ifstream stat(task.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      const size_t close = line.rfind(')');
+      if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') {
+        all = false;
+      }
+    }
+    if (all) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+// Workers w0 and w1, each holding before step `held_at` (test hooks) until released.
+void StartHeldWorkers(Cluster& cluster, int64_t held_at) {
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(
+        cluster
+            .StartWorker(absl::StrCat("w", i), {absl::StrCat("--test_hooks=before_step@", held_at)})
+            .ok())
+        << cluster.Logs();
+  }
+}
+
+// The two-member job succeeds with exactly `steps` steps, one checksum, nothing redone.
+void ExpectEndsWhole(Cluster& cluster, const std::string& job_id, int64_t steps) {
+  auto done = cluster.WaitForEnd(job_id, kWait);
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster.Logs();
+  EXPECT_EQ(done->step(), steps);
+  ASSERT_EQ(done->members_size(), 2);
+  EXPECT_EQ(done->members(0).parameter_checksum(), done->members(1).parameter_checksum());
+  for (const v1::Recovery& r : done->recovery_history()) EXPECT_EQ(r.steps_redone(), 0);
+}
 
 TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
   SKIP_WITHOUT_ETCD();
@@ -140,13 +187,7 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
   ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
 
   // The members hold before step kHeldAt, so the failover lands mid-training on any machine.
-  for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(cluster
-                    .StartWorker(absl::StrCat("w", i),
-                                 {absl::StrCat("--test_hooks=before_step@", kHeldAt)})
-                    .ok())
-        << cluster.Logs();
-  }
+  ASSERT_NO_FATAL_FAILURE(StartHeldWorkers(cluster, kHeldAt));
   auto job = cluster.Submit(spec);
   ASSERT_TRUE(job.ok()) << job.status();
   auto queued = cluster.Submit(testing::DeterministicJob(2, 2, 50, 0, 5000));
@@ -187,8 +228,8 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
                                    absl::Seconds(20));
   ASSERT_TRUE(named.ok());
   EXPECT_EQ(named->exit_code, 3) << named->output;
-  EXPECT_TRUE(absl::StrContains(named->output, "the leader is at " +
-                                                   cluster.coordinator_address(*leader)))
+  EXPECT_TRUE(
+      absl::StrContains(named->output, "the leader is at " + cluster.coordinator_address(*leader)))
       << named->output;
   auto listed = testing::RunCommand(
       {LOCKSTEP_CTL_BIN,
@@ -211,10 +252,13 @@ TEST(EtcdTest, ALeaderFrozenPastItsLeaseIsDeposedAndStepsDown) {
   constexpr int64_t kSteps = 400;
   auto job = cluster.Submit(testing::DeterministicJob(2, 2, kSteps, 0, 5000));
   ASSERT_TRUE(job.ok()) << job.status();
-  ASSERT_TRUE(cluster.WaitFor(job->job_id(), [](const v1::Job& j) { return j.step() > 0; }, kWait)
+  ASSERT_TRUE(cluster
+                  .WaitFor(
+                      job->job_id(), [](const v1::Job& j) { return j.step() > 0; }, kWait)
                   .ok());
 
   cluster.coordinator(0)->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitStopped(cluster.coordinator(0)->pid()));  // every thread, not just signalled
   auto leader = cluster.FollowLeader(absl::Seconds(20));
   ASSERT_TRUE(leader.ok()) << leader.status();
   ASSERT_EQ(*leader, 1);
@@ -224,13 +268,7 @@ TEST(EtcdTest, ALeaderFrozenPastItsLeaseIsDeposedAndStepsDown) {
   ASSERT_TRUE(code.ok()) << code.status() << cluster.Logs();
   EXPECT_EQ(*code, 3) << cluster.Logs();
 
-  auto done = cluster.WaitForEnd(job->job_id(), kWait);
-  ASSERT_TRUE(done.ok()) << done.status();
-  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster.Logs();
-  EXPECT_EQ(done->step(), kSteps);
-  ASSERT_EQ(done->members_size(), 2);
-  EXPECT_EQ(done->members(0).parameter_checksum(), done->members(1).parameter_checksum());
-  for (const v1::Recovery& r : done->recovery_history()) EXPECT_EQ(r.steps_redone(), 0);
+  ExpectEndsWhole(cluster, job->job_id(), kSteps);
 }
 
 TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
@@ -242,13 +280,7 @@ TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
   Cluster& cluster = **started;
   ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
   constexpr int64_t kSteps = 400, kHeldAt = 200;
-  for (int i = 0; i < 2; ++i) {
-    ASSERT_TRUE(cluster
-                    .StartWorker(absl::StrCat("w", i),
-                                 {absl::StrCat("--test_hooks=before_step@", kHeldAt)})
-                    .ok())
-        << cluster.Logs();
-  }
+  ASSERT_NO_FATAL_FAILURE(StartHeldWorkers(cluster, kHeldAt));
   auto job = cluster.Submit(testing::DeterministicJob(2, 2, kSteps, 0, 5000));
   ASSERT_TRUE(job.ok()) << job.status();
   for (const char* w : {"w0", "w1"}) {
@@ -271,8 +303,9 @@ TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
     ASSERT_TRUE(listed.ok());
     said = listed->output;
   }
-  EXPECT_TRUE(absl::StrContains(said, "UNAVAILABLE: this coordinator is a standby and no leader "
-                                      "is known: etcd"))
+  EXPECT_TRUE(absl::StrContains(said,
+                                "UNAVAILABLE: this coordinator is a standby and no leader "
+                                "is known: etcd"))
       << said;
 
   // etcd back: the standby leads with every job, and the job ends with exactly its steps.
@@ -281,13 +314,7 @@ TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
   ASSERT_TRUE(leader.ok()) << leader.status();
   EXPECT_EQ(*leader, 1);
   for (const char* w : {"w0", "w1"}) cluster.ReleaseHook(w, "before_step");
-  auto done = cluster.WaitForEnd(job->job_id(), kWait);
-  ASSERT_TRUE(done.ok()) << done.status();
-  ASSERT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster.Logs();
-  EXPECT_EQ(done->step(), kSteps);
-  ASSERT_EQ(done->members_size(), 2);
-  EXPECT_EQ(done->members(0).parameter_checksum(), done->members(1).parameter_checksum());
-  for (const v1::Recovery& r : done->recovery_history()) EXPECT_EQ(r.steps_redone(), 0);
+  ExpectEndsWhole(cluster, job->job_id(), kSteps);
 }
 
 TEST(EtcdTest, ADeposedLeadersWritesAreRefused) {
@@ -348,9 +375,11 @@ TEST(EtcdTest, BadEndpointsAndForeignPrefixesAreRefusedAtStart) {
     return result.ok() ? *result : testing::CommandResult{};
   };
   const int dead = FreePort();
-  auto unreachable = run({"--state_backend=etcd", absl::StrCat("--etcd_endpoints=http://127.0.0.1:", dead)});
+  auto unreachable =
+      run({"--state_backend=etcd", absl::StrCat("--etcd_endpoints=http://127.0.0.1:", dead)});
   EXPECT_EQ(unreachable.exit_code, 1);
-  EXPECT_TRUE(absl::StrContains(unreachable.output, "no etcd endpoint answers")) << unreachable.output;
+  EXPECT_TRUE(absl::StrContains(unreachable.output, "no etcd endpoint answers"))
+      << unreachable.output;
   EXPECT_TRUE(absl::StrContains(unreachable.output, absl::StrCat("127.0.0.1:", dead)))
       << unreachable.output;
 
@@ -366,10 +395,12 @@ TEST(EtcdTest, BadEndpointsAndForeignPrefixesAreRefusedAtStart) {
       << foreign.output;
 
   for (const auto& [flags, words] : std::vector<std::pair<std::vector<std::string>, std::string>>{
-           {{"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(), "--state_dir=/tmp/x"},
+           {{"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(),
+             "--state_dir=/tmp/x"},
             "--state_dir is the file backend's"},
            {{"--state_backend=zookeeper"}, "not \"file\" or \"etcd\""},
-           {{"--etcd_endpoints=" + (*etcd)->endpoints()}, "--etcd_endpoints needs --state_backend=etcd"},
+           {{"--etcd_endpoints=" + (*etcd)->endpoints()},
+            "--etcd_endpoints needs --state_backend=etcd"},
            {{"--state_backend=etcd", "--etcd_endpoints=https://127.0.0.1:1"}, "TLS to etcd"},
            {{"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(), "--etcd_prefix=x"},
             "must start with /"}}) {
