@@ -1,6 +1,7 @@
 """pytest tests of the installed Python client that need no cluster: list() against a fake
 coordinator (an in-process gRPC server on 127.0.0.1) that pages in circles, and the warning for
-a token sent in plaintext beyond loopback. client_test.py runs them with test_client.py."""
+a token sent in plaintext beyond loopback, and the way calls find the leader among several
+coordinators. client_test.py runs them with test_client.py."""
 import warnings
 from concurrent import futures
 
@@ -121,3 +122,81 @@ def test_no_warning_without_a_token_or_with_tls(monkeypatch):
     assert _warnings_of(lambda: lockstep.Client("coordinator.invalid:7070", token="")) == []
     assert _warnings_of(
         lambda: lockstep.Client("coordinator.invalid:7070", token="secret", tls=True)) == []
+
+
+class _Coordinator(job_pb2_grpc.JobServiceServicer):
+    """GetJob and SubmitJob as a leader answers them, or as a standby naming `leader`, or as a
+    coordinator failing while it handles the call (`broken`)."""
+
+    def __init__(self, leader=None, broken=False):
+        self.leader = leader
+        self.broken = broken
+        self.calls = 0
+
+    def _answer(self, context):
+        self.calls += 1
+        if self.leader:
+            context.set_trailing_metadata((("x-lockstep-leader", self.leader),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this coordinator is a standby")
+        if self.broken:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator went away mid-call")
+
+    def GetJob(self, request, context):
+        self._answer(context)
+        return job_pb2.Job(job_id=request.job_id)
+
+    def SubmitJob(self, request, context):
+        self._answer(context)
+        return job_pb2.Job(job_id="job-1")
+
+
+@pytest.fixture
+def coordinators():
+    servers = []
+
+    def start(servicer):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        job_pb2_grpc.add_JobServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+def _dead_address():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_calls_pass_a_dead_address_and_follow_the_leader_a_standby_names(coordinators):
+    leader = _Coordinator()
+    leader_address = coordinators(leader)
+    standby = _Coordinator(leader=leader_address)
+    standby_address = coordinators(standby)
+    with lockstep.Client(f"{_dead_address()},{standby_address}", timeout=5) as c:
+        assert c.get("job-7").job_id == "job-7"
+        assert c.submit({"name": "x"}).job_id == "job-1"
+    assert standby.calls == 1  # then straight to the leader
+    assert leader.calls == 2
+
+
+def test_a_call_that_reached_a_failing_coordinator_is_not_sent_again(coordinators):
+    broken = _Coordinator(broken=True)
+    other = _Coordinator()
+    with lockstep.Client(f"{coordinators(broken)},{coordinators(other)}", timeout=5) as c:
+        with pytest.raises(lockstep.LockstepError) as e:
+            c.submit({"name": "x"})
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "mid-call" in e.value.message
+    assert (broken.calls, other.calls) == (1, 0)
+
+
+def test_an_address_list_with_a_bad_entry_is_refused():
+    with pytest.raises(ValueError, match="'nocolon'"):
+        lockstep.Client("127.0.0.1:1,nocolon")
