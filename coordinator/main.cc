@@ -401,6 +401,8 @@ absl::StatusOr<std::unique_ptr<lockstep::coordinator::Leadership>> StandBy(
   // A deposed leader stops at once: it may hold sessions and decisions that are no longer its
   // own. Its supervisor (systemd, compose) starts it again, as a standby.
   auto on_lost = [](const std::string& reason) {
+    // Tests hold a deposed leader here, still serving, to see that workers pass it over.
+    lockstep::test_hooks::Reach("step_down");
     LOG(ERROR) << "stepping down: " << reason << "; exiting (status 3)";
     std::_Exit(3);
   };
@@ -581,6 +583,7 @@ int main(int argc, char** argv) {
   lockstep::coordinator::Coordinator coordinator(*options, lockstep::RealClock::Get(),
                                                  job_store->get(), tokens->operators,
                                                  tokens->workers);
+  if (etcd.leadership != nullptr) coordinator.set_term(etcd.leadership->term());
   // Metrics before the jobs are restored: a restart's re-formations are counted.
   Metrics metrics;
   if (absl::Status s = StartMetrics(coordinator, metrics); !s.ok()) return fail(s);

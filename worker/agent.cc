@@ -51,8 +51,8 @@ Agent::Agent(AgentOptions options)
   generation_context_.checkpoint_peers = options_.checkpoint_peers;
   generation_context_.checkpoint_copy_interval = options_.checkpoint_copy_interval;
   absl::StatusOr<std::vector<std::string>> coordinators = SplitCoordinators(options_.coordinator);
-  coordinators_ = coordinators.ok() ? *std::move(coordinators)
-                                    : std::vector<std::string>{options_.coordinator};
+  coordinators_ =
+      coordinators.ok() ? *std::move(coordinators) : std::vector<std::string>{options_.coordinator};
   UseCoordinator(coordinators_.front());
 }
 
@@ -77,7 +77,8 @@ void Agent::UseCoordinator(const std::string& address) {
 void Agent::NextCoordinator() {
   if (coordinators_.size() < 2) return;
   auto it = std::find(coordinators_.begin(), coordinators_.end(), coordinator_);
-  const size_t next = it == coordinators_.end() ? 0 : (it - coordinators_.begin() + 1) % coordinators_.size();
+  const size_t next =
+      it == coordinators_.end() ? 0 : (it - coordinators_.begin() + 1) % coordinators_.size();
   UseCoordinator(coordinators_[next]);
 }
 
@@ -87,8 +88,7 @@ Agent::~Agent() {
   {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(
-        +[](std::map<RunId, std::unique_ptr<RunHandle>>* runs) { return runs->empty(); },
-        &runs_));
+        +[](std::map<RunId, std::unique_ptr<RunHandle>>* runs) { return runs->empty(); }, &runs_));
   }
   JoinEnded();
 }
@@ -149,20 +149,18 @@ void Agent::Apply(LifecycleActions& actions, std::vector<v1::WorkerMessage>* sen
     if (start.with_parked_state) state = std::move(parked_);
     const v1::Assignment& a = run->assignment;
     LOG(INFO) << "assigned " << a.job_id() << " generation " << a.generation() << " rank "
-              << a.rank() << "/" << a.world_size() << " ("
-              << absl::StrJoin(a.member_names(), ", ")
+              << a.rank() << "/" << a.world_size() << " (" << absl::StrJoin(a.member_names(), ", ")
               << (a.member_names_size() < a.world_size()
                       ? absl::StrCat(", ... ", a.world_size(), " members")
                       : std::string())
               << ")"
-              << (state != nullptr ? absl::StrCat(", with its state of step ",
-                                                  state->completed_step())
-                                   : std::string());
+              << (state != nullptr
+                      ? absl::StrCat(", with its state of step ", state->completed_step())
+                      : std::string());
     RunHandle* raw = run.get();
     try {
-      run->thread = std::thread([this, raw, s = std::move(state)]() mutable {
-        RunJob(raw, std::move(s));
-      });
+      run->thread =
+          std::thread([this, raw, s = std::move(state)]() mutable { RunJob(raw, std::move(s)); });
     } catch (const std::system_error& e) {
       // No thread for the run (the process is out of threads or address space): the run
       // fails, saying so, and the worker goes on.
@@ -213,17 +211,16 @@ absl::Status Agent::Run() {
     leader_named_.clear();
     status = RunSession(&registered);
     Decide([&](WorkerLifecycle& l, absl::Time now) {
-      return l.OnSessionEnded(absl::StrCat("session with the coordinator ended: ",
-                                           StatusLine(status)),
-                              now);
+      return l.OnSessionEnded(
+          absl::StrCat("session with the coordinator ended: ", StatusLine(status)), now);
     });
     if (stop_) break;
     if (registered) last_session = absl::Now();
     if (absl::IsUnauthenticated(status) || absl::IsPermissionDenied(status) ||
         (!registered && absl::IsInvalidArgument(status))) {
       // The token, the role or the registration itself: retrying cannot help.
-      const std::string why = absl::StrCat("coordinator ", coordinator_,
-                                           " rejected this worker: ", status.message());
+      const std::string why =
+          absl::StrCat("coordinator ", coordinator_, " rejected this worker: ", status.message());
       WriteStatus("rejected", why);
       return absl::Status(status.code(), why);
     }
@@ -231,10 +228,9 @@ absl::Status Agent::Run() {
       name_refused_since = std::min(name_refused_since, started);
       if (absl::Now() - name_refused_since >= options_.name_conflict_timeout) {
         const std::string why = absl::StrCat(
-            "another live worker holds the name ", options_.name, " on coordinator ",
-            coordinator_, " (refused for ",
-            absl::FormatDuration(options_.name_conflict_timeout), "): ", status.message(),
-            "; give this worker another --name");
+            "another live worker holds the name ", options_.name, " on coordinator ", coordinator_,
+            " (refused for ", absl::FormatDuration(options_.name_conflict_timeout),
+            "): ", status.message(), "; give this worker another --name");
         WriteStatus("rejected", why);
         return absl::AlreadyExistsError(why);
       }
@@ -245,8 +241,8 @@ absl::Status Agent::Run() {
     // (e.g. the name is still held by our previous session) backs off a little.
     if (absl::Now() - started > absl::Seconds(2)) backoff = absl::Milliseconds(50);
     WriteStatus("connecting", absl::StrCat(coordinator_, ": ", StatusLine(status)));
-    LOG(WARNING) << "session with coordinator " << coordinator_
-                 << " ended: " << StatusLine(status) << "; reconnecting";
+    LOG(WARNING) << "session with coordinator " << coordinator_ << " ended: " << StatusLine(status)
+                 << "; reconnecting";
     // A standby named the leader: straight there. Any other coordinator that is unavailable
     // may have lost the leadership: the next one is asked.
     if (!leader_named_.empty()) {
@@ -324,6 +320,18 @@ absl::Status Agent::RunSession(bool* registered) {
     context_ = nullptr;
     return result;
   }
+  // A leader of an older term than one already obeyed has been deposed: passed over.
+  if (const int64_t term = message.registered().term(); term > 0) {
+    if (term < term_) {
+      context.TryCancel();
+      (void)stream->Finish();
+      absl::MutexLock lock(&session_mu_);
+      context_ = nullptr;
+      return absl::UnavailableError(absl::StrCat("coordinator ", coordinator_, " leads term ", term,
+                                                 ", older than term ", term_, ": it was deposed"));
+    }
+    term_ = term;
+  }
   const std::string worker_id = message.registered().worker_id();
   {
     absl::MutexLock lock(&session_key_mu_);
@@ -333,8 +341,8 @@ absl::Status Agent::RunSession(bool* registered) {
   WriteStatus("registered", absl::StrCat("as ", worker_id, " with ", coordinator_));
   const absl::Duration interval =
       absl::Milliseconds(std::max<int64_t>(50, message.registered().heartbeat_interval_ms()));
-  LOG(INFO) << "registered with " << coordinator_ << " as " << worker_id << " ("
-            << options_.name << ", " << device.device << ")";
+  LOG(INFO) << "registered with " << coordinator_ << " as " << worker_id << " (" << options_.name
+            << ", " << device.device << ")";
   {
     absl::MutexLock lock(&session_mu_);
     stream_ = stream.get();
@@ -472,9 +480,8 @@ void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
     status = generation->Run(trainer);
   } catch (const std::bad_alloc&) {
     // Generation::Run catches its own; this is the run's setup (the store client).
-    status = absl::ResourceExhaustedError(
-        absl::StrCat("out of memory: worker ", options_.name, " could not start a run of ",
-                     a.job_id()));
+    status = absl::ResourceExhaustedError(absl::StrCat("out of memory: worker ", options_.name,
+                                                       " could not start a run of ", a.job_id()));
   }
   const bool fatal = !status.ok() && IsFatal(status);
   RunResult result;

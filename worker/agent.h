@@ -147,6 +147,8 @@ class Agent {
   std::shared_ptr<grpc::Channel> channel_;
   // The leader the last session's coordinator named (a standby's answer), or empty.
   std::string leader_named_;
+  // The latest leader's term this worker registered under (Registered.term).
+  int64_t term_ = 0;
   // The current session's key (Registered.session_key) and the store of its coordinator, for
   // the store calls of its runs.
   absl::Mutex session_key_mu_;

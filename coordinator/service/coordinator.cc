@@ -50,6 +50,7 @@ absl::StatusOr<std::string> Coordinator::Register(const v1::RegisterRequest& req
     registered.mutable_registered()->set_heartbeat_interval_ms(kHeartbeatIntervalMs);
     const std::string key = RandomSecret();
     registered.mutable_registered()->set_session_key(key);
+    registered.mutable_registered()->set_term(term_);
     session_keys_[key] = *id;
     outbox->Push(std::move(registered));
     sessions_[*id] = std::move(outbox);

@@ -71,6 +71,9 @@ class Coordinator {
   Coordinator(CoreOptions options, Clock* clock, JobStore* store, std::string token = "",
               std::string worker_token = "");
 
+  // Coordinators on etcd: the term this one leads (Registered.term). Call before serving.
+  void set_term(int64_t term) { term_ = term; }
+
   // Loads the job store's jobs into the core (Core::RestoreJobs). Call once, before serving.
   // Returns how many jobs will run again.
   absl::StatusOr<int> Restore();
@@ -175,6 +178,7 @@ class Coordinator {
                           int64_t generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Clock* const clock_;
+  int64_t term_ = 0;  // set before serving, then only read
   JobStore* const job_store_;
   absl::Mutex tick_mu_;
   bool tick_requested_ ABSL_GUARDED_BY(tick_mu_) = false;

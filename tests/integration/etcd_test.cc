@@ -271,6 +271,48 @@ TEST(EtcdTest, ALeaderFrozenPastItsLeaseIsDeposedAndStepsDown) {
   ExpectEndsWhole(cluster, job->job_id(), kSteps);
 }
 
+TEST(EtcdTest, WorkersPassOverADeposedLeaderThatStillServes) {
+  SKIP_WITHOUT_ETCD();
+  auto etcd = Etcd::Start(1);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  // The first coordinator, once deposed, holds before it exits (test hook), still serving.
+  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 2, {"--test_hooks=step_down"});
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  ASSERT_TRUE(cluster.StartWorker("w0").ok()) << cluster.Logs();
+
+  // Frozen past its lease, coordinator 0 is replaced; the worker moves to coordinator 1.
+  cluster.coordinator(0)->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitStopped(cluster.coordinator(0)->pid()));
+  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(20)), 1);
+  ASSERT_TRUE(cluster.WaitForWorker("w0", "idle", absl::Seconds(20)).ok());
+  cluster.coordinator(0)->Signal(SIGCONT);
+  ASSERT_TRUE(cluster.WaitForHook("coordinator", "step_down", absl::Seconds(20)).ok());
+
+  // Coordinator 1 frozen in turn: the worker tries coordinator 0, which answers, but leads an
+  // older term than the one the worker registered under: it is passed over.
+  cluster.coordinator(1)->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitStopped(cluster.coordinator(1)->pid()));
+  const std::string log = cluster.dir() + "/w0.log";
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  std::string text;
+  while (!absl::StrContains(text, "it was deposed") && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+    std::ifstream in(log);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  EXPECT_TRUE(absl::StrContains(text, "it was deposed")) << cluster.Logs();
+  EXPECT_FALSE(absl::StrContains(text.substr(text.find("it was deposed")),
+                                 "registered with " + cluster.coordinator_address(0)))
+      << text;
+  cluster.coordinator(1)->Signal(SIGCONT);
+  cluster.ReleaseHook("coordinator", "step_down");
+  auto code = cluster.coordinator(0)->Wait(absl::Seconds(20));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 3);
+}
+
 TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
   SKIP_WITHOUT_ETCD();
   auto etcd = Etcd::Start(1);
