@@ -366,6 +366,9 @@ std::string AdvertisedAddress(int port) {
   if (host == "0.0.0.0" || host == "[::]" || host.empty()) {
     char name[256] = {};
     if (gethostname(name, sizeof(name) - 1) == 0) host = name;
+    LOG(WARNING) << "standbys will name this coordinator " << host << ":" << port
+                 << " when it leads; set --advertise_address if workers and clients reach it "
+                    "by another name";
   }
   return absl::StrCat(host, ":", port);
 }
@@ -534,8 +537,11 @@ int main(int argc, char** argv) {
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
   PrepareProcess();
-  auto fail = [](const absl::Status& s) {
+  Etcd etcd;
+  auto fail = [&etcd](const absl::Status& s) {
     LOG(ERROR) << s.message();
+    // A leader that cannot serve hands the leadership on at once, not after its lease.
+    if (etcd.leadership != nullptr) etcd.leadership->Resign();
     return 1;
   };
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
@@ -547,7 +553,6 @@ int main(int argc, char** argv) {
           absl::StrCat("cannot create --state_dir ", state_dir, ": ", ec.message())));
     }
   }
-  Etcd etcd;
   absl::StatusOr<std::string> cluster_id = OpenStateBackend(state_dir, etcd);
   if (!cluster_id.ok()) return fail(cluster_id.status());
   absl::StatusOr<lockstep::coordinator::CoreOptions> options = CoreOptionsFromFlags(*cluster_id);

@@ -53,6 +53,7 @@ Agent::Agent(AgentOptions options)
   absl::StatusOr<std::vector<std::string>> coordinators = SplitCoordinators(options_.coordinator);
   coordinators_ =
       coordinators.ok() ? *std::move(coordinators) : std::vector<std::string>{options_.coordinator};
+  configured_coordinators_ = coordinators_.size();
   UseCoordinator(coordinators_.front());
 }
 
@@ -70,16 +71,16 @@ void Agent::UseCoordinator(const std::string& address) {
   }
   coordinator_ = address;
   channel_ = channel;
-  absl::MutexLock lock(&session_key_mu_);
-  store_stub_ = v1::StoreService::NewStub(channel_);
 }
 
 void Agent::NextCoordinator() {
   if (coordinators_.size() < 2) return;
   auto it = std::find(coordinators_.begin(), coordinators_.end(), coordinator_);
-  const size_t next =
-      it == coordinators_.end() ? 0 : (it - coordinators_.begin() + 1) % coordinators_.size();
-  UseCoordinator(coordinators_[next]);
+  size_t index = it - coordinators_.begin();
+  // A leader a standby named that does not answer (an address not reachable from here): on
+  // from that standby through the configured list, never round the named ones alone.
+  if (index >= configured_coordinators_) index = named_by_;
+  UseCoordinator(coordinators_[(index + 1) % configured_coordinators_]);
 }
 
 Agent::~Agent() {
@@ -245,7 +246,9 @@ absl::Status Agent::Run() {
                  << "; reconnecting";
     // A standby named the leader: straight there. Any other coordinator that is unavailable
     // may have lost the leadership: the next one is asked.
-    if (!leader_named_.empty()) {
+    if (!leader_named_.empty() && leader_named_ != coordinator_) {
+      auto named_by = std::find(coordinators_.begin(), coordinators_.end(), coordinator_);
+      named_by_ = std::min<size_t>(named_by - coordinators_.begin(), configured_coordinators_ - 1);
       UseCoordinator(leader_named_);
       continue;
     }
@@ -336,6 +339,9 @@ absl::Status Agent::RunSession(bool* registered) {
   {
     absl::MutexLock lock(&session_key_mu_);
     session_key_ = message.registered().session_key();
+    // The store of the coordinator that gave the key: a run never pairs one coordinator's
+    // store with another's key.
+    store_stub_ = v1::StoreService::NewStub(channel_);
   }
   *registered = true;
   WriteStatus("registered", absl::StrCat("as ", worker_id, " with ", coordinator_));

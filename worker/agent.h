@@ -142,6 +142,8 @@ class Agent {
   void UseCoordinator(const std::string& address) ABSL_LOCKS_EXCLUDED(session_key_mu_);
   void NextCoordinator();
   std::vector<std::string> coordinators_;
+  size_t configured_coordinators_ = 1;  // the first ones: AgentOptions::coordinator's
+  size_t named_by_ = 0;  // the configured coordinator that named the leader in use
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
   std::string coordinator_;
   std::shared_ptr<grpc::Channel> channel_;

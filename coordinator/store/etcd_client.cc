@@ -72,6 +72,8 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const std::strin
     // backoff of up to two minutes.
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    // A page of jobs may exceed gRPC's default 4 MiB.
+    args.SetMaxReceiveMessageSize(-1);
     std::shared_ptr<grpc::Channel> channel =
         grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
     client->endpoints_.push_back(Endpoint{address, etcdserverpb::KV::NewStub(channel),

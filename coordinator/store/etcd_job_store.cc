@@ -35,10 +35,12 @@ absl::Status EtcdJobStore::Save(const v1::Job& job) {
   }
   absl::StatusOr<etcdserverpb::TxnResponse> answer = etcd_->Txn(txn);
   if (!answer.ok()) {
-    // Unreachable: what this coordinator decided is not durable, so it must not go on as the
-    // leader (a job it accepted would be lost with it). Refused by etcd (a full quota, a
-    // request too large): the error goes to the caller, and another leader would get the same.
-    if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status())) {
+    // Unreachable, or etcd full (its space quota): what this coordinator decided is not
+    // durable, so it must not go on as the leader (a job it accepted would be lost with it);
+    // the standbys then refuse every call, saying why. A request too large for etcd fails that
+    // one job's save (logged), as a disk error does on the file backend.
+    if (absl::IsUnavailable(answer.status()) || absl::IsDeadlineExceeded(answer.status()) ||
+        absl::IsResourceExhausted(answer.status())) {
       leadership_->WriteFailed(
           absl::StrCat("the write of ", job.job_id(), " (", answer.status().message(), ")"));
     }

@@ -24,8 +24,9 @@ class EtcdJobStore final : public JobStore {
       : etcd_(etcd), prefix_(std::move(prefix)), leadership_(leadership) {}
 
   // One fenced transaction. FAILED_PRECONDITION when this coordinator no longer leads, and
-  // UNAVAILABLE when etcd cannot be reached: both give the leadership up (the leadership is
-  // told). etcd's own refusals (a full quota, a request too large) carry etcd's words.
+  // UNAVAILABLE when etcd cannot be reached, RESOURCE_EXHAUSTED when its quota is full: these
+  // give the leadership up (the leadership is told). Other refusals (a request too large)
+  // carry etcd's words.
   absl::Status Save(const v1::Job& job) override;
   // Every job under the prefix, read in pages. A value that does not parse is skipped with a
   // logged reason (it is left in place).

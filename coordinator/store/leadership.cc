@@ -67,10 +67,16 @@ absl::StatusOr<std::unique_ptr<Leadership>> Leadership::Campaign(
                answer->responses(0).response_range().kvs_size() == 1) {
       const etcdserverpb::KeyValue& held = answer->responses(0).response_range().kvs(0);
       // Our own key (an earlier attempt succeeded but its answer was lost): we lead.
-      if (held.lease() == lease)
+      if (held.lease() == lease) {
         term = held.create_revision();
-      else
+      } else if (held.value() == options.address) {
+        // This coordinator's previous run, restarted within its lease: not a leader to name.
+        standby("",
+                "the leader key still holds this coordinator's previous run, until its "
+                "lease runs out");
+      } else {
         standby(held.value(), "");
+      }
     }
     if (term > 0) {
       return std::unique_ptr<Leadership>(
@@ -134,8 +140,10 @@ void Leadership::Lose(const std::string& reason) {
 }
 
 void Leadership::Renew() {
-  for (;;) {
-    {
+  // The first renewal at once: the lease was last renewed while standing by, up to a quarter
+  // of its time to live ago.
+  for (bool first = true;; first = false) {
+    if (!first) {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), RenewEvery(options_.ttl))) return;
     }
