@@ -4,8 +4,10 @@
   (a) a standby leads and serves (it takes a job submitted to every coordinator in turn),
   (b) every worker is registered with it again,
   (c) that job, submitted at the kill, trains its first step,
-  (d) the job that was training when the leader died trains again (its members re-formed from
-      their memory; steps redone are counted from its recovery record).
+  (d) the job that was training when the leader died is the new leader's again: its group,
+      which trained on without a coordinator, kept as it is (its generation unchanged, no
+      recovery recorded; the steps it trained meanwhile are counted), or else re-formed from
+      its members' memory and training again (steps redone counted from its recovery record).
 
 An etcd cluster of three members runs on loopback for the whole run; each trial starts three
 coordinators (a prefix of their own) and the workers, submits a job on two workers, waits for
@@ -143,6 +145,7 @@ def run_trial(build, directory, etcd, trial, workers):
         with t.client(0) as c:
             running = c.submit(spec(10_000_000, 2)).job_id
             wait_until("the job's first steps", lambda: c.get(running).step >= 20, 60)
+            before = c.get(running)
         killed = time.time()
         t.coordinators[0].send_signal(signal.SIGKILL)
         t.coordinators[0].wait()
@@ -171,8 +174,17 @@ def run_trial(build, directory, etcd, trial, workers):
                     done["submitted_first_step_s"] = now - killed
                 if "running_trains_again_s" not in done:
                     job = c.get(running)
-                    if job.recovery_history and job.recovery_history[-1].first_step_unix_ms > 0:
+                    if (job.state == job_pb2.JOB_STATE_RUNNING and
+                            job.generation == before.generation and not job.recovery_history):
                         done["running_trains_again_s"] = now - killed
+                        done["kept"] = True
+                        done["steps_redone"] = 0
+                        # What the group trained with no coordinator, as the new leader saw it
+                        # when it kept the group (the old leader's last record before).
+                        done["steps_trained_meanwhile"] = job.step - before.step
+                    elif job.recovery_history and job.recovery_history[-1].first_step_unix_ms > 0:
+                        done["running_trains_again_s"] = now - killed
+                        done["kept"] = False
                         done["steps_redone"] = sum(r.steps_redone for r in job.recovery_history)
                 if now - killed > 60:
                     raise RuntimeError(f"trial {trial}: not done within 60 s: {done}")
@@ -193,8 +205,9 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "bench/results/failover.json"))
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(args.build, "python"))
-    global lockstep
+    global lockstep, job_pb2
     import lockstep  # noqa: E402 (from the build tree)
+    from lockstep.v1 import job_pb2  # noqa: E402
     if shutil.which("etcd") is None:
         sys.exit("failover_bench: etcd is missing (scripts/install_deps.sh --test installs it)")
     directory = tempfile.mkdtemp(prefix="lockstep-failover-bench.")
@@ -212,7 +225,8 @@ def main():
     rows = [("a standby leads and serves", "leader_serving_s"),
             ("every worker registered with it", "workers_s"),
             ("a job submitted at the kill: first step", "submitted_first_step_s"),
-            ("the running job trains again", "running_trains_again_s")]
+            ("the running job is the new leader's (kept, else re-formed)",
+             "running_trains_again_s")]
     print(f"kill -9 of the leading coordinator (3 coordinators, 3 etcd members, {args.workers} "
           f"workers), {args.trials} trials; seconds from the kill")
     print("| until | median | max |")
@@ -223,7 +237,11 @@ def main():
         summary[key] = {"median": statistics.median(values), "max": max(values)}
         print(f"| {label} | {statistics.median(values):.2f} s | {max(values):.2f} s |")
     redone = [t["steps_redone"] for t in trials]
-    print(f"steps redone by the running job: {sum(redone)} in all ({redone})")
+    kept = sum(1 for t in trials if t["kept"])
+    meanwhile = [t["steps_trained_meanwhile"] for t in trials if t["kept"]]
+    print(f"the running group kept as it was in {kept} of {len(trials)} trials "
+          f"(steps it trained with no coordinator: {meanwhile}); steps redone: {sum(redone)} "
+          f"in all ({redone})")
     with open(args.out, "w") as f:
         json.dump({"workers": args.workers, "trials": trials, "summary": summary}, f, indent=2)
 

@@ -85,7 +85,9 @@ void Agent::NextCoordinator() {
 
 Agent::~Agent() {
   Stop();
-  Decide([](WorkerLifecycle& l, absl::Time now) { return l.OnSessionEnded("stopping", now); });
+  Decide([](WorkerLifecycle& l, absl::Time now) {
+    return l.OnSessionEnded("stopping", now, /*keep_training=*/false);
+  });
   {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(
@@ -311,6 +313,25 @@ absl::Status Agent::RunSession(bool* registered) {
       reg->mutable_parked()->set_job_id(lifecycle_.parked()->job_id);
       reg->mutable_parked()->set_step(parked_->completed_step());
     }
+    // A group that trained on while this worker had no coordinator: kept or aborted by it.
+    if (const auto training = lifecycle_.training(); training.has_value()) {
+      auto run = runs_.find(training->run);
+      if (run != runs_.end()) {
+        const v1::Assignment& a = training->assignment;
+        v1::RunningGeneration* running = reg->mutable_running();
+        running->set_job_id(a.job_id());
+        running->set_generation(a.generation());
+        running->set_rank(a.rank());
+        running->set_world_size(a.world_size());
+        running->set_step(run->second->step.load());
+        // Its run holds the job's state: the coordinator keeps this worker for the job as it
+        // keeps any holder, also when it does not keep the generation.
+        if (reg->held().job_id() != a.job_id() || reg->held().step() < running->step()) {
+          reg->mutable_held()->set_job_id(a.job_id());
+          reg->mutable_held()->set_step(running->step());
+        }
+      }
+    }
   }
 
   absl::Status result;
@@ -431,13 +452,17 @@ void Agent::JoinEnded() {
 
 class Agent::RunReporter final : public GenerationReporter {
  public:
-  RunReporter(Agent* agent, RunId run) : agent_(agent), run_(run) {}
+  RunReporter(Agent* agent, RunHandle* run) : agent_(agent), handle_(run), run_(run->id) {}
 
   void Resumed(const v1::ResumedReport& report) override {
     agent_->Decide(
         [&](WorkerLifecycle& l, absl::Time now) { return l.OnHealed(run_, report, now); });
   }
   void Progress(const v1::ProgressReport& report) override {
+    handle_->step.store(report.step());
+    if (!handle_->trains.exchange(true)) {
+      agent_->Decide([&](WorkerLifecycle& l, absl::Time now) { return l.OnTraining(run_, now); });
+    }
     v1::WorkerMessage m;
     *m.mutable_progress() = report;
     agent_->Send(m);
@@ -460,6 +485,7 @@ class Agent::RunReporter final : public GenerationReporter {
 
  private:
   Agent* const agent_;
+  RunHandle* const handle_;
   const RunId run_;
 };
 
@@ -479,7 +505,7 @@ void Agent::RunJob(RunHandle* run, std::unique_ptr<Trainer> trainer) {
     }
     auto store = std::make_shared<CoordinatorStoreClient>(store_stub, session_key, a.job_id(),
                                                           a.generation(), run->abort);
-    RunReporter reporter(this, run->id);
+    RunReporter reporter(this, run);
     // Destroyed before the state is handed on: it lets go of the device and the group.
     std::unique_ptr<GenerationRun> generation =
         MakeGeneration(generation_context_, a, std::move(store), run->abort, &reporter);

@@ -15,11 +15,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "common/path_roots.h"
 #include "absl/time/time.h"
+#include "common/path_roots.h"
 #include "grpcpp/channel.h"
-#include "grpcpp/security/credentials.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/security/credentials.h"
 #include "lockstep/v1/store.grpc.pb.h"
 #include "lockstep/v1/worker.grpc.pb.h"
 #include "worker/comm/abort_signal.h"
@@ -71,9 +71,9 @@ struct AgentOptions {
   // Program jobs: where their files must lie and who they run as (--programs_root,
   // --program_user); a worker without a root runs none.
   ProgramSettings programs;
-  ProgramServer* program_server = nullptr;  // not owned
-  WarmStarts* warm_starts = nullptr;        // not owned; null: programs always start cold
-  CheckpointMemory* checkpoint_memory = nullptr;  // not owned; null: no Checkpointer saves
+  ProgramServer* program_server = nullptr;           // not owned
+  WarmStarts* warm_starts = nullptr;                 // not owned; null: programs always start cold
+  CheckpointMemory* checkpoint_memory = nullptr;     // not owned; null: no Checkpointer saves
   CheckpointPeerServer* checkpoint_peers = nullptr;  // not owned; null: no copies to peers
   absl::Duration checkpoint_copy_interval = absl::Milliseconds(500);
   // Prometheus metrics of the runs (not owned; null: none).
@@ -106,6 +106,10 @@ class Agent {
     // The job's state, handed back by the thread when it ends (under mu_).
     std::unique_ptr<Trainer> state;
     std::thread thread;
+    // The last step its group completed (its progress reports), and whether it has reported
+    // one: a run that trains goes on without the coordinator (lifecycle rule 6).
+    std::atomic<int64_t> step{0};
+    std::atomic<bool> trains{false};
   };
 
   // Feeds one event to the lifecycle (fn(lifecycle, now) -> LifecycleActions) and carries out
@@ -143,7 +147,7 @@ class Agent {
   void NextCoordinator();
   std::vector<std::string> coordinators_;
   size_t configured_coordinators_ = 1;  // the first ones: AgentOptions::coordinator's
-  size_t named_by_ = 0;  // the configured coordinator that named the leader in use
+  size_t named_by_ = 0;                 // the configured coordinator that named the leader in use
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
   std::string coordinator_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -23,8 +23,7 @@ bool WorkerLifecycle::JobEnded(const std::string& job_id) const {
 }
 
 bool WorkerLifecycle::Suspended(const std::string& job_id) const {
-  return std::find(suspended_jobs_.begin(), suspended_jobs_.end(), job_id) !=
-         suspended_jobs_.end();
+  return std::find(suspended_jobs_.begin(), suspended_jobs_.end(), job_id) != suspended_jobs_.end();
 }
 
 void WorkerLifecycle::Park(const JobKey& key, LifecycleActions* out) {
@@ -34,20 +33,19 @@ void WorkerLifecycle::Park(const JobKey& key, LifecycleActions* out) {
     out->drop_parked_state = true;
   }
   parked_ = key;
-  out->log.push_back(absl::StrCat("parking the state of ", key.job_id,
-                                  " (suspended) while other jobs run"));
+  out->log.push_back(
+      absl::StrCat("parking the state of ", key.job_id, " (suspended) while other jobs run"));
 }
 
-void WorkerLifecycle::AbortRun(RunId id, Run& run, const std::string& reason,
-                               LifecycleActions* out, bool job_ended) {
+void WorkerLifecycle::AbortRun(RunId id, Run& run, const std::string& reason, LifecycleActions* out,
+                               bool job_ended) {
   if (run.phase == Phase::kRunning || (run.phase == Phase::kStopping && job_ended)) {
     run.phase = Phase::kStopping;
     out->abort.push_back({id, reason, job_ended});
   }
 }
 
-void WorkerLifecycle::AbortOthers(RunId except, const std::string& reason,
-                                  LifecycleActions* out) {
+void WorkerLifecycle::AbortOthers(RunId except, const std::string& reason, LifecycleActions* out) {
   for (auto it = runs_.begin(); it != runs_.end();) {
     if (it->first == except) {
       ++it;
@@ -92,8 +90,7 @@ LifecycleActions WorkerLifecycle::OnAssignment(const v1::Assignment& a, absl::Ti
   suspended_jobs_.erase(std::remove(suspended_jobs_.begin(), suspended_jobs_.end(), a.job_id()),
                         suspended_jobs_.end());
   // Rule 1: this assignment supersedes everything else.
-  AbortOthers(id, absl::StrCat("superseded by ", a.job_id(), " generation ", a.generation()),
-              &out);
+  AbortOthers(id, absl::StrCat("superseded by ", a.job_id(), " generation ", a.generation()), &out);
   // Rule 7: the job's own parked state is used now; a suspended job's kept state takes its
   // place.
   if (parked_.has_value() && *parked_ == run.key && kept_.has_value() && *kept_ != run.key &&
@@ -109,15 +106,15 @@ LifecycleActions WorkerLifecycle::OnAssignment(const v1::Assignment& a, absl::Ti
     kept_.reset();
     out.park_kept_state = true;
   } else if (kept_.has_value() && *kept_ != run.key) {
-    out.log.push_back(absl::StrCat("dropping the state kept for ", kept_->job_id, ": ",
-                                   kept_->job_id == a.job_id() ? "the job's spec differs"
-                                                               : "another job was assigned"));
+    out.log.push_back(absl::StrCat(
+        "dropping the state kept for ", kept_->job_id, ": ",
+        kept_->job_id == a.job_id() ? "the job's spec differs" : "another job was assigned"));
     kept_.reset();
     out.drop_kept_state = true;
   }
   if (parked_.has_value() && parked_->job_id == a.job_id() && *parked_ != run.key) {
-    out.log.push_back(absl::StrCat("dropping the state parked for ", a.job_id(),
-                                   ": the job's spec differs"));
+    out.log.push_back(
+        absl::StrCat("dropping the state parked for ", a.job_id(), ": the job's spec differs"));
     parked_.reset();
     out.drop_parked_state = true;
   }
@@ -160,8 +157,8 @@ void WorkerLifecycle::StartReady(absl::Time now, LifecycleActions* out) {
 }
 
 LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t generation,
-                                          const std::string& reason, bool job_ended,
-                                          absl::Time now, bool suspended, bool drop_parked) {
+                                          const std::string& reason, bool job_ended, absl::Time now,
+                                          bool suspended, bool drop_parked) {
   LifecycleActions out;
   if (suspended && !job_ended) Remember(suspended_jobs_, job_id);
   if (drop_parked && !job_ended) {
@@ -188,8 +185,8 @@ LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t gen
       continue;
     }
     if (it->second.phase == Phase::kWaiting) {
-      out.log.push_back(absl::StrCat(job_id, " generation ", a.generation(),
-                                     " never started: ", reason));
+      out.log.push_back(
+          absl::StrCat(job_id, " generation ", a.generation(), " never started: ", reason));
       it = runs_.erase(it);
       continue;
     }
@@ -213,11 +210,34 @@ LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t gen
   return out;
 }
 
-LifecycleActions WorkerLifecycle::OnSessionEnded(const std::string& reason, absl::Time now) {
+LifecycleActions WorkerLifecycle::OnSessionEnded(const std::string& reason, absl::Time now,
+                                                 bool keep_training) {
   LifecycleActions out;
-  AbortOthers(/*except=*/0, reason, &out);
+  // Rule 6: a group that trains goes on without the coordinator.
+  const std::optional<Training> trains = keep_training ? training() : std::nullopt;
+  AbortOthers(/*except=*/trains.has_value() ? trains->run : 0, reason, &out);
+  if (trains.has_value()) {
+    out.log.push_back(absl::StrCat(trains->assignment.job_id(), " generation ",
+                                   trains->assignment.generation(),
+                                   " trains on without the coordinator (", reason, ")"));
+  }
   newest_generation_.clear();
   return out;
+}
+
+LifecycleActions WorkerLifecycle::OnTraining(RunId id, absl::Time now) {
+  auto it = runs_.find(id);
+  if (it != runs_.end() && it->second.phase == Phase::kRunning) it->second.training = true;
+  return {};
+}
+
+std::optional<WorkerLifecycle::Training> WorkerLifecycle::training() const {
+  std::optional<Training> newest;
+  for (const auto& [id, run] : runs_) {
+    if (run.phase != Phase::kRunning || !run.training || run.stale) continue;
+    if (!newest.has_value() || newest->run < id) newest = Training{id, run.assignment};
+  }
+  return newest;
 }
 
 LifecycleActions WorkerLifecycle::OnHealed(RunId id, const v1::ResumedReport& report,
@@ -279,8 +299,8 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
   }
   bool claimed = false;  // the parked state is a waiting run's (rule 7)
   for (const auto& [other_id, other] : runs_) {
-    claimed = claimed || (parked_.has_value() && other.key == *parked_ &&
-                          other.phase != Phase::kStopping);
+    claimed = claimed ||
+              (parked_.has_value() && other.key == *parked_ && other.phase != Phase::kStopping);
   }
   const bool park_after_start = result.holds_state && park && claimed;
   if (park_after_start) {
@@ -297,9 +317,8 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
                                        ? " until the coordinator has recorded the job's end"
                                        : " for its next generation"));
   } else if (result.holds_state) {
-    out.log.push_back(
-        absl::StrCat("dropping the state of ", a.job_id(), " generation ", a.generation(), ": ",
-                     drop_why));
+    out.log.push_back(absl::StrCat("dropping the state of ", a.job_id(), " generation ",
+                                   a.generation(), ": ", drop_why));
   }
   StartReady(now, &out);
   if (park_after_start && !parked_.has_value()) {

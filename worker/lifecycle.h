@@ -23,9 +23,13 @@
 //     run of the same job that had to start without it (rule 1's timeout): then it is stale.
 //  5. A run's failure is reported to the coordinator unless the run was aborted (the
 //     coordinator already knows why it stopped). Its heal result is reported unless aborted.
-//  6. The session ending aborts every run; their state is kept as rule 4 says. A new session
-//     is a new registration: the coordinator (perhaps restarted, perhaps from older saved
-//     state) may assign a generation number again, so the stale-assignment memory is cleared.
+//  6. The session ending aborts every run whose group has not trained a step yet (forming a
+//     group and healing it need the coordinator's store); their state is kept as rule 4 says.
+//     A run whose group trains goes on without the coordinator, which is not on the step path
+//     (unless the agent is stopping): the worker registers again saying so (Training), and the
+//     coordinator keeps that generation or aborts it. A new session is a new registration: the
+//     coordinator (perhaps restarted, perhaps from older saved state) may assign a generation
+//     number again, so the stale-assignment memory is cleared.
 //  7. A suspended job's state is parked, not dropped: once the coordinator has aborted a job
 //     saying it is suspended (Abort.suspended), its state, kept or handed on when its run
 //     ends, is set aside when another job is assigned (where rules 3 and 4 would drop it), and
@@ -45,8 +49,8 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "lockstep/v1/worker.pb.h"
 #include "common/job_identity.h"
+#include "lockstep/v1/worker.pb.h"
 
 namespace lockstep::worker {
 
@@ -111,7 +115,11 @@ class WorkerLifecycle {
   LifecycleActions OnAbort(const std::string& job_id, int64_t generation, const std::string& reason,
                            bool job_ended, absl::Time now, bool suspended = false,
                            bool drop_parked = false);
-  LifecycleActions OnSessionEnded(const std::string& reason, absl::Time now);
+  // `keep_training`: runs whose group trains go on (rule 6); false when the agent stops.
+  LifecycleActions OnSessionEnded(const std::string& reason, absl::Time now,
+                                  bool keep_training = true);
+  // The run's group completed a step: it no longer needs the coordinator (rule 6).
+  LifecycleActions OnTraining(RunId run, absl::Time now);
   // The run's group agreed on its state (report: its resumed report, without job and generation).
   LifecycleActions OnHealed(RunId run, const v1::ResumedReport& report, absl::Time now);
   LifecycleActions OnRunEnded(RunId run, const RunResult& result, absl::Time now);
@@ -122,6 +130,12 @@ class WorkerLifecycle {
   size_t active_runs() const { return runs_.size(); }
   std::optional<JobKey> kept() const { return kept_; }
   std::optional<JobKey> parked() const { return parked_; }
+  // The run whose group trains (rule 6), if any: what a new registration reports.
+  struct Training {
+    RunId run = 0;
+    v1::Assignment assignment;
+  };
+  std::optional<Training> training() const;
 
  private:
   enum class Phase {
@@ -137,6 +151,7 @@ class WorkerLifecycle {
     // A newer run of its job started without this run's state (the handover timed out): this
     // run's state, when it ends, is stale.
     bool stale = false;
+    bool training = false;  // its group completed a step (OnTraining)
   };
 
   // Aborts every run but `except` that is not already stopping; forgets waiting ones.

@@ -22,12 +22,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "coordinator/core/core_internal.h"
-#include "coordinator/core/job_spec.h"
 #include "common/clock.h"
 #include "common/gpu_limits.h"
 #include "common/job_memory.h"
 #include "common/model_family.h"
+#include "coordinator/core/core_internal.h"
+#include "coordinator/core/job_spec.h"
 
 namespace lockstep::coordinator {
 
@@ -102,6 +102,13 @@ const Core::JobRecord* Core::FencedJob(const std::string& job_id, int64_t genera
         absl::StrCat("job ", job_id, " has ended (", v1::JobState_Name(job.job.state()), ")"));
     return nullptr;
   }
+  if (job.adopt_generation != 0 && generation == job.adopt_generation) {
+    // Its group trains on; the restarted coordinator has not decided yet whether it keeps it:
+    // nothing is recorded, and nothing aborted.
+    *status = absl::UnavailableError(absl::StrCat("job ", job_id, " awaits generation ", generation,
+                                                  "'s members after the coordinator restarted"));
+    return nullptr;
+  }
   if (generation != job.job.generation() || job.job.state() != v1::JOB_STATE_RUNNING) {
     *status = absl::AbortedError(
         absl::StrCat("generation ", generation, " of job ", job_id, " is not live (current ",
@@ -117,8 +124,8 @@ const Core::JobRecord* Core::FencedJob(const std::string& job_id, int64_t genera
     return nullptr;
   }
   if (worker != nullptr && worker->generation != generation) {
-    *status = absl::AbortedError(absl::StrCat("worker ", worker_id, " is not a member of generation ",
-                                              generation, " of job ", job_id));
+    *status = absl::AbortedError(absl::StrCat(
+        "worker ", worker_id, " is not a member of generation ", generation, " of job ", job_id));
     return nullptr;
   }
   *status = absl::OkStatus();
@@ -145,7 +152,8 @@ absl::StatusOr<Core::JobRecord*> Core::MemberJob(const std::string& worker_id,
 absl::StatusOr<std::pair<int32_t, std::string>> Core::GenerationMember(
     const std::string& job_id, int64_t generation, const std::string& worker_id) const {
   const auto job = jobs_.find(job_id);
-  if (job == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
+  if (job == jobs_.end())
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
   for (const v1::Generation& g : job->second.job.generations()) {
     if (g.generation() != generation) continue;
     for (int rank = 0; rank < g.member_ids_size(); ++rank) {
@@ -260,10 +268,11 @@ void Core::Tick(absl::Time now, Decisions* out) {
     if (spec.max_wall_time_ms() > 0 && job.started != absl::InfinitePast() &&
         now - job.started > absl::Milliseconds(spec.max_wall_time_ms()) && !job.finishing &&
         !AtLastStep(job)) {
-      FinishJob(job, v1::JOB_STATE_FAILED,
-                absl::StrCat("ran for ", Seconds1(now - job.started), ", past its max_wall_time_ms ",
-                             spec.max_wall_time_ms(), " (at step ", job.job.step(), ")"),
-                now, out);
+      FinishJob(
+          job, v1::JOB_STATE_FAILED,
+          absl::StrCat("ran for ", Seconds1(now - job.started), ", past its max_wall_time_ms ",
+                       spec.max_wall_time_ms(), " (at step ", job.job.step(), ")"),
+          now, out);
       continue;
     }
     if (job.job.state() == v1::JOB_STATE_RUNNING) {

@@ -17,10 +17,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/job_memory.h"
-#include "common/path_roots.h"
-#include "coordinator/core/ranks.h"
 #include "common/job_state.h"
+#include "common/path_roots.h"
 #include "coordinator/core/event_history.h"
+#include "coordinator/core/ranks.h"
 #include "coordinator/core/training_curve.h"
 #include "lockstep/v1/job.pb.h"
 #include "lockstep/v1/worker.pb.h"
@@ -222,9 +222,8 @@ class Core {
   // after that generation ended: its last output lines arrive then). NOT_FOUND for an unknown
   // job or a generation no longer in the timeline, PERMISSION_DENIED for a worker that was not
   // one of its members.
-  absl::StatusOr<std::pair<int32_t, std::string>> GenerationMember(const std::string& job_id,
-                                                                   int64_t generation,
-                                                                   const std::string& worker_id) const;
+  absl::StatusOr<std::pair<int32_t, std::string>> GenerationMember(
+      const std::string& job_id, int64_t generation, const std::string& worker_id) const;
 
   // The message that tells a worker to stop (job, generation), with the reason; `job_ended`
   // lets it drop what it kept for the job; `suspended` that it parks the job's state while it
@@ -344,6 +343,13 @@ class Core {
     // until restart_grace_until (CoreOptions::restart_grace).
     std::vector<std::string> previous_names;
     absl::Time restart_grace_until = absl::InfinitePast();
+    // Restored RUNNING: the generation whose group may have trained on without the coordinator
+    // (0: none), when the job was restored, and the ids (by rank) of its members back training
+    // it. Kept (Adopt) once every member in previous_names is back training it; else the job
+    // re-forms as after any restart (GiveUpAdoption).
+    int64_t adopt_generation = 0;
+    absl::Time restored_at = absl::InfinitePast();
+    std::map<int32_t, std::string> adopters;
   };
 
   // RESOURCE_EXHAUSTED with the numbers when every registered worker reports less free memory
@@ -384,15 +390,14 @@ class Core {
   // true (and `why`) when it must wait because its live holders are busy or kept for another
   // job, or, after a coordinator restart, while its holders may still register again (it
   // resumes from one of them, not from nothing, unless none is left to wait for).
-  bool WaitsForHolder(const JobRecord& job, const std::vector<RankCandidate>& idle,
-                      absl::Time now, std::string* why) const;
+  bool WaitsForHolder(const JobRecord& job, const std::vector<RankCandidate>& idle, absl::Time now,
+                      std::string* why) const;
   // Whether the candidate is one of the suspended job's holders; holders first (stable).
   bool Holds(const JobRecord& job, const RankCandidate& c) const;
   void HoldersFirst(const JobRecord& job, std::vector<RankCandidate>& idle) const;
   // Starts the suspended job's next generation on `worker_ids`, recorded as a recovery (its
   // first step says what was redone), and stops counting the time suspended.
-  void Resume(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now,
-              Decisions* out);
+  void Resume(JobRecord& job, std::vector<std::string> worker_ids, absl::Time now, Decisions* out);
   // A registering worker's parked and kept states, for the suspended jobs' holder lists: a
   // holder back without the job's state leaves the list; one with it joins. A parked state of
   // an ended or unknown job is dropped (Abort.job_ended).
@@ -417,18 +422,17 @@ class Core {
       bool suspend = false;            // suspended whole, else shrunk
       std::vector<std::string> taken;  // worker ids `job` takes from it
     };
-    bool enough = false;             // it frees enough for `job`'s min_workers
-    size_t could = 0;                // when not: how many it could free
-    std::vector<Victim> victims;     // when enough: in the order they give
-    std::vector<std::string> idle;   // when enough: the idle workers it starts with
+    bool enough = false;                      // it frees enough for `job`'s min_workers
+    size_t could = 0;                         // when not: how many it could free
+    std::vector<Victim> victims;              // when enough: in the order they give
+    std::vector<std::string> idle;            // when enough: the idle workers it starts with
     absl::flat_hash_set<std::string> chosen;  // every worker id it starts with
   };
   PreemptionPlan PlanPreemption(const JobRecord& job, const std::vector<RankCandidate>& idle) const;
   // "shrink job-3 (priority 0) by 1, suspend job-5 (priority 0)"; why not when it is not
   // enough; "" when nothing would be preempted.
   std::string DescribePlan(const PreemptionPlan& plan) const;
-  void ApplyPreemption(JobRecord& job, const PreemptionPlan& plan, absl::Time now,
-                       Decisions* out);
+  void ApplyPreemption(JobRecord& job, const PreemptionPlan& plan, absl::Time now, Decisions* out);
   // A suspended job whose holders are all busy: takes one back from a running job of a lower
   // declared priority at a step boundary (shrunk when above its min_workers, else suspended),
   // kept for `job`. False when no holder can be taken.
@@ -453,8 +457,7 @@ class Core {
   // killed from outside, reported by its own live worker), so the job re-forms without the
   // grace ReformAfter gives a dead peer's stream to close.
   void HandleMemberLoss(JobRecord& job, const std::string& worker_id, const std::string& reason,
-                        bool fatal, absl::Time now, Decisions* out,
-                        bool no_culprit_behind = false);
+                        bool fatal, absl::Time now, Decisions* out, bool no_culprit_behind = false);
   // HandleMemberLoss once every other member has completed the last step: finish the job, or
   // re-form the members that hold the final state (a finishing generation).
   void HandleLossAfterLastStep(JobRecord& job, const std::string& worker_id,
@@ -483,8 +486,7 @@ class Core {
   // delays a scale-up).
   bool AnyMemberAtLastStep(const JobRecord& job) const;
   // Whether `worker` may never serve `job` again (a fatal report, or too many charges).
-  static bool Excluded(const JobRecord& job, const std::string& worker_id,
-                       const std::string& name);
+  static bool Excluded(const JobRecord& job, const std::string& worker_id, const std::string& name);
   // Charges one re-formation of `job` to `worker` (by name): false once it has had
   // kMaxChargesPerWorker, when it is excluded from the job instead (the job is not charged).
   bool ChargeWorker(JobRecord& job, const Worker& worker);
@@ -499,6 +501,21 @@ class Core {
   void ReleaseReserved(JobRecord& job, bool job_ended, const std::string& reason, Decisions* out);
   // Every previous member of a restored job (previous_names) is registered again.
   bool PreviousMembersBack(const JobRecord& job) const;
+  // A group that trained on without the coordinator (adoption.cc). RegisterWorker's part for
+  // a worker that says its group trains (RegisterRequest.running): a member of a restored
+  // job's awaited generation is noted as back; any other generation is aborted, and a member
+  // of the awaited one back without it, or training another, ends the wait.
+  void NoteRunning(Worker& worker, absl::Time now, Decisions* out);
+  // TryReform's part while a restored job awaits its generation: true when it was kept, or is
+  // still awaited (nothing else to do now).
+  bool TryAdopt(JobRecord& job, absl::Time now, Decisions* out);
+  // The awaited generation is not kept (`why`): its members back training it are aborted, and
+  // the job re-forms as after any restart.
+  void GiveUpAdoption(JobRecord& job, const std::string& why, absl::Time now, Decisions* out);
+  // A member back training the awaited generation reported its run's end (failed, or
+  // finished): the generation is not kept. False when the report is not one of those.
+  bool AdoptedRunEnded(const std::string& worker_id, const std::string& job_id, int64_t generation,
+                       const std::string& what, absl::Time now, Decisions* out);
   // The job as an event records it (JobEvent.job): everything but what grows with its size
   // (spec but its name, members, recoveries, generations, sample; the latest validation only).
   // `job` is only borrowed: it is the same again on return.
@@ -509,8 +526,7 @@ class Core {
   // `memory_needed`, only those that report at least that much free memory (or report none:
   // 0 means unknown); with `job`, not the workers it excluded; never a worker kept for another
   // job (Worker::reserved_for).
-  std::vector<RankCandidate> IdleWorkers(const std::string& device = "",
-                                         int64_t memory_needed = 0,
+  std::vector<RankCandidate> IdleWorkers(const std::string& device = "", int64_t memory_needed = 0,
                                          const JobRecord* job = nullptr) const;
   // A worker as rank assignment and GPU placement see it.
   static RankCandidate Candidate(const Worker& w);
@@ -565,7 +581,7 @@ class Core {
   std::set<QueueKey> pending_;             // PENDING: the queue, in the order jobs start
   // Queued jobs by when their priority ages next (JobRecord::next_aging).
   std::set<std::pair<absl::Time, std::string>> aging_deadlines_;
-  std::set<JobKey> active_;                // RUNNING or RECONFIGURING
+  std::set<JobKey> active_;  // RUNNING or RECONFIGURING
   // PENDING jobs with a rendezvous_timeout, by when it expires (JobRecord::pending_deadline).
   std::set<std::pair<absl::Time, std::string>> pending_deadlines_;
   // SUSPENDED jobs, by id (for the holder lists at registration).

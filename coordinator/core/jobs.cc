@@ -60,9 +60,8 @@ absl::StatusOr<v1::Job> Core::SubmitJob(v1::JobSpec spec, absl::Time now, Decisi
   LOCKSTEP_RETURN_IF_ERROR(CheckMemoryFits(memory, spec.device()));
   JobRecord record;
   record.memory_needed = memory.total();
-  const std::string id =
-      absl::StrCat("job-", next_job_seq_++,
-                   options_.job_id_suffix.empty() ? "" : "-", options_.job_id_suffix);
+  const std::string id = absl::StrCat(
+      "job-", next_job_seq_++, options_.job_id_suffix.empty() ? "" : "-", options_.job_id_suffix);
   record.job.set_job_id(id);
   *record.job.mutable_spec() = std::move(spec);
   record.job.set_submit_time_unix_ms(ToUnixMillisOrZero(now));
@@ -136,6 +135,28 @@ int Core::RestoreJobs(std::vector<v1::Job> jobs, absl::Time now, Decisions* out)
     }
     job.restart_grace_until = now + options_.restart_grace;
     job.finishing = job.job.total_steps() > 0 && job.job.step() >= job.job.total_steps();
+    const bool trained_on = job.job.state() == v1::JOB_STATE_RUNNING && !job.finishing &&
+                            job.job.generations_size() > 0 &&
+                            job.job.generations().rbegin()->ended_unix_ms() == 0 &&
+                            job.job.generations().rbegin()->generation() == job.job.generation() &&
+                            !job.previous_names.empty() &&
+                            static_cast<int>(job.previous_names.size()) ==
+                                job.job.generations().rbegin()->members_size();
+    if (trained_on) {
+      // Its group may train on without the coordinator (adoption.cc): kept if every member
+      // comes back training it.
+      job.adopt_generation = job.job.generation();
+      job.restored_at = now;
+      job.reform_after = now;
+      job.reconfigure_since = now;
+      SetState(job, v1::JOB_STATE_RECONFIGURING);
+      RefreshMembers(job);
+      AddEvent(job, v1::JobEvent::STATE,
+               absl::StrCat("coordinator restarted; waiting for generation ", job.adopt_generation,
+                            "'s members, which may train on"),
+               now, out);
+      continue;
+    }
     BeginReconfiguration(job, "coordinator restarted", /*scale_up=*/false,
                          /*coordinator_caused=*/true, /*counted=*/false, now, now, out);
   }
@@ -241,16 +262,15 @@ void Core::SetState(JobRecord& job, v1::JobState state) {
 
 absl::StatusOr<v1::ListJobsResponse> Core::ListJobs(const v1::ListJobsRequest& request) const {
   if (request.page_size() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("page_size is ", request.page_size(), "; it must be 0 (the default, ",
-                     kDefaultJobsPerPage, ") or more"));
+    return absl::InvalidArgumentError(absl::StrCat("page_size is ", request.page_size(),
+                                                   "; it must be 0 (the default, ",
+                                                   kDefaultJobsPerPage, ") or more"));
   }
   // The token is the submission number of the previous page's last job: the page goes on
   // with older ones.
   uint64_t before = std::numeric_limits<uint64_t>::max();
-  if (!request.page_token().empty() &&
-      (!absl::SimpleAtoi(request.page_token(), &before) || before == 0 ||
-       before >= next_job_seq_)) {
+  if (!request.page_token().empty() && (!absl::SimpleAtoi(request.page_token(), &before) ||
+                                        before == 0 || before >= next_job_seq_)) {
     return absl::InvalidArgumentError(
         "page_token is not one this coordinator issued (pass a next_page_token of ListJobs)");
   }
@@ -287,8 +307,8 @@ absl::StatusOr<v1::ListJobsResponse> Core::ListJobs(const v1::ListJobsRequest& r
     return page;
   }
   uint64_t last = 0;
-  for (auto it = std::make_reverse_iterator(order_.lower_bound({before, ""}));
-       it != order_.rend(); ++it) {
+  for (auto it = std::make_reverse_iterator(order_.lower_bound({before, ""})); it != order_.rend();
+       ++it) {
     const JobRecord& record = jobs_.at(it->second);
     const size_t size = record.job.ByteSizeLong();
     if (page.jobs_size() > 0 &&

@@ -264,6 +264,7 @@ std::string Core::FatalReason(const JobRecord& job, const std::string& last) con
 
 void Core::TryReform(JobRecord& job, absl::Time now, Decisions* out) {
   if (now < job.reform_after) return;
+  if (job.adopt_generation > 0 && TryAdopt(job, now, out)) return;
   const v1::JobSpec& spec = job.job.spec();
   if (now < job.restart_grace_until && !PreviousMembersBack(job)) {
     size_t back = 0;

@@ -30,8 +30,8 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& request) {
   const std::string& name = request.name();
   if (name.empty()) return absl::InvalidArgumentError("register.name: required");
   if (name.size() > kMaxWorkerNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("register.name: at most ", kMaxWorkerNameBytes,
-                                                   " bytes, got ", name.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("register.name: at most ", kMaxWorkerNameBytes, " bytes, got ", name.size()));
   }
   for (char c : name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.' &&
@@ -84,6 +84,7 @@ absl::StatusOr<std::string> Core::RegisterWorker(const v1::RegisterRequest& requ
   Worker& added = workers_.emplace(id, std::move(worker)).first->second;
   NoteHolder(added, now, out);
   ReserveOrRelease(added, out);
+  NoteRunning(added, now, out);
   Schedule(now, out);
   return id;
 }
@@ -97,8 +98,7 @@ void Core::ReserveOrRelease(Worker& worker, Decisions* out) {
   facts.ended_recorded = job != nullptr && IsTerminal(job->job.state()) && job->end_recorded;
   facts.excluded = job != nullptr && Excluded(*job, worker.id, worker.info.name());
   auto drop = [&](const std::string& why) {
-    out->messages.push_back(
-        {worker.id, AbortMessage(held.job_id(), 0, why, /*job_ended=*/true)});
+    out->messages.push_back({worker.id, AbortMessage(held.job_id(), 0, why, /*job_ended=*/true)});
   };
   switch (JudgeHeldState(facts)) {
     case HeldVerdict::kNone:
@@ -150,6 +150,8 @@ void Core::ReleaseReserved(JobRecord& job, bool job_ended, const std::string& re
   }
   job.previous_names.clear();
   job.restart_grace_until = absl::InfinitePast();
+  job.adopt_generation = 0;
+  job.adopters.clear();
 }
 
 bool Core::PreviousMembersBack(const JobRecord& job) const {
@@ -206,7 +208,15 @@ void Core::MarkWorkerLost(Worker& worker, const std::string& reason, absl::Time 
   ++lost_workers_;
   live_names_.erase(worker.info.name());
   if (!worker.reserved_for.empty()) {
-    if (JobRecord* job = FindJob(worker.reserved_for)) job->reserved.erase(worker.id);
+    if (JobRecord* job = FindJob(worker.reserved_for)) {
+      job->reserved.erase(worker.id);
+      // A member back training the awaited generation is gone: its group cannot go on.
+      for (const auto& [rank, id] : job->adopters) {
+        if (id != worker.id) continue;
+        GiveUpAdoption(*job, reason, now, out);
+        break;
+      }
+    }
     worker.reserved_for.clear();
   }
   out->close_sessions.push_back(worker.id);

@@ -99,14 +99,15 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
     if (evaluated || now - job.last_progress_event >= options_.progress_event_interval ||
         job.job.step() == job.job.total_steps()) {
       job.last_progress_event = now;
-      std::string message =
-          job.job.total_steps() > 0
-              ? absl::StrCat("step ", job.job.step(), "/", job.job.total_steps())
-              : absl::StrCat("step ", job.job.step());
+      std::string message = job.job.total_steps() > 0
+                                ? absl::StrCat("step ", job.job.step(), "/", job.job.total_steps())
+                                : absl::StrCat("step ", job.job.step());
       if (evaluated) {
-        absl::StrAppend(&message, absl::StrFormat("; validation loss %.4f", report.eval().test_loss()));
+        absl::StrAppend(&message,
+                        absl::StrFormat("; validation loss %.4f", report.eval().test_loss()));
         if (report.eval().bits_per_byte() > 0) {
-          absl::StrAppend(&message, absl::StrFormat(" (%.3f bits per byte)", report.eval().bits_per_byte()));
+          absl::StrAppend(&message,
+                          absl::StrFormat(" (%.3f bits per byte)", report.eval().bits_per_byte()));
         }
       }
       AddEvent(job, v1::JobEvent::PROGRESS, message, now, out);
@@ -120,6 +121,10 @@ absl::Status Core::ReportProgress(const std::string& worker_id, const v1::Progre
 absl::Status Core::ReportFailure(const std::string& worker_id, const v1::FailureReport& report,
                                  absl::Time now, Decisions* out) {
   ObserveTime(now);
+  if (AdoptedRunEnded(worker_id, report.job_id(), report.generation(),
+                      absl::StrCat("failed: ", report.message()), now, out)) {
+    return absl::OkStatus();
+  }
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
   if (!job_or.ok() && report.fatal() && absl::IsAborted(job_or.status())) {
     // While the job re-forms after a member's fatal report, the others' fatal reports of the
@@ -176,6 +181,9 @@ absl::Status Core::ReportFailure(const std::string& worker_id, const v1::Failure
 absl::Status Core::ReportFinished(const std::string& worker_id, const v1::FinishedReport& report,
                                   absl::Time now, Decisions* out) {
   ObserveTime(now);
+  if (AdoptedRunEnded(worker_id, report.job_id(), report.generation(), "finished", now, out)) {
+    return absl::OkStatus();
+  }
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
   if (!job_or.ok()) return job_or.status();
   JobRecord& job = **job_or;
@@ -205,8 +213,8 @@ std::string Core::Disagreement(const JobRecord& job, const std::string& except) 
   for (const MemberState& m : job.members) {
     if (m.worker_id == except || !m.finished) continue;
     const auto it = workers_.find(m.worker_id);
-    results.push_back({it == workers_.end() ? m.worker_id : it->second.info.name(), m.step,
-                       m.checksum, m.eval});
+    results.push_back(
+        {it == workers_.end() ? m.worker_id : it->second.info.name(), m.step, m.checksum, m.eval});
   }
   return coordinator::Disagreement(results);
 }
@@ -239,10 +247,10 @@ void Core::FinishAgreed(JobRecord& job, const std::string& except, const std::st
     job.job.set_step(std::max(agreed->step, job.job.spec().has_program() ? job.job.step() : 0));
     if (!agreed->eval.empty()) job.job.mutable_eval()->ParseFromString(agreed->eval);
   }
-  const MemberState* rank0 =
-      !job.members.empty() && job.members.front().worker_id == rank0_id && job.members.front().finished
-          ? &job.members.front()
-          : nullptr;
+  const MemberState* rank0 = !job.members.empty() && job.members.front().worker_id == rank0_id &&
+                                     job.members.front().finished
+                                 ? &job.members.front()
+                                 : nullptr;
   const std::string rank0_lost =
       absl::StrCat("not written: rank 0, ", rank0_name, ", was lost before writing it");
   job.job.set_train_samples_per_second(rank0 ? rank0->report.train_samples_per_second() : 0);
@@ -277,12 +285,12 @@ void Core::FinishAgreed(JobRecord& job, const std::string& except, const std::st
   std::string reason =
       job.job.spec().has_program()
           ? absl::StrCat("the program exited 0 on all ", job.members.size(), " members",
-                         job.job.step() > 0 ? absl::StrCat(" (last reported step ", job.job.step(), ")")
-                                            : "")
+                         job.job.step() > 0
+                             ? absl::StrCat(" (last reported step ", job.job.step(), ")")
+                             : "")
           : absl::StrCat("trained ", job.job.step(), " steps");
   if (job.job.has_eval() && IsLanguageModel(job.job.spec().model())) {
-    absl::StrAppend(&reason,
-                    absl::StrFormat("; validation loss %.4f", job.job.eval().test_loss()));
+    absl::StrAppend(&reason, absl::StrFormat("; validation loss %.4f", job.job.eval().test_loss()));
     if (job.job.eval().bits_per_byte() > 0) {
       absl::StrAppend(&reason,
                       absl::StrFormat(" (%.3f bits per byte)", job.job.eval().bits_per_byte()));
@@ -356,8 +364,7 @@ absl::Status Core::ReportCheckpoint(const std::string& worker_id,
   return absl::OkStatus();
 }
 
-void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note,
-                         Decisions* out) {
+void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note, Decisions* out) {
   if (job.open_recovery < 0) return;
   v1::Recovery* r = job.job.mutable_recovery_history(job.open_recovery);
   r->set_first_step_unix_ms(ToUnixMillisOrZero(now));
@@ -366,14 +373,14 @@ void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note
           ? absl::StrFormat("source rank %d, heal %d ms", r->source_rank(), r->heal_ms())
           : absl::StrFormat("restored from %s in %d ms", r->restored_from(), r->heal_ms());
   if (!r->restore_detail().empty()) absl::StrAppend(&source, ": ", r->restore_detail());
-  AddEvent(job, v1::JobEvent::MEMBERSHIP,
-           absl::StrFormat("generation %d resumed after step %d (%s, %d ms "
-                           "after detection, %s%d steps redone)%s",
-                           r->to_generation(), r->resumed_from_step(), source,
-                           r->first_step_unix_ms() - r->detect_unix_ms(),
-                           r->steps_redone_lower_bound() ? "at least " : "", r->steps_redone(),
-                           note),
-           now, out);
+  AddEvent(
+      job, v1::JobEvent::MEMBERSHIP,
+      absl::StrFormat("generation %d resumed after step %d (%s, %d ms "
+                      "after detection, %s%d steps redone)%s",
+                      r->to_generation(), r->resumed_from_step(), source,
+                      r->first_step_unix_ms() - r->detect_unix_ms(),
+                      r->steps_redone_lower_bound() ? "at least " : "", r->steps_redone(), note),
+      now, out);
   job.open_recovery = -1;
   // A resumed job has trained a step: the holders it resumed without may drop its state.
   for (const std::string& name : job.parked_elsewhere) {
@@ -382,8 +389,7 @@ void Core::CloseRecovery(JobRecord& job, absl::Time now, const std::string& note
     if (w == nullptr || (w->state == WorkerState::kBusy && w->job_id == job.job.job_id())) {
       continue;
     }
-    v1::CoordinatorMessage drop =
-        AbortMessage(job.job.job_id(), 0, "it resumed on other workers");
+    v1::CoordinatorMessage drop = AbortMessage(job.job.job_id(), 0, "it resumed on other workers");
     drop.mutable_abort()->set_drop_parked(true);
     out->messages.push_back({w->id, std::move(drop)});
   }

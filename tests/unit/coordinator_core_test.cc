@@ -2,17 +2,18 @@
 // scheduling, rank assignment, generations, stale-generation fencing and timeouts.
 #include <algorithm>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "coordinator/core/core.h"
-#include "coordinator/core/job_spec.h"
+#include "absl/strings/str_join.h"
 #include "common/gpu_limits.h"
 #include "common/job_memory.h"
+#include "coordinator/core/core.h"
+#include "coordinator/core/job_spec.h"
 #include "coordinator/core/ranks.h"
 #include "coordinator/store/job_store.h"
 #include "gtest/gtest.h"
@@ -190,8 +191,7 @@ TEST(RegistrationTest, NamesAndFieldsAreBoundedAndPrintable) {
        "register.name"},
       {"newline", [](v1::RegisterRequest* r) { r->set_name("w0\nFAKE LOG"); }, "register.name"},
       {"space", [](v1::RegisterRequest* r) { r->set_name("w 0"); }, "register.name"},
-      {"escape in host", [](v1::RegisterRequest* r) { r->set_host("h\x1b[31m"); },
-       "register.host"},
+      {"escape in host", [](v1::RegisterRequest* r) { r->set_host("h\x1b[31m"); }, "register.host"},
       {"huge address", [](v1::RegisterRequest* r) { r->set_comm_address(std::string(300, 'a')); },
        "register.comm_address"},
       {"no device", [](v1::RegisterRequest* r) { r->clear_device(); }, "register.device"},
@@ -819,15 +819,22 @@ TEST(FoldAbortsIntoAssignmentsTest, FoldsOnlyAnAbortFollowedByThatWorkersAssignm
     return m;
   };
   std::vector<Decisions::Outgoing> messages = {
-      abort("a", 1), abort("b", 1), abort("c", 1),  // c is not re-assigned: its abort stays
-      assign("b", 2), assign("a", 2),
-      assign("d", 2),                 // a new member: nothing to fold
-      abort("a", 2), assign("a", 3),  // a second re-formation in the same decisions
-      assign("e", 1), abort("e", 1),  // an assignment then an abort: order matters, no fold
+      abort("a", 1),
+      abort("b", 1),
+      abort("c", 1),  // c is not re-assigned: its abort stays
+      assign("b", 2),
+      assign("a", 2),
+      assign("d", 2),  // a new member: nothing to fold
+      abort("a", 2),
+      assign("a", 3),  // a second re-formation in the same decisions
+      assign("e", 1),
+      abort("e", 1),  // an assignment then an abort: order matters, no fold
       // Another job's assignment, after an abort and after one that ends the job: both aborts
       // stay messages of their own.
-      abort("f", 1), assign("f", 1, "job-2"),
-      abort("g", 1, /*job_ended=*/true), assign("g", 1, "job-2"),
+      abort("f", 1),
+      assign("f", 1, "job-2"),
+      abort("g", 1, /*job_ended=*/true),
+      assign("g", 1, "job-2"),
   };
   FoldAbortsIntoAssignments(messages);
   std::vector<std::string> got;
@@ -843,9 +850,8 @@ TEST(FoldAbortsIntoAssignmentsTest, FoldsOnlyAnAbortFollowedByThatWorkersAssignm
     got.push_back(s);
   }
   EXPECT_EQ(got, (std::vector<std::string>{"c:abort1", "b:assign2+abort1", "a:assign2+abort1",
-                                           "d:assign2", "a:assign3+abort2", "e:assign1",
-                                           "e:abort1", "f:abort1", "f:assign1", "g:abort1",
-                                           "g:assign1"}));
+                                           "d:assign2", "a:assign3+abort2", "e:assign1", "e:abort1",
+                                           "f:abort1", "f:assign1", "g:abort1", "g:assign1"}));
   std::vector<Decisions::Outgoing> none;
   FoldAbortsIntoAssignments(none);
   EXPECT_TRUE(none.empty());
@@ -1147,9 +1153,9 @@ TEST_F(CoreTest, SpareJoinsARunningJobBelowMaxAfterItsFirstStep) {
   ASSERT_EQ(j.recovery_history_size(), 1);
   EXPECT_TRUE(j.recovery_history(0).scale_up());
   ASSERT_EQ(j.generations_size(), 2);
-  EXPECT_EQ(std::vector<std::string>(j.generations(1).joined().begin(),
-                                     j.generations(1).joined().end()),
-            (std::vector<std::string>{"w1"}));
+  EXPECT_EQ(
+      std::vector<std::string>(j.generations(1).joined().begin(), j.generations(1).joined().end()),
+      (std::vector<std::string>{"w1"}));
   EXPECT_EQ(j.generations(1).left_size(), 0);
   EXPECT_EQ(j.generations(0).end_reason(), j.recovery_history(0).reason());
   // Full: a third worker stays a spare.
@@ -1177,12 +1183,12 @@ TEST_F(CoreTest, AWorkerBackUnderItsOldNameLeftAndJoined) {
   v1::Job j = Job(job);
   ASSERT_EQ(j.state(), v1::JOB_STATE_RUNNING);
   ASSERT_EQ(j.generations_size(), 2);
-  EXPECT_EQ(std::vector<std::string>(j.generations(1).joined().begin(),
-                                     j.generations(1).joined().end()),
-            (std::vector<std::string>{"w1"}));
-  EXPECT_EQ(std::vector<std::string>(j.generations(1).left().begin(),
-                                     j.generations(1).left().end()),
-            (std::vector<std::string>{"w1"}));
+  EXPECT_EQ(
+      std::vector<std::string>(j.generations(1).joined().begin(), j.generations(1).joined().end()),
+      (std::vector<std::string>{"w1"}));
+  EXPECT_EQ(
+      std::vector<std::string>(j.generations(1).left().begin(), j.generations(1).left().end()),
+      (std::vector<std::string>{"w1"}));
 }
 
 TEST_F(CoreTest, TrainingCurveKeepsRankZerosReportsAndUnknownJobsAreNotFound) {
@@ -1380,12 +1386,223 @@ TEST_F(CoreTest, TimelineAfterACoordinatorRestartComparesNames) {
   ASSERT_EQ(j.state(), v1::JOB_STATE_RUNNING);
   ASSERT_EQ(j.generations_size(), 2);
   EXPECT_EQ(j.generations(0).end_reason(), "coordinator restarted");
-  EXPECT_EQ(std::vector<std::string>(j.generations(1).joined().begin(),
-                                     j.generations(1).joined().end()),
-            (std::vector<std::string>{"c"}));
-  EXPECT_EQ(std::vector<std::string>(j.generations(1).left().begin(),
-                                     j.generations(1).left().end()),
-            (std::vector<std::string>{"b"}));
+  EXPECT_EQ(
+      std::vector<std::string>(j.generations(1).joined().begin(), j.generations(1).joined().end()),
+      (std::vector<std::string>{"c"}));
+  EXPECT_EQ(
+      std::vector<std::string>(j.generations(1).left().begin(), j.generations(1).left().end()),
+      (std::vector<std::string>{"b"}));
+}
+
+// The coordinator is not on the step path: a group that trained on while it restarted is kept
+// as it is when all its members come back training it, and re-formed otherwise.
+class AdoptionTest : public CoreTest {
+ protected:
+  // A 2-worker job running generation 1 at step 40, saved, and a fresh core that restored it.
+  void SetUp() override {
+    a_ = Register("a");
+    b_ = Register("b");
+    job_ = Submit(Spec(1, 2));
+    TakeAssignments();
+    ASSERT_TRUE(Progress(a_, job_, 1, 40).ok());
+    ASSERT_TRUE(Progress(b_, job_, 1, 40).ok());
+    fresh_ = std::make_unique<Core>(Options());
+    Decisions d;
+    ASSERT_EQ(fresh_->RestoreJobs({Job(job_)}, now_, &d), 1);
+  }
+  // Registers `name` with the fresh core, training `generation` as `rank` (none: -1); returns
+  // its id and collects what the core sent.
+  std::string Back(const std::string& name, int64_t generation, int32_t rank, int64_t step = 45,
+                   int32_t world_size = 2) {
+    v1::RegisterRequest r;
+    r.set_name(name);
+    r.set_host("h1");
+    r.set_device("cpu");
+    if (rank >= 0) {
+      r.mutable_running()->set_job_id(job_);
+      r.mutable_running()->set_generation(generation);
+      r.mutable_running()->set_rank(rank);
+      r.mutable_running()->set_world_size(world_size);
+      r.mutable_running()->set_step(step);
+    }
+    r.mutable_held()->set_job_id(job_);
+    r.mutable_held()->set_step(step);
+    Decisions d;
+    absl::StatusOr<std::string> id = fresh_->RegisterWorker(r, now_, &d);
+    EXPECT_TRUE(id.ok()) << id.status();
+    Collect(d);
+    return id.value_or("");
+  }
+  v1::Job Fresh() { return fresh_->GetJob(job_).value(); }
+  // Messages sent since the last call, as "worker: abort job/gen" or "worker: assign job/gen".
+  std::vector<std::string> Take() {
+    std::vector<std::string> out;
+    for (const auto& m : sent_) {
+      if (m.message.has_abort()) {
+        out.push_back(absl::StrCat(m.worker_id, ": abort ", m.message.abort().generation(),
+                                   m.message.abort().job_ended() ? " (job ended)" : ""));
+      }
+      if (m.message.has_assignment()) {
+        out.push_back(absl::StrCat(m.worker_id, ": assign ", m.message.assignment().generation()));
+      }
+    }
+    sent_.clear();
+    return out;
+  }
+
+  std::string a_, b_, job_;
+  std::unique_ptr<Core> fresh_;
+};
+
+TEST_F(AdoptionTest, AGroupWhoseMembersAllComeBackTrainingItIsKept) {
+  v1::Job restored = Fresh();
+  EXPECT_EQ(restored.state(), v1::JOB_STATE_RECONFIGURING);
+  EXPECT_EQ(restored.recovery_history_size(), 0);
+  EXPECT_TRUE(absl::StrContains(restored.reason(), "may train on")) << restored.reason();
+
+  const std::string a = Back("a", 1, 0, 44);
+  EXPECT_TRUE(Take().empty()) << "nothing is aborted while the others may still come back";
+  // Its reports wait: neither recorded nor answered with an abort.
+  v1::ProgressReport p;
+  p.set_job_id(job_);
+  p.set_generation(1);
+  p.set_step(46);
+  Decisions pd;
+  EXPECT_TRUE(absl::IsUnavailable(fresh_->ReportProgress(a, p, now_, &pd)));
+  EXPECT_TRUE(pd.messages.empty());
+
+  const std::string b = Back("b", 1, 1, 45);
+  EXPECT_TRUE(Take().empty()) << "kept as it is: no abort, no assignment";
+  v1::Job kept = Fresh();
+  EXPECT_EQ(kept.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(kept.generation(), 1);
+  EXPECT_EQ(kept.generations_size(), 1);
+  EXPECT_EQ(kept.generations(0).ended_unix_ms(), 0);
+  EXPECT_EQ(kept.recovery_history_size(), 0);
+  EXPECT_EQ(kept.recoveries(), 0);
+  EXPECT_EQ(kept.step(), 45);
+  ASSERT_EQ(kept.members_size(), 2);
+  EXPECT_EQ(kept.members(0).worker_id(), a);
+  EXPECT_EQ(kept.members(1).worker_id(), b);
+  EXPECT_EQ(kept.generations(0).member_ids(0), a);
+
+  // It trains and ends as any generation does.
+  Decisions d;
+  p.set_step(47);
+  EXPECT_TRUE(fresh_->ReportProgress(a, p, now_, &d).ok());
+  EXPECT_EQ(Fresh().step(), 47);
+  for (const std::string& w : {a, b}) {
+    v1::FinishedReport f;
+    f.set_job_id(job_);
+    f.set_generation(1);
+    f.set_step(100);
+    f.set_parameter_checksum("c");
+    ASSERT_TRUE(fresh_->ReportFinished(w, f, now_, &d).ok());
+  }
+  EXPECT_EQ(Fresh().state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+TEST_F(AdoptionTest, AMemberBackWithoutItsGroupReformsTheJobAndStopsTheOthers) {
+  const std::string a = Back("a", 1, 0);
+  const std::string b = Back("b", 1, /*rank=*/-1);  // its process restarted: nothing trains
+  const std::vector<std::string> sent = Take();
+  // a's group is stopped first, then both form generation 2 and heal from what they hold.
+  ASSERT_EQ(sent.size(), 3u) << absl::StrJoin(sent, "; ");
+  EXPECT_EQ(sent[0], absl::StrCat(a, ": abort 1"));
+  v1::Job j = Fresh();
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(j.generation(), 2);
+  ASSERT_EQ(j.recovery_history_size(), 1);
+  EXPECT_EQ(j.recovery_history(0).reason(), "coordinator restarted");
+  EXPECT_FALSE(j.recovery_history(0).counted());
+  EXPECT_EQ(j.recoveries(), 0);
+  EXPECT_EQ(j.generations(0).end_reason(), "coordinator restarted");
+  bool said = false;
+  absl::StatusOr<std::vector<v1::JobEvent>> events = fresh_->EventsSince(job_, 0);
+  ASSERT_TRUE(events.ok());
+  for (const v1::JobEvent& e : *events) {
+    said = said || absl::StrContains(e.message(),
+                                     "generation 1 is not kept: b came back "
+                                     "without its group training");
+  }
+  EXPECT_TRUE(said);
+}
+
+TEST_F(AdoptionTest, AMemberThatNeverComesBackEndsTheWaitAfterTheGrace) {
+  const std::string a = Back("a", 1, 0);
+  now_ += Options().restart_grace - absl::Milliseconds(1);
+  Decisions d;
+  fresh_->Tick(now_, &d);
+  Collect(d);
+  EXPECT_TRUE(Take().empty());
+  EXPECT_TRUE(absl::StrContains(Fresh().reason(), "1 of 2 back training")) << Fresh().reason();
+  now_ += absl::Milliseconds(1);
+  Decisions t;
+  fresh_->Tick(now_, &t);
+  Collect(t);
+  EXPECT_EQ(Take(), (std::vector<std::string>{absl::StrCat(a, ": abort 1"),
+                                              absl::StrCat(a, ": assign 2")}));
+  v1::Job j = Fresh();
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(j.members_size(), 1);
+  ASSERT_EQ(j.recovery_history_size(), 1);
+  EXPECT_EQ(j.recovery_history(0).detect_unix_ms(),
+            absl::ToUnixMillis(now_ - Options().restart_grace));
+}
+
+TEST_F(AdoptionTest, AMemberLostOrFailedWhileAwaitedEndsTheWait) {
+  const std::string a = Back("a", 1, 0);
+  v1::FailureReport f;
+  f.set_job_id(job_);
+  f.set_generation(1);
+  f.set_message("peer closed the connection");
+  Decisions d;
+  ASSERT_TRUE(fresh_->ReportFailure(a, f, now_, &d).ok());
+  Collect(d);
+  // Its group broke: it is stopped (already stopped, but the abort costs nothing) and the job
+  // re-forms with it as soon as b is back.
+  EXPECT_EQ(Take(), (std::vector<std::string>{absl::StrCat(a, ": abort 1")}));
+  EXPECT_EQ(Fresh().recovery_history_size(), 1);
+  const std::string b = Back("b", 1, 1);
+  const std::vector<std::string> sent = Take();
+  EXPECT_EQ(sent.size(), 3u) << absl::StrJoin(sent, "; ");  // b aborted; both assigned 2
+  EXPECT_EQ(Fresh().generation(), 2);
+}
+
+TEST_F(AdoptionTest, AWorkerLostWhileAwaitedEndsTheWait) {
+  const std::string a = Back("a", 1, 0);
+  Decisions d;
+  fresh_->WorkerDisconnected(a, "stream closed", now_, &d);
+  Collect(d);
+  EXPECT_EQ(Fresh().state(), v1::JOB_STATE_RECONFIGURING);
+  EXPECT_EQ(Fresh().recovery_history_size(), 1);
+  Back("b", 1, 1);
+  const std::vector<std::string> sent = Take();
+  ASSERT_FALSE(sent.empty());
+  EXPECT_TRUE(absl::StrContains(sent[0], ": abort 1")) << sent[0];
+}
+
+TEST_F(AdoptionTest, AGenerationOrRankThatDoesNotMatchIsNotKept) {
+  // b claims rank 0, which a holds in the saved generation.
+  const std::string b = Back("b", 1, 0);
+  EXPECT_EQ(Take(), (std::vector<std::string>{absl::StrCat(b, ": abort 1")}));
+  EXPECT_EQ(Fresh().recovery_history_size(), 1);
+  // An unknown job's group is told the job is over; a stale generation of a live job only
+  // stops.
+  v1::RegisterRequest r;
+  r.set_name("c");
+  r.set_device("cpu");
+  r.mutable_running()->set_job_id("job-9-zzzzzz");
+  r.mutable_running()->set_generation(3);
+  r.mutable_running()->set_world_size(1);
+  Decisions d;
+  absl::StatusOr<std::string> c = fresh_->RegisterWorker(r, now_, &d);
+  ASSERT_TRUE(c.ok());
+  Collect(d);
+  const std::vector<std::string> sent = Take();
+  EXPECT_NE(std::find(sent.begin(), sent.end(), absl::StrCat(*c, ": abort 3 (job ended)")),
+            sent.end())
+      << absl::StrJoin(sent, "; ");
 }
 
 // Jobs saved to --state_dir come back after a restart; a corrupt file is skipped (and kept
@@ -1507,9 +1724,9 @@ TEST(MemoryEstimateTest, GptOnGpuCountsTheHeadsChunkAndTheBuffers) {
   v1::JobSpec bf16 = spec;
   bf16.set_precision("bf16");
   for (int64_t mb : {1, 16}) {
-    EXPECT_EQ(EstimateWorkerMemory(bf16, mb).activations,
-              EstimateWorkerMemory(spec, mb).activations -
-                  2 * int64_t{1024} * (12 * 14 * 768 + 768) * mb)
+    EXPECT_EQ(
+        EstimateWorkerMemory(bf16, mb).activations,
+        EstimateWorkerMemory(spec, mb).activations - 2 * int64_t{1024} * (12 * 14 * 768 + 768) * mb)
         << mb;
     // The GPU buffers add, in bf16: the parameters' copy, a layer's output gradient (4 C a
     // token) and a chunk of the logits' gradient, rounded once for their two products.
@@ -1655,7 +1872,6 @@ TEST_F(CoreTest, JobsUseOnlyWorkersOfTheirDevice) {
   EXPECT_NE(refused.status().message().find("device"), std::string::npos);
 }
 
-
 // GPU workers on one GPU: two ranks of a group share a GPU only when both workers' NCCL lets
 // them (the capability) and the GPU's memory holds both; otherwise the job waits, saying why,
 // and a running job neither re-forms nor grows onto a worker whose GPU a member uses.
@@ -1730,8 +1946,7 @@ TEST_F(GpuPlacementTest, SharingNeedsTheGpusMemoryForEveryRank) {
   RegisterGpu("b", "GPU-0", true, need + need / 2);
   const std::string job = Submit(spec);
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_PENDING);
-  EXPECT_NE(Job(job).reason().find("1 left out for a GPU"), std::string::npos)
-      << Job(job).reason();
+  EXPECT_NE(Job(job).reason().find("1 left out for a GPU"), std::string::npos) << Job(job).reason();
   // The GPU's own memory for both: they form the group.
   RegisterGpu("c", "GPU-1", true, 3 * need);
   RegisterGpu("d", "GPU-1", true, 3 * need);
@@ -1762,8 +1977,7 @@ TEST_F(GpuPlacementTest, AJobNeitherReformsNorGrowsOntoAMembersGpu) {
   Heartbeats({a, c});
   Tick();
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RECONFIGURING);
-  EXPECT_NE(Job(job).reason().find("(1 survivor, 0 idle, 1 left out for a GPU"),
-            std::string::npos)
+  EXPECT_NE(Job(job).reason().find("(1 survivor, 0 idle, 1 left out for a GPU"), std::string::npos)
       << Job(job).reason();
   EXPECT_EQ(TakeAssignments().count(c), 0u);
   // A worker on another GPU re-forms it.
@@ -1787,28 +2001,30 @@ TEST(OneRankPerGpuTest, KeepsCandidatesThatAddNoForbiddenSharing) {
   };
   std::vector<RankCandidate> left;
   // CPU workers (no UUID) always stay; the second on GPU-0 does not (a may not share).
-  EXPECT_EQ(ids(OneRankPerGpu({}, {gpu("c1", "", false), gpu("c2", "", false),
-                                   gpu("a", "G0", false), gpu("b", "G0", true)},
+  EXPECT_EQ(ids(OneRankPerGpu({},
+                              {gpu("c1", "", false), gpu("c2", "", false), gpu("a", "G0", false),
+                               gpu("b", "G0", true)},
                               0, &left)),
             (std::vector<std::string>{"c1", "c2", "a"}));
   EXPECT_EQ(ids(left), std::vector<std::string>{"b"});
   // Against the members: a member that may not share blocks its GPU; one that may, does not.
-  EXPECT_EQ(ids(OneRankPerGpu({gpu("m", "G0", false), gpu("n", "G1", true)},
-                              {gpu("x", "G0", true), gpu("y", "G1", true), gpu("z", "G1", false)},
-                              0)),
-            std::vector<std::string>{"y"});
+  EXPECT_EQ(
+      ids(OneRankPerGpu({gpu("m", "G0", false), gpu("n", "G1", true)},
+                        {gpu("x", "G0", true), gpu("y", "G1", true), gpu("z", "G1", false)}, 0)),
+      std::vector<std::string>{"y"});
   // Memory: 3 ranks on G0 need 3 x 10 within the least free reported (35 holds 3, not 4).
   left.clear();
-  EXPECT_EQ(ids(OneRankPerGpu({}, {gpu("p", "G0", true, 40), gpu("q", "G0", true, 35),
-                                   gpu("r", "G0", true, 36), gpu("s", "G0", true, 50)},
+  EXPECT_EQ(ids(OneRankPerGpu({},
+                              {gpu("p", "G0", true, 40), gpu("q", "G0", true, 35),
+                               gpu("r", "G0", true, 36), gpu("s", "G0", true, 50)},
                               10, &left)),
             (std::vector<std::string>{"p", "q", "r"}));
   EXPECT_EQ(ids(left), std::vector<std::string>{"s"});
   // A rejected candidate leaves the GPU as it was: the next one is judged against the rest.
-  EXPECT_EQ(ids(OneRankPerGpu({}, {gpu("p", "G0", true, 40), gpu("q", "G0", true, 15),
-                                   gpu("r", "G0", true, 40)},
-                              10)),
-            (std::vector<std::string>{"p", "r"}));
+  EXPECT_EQ(
+      ids(OneRankPerGpu(
+          {}, {gpu("p", "G0", true, 40), gpu("q", "G0", true, 15), gpu("r", "G0", true, 40)}, 10)),
+      (std::vector<std::string>{"p", "r"}));
 }
 
 // Job ids carry the cluster's suffix, so a coordinator that lost its state never hands out
@@ -1987,7 +2203,6 @@ TEST_F(CoreTest, EndedJobsTellTheirMembersAndGenerationsAreListed) {
   EXPECT_EQ(core_.Fence(job->job_id(), 1, w0).code(), absl::StatusCode::kAborted);
 }
 
-
 // --- A finished job stays finished: nothing after the last step trains the job again. ---
 
 class FinishTest : public CoreTest {
@@ -2045,9 +2260,8 @@ class FinishTest : public CoreTest {
     fresh->RestoreJobs(saved, now_, &d);
     return fresh;
   }
-  static absl::StatusOr<std::string> RegisterOn(Core& core, const std::string& name,
-                                                absl::Time now, Decisions* d,
-                                                const std::string& held_job = "",
+  static absl::StatusOr<std::string> RegisterOn(Core& core, const std::string& name, absl::Time now,
+                                                Decisions* d, const std::string& held_job = "",
                                                 int64_t held_step = 0) {
     v1::RegisterRequest r;
     r.set_name(name);
@@ -2359,7 +2573,6 @@ TEST_F(FinishTest, AForgedFinishedLeavesNothingInTheResult) {
   EXPECT_EQ(j.train_samples_per_second(), 500) << "rank 0's";
 }
 
-
 // --- One worker cannot use up a job's restarts (fatal reports, losses, silence). ---
 
 class ChargeTest : public CoreTest {
@@ -2495,7 +2708,6 @@ TEST_F(ChargeTest, ASilentMemberIsLeftOutWithoutChargingTheJob) {
   EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
 }
 
-
 // A fatal report after the last step is its reporter's: not charged (max_restarts 0 does not
 // fail the job), and the others' reports of the same error come first.
 TEST_F(FinishTest, AFatalReportAfterTheLastStepIsNotCharged) {
@@ -2581,7 +2793,6 @@ TEST_F(ChargeTest, AMemberLeftOutIsTakenBackWhenTheJobNeedsIt) {
   EXPECT_EQ(Job(job).recoveries(), 0);
 }
 
-
 // The coordinator frozen while rank 0 writes its sample (the other member has finished): the
 // sessions break, but the job does not end without rank 0's sample for a loss it caused
 // itself; the members come back holding the final state and finish it.
@@ -2636,27 +2847,29 @@ TEST(CorePauseTest, APauseAfterTheLastStepDoesNotCostTheSample) {
   // Both come back holding the job's last step: they finish it, rank 0 writing the sample.
   Decisions back;
   core.RegisterWorker(
-      [&] {
-        v1::RegisterRequest r;
-        r.set_name("w0");
-        r.set_host("h1");
-        r.set_device("cpu");
-        r.mutable_held()->set_job_id(job);
-        r.mutable_held()->set_step(100);
-        return r;
-      }(),
-      now, &back).IgnoreError();
+          [&] {
+            v1::RegisterRequest r;
+            r.set_name("w0");
+            r.set_host("h1");
+            r.set_device("cpu");
+            r.mutable_held()->set_job_id(job);
+            r.mutable_held()->set_step(100);
+            return r;
+          }(),
+          now, &back)
+      .IgnoreError();
   core.RegisterWorker(
-      [&] {
-        v1::RegisterRequest r;
-        r.set_name("w1");
-        r.set_host("h1");
-        r.set_device("cpu");
-        r.mutable_held()->set_job_id(job);
-        r.mutable_held()->set_step(100);
-        return r;
-      }(),
-      now, &back).IgnoreError();
+          [&] {
+            v1::RegisterRequest r;
+            r.set_name("w1");
+            r.set_host("h1");
+            r.set_device("cpu");
+            r.mutable_held()->set_job_id(job);
+            r.mutable_held()->set_step(100);
+            return r;
+          }(),
+          now, &back)
+      .IgnoreError();
   now += absl::Milliseconds(100);
   core.Tick(now, &back);
   std::map<std::string, v1::Assignment> assigned;
@@ -2799,7 +3012,8 @@ TEST_F(SchedulingTest, NoPreemptionOfAnEqualOrHigherPriority) {
   for (int priority : {5, 3}) {
     const std::string other = Submit(PrioritySpec(1, 1, priority));
     EXPECT_EQ(Job(other).state(), v1::JOB_STATE_PENDING) << priority;
-    EXPECT_TRUE(absl::StrContains(Job(other).reason(), "waiting for 1 idle")) << Job(other).reason();
+    EXPECT_TRUE(absl::StrContains(Job(other).reason(), "waiting for 1 idle"))
+        << Job(other).reason();
     EXPECT_EQ(Members(peer).size(), 2u);
     Cancel(other);
   }
@@ -2963,15 +3177,17 @@ TEST_F(SuspensionTest, AJobIsSuspendedWhenShrinkingIsNotEnoughAndResumesFromItsM
   ASSERT_EQ(l.state(), v1::JOB_STATE_SUSPENDED) << l.reason();
   EXPECT_TRUE(absl::StrContains(l.reason(), "preempted by " + high + " (priority 10)"))
       << l.reason();
-  EXPECT_TRUE(absl::StrContains(l.reason(), "waiting for a worker that keeps its state of step 5 (w0, w1 are busy)")) << l.reason();
+  EXPECT_TRUE(absl::StrContains(
+      l.reason(), "waiting for a worker that keeps its state of step 5 (w0, w1 are busy)"))
+      << l.reason();
   EXPECT_EQ(l.suspension().step(), 5);
   EXPECT_EQ(l.suspension().by_job(), high);
   EXPECT_FALSE(l.suspension().by_user());
   EXPECT_EQ(Holders(low), (std::set<std::string>{"w0", "w1"}));
   EXPECT_EQ(l.members_size(), 0);
   // Its members were told that it is suspended (they park its state), then given to high.
-  EXPECT_EQ(AbortsOf(low), (std::map<std::string, std::string>{{w0, "suspended"},
-                                                                {w1, "suspended"}}));
+  EXPECT_EQ(AbortsOf(low),
+            (std::map<std::string, std::string>{{w0, "suspended"}, {w1, "suspended"}}));
   std::map<std::string, v1::Assignment> a = TakeAssignments();
   ASSERT_EQ(a.size(), 2u);
   for (const auto& [id, assignment] : a) EXPECT_EQ(assignment.job_id(), high);
@@ -3016,8 +3232,9 @@ TEST_F(SuspensionTest, AJobIsSuspendedWhenShrinkingIsNotEnoughAndResumesFromItsM
   EXPECT_GE(l.suspended_ms(), 150'000);
   EXPECT_EQ(l.recoveries(), 0);
   ASSERT_EQ(l.recovery_history_size(), 1);
-  EXPECT_TRUE(absl::StartsWith(l.recovery_history(0).reason(), "resumed after 152.0s suspended (preempted by " + high)) <<
-      l.recovery_history(0).reason();
+  EXPECT_TRUE(absl::StartsWith(l.recovery_history(0).reason(),
+                               "resumed after 152.0s suspended (preempted by " + high))
+      << l.recovery_history(0).reason();
   EXPECT_FALSE(l.recovery_history(0).counted());
   EXPECT_EQ(l.recovery_history(0).to_generation(), 2);
   a = TakeAssignments();
@@ -3046,12 +3263,13 @@ TEST_F(SuspensionTest, ASuspendedJobWaitsForAWorkerThatKeepsItsStateUnlessNoneIs
   // job behind it.
   v1::Job l = Job(low);
   EXPECT_EQ(l.state(), v1::JOB_STATE_SUSPENDED);
-  EXPECT_TRUE(absl::StrContains(l.reason(),
-                                "waiting for a worker that keeps its state of step 3 (w0, w1 are busy)"))
+  EXPECT_TRUE(absl::StrContains(
+      l.reason(), "waiting for a worker that keeps its state of step 3 (w0, w1 are busy)"))
       << l.reason();
   const std::string behind = Submit(Patient(1, 1, 0));
   EXPECT_EQ(Job(behind).state(), v1::JOB_STATE_PENDING);
-  EXPECT_TRUE(absl::StrContains(Job(behind).reason(), "queued behind " + low)) << Job(behind).reason();
+  EXPECT_TRUE(absl::StrContains(Job(behind).reason(), "queued behind " + low))
+      << Job(behind).reason();
   Cancel(behind);
   // high ends: low resumes on its holders, not on the idle others.
   Cancel(high);
@@ -3097,8 +3315,8 @@ TEST_F(SuspensionTest, AUserSuspendsAndResumesJobsWithClearErrors) {
   EXPECT_TRUE(j.suspension().by_user());
   EXPECT_TRUE(absl::StrContains(j.reason(), "suspended by a user")) << j.reason();
   EXPECT_EQ(Holders(job), (std::set<std::string>{"w0", "w1"}));
-  EXPECT_EQ(AbortsOf(job), (std::map<std::string, std::string>{{w0, "suspended"},
-                                                               {w1, "suspended"}}));
+  EXPECT_EQ(AbortsOf(job),
+            (std::map<std::string, std::string>{{w0, "suspended"}, {w1, "suspended"}}));
   EXPECT_TRUE(Queue().empty()) << "a job a user suspended waits for resume, not for workers";
   const absl::Status twice = SuspendByHand(job);
   EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition);
@@ -3191,7 +3409,7 @@ TEST_F(SuspensionTest, TheQueueSaysWhatEachJobWouldPreemptAtItsHead) {
   Register("w1");
   const std::string low = Submit(PrioritySpec(1, 2, 0));
   Step(low, 1);
-  const std::string head = Submit(PrioritySpec(3, 3, 5));   // more than there are
+  const std::string head = Submit(PrioritySpec(3, 3, 5));  // more than there are
   const std::string shrinks = Submit(PrioritySpec(1, 1, 4));
   const std::string suspends = Submit(PrioritySpec(2, 2, 3));
   const std::string equal = Submit(PrioritySpec(1, 1, 0));
@@ -3258,14 +3476,13 @@ TEST_F(SuspensionTest, ARestartedCoordinatorKeepsASuspendedJobAndLearnsItsHolder
   }
   const v1::Job l = fresh.GetJob(low).value();
   EXPECT_EQ(l.state(), v1::JOB_STATE_SUSPENDED);
-  EXPECT_EQ(std::vector<std::string>(l.suspension().holders().begin(),
-                                     l.suspension().holders().end()),
-            std::vector<std::string>{"w0"});
+  EXPECT_EQ(
+      std::vector<std::string>(l.suspension().holders().begin(), l.suspension().holders().end()),
+      std::vector<std::string>{"w0"});
   bool told_w9 = false;
   for (const auto& m : sent) {
     told_w9 = told_w9 || (m.worker_id == ids["w9"] && m.message.has_abort() &&
-                          m.message.abort().job_id() == "job-999" &&
-                          m.message.abort().job_ended());
+                          m.message.abort().job_id() == "job-999" && m.message.abort().job_ended());
   }
   EXPECT_TRUE(told_w9);
   // high re-forms on its members; once it ends, low resumes from w0's state.
@@ -3315,8 +3532,8 @@ TEST_F(AgingTest, AgingStopsAtTheHighestPriority) {
   const std::string job = Submit(PrioritySpec(1, 1, kMaxPriority - 2));
   now_ += absl::Minutes(10);
   Tick();
-  EXPECT_TRUE(absl::StrContains(Job(job).reason(), absl::StrCat("priority ", kMaxPriority,
-                                                                " after waiting")))
+  EXPECT_TRUE(absl::StrContains(Job(job).reason(),
+                                absl::StrCat("priority ", kMaxPriority, " after waiting")))
       << Job(job).reason();
 }
 

@@ -24,7 +24,17 @@ v1::JobSpec Spec(uint64_t seed) {
 // One event; `spec` distinguishes two specs under one job id.
 struct Event {
   enum Kind {
-    kAssign, kAbort, kSuspend, kDropParked, kJobEnded, kSessionEnded, kHealed, kEnded, kTick
+    kAssign,
+    kAbort,
+    kSuspend,
+    kDropParked,
+    kJobEnded,
+    kSessionEnded,
+    kStopping,
+    kHealed,
+    kTraining,
+    kEnded,
+    kTick
   } kind;
   std::string job = "job-1";
   int64_t generation = 1;
@@ -37,15 +47,15 @@ struct Event {
 Event Assign(const std::string& job, int64_t generation, uint64_t spec = 1) {
   return {Event::kAssign, job, generation, 0, RunResult::kStopped, true, spec};
 }
-Event Abort(const std::string& job, int64_t generation) {
-  return {Event::kAbort, job, generation};
-}
+Event Abort(const std::string& job, int64_t generation) { return {Event::kAbort, job, generation}; }
 Event Suspend(const std::string& job, int64_t generation) {
   return {Event::kSuspend, job, generation};
 }
 Event DropParked(const std::string& job) { return {Event::kDropParked, job, 0}; }
 Event JobEnded(const std::string& job) { return {Event::kJobEnded, job, 0}; }
 Event SessionEnded() { return {Event::kSessionEnded}; }
+Event Stopping() { return {Event::kStopping}; }  // the agent stops: its session ends
+Event Training(RunId run) { return {Event::kTraining, "", 0, run}; }
 Event Healed(RunId run) { return {Event::kHealed, "", 0, run}; }
 Event Ended(RunId run, RunResult::Kind result, bool holds_state = true) {
   return {Event::kEnded, "", 0, run, result, holds_state};
@@ -73,7 +83,8 @@ std::string Describe(const LifecycleActions& a) {
                                  s.with_kept_state     ? " with state"
                                  : s.with_parked_state ? " with parked state"
                                                        : " fresh"));
-  }  if (a.park_state_after_start_of.has_value()) {
+  }
+  if (a.park_state_after_start_of.has_value()) {
     parts.push_back(absl::StrCat("then park #", *a.park_state_after_start_of));
   }
 
@@ -82,8 +93,8 @@ std::string Describe(const LifecycleActions& a) {
       parts.push_back(absl::StrCat("report failure", m.failure().fatal() ? " (fatal)" : "",
                                    " at step ", m.failure().step()));
     } else if (m.has_resumed()) {
-      parts.push_back(absl::StrCat("report resumed ", m.resumed().job_id(), "/",
-                                   m.resumed().generation()));
+      parts.push_back(
+          absl::StrCat("report resumed ", m.resumed().job_id(), "/", m.resumed().generation()));
     }
   }
   return parts.empty() ? "nothing" : absl::StrJoin(parts, ", ");
@@ -127,8 +138,14 @@ std::vector<std::string> Play(const std::vector<Event>& events) {
       case Event::kSessionEnded:
         a = lifecycle.OnSessionEnded("session ended", now);
         break;
+      case Event::kStopping:
+        a = lifecycle.OnSessionEnded("stopping", now, /*keep_training=*/false);
+        break;
       case Event::kHealed:
         a = lifecycle.OnHealed(e.run, v1::ResumedReport(), now);
+        break;
+      case Event::kTraining:
+        a = lifecycle.OnTraining(e.run, now);
         break;
       case Event::kEnded: {
         RunResult r;
@@ -186,10 +203,11 @@ INSTANTIATE_TEST_SUITE_P(
               Assign("job-1-bbbbbb", 1)},
              {"start #1 job-1-aaaaaa/1 fresh", "abort #1", "keep #1",
               "drop kept, start #2 job-1-bbbbbb/1 fresh"}},
-        Case{"TheSameIdWithAnotherSpecDropsTheKeptState",
-             {Assign("job-1", 1, 1), Abort("job-1", 1), Ended(1, K::kStopped),
-              Assign("job-1", 2, 2)},
-             {"start #1 job-1/1 fresh", "abort #1", "keep #1", "drop kept, start #2 job-1/2 fresh"}},
+        Case{
+            "TheSameIdWithAnotherSpecDropsTheKeptState",
+            {Assign("job-1", 1, 1), Abort("job-1", 1), Ended(1, K::kStopped),
+             Assign("job-1", 2, 2)},
+            {"start #1 job-1/1 fresh", "abort #1", "keep #1", "drop kept, start #2 job-1/2 fresh"}},
         // Rules 4 and 5.
         Case{"AFailureIsReportedAndItsStateKept",
              {Assign("job-1", 1), Ended(1, K::kFailed)},
@@ -236,6 +254,31 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"TheSessionEndingAbortsEveryRunAndKeepsTheirState",
              {Assign("job-1", 1), SessionEnded(), Ended(1, K::kStopped), Assign("job-1", 2)},
              {"start #1 job-1/1 fresh", "abort #1", "keep #1", "start #2 job-1/2 with state"}},
+        // Rule 6: a group that trains goes on without the coordinator, until the next one
+        // aborts it (or keeps it: then nothing happens at all).
+        Case{"AGroupThatTrainsGoesOnWhenTheSessionEnds",
+             {Assign("job-1", 1), Training(1), SessionEnded(), Abort("job-1", 1),
+              Ended(1, K::kStopped), Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "nothing", "nothing", "abort #1", "keep #1",
+              "start #2 job-1/2 with state"}},
+        // The next coordinator did not keep it and assigns the same generation number again.
+        Case{"AGroupThatTrainedOnIsReplacedByTheNextCoordinatorsAssignment",
+             {Assign("job-1", 3), Training(1), SessionEnded(), Assign("job-1", 3),
+              Ended(1, K::kStopped)},
+             {"start #1 job-1/3 fresh", "nothing", "nothing", "abort #1",
+              "keep #1, start #2 job-1/3 with state"}},
+        Case{"AGroupThatFailsWhileTheCoordinatorIsAwayKeepsItsState",
+             {Assign("job-1", 1), Training(1), SessionEnded(), Ended(1, K::kFailed),
+              Assign("job-1", 2)},
+             {"start #1 job-1/1 fresh", "nothing", "nothing", "keep #1, report failure at step 10",
+              "start #2 job-1/2 with state"}},
+        Case{"AStoppingAgentAbortsEvenAGroupThatTrains",
+             {Assign("job-1", 1), Training(1), Stopping()},
+             {"start #1 job-1/1 fresh", "nothing", "abort #1"}},
+        // Only the newest run trains on: an older one that is stopping is not reported.
+        Case{"ARunThatIsStoppingDoesNotTrainOn",
+             {Assign("job-1", 1), Training(1), Abort("job-1", 1), SessionEnded()},
+             {"start #1 job-1/1 fresh", "nothing", "abort #1", "nothing"}},
         // Rule 5 for heals.
         Case{"AHealIsReportedUnlessTheRunWasAborted",
              {Assign("job-1", 1), Healed(1), Assign("job-1", 2), Healed(1)},
@@ -252,10 +295,10 @@ INSTANTIATE_TEST_SUITE_P(
         // The run that timed out is stale for good: even after the run that replaced it has
         // ended, its late state never replaces the newer kept state.
         Case{"ALateRunsStateNeverReplacesANewerOne",
-             {Assign("job-1", 5), Assign("job-1", 6), Tick(absl::Seconds(11)),
-              Assign("job-1", 7), Ended(2, K::kStopped), Ended(1, K::kStopped)},
-             {"start #1 job-1/5 fresh", "abort #1", "start #2 job-1/6 fresh", "abort #2",
-              "keep #2", "start #3 job-1/7 with state"}},
+             {Assign("job-1", 5), Assign("job-1", 6), Tick(absl::Seconds(11)), Assign("job-1", 7),
+              Ended(2, K::kStopped), Ended(1, K::kStopped)},
+             {"start #1 job-1/5 fresh", "abort #1", "start #2 job-1/6 fresh", "abort #2", "keep #2",
+              "start #3 job-1/7 with state"}},
         // Rule 6: a coordinator restarted from older saved state assigns generation 3 again.
         Case{"ANewSessionForgetsWhichGenerationsWereAssigned",
              {Assign("job-1", 3), SessionEnded(), Assign("job-1", 3), Ended(1, K::kStopped)},
@@ -263,10 +306,10 @@ INSTANTIATE_TEST_SUITE_P(
               "keep #1, start #2 job-1/3 with state"}},
         // A run of another job still stopping does not make a handover within this job stale.
         Case{"AnotherJobsStoppingRunDoesNotCostTheHandover",
-             {Assign("job-2", 1), Assign("job-1", 5), Tick(absl::Seconds(11)),
-              Assign("job-1", 6), Ended(2, K::kStopped), Ended(1, K::kStopped)},
-             {"start #1 job-2/1 fresh", "abort #1", "start #2 job-1/5 fresh", "abort #2",
-              "keep #2", "start #3 job-1/6 with state"}},
+             {Assign("job-2", 1), Assign("job-1", 5), Tick(absl::Seconds(11)), Assign("job-1", 6),
+              Ended(2, K::kStopped), Ended(1, K::kStopped)},
+             {"start #1 job-2/1 fresh", "abort #1", "start #2 job-1/5 fresh", "abort #2", "keep #2",
+              "start #3 job-1/6 with state"}},
         // Rule 7: a suspended job's state waits beside the job that took the worker, and the
         // job resumes with it; that job's own state goes (the resumed job was assigned since).
         Case{"ASuspendedJobsStateIsParkedForAnotherJobAndResumesWithIt",
@@ -278,9 +321,8 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"ASuspendedRunEndingAfterAnotherJobWasAssignedIsParked",
              {Assign("job-1", 1), Suspend("job-1", 1), Assign("job-2", 1), Ended(1, K::kStopped),
               Ended(2, K::kFinished), Assign("job-1", 2)},
-             {"start #1 job-1/1 fresh", "abort #1", "nothing",
-              "park #1, start #2 job-2/1 fresh", "keep #2",
-              "drop kept, start #3 job-1/2 with parked state"}},
+             {"start #1 job-1/1 fresh", "abort #1", "nothing", "park #1, start #2 job-2/1 fresh",
+              "keep #2", "drop kept, start #3 job-1/2 with parked state"}},
         Case{"ASuspendedJobThatEndsDropsItsParkedState",
              {Assign("job-1", 1), Suspend("job-1", 1), Ended(1, K::kStopped), Assign("job-2", 1),
               JobEnded("job-1")},
@@ -325,6 +367,30 @@ INSTANTIATE_TEST_SUITE_P(
              {"start #1 job-1/1 fresh", "abort #1", "keep #1, start #2 job-1/2 with state",
               "nothing"}}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// What a new registration reports (RegisterRequest.running): the run whose group trains.
+TEST(LifecycleTrainingTest, OnlyARunWhoseGroupTrainedAStepIsReported) {
+  WorkerLifecycle lifecycle(absl::Seconds(10));
+  const absl::Time now = absl::FromUnixSeconds(1'700'000'000);
+  v1::Assignment a;
+  a.set_job_id("job-1");
+  a.set_generation(4);
+  a.set_rank(1);
+  *a.mutable_spec() = Spec(1);
+  LifecycleActions started = lifecycle.OnAssignment(a, now);
+  ASSERT_EQ(started.start.size(), 1u);
+  const RunId run = started.start[0].run;
+  EXPECT_FALSE(lifecycle.training().has_value());  // still forming its group
+  lifecycle.OnTraining(run, now);
+  ASSERT_TRUE(lifecycle.training().has_value());
+  EXPECT_EQ(lifecycle.training()->run, run);
+  EXPECT_EQ(lifecycle.training()->assignment.generation(), 4);
+  EXPECT_EQ(lifecycle.training()->assignment.rank(), 1);
+  lifecycle.OnSessionEnded("session ended", now);
+  EXPECT_TRUE(lifecycle.training().has_value()) << "it trains on";
+  lifecycle.OnAbort("job-1", 4, "not kept", /*job_ended=*/false, now);
+  EXPECT_FALSE(lifecycle.training().has_value()) << "an aborted run is no longer reported";
+}
 
 }  // namespace
 }  // namespace lockstep::worker
