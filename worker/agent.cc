@@ -36,7 +36,7 @@ constexpr absl::Duration kConnectWait = absl::Milliseconds(250);
 Agent::Agent(AgentOptions options)
     : options_(std::move(options)),
       incarnation_(std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32)),
-      lifecycle_(options_.handover_timeout) {
+      lifecycle_(options_.handover_timeout, options_.keep_training_for) {
   generation_context_.worker_name = options_.name;
   generation_context_.comm_address = options_.comm_address;
   generation_context_.data_roots = options_.data_roots;
@@ -194,6 +194,8 @@ absl::Status Agent::Run() {
   absl::Time name_refused_since = absl::InfiniteFuture();  // refused for its name since then
   while (!stop_) {
     JoinEnded();
+    // A group that trained on without a coordinator stops after keep_training_for.
+    Decide([](WorkerLifecycle& l, absl::Time now) { return l.Tick(now); });
     if (options_.give_up_after > absl::ZeroDuration() &&
         absl::Now() - last_session >= options_.give_up_after) {
       const std::string why = absl::StrCat("no session with coordinator ", options_.coordinator,
@@ -373,7 +375,10 @@ absl::Status Agent::RunSession(bool* registered) {
   {
     absl::MutexLock lock(&session_mu_);
     stream_ = stream.get();
+    for (const v1::WorkerMessage& m : unsent_) stream_->Write(m);
+    unsent_.clear();
   }
+  Decide([](WorkerLifecycle& l, absl::Time now) { return l.OnRegistered(now); });
 
   std::atomic<bool> session_over{false};
   std::thread heartbeats([&] {
@@ -438,7 +443,12 @@ void Agent::ForgetProgramJob(const std::string& job_id) {
 
 void Agent::Send(const v1::WorkerMessage& message) {
   absl::MutexLock lock(&session_mu_);
-  if (stream_ != nullptr) stream_->Write(message);
+  if (stream_ != nullptr) {
+    stream_->Write(message);
+  } else if (message.has_failure() || message.has_finished()) {
+    unsent_.push_back(message);
+    while (unsent_.size() > 4) unsent_.pop_front();
+  }
 }
 
 void Agent::JoinEnded() {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -68,6 +69,8 @@ struct AgentOptions {
   PathRoots checkpoint_roots;
   // How long a new generation waits for the previous run to stop and hand over its state.
   absl::Duration handover_timeout = absl::Seconds(10);
+  // How long a group that has trained a step trains on with no coordinator (lifecycle rule 6).
+  absl::Duration keep_training_for = absl::Seconds(60);
   // Program jobs: where their files must lie and who they run as (--programs_root,
   // --program_user); a worker without a root runs none.
   ProgramSettings programs;
@@ -166,6 +169,10 @@ class Agent {
   grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>* stream_
       ABSL_GUARDED_BY(session_mu_) = nullptr;
   grpc::ClientContext* context_ ABSL_GUARDED_BY(session_mu_) = nullptr;
+  // Failure and finished reports of runs that ended with no session (a group that trained on
+  // without the coordinator): sent first on the next session, so that a coordinator never
+  // keeps a generation whose run has ended. The newest few.
+  std::deque<v1::WorkerMessage> unsent_ ABSL_GUARDED_BY(session_mu_);
 
   absl::Mutex mu_;
   WorkerLifecycle lifecycle_ ABSL_GUARDED_BY(mu_);

@@ -213,8 +213,12 @@ LifecycleActions WorkerLifecycle::OnAbort(const std::string& job_id, int64_t gen
 LifecycleActions WorkerLifecycle::OnSessionEnded(const std::string& reason, absl::Time now,
                                                  bool keep_training) {
   LifecycleActions out;
-  // Rule 6: a group that trains goes on without the coordinator.
-  const std::optional<Training> trains = keep_training ? training() : std::nullopt;
+  // Rule 6: a group that trains goes on without the coordinator, for a while.
+  const std::optional<Training> trains =
+      keep_training && keep_training_for_ > absl::ZeroDuration() ? training() : std::nullopt;
+  if (trains.has_value() && unregistered_since_ == absl::InfiniteFuture()) {
+    unregistered_since_ = now;
+  }
   AbortOthers(/*except=*/trains.has_value() ? trains->run : 0, reason, &out);
   if (trains.has_value()) {
     out.log.push_back(absl::StrCat(trains->assignment.job_id(), " generation ",
@@ -231,10 +235,18 @@ LifecycleActions WorkerLifecycle::OnTraining(RunId id, absl::Time now) {
   return {};
 }
 
+LifecycleActions WorkerLifecycle::OnRegistered(absl::Time now) {
+  unregistered_since_ = absl::InfiniteFuture();
+  return {};
+}
+
 std::optional<WorkerLifecycle::Training> WorkerLifecycle::training() const {
   std::optional<Training> newest;
   for (const auto& [id, run] : runs_) {
-    if (run.phase != Phase::kRunning || !run.training || run.stale) continue;
+    if (run.phase != Phase::kRunning || !run.training || run.stale ||
+        run.assignment.spec().has_program()) {
+      continue;
+    }
     if (!newest.has_value() || newest->run < id) newest = Training{id, run.assignment};
   }
   return newest;
@@ -333,6 +345,14 @@ LifecycleActions WorkerLifecycle::OnRunEnded(RunId id, const RunResult& result, 
 
 LifecycleActions WorkerLifecycle::Tick(absl::Time now) {
   LifecycleActions out;
+  // Rule 6: no coordinator has kept the group that trained on; it stops (its state is kept).
+  if (now - unregistered_since_ >= keep_training_for_) {
+    unregistered_since_ = absl::InfiniteFuture();
+    AbortOthers(/*except=*/0,
+                absl::StrCat("no coordinator for ", absl::FormatDuration(keep_training_for_),
+                             " (--keep_training_without_coordinator)"),
+                &out);
+  }
   StartReady(now, &out);
   return out;
 }

@@ -26,8 +26,12 @@
 //  6. The session ending aborts every run whose group has not trained a step yet (forming a
 //     group and healing it need the coordinator's store); their state is kept as rule 4 says.
 //     A run whose group trains goes on without the coordinator, which is not on the step path
-//     (unless the agent is stopping): the worker registers again saying so (Training), and the
-//     coordinator keeps that generation or aborts it. A new session is a new registration: the
+//     (unless the agent is stopping, or the run is a program's: its process uses the
+//     coordinator's store through the session): the worker registers again saying so
+//     (training()), and the coordinator keeps that generation or aborts it. Without a
+//     registration within `keep_training_for` (zero: never kept) the run is aborted: a group
+//     cut off from every coordinator does not train on beside the one it may have started
+//     elsewhere. A new session is a new registration: the
 //     coordinator (perhaps restarted, perhaps from older saved state) may assign a generation
 //     number again, so the stale-assignment memory is cleared.
 //  7. A suspended job's state is parked, not dropped: once the coordinator has aborted a job
@@ -105,8 +109,9 @@ struct LifecycleActions {
 // Not thread-safe: the agent calls it under its mutex.
 class WorkerLifecycle {
  public:
-  explicit WorkerLifecycle(absl::Duration handover_timeout = absl::Seconds(10))
-      : handover_timeout_(handover_timeout) {}
+  explicit WorkerLifecycle(absl::Duration handover_timeout = absl::Seconds(10),
+                           absl::Duration keep_training_for = absl::Seconds(60))
+      : handover_timeout_(handover_timeout), keep_training_for_(keep_training_for) {}
 
   LifecycleActions OnAssignment(const v1::Assignment& assignment, absl::Time now);
   // The coordinator aborted (job, generation); `job_ended`: the job is over, its state can go;
@@ -120,10 +125,13 @@ class WorkerLifecycle {
                                   bool keep_training = true);
   // The run's group completed a step: it no longer needs the coordinator (rule 6).
   LifecycleActions OnTraining(RunId run, absl::Time now);
+  // A new session registered: the coordinator decides about the run that trained on (rule 6).
+  LifecycleActions OnRegistered(absl::Time now);
   // The run's group agreed on its state (report: its resumed report, without job and generation).
   LifecycleActions OnHealed(RunId run, const v1::ResumedReport& report, absl::Time now);
   LifecycleActions OnRunEnded(RunId run, const RunResult& result, absl::Time now);
-  // Starts runs whose predecessor did not stop within handover_timeout.
+  // Starts runs whose predecessor did not stop within handover_timeout; aborts a run that
+  // trained on without a coordinator for keep_training_for (rule 6).
   LifecycleActions Tick(absl::Time now);
 
   // Introspection for the agent's status and for tests.
@@ -167,6 +175,9 @@ class WorkerLifecycle {
   void Park(const JobKey& key, LifecycleActions* out);
 
   const absl::Duration handover_timeout_;
+  const absl::Duration keep_training_for_;
+  // Since when a run trains on with no session (rule 6); InfiniteFuture while registered.
+  absl::Time unregistered_since_ = absl::InfiniteFuture();
   RunId next_run_ = 1;
   std::map<RunId, Run> runs_;
   std::optional<JobKey> kept_;

@@ -55,6 +55,10 @@ ABSL_FLAG(std::string, token_file, "",
 ABSL_FLAG(absl::Duration, give_up_after, absl::ZeroDuration(),
           "Exit (code 4) after this long without a session with the coordinator, so that a "
           "service manager logs it and backs off; 0 retries forever.");
+ABSL_FLAG(absl::Duration, keep_training_without_coordinator, absl::Seconds(60),
+          "A group that has trained a step goes on training when this worker's coordinator "
+          "goes (a restart, a failover, etcd down) until a coordinator keeps or stops it, at "
+          "most this long; 0 stops it at once, as soon as the session ends.");
 ABSL_FLAG(absl::Duration, name_conflict_timeout, absl::Seconds(15),
           "Exit (code 5) when the coordinator has refused this worker's --name this long in a "
           "row: another live worker holds it (a restarted worker's previous session is "
@@ -173,10 +177,10 @@ absl::Status StartMetrics(const std::string& name, const std::string& device,
   if (!started.ok()) return started.status();
   if (*started == nullptr) return absl::OkStatus();
   metrics.endpoint = *std::move(started);
-  metrics.worker = std::make_unique<lockstep::worker::WorkerMetrics>(
-      metrics.endpoint->registry(), name, device);
-  metrics.endpoint->Add(std::make_shared<lockstep::ScrapeCollector>(
-      lockstep::worker::WorkerMetrics::MemoryFamilies));
+  metrics.worker =
+      std::make_unique<lockstep::worker::WorkerMetrics>(metrics.endpoint->registry(), name, device);
+  metrics.endpoint->Add(
+      std::make_shared<lockstep::ScrapeCollector>(lockstep::worker::WorkerMetrics::MemoryFamilies));
   return absl::OkStatus();
 }
 
@@ -268,7 +272,7 @@ int main(int argc, char** argv) {
       // Copies of the saves to and from checkpoint peers, on the collectives' address.
       absl::StatusOr<std::unique_ptr<lockstep::worker::CheckpointPeerServer>> peers =
           lockstep::worker::CheckpointPeerServer::Start(options.comm_address,
-                                                         checkpoint_memory.get());
+                                                        checkpoint_memory.get());
       if (!peers.ok()) {
         LOG(ERROR) << "--comm_address: " << peers.status().message();
         return 2;
@@ -307,10 +311,15 @@ int main(int argc, char** argv) {
     LOG(ERROR) << "--give_up_after must be >= 0";
     return 2;
   }
+  options.keep_training_for = absl::GetFlag(FLAGS_keep_training_without_coordinator);
+  if (options.keep_training_for < absl::ZeroDuration()) {
+    LOG(ERROR) << "--keep_training_without_coordinator must be >= 0";
+    return 2;
+  }
   options.name_conflict_timeout = absl::GetFlag(FLAGS_name_conflict_timeout);
   options.status_file = absl::GetFlag(FLAGS_status_file);
   if (absl::Status s = lockstep::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
-                                                absl::GetFlag(FLAGS_test_hooks_dir));
+                                                 absl::GetFlag(FLAGS_test_hooks_dir));
       !s.ok()) {
     LOG(ERROR) << s.message();
     return 2;

@@ -44,18 +44,25 @@ void Core::NoteRunning(Worker& worker, absl::Time now, Decisions* out) {
     return;
   }
   // Not a generation this coordinator keeps: it stops, and the worker keeps its state (for
-  // the job's re-formation), unless the job is over or unknown.
+  // the job's re-formation, or parked while the job is suspended), unless the job is over or
+  // unknown.
   const bool ended = job == nullptr || (IsTerminal(job->job.state()) && job->end_recorded);
-  const std::string why =
-      job == nullptr ? std::string("this coordinator does not know the job")
-      : ended        ? absl::StrCat("the job has ended (", v1::JobState_Name(job->job.state()), ")")
-                     : absl::StrCat("generation ", running.generation(), " is no longer live (",
-                             job->job.state() == v1::JOB_STATE_RUNNING
-                                        ? absl::StrCat("the job trains generation ", job->job.generation())
-                                        : std::string("the job re-forms"),
-                                    ")");
-  out->messages.push_back(
-      {worker.id, AbortMessage(running.job_id(), running.generation(), why, ended)});
+  const bool suspended = job != nullptr && job->job.state() == v1::JOB_STATE_SUSPENDED;
+  std::string why;
+  if (job == nullptr) {
+    why = "this coordinator does not know the job";
+  } else if (ended) {
+    why = absl::StrCat("the job has ended (", v1::JobState_Name(job->job.state()), ")");
+  } else {
+    why = absl::StrCat("generation ", running.generation(), " is no longer live (",
+                       suspended ? std::string("the job is suspended")
+                       : job->job.state() == v1::JOB_STATE_RUNNING
+                           ? absl::StrCat("the job trains generation ", job->job.generation())
+                           : std::string("the job re-forms"),
+                       ")");
+  }
+  out->messages.push_back({worker.id, AbortMessage(running.job_id(), running.generation(), why,
+                                                   ended, suspended && !ended)});
   if (awaiting != nullptr) {
     GiveUpAdoption(
         *awaiting,

@@ -30,8 +30,9 @@ std::string Holders(const v1::Suspension& s) {
 std::string Outlook(const v1::Suspension& s) {
   const std::string from =
       s.holders().empty()
-          ? std::string("nobody keeps its state: it resumes from its last checkpoint, else from "
-                        "its first step")
+          ? std::string(
+                "nobody keeps its state: it resumes from its last checkpoint, else from "
+                "its first step")
           : absl::StrCat("its state of step ", s.step(), " is kept by ", Holders(s));
   return s.by_user() ? absl::StrCat(from, "; `lockstepctl resume` queues it again")
                      : absl::StrCat(from, "; it resumes when workers free up");
@@ -64,16 +65,22 @@ void Core::Suspend(JobRecord& job, const std::string& reason, const std::string&
         w->held_step < 0) {
       continue;
     }
-    out->messages.push_back({id, AbortMessage(job.job.job_id(), 0, reason, /*job_ended=*/false,
-                                              /*suspended=*/true)});
+    // A member back training the generation a restarted coordinator awaits stops it too.
+    int64_t generation = 0;
+    for (const auto& [rank, adopter] : job.adopters) {
+      if (adopter == id) generation = job.adopt_generation;
+    }
+    out->messages.push_back({id, AbortMessage(job.job.job_id(), generation, reason,
+                                              /*job_ended=*/false, /*suspended=*/true)});
     if (named.insert(w->info.name()).second) s.add_holders(w->info.name());
   }
+  const bool awaited = job.adopt_generation > 0;  // its generation may still train
   ReleaseReserved(job, /*job_ended=*/false, reason, out);
   // A worker parks one suspended job's state: this one's replaces any other's.
   for (const std::string& name : s.holders()) {
     ForgetHolder(name, job.job.job_id(), by_job, now, out);
   }
-  if (job.job.state() == v1::JOB_STATE_RUNNING) {
+  if (job.job.state() == v1::JOB_STATE_RUNNING || awaited) {
     out->ended_generations.emplace_back(job.job.job_id(), job.job.generation());
     EndGeneration(job, reason, now);
   }
@@ -88,8 +95,8 @@ void Core::Suspend(JobRecord& job, const std::string& reason, const std::string&
   AddEvent(job, v1::JobEvent::STATE, job.job.reason(), now, out);
 }
 
-void Core::ForgetHolder(const std::string& name, const std::string& except,
-                        const std::string& keep, absl::Time now, Decisions* out) {
+void Core::ForgetHolder(const std::string& name, const std::string& except, const std::string& keep,
+                        absl::Time now, Decisions* out) {
   for (const std::string& id : suspended_) {
     if (id == except || id == keep) continue;
     JobRecord& job = jobs_.at(id);
@@ -98,8 +105,8 @@ void Core::ForgetHolder(const std::string& name, const std::string& except,
     if (it == holders->end()) continue;
     holders->erase(it);
     AddEvent(job, v1::JobEvent::MEMBERSHIP,
-             absl::StrCat(name, " no longer keeps its state (it keeps ", except,
-                          "'s instead); ", Outlook(job.job.suspension())),
+             absl::StrCat(name, " no longer keeps its state (it keeps ", except, "'s instead); ",
+                          Outlook(job.job.suspension())),
              now, out);
   }
 }
@@ -110,12 +117,12 @@ void Core::NoteHolder(const Worker& worker, absl::Time now, Decisions* out) {
     const JobRecord* job = FindJob(parked.job_id());
     if (job == nullptr || IsTerminal(job->job.state())) {
       out->messages.push_back(
-          {worker.id, AbortMessage(parked.job_id(), 0,
-                                   job == nullptr ? "this coordinator does not know the job"
-                                                  : absl::StrCat("the job has ended (",
-                                                                 v1::JobState_Name(job->job.state()),
-                                                                 ")"),
-                                   /*job_ended=*/true)});
+          {worker.id,
+           AbortMessage(parked.job_id(), 0,
+                        job == nullptr ? "this coordinator does not know the job"
+                                       : absl::StrCat("the job has ended (",
+                                                      v1::JobState_Name(job->job.state()), ")"),
+                        /*job_ended=*/true)});
     }
   }
   const std::string& name = worker.info.name();
@@ -135,11 +142,12 @@ void Core::NoteHolder(const Worker& worker, absl::Time now, Decisions* out) {
     } else {
       holders->erase(it);
     }
-    AddEvent(job, v1::JobEvent::MEMBERSHIP,
-             absl::StrCat(name, keeps ? " registered keeping its state"
-                                      : " registered again without its state",
-                          "; ", Outlook(job.job.suspension())),
-             now, out);
+    AddEvent(
+        job, v1::JobEvent::MEMBERSHIP,
+        absl::StrCat(
+            name, keeps ? " registered keeping its state" : " registered again without its state",
+            "; ", Outlook(job.job.suspension())),
+        now, out);
   }
 }
 
@@ -194,8 +202,7 @@ void Core::Resume(JobRecord& job, std::vector<std::string> worker_ids, absl::Tim
   job.job.set_suspended_ms(job.job.suspended_ms() + absl::ToInt64Milliseconds(suspended));
   if (job.started != absl::InfinitePast()) job.started += suspended;  // max_wall_time_ms
   const std::string reason =
-      absl::StrCat("resumed after ", Seconds1(suspended), " suspended (", suspension.reason(),
-                   ")");
+      absl::StrCat("resumed after ", Seconds1(suspended), " suspended (", suspension.reason(), ")");
   // Recorded as a re-formation (not counted against max_restarts): the new generation's first
   // step says which state it resumed from and what, if anything, was trained again.
   if (job.open_recovery < 0) {
@@ -270,14 +277,13 @@ absl::StatusOr<v1::Job> Core::SuspendJob(const std::string& job_id, absl::Time n
   return View(*job);
 }
 
-absl::StatusOr<v1::Job> Core::ResumeJob(const std::string& job_id, absl::Time now,
-                                        Decisions* out) {
+absl::StatusOr<v1::Job> Core::ResumeJob(const std::string& job_id, absl::Time now, Decisions* out) {
   ObserveTime(now);
   JobRecord* job = FindJob(job_id);
   if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " does not exist"));
   if (job->job.state() != v1::JOB_STATE_SUSPENDED) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id, " is not suspended (", v1::JobState_Name(job->job.state()), ")"));
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is not suspended (",
+                                                      v1::JobState_Name(job->job.state()), ")"));
   }
   if (!job->job.suspension().by_user()) {
     return absl::FailedPreconditionError(

@@ -1605,6 +1605,39 @@ TEST_F(AdoptionTest, AGenerationOrRankThatDoesNotMatchIsNotKept) {
       << absl::StrJoin(sent, "; ");
 }
 
+// Suspended while awaited: the members back training it stop their generation and park its
+// state; one that comes back training it afterwards is told the job is suspended.
+TEST_F(AdoptionTest, ASuspendedJobsGroupStopsAndParksItsState) {
+  const std::string a = Back("a", 1, 0);
+  Decisions d;
+  ASSERT_TRUE(fresh_->SuspendJob(job_, now_, &d).ok());
+  Collect(d);
+  bool stopped = false;
+  for (const auto& m : sent_) {
+    if (m.worker_id == a && m.message.has_abort()) {
+      EXPECT_EQ(m.message.abort().generation(), 1);
+      EXPECT_TRUE(m.message.abort().suspended());
+      stopped = true;
+    }
+  }
+  EXPECT_TRUE(stopped);
+  sent_.clear();
+  v1::Job j = Fresh();
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUSPENDED);
+  EXPECT_NE(j.generations(0).ended_unix_ms(), 0) << "the generation ended with the suspension";
+  const std::string b = Back("b", 1, 1);
+  bool told = false;
+  for (const auto& m : sent_) {
+    if (m.worker_id == b && m.message.has_abort() && m.message.abort().generation() == 1) {
+      EXPECT_TRUE(m.message.abort().suspended());
+      EXPECT_NE(m.message.abort().reason().find("the job is suspended"), std::string::npos)
+          << m.message.abort().reason();
+      told = true;
+    }
+  }
+  EXPECT_TRUE(told);
+}
+
 // Jobs saved to --state_dir come back after a restart; a corrupt file is skipped (and kept
 // aside as *.corrupt), never fatal; a later save replaces the earlier one.
 TEST(FileJobStoreTest, SavesReloadsAndSkipsCorruptFiles) {

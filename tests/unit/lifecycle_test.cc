@@ -392,5 +392,56 @@ TEST(LifecycleTrainingTest, OnlyARunWhoseGroupTrainedAStepIsReported) {
   EXPECT_FALSE(lifecycle.training().has_value()) << "an aborted run is no longer reported";
 }
 
+// Rule 6's bound: a group no coordinator keeps stops after keep_training_for, counted from the
+// session's end and reset by a registration.
+TEST(LifecycleTrainingTest, AGroupNoCoordinatorKeepsStopsAfterKeepTrainingFor) {
+  WorkerLifecycle lifecycle(absl::Seconds(10), absl::Seconds(60));
+  const absl::Time t0 = absl::FromUnixSeconds(1'700'000'000);
+  v1::Assignment a;
+  a.set_job_id("job-1");
+  a.set_generation(2);
+  *a.mutable_spec() = Spec(1);
+  const RunId run = lifecycle.OnAssignment(a, t0).start.at(0).run;
+  lifecycle.OnTraining(run, t0);
+  EXPECT_TRUE(lifecycle.OnSessionEnded("gone", t0).abort.empty());
+  EXPECT_TRUE(lifecycle.Tick(t0 + absl::Seconds(30)).abort.empty());
+  lifecycle.OnRegistered(t0 + absl::Seconds(30));  // a coordinator decides now
+  EXPECT_TRUE(lifecycle.Tick(t0 + absl::Seconds(89)).abort.empty());
+  EXPECT_TRUE(lifecycle.OnSessionEnded("gone again", t0 + absl::Seconds(100)).abort.empty());
+  EXPECT_TRUE(lifecycle.Tick(t0 + absl::Seconds(159)).abort.empty());
+  LifecycleActions stop = lifecycle.Tick(t0 + absl::Seconds(160));
+  ASSERT_EQ(stop.abort.size(), 1u);
+  EXPECT_EQ(stop.abort[0].run, run);
+  EXPECT_NE(stop.abort[0].reason.find("no coordinator for 1m"), std::string::npos)
+      << stop.abort[0].reason;
+  EXPECT_FALSE(lifecycle.training().has_value());
+  // Its state is kept, as for any abort.
+  RunResult r;
+  r.kind = RunResult::kStopped;
+  r.holds_state = true;
+  EXPECT_TRUE(lifecycle.OnRunEnded(run, r, t0 + absl::Seconds(161)).keep_state_of.has_value());
+}
+
+TEST(LifecycleTrainingTest, ZeroOrAProgramsRunMeansNothingTrainsOn) {
+  const absl::Time now = absl::FromUnixSeconds(1'700'000'000);
+  v1::Assignment a;
+  a.set_job_id("job-1");
+  a.set_generation(1);
+  *a.mutable_spec() = Spec(1);
+  {
+    WorkerLifecycle lifecycle(absl::Seconds(10), absl::ZeroDuration());
+    lifecycle.OnTraining(lifecycle.OnAssignment(a, now).start.at(0).run, now);
+    EXPECT_EQ(lifecycle.OnSessionEnded("gone", now).abort.size(), 1u);
+  }
+  {
+    // A program's process reaches the coordinator's store through the session.
+    WorkerLifecycle lifecycle(absl::Seconds(10), absl::Seconds(60));
+    a.mutable_spec()->mutable_program()->add_argv("/usr/bin/python3");
+    lifecycle.OnTraining(lifecycle.OnAssignment(a, now).start.at(0).run, now);
+    EXPECT_FALSE(lifecycle.training().has_value());
+    EXPECT_EQ(lifecycle.OnSessionEnded("gone", now).abort.size(), 1u);
+  }
+}
+
 }  // namespace
 }  // namespace lockstep::worker
