@@ -165,7 +165,7 @@ void Core::GiveUpAdoption(JobRecord& job, const std::string& why, absl::Time now
 }
 
 bool Core::AdoptedRunEnded(const std::string& worker_id, const std::string& job_id,
-                           int64_t generation, const std::string& what, absl::Time now,
+                           int64_t generation, const std::string& what, bool fatal, absl::Time now,
                            Decisions* out) {
   JobRecord* job = FindJob(job_id);
   if (job == nullptr || job->adopt_generation == 0 || job->adopt_generation != generation) {
@@ -173,8 +173,19 @@ bool Core::AdoptedRunEnded(const std::string& worker_id, const std::string& job_
   }
   for (const auto& [rank, id] : job->adopters) {
     if (id != worker_id) continue;
-    GiveUpAdoption(*job, absl::StrCat(workers_.at(id).info.name(), " reported its run ", what), now,
-                   out);
+    Worker& w = workers_.at(id);
+    const std::string why = absl::StrCat(w.info.name(), " reported its run ", what);
+    if (fatal) {
+      // Its own error (its data, its device): never the job's member again, as for a member's
+      // fatal report; the job re-forms without it.
+      job->excluded.insert(id);
+      job->excluded_names.insert(w.info.name());
+      if (job->fatal_reports.size() < 4) job->fatal_reports.push_back(why);
+      job->reserved.erase(id);
+      w.reserved_for.clear();
+      w.held_step = -1;
+    }
+    GiveUpAdoption(*job, why, now, out);
     return true;
   }
   return false;

@@ -513,9 +513,10 @@ class Core {
   // the job re-forms as after any restart.
   void GiveUpAdoption(JobRecord& job, const std::string& why, absl::Time now, Decisions* out);
   // A member back training the awaited generation reported its run's end (failed, or
-  // finished): the generation is not kept. False when the report is not one of those.
+  // finished): the generation is not kept; a fatal failure also excludes the reporter from the
+  // job. False when the report is not one of those.
   bool AdoptedRunEnded(const std::string& worker_id, const std::string& job_id, int64_t generation,
-                       const std::string& what, absl::Time now, Decisions* out);
+                       const std::string& what, bool fatal, absl::Time now, Decisions* out);
   // The job as an event records it (JobEvent.job): everything but what grows with its size
   // (spec but its name, members, recoveries, generations, sample; the latest validation only).
   // `job` is only borrowed: it is the same again on return.

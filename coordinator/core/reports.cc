@@ -122,7 +122,7 @@ absl::Status Core::ReportFailure(const std::string& worker_id, const v1::Failure
                                  absl::Time now, Decisions* out) {
   ObserveTime(now);
   if (AdoptedRunEnded(worker_id, report.job_id(), report.generation(),
-                      absl::StrCat("failed: ", report.message()), now, out)) {
+                      absl::StrCat("failed: ", report.message()), report.fatal(), now, out)) {
     return absl::OkStatus();
   }
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());
@@ -181,7 +181,8 @@ absl::Status Core::ReportFailure(const std::string& worker_id, const v1::Failure
 absl::Status Core::ReportFinished(const std::string& worker_id, const v1::FinishedReport& report,
                                   absl::Time now, Decisions* out) {
   ObserveTime(now);
-  if (AdoptedRunEnded(worker_id, report.job_id(), report.generation(), "finished", now, out)) {
+  if (AdoptedRunEnded(worker_id, report.job_id(), report.generation(), "finished",
+                      /*fatal=*/false, now, out)) {
     return absl::OkStatus();
   }
   auto job_or = MemberJob(worker_id, report.job_id(), report.generation());

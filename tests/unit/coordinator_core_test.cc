@@ -1569,6 +1569,26 @@ TEST_F(AdoptionTest, AMemberLostOrFailedWhileAwaitedEndsTheWait) {
   EXPECT_EQ(Fresh().generation(), 2);
 }
 
+TEST_F(AdoptionTest, AFatalReportWhileAwaitedLeavesItsReporterOut) {
+  const std::string a = Back("a", 1, 0);
+  v1::FailureReport f;
+  f.set_job_id(job_);
+  f.set_generation(1);
+  f.set_fatal(true);
+  f.set_message("cannot read the data set");
+  Decisions d;
+  ASSERT_TRUE(fresh_->ReportFailure(a, f, now_, &d).ok());
+  Collect(d);
+  const std::string b = Back("b", 1, 1);
+  std::map<std::string, v1::Assignment> assigned = TakeAssignments();
+  ASSERT_EQ(assigned.size(), 1u);
+  EXPECT_EQ(assigned.begin()->first, b);
+  EXPECT_EQ(assigned.begin()->second.generation(), 2);
+  v1::Job j = Fresh();
+  ASSERT_EQ(j.members_size(), 1);
+  EXPECT_EQ(j.members(0).worker_id(), b);
+}
+
 TEST_F(AdoptionTest, AWorkerLostWhileAwaitedEndsTheWait) {
   const std::string a = Back("a", 1, 0);
   Decisions d;
