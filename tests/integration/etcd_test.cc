@@ -181,6 +181,20 @@ bool WaitStopped(pid_t pid) {
   return false;
 }
 
+// The text of `worker`'s log once it holds `needle` (or when `timeout` is over).
+std::string WaitForLog(Cluster& cluster, const std::string& worker, const std::string& needle,
+                       absl::Duration timeout) {
+  const std::string log = absl::StrCat(cluster.dir(), "/", worker, ".log");
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string text;
+  while (!absl::StrContains(text, needle) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+    std::ifstream in(log);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return text;
+}
+
 // Workers w0 and w1, each holding before step `held_at` (test hooks) until released.
 void StartHeldWorkers(Cluster& cluster, int64_t held_at) {
   for (int i = 0; i < 2; ++i) {
@@ -214,14 +228,8 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
 
   constexpr int64_t kSteps = 600, kHeldAt = 300;
   const v1::JobSpec spec = testing::DeterministicJob(2, 2, kSteps, 0, 5000);
-  ASSERT_TRUE(cluster.StartWorker("ref").ok()) << cluster.Logs();
-  v1::JobSpec reference = spec;
-  reference.set_min_workers(1);
-  reference.set_max_workers(1);
-  const std::string checksum = testing::ReferenceChecksum(cluster, reference);
+  const std::string checksum = testing::ReferenceChecksumOnOneWorker(cluster, spec);
   ASSERT_FALSE(checksum.empty());
-  cluster.worker("ref")->Signal(SIGTERM);
-  ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
 
   // The members hold before step kHeldAt, so the failover lands mid-training on any machine.
   ASSERT_NO_FATAL_FAILURE(StartHeldWorkers(cluster, kHeldAt));
@@ -335,14 +343,7 @@ TEST(EtcdTest, WorkersPassOverADeposedLeaderThatStillServes) {
   // older term than the one the worker registered under: it is passed over.
   cluster.coordinator(1)->Signal(SIGSTOP);
   ASSERT_TRUE(WaitStopped(cluster.coordinator(1)->pid()));
-  const std::string log = cluster.dir() + "/w0.log";
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  std::string text;
-  while (!absl::StrContains(text, "it was deposed") && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(100));
-    std::ifstream in(log);
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
+  const std::string text = WaitForLog(cluster, "w0", "it was deposed", absl::Seconds(30));
   EXPECT_TRUE(absl::StrContains(text, "it was deposed")) << cluster.Logs();
   EXPECT_FALSE(absl::StrContains(text.substr(text.find("it was deposed")),
                                  "registered with " + cluster.coordinator_address(0)))
@@ -379,17 +380,10 @@ TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
   EXPECT_EQ(*code, 3);
   // No coordinator leads, and the group trains on, to its last step.
   for (const char* w : {"w0", "w1"}) cluster.ReleaseHook(w, "before_step");
+  const std::string finished = absl::StrCat(job->job_id(), " finished at step ", kSteps);
   for (const char* w : {"w0", "w1"}) {
-    const std::string log = absl::StrCat(cluster.dir(), "/", w, ".log");
-    const std::string finished = absl::StrCat(job->job_id(), " finished at step ", kSteps);
-    std::string text;
-    const absl::Time until = absl::Now() + kWait;
-    while (!absl::StrContains(text, finished) && absl::Now() < until) {
-      absl::SleepFor(absl::Milliseconds(100));
-      std::ifstream in(log);
-      text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-    }
-    ASSERT_TRUE(absl::StrContains(text, finished)) << cluster.Logs();
+    ASSERT_TRUE(absl::StrContains(WaitForLog(cluster, w, finished, kWait), finished))
+        << cluster.Logs();
   }
   const std::string standby = cluster.coordinator_address(1);
   std::string said;

@@ -32,30 +32,25 @@ TEST(PriorityTest, AnUrgentJobShrinksALowerOneWhichGrowsBackAndEndsWithTheSameBi
   Cluster& cluster = **started;
   const v1::JobSpec low_spec = testing::DeterministicJob(1, 3, kLowSteps, 0, 5000);
   // The undisturbed run's bits, on a worker of its own that then leaves.
-  ASSERT_TRUE(cluster.StartWorker("ref").ok());
-  v1::JobSpec reference = low_spec;
-  reference.set_min_workers(1);
-  reference.set_max_workers(1);
-  const std::string checksum = testing::ReferenceChecksum(cluster, reference);
+  const std::string checksum = testing::ReferenceChecksumOnOneWorker(cluster, low_spec);
   ASSERT_FALSE(checksum.empty());
-  cluster.worker("ref")->Signal(SIGTERM);
-  ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
 
   // The low job's members hold before step kHeldAt (test hooks), so it is still training when
   // the urgent job ends, however fast or slow the machine.
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(cluster
-                    .StartWorker(absl::StrCat("w", i),
-                                 {absl::StrCat("--test_hooks=before_step@", kHeldAt)})
-                    .ok())
+    ASSERT_TRUE(
+        cluster
+            .StartWorker(absl::StrCat("w", i), {absl::StrCat("--test_hooks=before_step@", kHeldAt)})
+            .ok())
         << cluster.Logs();
   }
   auto low = cluster.Submit(low_spec);
   ASSERT_TRUE(low.ok()) << low.status();
   ASSERT_TRUE(cluster
-                  .WaitFor(low->job_id(),
-                           [](const v1::Job& j) { return j.step() >= 200 && j.members_size() == 3; },
-                           kWait)
+                  .WaitFor(
+                      low->job_id(),
+                      [](const v1::Job& j) { return j.step() >= 200 && j.members_size() == 3; },
+                      kWait)
                   .ok())
       << cluster.Logs();
 
@@ -74,8 +69,8 @@ TEST(PriorityTest, AnUrgentJobShrinksALowerOneWhichGrowsBackAndEndsWithTheSameBi
   ASSERT_TRUE(shrunk.ok()) << shrunk.status();
   ASSERT_GE(shrunk->recovery_history_size(), 1) << shrunk->DebugString();
   const v1::Recovery& preempted = shrunk->recovery_history(0);
-  EXPECT_TRUE(absl::StrContains(preempted.reason(),
-                                "preempted by " + urgent->job_id() + " (priority 10)"))
+  EXPECT_TRUE(
+      absl::StrContains(preempted.reason(), "preempted by " + urgent->job_id() + " (priority 10)"))
       << preempted.reason();
   EXPECT_FALSE(preempted.counted());
   EXPECT_EQ(shrunk->recoveries(), 0);
@@ -141,14 +136,8 @@ TEST(PriorityTest, ASuspendedJobKeepsItsStateThroughARestartAndEndsWithTheSameBi
   Cluster& cluster = **started;
   v1::JobSpec low_spec = testing::DeterministicJob(2, 2, kLowSteps, 0, 120000);
   low_spec.set_step_timeout_ms(120000);
-  ASSERT_TRUE(cluster.StartWorker("ref").ok());
-  v1::JobSpec reference = low_spec;
-  reference.set_min_workers(1);
-  reference.set_max_workers(1);
-  const std::string checksum = testing::ReferenceChecksum(cluster, reference);
+  const std::string checksum = testing::ReferenceChecksumOnOneWorker(cluster, low_spec);
   ASSERT_FALSE(checksum.empty());
-  cluster.worker("ref")->Signal(SIGTERM);
-  ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
 
   // w0 holds low before its step 1000 (it is still training when the urgent job comes; the
   // suspension lets it go); w1 holds the urgent job before its step 1500.
@@ -168,8 +157,8 @@ TEST(PriorityTest, ASuspendedJobKeepsItsStateThroughARestartAndEndsWithTheSameBi
   auto suspended = cluster.Get(low->job_id());
   ASSERT_TRUE(suspended.ok()) << suspended.status();
   ASSERT_EQ(suspended->state(), v1::JOB_STATE_SUSPENDED) << suspended->reason();
-  EXPECT_TRUE(absl::StrContains(suspended->reason(),
-                                "preempted by " + urgent->job_id() + " (priority 10)"))
+  EXPECT_TRUE(
+      absl::StrContains(suspended->reason(), "preempted by " + urgent->job_id() + " (priority 10)"))
       << suspended->reason();
   EXPECT_EQ(suspended->suspension().holders_size(), 2) << suspended->DebugString();
 
@@ -234,21 +223,14 @@ TEST(PriorityTest, AHolderKilledWhileItHealsTheResumedGroupLosesNothing) {
   v1::JobSpec low_spec = testing::DeterministicJob(2, 2, 1500, 0, 5000);
   low_spec.set_collective_timeout_ms(120000);  // w0 waits for the held w1
   low_spec.set_step_timeout_ms(120000);
-  ASSERT_TRUE(cluster.StartWorker("ref").ok());
-  v1::JobSpec reference = low_spec;
-  reference.set_min_workers(1);
-  reference.set_max_workers(1);
-  const std::string checksum = testing::ReferenceChecksum(cluster, reference);
+  const std::string checksum = testing::ReferenceChecksumOnOneWorker(cluster, low_spec);
   ASSERT_FALSE(checksum.empty());
-  cluster.worker("ref")->Signal(SIGTERM);
-  ASSERT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
 
   // w0 holds when it first broadcasts a heal; w1 holds low before its step 1000 (so that it
   // is still training when the urgent job comes; the suspension lets it go), w2 the urgent
   // job before its step 50.
   ASSERT_TRUE(cluster.StartWorker("w0", {"--test_hooks=heal_broadcast"}).ok()) << cluster.Logs();
-  ASSERT_TRUE(cluster.StartWorker("w1", {"--test_hooks=before_step@1000"}).ok())
-      << cluster.Logs();
+  ASSERT_TRUE(cluster.StartWorker("w1", {"--test_hooks=before_step@1000"}).ok()) << cluster.Logs();
   auto low = cluster.Submit(low_spec);
   ASSERT_TRUE(low.ok()) << low.status();
   ASSERT_TRUE(cluster.WaitForHook("w1", "before_step", kWait).ok()) << cluster.Logs();
@@ -335,8 +317,7 @@ TEST(PriorityTest, AQueuedJobSaysWhyItWaitsAndABadPriorityIsRefused) {
   ASSERT_NE(b, std::string::npos) << out;
   EXPECT_LT(a, b) << "priority 9 starts first\n" << out;
   EXPECT_TRUE(absl::StrContains(out, "waiting for 1 idle")) << out;
-  EXPECT_TRUE(absl::StrContains(out, "queued behind " + second->job_id() + " (priority 9)"))
-      << out;
+  EXPECT_TRUE(absl::StrContains(out, "queued behind " + second->job_id() + " (priority 9)")) << out;
   cluster.ReleaseHook("w1", "before_step");
   for (const auto* job : {&*running, &*second, &*first}) {
     auto done = cluster.WaitForEnd(job->job_id(), kWait);

@@ -3,6 +3,8 @@
 // undisturbed run (deterministic mode makes that checksum independent of the world size).
 #pragma once
 
+#include <signal.h>
+
 #include <string>
 
 #include "absl/time/time.h"
@@ -24,6 +26,21 @@ inline std::string ReferenceChecksum(Cluster& cluster, const v1::JobSpec& spec,
   EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << "\n" << cluster.Logs();
   EXPECT_EQ(done->step(), spec.max_steps());
   return done->members_size() > 0 ? done->members(0).parameter_checksum() : "";
+}
+
+// ReferenceChecksum of `spec` on one worker of its own ("ref", started for it and stopped
+// after), so that the cluster's other workers stay as they are; "" and a test failure when it
+// did not succeed.
+inline std::string ReferenceChecksumOnOneWorker(Cluster& cluster, v1::JobSpec spec) {
+  absl::Status started = cluster.StartWorker("ref");
+  EXPECT_TRUE(started.ok()) << started << cluster.Logs();
+  if (!started.ok()) return "";
+  spec.set_min_workers(1);
+  spec.set_max_workers(1);
+  const std::string checksum = ReferenceChecksum(cluster, spec);
+  cluster.worker("ref")->Signal(SIGTERM);
+  EXPECT_TRUE(cluster.worker("ref")->Wait(absl::Seconds(30)).ok());
+  return checksum;
 }
 
 // The job succeeded with exactly `steps` steps, every member holding `checksum`.
