@@ -195,9 +195,10 @@ std::string WaitForLog(Cluster& cluster, const std::string& worker, const std::s
   return text;
 }
 
-// Workers w0 and w1, each holding before step `held_at` (test hooks) until released.
-void StartHeldWorkers(Cluster& cluster, int64_t held_at) {
-  for (int i = 0; i < 2; ++i) {
+// Workers w0, w1 (and up to w`n-1`), each holding before step `held_at` (test hooks) until
+// released.
+void StartHeldWorkers(Cluster& cluster, int64_t held_at, int n = 2) {
+  for (int i = 0; i < n; ++i) {
     ASSERT_TRUE(
         cluster
             .StartWorker(absl::StrCat("w", i), {absl::StrCat("--test_hooks=before_step@", held_at)})
@@ -287,6 +288,48 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
   ASSERT_TRUE(listed.ok());
   EXPECT_EQ(listed->exit_code, 0) << listed->output;
   EXPECT_TRUE(absl::StrContains(listed->output, job->job_id())) << listed->output;
+}
+
+// A member killed while no coordinator leads: the survivors' group breaks, they keep their
+// state (and the failure they could not report), and the new leader re-forms the job from them
+// instead of keeping the broken generation; the job ends with an undisturbed run's bits.
+TEST(EtcdTest, AWorkerLostDuringTheFailoverIsRecoveredByTheNewLeader) {
+  SKIP_WITHOUT_ETCD();
+  auto etcd = Etcd::Start(1);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 2);
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cluster = **started;
+  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  constexpr int64_t kSteps = 500, kHeldAt = 250;
+  const v1::JobSpec spec = testing::DeterministicJob(2, 3, kSteps, 0, 5000);
+  const std::string checksum = testing::ReferenceChecksumOnOneWorker(cluster, spec);
+  ASSERT_FALSE(checksum.empty());
+  ASSERT_NO_FATAL_FAILURE(StartHeldWorkers(cluster, kHeldAt, 3));
+  auto job = cluster.Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  for (const char* w : {"w0", "w1", "w2"}) {
+    ASSERT_TRUE(cluster.WaitForHook(w, "before_step", kWait).ok()) << cluster.Logs();
+  }
+
+  cluster.coordinator(0)->Signal(SIGKILL);
+  cluster.worker("w2")->Signal(SIGKILL);
+  ASSERT_TRUE(cluster.worker("w2")->Wait(absl::Seconds(10)).ok());
+  // The survivors go on: their next collective finds w2 gone, and the group breaks.
+  for (const char* w : {"w0", "w1"}) cluster.ReleaseHook(w, "before_step");
+  auto leader = cluster.FollowLeader(absl::Seconds(20));
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  EXPECT_EQ(*leader, 1);
+
+  auto done = cluster.WaitForEnd(job->job_id(), kWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster.Logs();
+  testing::ExpectExact(cluster, *done, kSteps, checksum);
+  EXPECT_EQ(done->members_size(), 2);
+  ASSERT_GE(done->recovery_history_size(), 1) << cluster.Logs();
+  for (const v1::Recovery& r : done->recovery_history()) {
+    EXPECT_EQ(r.steps_redone(), 0) << r.reason();
+  }
+  EXPECT_GE(done->generations_size(), 2) << "the broken generation is not kept";
 }
 
 TEST(EtcdTest, ALeaderFrozenPastItsLeaseIsDeposedAndStepsDown) {
