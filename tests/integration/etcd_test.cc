@@ -181,6 +181,25 @@ bool WaitStopped(pid_t pid) {
   return false;
 }
 
+// An etcd of `members` members and `coordinators` coordinators on it, coordinator 0 leading.
+// The cluster goes before the etcd it stands on.
+struct OnEtcd {
+  std::unique_ptr<Etcd> etcd;
+  std::unique_ptr<Cluster> cluster;
+};
+absl::StatusOr<OnEtcd> StartOnEtcd(int members, int coordinators,
+                                   const std::vector<std::string>& coordinator_flags = {}) {
+  OnEtcd on;
+  LOCKSTEP_ASSIGN_OR_RETURN(on.etcd, Etcd::Start(members));
+  LOCKSTEP_ASSIGN_OR_RETURN(
+      on.cluster, Cluster::StartOnEtcd(on.etcd->endpoints(), coordinators, coordinator_flags));
+  LOCKSTEP_ASSIGN_OR_RETURN(const int leader, on.cluster->FollowLeader(absl::Seconds(10)));
+  if (leader != 0) {
+    return absl::InternalError(absl::StrCat("coordinator ", leader, " leads, not coordinator 0"));
+  }
+  return on;
+}
+
 // The text of `worker`'s log once it holds `needle` (or when `timeout` is over).
 std::string WaitForLog(Cluster& cluster, const std::string& worker, const std::string& needle,
                        absl::Duration timeout) {
@@ -220,12 +239,9 @@ void ExpectEndsWhole(Cluster& cluster, const std::string& job_id, int64_t steps)
 
 TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
   SKIP_WITHOUT_ETCD();
-  auto etcd = Etcd::Start(3);
-  ASSERT_TRUE(etcd.ok()) << etcd.status();
-  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 3);
-  ASSERT_TRUE(started.ok()) << started.status();
-  Cluster& cluster = **started;
-  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  auto on = StartOnEtcd(3, 3);
+  ASSERT_TRUE(on.ok()) << on.status();
+  Cluster& cluster = *on->cluster;
 
   constexpr int64_t kSteps = 600, kHeldAt = 300;
   const v1::JobSpec spec = testing::DeterministicJob(2, 2, kSteps, 0, 5000);
@@ -243,7 +259,7 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
   }
 
   // One etcd member of three lost: nothing to see.
-  (*etcd)->member(2)->Signal(SIGKILL);
+  on->etcd->member(2)->Signal(SIGKILL);
   auto still = cluster.Get(job->job_id());
   ASSERT_TRUE(still.ok()) << still.status();
   EXPECT_EQ(still->state(), v1::JOB_STATE_RUNNING);
@@ -295,12 +311,9 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
 // instead of keeping the broken generation; the job ends with an undisturbed run's bits.
 TEST(EtcdTest, AWorkerLostDuringTheFailoverIsRecoveredByTheNewLeader) {
   SKIP_WITHOUT_ETCD();
-  auto etcd = Etcd::Start(1);
-  ASSERT_TRUE(etcd.ok()) << etcd.status();
-  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 2);
-  ASSERT_TRUE(started.ok()) << started.status();
-  Cluster& cluster = **started;
-  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  auto on = StartOnEtcd(1, 2);
+  ASSERT_TRUE(on.ok()) << on.status();
+  Cluster& cluster = *on->cluster;
   constexpr int64_t kSteps = 500, kHeldAt = 250;
   const v1::JobSpec spec = testing::DeterministicJob(2, 3, kSteps, 0, 5000);
   const std::string checksum = testing::ReferenceChecksumOnOneWorker(cluster, spec);
@@ -334,12 +347,9 @@ TEST(EtcdTest, AWorkerLostDuringTheFailoverIsRecoveredByTheNewLeader) {
 
 TEST(EtcdTest, ALeaderFrozenPastItsLeaseIsDeposedAndStepsDown) {
   SKIP_WITHOUT_ETCD();
-  auto etcd = Etcd::Start(1);
-  ASSERT_TRUE(etcd.ok()) << etcd.status();
-  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 2);
-  ASSERT_TRUE(started.ok()) << started.status();
-  Cluster& cluster = **started;
-  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  auto on = StartOnEtcd(1, 2);
+  ASSERT_TRUE(on.ok()) << on.status();
+  Cluster& cluster = *on->cluster;
   ASSERT_TRUE(cluster.StartWorkers(2).ok()) << cluster.Logs();
   constexpr int64_t kSteps = 400;
   auto job = cluster.Submit(testing::DeterministicJob(2, 2, kSteps, 0, 5000));
@@ -365,13 +375,10 @@ TEST(EtcdTest, ALeaderFrozenPastItsLeaseIsDeposedAndStepsDown) {
 
 TEST(EtcdTest, WorkersPassOverADeposedLeaderThatStillServes) {
   SKIP_WITHOUT_ETCD();
-  auto etcd = Etcd::Start(1);
-  ASSERT_TRUE(etcd.ok()) << etcd.status();
   // The first coordinator, once deposed, holds before it exits (test hook), still serving.
-  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 2, {"--test_hooks=step_down"});
-  ASSERT_TRUE(started.ok()) << started.status();
-  Cluster& cluster = **started;
-  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  auto on = StartOnEtcd(1, 2, {"--test_hooks=step_down"});
+  ASSERT_TRUE(on.ok()) << on.status();
+  Cluster& cluster = *on->cluster;
   ASSERT_TRUE(cluster.StartWorker("w0").ok()) << cluster.Logs();
 
   // Frozen past its lease, coordinator 0 is replaced; the worker moves to coordinator 1.
@@ -400,12 +407,9 @@ TEST(EtcdTest, WorkersPassOverADeposedLeaderThatStillServes) {
 
 TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
   SKIP_WITHOUT_ETCD();
-  auto etcd = Etcd::Start(1);
-  ASSERT_TRUE(etcd.ok()) << etcd.status();
-  auto started = Cluster::StartOnEtcd((*etcd)->endpoints(), 2);
-  ASSERT_TRUE(started.ok()) << started.status();
-  Cluster& cluster = **started;
-  ASSERT_EQ(*cluster.FollowLeader(absl::Seconds(10)), 0);
+  auto on = StartOnEtcd(1, 2);
+  ASSERT_TRUE(on.ok()) << on.status();
+  Cluster& cluster = *on->cluster;
   constexpr int64_t kSteps = 400, kHeldAt = 200;
   ASSERT_NO_FATAL_FAILURE(StartHeldWorkers(cluster, kHeldAt));
   auto job = cluster.Submit(testing::DeterministicJob(2, 2, kSteps, 0, 5000));
@@ -416,8 +420,8 @@ TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
 
   // etcd gone: the leader cannot renew its lease nor keep what it decides, and steps down; the
   // standby cannot lead, and says why.
-  (*etcd)->member(0)->Signal(SIGKILL);
-  ASSERT_TRUE((*etcd)->member(0)->Wait(absl::Seconds(10)).ok());
+  on->etcd->member(0)->Signal(SIGKILL);
+  ASSERT_TRUE(on->etcd->member(0)->Wait(absl::Seconds(10)).ok());
   auto code = cluster.coordinator(0)->Wait(absl::Seconds(30));
   ASSERT_TRUE(code.ok()) << code.status() << cluster.Logs();
   EXPECT_EQ(*code, 3);
@@ -444,7 +448,7 @@ TEST(EtcdTest, WithEtcdGoneNoCoordinatorLeadsAndTheJobGoesOnWhenItIsBack) {
 
   // etcd back: the standby leads with every job, and the job ends with exactly its steps, all
   // trained while no coordinator led: the members only finish it from what they hold.
-  ASSERT_TRUE((*etcd)->Restart(0).ok());
+  ASSERT_TRUE(on->etcd->Restart(0).ok());
   auto leader = cluster.FollowLeader(absl::Seconds(60));
   ASSERT_TRUE(leader.ok()) << leader.status();
   EXPECT_EQ(*leader, 1);
