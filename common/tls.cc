@@ -11,7 +11,7 @@
 namespace lockstep {
 namespace {
 
-absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+absl::StatusOr<std::string> ReadPem(const std::string& path, const std::string& flag) {
   std::ifstream in(path);
   if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
   std::stringstream contents;
@@ -25,8 +25,9 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
 
 absl::Status CheckPair(const TlsFiles& files) {
   if (files.cert.empty() != files.key.empty()) {
-    return absl::InvalidArgumentError(
-        "--tls_cert and --tls_key go together (a certificate and its private key)");
+    return absl::InvalidArgumentError(absl::StrCat(files.flags, "_cert and ", files.flags,
+                                                   "_key go together (a certificate and its "
+                                                   "private key)"));
   }
   return absl::OkStatus();
 }
@@ -59,17 +60,19 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (!files.any()) return grpc::InsecureServerCredentials();
   LOCKSTEP_RETURN_IF_ERROR(CheckPair(files));
   if (files.cert.empty()) {
-    return absl::InvalidArgumentError(
-        "--tls_ca without --tls_cert/--tls_key: the server needs its own certificate for TLS");
+    return absl::InvalidArgumentError(absl::StrCat(files.flags, "_ca without ", files.flags,
+                                                   "_cert/", files.flags,
+                                                   "_key: the server needs its own certificate "
+                                                   "for TLS"));
   }
-  absl::StatusOr<std::string> cert = ReadPem(files.cert, "--tls_cert");
+  absl::StatusOr<std::string> cert = ReadPem(files.cert, files.flags + "_cert");
   if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem(files.key, "--tls_key");
+  absl::StatusOr<std::string> key = ReadPem(files.key, files.flags + "_key");
   if (!key.ok()) return key.status();
   grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   options.pem_key_cert_pairs.push_back({*key, *cert});
   if (!files.ca.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem(files.ca, "--tls_ca");
+    absl::StatusOr<std::string> ca = ReadPem(files.ca, files.flags + "_ca");
     if (!ca.ok()) return ca.status();
     options.pem_root_certs = *ca;
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
@@ -83,16 +86,17 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   LOCKSTEP_RETURN_IF_ERROR(CheckPair(files));
   if (files.ca.empty()) {
     return absl::InvalidArgumentError(
-        "TLS needs --tls_ca: the CA certificate that signed the coordinator's certificate");
+        absl::StrCat("TLS needs ", files.flags, "_ca: the CA certificate that signed the ",
+                     files.flags == "--tls" ? "coordinator's" : "server's", " certificate"));
   }
   grpc::SslCredentialsOptions options;
-  absl::StatusOr<std::string> ca = ReadPem(files.ca, "--tls_ca");
+  absl::StatusOr<std::string> ca = ReadPem(files.ca, files.flags + "_ca");
   if (!ca.ok()) return ca.status();
   options.pem_root_certs = *ca;
   if (!files.cert.empty()) {
-    absl::StatusOr<std::string> cert = ReadPem(files.cert, "--tls_cert");
+    absl::StatusOr<std::string> cert = ReadPem(files.cert, files.flags + "_cert");
     if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPem(files.key, "--tls_key");
+    absl::StatusOr<std::string> key = ReadPem(files.key, files.flags + "_key");
     if (!key.ok()) return key.status();
     options.pem_cert_chain = *cert;
     options.pem_private_key = *key;

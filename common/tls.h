@@ -20,6 +20,9 @@ struct TlsFiles {
   // Client: the name to check the server's certificate against, when the address is not in
   // it (e.g. an IP address the certificate does not list).
   std::string server_name;
+  // The flags' common prefix, which errors name: "--tls" (--tls_cert, ...) or, for the
+  // coordinator's connection to etcd, "--etcd_tls".
+  std::string flags = "--tls";
   bool any() const { return !cert.empty() || !key.empty() || !ca.empty(); }
 };
 

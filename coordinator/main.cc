@@ -47,7 +47,14 @@ ABSL_FLAG(std::string, state_backend, "file",
           "\"etcd\" (--etcd_endpoints: coordinators on several hosts, one leads and the others "
           "stand by).");
 ABSL_FLAG(std::string, etcd_endpoints, "",
-          "With --state_backend=etcd: the etcd members, comma-separated http://HOST:PORT.");
+          "With --state_backend=etcd: the etcd members, comma-separated http://HOST:PORT, or "
+          "https://HOST:PORT with --etcd_tls_ca.");
+ABSL_FLAG(std::string, etcd_tls_ca, "",
+          "With https:// etcd endpoints: the CA certificate (PEM) that signed etcd's.");
+ABSL_FLAG(std::string, etcd_tls_cert, "",
+          "With https:// etcd endpoints: this coordinator's client certificate (PEM), for an etcd "
+          "that requires one (--client-cert-auth); with --etcd_tls_key.");
+ABSL_FLAG(std::string, etcd_tls_key, "", "The private key (PEM) of --etcd_tls_cert.");
 ABSL_FLAG(std::string, etcd_prefix, "/lockstep/",
           "With --state_backend=etcd: the prefix of every key this cluster keeps in etcd.");
 ABSL_FLAG(int64_t, leader_lease_seconds, 2,
@@ -69,7 +76,8 @@ ABSL_FLAG(std::string, worker_token_file, "",
 ABSL_FLAG(std::string, tls_cert, "",
           "TLS: the coordinator's certificate chain (PEM; default $LOCKSTEP_TLS_CERT). Without "
           "it the API is plaintext.");
-ABSL_FLAG(std::string, tls_key, "", "TLS: the private key of --tls_cert (default $LOCKSTEP_TLS_KEY).");
+ABSL_FLAG(std::string, tls_key, "",
+          "TLS: the private key of --tls_cert (default $LOCKSTEP_TLS_KEY).");
 ABSL_FLAG(std::string, tls_ca, "",
           "Mutual TLS: require every client (workers, lockstepctl) to present a certificate "
           "signed by this CA (PEM; default $LOCKSTEP_TLS_CA).");
@@ -313,10 +321,16 @@ struct Etcd {
 // The state backend's flags checked, etcd connected, and the cluster's id.
 absl::StatusOr<std::string> OpenStateBackend(const std::string& state_dir, Etcd& etcd) {
   const std::string backend = absl::GetFlag(FLAGS_state_backend);
+  lockstep::TlsFiles etcd_tls;
+  etcd_tls.flags = "--etcd_tls";
+  etcd_tls.ca = absl::GetFlag(FLAGS_etcd_tls_ca);
+  etcd_tls.cert = absl::GetFlag(FLAGS_etcd_tls_cert);
+  etcd_tls.key = absl::GetFlag(FLAGS_etcd_tls_key);
   if (backend == "file") {
     if (!absl::GetFlag(FLAGS_etcd_endpoints).empty()) {
       return absl::InvalidArgumentError("--etcd_endpoints needs --state_backend=etcd");
     }
+    if (etcd_tls.any()) return absl::InvalidArgumentError("--etcd_tls_* need --state_backend=etcd");
     absl::StatusOr<std::string> cluster_id = lockstep::coordinator::ClusterId(state_dir);
     if (!cluster_id.ok()) {
       return absl::Status(cluster_id.status().code(),
@@ -342,8 +356,8 @@ absl::StatusOr<std::string> OpenStateBackend(const std::string& state_dir, Etcd&
   }
   if (etcd.prefix.back() != '/') etcd.prefix += '/';
   absl::StatusOr<std::unique_ptr<lockstep::coordinator::EtcdClient>> client =
-      lockstep::coordinator::EtcdClient::Connect(absl::GetFlag(FLAGS_etcd_endpoints),
-                                                 etcd.prefix, absl::Seconds(5));
+      lockstep::coordinator::EtcdClient::Connect(absl::GetFlag(FLAGS_etcd_endpoints), etcd.prefix,
+                                                 absl::Seconds(5), etcd_tls);
   if (!client.ok()) {
     return absl::Status(client.status().code(),
                         absl::StrCat("--etcd_endpoints: ", client.status().message()));
@@ -382,7 +396,7 @@ absl::StatusOr<std::unique_ptr<lockstep::coordinator::Leadership>> StandBy(
   if (!standby.ok()) return standby.status();
   if (const std::string file = absl::GetFlag(FLAGS_port_file); !file.empty()) {
     if (absl::Status s = lockstep::WriteFileAtomically(file, absl::StrCat(*port, "\n"),
-                                                        lockstep::Durability::kVisible);
+                                                       lockstep::Durability::kVisible);
         !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("--port_file: ", s.message()));
     }
@@ -512,13 +526,13 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
   builder.experimental().SetInterceptorCreators(std::move(creators));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || *port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", listen,
-                                               " (address in use or invalid?)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", listen, " (address in use or invalid?)"));
   }
   LOG(INFO) << "lockstep-coordinator serving on port " << *port;
   if (const std::string file = absl::GetFlag(FLAGS_port_file); !file.empty()) {
     if (absl::Status s = lockstep::WriteFileAtomically(file, absl::StrCat(*port, "\n"),
-                                                        lockstep::Durability::kVisible);
+                                                       lockstep::Durability::kVisible);
         !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("--port_file: ", s.message()));
     }
@@ -558,7 +572,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<lockstep::coordinator::CoreOptions> options = CoreOptionsFromFlags(*cluster_id);
   if (!options.ok()) return fail(options.status());
   if (absl::Status s = lockstep::test_hooks::Arm(absl::GetFlag(FLAGS_test_hooks),
-                                                absl::GetFlag(FLAGS_test_hooks_dir));
+                                                 absl::GetFlag(FLAGS_test_hooks_dir));
       !s.ok()) {
     return fail(s);
   }
@@ -585,18 +599,17 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<lockstep::coordinator::JobStore>> job_store =
       OpenJobStore(state_dir, etcd);
   if (!job_store.ok()) return fail(job_store.status());
-  lockstep::coordinator::Coordinator coordinator(*options, lockstep::RealClock::Get(),
-                                                 job_store->get(), tokens->operators,
-                                                 tokens->workers);
+  lockstep::coordinator::Coordinator coordinator(
+      *options, lockstep::RealClock::Get(), job_store->get(), tokens->operators, tokens->workers);
   if (etcd.leadership != nullptr) coordinator.set_term(etcd.leadership->term());
   // Metrics before the jobs are restored: a restart's re-formations are counted.
   Metrics metrics;
   if (absl::Status s = StartMetrics(coordinator, metrics); !s.ok()) return fail(s);
   absl::StatusOr<int> restored = coordinator.Restore();
   if (!restored.ok()) {
-    return fail(absl::Status(restored.status().code(),
-                             absl::StrCat("cannot load the jobs in ", state_name, ": ",
-                                          restored.status().ToString())));
+    return fail(absl::Status(
+        restored.status().code(),
+        absl::StrCat("cannot load the jobs in ", state_name, ": ", restored.status().ToString())));
   }
   if (*restored > 0) {
     LOG(INFO) << "restored " << *restored << " unfinished job(s) from " << state_name

@@ -50,22 +50,33 @@ void EtcdClient::AddAbsent(etcdserverpb::TxnRequest* txn, const std::string& key
 
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const std::string& endpoints,
                                                                 const std::string& probe_key,
-                                                                absl::Duration timeout) {
+                                                                absl::Duration timeout,
+                                                                const TlsFiles& tls) {
   std::unique_ptr<EtcdClient> client(new EtcdClient(endpoints));
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      MakeChannelCredentials(tls);
+  if (!credentials.ok()) return credentials.status();
   for (absl::string_view part : absl::StrSplit(endpoints, ',', absl::SkipWhitespace())) {
     std::string address(absl::StripAsciiWhitespace(part));
-    if (absl::StartsWith(address, "https://")) {
+    const bool https = absl::StartsWith(address, "https://");
+    if (https && tls.ca.empty()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("etcd endpoint ", address,
-                       ": TLS to etcd is not supported; use http:// endpoints on a "
-                       "trusted network"));
+          absl::StrCat("etcd endpoint ", address, ": https:// needs ", tls.flags,
+                       "_ca (the CA that signed etcd's certificates), and ", tls.flags,
+                       "_cert and ", tls.flags, "_key where etcd asks for a client certificate"));
     }
-    address = std::string(absl::StripPrefix(address, "http://"));
+    if (!https && tls.any()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("etcd endpoint ", address, ": ", tls.flags,
+                       "_* are given, so every endpoint must be "
+                       "https://HOST:PORT (TLS); this one would be plaintext"));
+    }
+    address = std::string(absl::StripPrefix(address, https ? "https://" : "http://"));
     address = std::string(absl::StripSuffix(address, "/"));
     if (address.empty() || address.find(':') == std::string::npos ||
         address.find('/') != std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("etcd endpoint '", part, "' is not http://HOST:PORT or HOST:PORT"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "etcd endpoint '", part, "' is not http://HOST:PORT, https://HOST:PORT or HOST:PORT"));
     }
     grpc::ChannelArguments args;
     // A member that comes back is tried again within a second, not after gRPC's default
@@ -74,8 +85,7 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const std::strin
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     // A page of jobs may exceed gRPC's default 4 MiB.
     args.SetMaxReceiveMessageSize(-1);
-    std::shared_ptr<grpc::Channel> channel =
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(address, *credentials, args);
     client->endpoints_.push_back(Endpoint{address, etcdserverpb::KV::NewStub(channel),
                                           etcdserverpb::Lease::NewStub(channel)});
   }

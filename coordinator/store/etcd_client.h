@@ -1,7 +1,7 @@
 // A client for the part of etcd's v3 API the coordinators' etcd backend uses (proto/etcd), over
 // gRPC: key ranges, transactions and leases. One channel per endpoint; a call that finds its
 // endpoint unreachable goes on to the next, so one etcd member down costs a caller one failed
-// attempt, not an error. Plaintext only (endpoints http://HOST:PORT or HOST:PORT).
+// attempt, not an error. Plaintext to http:// endpoints (or HOST:PORT), TLS to https:// ones.
 #pragma once
 
 #include <atomic>
@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 #include "etcd/rpc.grpc.pb.h"
 #include "etcd/rpc.pb.h"
 
@@ -21,11 +22,15 @@ namespace lockstep::coordinator {
 // Thread-safe.
 class EtcdClient {
  public:
-  // `endpoints`: comma-separated, each http://HOST:PORT or HOST:PORT. Checks that one of them
-  // answers (a read of `probe_key`) within `timeout`; the error names every endpoint tried.
+  // `endpoints`: comma-separated, each http://HOST:PORT or HOST:PORT, or all https://HOST:PORT
+  // with `tls` (its CA, and a client certificate where etcd asks for one; common/tls.h). Checks
+  // that one of them answers (a read of `probe_key`) within `timeout`; the error names every
+  // endpoint tried. INVALID_ARGUMENT for https:// without a CA, TLS files with http://
+  // endpoints, or a mix.
   static absl::StatusOr<std::unique_ptr<EtcdClient>> Connect(const std::string& endpoints,
                                                              const std::string& probe_key,
-                                                             absl::Duration timeout);
+                                                             absl::Duration timeout,
+                                                             const TlsFiles& tls = {});
 
   // Each call has `call_timeout` per endpoint tried. Errors carry etcd's code and words with
   // the endpoint ("etcd 127.0.0.1:2379: ...").

@@ -5,7 +5,7 @@
 // and no step redone; the job queued behind it runs. A leader frozen past its lease is
 // deposed: a standby leads, and the old one, thawed, steps down (exit 3). A deposed leader's
 // writes are refused by etcd (the fence), and bad flags and foreign prefixes are refused at
-// start with the reason.
+// start with the reason. A job submitted during a failover is refused (UNAVAILABLE) or kept.
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -21,15 +21,18 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "coordinator/store/etcd_client.h"
 #include "coordinator/store/etcd_job_store.h"
 #include "coordinator/store/leadership.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/exact.h"
+#include "tests/testing/pki.h"
 
 namespace lockstep {
 namespace {
@@ -60,15 +63,31 @@ std::vector<int> FreePorts(int n) {
 
 int FreePort() { return FreePorts(1)[0]; }
 
-// An etcd cluster of `n` members on loopback, in a directory of its own; removed with it.
+// The coordinator's files for an etcd with TLS (Etcd::Start(n, true)): the test CA, and the
+// client certificate etcd requires.
+TlsFiles EtcdClientTls() {
+  TlsFiles tls;
+  tls.flags = "--etcd_tls";
+  tls.ca = testing::Pki::Get().Path("ca.crt");
+  tls.cert = testing::Pki::Get().Path("ctl.crt");
+  tls.key = testing::Pki::Get().Path("ctl.key");
+  return tls;
+}
+
+// An etcd cluster of `n` members on loopback, in a directory of its own; removed with it. With
+// `tls`, clients must speak TLS and present a certificate of the test CA (testing::Pki).
 class Etcd {
  public:
   // Up to three tries: a port chosen free may be taken by another test's process before the
   // member binds it (ctest -j2), and then that member exits.
-  static absl::StatusOr<std::unique_ptr<Etcd>> Start(int n) {
+  static absl::StatusOr<std::unique_ptr<Etcd>> Start(int n, bool tls = false) {
+    if (tls && !testing::Pki::Get().ok) {
+      return absl::InternalError("openssl could not make the certificates: " +
+                                 testing::Pki::Get().error);
+    }
     absl::Status last;
     for (int attempt = 0; attempt < 3; ++attempt) {
-      absl::StatusOr<std::unique_ptr<Etcd>> etcd = TryStart(n, attempt);
+      absl::StatusOr<std::unique_ptr<Etcd>> etcd = TryStart(n, attempt, tls);
       if (etcd.ok()) return etcd;
       last = etcd.status();
       std::cerr << "etcd did not start (try " << attempt + 1 << "): " << last << "\n";
@@ -91,7 +110,7 @@ class Etcd {
 
  private:
   Etcd() = default;
-  static absl::StatusOr<std::unique_ptr<Etcd>> TryStart(int n, int attempt) {
+  static absl::StatusOr<std::unique_ptr<Etcd>> TryStart(int n, int attempt, bool tls) {
     std::unique_ptr<Etcd> etcd(new Etcd());
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     etcd->dir_ = absl::StrCat(::testing::TempDir(), "/lockstep-etcd-", getpid(), "-",
@@ -101,7 +120,8 @@ class Etcd {
     std::vector<std::string> peers;
     const std::vector<int> ports = FreePorts(2 * n);
     for (int i = 0; i < n; ++i) {
-      etcd->client_urls_.push_back(absl::StrCat("http://127.0.0.1:", ports[2 * i]));
+      etcd->client_urls_.push_back(
+          absl::StrCat(tls ? "https" : "http", "://127.0.0.1:", ports[2 * i]));
       peers.push_back(absl::StrCat("m", i, "=http://127.0.0.1:", ports[2 * i + 1]));
     }
     for (int i = 0; i < n; ++i) {
@@ -113,11 +133,20 @@ class Etcd {
            "--initial-advertise-peer-urls=" + peer,
            "--initial-cluster=" + absl::StrJoin(peers, ","), "--initial-cluster-state=new",
            "--initial-cluster-token=lockstep-test"});
+      if (tls) {
+        const testing::Pki& pki = testing::Pki::Get();
+        for (const std::string& flag :
+             {"--cert-file=" + pki.Path("server.crt"), "--key-file=" + pki.Path("server.key"),
+              "--trusted-ca-file=" + pki.Path("ca.crt"), std::string("--client-cert-auth")}) {
+          etcd->argv_.back().push_back(flag);
+        }
+      }
       etcd->members_.emplace_back();
       LOCKSTEP_RETURN_IF_ERROR(etcd->Restart(i));
     }
     // Serving once a write goes through (the members have elected their leader).
-    auto client = coordinator::EtcdClient::Connect(etcd->endpoints(), "/probe", absl::Seconds(20));
+    auto client = coordinator::EtcdClient::Connect(etcd->endpoints(), "/probe", absl::Seconds(20),
+                                                   tls ? EtcdClientTls() : TlsFiles());
     if (!client.ok()) return absl::Status(client.status().code(), etcd->Failure(client.status()));
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
     for (;;) {
@@ -264,8 +293,33 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
   ASSERT_TRUE(still.ok()) << still.status();
   EXPECT_EQ(still->state(), v1::JOB_STATE_RUNNING);
 
+  auto listed_before = cluster.List();
+  ASSERT_TRUE(listed_before.ok()) << listed_before.status();
   const absl::Time killed = absl::Now();
   cluster.coordinator(0)->Signal(SIGKILL);
+  // A job submitted during the failover, to each coordinator in turn until one takes it: every
+  // other answer is UNAVAILABLE, and the one taken is kept (listed below, and it runs).
+  const v1::JobSpec during = testing::DeterministicJob(2, 2, 20, 0, 5000);
+  int refused = 0;
+  std::string taken;
+  while (taken.empty() && absl::Now() < killed + absl::Seconds(20)) {
+    for (int i = 0; i < 3 && taken.empty(); ++i) {
+      auto submitted = cluster.SubmitTo(i, during, absl::Seconds(2));
+      if (submitted.ok()) {
+        taken = submitted->job_id();
+        std::cout << "coordinator " << i << " took a job "
+                  << absl::FormatDuration(absl::Now() - killed) << " after the leader was killed; "
+                  << refused << " submits refused before\n";
+      } else {
+        EXPECT_EQ(submitted.status().code(), absl::StatusCode::kUnavailable) << submitted.status();
+        ++refused;
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_FALSE(taken.empty()) << "no coordinator took a job within 20 s of the kill"
+                              << cluster.Logs();
+  EXPECT_GT(refused, 0);  // the killed leader's own address at least
   auto leader = cluster.FollowLeader(absl::Seconds(20));
   ASSERT_TRUE(leader.ok()) << leader.status();
   EXPECT_NE(*leader, 0);
@@ -287,6 +341,17 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
   auto next = cluster.WaitForEnd(queued->job_id(), kWait);
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->state(), v1::JOB_STATE_SUCCEEDED) << next->reason() << cluster.Logs();
+  auto after = cluster.WaitForEnd(taken, kWait);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->state(), v1::JOB_STATE_SUCCEEDED) << after->reason() << cluster.Logs();
+  // Nothing of the refused submits was stored: the leader knows the jobs it knew before the
+  // kill and the one taken, no more.
+  std::vector<std::string> expected = {taken}, ids;
+  for (const v1::Job& j : *listed_before) expected.push_back(j.job_id());
+  auto jobs = cluster.List();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  for (const v1::Job& j : *jobs) ids.push_back(j.job_id());
+  EXPECT_THAT(ids, ::testing::UnorderedElementsAreArray(expected));
 
   // A standby names the leader; lockstepctl given every address finds it.
   const std::string standby = cluster.coordinator_address(*leader == 1 ? 2 : 1);
@@ -517,6 +582,57 @@ TEST(EtcdTest, ADeposedLeadersWritesAreRefused) {
   (*b)->Resign();
 }
 
+// etcd that requires TLS and a client certificate: coordinators given the CA and a certificate
+// lead, store a job and hand it over; one with plaintext endpoints, without a client
+// certificate or with another CA's trust is refused at start, saying why.
+TEST(EtcdTest, CoordinatorsReachEtcdOverTls) {
+  SKIP_WITHOUT_ETCD();
+  auto etcd = Etcd::Start(1, /*tls=*/true);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const TlsFiles tls = EtcdClientTls();
+  const std::vector<std::string> flags = {"--etcd_tls_ca=" + tls.ca, "--etcd_tls_cert=" + tls.cert,
+                                          "--etcd_tls_key=" + tls.key};
+  auto cluster = Cluster::StartOnEtcd((*etcd)->endpoints(), 2, flags);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  ASSERT_TRUE((*cluster)->FollowLeader(absl::Seconds(10)).ok());
+  auto job = (*cluster)->Submit(testing::DeterministicJob(2, 2, 20, 0, 5000));
+  ASSERT_TRUE(job.ok()) << job.status();
+  (*cluster)->coordinator(0)->Signal(SIGKILL);
+  auto leader = (*cluster)->FollowLeader(absl::Seconds(20));
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  EXPECT_EQ(*leader, 1);
+  auto kept = (*cluster)->Get(job->job_id());  // read back from etcd over TLS
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->state(), v1::JOB_STATE_PENDING);
+
+  auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0",
+                                     "--state_backend=etcd"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto result = testing::RunCommand(argv, absl::Seconds(30));
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : testing::CommandResult{};
+  };
+  const std::string plain = absl::StrReplaceAll((*etcd)->endpoints(), {{"https://", "http://"}});
+  const std::string pki = testing::Pki::Get().dir;
+  for (const auto& [extra, words] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           // TLS files with a plaintext endpoint.
+           {{"--etcd_endpoints=" + plain, flags[0], flags[1], flags[2]},
+            "every endpoint must be https://"},
+           // No client certificate: etcd refuses the handshake.
+           {{"--etcd_endpoints=" + (*etcd)->endpoints(), flags[0]}, "no etcd endpoint answers"},
+           // etcd's certificate checked against another CA.
+           {{"--etcd_endpoints=" + (*etcd)->endpoints(), "--etcd_tls_ca=" + pki + "/other-ca.crt",
+             flags[1], flags[2]},
+            "no etcd endpoint answers"},
+           {{"--etcd_endpoints=" + (*etcd)->endpoints(), flags[0], flags[1]},
+            "--etcd_tls_cert and --etcd_tls_key go together"}}) {
+    auto result = run(extra);
+    EXPECT_EQ(result.exit_code, 1) << absl::StrJoin(extra, " ");
+    EXPECT_TRUE(absl::StrContains(result.output, words)) << result.output;
+  }
+}
+
 TEST(EtcdTest, BadEndpointsAndForeignPrefixesAreRefusedAtStart) {
   SKIP_WITHOUT_ETCD();
   auto etcd = Etcd::Start(1);
@@ -555,7 +671,13 @@ TEST(EtcdTest, BadEndpointsAndForeignPrefixesAreRefusedAtStart) {
            {{"--state_backend=zookeeper"}, "not \"file\" or \"etcd\""},
            {{"--etcd_endpoints=" + (*etcd)->endpoints()},
             "--etcd_endpoints needs --state_backend=etcd"},
-           {{"--state_backend=etcd", "--etcd_endpoints=https://127.0.0.1:1"}, "TLS to etcd"},
+           {{"--state_backend=etcd", "--etcd_endpoints=https://127.0.0.1:1"},
+            "https:// needs --etcd_tls_ca"},
+           {{"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(),
+             "--etcd_tls_ca=/nonexistent/ca.crt"},
+            "--etcd_tls_ca: cannot read /nonexistent/ca.crt"},
+           {{"--etcd_tls_ca=" + testing::Pki::Get().Path("ca.crt")},
+            "--etcd_tls_* need --state_backend=etcd"},
            {{"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(), "--etcd_prefix=x"},
             "must start with /"}}) {
     auto result = run(flags);

@@ -11,61 +11,15 @@
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/http.h"
+#include "tests/testing/pki.h"
 
 namespace lockstep {
 namespace {
 
 using testing::Cluster;
 using testing::CommandResult;
+using testing::Pki;
 using testing::RunCommand;
-
-// A CA, a server certificate for 127.0.0.1/localhost and client certificates, made once.
-class Pki {
- public:
-  static const Pki& Get() {
-    static const Pki* pki = new Pki();
-    return *pki;
-  }
-  std::string dir;
-  bool ok = false;
-  std::string error;
-  std::string Path(const std::string& name) const { return dir + "/" + name; }
-
- private:
-  Pki() {
-    dir = std::filesystem::temp_directory_path() / absl::StrCat("lockstep-pki-", getpid());
-    std::filesystem::create_directories(dir);
-    std::ofstream(dir + "/san.ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
-    std::ofstream(dir + "/ca.cnf")
-        << "[ca]\ndefault_ca=ca\n[ca]\ndir=" << dir << "\ndatabase=" << dir
-        << "/index.txt\nserial=" << dir << "/serial\nnew_certs_dir=" << dir
-        << "\ndefault_md=sha256\npolicy=any\nunique_subject=no\n[any]\ncommonName=supplied\n";
-    std::ofstream(dir + "/index.txt");
-    std::ofstream(dir + "/serial") << "1000\n";
-    const std::vector<std::string> lines = {
-            "set -e",
-            "cd " + dir,
-            "gen() { openssl req -newkey rsa:2048 -nodes -keyout $1.key -subj /CN=$2 -out $1.csr "
-            "2>/dev/null; }",
-            "sign() { openssl x509 -req -in $1.csr -CA $2.crt -CAkey $2.key -CAcreateserial "
-            "-days 30 -out $1.crt $3 2>/dev/null; }",
-            "for ca in ca other-ca; do openssl req -x509 -newkey rsa:2048 -nodes -keyout $ca.key "
-            "-subj /CN=$ca -days 30 -out $ca.crt 2>/dev/null; done",
-            "gen server localhost && sign server ca '-extfile san.ext'",
-            // A worker's certificate carries its name (under mutual TLS it registers as that).
-            "for w in w0 w1; do gen $w $w && sign $w ca; done",
-            "gen ctl lockstepctl && sign ctl ca",
-            "gen stranger stranger && sign stranger other-ca",
-            "gen expired expired",
-            "openssl ca -batch -config ca.cnf -cert ca.crt -keyfile ca.key -in expired.csr "
-            "-out expired.crt -startdate 20200101000000Z -enddate 20200102000000Z 2>/dev/null",
-    };
-    const std::string script = absl::StrJoin(lines, "\n");
-    absl::StatusOr<CommandResult> made = RunCommand({"/bin/bash", "-c", script}, absl::Seconds(120));
-    ok = made.ok() && made->exit_code == 0;
-    error = made.ok() ? made->output : std::string(made.status().message());
-  }
-};
 
 std::vector<std::string> ServerFlags(const Pki& pki) {
   return {"--tls_cert=" + pki.Path("server.crt"), "--tls_key=" + pki.Path("server.key"),
@@ -101,7 +55,8 @@ CommandResult Ctl(const Cluster& cluster, std::vector<std::string> flags,
 class TlsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!Pki::Get().ok) GTEST_FAIL() << "openssl could not make the certificates:\n" << Pki::Get().error;
+    if (!Pki::Get().ok)
+      GTEST_FAIL() << "openssl could not make the certificates:\n" << Pki::Get().error;
   }
 };
 
@@ -145,15 +100,16 @@ TEST_F(TlsTest, MutualTlsTrainsAndRefusesEveryoneWithoutAValidCertificate) {
   };
   const std::vector<Refused> refused = {
       {"plaintext", {}, "pass --tls_ca", ""},
-      {"no client certificate", {"--tls_ca=" + pki.Path("ca.crt")},
-       "requires a client certificate: pass --tls_cert and --tls_key", "--tls_ca"},
+      {"no client certificate",
+       {"--tls_ca=" + pki.Path("ca.crt")},
+       "requires a client certificate: pass --tls_cert and --tls_key",
+       "--tls_ca"},
       {"a certificate from another CA", ClientFlags(pki, "stranger"),
        "refused this client's certificate: --tls_cert/--tls_key", "--tls_ca"},
       {"an expired certificate", ClientFlags(pki, "expired"),
        "refused this client's certificate: --tls_cert/--tls_key", "--tls_ca"},
-      {"a coordinator certificate from a CA it does not trust",
-       ClientFlags(pki, "ctl", "other-ca"), "--tls_ca must be the CA that signed it",
-       "--tls_cert"},
+      {"a coordinator certificate from a CA it does not trust", ClientFlags(pki, "ctl", "other-ca"),
+       "--tls_ca must be the CA that signed it", "--tls_cert"},
   };
   for (const Refused& r : refused) {
     CommandResult result = Ctl(cluster, r.flags, cluster.token_file());
@@ -170,12 +126,12 @@ TEST_F(TlsTest, MutualTlsTrainsAndRefusesEveryoneWithoutAValidCertificate) {
   }
 
   // A worker without a valid certificate never registers, and exits saying why.
-  absl::StatusOr<CommandResult> stranger = RunCommand(
-      {LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster.address(), "--name=stranger",
-       "--token_file=" + cluster.token_file(), "--give_up_after=3s",
-       "--tls_ca=" + pki.Path("ca.crt"), "--tls_cert=" + pki.Path("stranger.crt"),
-       "--tls_key=" + pki.Path("stranger.key")},
-      absl::Seconds(30));
+  absl::StatusOr<CommandResult> stranger =
+      RunCommand({LOCKSTEP_WORKER_BIN, "--coordinator=" + cluster.address(), "--name=stranger",
+                  "--token_file=" + cluster.token_file(), "--give_up_after=3s",
+                  "--tls_ca=" + pki.Path("ca.crt"), "--tls_cert=" + pki.Path("stranger.crt"),
+                  "--tls_key=" + pki.Path("stranger.key")},
+                 absl::Seconds(30));
   ASSERT_TRUE(stranger.ok()) << stranger.status();
   EXPECT_EQ(stranger->exit_code, 4) << stranger->output;
   absl::StatusOr<std::vector<v1::WorkerInfo>> workers = cluster.Workers();
@@ -223,7 +179,8 @@ TEST_F(TlsTest, BadTlsFlagsStopTheDaemonsNamingTheFlag) {
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_NE(result->exit_code, 0) << absl::StrJoin(c.argv, " ");
     EXPECT_NE(result->output.find(c.expected), std::string::npos)
-        << absl::StrJoin(c.argv, " ") << "\n" << result->output;
+        << absl::StrJoin(c.argv, " ") << "\n"
+        << result->output;
   }
 }
 
@@ -268,8 +225,8 @@ TEST_F(TlsTest, DashboardIsHttpsAndRequiresAClientCertificateWithMutualTls) {
         testing::HttpRequest("GET", "127.0.0.1", port, "/", bearer, "", files, absl::Seconds(5));
     EXPECT_FALSE(refused.ok() && refused->status == 200) << files.cert;
   }
-  auto plain = testing::HttpRequest("GET", "127.0.0.1", port, "/", bearer, "", {},
-                                    absl::Seconds(5));
+  auto plain =
+      testing::HttpRequest("GET", "127.0.0.1", port, "/", bearer, "", {}, absl::Seconds(5));
   EXPECT_FALSE(plain.ok() && plain->status == 200);
   EXPECT_TRUE(cluster->coordinator()->running());
 }

@@ -218,9 +218,9 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::StartOnEtcd(
 
 absl::Status Cluster::StartStandby(int i) {
   const std::string port_file = absl::StrCat(dir_, "/port", i);
-  std::vector<std::string> argv = {LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0",
-                                   "--port_file=" + port_file,
-                                   absl::StrCat("--test_hooks_dir=", dir_, "/hooks/coordinator", i)};
+  std::vector<std::string> argv = {
+      LOCKSTEP_COORDINATOR_BIN, "--listen=127.0.0.1:0", "--port_file=" + port_file,
+      absl::StrCat("--test_hooks_dir=", dir_, "/hooks/coordinator", i)};
   if (test_roots_) {
     for (const std::string& flag : TestRootFlags()) argv.push_back(flag);
   }
@@ -257,8 +257,8 @@ absl::StatusOr<int> Cluster::FollowLeader(absl::Duration timeout) {
     }
     absl::SleepFor(absl::Milliseconds(20));
   } while (absl::Now() < deadline);
-  return absl::UnavailableError(absl::StrCat("no coordinator serves within ",
-                                             absl::FormatDuration(timeout), ":\n", Logs()));
+  return absl::UnavailableError(
+      absl::StrCat("no coordinator serves within ", absl::FormatDuration(timeout), ":\n", Logs()));
 }
 
 std::string Cluster::WorkerCoordinatorFlag() const {
@@ -340,8 +340,9 @@ absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std
   std::filesystem::remove_all(hooks);
   std::vector<std::string> argv = launcher;
   for (const std::string& arg :
-       {std::string(LOCKSTEP_WORKER_BIN), "--coordinator=" + WorkerCoordinatorFlag(), std::string("--device=cpu"),
-        "--name=" + name, "--test_hooks_dir=" + hooks, "--data_cache_dir=" + dir_ + "/cache"}) {
+       {std::string(LOCKSTEP_WORKER_BIN), "--coordinator=" + WorkerCoordinatorFlag(),
+        std::string("--device=cpu"), "--name=" + name, "--test_hooks_dir=" + hooks,
+        "--data_cache_dir=" + dir_ + "/cache"}) {
     argv.push_back(arg);
   }
   if (!token_file_.empty()) argv.push_back("--token_file=" + token_file_);
@@ -401,6 +402,29 @@ absl::StatusOr<v1::Job> Cluster::Submit(const v1::JobSpec& spec) {
   grpc::Status status = jobs_->SubmitJob(&context, request, &job);
   if (!status.ok()) return ToAbslStatus(status);
   return job;
+}
+
+absl::StatusOr<v1::Job> Cluster::SubmitTo(int i, const v1::JobSpec& spec, absl::Duration timeout) {
+  auto stub = v1::JobService::NewStub(MakeChannel(addresses_.at(i), client_auth_));
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(timeout));
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::Job job;
+  grpc::Status status = stub->SubmitJob(&context, request, &job);
+  if (!status.ok()) return ToAbslStatus(status);
+  return job;
+}
+
+absl::StatusOr<std::vector<v1::Job>> Cluster::List() {
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(absl::Seconds(10)));
+  v1::ListJobsRequest request;
+  request.set_page_size(1000);
+  v1::ListJobsResponse response;
+  grpc::Status status = jobs_->ListJobs(&context, request, &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  return std::vector<v1::Job>(response.jobs().begin(), response.jobs().end());
 }
 
 absl::StatusOr<v1::Job> Cluster::Get(const std::string& job_id) {

@@ -117,6 +117,11 @@ class Cluster {
   Process* worker(const std::string& name) { return workers_.at(name).get(); }
 
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);
+  // Coordinators on etcd: submits to the i-th coordinator itself, whether it leads or not (a
+  // standby's answer is returned as it is), within `timeout`.
+  absl::StatusOr<v1::Job> SubmitTo(int i, const v1::JobSpec& spec, absl::Duration timeout);
+  // Every job the coordinator lists (one page).
+  absl::StatusOr<std::vector<v1::Job>> List();
   absl::StatusOr<v1::Job> Get(const std::string& job_id);
   // Polls until pred(job) holds (asking again while the coordinator is unavailable, e.g.
   // restarting); DEADLINE_EXCEEDED (with the job's last state) otherwise.
@@ -139,7 +144,7 @@ class Cluster {
   // The address workers are given: the coordinator's, or every coordinator's on etcd.
   std::string WorkerCoordinatorFlag() const;
   std::vector<std::string> coordinator_flags_;
-  std::vector<std::string> addresses_;  // coordinators on etcd, in start order
+  std::vector<std::string> addresses_;              // coordinators on etcd, in start order
   std::vector<std::unique_ptr<Process>> standbys_;  // coordinators 1.. on etcd
   ClientAuth client_auth_;
   bool test_roots_ = true;
