@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "cli/watch_printer.h"
 #include "common/atomic_file.h"
+#include "common/checkpoint.h"
 #include "common/coordinators.h"
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
@@ -27,7 +28,6 @@
 #include "google/protobuf/stubs/logging.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/client_context.h"
-#include "common/checkpoint.h"
 
 namespace lockstep::cli {
 namespace {
@@ -149,9 +149,9 @@ absl::Status ShowJob(v1::JobService::StubInterface& stub, const std::string& job
   return absl::OkStatus();
 }
 
-absl::Status ShowLogs(v1::JobService::StubInterface& stub, const std::string& job_id,
-                      int32_t rank, int64_t generation, bool follow,
-                      const CommandOptions& options, std::ostream& out, absl::Duration poll) {
+absl::Status ShowLogs(v1::JobService::StubInterface& stub, const std::string& job_id, int32_t rank,
+                      int64_t generation, bool follow, const CommandOptions& options,
+                      std::ostream& out, absl::Duration poll) {
   v1::GetJobLogsRequest request;
   request.set_job_id(job_id);
   if (rank >= 0) request.set_rank(rank);
@@ -480,21 +480,34 @@ std::shared_ptr<grpc::Channel> LeaderChannel(const std::vector<std::string>& coo
                                              const ClientAuth& auth, absl::Duration timeout) {
   if (coordinators.size() == 1) return MakeChannel(coordinators.front(), auth);
   const absl::Duration probe = std::min(timeout, absl::Seconds(2));
-  for (const std::string& address : coordinators) {
-    std::shared_ptr<grpc::Channel> channel = MakeChannel(address, auth);
-    auto health = grpc::health::v1::Health::NewStub(channel);
+  // The channel to `address` and the leader its health check named ("" when none).
+  struct Probe {
+    std::shared_ptr<grpc::Channel> channel;
+    bool answers = false;  // serving, or answering (a refused token, say)
+    std::string leader;
+  };
+  auto ask = [&](const std::string& address) {
+    Probe p{MakeChannel(address, auth)};
+    auto health = grpc::health::v1::Health::NewStub(p.channel);
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + probe));
-    grpc::health::v1::HealthCheckRequest request;
     grpc::health::v1::HealthCheckResponse response;
-    const grpc::Status status = health->Check(&context, request, &response);
-    if (const std::string leader = LeaderNamedBy(context); !leader.empty()) {
-      return MakeChannel(leader, auth);
-    }
-    // Serving, or answering (a refused token, say): the command's call gets the same answer.
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE &&
-        status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
-      return channel;
+    const grpc::Status status =
+        health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+    p.leader = LeaderNamedBy(context);
+    p.answers = p.leader.empty() && status.error_code() != grpc::StatusCode::UNAVAILABLE &&
+                status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
+    return p;
+  };
+  for (const std::string& address : coordinators) {
+    Probe p = ask(address);
+    // The command's call gets the same answer as the health check.
+    if (p.answers) return p.channel;
+    // The leader a standby names, if this client can reach it (a container's or a host's
+    // name may not resolve here); else the next address, which may be the leader itself.
+    if (!p.leader.empty()) {
+      Probe named = ask(p.leader);
+      if (named.answers) return named.channel;
     }
   }
   return MakeChannel(coordinators.front(), auth);

@@ -3,8 +3,8 @@
 #pragma once
 
 #include <functional>
-#include <ostream>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -104,10 +104,9 @@ absl::StatusOr<v1::Job> WatchJob(v1::JobService::StubInterface& stub, const std:
 // prefix; control bytes escaped), with a "--- generation G ---" line where the generation
 // changes and a note when the coordinator no longer holds the oldest lines. JSON: one LogLine
 // per line. `follow`: asks again every `poll` until the job has ended and every line is out.
-absl::Status ShowLogs(v1::JobService::StubInterface& stub, const std::string& job_id,
-                      int32_t rank, int64_t generation, bool follow,
-                      const CommandOptions& options, std::ostream& out,
-                      absl::Duration poll = absl::Milliseconds(500));
+absl::Status ShowLogs(v1::JobService::StubInterface& stub, const std::string& job_id, int32_t rank,
+                      int64_t generation, bool follow, const CommandOptions& options,
+                      std::ostream& out, absl::Duration poll = absl::Milliseconds(500));
 
 // export: the checkpoint file's parameters as safetensors at `output`, and the model's
 // config.json beside it (creating the directory). The checkpoint is untrusted input: it is read
@@ -134,8 +133,9 @@ std::string PlaintextTokenWarning(const std::string& coordinator, const std::str
 
 // The channel to the coordinator that leads among `coordinators` (--coordinator, split). One
 // address: that one. Several: each is asked in turn (gRPC's health check, at most `timeout`
-// each) and the first that serves is used, or the leader a standby names; when none answers,
-// the first, whose error the command then reports.
+// each) and the first that serves is used, or the leader a standby names when it answers from
+// here (else the next address); when none answers, the first, whose error the command then
+// reports.
 std::shared_ptr<grpc::Channel> LeaderChannel(const std::vector<std::string>& coordinators,
                                              const ClientAuth& auth, absl::Duration timeout);
 

@@ -163,7 +163,10 @@ class Client:
         leader = dict(error.trailing_metadata() or ()).get(_LEADER)
         if leader:
             return leader if leader not in tried else None
-        if "failed to connect" not in (error.details() or "").lower():
+        details = (error.details() or "").lower()
+        # Never reached: refused, or a name (say, a container's, named by a standby) that does
+        # not resolve from here.
+        if "failed to connect" not in details and "dns resolution failed" not in details:
             return None
         untried = [a for a in self._addresses if a not in tried]
         return untried[0] if untried else None
