@@ -5,9 +5,15 @@
 // Measured per N: the submit RPC, submit to every worker assigned, the drop to every survivor
 // aborted and to every survivor assigned the next generation, and the coordinator's CPU
 // seconds, resident memory and thread count (from /proc). Prints a table, writes JSON.
+// --backends runs each N with the coordinator's state in memory (no --state_dir), in files
+// (--state_dir) or in etcd (a one-member etcd on loopback that the benchmark starts); with
+// etcd it also counts, from etcd's own counters, the transactions, keys written and bytes the
+// coordinator sent for the submit (to every worker assigned) and for the drop (to every
+// survivor re-assigned).
 //
 //   control_plane_bench --coordinator=build/coordinator/lockstep-coordinator
-//       --workers=1024,4096,10000 --out=bench/results/control_plane.json
+//       --workers=1024,4096,10000 --backends=memory,file,etcd
+//       --out=bench/results/control_plane.json
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -34,10 +40,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/coordinator_process.h"
+#include "bench/etcd_process.h"
+#include "bench/sim_workers.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/client_callback.h"
-#include "bench/coordinator_process.h"
-#include "bench/sim_workers.h"
 #include "lockstep/v1/job.grpc.pb.h"
 
 ABSL_FLAG(bool, keep_logs, false, "Keep each run's coordinator log (and say where).");
@@ -48,6 +56,10 @@ ABSL_FLAG(int, workers_per_host, 8, "Simulated workers per host name.");
 ABSL_FLAG(int, streams_per_channel, 64, "Session streams per connection.");
 ABSL_FLAG(double, phase_timeout_s, 120, "Give up on a phase after this long.");
 ABSL_FLAG(std::string, out, "", "Write the results as JSON here.");
+ABSL_FLAG(std::string, backends, "memory",
+          "Comma-separated: where the coordinator keeps its state, each run in turn: memory, "
+          "file (--state_dir) or etcd (a one-member etcd the benchmark starts).");
+ABSL_FLAG(std::string, etcd, "/usr/bin/etcd", "The etcd binary (Debian's etcd-server).");
 
 namespace lockstep {
 namespace {
@@ -62,21 +74,66 @@ double Since(Clock::time_point t) {
 
 struct Result {
   int workers = 0;
+  std::string backend;
   std::string error;  // empty when every phase completed
   double registered_s = 0, submit_rpc_s = 0, assigned_s = 0, aborted_s = 0, reassigned_s = 0;
   ProcessStats idle, after_assign, end;
+  // etcd only: what the coordinator wrote from the submit to every worker assigned, and from
+  // the drop to every survivor re-assigned.
+  bench::EtcdCounters submit_writes, drop_writes;
 };
 
-Result RunOne(int n) {
+// Waits until the coordinator at `address` serves (on etcd it leads first).
+bool WaitServing(const std::string& address, absl::Duration timeout) {
+  auto health = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    grpc::health::v1::HealthCheckResponse response;
+    if (health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response).ok() &&
+        response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return false;
+}
+
+Result RunOne(int n, const std::string& backend) {
   Result r;
   r.workers = n;
+  r.backend = backend;
+  std::unique_ptr<bench::EtcdProcess> etcd;
+  std::vector<std::string> flags;
+  const std::string tag = "control-plane-" + backend;
+  if (backend == "file") {
+    flags.push_back("--state_dir=" + bench::TempDir(tag, n) + "/state");
+  } else if (backend == "etcd") {
+    absl::StatusOr<std::unique_ptr<bench::EtcdProcess>> started =
+        bench::EtcdProcess::Start(absl::GetFlag(FLAGS_etcd), bench::TempDir(tag + "-etcd", n));
+    if (!started.ok()) {
+      r.error = std::string(started.status().message());
+      return r;
+    }
+    etcd = *std::move(started);
+    flags = {"--state_backend=etcd", "--etcd_endpoints=" + etcd->endpoint()};
+  }
   absl::StatusOr<std::unique_ptr<bench::CoordinatorProcess>> coordinator =
-      bench::CoordinatorProcess::StartInTemp(absl::GetFlag(FLAGS_coordinator), "control-plane",
-                                             n, absl::GetFlag(FLAGS_keep_logs));
+      bench::CoordinatorProcess::StartInTemp(absl::GetFlag(FLAGS_coordinator), tag, n,
+                                             absl::GetFlag(FLAGS_keep_logs), flags);
   if (!coordinator.ok()) {
     r.error = std::string(coordinator.status().message());
     return r;
   }
+  // etcd's counters now, or the error that ends the run.
+  auto counters = [&]() -> bench::EtcdCounters {
+    if (etcd == nullptr) return {};
+    absl::StatusOr<bench::EtcdCounters> c = etcd->Counters();
+    if (!c.ok()) r.error = std::string(c.status().message());
+    return c.value_or(bench::EtcdCounters{});
+  };
   const pid_t pid = (*coordinator)->pid();
   const std::string address = (*coordinator)->address();
   auto stop = [&] {
@@ -87,6 +144,11 @@ Result RunOne(int n) {
     coordinator->reset();
   };
   const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_phase_timeout_s));
+  if (!WaitServing(address, absl::Seconds(20))) {
+    r.error = "the coordinator did not serve within 20 s";
+    stop();
+    return r;
+  }
 
   const auto t_register = Clock::now();
   auto workers = std::make_unique<bench::SimWorkers>(
@@ -106,7 +168,9 @@ Result RunOne(int n) {
   r.registered_s = Since(t_register);
   r.idle = Stats(pid);
 
-  auto jobs = v1::JobService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto jobs =
+      v1::JobService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  const bench::EtcdCounters before_submit = counters();
   const auto t_submit = Clock::now();
   {
     grpc::ClientContext context;
@@ -128,9 +192,11 @@ Result RunOne(int n) {
     return r;
   }
   r.assigned_s = Since(t_submit);
+  r.submit_writes = counters() - before_submit;
   absl::SleepFor(absl::Seconds(1));  // settled
   r.after_assign = Stats(pid);
 
+  const bench::EtcdCounters before_drop = counters();
   const auto t_drop = Clock::now();
   workers->Drop(n / 2);
   if (!workers->WaitAborted(1, n - 1, timeout)) {
@@ -145,6 +211,7 @@ Result RunOne(int n) {
     return r;
   }
   r.reassigned_s = Since(t_drop);
+  r.drop_writes = counters() - before_drop;
   finish();
   return r;
 }
@@ -172,21 +239,52 @@ int main(int argc, char** argv) {
     std::cerr << counts.status().message() << "\n";
     return 2;
   }
-  for (const int n : *counts) {
-    std::cerr << "N = " << n << " ..." << std::endl;
-    results.push_back(lockstep::RunOne(n));
+  const std::vector<std::string> backends =
+      absl::StrSplit(absl::GetFlag(FLAGS_backends), ',', absl::SkipEmpty());
+  for (const std::string& backend : backends) {
+    if (backend != "memory" && backend != "file" && backend != "etcd") {
+      std::cerr << "--backends: \"" << backend << "\" is not memory, file or etcd\n";
+      return 2;
+    }
   }
-  std::printf("| N | registered | submit RPC | all assigned | drop: all aborted | drop: all re-assigned | "
-              "coordinator CPU | RSS idle / assigned / end | threads idle / assigned |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (const int n : *counts) {
+    for (const std::string& backend : backends) {
+      std::cerr << "N = " << n << ", " << backend << " ..." << std::endl;
+      results.push_back(lockstep::RunOne(n, backend));
+    }
+  }
+  std::printf(
+      "| N | state | registered | submit RPC | all assigned | drop: all aborted | drop: all "
+      "re-assigned | "
+      "coordinator CPU | RSS idle / assigned / end | threads idle / assigned |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Result& r : results) {
-    std::printf("| %d | %.2f s | %.2f s | %.2f s | %.2f s | %.2f s | %.1f s | %s / %s / %s | %lld / %lld |%s\n",
-                r.workers, r.registered_s, r.submit_rpc_s, r.assigned_s, r.aborted_s,
-                r.reassigned_s, r.end.cpu_s, lockstep::Mb(r.idle.rss_bytes).c_str(),
-                lockstep::Mb(r.after_assign.rss_bytes).c_str(), lockstep::Mb(r.end.rss_bytes).c_str(),
-                static_cast<long long>(r.idle.threads),
-                static_cast<long long>(r.after_assign.threads),
-                r.error.empty() ? "" : (" failed: " + r.error).c_str());
+    std::printf(
+        "| %d | %s | %.2f s | %.2f s | %.2f s | %.2f s | %.2f s | %.1f s | %s / %s / %s | %lld / "
+        "%lld |%s\n",
+        r.workers, r.backend.c_str(), r.registered_s, r.submit_rpc_s, r.assigned_s, r.aborted_s,
+        r.reassigned_s, r.end.cpu_s, lockstep::Mb(r.idle.rss_bytes).c_str(),
+        lockstep::Mb(r.after_assign.rss_bytes).c_str(), lockstep::Mb(r.end.rss_bytes).c_str(),
+        static_cast<long long>(r.idle.threads), static_cast<long long>(r.after_assign.threads),
+        r.error.empty() ? "" : (" failed: " + r.error).c_str());
+  }
+  bool any_etcd = false;
+  for (const Result& r : results) any_etcd |= r.backend == "etcd";
+  if (any_etcd) {
+    std::printf(
+        "\nWhat the coordinator wrote to etcd (its Txn calls, keys written, bytes it sent):\n\n");
+    std::printf(
+        "| N | submit → all assigned: txns / keys / KB | drop → all re-assigned: txns / keys / KB "
+        "|\n");
+    std::printf("|---|---|---|\n");
+    for (const Result& r : results) {
+      if (r.backend != "etcd") continue;
+      std::printf("| %d | %lld / %lld / %.1f | %lld / %lld / %.1f |\n", r.workers,
+                  static_cast<long long>(r.submit_writes.txns),
+                  static_cast<long long>(r.submit_writes.puts),
+                  r.submit_writes.received_bytes / 1e3, static_cast<long long>(r.drop_writes.txns),
+                  static_cast<long long>(r.drop_writes.puts), r.drop_writes.received_bytes / 1e3);
+    }
   }
   if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
     std::ofstream json(out);
@@ -194,14 +292,18 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       json << absl::StrFormat(
-          "  {\"workers\": %d, \"error\": \"%s\", \"registered_s\": %.3f, \"submit_rpc_s\": %.3f, "
+          "  {\"workers\": %d, \"backend\": \"%s\", \"error\": \"%s\", \"registered_s\": %.3f, "
+          "\"submit_rpc_s\": %.3f, "
           "\"assigned_s\": %.3f, \"aborted_s\": %.3f, \"reassigned_s\": %.3f, "
           "\"coordinator_cpu_s\": %.2f, \"rss_idle_bytes\": %d, \"rss_assigned_bytes\": %d, "
-          "\"rss_end_bytes\": %d, \"threads_idle\": %d, \"threads_assigned\": %d}%s\n",
-          r.workers, r.error, r.registered_s, r.submit_rpc_s, r.assigned_s, r.aborted_s,
-          r.reassigned_s, r.end.cpu_s, r.idle.rss_bytes, r.after_assign.rss_bytes,
-          r.end.rss_bytes, r.idle.threads, r.after_assign.threads,
-          i + 1 < results.size() ? "," : "");
+          "\"rss_end_bytes\": %d, \"threads_idle\": %d, \"threads_assigned\": %d, "
+          "\"etcd_submit_txns\": %d, \"etcd_submit_keys\": %d, \"etcd_submit_bytes\": %d, "
+          "\"etcd_drop_txns\": %d, \"etcd_drop_keys\": %d, \"etcd_drop_bytes\": %d}%s\n",
+          r.workers, r.backend, r.error, r.registered_s, r.submit_rpc_s, r.assigned_s, r.aborted_s,
+          r.reassigned_s, r.end.cpu_s, r.idle.rss_bytes, r.after_assign.rss_bytes, r.end.rss_bytes,
+          r.idle.threads, r.after_assign.threads, r.submit_writes.txns, r.submit_writes.puts,
+          r.submit_writes.received_bytes, r.drop_writes.txns, r.drop_writes.puts,
+          r.drop_writes.received_bytes, i + 1 < results.size() ? "," : "");
     }
     json << "]\n";
   }

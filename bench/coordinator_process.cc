@@ -39,6 +39,21 @@ ProcessStats Stats(pid_t pid) {
   return s;
 }
 
+absl::StatusOr<pid_t> Spawn(std::vector<std::string> args, const std::string& log) {
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_addopen(&files, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&files, 1, 2);
+  pid_t pid = 0;
+  const int spawned = posix_spawn(&pid, argv[0], &files, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&files);
+  if (spawned != 0) return absl::UnavailableError("cannot start " + args.front());
+  return pid;
+}
+
 absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::Start(
     const std::string& binary, const std::string& dir, const std::vector<std::string>& flags,
     bool keep_logs) {
@@ -50,19 +65,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::Start(
   const std::string port_file = dir + "/port";
   std::vector<std::string> args = {binary, "--listen=127.0.0.1:0", "--port_file=" + port_file};
   args.insert(args.end(), flags.begin(), flags.end());
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t files;
-  posix_spawn_file_actions_init(&files);
-  posix_spawn_file_actions_addopen(&files, 2, p->log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  const int spawned = posix_spawn(&p->pid_, argv[0], &files, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&files);
-  if (spawned != 0) {
-    p->pid_ = 0;
-    return absl::UnavailableError("cannot start " + binary);
-  }
+  absl::StatusOr<pid_t> pid = Spawn(std::move(args), p->log_);
+  if (!pid.ok()) return pid.status();
+  p->pid_ = *pid;
   std::string port;
   for (int i = 0; i < 200 && port.empty(); ++i) {
     std::ifstream(port_file) >> port;
@@ -90,12 +95,15 @@ CoordinatorProcess::~CoordinatorProcess() {
   }
 }
 
+std::string TempDir(const std::string& tag, int n) {
+  return absl::StrCat(std::filesystem::temp_directory_path().string(), "/lockstep-", tag, "-",
+                      getpid(), "-", n);
+}
+
 absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::StartInTemp(
-    const std::string& binary, const std::string& tag, int n, bool keep_logs) {
-  return Start(binary,
-               absl::StrCat(std::filesystem::temp_directory_path().string(), "/lockstep-", tag, "-",
-                            getpid(), "-", n),
-               {}, keep_logs);
+    const std::string& binary, const std::string& tag, int n, bool keep_logs,
+    const std::vector<std::string>& flags) {
+  return Start(binary, TempDir(tag, n), flags, keep_logs);
 }
 
 absl::StatusOr<std::vector<int>> ParseCounts(const std::string& flag, const std::string& text,
@@ -104,8 +112,8 @@ absl::StatusOr<std::vector<int>> ParseCounts(const std::string& flag, const std:
   for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     int n = 0;
     if (!absl::SimpleAtoi(item, &n) || n < min) {
-      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", item, "\" is not a ",
-                                                     noun, " count of ", min, " or more"));
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", item, "\" is not a ", noun,
+                                                     " count of ", min, " or more"));
     }
     counts.push_back(n);
   }

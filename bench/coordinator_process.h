@@ -25,6 +25,12 @@ ProcessStats Stats(pid_t pid);
 absl::StatusOr<std::vector<int>> ParseCounts(const std::string& flag, const std::string& text,
                                              int min, const std::string& noun);
 
+// Starts args[0] with `args`, its stdout and stderr written to `log`.
+absl::StatusOr<pid_t> Spawn(std::vector<std::string> args, const std::string& log);
+
+// A fresh directory's path in the system's temporary one: lockstep-TAG-PID-N.
+std::string TempDir(const std::string& tag, int n);
+
 class CoordinatorProcess {
  public:
   // Starts `binary --listen=127.0.0.1:0` (plus `flags`) with its log in `dir`, and waits until
@@ -32,10 +38,11 @@ class CoordinatorProcess {
   static absl::StatusOr<std::unique_ptr<CoordinatorProcess>> Start(
       const std::string& binary, const std::string& dir, const std::vector<std::string>& flags,
       bool keep_logs);
-  // Start() in a fresh directory of the system's temporary one: lockstep-TAG-PID-N.
-  static absl::StatusOr<std::unique_ptr<CoordinatorProcess>> StartInTemp(const std::string& binary,
-                                                                         const std::string& tag,
-                                                                         int n, bool keep_logs);
+  // Start() in TempDir(tag, n).
+  static absl::StatusOr<std::unique_ptr<CoordinatorProcess>> StartInTemp(
+      const std::string& binary, const std::string& tag, int n, bool keep_logs,
+      const std::vector<std::string>& flags = {});
+  const std::string& dir() const { return dir_; }
   ~CoordinatorProcess();
   const std::string& address() const { return address_; }
   pid_t pid() const { return pid_; }
