@@ -8,8 +8,8 @@
 // --backends runs each N with the coordinator's state in memory (no --state_dir), in files
 // (--state_dir) or in etcd (a one-member etcd on loopback that the benchmark starts); with
 // etcd it also counts, from etcd's own counters, the transactions, keys written and bytes the
-// coordinator sent for the submit (to every worker assigned) and for the drop (to every
-// survivor re-assigned).
+// coordinator sent for the submit (to every worker assigned, and 1 s more) and for the drop (to
+// every survivor re-assigned, and 1 s more); the leader's lease renewals are in the bytes.
 //
 //   control_plane_bench --coordinator=build/coordinator/lockstep-coordinator
 //       --workers=1024,4096,10000 --backends=memory,file,etcd
@@ -192,9 +192,9 @@ Result RunOne(int n, const std::string& backend) {
     return r;
   }
   r.assigned_s = Since(t_submit);
-  r.submit_writes = counters() - before_submit;
-  absl::SleepFor(absl::Seconds(1));  // settled
+  absl::SleepFor(absl::Seconds(1));  // settled, and every write of the submit done
   r.after_assign = Stats(pid);
+  r.submit_writes = counters() - before_submit;
 
   const bench::EtcdCounters before_drop = counters();
   const auto t_drop = Clock::now();
@@ -211,6 +211,7 @@ Result RunOne(int n, const std::string& backend) {
     return r;
   }
   r.reassigned_s = Since(t_drop);
+  absl::SleepFor(absl::Seconds(1));  // every write of the re-formation done
   r.drop_writes = counters() - before_drop;
   finish();
   return r;
@@ -274,8 +275,8 @@ int main(int argc, char** argv) {
     std::printf(
         "\nWhat the coordinator wrote to etcd (its Txn calls, keys written, bytes it sent):\n\n");
     std::printf(
-        "| N | submit → all assigned: txns / keys / KB | drop → all re-assigned: txns / keys / KB "
-        "|\n");
+        "| N | submit → all assigned, + 1 s: txns / keys / KB | drop → all re-assigned, + 1 s: "
+        "txns / keys / KB |\n");
     std::printf("|---|---|---|\n");
     for (const Result& r : results) {
       if (r.backend != "etcd") continue;
