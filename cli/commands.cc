@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <unordered_set>
 #include <utility>
 
@@ -499,18 +500,22 @@ std::shared_ptr<grpc::Channel> LeaderChannel(const std::vector<std::string>& coo
                 status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
     return p;
   };
+  std::set<std::string> asked;
+  std::string first_named;  // the leader a standby named first, for the command's error
   for (const std::string& address : coordinators) {
+    if (!asked.insert(address).second) continue;
     Probe p = ask(address);
     // The command's call gets the same answer as the health check.
     if (p.answers) return p.channel;
     // The leader a standby names, if this client can reach it (a container's or a host's
     // name may not resolve here); else the next address, which may be the leader itself.
-    if (!p.leader.empty()) {
+    if (!p.leader.empty() && asked.insert(p.leader).second) {
+      if (first_named.empty()) first_named = p.leader;
       Probe named = ask(p.leader);
       if (named.answers) return named.channel;
     }
   }
-  return MakeChannel(coordinators.front(), auth);
+  return MakeChannel(first_named.empty() ? coordinators.front() : first_named, auth);
 }
 
 int RunCommand(const Invocation& invocation, v1::JobService::StubInterface& stub,

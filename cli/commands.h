@@ -133,9 +133,9 @@ std::string PlaintextTokenWarning(const std::string& coordinator, const std::str
 
 // The channel to the coordinator that leads among `coordinators` (--coordinator, split). One
 // address: that one. Several: each is asked in turn (gRPC's health check, at most `timeout`
-// each) and the first that serves is used, or the leader a standby names when it answers from
-// here (else the next address); when none answers, the first, whose error the command then
-// reports.
+// each, each address once) and the first that serves is used, or the leader a standby names
+// when it answers from here (else the next address); when none answers, the leader a standby
+// named first (or else the first address), whose error the command then reports.
 std::shared_ptr<grpc::Channel> LeaderChannel(const std::vector<std::string>& coordinators,
                                              const ClientAuth& auth, absl::Duration timeout);
 

@@ -355,6 +355,12 @@ absl::StatusOr<std::string> OpenStateBackend(const std::string& state_dir, Etcd&
         absl::StrCat("--etcd_prefix '", etcd.prefix, "' must start with /"));
   }
   if (etcd.prefix.back() != '/') etcd.prefix += '/';
+  // The TLS files' own errors name their flags (Connect checks them again).
+  if (absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+          lockstep::MakeChannelCredentials(etcd_tls);
+      !credentials.ok()) {
+    return credentials.status();
+  }
   absl::StatusOr<std::unique_ptr<lockstep::coordinator::EtcdClient>> client =
       lockstep::coordinator::EtcdClient::Connect(absl::GetFlag(FLAGS_etcd_endpoints), etcd.prefix,
                                                  absl::Seconds(5), etcd_tls);

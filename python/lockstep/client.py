@@ -161,12 +161,14 @@ class Client:
         if error.code() != grpc.StatusCode.UNAVAILABLE:
             return None
         leader = dict(error.trailing_metadata() or ()).get(_LEADER)
-        if leader:
-            return leader if leader not in tried else None
+        if leader and leader not in tried:
+            return leader
         details = (error.details() or "").lower()
-        # Never reached: refused, or a name (say, a container's, named by a standby) that does
-        # not resolve from here.
-        if "failed to connect" not in details and "dns resolution failed" not in details:
+        # A standby (which never acts on a call) naming a leader already tried, or a call that
+        # never reached a coordinator: refused, or a name (say, a container's, named by a
+        # standby) that does not resolve from here.
+        if (not leader and "failed to connect" not in details
+                and "dns resolution failed" not in details):
             return None
         untried = [a for a in self._addresses if a not in tried]
         return untried[0] if untried else None
