@@ -23,6 +23,9 @@
 # Bad input: a worker with a wrong token exits 3 and the coordinator lists it as rejected; a
 # wrong coordinator address exits 4 after --give_up_after; a GPU device on a host without one
 # exits 2; each with a log line that says why.
+# Then deploy/compose/docker-compose.ha.yml (three etcd members, three coordinators on them, two
+# workers) trains a job through a docker kill of the leading coordinator's container: it must
+# cost the job nothing (one generation, no recovery, exact steps, one checksum).
 # Then everything is torn down: containers, networks, volumes, the images it built, and, if it
 # started the engine itself, the engine, its iptables chains, its bridges and ip_forward, which
 # the test checks are back to what they were.
@@ -101,6 +104,10 @@ teardown() {
     log "tearing down the cluster"
     "${compose[@]}" ps 2>/dev/null
     if ((rc != 0)); then "${compose[@]}" logs --no-color --tail=40 2>/dev/null; fi
+    if [[ -n "${ha[*]:-}" ]]; then
+      if ((rc != 0)); then "${ha[@]}" ps 2>/dev/null; "${ha[@]}" logs --no-color --tail=40 2>/dev/null; fi
+      "${ha[@]}" --profile cli down --volumes --rmi all --remove-orphans >/dev/null 2>&1
+    fi
     "${compose[@]}" --profile cli down --volumes --rmi all --remove-orphans >/dev/null 2>&1
     docker rmi "$base_tag" >/dev/null 2>&1
     # The untagged build stage that the classic builder leaves behind, and only that.
@@ -208,14 +215,21 @@ fi
 # address) until the crash, since the docker kill's abort releases their first hold. The
 # override gives the compose file's own worker command the hook flags, so that the command
 # itself stays in one place.
-hooks="$work/hooks"
-mkdir -m 0777 "$hooks"  # the workers run as uid 10001
-"${compose[@]}" config | python3 -c '
+# hook_override HOOKS DIR COMPOSE...: an override file (on stdout) that gives the worker
+# service of the compose files COMPOSE --test_hooks=HOOKS with DIR as its hooks directory.
+hook_override() {
+  local hooks="$1" dir="$2"; shift 2
+  "$@" config | python3 -c '
 import json, sys, yaml
 command = yaml.safe_load(sys.stdin)["services"]["worker"]["command"]
-command += ["--test_hooks=before_step@19999,store_set_0@2,store_set_1@2", "--test_hooks_dir=/hooks"]
-print(json.dumps({"services": {"worker": {"command": command, "volumes": [sys.argv[1] + ":/hooks"]}}}))
-' "$hooks" >"$work/compose.hooks.yml" || fail "writing the test-hook override of the compose file"
+command += ["--test_hooks=" + sys.argv[1], "--test_hooks_dir=/hooks"]
+print(json.dumps({"services": {"worker": {"command": command, "volumes": [sys.argv[2] + ":/hooks"]}}}))
+' "$hooks" "$dir"
+}
+hooks="$work/hooks"
+mkdir -m 0777 "$hooks"  # the workers run as uid 10001
+hook_override "before_step@19999,store_set_0@2,store_set_1@2" "$hooks" "${compose[@]}" \
+  >"$work/compose.hooks.yml" || fail "writing the test-hook override of the compose file"
 compose+=(-f "$work/compose.hooks.yml")
 
 if [[ "$from_source" == 1 ]]; then
@@ -397,6 +411,94 @@ expect_exit 2 "device=cuda:0" --network "$network" -e LOCKSTEP_TOKEN="$LOCKSTEP_
 "${compose[@]}" --profile cli run --rm cli list >"$work/cli.txt" 2>&1 || { cat "$work/cli.txt"; fail "cli service"; }
 grep -q "$job" "$work/cli.txt" || fail "the cli service does not list $job: $(cat "$work/cli.txt")"
 log "cli service lists $job"
+
+# ---- coordinators on etcd (docker-compose.ha.yml): the leader's container killed mid-job ----
+# The first cluster goes (its images stay); three etcd members, three coordinators and two
+# workers come up. The workers hold before step 1500 (test hook), so that the leader's
+# container is killed mid-job on any machine. A standby must lead, the workers must come back
+# to it with their group as it was (busy, generation 1), and once released the job must
+# succeed with exactly its steps, one checksum, one generation and no recovery: the failover
+# cost it nothing. The job queued behind it runs. lockstepctl on the host is given all three
+# published addresses: a standby names the leader as coordinator-N:7070, which does not resolve
+# here, and lockstepctl must go on to the next address.
+"${compose[@]}" down --volumes >/dev/null 2>&1 || true
+ha_hooks="$work/ha-hooks"
+mkdir -m 0777 "$ha_hooks"
+ha=(docker-compose -p "${proj}ha" -f "$root/deploy/compose/docker-compose.ha.yml")
+hook_override "before_step@1500" "$ha_hooks" "${ha[@]}" >"$work/ha.hooks.yml" ||
+  fail "writing the test-hook override of docker-compose.ha.yml"
+ha+=(-f "$work/ha.hooks.yml")
+ha_ports=()
+for i in 1 2 3; do
+  ha_ports+=("$(free_port)")
+  dashboard_port="$(free_port)"
+  export "LOCKSTEP_PORT_$i=${ha_ports[-1]}" "LOCKSTEP_DASHBOARD_PORT_$i=$dashboard_port"
+done
+SECONDS_BUILD=$SECONDS
+"${ha[@]}" build >"$work/ha-build.log" 2>&1 || { tail -n 40 "$work/ha-build.log"; fail "docker-compose.ha.yml: image build failed"; }
+log "docker-compose.ha.yml: images built in $((SECONDS - SECONDS_BUILD))s (etcd from Debian's etcd-server)"
+"${ha[@]}" up -d --scale worker=2 >"$work/ha-up.log" 2>&1 || { cat "$work/ha-up.log"; fail "docker-compose.ha.yml: up failed"; }
+export LOCKSTEP_COORDINATOR="127.0.0.1:${ha_ports[0]},127.0.0.1:${ha_ports[1]},127.0.0.1:${ha_ports[2]}"
+# The coordinator (1, 2 or 3) that serves on its own published port.
+ha_leader() {
+  local i
+  for i in 1 2 3; do
+    "$ctl" --coordinator="127.0.0.1:${ha_ports[i-1]}" --timeout_ms=1000 health >/dev/null 2>&1 && { echo "$i"; return 0; }
+  done
+  return 1
+}
+wait_for 120 "a coordinator on etcd leading" ha_leader
+first="$(ha_leader)"
+log "coordinator-$first leads ($LOCKSTEP_COORDINATOR)"
+wait_for 90 "2 idle workers with the leader" bash -c "(( \$('$ctl' workers | grep -c ' idle ') >= 2 ))"
+standby=$((first % 3 + 1))
+out="$("$ctl" --coordinator="127.0.0.1:${ha_ports[standby-1]}" list 2>&1)" &&
+  fail "coordinator-$standby answered list as a leader: $out"
+grep -q "the leader is at coordinator-$first:7070" <<<"$out" ||
+  fail "coordinator-$standby does not name coordinator-$first:7070: $out"
+"$ctl" --coordinator="127.0.0.1:${ha_ports[standby-1]},127.0.0.1:${ha_ports[first-1]}" list >/dev/null ||
+  fail "lockstepctl did not pass over a leader name that does not resolve on the host"
+ha_job() {  # ha_job NAME STEPS: a job spec on stdout
+  cat <<JOB
+{"name": "$1", "model": {"mlp": {"hiddenWidths": [64]}},
+ "dataset": {"type": "synthetic", "synthetic": {"trainSamples": 4000, "testSamples": 400,
+             "inputDim": 32, "numClasses": 10, "seed": 5}},
+ "optimizer": {"type": "sgd", "learningRate": 0.05, "momentum": 0.9},
+ "globalBatchSize": 40, "maxSteps": $2, "minWorkers": 2, "maxWorkers": 2, "stepTimeoutMs": 300000}
+JOB
+}
+ha_job compose-ha 3000 >"$work/ha-job.json"
+ha_job compose-ha-queued 100 >"$work/ha-queued.json"
+job="$("$ctl" submit "$work/ha-job.json")"
+queued="$("$ctl" submit "$work/ha-queued.json")"
+log "submitted $job, and $queued behind it"
+wait_for 120 "the workers holding before step 1500" test -e "$ha_hooks/before_step.reached"
+[[ "$(job_field "j['state']")" == JOB_STATE_RUNNING ]] || fail "$job is not RUNNING while its workers hold"
+leader_id="$("${ha[@]}" ps -q "coordinator-$first")"
+step="$(job_field "j.get('step')")"
+killed_at="$(date +%s.%N)"
+docker kill "$leader_id" >/dev/null
+log "docker kill coordinator-$first (the leader) at step $step"
+wait_for 30 "a standby leading" bash -c "$(declare -f ha_leader); ctl=$ctl; ha_ports=(${ha_ports[*]}); i=\$(ha_leader) && [[ \$i != $first ]]"
+log "coordinator-$(ha_leader) leads $(python3 -c "import time; print('%.1f' % (time.time() - $killed_at))") s after the kill"
+wait_for 60 "both workers back, busy with $job" bash -c "(( \$('$ctl' workers | grep -c ' busy ') >= 2 ))"
+log "both workers back $(python3 -c "import time; print('%.1f' % (time.time() - $killed_at))") s after the kill; generation $(job_field "j.get('generation')")"
+touch "$ha_hooks/before_step.release"
+"$ctl" watch "$job" >"$work/ha-watch.log" 2>&1 || { cat "$work/ha-watch.log"; fail "$job did not succeed after the failover"; }
+"$ctl" status "$job"
+[[ "$(job_field "j['state']")" == JOB_STATE_SUCCEEDED ]] || fail "$job not SUCCEEDED"
+[[ "$(job_field "j['step']")" == 3000 ]] || fail "$job did not run exactly 3000 steps"
+checksums="$(job_field "' '.join(sorted(set(m.get('parameterChecksum', '') for m in j['members'])))")"
+[[ -n "$checksums" && "$checksums" != *" "* ]] || fail "ranks ended with different parameters: $checksums"
+[[ "$(job_field "len(j.get('recoveryHistory', []))")" == 0 ]] ||
+  fail "$job was re-formed after the leader's loss: $(job_field "j.get('recoveryHistory')")"
+[[ "$(job_field "int(j.get('generation', 0))")" == 1 ]] ||
+  fail "$job is in generation $(job_field "j.get('generation')"), not the one it ran before the failover"
+log "$job SUCCEEDED through the failover: 3000 steps, generation 1, no recovery, parameters $checksums"
+"$ctl" watch "$queued" >"$work/ha-watch-queued.log" 2>&1 || { cat "$work/ha-watch-queued.log"; fail "$queued (queued behind) did not succeed"; }
+[[ "$(docker inspect -f '{{.State.Status}}' "$leader_id")" == exited ]] || fail "the killed coordinator was restarted"
+"${ha[@]}" down --volumes >/dev/null 2>&1 || true
+log "coordinators on etcd: PASS"
 
 # The CUDA worker target: a CUDA build of the worker, bundled onto a base without Lockstep's
 # runtime packages. NVIDIA's devel and runtime images are not reachable here, so a stand-in
