@@ -9,10 +9,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <filesystem>
-#include <map>
 #include <cstring>
+#include <filesystem>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 #include <vector>
@@ -25,8 +25,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/bytes.h"
-#include "common/utf8.h"
 #include "common/status_macros.h"
+#include "common/test_hooks.h"
+#include "common/utf8.h"
 #include "glog/logging.h"
 #include "worker/program/checkpoint_agreement.h"
 #include "worker/program/checkpoint_disk.h"
@@ -258,10 +259,10 @@ absl::StatusOr<std::string> ProgramGeneration::Check() const {
     }
   }
   if (script < 0 && !module) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "program.argv: names no script (a file inside --programs_root ",
-        settings.root.Describe(), " on worker ", context_.worker_name,
-        "): give the interpreter and then the script, or the executable's path"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("program.argv: names no script (a file inside --programs_root ",
+                     settings.root.Describe(), " on worker ", context_.worker_name,
+                     "): give the interpreter and then the script, or the executable's path"));
   }
   if (script >= 0) {
     const std::string field = absl::StrCat("program.argv[", script, "]");
@@ -271,8 +272,8 @@ absl::StatusOr<std::string> ProgramGeneration::Check() const {
           absl::StrCat("worker ", context_.worker_name, ": ", s.message()));
     }
     if (!IsRegularFile(path)) {
-      return absl::NotFoundError(absl::StrCat(field, ": no file \"", path, "\" on worker ",
-                                              context_.worker_name));
+      return absl::NotFoundError(
+          absl::StrCat(field, ": no file \"", path, "\" on worker ", context_.worker_name));
     }
   }
   // The executable: a path (relative to the workdir), or a name looked up in the program's PATH.
@@ -283,9 +284,8 @@ absl::StatusOr<std::string> ProgramGeneration::Check() const {
     const std::string candidate = absl::StrCat(dir, "/", argv[0]);
     if (IsRegularFile(candidate) && access(candidate.c_str(), X_OK) == 0) return candidate;
   }
-  return absl::NotFoundError(absl::StrCat("program.argv[0]: \"", argv[0],
-                                          "\" not found in PATH (", path, ") on worker ",
-                                          context_.worker_name));
+  return absl::NotFoundError(absl::StrCat("program.argv[0]: \"", argv[0], "\" not found in PATH (",
+                                          path, ") on worker ", context_.worker_name));
 }
 
 absl::Status ProgramGeneration::CheckDevice(const v1::ProgramReportRequest& report) const {
@@ -315,8 +315,8 @@ absl::Status ProgramGeneration::Rendezvous(std::string* addr, int* port) {
   if (!master.ok()) return master.status();
   const std::vector<std::string> parts = absl::StrSplit(*master, ' ');
   if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], port)) {
-    return absl::DataLossError(absl::StrCat("rank 0 published a malformed MASTER address \"",
-                                            *master, "\""));
+    return absl::DataLossError(
+        absl::StrCat("rank 0 published a malformed MASTER address \"", *master, "\""));
   }
   *addr = parts[0];
   return absl::OkStatus();
@@ -367,7 +367,8 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
         return absl::DataLossError(absl::StrCat("rank ", rank, " published malformed holdings"));
       }
     }
-    LOCKSTEP_RETURN_IF_ERROR(store_->Set(kChosenKey, ChooseCheckpoint(by_rank).SerializeAsString()));
+    LOCKSTEP_RETURN_IF_ERROR(
+        store_->Set(kChosenKey, ChooseCheckpoint(by_rank).SerializeAsString()));
   }
   absl::StatusOr<std::string> chosen_text = store_->Get(kChosenKey, kAgreementWait);
   if (!chosen_text.ok()) return chosen_text.status();
@@ -402,11 +403,9 @@ absl::Status ProgramGeneration::AgreeOnCheckpoint() {
     }
     // Before the program starts: its Checkpointer finds the save in its own slots.
     const absl::Time fetch_start = absl::Now();
-    absl::StatusOr<HeldCheckpoint> fetched =
-        FetchCheckpoint(memory, fetch.holder_address(), fetch.holder_worker(),
-                        assignment_.checkpoint_secret(), job,
-                        fetch.holders_own() ? "" : fetch.source_worker(), step,
-                        &abort_->flag());
+    absl::StatusOr<HeldCheckpoint> fetched = FetchCheckpoint(
+        memory, fetch.holder_address(), fetch.holder_worker(), assignment_.checkpoint_secret(), job,
+        fetch.holders_own() ? "" : fetch.source_worker(), step, &abort_->flag());
     if (!fetched.ok()) {
       // The group restarts (the coordinator re-forms it); the copy is never half-used.
       return absl::Status(fetched.status().code(),
@@ -434,15 +433,15 @@ absl::Status ProgramGeneration::RestoreDiskStep(int64_t step) {
   // This rank's file of the step first, then any other rank's (the model and optimizer are
   // the same under DDP; only `extra` is the other rank's).
   std::vector<DiskCheckpoint> files;
-  for (DiskCheckpoint& f : ListDiskCheckpoints(assignment_.spec().checkpoint_dir(),
-                                               assignment_.job_id())) {
+  for (DiskCheckpoint& f :
+       ListDiskCheckpoints(assignment_.spec().checkpoint_dir(), assignment_.job_id())) {
     if (f.step == step) files.push_back(std::move(f));
   }
   std::stable_partition(files.begin(), files.end(),
                         [&](const DiskCheckpoint& f) { return f.rank == assignment_.rank(); });
-  absl::Status last = absl::NotFoundError(absl::StrCat(
-      "no file of step ", step, " in ", assignment_.spec().checkpoint_dir(), " on worker ",
-      context_.worker_name));
+  absl::Status last = absl::NotFoundError(absl::StrCat("no file of step ", step, " in ",
+                                                       assignment_.spec().checkpoint_dir(),
+                                                       " on worker ", context_.worker_name));
   const absl::Time start = absl::Now();
   for (const DiskCheckpoint& f : files) {
     absl::StatusOr<HeldCheckpoint> restored =
@@ -492,9 +491,9 @@ absl::StatusOr<v1::CheckpointSlotsResponse> ProgramGeneration::OnCheckpointSlots
   if (abort_->raised()) return absl::AbortedError(absl::StrCat(Name(), ": stopping"));
   CheckpointMemory* const memory = context_.checkpoint_memory;
   if (memory == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "worker ", context_.worker_name,
-        " keeps no checkpoint memory for programs (--checkpoint_memory_bytes=0)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker ", context_.worker_name,
+                     " keeps no checkpoint memory for programs (--checkpoint_memory_bytes=0)"));
   }
   absl::StatusOr<std::vector<std::string>> paths = memory->Slots(assignment_.job_id(), bytes);
   if (!paths.ok()) {
@@ -628,9 +627,9 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
     absl::StatusOr<std::unique_ptr<SupervisedProgram>> launched =
         SupervisedProgram::Launch(*launch);
     if (!launched.ok()) {
-      return absl::UnavailableError(absl::StrCat("worker ", context_.worker_name,
-                                                 " could not start the program: ",
-                                                 launched.status().message()));
+      return absl::UnavailableError(
+          absl::StrCat("worker ", context_.worker_name,
+                       " could not start the program: ", launched.status().message()));
     }
     program = *std::move(launched);
   }
@@ -658,7 +657,7 @@ absl::Status ProgramGeneration::Run(std::unique_ptr<Trainer>& trainer) {
 }
 
 ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program,
-                                                     const LaunchSpec& launch) {
+                                                    const LaunchSpec& launch) {
   const absl::Time park_at = absl::Now() + WarmStarts::kParkAfter;
   bool parked = context_.warm_starts == nullptr;
   const std::string prefix =
@@ -699,8 +698,11 @@ ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program,
   while (!program.Reaped()) {
     // The supervisor's exit wakes the watch at once (its end, and a stop, are seen without
     // waiting for the timeout: the group's restart waits on them).
-    pollfd fds[5] = {{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}, {status_fd, POLLIN, 0},
-                     {wake_[0], POLLIN, 0}, {program.exit_fd(), POLLIN, 0}};
+    pollfd fds[5] = {{out_fd, POLLIN, 0},
+                     {err_fd, POLLIN, 0},
+                     {status_fd, POLLIN, 0},
+                     {wake_[0], POLLIN, 0},
+                     {program.exit_fd(), POLLIN, 0}};
     poll(fds, 5, 100);
     if (!parked && (reported_ || absl::Now() >= park_at) && !abort_->raised()) {
       context_.warm_starts->Park(launch, assignment_.job_id());
@@ -709,6 +711,9 @@ ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program,
     if (fds[0].revents != 0) drain(out_fd, out_lines, false);
     if (fds[1].revents != 0) drain(err_fd, err_lines, true);
     send_output(false);
+    // Tests hold here, the program's output read but not its status, while the program and
+    // its supervisor end: the loop then ends with the status unread (read below).
+    if (fds[0].revents != 0) test_hooks::Reach("program_output_read", -1, &abort_->flag());
     if (fds[2].revents != 0) {
       absl::StatusOr<ProcessEnd> end = program.ReadEnd();
       if (end.ok()) {
@@ -731,6 +736,17 @@ ProgramGeneration::Watched ProgramGeneration::Watch(SupervisedProgram& program,
       LOG(INFO) << Name() << ": stopping the program (SIGTERM, then SIGKILL after "
                 << assignment_.spec().program().stop_grace_ms() << " ms)";
       program.Stop();
+    }
+  }
+  // The supervisor wrote the program's end before it exited, and may have been reaped before
+  // a poll saw that: the status is still in the pipe (its writer is gone, so this never
+  // blocks).
+  if (status_fd >= 0 && !w.end.has_value()) {
+    absl::StatusOr<ProcessEnd> end = program.ReadEnd();
+    if (end.ok()) {
+      w.end = *end;
+    } else {
+      w.supervisor = end.status();
     }
   }
   // What the group wrote before it ended.
@@ -800,8 +816,8 @@ absl::Status ProgramGeneration::Outcome(Watched w, const std::string& executable
                    : absl::StrCat("exited with code ", end.exit_code),
       fatal ? " (a fatal exit code)" : "", exit.summary().empty() ? "" : ": ", exit.summary());
   LOG(WARNING) << Name() << ": " << message;
-  absl::Status failed = fatal ? absl::FailedPreconditionError(message)
-                              : absl::UnavailableError(message);
+  absl::Status failed =
+      fatal ? absl::FailedPreconditionError(message) : absl::UnavailableError(message);
   failed.SetPayload(kProgramExitPayload, absl::Cord(exit.SerializeAsString()));
   return failed;
 }

@@ -1547,5 +1547,73 @@ TEST_F(ProgramTest, AProcessOnAnotherMembersGpuFailsTheJobSayingWhatToCall) {
   EXPECT_EQ(done->program_exits(0).signal(), "SIGTERM");
 }
 
+// Prints a line, then exits 0 once the file named by its argument exists.
+constexpr char kPrintThenExitScript[] = R"py(import os, sys, time
+print("ready", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+)py";
+
+// The pid of the process whose command line holds `needle` (0 if none), and its parent's.
+std::pair<pid_t, pid_t> FindProcess(const std::string& needle) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string cmdline = ReadFile(entry.path() / "cmdline");
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    if (!absl::StrContains(cmdline, needle)) continue;
+    const std::string stat = ReadFile(entry.path() / "stat");
+    // After the command's closing parenthesis: state, then the parent's pid.
+    std::vector<std::string> fields = absl::StrSplit(stat.substr(stat.rfind(')') + 2), ' ');
+    pid_t parent = 0;
+    if (fields.size() > 1 && absl::SimpleAtoi(fields[1], &parent)) {
+      return {static_cast<pid_t>(std::stoi(name)), parent};
+    }
+  }
+  return {0, 0};
+}
+
+// The state letter of process `pid` ('Z': exited, not yet reaped), or 0 if it is gone.
+char ProcessState(pid_t pid) {
+  const std::string stat = ReadFile(absl::StrCat("/proc/", pid, "/stat"));
+  const size_t close = stat.rfind(')');
+  return close == std::string::npos || close + 2 >= stat.size() ? 0 : stat[close + 2];
+}
+
+// The program ends while its worker has read its output but not yet its status, and its
+// supervisor exits before the worker looks again, as can happen on a loaded machine (a test
+// hook holds the worker there until the supervisor is a zombie). The worker still reads the
+// exit status the supervisor left in the pipe: the job succeeds, with no restart. Before, the
+// worker reported "the program's supervisor ended without its status" and the group restarted.
+TEST_F(ProgramTest, AnEndSeenOnlyAfterTheSupervisorExitedStillCarriesTheExitStatus) {
+  auto cluster = StartCluster();
+  ASSERT_NE(cluster, nullptr);
+  const Programs p = MakePrograms(*cluster);
+  WriteFile(p.root + "/print_then_exit.py", kPrintThenExitScript);
+  std::vector<std::string> flags = ProgramFlags(p);
+  flags.push_back("--test_hooks=program_output_read");
+  ASSERT_TRUE(cluster->StartWorker("w0", flags).ok()) << cluster->Logs();
+  const std::string go = p.out + "/go";
+  auto job = cluster->Submit(ProgramJob(p, {"/usr/bin/python3", "print_then_exit.py", go}, 1, 1));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(cluster->WaitForHook("w0", "program_output_read", kJobWait).ok()) << cluster->Logs();
+  const auto [script, supervisor] = FindProcess("print_then_exit.py " + go);
+  ASSERT_NE(script, 0) << "the program is not running";
+  WriteFile(go, "");
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (ProcessState(supervisor) != 'Z' && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(ProcessState(supervisor), 'Z')
+      << "the supervisor (pid " << supervisor << ") did not exit";
+  cluster->ReleaseHook("w0", "program_output_read");
+  auto done = cluster->WaitForEnd(job->job_id(), kJobWait);
+  ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
+  EXPECT_EQ(done->state(), v1::JOB_STATE_SUCCEEDED) << done->reason() << cluster->Logs();
+  EXPECT_EQ(done->recoveries(), 0) << cluster->Logs();
+  EXPECT_EQ(done->generation(), 1);
+  EXPECT_EQ(done->program_exits_size(), 0) << done->DebugString();
+}
+
 }  // namespace
 }  // namespace lockstep
