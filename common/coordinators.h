@@ -13,6 +13,10 @@
 namespace lockstep {
 
 inline constexpr char kLeaderMetadataKey[] = "x-lockstep-leader";
+// The leading coordinator's term (etcd's create revision of its leader key; docs/deploy.md), in
+// the initial metadata of every call it admits. A client that has seen a larger term takes an
+// answer with a smaller one for a deposed leader's (stale), as workers do with Registered.term.
+inline constexpr char kTermMetadataKey[] = "x-lockstep-term";
 
 // "a:1,b:2" → {"a:1", "b:2"}; spaces around entries are dropped. An empty list or entry is
 // INVALID_ARGUMENT naming the flag's value.

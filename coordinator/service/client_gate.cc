@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/coordinators.h"
 #include "common/grpc_status.h"
 #include "glog/logging.h"
 
@@ -43,7 +45,8 @@ absl::Status ClientGate::Check(absl::string_view authorization, Role role) const
   return mine.CheckHeader(authorization);
 }
 
-grpc::Status ClientGate::Admit(const grpc::ServerContextBase& context, Role role) {
+grpc::Status ClientGate::Admit(grpc::ServerContextBase& context, Role role) {
+  if (term_ > 0) context.AddInitialMetadata(kTermMetadataKey, absl::StrCat(term_));
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kAuthorizationKey);
   const absl::string_view authorization =

@@ -38,8 +38,11 @@ class ClientGate {
       : checker_(std::move(token)), worker_checker_(std::move(worker_token)), clock_(clock) {}
 
   // OK, or UNAUTHENTICATED naming the problem, or PERMISSION_DENIED for the other role's
-  // token (the rejection is recorded and logged).
-  grpc::Status Admit(const grpc::ServerContextBase& context, Role role);
+  // token (the rejection is recorded and logged). With a term set, the call's initial metadata
+  // carries it (kTermMetadataKey).
+  grpc::Status Admit(grpc::ServerContextBase& context, Role role);
+  // Coordinators on etcd: the term this one leads. Call before serving.
+  void set_term(int64_t term) { term_ = term; }
   // The same for an HTTP request (the dashboard, an operator's): its peer address, what it
   // calls itself and its "authorization" header.
   absl::Status AdmitHttp(const std::string& peer_host, const std::string& client,
@@ -62,6 +65,7 @@ class ClientGate {
   const TokenChecker checker_;         // the operators' (or everyone's) token
   const TokenChecker worker_checker_;  // the workers' token; disabled: no roles
   Clock* const clock_;
+  int64_t term_ = 0;  // set before serving, then only read
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, v1::RejectedClient> rejected_ ABSL_GUARDED_BY(mu_);
   int64_t rejected_calls_ ABSL_GUARDED_BY(mu_) = 0;

@@ -72,7 +72,10 @@ class Coordinator {
               std::string worker_token = "");
 
   // Coordinators on etcd: the term this one leads (Registered.term). Call before serving.
-  void set_term(int64_t term) { term_ = term; }
+  void set_term(int64_t term) {
+    term_ = term;
+    gate_.set_term(term);
+  }
 
   // Loads the job store's jobs into the core (Core::RestoreJobs). Call once, before serving.
   // Returns how many jobs will run again.
@@ -113,7 +116,8 @@ class Coordinator {
   // (Core::GenerationMember); and the lines of a job (NOT_FOUND for an unknown job).
   absl::Status AppendProgramOutput(const std::string& worker_id, const v1::ProgramOutput& output)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<v1::JobLogs> JobLogs(const v1::GetJobLogsRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::JobLogs> JobLogs(const v1::GetJobLogsRequest& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Bootstrap store, behind the core's generation fence (Core::Fence) for the worker whose
   // session holds `session_key` (Registered.session_key): PERMISSION_DENIED for a key of no

@@ -16,6 +16,21 @@ _AUTHORIZATION = "authorization"
 _CLIENT = "x-lockstep-client"
 # A standby coordinator (coordinators on etcd) names the leader in this trailing metadata.
 _LEADER = "x-lockstep-leader"
+# The leading coordinator's term, in the initial metadata of its answers (coordinators on etcd).
+_TERM = "x-lockstep-term"
+# Calls whose answer stands even from an older term: the coordinator answers a submit only
+# after etcd took its fenced write (so it led then), and sending it again could run it twice.
+_NOT_SENT_AGAIN = {"SubmitJob"}
+
+
+def _term_of(call):
+    for key, value in call.initial_metadata() or ():
+        if key == _TERM:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 # Job states after which nothing changes.
 _ENDED = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED)
@@ -79,7 +94,9 @@ class Client:
     address: HOST:PORT, or several comma-separated (coordinators on etcd, one leading): calls go
     to the leader, following the one a standby names, or to the next address when one cannot
     be reached (a call that reached a coordinator that then failed is not sent again: it may
-    have been done). token: the cluster's shared token (default $LOCKSTEP_TOKEN; None sends
+    have been done). An answer from a coordinator that leads an older term than one already
+    seen (a deposed leader, which steps down within seconds) is not trusted: the call goes to
+    the next address, except a submit (answered only after its write was taken). token: the cluster's shared token (default $LOCKSTEP_TOKEN; None sends
     none). tls: None (plaintext), True (TLS with the system's roots), or a dict with "ca" (the
     CA file that signed the coordinator's certificate) and, for mutual TLS, "cert" and "key".
     timeout: seconds for each call (watch streams are not limited).
@@ -98,6 +115,7 @@ class Client:
         if token is None:
             token = os.environ.get("LOCKSTEP_TOKEN") or None
         self._timeout = timeout
+        self._term = 0  # the largest leader's term seen (coordinators on etcd)
         self._metadata = [(_CLIENT, f"python {platform.node()}-{os.getpid()}")]
         if token:
             self._metadata.append((_AUTHORIZATION, f"Bearer {token}"))
@@ -146,14 +164,29 @@ class Client:
         tried = set()
         while True:
             try:
-                return getattr(self._stub, method)(request, timeout=self._timeout,
-                                                   metadata=self._metadata)
+                answer, call = getattr(self._stub, method).with_call(
+                    request, timeout=self._timeout, metadata=self._metadata)
             except grpc.RpcError as e:
                 tried.add(self._address)
                 following = self._next_address(e, tried)
                 if following is None:
                     raise LockstepError(e.code(), e.details() or "") from None
                 self._connect(following)
+                continue
+            term = _term_of(call)
+            if term is None or term >= self._term or method in _NOT_SENT_AGAIN:
+                self._term = max(self._term, term or 0)
+                return answer
+            # A deposed leader (it steps down within seconds, and etcd refuses its writes):
+            # its answer may be stale; ask the others.
+            tried.add(self._address)
+            untried = [a for a in self._addresses if a not in tried]
+            if not untried:
+                raise LockstepError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{self._address} answered as the leader of term {term}, but term "
+                    f"{self._term} has led since: it was deposed") from None
+            self._connect(untried[0])
 
     def _next_address(self, error, tried):
         """Where a call that failed with `error` goes next: the leader a standby named, or, when

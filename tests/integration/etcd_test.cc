@@ -295,6 +295,9 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
 
   auto listed_before = cluster.List();
   ASSERT_TRUE(listed_before.ok()) << listed_before.status();
+  auto old_term = cluster.TermOf(0);  // in every answer, for clients to pass over a deposed one
+  ASSERT_TRUE(old_term.ok()) << old_term.status();
+  EXPECT_GT(*old_term, 0);
   const absl::Time killed = absl::Now();
   cluster.coordinator(0)->Signal(SIGKILL);
   // A job submitted during the failover, to each coordinator in turn until one takes it: every
@@ -325,6 +328,9 @@ TEST(EtcdTest, TheLeaderKilledDuringTrainingCostsTheJobNothing) {
   EXPECT_NE(*leader, 0);
   std::cout << "a standby led " << absl::FormatDuration(absl::Now() - killed)
             << " after the leader was killed\n";
+  auto new_term = cluster.TermOf(*leader);
+  ASSERT_TRUE(new_term.ok()) << new_term.status();
+  EXPECT_GT(*new_term, *old_term);
   // The members register with it, their group kept as it is (busy in generation 1); only then
   // do they go on (released sooner, they could finish the job before they are back).
   for (const char* w : {"w0", "w1"}) {

@@ -128,13 +128,16 @@ class _Coordinator(job_pb2_grpc.JobServiceServicer):
     """GetJob and SubmitJob as a leader answers them, or as a standby naming `leader`, or as a
     coordinator failing while it handles the call (`broken`)."""
 
-    def __init__(self, leader=None, broken=False):
+    def __init__(self, leader=None, broken=False, term=None):
         self.leader = leader
         self.broken = broken
+        self.term = term
         self.calls = 0
 
     def _answer(self, context):
         self.calls += 1
+        if self.term is not None:
+            context.send_initial_metadata((("x-lockstep-term", str(self.term)),))
         if self.leader:
             context.set_trailing_metadata((("x-lockstep-leader", self.leader),))
             context.abort(grpc.StatusCode.UNAVAILABLE, "this coordinator is a standby")
@@ -195,6 +198,32 @@ def test_a_leader_named_by_a_name_that_does_not_resolve_here_is_passed_over(coor
     with lockstep.Client(",".join(addresses), timeout=5) as c:
         assert c.get("job-7").job_id == "job-7"
     assert [s.calls for s in standbys] + [leader.calls] == [1, 1, 1]
+
+
+def test_an_answer_from_a_deposed_leaders_older_term_is_not_trusted(coordinators):
+    # Term 5 leads; a deposed leader of term 3 still answers until it steps down.
+    new = _Coordinator(term=5)
+    deposed = _Coordinator(term=3)
+    new_address, deposed_address = coordinators(new), coordinators(deposed)
+    with lockstep.Client(f"{deposed_address},{new_address}", timeout=5) as c:
+        assert c.get("job-1").job_id == "job-1"  # the deposed one first: no newer term seen yet
+        c._connect(new_address)
+        assert c.get("job-2").job_id == "job-2"  # term 5 seen
+        c._connect(deposed_address)
+        assert c.get("job-3").job_id == "job-3"  # term 3 passed over: asked term 5 again
+        assert (deposed.calls, new.calls) == (2, 2)
+        # With no other address left, the stale answer is an error that says why.
+        new.term = 7
+        assert c.get("job-4").job_id == "job-4"
+    with lockstep.Client(deposed_address, timeout=5) as c:
+        c._term = 7
+        with pytest.raises(lockstep.LockstepError) as e:
+            c.get("job-5")
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "term 3" in e.value.message and "term 7" in e.value.message
+        # A submit's answer stands (its write was taken under that term): never sent twice.
+        assert c.submit({"name": "x"}).job_id == "job-1"
+        assert deposed.calls == 4
 
 
 def test_a_call_that_reached_a_failing_coordinator_is_not_sent_again(coordinators):

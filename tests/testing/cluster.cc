@@ -13,9 +13,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/coordinators.h"
 #include "common/grpc_options.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -414,6 +416,23 @@ absl::StatusOr<v1::Job> Cluster::SubmitTo(int i, const v1::JobSpec& spec, absl::
   grpc::Status status = stub->SubmitJob(&context, request, &job);
   if (!status.ok()) return ToAbslStatus(status);
   return job;
+}
+
+absl::StatusOr<int64_t> Cluster::TermOf(int i) {
+  auto stub = v1::JobService::NewStub(MakeChannel(addresses_.at(i), client_auth_));
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(absl::Seconds(10)));
+  v1::ListJobsResponse response;
+  grpc::Status status = stub->ListJobs(&context, v1::ListJobsRequest(), &response);
+  if (!status.ok()) return ToAbslStatus(status);
+  const auto& metadata = context.GetServerInitialMetadata();
+  auto it = metadata.find(kTermMetadataKey);
+  int64_t term = 0;
+  if (it != metadata.end() &&
+      !absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &term)) {
+    return absl::InternalError("the term in the metadata is not a number");
+  }
+  return term;
 }
 
 absl::StatusOr<std::vector<v1::Job>> Cluster::List() {

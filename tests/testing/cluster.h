@@ -120,6 +120,9 @@ class Cluster {
   // Coordinators on etcd: submits to the i-th coordinator itself, whether it leads or not (a
   // standby's answer is returned as it is), within `timeout`.
   absl::StatusOr<v1::Job> SubmitTo(int i, const v1::JobSpec& spec, absl::Duration timeout);
+  // The term the i-th coordinator on etcd gives in its answers (kTermMetadataKey; 0 without),
+  // asked with ListJobs.
+  absl::StatusOr<int64_t> TermOf(int i);
   // Every job the coordinator lists (one page).
   absl::StatusOr<std::vector<v1::Job>> List();
   absl::StatusOr<v1::Job> Get(const std::string& job_id);
