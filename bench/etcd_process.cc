@@ -1,9 +1,7 @@
 // Starting a one-member etcd for a benchmark, and reading its counters.
 #include "bench/etcd_process.h"
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,28 +14,11 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "bench/coordinator_process.h"
+#include "common/loopback_ports.h"
 #include "httplib.h"
 
 namespace lockstep::bench {
 namespace {
-
-// Two ports free now on 127.0.0.1 (etcd takes no port 0).
-std::vector<int> FreePorts(int n) {
-  std::vector<int> fds, ports;
-  for (int i = 0; i < n; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(addr);
-    bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    fds.push_back(fd);
-    ports.push_back(ntohs(addr.sin_port));
-  }
-  for (int fd : fds) close(fd);
-  return ports;
-}
 
 // The sum of the samples of `metric` whose labels contain `label` (empty: every sample).
 int64_t Sum(const std::string& text, const std::string& metric, const std::string& label) {
@@ -60,7 +41,7 @@ absl::StatusOr<std::unique_ptr<EtcdProcess>> EtcdProcess::Start(const std::strin
   p->dir_ = dir;
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  const std::vector<int> ports = FreePorts(2);
+  const std::vector<int> ports = FreeLoopbackPorts(2);
   p->port_ = ports[0];
   p->endpoint_ = absl::StrCat("http://127.0.0.1:", ports[0]);
   const std::string peer = absl::StrCat("http://127.0.0.1:", ports[1]);

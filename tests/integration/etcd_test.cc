@@ -6,9 +6,7 @@
 // deposed: a standby leads, and the old one, thawed, steps down (exit 3). A deposed leader's
 // writes are refused by etcd (the fence), and bad flags and foreign prefixes are refused at
 // start with the reason. A job submitted during a failover is refused (UNAVAILABLE) or kept.
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -24,6 +22,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/loopback_ports.h"
 #include "common/status_macros.h"
 #include "coordinator/store/etcd_client.h"
 #include "coordinator/store/etcd_job_store.h"
@@ -43,25 +42,7 @@ using testing::Process;
 constexpr char kEtcdBin[] = "/usr/bin/etcd";
 constexpr absl::Duration kWait = absl::Seconds(180);
 
-// `n` distinct free ports (each held open until all are chosen).
-std::vector<int> FreePorts(int n) {
-  std::vector<int> fds, ports;
-  for (int i = 0; i < n; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(addr);
-    bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    fds.push_back(fd);
-    ports.push_back(ntohs(addr.sin_port));
-  }
-  for (int fd : fds) close(fd);
-  return ports;
-}
-
-int FreePort() { return FreePorts(1)[0]; }
+int FreePort() { return FreeLoopbackPorts(1)[0]; }
 
 // The coordinator's files for an etcd with TLS (Etcd::Start(n, true)): the test CA, and the
 // client certificate etcd requires.
@@ -118,7 +99,7 @@ class Etcd {
     std::filesystem::remove_all(etcd->dir_);
     std::filesystem::create_directories(etcd->dir_);
     std::vector<std::string> peers;
-    const std::vector<int> ports = FreePorts(2 * n);
+    const std::vector<int> ports = FreeLoopbackPorts(2 * n);
     for (int i = 0; i < n; ++i) {
       etcd->client_urls_.push_back(
           absl::StrCat(tls ? "https" : "http", "://127.0.0.1:", ports[2 * i]));
