@@ -2855,14 +2855,20 @@ TEST(CorePauseTest, APauseAfterTheLastStepDoesNotCostTheSample) {
   Core core(options);
   absl::Time now = absl::FromUnixSeconds(1'700'000'000);
   Decisions d;
-  auto reg = [&](const std::string& name) {
+  // Registers `name`, holding `held_job` at `held_step` when given.
+  auto reg = [&](const std::string& name, Decisions* out, const std::string& held_job = "",
+                 int64_t held_step = 0) {
     v1::RegisterRequest r;
     r.set_name(name);
     r.set_host("h1");
     r.set_device("cpu");
-    return core.RegisterWorker(r, now, &d).value();
+    if (!held_job.empty()) {
+      r.mutable_held()->set_job_id(held_job);
+      r.mutable_held()->set_step(held_step);
+    }
+    return core.RegisterWorker(r, now, out);
   };
-  const std::string w0 = reg("w0"), w1 = reg("w1");
+  const std::string w0 = reg("w0", &d).value(), w1 = reg("w1", &d).value();
   v1::JobSpec spec = Spec(2, 2);
   spec.mutable_model()->set_type("gpt");
   spec.mutable_model()->mutable_gpt()->set_vocab_size(256);
@@ -2899,30 +2905,7 @@ TEST(CorePauseTest, APauseAfterTheLastStepDoesNotCostTheSample) {
   EXPECT_EQ(j.recoveries(), 0);
   // Both come back holding the job's last step: they finish it, rank 0 writing the sample.
   Decisions back;
-  core.RegisterWorker(
-          [&] {
-            v1::RegisterRequest r;
-            r.set_name("w0");
-            r.set_host("h1");
-            r.set_device("cpu");
-            r.mutable_held()->set_job_id(job);
-            r.mutable_held()->set_step(100);
-            return r;
-          }(),
-          now, &back)
-      .IgnoreError();
-  core.RegisterWorker(
-          [&] {
-            v1::RegisterRequest r;
-            r.set_name("w1");
-            r.set_host("h1");
-            r.set_device("cpu");
-            r.mutable_held()->set_job_id(job);
-            r.mutable_held()->set_step(100);
-            return r;
-          }(),
-          now, &back)
-      .IgnoreError();
+  for (const char* name : {"w0", "w1"}) reg(name, &back, job, 100).IgnoreError();
   now += absl::Milliseconds(100);
   core.Tick(now, &back);
   std::map<std::string, v1::Assignment> assigned;
