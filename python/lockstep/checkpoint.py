@@ -28,9 +28,11 @@ checkpointer.extra. Every rank of the group calls load() (before its first save)
 Outside Lockstep, Checkpointer() raises, unless fallback_dir names a directory: then save()
 and load() use torch.save / torch.load of DIR/checkpoint-rankN.pt (written atomically).
 """
+import copy
 import io
 import json
 import mmap
+import operator
 import os
 import pickle
 import struct
@@ -61,15 +63,21 @@ _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
 _CONTAINERS = (torch.Tensor, dict, list, tuple)
+# What a tensor's place in the layout depends on (on the device or not: how it is copied;
+# sparse or not: a checkpoint holds only dense tensors, checked per layout).
+_LAYOUT_OF = operator.attrgetter("dtype", "shape", "is_cuda", "is_sparse")
+_DATA_PTR = torch.Tensor.data_ptr
+_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
 class _Tensor:
-    """A placeholder for a tensor in the pickled remainder."""
+    """What a tensor is pickled as in the remainder: _Tensor(name), the name of its entry in the
+    safetensors header. Loading resolves it to the tensor (_Unpickler)."""
 
     def __init__(self, name):
         self.name = name
 
-    def __reduce__(self):  # pickled as _Tensor(name): a third faster than by its __dict__
+    def __reduce__(self):
         return _Tensor, (self.name,)
 
 
@@ -82,86 +90,201 @@ def _xxh3(view):
     return xxhash.xxh3_64_intdigest(view)
 
 
-def _flatten(model, optimizer, extra):
-    """[(name, tensor)], the picklable rest (tensors replaced by _Tensor(name)) and the layout's
-    key: one walk, kept lean, since a program may save at every step (the model's own tensors,
-    not detached copies: the copies run under torch.no_grad())."""
-    tensors, key = [], []
+class _Dict:
+    """A dict of tensors in the remainder, by its keys: _Dict(keys, first) stands for
+    {keys[j]: the tensor named str(first + j)}. The model's state dict is pickled so, and the
+    optimizer's per-parameter states as one _Dicts(ids, keys per id, first): a placeholder per
+    dict, not per tensor (a save pays a Python call per placeholder)."""
 
-    def tensor(prefix, value):
-        dtype = value.dtype
-        if dtype not in _DTYPES or value.is_sparse:
-            raise TypeError(f"lockstep.torch.Checkpointer: {prefix} is a "
-                            f"{'sparse ' if value.is_sparse else ''}{dtype} tensor, "
-                            f"which a checkpoint cannot hold")
-        # Named by position too: "a.b" in extra and extra["a"]["b"] stay two tensors.
-        name = f"{len(tensors)}:{prefix}"
-        tensors.append((name, value))
-        key.append((name, dtype, value.shape))
-        return _Tensor(name)
+    def __init__(self, *args):
+        self.args = args
 
-    def take(prefix, value):
-        if isinstance(value, torch.Tensor):
-            return tensor(prefix, value)
-        if isinstance(value, dict):
-            return {k: (tensor(f"{prefix}.{k}", v) if isinstance(v, torch.Tensor) else
-                        take(f"{prefix}.{k}", v) if isinstance(v, _CONTAINERS) else v)
-                    for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            for v in value:
-                if isinstance(v, _CONTAINERS):
-                    return type(value)(take(f"{prefix}.{i}", v) for i, v in enumerate(value))
-            return value  # e.g. a param group's parameter indices
-        return value
-
-    rest = {"model": take("model", model.state_dict(keep_vars=True)) if model is not None
-            else None,
-            "optimizer": take("optimizer", optimizer.state_dict()) if optimizer is not None
-            else None,
-            "extra": take("extra", dict(extra)) if extra is not None else None}
-    return tensors, rest, tuple(key)
+    def __reduce__(self):
+        return type(self), self.args
 
 
-def _pickle_rest(rest):
-    data = pickle.dumps(rest, protocol=pickle.HIGHEST_PROTOCOL)
+class _Dicts(_Dict):
+    pass
+
+
+_PLAIN_TENSOR = {torch.Tensor, torch.nn.Parameter}
+
+
+def _tensors_only(values, tensors):
+    """Appends `values` to `tensors` and returns True when every one is a plain tensor, none
+    met twice (tied weights go through the pickler, which stores such a tensor once)."""
+    if not set(map(type, values)) <= _PLAIN_TENSOR:
+        return False
+    together = tensors + values
+    if len(set(map(id, together))) != len(together):
+        return False
+    tensors.extend(values)
+    return True
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles the state in one pass of the C pickler: every tensor it meets, in a state dict
+    or inside any object, goes to `tensors` (after those already there: the _Dicts') and is
+    pickled as _Tensor(its index). A tensor met twice (tied weights) is stored once."""
+
+    def __init__(self, file, tensors):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+        self._index = None  # id(tensor) -> its index, made when a tensor is first met
+
+    def reducer_override(self, obj):
+        kind = type(obj)
+        if kind is _Dict or kind is _Dicts:
+            return kind, obj.args
+        if isinstance(obj, torch.Tensor):
+            tensors = self.tensors
+            if self._index is None:
+                self._index = {id(t): i for i, t in enumerate(tensors)}
+            i = self._index.get(id(obj))
+            if i is None:
+                i = self._index[id(obj)] = len(tensors)
+                tensors.append(obj)
+            return _Tensor, (str(i),)
+        return NotImplemented
+
+
+class _Unpickler(pickle.Unpickler):
+    """Loads a remainder, resolving each _Tensor(name) to tensor(name), and each _Dict and
+    _Dicts to its dict of them."""
+
+    def __init__(self, data, tensor):
+        super().__init__(io.BytesIO(data))
+
+        def tensors(keys, first):
+            return {k: tensor(str(first + j)) for j, k in enumerate(keys)}
+
+        def dicts(ids, keys, first):
+            out = {}
+            for i, ks in zip(ids, keys):
+                out[i] = tensors(ks, first)
+                first += len(ks)
+            return out
+
+        self._classes = {"_Tensor": tensor, "_Dict": tensors, "_Dicts": dicts}
+
+    def find_class(self, module, name):
+        if module == __name__ and name in self._classes:
+            return self._classes[name]
+        return super().find_class(module, name)
+
+
+def _capture(model, optimizer, extra):
+    """([tensor], the pickled rest, the state): the tensors of the state, in the order they
+    are named, and everything else pickled with placeholders in their places. Lean, since a
+    program may save at every step: the model's state dict and the optimizer's per-parameter
+    states, when they hold only tensors, go as their keys (_Dict, _Dicts), the rest through
+    the C pickler; the tensors are the model's own, not detached copies (the copies run under
+    torch.no_grad())."""
+    # The model's state in a plain dict: an OrderedDict's _metadata (module versions, for
+    # load_state_dict) is not needed to copy the tensors back.
+    state = {"model": model.state_dict(destination={}, keep_vars=True) if model is not None
+             else None,
+             "optimizer": optimizer.state_dict() if optimizer is not None else None,
+             "extra": dict(extra) if extra is not None else None}
+    tensors = []
+    shell = dict(state)
+    sd = state["model"]
+    if sd is not None and _tensors_only(list(sd.values()), tensors):
+        shell["model"] = _Dict(tuple(sd), 0)
+    osd = state["optimizer"]
+    if osd is not None and isinstance(osd.get("state"), dict):
+        first, ids, keys, values = len(tensors), [], [], []
+        for i, per in osd["state"].items():
+            ids.append(i)
+            keys.append(tuple(per))
+            values.extend(per.values())
+        if _tensors_only(values, tensors):
+            shell["optimizer"] = dict(osd, state=_Dicts(tuple(ids), tuple(keys), first))
+    out = io.BytesIO()
+    pickler = _Pickler(out, tensors)
+    pickler.dump(shell)
+    data = out.getbuffer()
     if len(data) > MAX_REMAINDER_BYTES:
         sizes = []
         for part in ("model", "optimizer", "extra"):
-            if isinstance(rest.get(part), dict):
-                for k, v in rest[part].items():
-                    sizes.append((len(pickle.dumps(v)), f"{part}.{k}"))
+            if isinstance(state.get(part), dict):
+                for k, v in state[part].items():
+                    each = io.BytesIO()
+                    _Pickler(each, []).dump(v)
+                    sizes.append((each.tell(), f"{part}.{k}"))
         biggest = max(sizes, default=(0, "?"))
         raise ValueError(f"lockstep.torch.Checkpointer: the non-tensor part of the state is "
                          f"{len(data)} bytes pickled, more than {MAX_REMAINDER_BYTES}; the "
                          f"largest is {biggest[1]} ({biggest[0]} bytes): keep large values in "
                          f"tensors")
-    return data
+    return pickler.tensors, data, state
+
+
+def _check_tensors(tensors, state):
+    """Raises TypeError naming a tensor a checkpoint cannot hold (checked per layout: the
+    layout's key holds each tensor's dtype and whether it is sparse)."""
+    for t in tensors:
+        if t.dtype not in _DTYPES or t.is_sparse:
+            raise TypeError(f"lockstep.torch.Checkpointer: {_path_of(state, t)} is a "
+                            f"{'sparse ' if t.is_sparse else ''}{t.dtype} tensor, "
+                            f"which a checkpoint cannot hold")
+
+
+def _path_of(rest, target):
+    """Where `target` is in the state, for an error message ("extra.grid")."""
+    def find(prefix, value):
+        if value is target:
+            return prefix
+        items = (value.items() if isinstance(value, dict) else
+                 enumerate(value) if isinstance(value, (list, tuple)) else ())
+        for k, v in items:
+            if isinstance(v, _CONTAINERS):
+                found = find(f"{prefix}.{k}" if prefix else str(k), v)
+                if found:
+                    return found
+        return None
+    return find("", rest) or "a tensor inside an object of the state"
 
 
 class _Layout:
-    """Where each tensor goes in the safetensors payload (computed once per set of shapes)."""
+    """Where each tensor goes in the safetensors payload (computed once per set of dtypes and
+    shapes). The header names each tensor by its index in the state: the remainder places it."""
 
     def __init__(self, tensors, key, remainder_bytes):
-        # Widest elements first: every tensor starts aligned to its own element size.
-        order = sorted(range(len(tensors)), key=lambda i: -tensors[i][1].element_size())
+        """key: the tensors' (dtype, shape, is_cuda, is_sparse), then remainder_bytes."""
+        # Widest elements first: every tensor starts aligned to its own element size. Then by
+        # dtype, so that the tensors of one dtype are one run (copied by one torch.cat).
+        order = sorted(range(len(tensors)),
+                       key=lambda i: (-tensors[i].element_size(), str(tensors[i].dtype)))
         header, offset, self.entries = {}, 0, []
         for i in order:
-            name, t = tensors[i]
+            t = tensors[i]
             n = t.numel() * t.element_size()
-            header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
-                            "data_offsets": [offset, offset + n]}
+            header[str(i)] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [offset, offset + n]}
             self.entries.append((i, offset, n))
             offset += n
+        # [(dtype, offset, elements, first entry, end entry)]: consecutive entries of one dtype
+        self.runs = []
+        for e, (i, begin, n) in enumerate(self.entries):
+            t = tensors[i]
+            if self.runs and self.runs[-1][0] == t.dtype:
+                dtype, at, count, first, _ = self.runs[-1]
+                self.runs[-1] = (dtype, at, count + t.numel(), first, e + 1)
+            else:
+                self.runs.append((t.dtype, begin, t.numel(), e, e + 1))
         header[_REMAINDER] = {"dtype": "U8", "shape": [remainder_bytes],
                               "data_offsets": [offset, offset + remainder_bytes]}
-        self.remainder_offset = offset
-        self.data_bytes = offset + remainder_bytes
-        self.key = key + (remainder_bytes,)
+        self.on_device = any(t.is_cuda for t in tensors)
+        self.key = key
         # The step is in the slot's header, not here: one safetensors header per layout.
         header["__metadata__"] = {"format": "lockstep.torch.Checkpointer/1"}
         text = json.dumps(header, separators=(",", ":")).encode()
         # Data starts 64-byte aligned in the slot (the header ends padded with spaces).
         self.header = text + b" " * ((-(HEADER_BYTES + 8 + len(text))) % 64)
+        self.data_start = HEADER_BYTES + 8 + len(self.header)  # in the slot
+        self.remainder_start = self.data_start + offset
+        self.payload_bytes = 8 + len(self.header) + offset + remainder_bytes
 
 
 class _Slot:
@@ -170,15 +293,52 @@ class _Slot:
         self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self.size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self.size)
-        # (layout key, data start, [views]) of the last save: its safetensors header is in place
-        self.views = None
+        # The commit sequence as one 8-byte word (struct packs '<Q' byte by byte: a kill in
+        # between would leave a valid-looking, wrong sequence).
+        self._word = memoryview(self.map)[8:16].cast("Q")
+        # What prepare() set up for the last layout written here: its safetensors header is in
+        # place, and the views of its tensors, of its runs and of its payload are kept.
+        self.layout = None
+        self.views = self.run_views = self.payload = None
 
     def sequence(self):
         magic, seq = struct.unpack_from("<8sQ", self.map, 0)
         return seq if magic == MAGIC else 0
 
+    def store_sequence(self, value):
+        self._word[0] = value
+
+    def prepare(self, layout, tensors):
+        """Zeroes the commit sequence (the slot is not committed while written) and makes the
+        slot ready for a save of `layout`."""
+        self._word[0] = 0
+        if self.layout is layout:
+            return
+        m, start = self.map, layout.data_start
+        struct.pack_into("<8s", m, 0, MAGIC)
+        struct.pack_into("<Q", m, HEADER_BYTES, len(layout.header))
+        m[HEADER_BYTES + 8:start] = layout.header
+        self.release()
+        self.views = [torch.frombuffer(m, dtype=tensors[i].dtype, count=tensors[i].numel(),
+                                       offset=start + offset).view(tensors[i].shape)
+                      if n else torch.empty(tensors[i].shape, dtype=tensors[i].dtype)
+                      for i, offset, n in layout.entries]
+        self.run_views = [torch.frombuffer(m, dtype=dtype, count=count, offset=start + offset)
+                          if count else torch.empty(0, dtype=dtype)
+                          for dtype, offset, count, _, _ in layout.runs]
+        self.payload = memoryview(m)[HEADER_BYTES:HEADER_BYTES + layout.payload_bytes]
+        self.layout = layout
+
+    def release(self):
+        """Drops the views into the mapping (the mapping cannot close while they live)."""
+        if self.payload is not None:
+            self.payload.release()
+        self.layout = None
+        self.views = self.run_views = self.payload = None
+
     def close(self):
-        self.views = None
+        self.release()
+        self._word.release()
         self.map.close()
         os.close(self.fd)
 
@@ -191,6 +351,8 @@ class Checkpointer:
         self._restored = False
         self._last_step = None
         self._layout = None
+        self._flat = None  # (layout, data pointers, flat views per run): see _runs
+        self._hold_at = _hold_at()
         self._pending = None  # the SaveHandle of a save not yet committed
         self._staging = None  # pinned host buffers for GPU tensors (blocking=False)
         self._stream = None
@@ -227,41 +389,39 @@ class Checkpointer:
             self._save_fallback(step, model, optimizer, extra)
             self._last_step = step
             return None if blocking else SaveHandle.completed()
-        tensors, rest, key = _flatten(model, optimizer, extra)
-        remainder = _pickle_rest(rest)
+        tensors, remainder, state = _capture(model, optimizer, extra)
+        key = (*map(_LAYOUT_OF, tensors), len(remainder))
         layout = self._layout
-        if layout is None or layout.key != key + (len(remainder),):
+        if layout is None or layout.key != key:
+            _check_tensors(tensors, state)
             layout = self._layout = _Layout(tensors, key, len(remainder))
             self._staging = None
-        head = layout.header
-        payload_bytes = 8 + len(head) + layout.data_bytes
-        slot = self._slot_for(HEADER_BYTES + payload_bytes)
-        other = [s for s in self._slots if s is not slot][0]
-        sequence = max(slot.sequence(), other.sequence()) + 1
-        m = slot.map
-        _store_sequence(m, 0)  # not committed while written
-        data_start = HEADER_BYTES + 8 + len(head)
-        if slot.views is None or slot.views[0] != layout.key:  # else this slot holds it
-            struct.pack_into("<8s", m, 0, MAGIC)
-            struct.pack_into("<Q", m, HEADER_BYTES, len(head))
-            m[HEADER_BYTES + 8:data_start] = head
-        views = self._views(slot, layout, data_start, tensors)
-        r = data_start + layout.remainder_offset
-        sources = [tensors[i][1] for i, _, _ in layout.entries]
+        payload_bytes = layout.payload_bytes
+        slot, sequence = self._slot_for(HEADER_BYTES + payload_bytes)
+        slot.prepare(layout, tensors)
+        m, views, run_views = slot.map, slot.views, slot.run_views
+        r = layout.remainder_start
+        sources = [tensors[i] for i, _, _ in layout.entries]
+        runs = None if layout.on_device else self._runs(layout, sources)
 
         def copy(srcs):
-            with torch.no_grad():
-                for src, view in zip(srcs, views):
-                    view.copy_(src)  # same shape: the layout's key holds it
+            if runs is not None:  # one cat per dtype: a dispatch per tensor is most of a save
+                for flat, out in zip(runs, run_views):
+                    torch.cat(flat, out=out)
+            else:
+                with torch.no_grad():
+                    for src, view in zip(srcs, views):
+                        view.copy_(src)  # same shape: the layout's key holds it
             m[r:r + len(remainder)] = remainder
 
         def commit():
-            _hold_for_test(step)
-            checksum = _xxh3(memoryview(m)[HEADER_BYTES:HEADER_BYTES + payload_bytes])
+            if step == self._hold_at:
+                _hold_for_test()
+            checksum = _xxh3(slot.payload)
             struct.pack_into("<qQQ", m, 16, step, payload_bytes, checksum)
-            _store_sequence(m, sequence)  # the commit: written last
+            slot.store_sequence(sequence)  # the commit: written last
 
-        on_device = any(t.is_cuda for t in sources)
+        on_device = layout.on_device
         if blocking or (not on_device and payload_bytes <= INLINE_COMMIT_BYTES):
             copy(sources)
             commit()
@@ -316,7 +476,8 @@ class Checkpointer:
                 raise
 
     def _slot_for(self, need):
-        """The slot to write next (the older save), mapped and at least `need` bytes."""
+        """The slot to write next (the older save), mapped and at least `need` bytes, and the
+        sequence that commits it."""
         if not self._restored:
             self.load(None)  # the group's agreement comes first (it may discard saves)
         if not self._slots or self._slots[0].size < need:
@@ -327,20 +488,26 @@ class Checkpointer:
                 s.close()
             self._slots = [_Slot(p) for p in response.paths]
         a, b = self._slots
-        return a if a.sequence() <= b.sequence() else b
+        sa, sb = a.sequence(), b.sequence()
+        return (a, sb + 1) if sa <= sb else (b, sa + 1)
 
-    @staticmethod
-    def _views(slot, layout, data_start, tensors):
-        if slot.views is not None and slot.views[0] == layout.key and slot.views[1] == data_start:
-            return slot.views[2]
-        views = []
-        for i, offset, n in layout.entries:
-            t = tensors[i][1]
-            views.append(torch.frombuffer(slot.map, dtype=t.dtype, count=t.numel(),
-                                          offset=data_start + offset).view(t.shape)
-                         if n else torch.empty(t.shape, dtype=t.dtype))
-        slot.views = (layout.key, data_start, views)
-        return views
+    def _runs(self, layout, sources):
+        """For each of the layout's runs, flat views of its host tensors, in order (torch.cat's
+        inputs), kept from save to save while every tensor is contiguous and where it was (a
+        view keeps its storage alive: a tensor at the same address, of the same dtype and
+        shape, is the same memory); None when a tensor is not contiguous."""
+        ptrs = list(map(_DATA_PTR, sources))
+        cached = self._flat
+        if cached is not None and cached[0] is layout and cached[1] == ptrs and \
+                all(map(_CONTIGUOUS, sources)):
+            return cached[2]
+        self._flat = None
+        if not all(map(_CONTIGUOUS, sources)):
+            return None
+        flat = [t.detach().view(-1) for t in sources]
+        runs = [flat[first:end] for _, _, _, first, end in layout.runs]
+        self._flat = (layout, ptrs, runs)
+        return runs
 
     # ----------------------------------------------------------------------------------------
     # load
@@ -380,7 +547,8 @@ class Checkpointer:
         data_start = HEADER_BYTES + 8 + n
         header.pop("__metadata__", None)
 
-        def tensor(name, copy=True):
+        def tensor(name):
+            """A view of the tensor `name` in the mapping (which closes when load returns)."""
             if name not in header:
                 raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
                                f"has no tensor {name}")
@@ -390,21 +558,19 @@ class Checkpointer:
             count = (end - begin) // torch.empty((), dtype=dtype).element_size()
             if count == 0:
                 return torch.empty(e["shape"], dtype=dtype)
-            view = torch.frombuffer(m, dtype=dtype, count=count,
+            return torch.frombuffer(m, dtype=dtype, count=count,
                                     offset=data_start + begin).view(e["shape"])
-            # A copy, unless the caller copies it on: the mapping closes when load returns.
-            return view.clone() if copy else view
 
-        rest = pickle.loads(bytes(tensor(_REMAINDER).numpy().tobytes()))
+        # Every _Tensor(name) in the remainder, wherever it is, becomes a view into the
+        # mapping: what is kept past load is copied from it below, each tensor once.
+        views = {}
 
-        def build(value):
-            if isinstance(value, _Tensor):
-                return tensor(value.name)
-            if isinstance(value, dict):
-                return {k: build(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(build(v) for v in value)
-            return value
+        def view(name):
+            t = tensor(name)
+            views[t.data_ptr()] = t
+            return t
+
+        rest = _Unpickler(tensor(_REMAINDER).numpy().tobytes(), view).load()
 
         if model is not None:
             if rest["model"] is None:
@@ -421,35 +587,23 @@ class Checkpointer:
                     if k not in saved:
                         raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step "
                                        f"{step} has no tensor model.{k}")
-                    # Straight from the mapping into the model's tensor: one copy.
-                    src = (tensor(saved[k].name, copy=False) if isinstance(saved[k], _Tensor)
-                           else build(saved[k]))
+                    src = saved[k]
                     if isinstance(dst, torch.Tensor):
+                        if not isinstance(src, torch.Tensor):
+                            raise TypeError(f"lockstep.torch.Checkpointer: model.{k} is a "
+                                            f"tensor, the checkpoint's a {type(src).__name__}")
                         if tuple(src.shape) != tuple(dst.shape):
                             raise ValueError(
                                 f"lockstep.torch.Checkpointer: model.{k} has shape "
                                 f"{tuple(dst.shape)}, the checkpoint's {tuple(src.shape)}")
-                        dst.copy_(src)
+                        dst.copy_(src)  # straight from the mapping into the model: one copy
         if optimizer is not None:
             if rest["optimizer"] is None:
                 raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
                                f"holds no optimizer state")
-            # Views into the mapping: load_state_dict copies them (torch 1.13 deep-copies its
-            # argument); whatever it kept as it was is copied here, before the mapping closes.
-            views = {}
-
-            def view(value):
-                if isinstance(value, _Tensor):
-                    t = tensor(value.name, copy=False)
-                    views[t.data_ptr()] = t
-                    return t
-                if isinstance(value, dict):
-                    return {k: view(v) for k, v in value.items()}
-                if isinstance(value, (list, tuple)):
-                    return type(value)(view(v) for v in value)
-                return value
-
-            optimizer.load_state_dict(view(rest["optimizer"]))
+            # load_state_dict copies its argument (torch 1.13 deep-copies it); whatever it
+            # kept as it was is copied here, before the mapping closes.
+            optimizer.load_state_dict(rest["optimizer"])
 
             def own(value):
                 if torch.is_tensor(value):
@@ -467,7 +621,9 @@ class Checkpointer:
 
             for p in list(optimizer.state):
                 optimizer.state[p] = own(optimizer.state[p])
-        self.extra = build(rest["extra"]) if rest["extra"] is not None else None
+        # deepcopy copies every tensor out of the mapping, inside objects too, and keeps the
+        # ones that were one tensor one.
+        self.extra = copy.deepcopy(rest["extra"])
 
     # ----------------------------------------------------------------------------------------
     # outside Lockstep
@@ -530,24 +686,21 @@ class SaveHandle:
             raise self._error
 
 
-def _store_sequence(m, value):
-    """The slot's commit sequence in one 8-byte store (struct packs '<Q' byte by byte: a kill
-    in between would leave a valid-looking, wrong sequence)."""
-    with memoryview(m) as whole, whole[8:16] as field, field.cast("Q") as word:
-        word[0] = value
-
-
 def _program_pb2():
     from lockstep.v1 import program_pb2
     return program_pb2
 
 
-def _hold_for_test(step):
-    """Test hook: with LOCKSTEP_TEST_HOLD_SAVE_AT_STEP=N, the save of step N stops after its
-    tensors are copied and before its commit, having created LOCKSTEP_TEST_HOLD_SAVE_FILE."""
+def _hold_at():
+    """Test hook: with LOCKSTEP_TEST_HOLD_SAVE_AT_STEP=N in the environment when a Checkpointer
+    is made, its save of step N stops after its tensors are copied and before its commit (in
+    _hold_for_test), having created LOCKSTEP_TEST_HOLD_SAVE_FILE. Read once: a save looks at
+    an int, not the environment."""
     at = os.environ.get("LOCKSTEP_TEST_HOLD_SAVE_AT_STEP")
-    if at is None or int(at) != step:
-        return
+    return None if at is None else int(at)
+
+
+def _hold_for_test():
     marker = os.environ.get("LOCKSTEP_TEST_HOLD_SAVE_FILE")
     if marker:
         with open(marker, "w") as f:

@@ -846,6 +846,10 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
 ddp = nn.parallel.DistributedDataParallel(model)
+if hold.startswith("mid-save:") and hold.split(":")[2] == str(rank):
+    # read when the Checkpointer is made: its save of that step stops before the commit
+    os.environ["LOCKSTEP_TEST_HOLD_SAVE_AT_STEP"] = hold.split(":")[1]
+    os.environ["LOCKSTEP_TEST_HOLD_SAVE_FILE"] = os.path.join(out, "%s-held-%d" % (tag, rank))
 ckpt = lt.Checkpointer()
 start = ckpt.load(model, opt)
 write("gen-%s-rank-%d.restored" % (gen, rank), str(start))
@@ -856,9 +860,6 @@ for step in range((start or 0) + 1, steps + 1):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    if hold == "mid-save:%d:%d" % (step, rank):
-        os.environ["LOCKSTEP_TEST_HOLD_SAVE_AT_STEP"] = str(step)
-        os.environ["LOCKSTEP_TEST_HOLD_SAVE_FILE"] = os.path.join(out, "%s-held-%d" % (tag, rank))
     handle = ckpt.save(step, model, opt, extra={"step": step}, blocking=not nonblocking)
     lt.report(step, loss=loss.item())
     time.sleep(step_sleep)

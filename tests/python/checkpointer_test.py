@@ -5,14 +5,17 @@ The stand-in serves the two calls the Checkpointer makes on a Unix socket, as th
 CheckpointSlots (two files of the size asked for) and CheckpointRestore (the slot whose commit
 sequence is the higher, among those whose payload matches its checksum, as the worker's
 agreement would choose for a group of one). What the tests check is the Checkpointer's side:
-a state saved (blocking or not) comes back bit for bit after a "restart", a save of the
-same step is a no-op, a save cut by kill -9 before its commit is never restored, and bad input gets an
-error that names the tensor or the value. The real worker, peers and disk are in
+a state saved (blocking or not) comes back bit for bit after a "restart", so do tied weights
+(stored once) and tensors inside objects, a state whose tensors change shape, storage or
+contiguity between saves comes back as it was at its last save, a save of the same step is a
+no-op, a save cut by kill -9 before its commit is never restored, and bad input gets an error
+that names the tensor or the value. The real worker, peers and disk are in
 tests/integration/program_test.cc.
 
 Run: PYTHONPATH=BUILD/python checkpointer_test.py  (exit 77: no torch, grpc or xxhash here)
 """
 import importlib
+import json
 import os
 import struct
 import subprocess
@@ -73,6 +76,28 @@ class Agent(program_pb2_grpc.ProgramServiceServicer):
         (sequence, step, payload), path = held[0]
         return program_pb2.CheckpointRestoreResponse(found=True, step=step, path=path,
                                                      payload_bytes=payload, source="memory")
+
+
+class Box:
+    """A user's object in `extra` holding a tensor (pickled by reference: a module-level class)."""
+
+    def __init__(self, tensor, label):
+        self.tensor = tensor
+        self.label = label
+
+
+class Tied(nn.Module):
+    """A decoder whose output layer shares the embedding's weight (one tensor, two keys)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(6, 4)
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(self.embed(ids))
 
 
 def model_and_optimizer(seed=0, out=3):
@@ -193,6 +218,8 @@ import os, sys, torch
 sys.path[:0] = {sys.path!r}
 from checkpointer_test import model_and_optimizer, train
 import lockstep.torch as lt
+os.environ["LOCKSTEP_TEST_HOLD_SAVE_AT_STEP"] = "3"
+os.environ["LOCKSTEP_TEST_HOLD_SAVE_FILE"] = {held!r}
 model, opt = model_and_optimizer()
 ckpt = lt.Checkpointer()
 ckpt.load(None)
@@ -201,8 +228,6 @@ for step in (1, 2):
     ckpt.save(step, model, opt)
 torch.save(model.state_dict(), {state_2!r})
 train(model, opt, 1)
-os.environ["LOCKSTEP_TEST_HOLD_SAVE_AT_STEP"] = "3"
-os.environ["LOCKSTEP_TEST_HOLD_SAVE_FILE"] = {held!r}
 ckpt.save(3, model, opt)
 """], cwd=os.path.dirname(os.path.abspath(__file__)))
         try:
@@ -218,6 +243,81 @@ ckpt.save(3, model, opt)
         self.assertEqual(self.lt.Checkpointer().load(restored, restored_opt), 2)
         for k, v in torch.load(state_2).items():
             self.assertTrue(torch.equal(v, restored.state_dict()[k]), k)
+
+    def test_tied_weights_and_tensors_inside_objects_come_back(self):
+        model = Tied(seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+        box = Box(torch.arange(6.0).view(2, 3), "ema")
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        ckpt.save(1, model, opt, extra={"box": box, "same": box.tensor, "n": 7})
+        # The tied weight is one tensor in the slot, not two (the other [6, 4] is its momentum).
+        header = self.slot_header()
+        self.assertEqual(sum(1 for e in header.values() if e.get("shape") == [6, 4]), 2)
+        self.lt = self.fresh_process()
+        restored = Tied(seed=1)
+        restored_opt = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
+        again = self.lt.Checkpointer()
+        self.assertEqual(again.load(restored, restored_opt), 1)  # the mapping closed: all copied
+        self.assertIs(restored.out.weight, restored.embed.weight)
+        same_state(self, model, opt, restored, restored_opt)
+        got = again.extra
+        self.assertIsInstance(got["box"], Box)
+        self.assertEqual(got["box"].label, "ema")
+        self.assertTrue(torch.equal(got["box"].tensor, box.tensor))
+        self.assertIs(got["same"], got["box"].tensor)  # one tensor in, one tensor out
+        self.assertEqual(got["n"], 7)
+
+    def test_a_state_that_changes_shape_between_saves_comes_back_in_its_last_shape(self):
+        model, opt = model_and_optimizer()
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        buffer = torch.zeros(3)
+        ckpt.save(1, model, opt, extra={"buffer": buffer})
+        buffer.resize_(5).copy_(torch.arange(5.0))  # the same tensor, grown in place
+        ckpt.save(2, model, opt, extra={"buffer": buffer})
+        train(model, opt, 1)
+        buffer.add_(1.0)
+        ckpt.save(3, model, opt, extra={"buffer": buffer, "ids": torch.tensor([4, 5])})
+        self.lt = self.fresh_process()
+        restored, restored_opt = model_and_optimizer(seed=1)
+        again = self.lt.Checkpointer()
+        self.assertEqual(again.load(restored, restored_opt), 3)
+        same_state(self, model, opt, restored, restored_opt)
+        self.assertTrue(torch.equal(again.extra["buffer"], torch.arange(5.0) + 1))
+        self.assertTrue(torch.equal(again.extra["ids"], torch.tensor([4, 5])))
+
+    def test_a_tensor_replaced_or_not_contiguous_is_saved_as_it_is_now(self):
+        # Saves after the first reuse the tensors' flat views while each is where it was;
+        # a parameter given new storage of the same shape, or a tensor that is not
+        # contiguous, must still be saved from what it holds at the save.
+        model, opt = model_and_optimizer()
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        grid = torch.arange(12.0).view(3, 4)
+        ckpt.save(1, model, opt, extra={"grid": grid})
+        with torch.no_grad():
+            model[0].weight.data = model[0].weight.data + 1.0  # same shape, new storage
+        ckpt.save(2, model, opt, extra={"grid": grid})
+        ckpt.save(3, model, opt, extra={"grid": grid.t()})  # a strided view
+        grid.mul_(2.0)
+        ckpt.save(4, model, opt, extra={"grid": grid.t()})
+        self.lt = self.fresh_process()
+        restored, restored_opt = model_and_optimizer(seed=1)
+        again = self.lt.Checkpointer()
+        self.assertEqual(again.load(restored, restored_opt), 4)
+        same_state(self, model, opt, restored, restored_opt)
+        self.assertTrue(torch.equal(again.extra["grid"], (torch.arange(12.0).view(3, 4) * 2).t()))
+
+    def slot_header(self):
+        """The safetensors header of the newest committed slot."""
+        path = max((committed(p), p) for p in self.agent.paths if committed(p))[1]
+        with open(path, "rb") as f:
+            data = f.read()
+        (n,) = struct.unpack_from("<Q", data, HEADER_BYTES)
+        return json.loads(data[HEADER_BYTES + 8:HEADER_BYTES + 8 + n])
 
     def test_bad_input_names_the_tensor_or_the_value(self):
         model, opt = model_and_optimizer()
