@@ -28,7 +28,6 @@ checkpointer.extra. Every rank of the group calls load() (before its first save)
 Outside Lockstep, Checkpointer() raises, unless fallback_dir names a directory: then save()
 and load() use torch.save / torch.load of DIR/checkpoint-rankN.pt (written atomically).
 """
-import copy
 import io
 import json
 import mmap
@@ -63,9 +62,9 @@ _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
 _CONTAINERS = (torch.Tensor, dict, list, tuple)
-# What a tensor's place in the layout depends on (on the device or not: how it is copied;
-# sparse or not: a checkpoint holds only dense tensors, checked per layout).
-_LAYOUT_OF = operator.attrgetter("dtype", "shape", "is_cuda", "is_sparse")
+# What a tensor's place in the layout depends on (its device: how it is copied; sparse or not:
+# a checkpoint holds only dense tensors, checked per layout).
+_LAYOUT_OF = operator.attrgetter("dtype", "shape", "device", "is_sparse")
 _DATA_PTR = torch.Tensor.data_ptr
 _CONTIGUOUS = torch.Tensor.is_contiguous
 
@@ -92,9 +91,10 @@ def _xxh3(view):
 
 class _Dict:
     """A dict of tensors in the remainder, by its keys: _Dict(keys, first) stands for
-    {keys[j]: the tensor named str(first + j)}. The model's state dict is pickled so, and the
-    optimizer's per-parameter states as one _Dicts(ids, keys per id, first): a placeholder per
-    dict, not per tensor (a save pays a Python call per placeholder)."""
+    {keys[j]: the tensor named str(first + j)}. The model's state dict is pickled so (and only
+    it: load resolves a _Dict to views into the mapping), and the optimizer's per-parameter
+    states as one _Dicts(ids, keys per id, first): a placeholder per dict, not per tensor (a
+    save pays a Python call per placeholder)."""
 
     def __init__(self, *args):
         self.args = args
@@ -149,23 +149,24 @@ class _Pickler(pickle.Pickler):
 
 
 class _Unpickler(pickle.Unpickler):
-    """Loads a remainder, resolving each _Tensor(name) to tensor(name), and each _Dict and
-    _Dicts to its dict of them."""
+    """Loads a remainder: each _Tensor(name) becomes own(name), each _Dicts its dicts of
+    own(name), and a _Dict (the model's state dict, which load copies into the model and
+    drops) its dict of view(name)."""
 
-    def __init__(self, data, tensor):
+    def __init__(self, data, view, own):
         super().__init__(io.BytesIO(data))
 
-        def tensors(keys, first):
+        def tensors(keys, first, tensor=view):
             return {k: tensor(str(first + j)) for j, k in enumerate(keys)}
 
         def dicts(ids, keys, first):
             out = {}
             for i, ks in zip(ids, keys):
-                out[i] = tensors(ks, first)
+                out[i] = tensors(ks, first, own)
                 first += len(ks)
             return out
 
-        self._classes = {"_Tensor": tensor, "_Dict": tensors, "_Dicts": dicts}
+        self._classes = {"_Tensor": own, "_Dict": tensors, "_Dicts": dicts}
 
     def find_class(self, module, name):
         if module == __name__ and name in self._classes:
@@ -194,11 +195,14 @@ def _capture(model, optimizer, extra):
     osd = state["optimizer"]
     if osd is not None and isinstance(osd.get("state"), dict):
         first, ids, keys, values = len(tensors), [], [], []
-        for i, per in osd["state"].items():
+        per_param = osd["state"].items()
+        for i, per in per_param:
+            if type(per) is not dict:
+                break
             ids.append(i)
             keys.append(tuple(per))
             values.extend(per.values())
-        if _tensors_only(values, tensors):
+        if len(ids) == len(per_param) and _tensors_only(values, tensors):
             shell["optimizer"] = dict(osd, state=_Dicts(tuple(ids), tuple(keys), first))
     out = io.BytesIO()
     pickler = _Pickler(out, tensors)
@@ -251,7 +255,7 @@ class _Layout:
     shapes). The header names each tensor by its index in the state: the remainder places it."""
 
     def __init__(self, tensors, key, remainder_bytes):
-        """key: the tensors' (dtype, shape, is_cuda, is_sparse), then remainder_bytes."""
+        """key: the tensors' (dtype, shape, device, is_sparse), then remainder_bytes."""
         # Widest elements first: every tensor starts aligned to its own element size. Then by
         # dtype, so that the tensors of one dtype are one run (copied by one torch.cat).
         order = sorted(range(len(tensors)),
@@ -275,7 +279,8 @@ class _Layout:
                 self.runs.append((t.dtype, begin, t.numel(), e, e + 1))
         header[_REMAINDER] = {"dtype": "U8", "shape": [remainder_bytes],
                               "data_offsets": [offset, offset + remainder_bytes]}
-        self.on_device = any(t.is_cuda for t in tensors)
+        self.on_device = any(t.is_cuda for t in tensors)  # staged through pinned memory
+        self.on_host = all(t.device.type == "cpu" for t in tensors)  # copied by torch.cat
         self.key = key
         # The step is in the slot's header, not here: one safetensors header per layout.
         header["__metadata__"] = {"format": "lockstep.torch.Checkpointer/1"}
@@ -354,7 +359,7 @@ class Checkpointer:
         self._flat = None  # (layout, data pointers, flat views per run): see _runs
         self._hold_at = _hold_at()
         self._pending = None  # the SaveHandle of a save not yet committed
-        self._staging = None  # pinned host buffers for GPU tensors (blocking=False)
+        self._staging = None  # (tensors' key, pinned host buffers for GPU tensors): blocking=False
         self._stream = None
         if not _agent.available():
             if fallback_dir is None:
@@ -395,14 +400,13 @@ class Checkpointer:
         if layout is None or layout.key != key:
             _check_tensors(tensors, state)
             layout = self._layout = _Layout(tensors, key, len(remainder))
-            self._staging = None
         payload_bytes = layout.payload_bytes
         slot, sequence = self._slot_for(HEADER_BYTES + payload_bytes)
         slot.prepare(layout, tensors)
         m, views, run_views = slot.map, slot.views, slot.run_views
         r = layout.remainder_start
         sources = [tensors[i] for i, _, _ in layout.entries]
-        runs = None if layout.on_device else self._runs(layout, sources)
+        runs = self._runs(layout, sources) if layout.on_host else None
 
         def copy(srcs):
             if runs is not None:  # one cat per dtype: a dispatch per tensor is most of a save
@@ -432,19 +436,28 @@ class Checkpointer:
         if on_device:
             # Device -> pinned host memory on a side stream, after the work that produced the
             # state; later work on the device waits for these copies, the host does not.
-            if self._staging is None:
-                self._staging = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                                 if t.is_cuda else None for t in sources]
-                self._stream = torch.cuda.Stream()
+            tensors_key = layout.key[:-1]  # a remainder of another length: the same buffers
+            if self._staging is None or self._staging[0] != tensors_key:
+                self._staging = (tensors_key,
+                                 [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                  if t.is_cuda else None for t in sources])
+                self._stream = self._stream or torch.cuda.Stream()
+            staging = self._staging[1]
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream), torch.no_grad():
-                for i, t in enumerate(sources):
-                    if t.is_cuda:
-                        self._staging[i].copy_(t, non_blocking=True)
+                for st, t in zip(staging, sources):
+                    if st is not None:
+                        st.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
             torch.cuda.current_stream().wait_event(event)
-            sources = [st if st is not None else t for st, t in zip(self._staging, sources)]
+            # The host's tensors (Adam's step counts, for one) change at the next step: they
+            # are copied before save returns; the thread copies only the staged ones.
+            with torch.no_grad():
+                for st, t, view in zip(staging, sources, views):
+                    if st is None:
+                        view.copy_(t)
+            m[r:r + len(remainder)] = remainder
         else:
             copy(sources)  # the host's tensors: captured before save returns
 
@@ -452,7 +465,10 @@ class Checkpointer:
             try:
                 if event is not None:
                     event.synchronize()
-                    copy(sources)
+                    with torch.no_grad():
+                        for st, view in zip(staging, views):
+                            if st is not None:
+                                view.copy_(st)
                 commit()
             except BaseException as e:  # noqa: BLE001: handed to wait()
                 handle._error = e
@@ -561,16 +577,18 @@ class Checkpointer:
             return torch.frombuffer(m, dtype=dtype, count=count,
                                     offset=data_start + begin).view(e["shape"])
 
-        # Every _Tensor(name) in the remainder, wherever it is, becomes a view into the
-        # mapping: what is kept past load is copied from it below, each tensor once.
-        views = {}
+        # torch.frombuffer holds no export of the mapping, which closes when load returns:
+        # every tensor kept past load is copied out of it (once, however often it is met);
+        # only the model's tensors (a _Dict) are views, copied into the model below.
+        owned = {}
 
-        def view(name):
-            t = tensor(name)
-            views[t.data_ptr()] = t
+        def own(name):
+            t = owned.get(name)
+            if t is None:
+                t = owned[name] = tensor(name).clone()
             return t
 
-        rest = _Unpickler(tensor(_REMAINDER).numpy().tobytes(), view).load()
+        rest = _Unpickler(tensor(_REMAINDER).numpy().tobytes(), view=tensor, own=own).load()
 
         if model is not None:
             if rest["model"] is None:
@@ -601,29 +619,8 @@ class Checkpointer:
             if rest["optimizer"] is None:
                 raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
                                f"holds no optimizer state")
-            # load_state_dict copies its argument (torch 1.13 deep-copies it); whatever it
-            # kept as it was is copied here, before the mapping closes.
-            optimizer.load_state_dict(rest["optimizer"])
-
-            def own(value):
-                if torch.is_tensor(value):
-                    return value.clone() if value.data_ptr() in views else value
-                if isinstance(value, dict):
-                    for k in value:
-                        value[k] = own(value[k])
-                    return value
-                if isinstance(value, list):
-                    value[:] = [own(v) for v in value]
-                    return value
-                if isinstance(value, tuple):
-                    return type(value)(own(v) for v in value)
-                return value
-
-            for p in list(optimizer.state):
-                optimizer.state[p] = own(optimizer.state[p])
-        # deepcopy copies every tensor out of the mapping, inside objects too, and keeps the
-        # ones that were one tensor one.
-        self.extra = copy.deepcopy(rest["extra"])
+            optimizer.load_state_dict(rest["optimizer"])  # its tensors are copies (own)
+        self.extra = rest["extra"]
 
     # ----------------------------------------------------------------------------------------
     # outside Lockstep

@@ -86,6 +86,13 @@ class Box:
         self.label = label
 
 
+class Kept(Box):
+    """An object that deep copies as itself: what it holds must already be the restore's own."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class Tied(nn.Module):
     """A decoder whose output layer shares the embedding's weight (one tensor, two keys)."""
 
@@ -250,9 +257,10 @@ ckpt.save(3, model, opt)
         model(torch.tensor([1, 2])).sum().backward()
         opt.step()
         box = Box(torch.arange(6.0).view(2, 3), "ema")
+        kept = Kept(torch.full((1000,), 2.5), "kept")
         ckpt = self.lt.Checkpointer()
         ckpt.load(None)
-        ckpt.save(1, model, opt, extra={"box": box, "same": box.tensor, "n": 7})
+        ckpt.save(1, model, opt, extra={"box": box, "same": box.tensor, "n": 7, "kept": kept})
         # The tied weight is one tensor in the slot, not two (the other [6, 4] is its momentum).
         header = self.slot_header()
         self.assertEqual(sum(1 for e in header.values() if e.get("shape") == [6, 4]), 2)
@@ -269,6 +277,25 @@ ckpt.save(3, model, opt)
         self.assertTrue(torch.equal(got["box"].tensor, box.tensor))
         self.assertIs(got["same"], got["box"].tensor)  # one tensor in, one tensor out
         self.assertEqual(got["n"], 7)
+        # Read after the slot's mapping closed (a view into it would crash this process).
+        for p in self.agent.paths:
+            os.truncate(p, 0)
+        self.assertTrue(torch.equal(got["kept"].tensor, torch.full((1000,), 2.5)))
+
+    def test_an_optimizer_state_that_is_not_a_dict_of_tensors_comes_back(self):
+        model, _ = model_and_optimizer()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # its state is left as it is set
+        opt.state[next(model.parameters())] = [torch.arange(3.0), 7]  # a list
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        ckpt.save(1, model, opt)
+        self.lt = self.fresh_process()
+        restored, _ = model_and_optimizer(seed=1)
+        restored_opt = torch.optim.SGD(restored.parameters(), lr=0.1)
+        self.assertEqual(self.lt.Checkpointer().load(restored, restored_opt), 1)
+        got = restored_opt.state[next(iter(restored.parameters()))]
+        self.assertTrue(torch.equal(got[0], torch.arange(3.0)))
+        self.assertEqual(got[1], 7)
 
     def test_a_state_that_changes_shape_between_saves_comes_back_in_its_last_shape(self):
         model, opt = model_and_optimizer()
