@@ -511,7 +511,8 @@ class Checkpointer:
         """For each of the layout's runs, flat views of its host tensors, in order (torch.cat's
         inputs), kept from save to save while every tensor is contiguous and where it was (a
         view keeps its storage alive: a tensor at the same address, of the same dtype and
-        shape, is the same memory); None when a tensor is not contiguous."""
+        shape, is the same memory); None when a tensor is not contiguous. The views keep the
+        last save's tensors' storage alive until a save with other tensors replaces them."""
         ptrs = list(map(_DATA_PTR, sources))
         cached = self._flat
         if cached is not None and cached[0] is layout and cached[1] == ptrs and \
