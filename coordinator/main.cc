@@ -331,6 +331,14 @@ absl::StatusOr<std::string> OpenStateBackend(const std::string& state_dir, Etcd&
       return absl::InvalidArgumentError("--etcd_endpoints needs --state_backend=etcd");
     }
     if (etcd_tls.any()) return absl::InvalidArgumentError("--etcd_tls_* need --state_backend=etcd");
+    if (!state_dir.empty()) {  // after the flags are known good: bad flags leave no directory
+      std::error_code ec;
+      std::filesystem::create_directories(state_dir, ec);
+      if (ec) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot create --state_dir ", state_dir, ": ", ec.message()));
+      }
+    }
     absl::StatusOr<std::string> cluster_id = lockstep::coordinator::ClusterId(state_dir);
     if (!cluster_id.ok()) {
       return absl::Status(cluster_id.status().code(),
@@ -565,14 +573,6 @@ int main(int argc, char** argv) {
     return 1;
   };
   const std::string state_dir = absl::GetFlag(FLAGS_state_dir);
-  if (!state_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(state_dir, ec);
-    if (ec) {
-      return fail(absl::FailedPreconditionError(
-          absl::StrCat("cannot create --state_dir ", state_dir, ": ", ec.message())));
-    }
-  }
   absl::StatusOr<std::string> cluster_id = OpenStateBackend(state_dir, etcd);
   if (!cluster_id.ok()) return fail(cluster_id.status());
   absl::StatusOr<lockstep::coordinator::CoreOptions> options = CoreOptionsFromFlags(*cluster_id);

@@ -651,9 +651,13 @@ TEST(EtcdTest, BadEndpointsAndForeignPrefixesAreRefusedAtStart) {
   EXPECT_TRUE(absl::StrContains(foreign.output, "not a Lockstep cluster's (/theirs/config"))
       << foreign.output;
 
+  // Refused before anything is written: the directory is not created.
+  const std::string state_dir =
+      (std::filesystem::temp_directory_path() / absl::StrCat("lockstep-etcd-state-", getpid()))
+          .string();
   for (const auto& [flags, words] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--state_backend=etcd", "--etcd_endpoints=" + (*etcd)->endpoints(),
-             "--state_dir=/tmp/x"},
+             "--state_dir=" + state_dir},
             "--state_dir is the file backend's"},
            {{"--state_backend=zookeeper"}, "not \"file\" or \"etcd\""},
            {{"--etcd_endpoints=" + (*etcd)->endpoints()},
@@ -671,6 +675,7 @@ TEST(EtcdTest, BadEndpointsAndForeignPrefixesAreRefusedAtStart) {
     EXPECT_EQ(result.exit_code, 1) << absl::StrJoin(flags, " ");
     EXPECT_TRUE(absl::StrContains(result.output, words)) << result.output;
   }
+  EXPECT_FALSE(std::filesystem::exists(state_dir));
 }
 
 }  // namespace
