@@ -335,7 +335,8 @@ class _Slot:
         self.layout = layout
 
     def release(self):
-        """Drops the views into the mapping (the mapping cannot close while they live)."""
+        """Drops the views into the mapping. The payload's memoryview is an export (the mapping
+        cannot close while it lives); torch.frombuffer's views hold none: none may outlive it."""
         if self.payload is not None:
             self.payload.release()
         self.layout = None

@@ -268,7 +268,7 @@ ckpt.save(3, model, opt)
         restored = Tied(seed=1)
         restored_opt = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
         again = self.lt.Checkpointer()
-        self.assertEqual(again.load(restored, restored_opt), 1)  # the mapping closed: all copied
+        self.assertEqual(again.load(restored, restored_opt), 1)
         self.assertIs(restored.out.weight, restored.embed.weight)
         same_state(self, model, opt, restored, restored_opt)
         got = again.extra
