@@ -4,7 +4,9 @@
 
 grpcio and protobuf come from Debian (python3-grpcio, python3-protobuf); the gRPC stubs are
 generated from ../proto when the package is built (protoc and grpc_python_plugin, from
-protobuf-compiler and protobuf-compiler-grpc), never checked in. No network is needed.
+protobuf-compiler and protobuf-compiler-grpc), never checked in; so is the Checkpointer's
+native copy (native/checkpoint_copy.cc, with g++ and libxxhash-dev, else left out). No network
+is needed.
 """
 import os
 import shutil
@@ -35,10 +37,35 @@ def generate_stubs(out_dir):
         f.write('"""Generated from proto/lockstep/v1 when the package was built."""\n')
 
 
+def build_native(out_dir):
+    """Compiles native/checkpoint_copy.cc into out_dir/lockstep/liblockstep_checkpoint.so, the
+    copy lockstep.torch.Checkpointer.save makes (docs/programs.md). Where no C++ compiler or
+    xxhash.h is found (Debian: g++, libxxhash-dev) it says so and goes on: a save then copies
+    with torch.cat and hashes with the xxhash module, to the same bytes, more slowly."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    out = os.path.join(out_dir, "lockstep", "liblockstep_checkpoint.so")
+    why = "no C++ compiler (c++, g++ or $CXX)"
+    if cxx is not None:
+        try:
+            done = subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC",
+                                   "-fvisibility=hidden", "-o", out,
+                                   os.path.join(HERE, "native", "checkpoint_copy.cc")],
+                                  capture_output=True, text=True)
+        except OSError as e:
+            why = f"{cxx}: {e.strerror}"
+        else:
+            if done.returncode == 0:
+                return
+            why = (done.stderr.strip().splitlines() or ["failed"])[0]
+    print(f"lockstep: liblockstep_checkpoint.so not built ({why}); Checkpointer.save will copy "
+          f"with torch.cat")
+
+
 class BuildWithStubs(build_py):
     def run(self):
         super().run()
         generate_stubs(self.build_lib)
+        build_native(self.build_lib)
 
 
 setup(

@@ -4,6 +4,7 @@
 # compiling the daemons again inside Docker:
 #   deploy/docker/prebuilt/bin/         lockstep-coordinator, lockstep-worker, lockstepctl from a
 #                                       CPU-only build (the coordinator and worker images)
+#   deploy/docker/prebuilt/python/      liblockstep_checkpoint.so (the worker-torch image)
 #   deploy/docker/prebuilt/bundle-cuda/ scripts/bundle.sh of the main build's worker, when that
 #                                       worker has CUDA (the worker-cuda image)
 # The images run these binaries on Debian 12 with Debian's libraries, so build on Debian 12.
@@ -29,12 +30,15 @@ if [[ -d "$node_modules" ]]; then
 else
   cmake_args+=(-DLOCKSTEP_NODE_MODULES=)
 fi
-LOCKSTEP_BUILD_DIR="$cpu_build" "$root/scripts/build.sh" "${cmake_args[@]}" "${daemons[@]}"
+LOCKSTEP_BUILD_DIR="$cpu_build" "$root/scripts/build.sh" "${cmake_args[@]}" "${daemons[@]}" \
+  lockstep_checkpoint_native
 
-rm -rf "${stage:?}/bin" "${stage:?}/bundle-cuda"
+rm -rf "${stage:?}/bin" "${stage:?}/python" "${stage:?}/bundle-cuda"
 install -D -m 0755 -t "$stage/bin" "$cpu_build/coordinator/lockstep-coordinator" \
   "$cpu_build/worker/lockstep-worker" "$cpu_build/cli/lockstepctl"
-strip "$stage"/bin/*
+# lockstep.torch.Checkpointer's native copy, for the worker-torch image's Python package.
+install -D -m 0755 -t "$stage/python" "$cpu_build/python/lockstep/liblockstep_checkpoint.so"
+strip "$stage"/bin/* "$stage"/python/*
 echo "docker_prebuilt.sh: CPU binaries in $stage/bin ($(du -sh "$stage/bin" | cut -f1))"
 
 worker="$main_build/worker/lockstep-worker"

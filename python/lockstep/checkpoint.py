@@ -28,6 +28,8 @@ checkpointer.extra. Every rank of the group calls load() (before its first save)
 Outside Lockstep, Checkpointer() raises, unless fallback_dir names a directory: then save()
 and load() use torch.save / torch.load of DIR/checkpoint-rankN.pt (written atomically).
 """
+import copyreg
+import ctypes
 import io
 import json
 import mmap
@@ -37,6 +39,7 @@ import pickle
 import struct
 import threading
 import time
+from itertools import chain
 
 import torch
 
@@ -80,6 +83,27 @@ class _Tensor:
         return _Tensor, (self.name,)
 
 
+def _load_gather():
+    """lockstep_gather_xxh3 from liblockstep_checkpoint.so next to this module (python/native:
+    the build tree's package has it), or None: a save then copies with torch.cat and hashes
+    with the xxhash module, to the same bytes. LOCKSTEP_CHECKPOINT_NATIVE=0 turns it off."""
+    if os.environ.get("LOCKSTEP_CHECKPOINT_NATIVE", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                       "liblockstep_checkpoint.so"))
+    except OSError:
+        return None
+    gather = lib.lockstep_gather_xxh3
+    gather.restype = ctypes.c_int
+    gather.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
+    return gather
+
+
+_GATHER = _load_gather()
+
+
 def _xxh3(view):
     try:
         import xxhash
@@ -89,18 +113,12 @@ def _xxh3(view):
     return xxhash.xxh3_64_intdigest(view)
 
 
-class _Dict:
-    """A dict of tensors in the remainder, by its keys: _Dict(keys, first) stands for
-    {keys[j]: the tensor named str(first + j)}. The model's state dict is pickled so (and only
-    it: load resolves a _Dict to views into the mapping), and the optimizer's per-parameter
-    states as one _Dicts(ids, keys per id, first): a placeholder per dict, not per tensor (a
-    save pays a Python call per placeholder)."""
-
-    def __init__(self, *args):
-        self.args = args
-
-    def __reduce__(self):
-        return type(self), self.args
+class _Dict(tuple):
+    """A dict of tensors in the remainder, by its keys: _Dict((keys, first)) stands for
+    {keys[j]: the tensor named str(first + j)}, and unpickles as a call with (keys, first). The
+    model's state dict is pickled so (and only it: load resolves a _Dict to views into the
+    mapping), and the optimizer's per-parameter states as one _Dicts((ids, keys per id,
+    first)): a placeholder per dict, not per tensor. Tuples: made without a Python call."""
 
 
 class _Dicts(_Dict):
@@ -108,44 +126,66 @@ class _Dicts(_Dict):
 
 
 _PLAIN_TENSOR = {torch.Tensor, torch.nn.Parameter}
-
-
-def _tensors_only(values, tensors):
-    """Appends `values` to `tensors` and returns True when every one is a plain tensor, none
-    met twice (tied weights go through the pickler, which stores such a tensor once)."""
-    if not set(map(type, values)) <= _PLAIN_TENSOR:
-        return False
-    together = tensors + values
-    if len(set(map(id, together))) != len(together):
-        return False
-    tensors.extend(values)
-    return True
+_DICT = {dict}
 
 
 class _Pickler(pickle.Pickler):
     """Pickles the state in one pass of the C pickler: every tensor it meets, in a state dict
     or inside any object, goes to `tensors` (after those already there: the _Dicts') and is
-    pickled as _Tensor(its index). A tensor met twice (tied weights) is stored once."""
+    pickled as _Tensor(its index). A tensor met twice (tied weights) is stored once. A
+    Checkpointer keeps one from save to save: making one costs about what a dump does."""
 
-    def __init__(self, file, tensors):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors = tensors
+    def __init__(self):
+        self._out = io.BytesIO()
+        super().__init__(self._out, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = None
         self._index = None  # id(tensor) -> its index, made when a tensor is first met
+        # A dispatch_table, not reducer_override: the C pickler asks it only about types it
+        # does not pickle itself (a dict, list or tuple costs no Python call).
+        self.dispatch_table = _Reductions(self._tensor)
 
-    def reducer_override(self, obj):
-        kind = type(obj)
-        if kind is _Dict or kind is _Dicts:
-            return kind, obj.args
-        if isinstance(obj, torch.Tensor):
-            tensors = self.tensors
-            if self._index is None:
-                self._index = {id(t): i for i, t in enumerate(tensors)}
-            i = self._index.get(id(obj))
-            if i is None:
-                i = self._index[id(obj)] = len(tensors)
-                tensors.append(obj)
-            return _Tensor, (str(i),)
-        return NotImplemented
+    def pickle(self, obj, tensors):
+        """`obj` pickled, as bytes; the tensors met appended to `tensors`."""
+        out = self._out
+        out.seek(0)
+        out.truncate()
+        self.tensors = tensors
+        try:
+            self.dump(obj)
+        finally:
+            self.clear_memo()  # the memo holds the state's objects: not past the save
+            self.tensors = self._index = None
+        return out.getvalue()
+
+    def _tensor(self, obj):
+        tensors = self.tensors
+        if self._index is None:
+            self._index = {id(t): i for i, t in enumerate(tensors)}
+        i = self._index.get(id(obj))
+        if i is None:
+            i = self._index[id(obj)] = len(tensors)
+            tensors.append(obj)
+        return _Tensor, (str(i),)
+
+
+def _placeholder(obj):
+    return type(obj), tuple(obj)
+
+
+class _Reductions(dict):
+    """_Pickler's dispatch_table: the placeholders, and every tensor type (a subclass too,
+    found when first met), to their reductions; any other type to copyreg's, if it has one
+    (else the pickler uses the object's own __reduce_ex__)."""
+
+    def __init__(self, tensor):
+        super().__init__({_Dict: _placeholder, _Dicts: _placeholder})
+        self._tensor_reduction = tensor
+
+    def __missing__(self, kind):
+        if isinstance(kind, type) and issubclass(kind, torch.Tensor):
+            self[kind] = self._tensor_reduction
+            return self._tensor_reduction
+        return copyreg.dispatch_table[kind]  # KeyError: the pickler's own way
 
 
 class _Unpickler(pickle.Unpickler):
@@ -174,7 +214,7 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _capture(model, optimizer, extra):
+def _capture(model, optimizer, extra, pickler):
     """([tensor], the pickled rest, the state): the tensors of the state, in the order they
     are named, and everything else pickled with placeholders in their places. Lean, since a
     program may save at every step: the model's state dict and the optimizer's per-parameter
@@ -183,45 +223,42 @@ def _capture(model, optimizer, extra):
     torch.no_grad())."""
     # The model's state in a plain dict: an OrderedDict's _metadata (module versions, for
     # load_state_dict) is not needed to copy the tensors back.
-    state = {"model": model.state_dict(destination={}, keep_vars=True) if model is not None
-             else None,
-             "optimizer": optimizer.state_dict() if optimizer is not None else None,
-             "extra": dict(extra) if extra is not None else None}
-    tensors = []
-    shell = dict(state)
-    sd = state["model"]
-    if sd is not None and _tensors_only(list(sd.values()), tensors):
-        shell["model"] = _Dict(tuple(sd), 0)
-    osd = state["optimizer"]
-    if osd is not None and isinstance(osd.get("state"), dict):
-        first, ids, keys, values = len(tensors), [], [], []
-        per_param = osd["state"].items()
-        for i, per in per_param:
-            if type(per) is not dict:
-                break
-            ids.append(i)
-            keys.append(tuple(per))
-            values.extend(per.values())
-        if len(ids) == len(per_param) and _tensors_only(values, tensors):
-            shell["optimizer"] = dict(osd, state=_Dicts(tuple(ids), tuple(keys), first))
-    out = io.BytesIO()
-    pickler = _Pickler(out, tensors)
-    pickler.dump(shell)
-    data = out.getbuffer()
+    sd = model.state_dict(destination={}, keep_vars=True) if model is not None else None
+    osd = optimizer.state_dict() if optimizer is not None else None
+    extra = dict(extra) if extra is not None else None
+    # A dict goes as its keys when it holds only plain tensors, none met before (tied weights
+    # go through the pickler, which stores such a tensor once).
+    tensors, model_part, optimizer_part = [], sd, osd
+    if sd is not None:
+        values = list(sd.values())
+        if set(map(type, values)) <= _PLAIN_TENSOR and len(set(map(id, values))) == len(values):
+            tensors, model_part = values, _Dict((tuple(sd), 0))
+    per_param = osd.get("state") if osd is not None else None
+    if type(per_param) is dict:
+        per = list(per_param.values())
+        if set(map(type, per)) <= _DICT:
+            values = list(chain.from_iterable(map(dict.values, per)))
+            together = tensors + values
+            if set(map(type, values)) <= _PLAIN_TENSOR and \
+                    len(set(map(id, together))) == len(together):
+                optimizer_part = dict(osd, state=_Dicts(
+                    (tuple(per_param), tuple(map(tuple, per)), len(tensors))))
+                tensors = together
+    data = pickler.pickle({"model": model_part, "optimizer": optimizer_part, "extra": extra},
+                          tensors)
+    state = {"model": sd, "optimizer": osd, "extra": extra}
     if len(data) > MAX_REMAINDER_BYTES:
         sizes = []
         for part in ("model", "optimizer", "extra"):
             if isinstance(state.get(part), dict):
                 for k, v in state[part].items():
-                    each = io.BytesIO()
-                    _Pickler(each, []).dump(v)
-                    sizes.append((each.tell(), f"{part}.{k}"))
+                    sizes.append((len(_Pickler().pickle(v, [])), f"{part}.{k}"))
         biggest = max(sizes, default=(0, "?"))
         raise ValueError(f"lockstep.torch.Checkpointer: the non-tensor part of the state is "
                          f"{len(data)} bytes pickled, more than {MAX_REMAINDER_BYTES}; the "
                          f"largest is {biggest[1]} ({biggest[0]} bytes): keep large values in "
                          f"tensors")
-    return pickler.tensors, data, state
+    return tensors, data, state
 
 
 def _check_tensors(tensors, state):
@@ -268,6 +305,9 @@ class _Layout:
                               "data_offsets": [offset, offset + n]}
             self.entries.append((i, offset, n))
             offset += n
+        # The state's tensors in the payload's order, in one call.
+        self.sources = (operator.itemgetter(*order) if len(order) > 1 else
+                        lambda tensors: tuple(tensors[i] for i in order))
         # [(dtype, offset, elements, first entry, end entry)]: consecutive entries of one dtype
         self.runs = []
         for e, (i, begin, n) in enumerate(self.entries):
@@ -279,8 +319,10 @@ class _Layout:
                 self.runs.append((t.dtype, begin, t.numel(), e, e + 1))
         header[_REMAINDER] = {"dtype": "U8", "shape": [remainder_bytes],
                               "data_offsets": [offset, offset + remainder_bytes]}
+        # The entries' lengths, for lockstep_gather_xxh3 (their addresses are the slot's).
+        self.sizes = (ctypes.c_uint64 * len(self.entries))(*[n for _, _, n in self.entries])
         self.on_device = any(t.is_cuda for t in tensors)  # staged through pinned memory
-        self.on_host = all(t.device.type == "cpu" for t in tensors)  # copied by torch.cat
+        self.on_host = all(t.device.type == "cpu" for t in tensors)  # _host_sources
         self.key = key
         # The step is in the slot's header, not here: one safetensors header per layout.
         header["__metadata__"] = {"format": "lockstep.torch.Checkpointer/1"}
@@ -298,17 +340,19 @@ class _Slot:
         self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self.size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self.size)
+        # Its address (torch.frombuffer holds no export: the mapping can close).
+        self.base = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
         # The commit sequence as one 8-byte word (struct packs '<Q' byte by byte: a kill in
         # between would leave a valid-looking, wrong sequence).
         self._word = memoryview(self.map)[8:16].cast("Q")
         # What prepare() set up for the last layout written here: its safetensors header is in
-        # place, and the views of its tensors, of its runs and of its payload are kept.
+        # place, and the views of its tensors, of its runs and of its payload, and the addresses
+        # of its entries, are kept.
         self.layout = None
-        self.views = self.run_views = self.payload = None
+        self.views = self.run_views = self.payload = self.dsts = None
 
     def sequence(self):
-        magic, seq = struct.unpack_from("<8sQ", self.map, 0)
-        return seq if magic == MAGIC else 0
+        return self._word[0]  # the worker makes a slot zeroed; this class writes the magic
 
     def store_sequence(self, value):
         self._word[0] = value
@@ -332,6 +376,8 @@ class _Slot:
                           if count else torch.empty(0, dtype=dtype)
                           for dtype, offset, count, _, _ in layout.runs]
         self.payload = memoryview(m)[HEADER_BYTES:HEADER_BYTES + layout.payload_bytes]
+        self.dsts = (ctypes.c_uint64 * len(layout.entries))(
+            *[self.base + start + offset for _, offset, _ in layout.entries])
         self.layout = layout
 
     def release(self):
@@ -340,7 +386,7 @@ class _Slot:
         if self.payload is not None:
             self.payload.release()
         self.layout = None
-        self.views = self.run_views = self.payload = None
+        self.views = self.run_views = self.payload = self.dsts = None
 
     def close(self):
         self.release()
@@ -357,8 +403,10 @@ class Checkpointer:
         self._restored = False
         self._last_step = None
         self._layout = None
-        self._flat = None  # (layout, data pointers, flat views per run): see _runs
+        self._flat = None  # (layout, data pointers, what copies them): see _host_sources
+        self._checksum = ctypes.c_uint64()  # lockstep_gather_xxh3's
         self._hold_at = _hold_at()
+        self._pickler = _Pickler()
         self._pending = None  # the SaveHandle of a save not yet committed
         self._staging = None  # (tensors' key, pinned host buffers for GPU tensors): blocking=False
         self._stream = None
@@ -388,14 +436,15 @@ class Checkpointer:
         waits until this one is committed; handle.wait() waits for the commit and raises what
         failed."""
         step = int(step)
-        self.wait()  # the previous save owns the slots until it is committed
+        if self._pending is not None:
+            self.wait()  # the previous save owns the slots until it is committed
         if step == self._last_step:
             return None if blocking else SaveHandle.completed()
         if self._fallback is not None:
             self._save_fallback(step, model, optimizer, extra)
             self._last_step = step
             return None if blocking else SaveHandle.completed()
-        tensors, remainder, state = _capture(model, optimizer, extra)
+        tensors, remainder, state = _capture(model, optimizer, extra, self._pickler)
         key = (*map(_LAYOUT_OF, tensors), len(remainder))
         layout = self._layout
         if layout is None or layout.key != key:
@@ -404,32 +453,42 @@ class Checkpointer:
         payload_bytes = layout.payload_bytes
         slot, sequence = self._slot_for(HEADER_BYTES + payload_bytes)
         slot.prepare(layout, tensors)
-        m, views, run_views = slot.map, slot.views, slot.run_views
+        m, views = slot.map, slot.views
         r = layout.remainder_start
-        sources = [tensors[i] for i, _, _ in layout.entries]
-        runs = self._runs(layout, sources) if layout.on_host else None
+        sources = layout.sources(tensors)
+        host = self._host_sources(layout, sources) if layout.on_host else None
 
-        def copy(srcs):
-            if runs is not None:  # one cat per dtype: a dispatch per tensor is most of a save
-                for flat, out in zip(runs, run_views):
+        def copy(hash_it):
+            """Copies the state into the slot; returns the payload's checksum when hash_it and
+            the copy computed it on the way (lockstep_gather_xxh3), else None."""
+            m[r:r + len(remainder)] = remainder  # first: the gather hashes the payload whole
+            if host is None:
+                with torch.no_grad():
+                    for src, view in zip(sources, views):
+                        view.copy_(src)  # same shape: the layout's key holds it
+            elif _GATHER is None:  # one cat per dtype: a dispatch per tensor is most of a save
+                for flat, out in zip(host, slot.run_views):
                     torch.cat(flat, out=out)
             else:
-                with torch.no_grad():
-                    for src, view in zip(srcs, views):
-                        view.copy_(src)  # same shape: the layout's key holds it
-            m[r:r + len(remainder)] = remainder
+                checksum = self._checksum if hash_it else None
+                if _GATHER(len(sources), host, slot.dsts, layout.sizes,
+                           slot.base + HEADER_BYTES, payload_bytes, checksum) != 0:
+                    raise RuntimeError("lockstep.torch.Checkpointer: a copy outside its slot's "
+                                       "payload (a bug)")
+                return checksum.value if hash_it else None
+            return None
 
-        def commit():
+        def commit(checksum=None):
             if step == self._hold_at:
                 _hold_for_test()
-            checksum = _xxh3(slot.payload)
+            if checksum is None:
+                checksum = _xxh3(slot.payload)
             struct.pack_into("<qQQ", m, 16, step, payload_bytes, checksum)
             slot.store_sequence(sequence)  # the commit: written last
 
         on_device = layout.on_device
         if blocking or (not on_device and payload_bytes <= INLINE_COMMIT_BYTES):
-            copy(sources)
-            commit()
+            commit(copy(True))
             self._last_step = step
             return None if blocking else SaveHandle.completed(step)
         handle = SaveHandle(step)
@@ -460,7 +519,7 @@ class Checkpointer:
                         view.copy_(t)
             m[r:r + len(remainder)] = remainder
         else:
-            copy(sources)  # the host's tensors: captured before save returns
+            copy(False)  # the host's tensors: captured before save returns, hashed in the thread
 
         def run():
             try:
@@ -508,12 +567,14 @@ class Checkpointer:
         sa, sb = a.sequence(), b.sequence()
         return (a, sb + 1) if sa <= sb else (b, sa + 1)
 
-    def _runs(self, layout, sources):
-        """For each of the layout's runs, flat views of its host tensors, in order (torch.cat's
-        inputs), kept from save to save while every tensor is contiguous and where it was (a
-        view keeps its storage alive: a tensor at the same address, of the same dtype and
-        shape, is the same memory); None when a tensor is not contiguous. The views keep the
-        last save's tensors' storage alive until a save with other tensors replaces them."""
+    def _host_sources(self, layout, sources):
+        """What copies a state held on the host whose tensors are all contiguous (None when one
+        is not): their addresses, for lockstep_gather_xxh3; without it, for each of the
+        layout's runs, flat views of its tensors (torch.cat's inputs). Kept from save to save
+        while every tensor is where it was: the addresses are this save's own; a view keeps its
+        storage alive, so a tensor at its address, of the same dtype and shape, is the same
+        memory (the views keep the last save's tensors' storage alive until a save with other
+        tensors replaces them)."""
         ptrs = list(map(_DATA_PTR, sources))
         cached = self._flat
         if cached is not None and cached[0] is layout and cached[1] == ptrs and \
@@ -522,10 +583,13 @@ class Checkpointer:
         self._flat = None
         if not all(map(_CONTIGUOUS, sources)):
             return None
-        flat = [t.detach().view(-1) for t in sources]
-        runs = [flat[first:end] for _, _, _, first, end in layout.runs]
-        self._flat = (layout, ptrs, runs)
-        return runs
+        if _GATHER is not None:
+            host = (ctypes.c_uint64 * len(ptrs))(*ptrs)
+        else:
+            flat = [t.detach().view(-1) for t in sources]
+            host = [flat[first:end] for _, _, _, first, end in layout.runs]
+        self._flat = (layout, ptrs, host)
+        return host
 
     # ----------------------------------------------------------------------------------------
     # load
@@ -701,8 +765,9 @@ def _hold_at():
 
 def _hold_for_test():
     marker = os.environ.get("LOCKSTEP_TEST_HOLD_SAVE_FILE")
-    if marker:
-        with open(marker, "w") as f:
+    if marker:  # whole when it appears: a test reads the pid as soon as it sees the file
+        with open(f"{marker}.tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(f"{marker}.tmp", marker)
     while True:
         time.sleep(1)

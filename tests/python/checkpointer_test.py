@@ -14,6 +14,7 @@ tests/integration/program_test.cc.
 
 Run: PYTHONPATH=BUILD/python checkpointer_test.py  (exit 77: no torch, grpc or xxhash here)
 """
+import ctypes
 import importlib
 import json
 import os
@@ -48,6 +49,11 @@ def committed(path):
     if xxhash.xxh3_64_intdigest(data[HEADER_BYTES:HEADER_BYTES + payload]) != checksum:
         return None
     return sequence, step, payload
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
 
 
 class Agent(program_pb2_grpc.ProgramServiceServicer):
@@ -337,6 +343,83 @@ ckpt.save(3, model, opt)
         self.assertEqual(again.load(restored, restored_opt), 4)
         same_state(self, model, opt, restored, restored_opt)
         self.assertTrue(torch.equal(again.extra["grid"], (torch.arange(12.0).view(3, 4) * 2).t()))
+
+    def test_the_native_copy_and_its_fallback_write_the_same_slots(self):
+        # The copy of liblockstep_checkpoint.so (the build puts it in the package) against the
+        # one a package without it makes (torch.cat, the xxhash module): the same slots, byte
+        # for byte, after each save of a run whose state changes storage, contiguity and
+        # tensors, with five dtypes, an empty tensor and one larger than the native copy's
+        # 256 KiB window.
+        def run(native):
+            os.environ["LOCKSTEP_CHECKPOINT_NATIVE"] = native
+            try:
+                lt = self.fresh_process()
+            finally:
+                del os.environ["LOCKSTEP_CHECKPOINT_NATIVE"]
+            gather = sys.modules["lockstep.checkpoint"]._GATHER
+            self.assertEqual(gather is not None, native == "1", "the build's package has no "
+                             "liblockstep_checkpoint.so" if native == "1" else "not turned off")
+            model, opt = model_and_optimizer()
+            ckpt = lt.Checkpointer()
+            ckpt.load(None)
+            big = torch.arange(100_000, dtype=torch.float64)  # 800 KB
+            extra = {"big": big, "ids": torch.tensor([1, 2, 3], dtype=torch.int16),
+                     "flags": torch.tensor([True, False, True]), "empty": torch.empty(0)}
+            slots = []
+            for step in range(1, 6):
+                train(model, opt, 1)
+                big.mul_(1.5)
+                if step == 3:
+                    with torch.no_grad():
+                        model[0].weight.data = model[0].weight.data + 1.0  # new storage
+                if step == 4:
+                    extra["grid"] = torch.arange(12.0).view(3, 4).t()  # not contiguous
+                if step == 5:
+                    del extra["grid"]
+                ckpt.save(step, model, opt, extra=extra)
+                self.assertEqual(max(filter(None, map(committed, self.agent.paths)))[1], step)
+                slots.append([read(p) for p in self.agent.paths])
+            for p in self.agent.paths:
+                os.truncate(p, 0)
+            self.agent.paths = []
+            return slots
+
+        native, fallback = run("1"), run("0")
+        for step, (a, b) in enumerate(zip(native, fallback), 1):
+            self.assertTrue(a == b, f"the slots differ after the save of step {step}")
+
+    def test_the_native_copy_hashes_what_it_copied_and_copies_nothing_out_of_place(self):
+        gather = sys.modules["lockstep.checkpoint"]._GATHER
+        self.assertIsNotNone(gather, "the build's package has no liblockstep_checkpoint.so")
+        payload = (ctypes.c_ubyte * (600 << 10))()
+        base = ctypes.addressof(payload)
+        a = bytes(range(256)) * 400  # 100 KiB
+        b = bytes(reversed(range(256))) * 1200  # 300 KiB: across windows
+        buffers = [ctypes.create_string_buffer(a, len(a)), ctypes.create_string_buffer(b, len(b))]
+        srcs = (ctypes.c_uint64 * 2)(*map(ctypes.addressof, buffers))
+        sizes = (ctypes.c_uint64 * 2)(len(a), len(b))
+        dsts = (ctypes.c_uint64 * 2)(base + 1000, base + 250_000)  # gaps before, between, after
+        checksum = ctypes.c_uint64()
+        self.assertEqual(gather(2, srcs, dsts, sizes, base, len(payload), checksum), 0)
+        data = bytes(payload)
+        self.assertEqual(data[1000:1000 + len(a)], a)
+        self.assertEqual(data[250_000:250_000 + len(b)], b)
+        self.assertEqual(data[:1000] + data[1000 + len(a):250_000], bytes(250_000 - len(a)))
+        self.assertEqual(checksum.value, xxhash.xxh3_64_intdigest(data))
+        # Without a checksum it only copies.
+        ctypes.memset(payload, 0, len(payload))
+        self.assertEqual(gather(2, srcs, dsts, sizes, base, len(payload), None), 0)
+        self.assertEqual(bytes(payload), data)
+        # Destinations out of order, or past the payload's end: -1, and nothing copied.
+        small = (ctypes.c_ubyte * 1000)()
+        at = ctypes.addressof(small)
+        twenty = (ctypes.c_uint64 * 2)(20, 20)
+        for where, what in (((at + 500, at + 100), "out of order"),
+                            ((at, at + 990), "past the end"),
+                            ((at, at + 2000), "beyond the end")):
+            self.assertEqual(gather(2, srcs, (ctypes.c_uint64 * 2)(*where), twenty, at, 1000,
+                                    checksum), -1, what)
+            self.assertEqual(bytes(small), bytes(1000), what)
 
     def slot_header(self):
         """The safetensors header of the newest committed slot."""

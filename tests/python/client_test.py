@@ -46,6 +46,10 @@ def main():
         py = os.path.join(env_dir, "bin", "python")
         subprocess.run([py, "-m", "pip", "install", "--no-index", "--quiet",
                         os.path.join(work, "src", "python")], check=True, cwd=work)
+        # The Checkpointer's native copy was compiled into the installed package, and loads.
+        subprocess.run([py, "-c", "import sys, lockstep.checkpoint as c; sys.exit(c._GATHER is "
+                        "None and 'the installed package has no liblockstep_checkpoint.so')"],
+                       check=True, cwd=work)
         token = "python-" + os.urandom(8).hex()
         token_file = os.path.join(work, "token")
         with open(token_file, "w") as f:
