@@ -9,6 +9,7 @@ native copy (native/checkpoint_copy.cc, with g++ and libxxhash-dev, else left ou
 is needed.
 """
 import os
+import shlex
 import shutil
 import subprocess
 
@@ -42,17 +43,20 @@ def build_native(out_dir):
     copy lockstep.torch.Checkpointer.save makes (docs/programs.md). Where no C++ compiler or
     xxhash.h is found (Debian: g++, libxxhash-dev) it says so and goes on: a save then copies
     with torch.cat and hashes with the xxhash module, to the same bytes, more slowly."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    cxx = shlex.split(os.environ.get("CXX", "")) or \
+        [c for c in (shutil.which("c++"), shutil.which("g++")) if c][:1]
     out = os.path.join(out_dir, "lockstep", "liblockstep_checkpoint.so")
+    if os.path.exists(out):
+        os.remove(out)  # an earlier build's: never installed in place of this one's
     why = "no C++ compiler (c++, g++ or $CXX)"
-    if cxx is not None:
+    if cxx:
         try:
-            done = subprocess.run([cxx, "-O2", "-std=c++17", "-shared", "-fPIC",
+            done = subprocess.run([*cxx, "-O2", "-std=c++17", "-shared", "-fPIC",
                                    "-fvisibility=hidden", "-o", out,
                                    os.path.join(HERE, "native", "checkpoint_copy.cc")],
                                   capture_output=True, text=True)
         except OSError as e:
-            why = f"{cxx}: {e.strerror}"
+            why = f"{cxx[0]}: {e.strerror}"
         else:
             if done.returncode == 0:
                 return

@@ -70,6 +70,9 @@ _CONTAINERS = (torch.Tensor, dict, list, tuple)
 _LAYOUT_OF = operator.attrgetter("dtype", "shape", "device", "is_sparse")
 _DATA_PTR = torch.Tensor.data_ptr
 _CONTIGUOUS = torch.Tensor.is_contiguous
+# Tensors whose memory does not hold their values as they read (_host_sources).
+_NEGATIVE = torch.Tensor.is_neg
+_ZERO = getattr(torch.Tensor, "_is_zerotensor", lambda t: False)
 
 
 class _Tensor:
@@ -145,7 +148,10 @@ class _Pickler(pickle.Pickler):
         self.dispatch_table = _Reductions(self._tensor)
 
     def pickle(self, obj, tensors):
-        """`obj` pickled, as bytes; the tensors met appended to `tensors`."""
+        """`obj` pickled, as bytes; the tensors met appended to `tensors`. Not reentrant (the C
+        pickler's buffer and memo are the object's): Checkpointer.save refuses a nested save."""
+        if self.tensors is not None:
+            raise RuntimeError("lockstep.torch.Checkpointer: a pickle inside a pickle")
         out = self._out
         out.seek(0)
         out.truncate()
@@ -407,6 +413,7 @@ class Checkpointer:
         self._checksum = ctypes.c_uint64()  # lockstep_gather_xxh3's
         self._hold_at = _hold_at()
         self._pickler = _Pickler()
+        self._saving = False  # a save in progress: one may not start inside another
         self._pending = None  # the SaveHandle of a save not yet committed
         self._staging = None  # (tensors' key, pinned host buffers for GPU tensors): blocking=False
         self._stream = None
@@ -435,7 +442,16 @@ class Checkpointer:
         committed before it returns (a thread costs more than its checksum). The next save
         waits until this one is committed; handle.wait() waits for the commit and raises what
         failed."""
-        step = int(step)
+        if self._saving:
+            raise RuntimeError("lockstep.torch.Checkpointer.save: called inside a save (from a "
+                               "signal handler?); a save must return before the next starts")
+        self._saving = True
+        try:
+            return self._save(int(step), model, optimizer, extra, blocking)
+        finally:
+            self._saving = False
+
+    def _save(self, step, model, optimizer, extra, blocking):
         if self._pending is not None:
             self.wait()  # the previous save owns the slots until it is committed
         if step == self._last_step:
@@ -466,15 +482,15 @@ class Checkpointer:
                 with torch.no_grad():
                     for src, view in zip(sources, views):
                         view.copy_(src)  # same shape: the layout's key holds it
-            elif _GATHER is None:  # one cat per dtype: a dispatch per tensor is most of a save
+            elif type(host) is list:  # one cat per dtype: a dispatch per tensor is most of a save
                 for flat, out in zip(host, slot.run_views):
                     torch.cat(flat, out=out)
             else:
                 checksum = self._checksum if hash_it else None
                 if _GATHER(len(sources), host, slot.dsts, layout.sizes,
                            slot.base + HEADER_BYTES, payload_bytes, checksum) != 0:
-                    raise RuntimeError("lockstep.torch.Checkpointer: a copy outside its slot's "
-                                       "payload (a bug)")
+                    raise RuntimeError("lockstep.torch.Checkpointer: a copy from no memory or "
+                                       "outside its slot's payload (a bug)")
                 return checksum.value if hash_it else None
             return None
 
@@ -569,26 +585,28 @@ class Checkpointer:
 
     def _host_sources(self, layout, sources):
         """What copies a state held on the host whose tensors are all contiguous (None when one
-        is not): their addresses, for lockstep_gather_xxh3; without it, for each of the
-        layout's runs, flat views of its tensors (torch.cat's inputs). Kept from save to save
-        while every tensor is where it was: the addresses are this save's own; a view keeps its
-        storage alive, so a tensor at its address, of the same dtype and shape, is the same
-        memory (the views keep the last save's tensors' storage alive until a save with other
-        tensors replaces them)."""
+        is not). The tensors' addresses (a ctypes array), for lockstep_gather_xxh3, when each
+        is a plain tensor whose memory holds its values; else (a negative view, a zero tensor,
+        a subclass: torch resolves them) a list, for each of the layout's runs, of flat views
+        of its tensors, torch.cat's inputs. Kept from save to save while the tensors are the
+        same, each contiguous and where it was: the entry holds them (and so their storage),
+        so the same objects at the same addresses, of the layout's dtypes and shapes, are the
+        same memory. It keeps the last save's tensors alive until a save with others."""
         ptrs = list(map(_DATA_PTR, sources))
         cached = self._flat
         if cached is not None and cached[0] is layout and cached[1] == ptrs and \
-                all(map(_CONTIGUOUS, sources)):
+                all(map(operator.is_, sources, cached[3])) and all(map(_CONTIGUOUS, sources)):
             return cached[2]
         self._flat = None
         if not all(map(_CONTIGUOUS, sources)):
             return None
-        if _GATHER is not None:
+        if _GATHER is not None and set(map(type, sources)) <= _PLAIN_TENSOR and \
+                not any(map(_NEGATIVE, sources)) and not any(map(_ZERO, sources)):
             host = (ctypes.c_uint64 * len(ptrs))(*ptrs)
         else:
             flat = [t.detach().view(-1) for t in sources]
             host = [flat[first:end] for _, _, _, first, end in layout.runs]
-        self._flat = (layout, ptrs, host)
+        self._flat = (layout, ptrs, host, sources)
         return host
 
     # ----------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ extern "C" {
 // XXH3-64 of [begin, begin + length): the payload, which holds every destination, in order
 // (dsts ascending, none overlapping another or the end); the bytes between and after them
 // are hashed as they are; with checksum null, copies only. Returns 0, or -1 without copying
-// when the destinations are not so.
+// when the destinations are not so or a source of some bytes is null.
 // The caller holds the memory: ctypes releases the GIL for the call.
 __attribute__((visibility("default"))) int lockstep_gather_xxh3(int64_t n, const uint64_t* srcs,
                                                                 const uint64_t* dsts,
@@ -38,6 +38,7 @@ __attribute__((visibility("default"))) int lockstep_gather_xxh3(int64_t n, const
   uint64_t at = begin;
   for (int64_t i = 0; i < n; ++i) {
     if (dsts[i] < at || dsts[i] > end || sizes[i] > end - dsts[i]) return -1;
+    if (srcs[i] == 0 && sizes[i] != 0) return -1;
     at = dsts[i] + sizes[i];
   }
   if (checksum == nullptr) {

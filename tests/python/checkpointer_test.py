@@ -30,6 +30,7 @@ try:
     import grpc
     import torch
     import torch.nn as nn
+    from torch.utils._pytree import tree_map
     import xxhash
     from lockstep.v1 import program_pb2, program_pb2_grpc
 except ImportError as e:  # the dependencies CI installs: a skip here, not a failure
@@ -97,6 +98,38 @@ class Kept(Box):
 
     def __deepcopy__(self, memo):
         return self
+
+
+class Nested:
+    """An object whose pickling calls `callback` (standing for a signal handler that runs
+    while a save is under way)."""
+
+    def __init__(self, callback):
+        self.callback = callback
+
+    def __reduce__(self):
+        self.callback()
+        return Nested, (None,)
+
+
+class Wrapped(torch.Tensor):
+    """A wrapper subclass: a tensor with no storage of its own (data_ptr() is 0), its values
+    in `elem`, reached through __torch_dispatch__."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        wrapped = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(),
+                                                      dtype=elem.dtype, device=elem.device)
+        wrapped.elem = elem
+        return wrapped
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(x):
+            return x.elem if isinstance(x, Wrapped) else x
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
 class Tied(nn.Module):
@@ -366,7 +399,7 @@ ckpt.save(3, model, opt)
             extra = {"big": big, "ids": torch.tensor([1, 2, 3], dtype=torch.int16),
                      "flags": torch.tensor([True, False, True]), "empty": torch.empty(0)}
             slots = []
-            for step in range(1, 6):
+            for step in range(1, 7):
                 train(model, opt, 1)
                 big.mul_(1.5)
                 if step == 3:
@@ -376,7 +409,12 @@ ckpt.save(3, model, opt)
                     extra["grid"] = torch.arange(12.0).view(3, 4).t()  # not contiguous
                 if step == 5:
                     del extra["grid"]
-                ckpt.save(step, model, opt, extra=extra)
+                if step == 6:
+                    extra["more"] = torch.ones(300_000, dtype=torch.float64)  # past 1 MiB:
+                handle = ckpt.save(step, model, opt, extra=extra,
+                                   blocking=step < 6)  # hashed in the thread
+                if handle is not None:
+                    handle.wait()
                 self.assertEqual(max(filter(None, map(committed, self.agent.paths)))[1], step)
                 slots.append([read(p) for p in self.agent.paths])
             for p in self.agent.paths:
@@ -420,6 +458,51 @@ ckpt.save(3, model, opt)
             self.assertEqual(gather(2, srcs, (ctypes.c_uint64 * 2)(*where), twenty, at, 1000,
                                     checksum), -1, what)
             self.assertEqual(bytes(small), bytes(1000), what)
+        # A null source of some bytes (a tensor without memory of its own): -1, nothing copied.
+        null = (ctypes.c_uint64 * 2)(srcs[0], 0)
+        self.assertEqual(gather(2, null, (ctypes.c_uint64 * 2)(at, at + 100), twenty, at, 1000,
+                                checksum), -1)
+        self.assertEqual(bytes(small), bytes(1000))
+
+    def test_tensors_whose_memory_is_not_what_they_read_are_saved_as_they_read(self):
+        # A negative view (its memory holds the negated values), a zero tensor (no memory) and
+        # a wrapper subclass (no storage of its own) are contiguous, and the native copy would
+        # copy their memory; torch.cat resolves them. A negative view of a tensor saved before
+        # has that tensor's address: the kept addresses must not be reused for it.
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        model = nn.Linear(2, 2)
+        plain = torch.tensor([1.0, -2.0, 3.0])
+        ckpt.save(1, model, extra={"x": plain})
+        state = {"x": torch._neg_view(plain), "imag": torch.tensor([1 + 2j]).conj().imag,
+                 "zeros": torch._efficientzerotensor(4), "wrapped": Wrapped(torch.arange(4.0))}
+        self.assertEqual(state["x"].data_ptr(), plain.data_ptr())
+        ckpt.save(2, model, extra=state)
+        self.lt = self.fresh_process()
+        again = self.lt.Checkpointer()
+        self.assertEqual(again.load(nn.Linear(2, 2)), 2)
+        got = again.extra
+        self.assertEqual(got["x"].tolist(), [-1.0, 2.0, -3.0])
+        self.assertEqual(got["imag"].tolist(), [-2.0])
+        self.assertEqual(got["zeros"].tolist(), [0.0] * 4)
+        self.assertEqual(got["wrapped"].tolist(), [0.0, 1.0, 2.0, 3.0])
+
+    def test_a_save_inside_a_save_is_refused_and_the_next_save_works(self):
+        # A save that starts inside another (a signal handler's, here an object's __reduce__)
+        # would share the pickler and the slot being written: it is refused, clearly.
+        model, opt = model_and_optimizer()
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        nested = Nested(lambda: ckpt.save(2, model, opt))
+        with self.assertRaisesRegex(RuntimeError, r"Checkpointer\.save: called inside a save"):
+            ckpt.save(1, model, opt, extra={"nested": nested})
+        ckpt.save(1, model, opt, extra={"epoch": 3})
+        self.lt = self.fresh_process()
+        restored, restored_opt = model_and_optimizer(seed=1)
+        again = self.lt.Checkpointer()
+        self.assertEqual(again.load(restored, restored_opt), 1)
+        same_state(self, model, opt, restored, restored_opt)
+        self.assertEqual(again.extra, {"epoch": 3})
 
     def slot_header(self):
         """The safetensors header of the newest committed slot."""
