@@ -1279,8 +1279,14 @@ TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
     cluster->worker(victim)->Signal(SIGKILL);
     ASSERT_TRUE(cluster->worker(victim)->Wait(absl::Seconds(30)).ok());
     cluster->ReleaseHook(survivor, "checkpoint_copy_midway");
-    EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, survivor), -1).empty())
-        << "the survivor committed a copy that was cut";
+    // The survivor's end of the cut stream fails within moments of the kill: watched for 2 s,
+    // before the victim restarts (from then on its own saves are copied to the survivor).
+    const absl::Time watched = absl::Now() + absl::Seconds(2);
+    do {
+      ASSERT_TRUE(CommittedCopies(MemoryDir(*cluster, survivor), -1).empty())
+          << "the survivor committed a copy that was cut";
+      absl::SleepFor(absl::Milliseconds(50));
+    } while (absl::Now() < watched);
     ASSERT_NO_FATAL_FAILURE(start(victim, "checkpoint_fetch_midway@9"));
     auto done = wait_end(job->job_id());
     ASSERT_TRUE(done.ok()) << done.status() << cluster->Logs();
@@ -1294,7 +1300,8 @@ TEST_F(ProgramTest, ACopyOrAFetchCutByAKillIsNeverRestoredAndTheJobEndsExact) {
     EXPECT_TRUE(
         absl::StrContains(r.restore_detail(), victim + " took " + survivor + "'s from " + survivor))
         << r.DebugString();
-    EXPECT_TRUE(CommittedCopies(MemoryDir(*cluster, survivor), 8).empty());
+    // The survivor may hold a copy of step 8 now: the restarted victim's own save of it (the
+    // one it took) is copied like any save.
   }
   {
     SCOPED_TRACE("the holder killed while a restarted worker fetches its copy from it");

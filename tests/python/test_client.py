@@ -112,7 +112,12 @@ def test_the_queue_lists_jobs_in_the_order_they_start(client):
     later = client.submit(spec(10))
     urgent = client.submit(dict(spec(10), priority=3))
     try:
+        # A job's reason is set by the scheduler's pass after its submit: wait for both.
+        deadline = time.monotonic() + 30
         queue = client.queue()
+        while not all(j.reason for j in queue) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            queue = client.queue()
         # The running job has the higher priority: priority 3 cannot preempt it, and waits first.
         assert [j.job_id for j in queue] == [urgent.job_id, later.job_id]
         assert "waiting for 2 idle" in queue[0].reason
