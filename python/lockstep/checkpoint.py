@@ -69,6 +69,7 @@ _CONTAINERS = (torch.Tensor, dict, list, tuple)
 # a checkpoint holds only dense tensors, checked per layout).
 _LAYOUT_OF = operator.attrgetter("dtype", "shape", "device", "is_sparse")
 _DATA_PTR = torch.Tensor.data_ptr
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 _CONTIGUOUS = torch.Tensor.is_contiguous
 # Tensors whose memory does not hold their values as they read (_host_sources).
 _NEGATIVE = torch.Tensor.is_neg
@@ -116,27 +117,15 @@ def _xxh3(view):
     return xxhash.xxh3_64_intdigest(view)
 
 
-class _Dict(tuple):
-    """A dict of tensors in the remainder, by its keys: _Dict((keys, first)) stands for
-    {keys[j]: the tensor named str(first + j)}, and unpickles as a call with (keys, first). The
-    model's state dict is pickled so (and only it: load resolves a _Dict to views into the
-    mapping), and the optimizer's per-parameter states as one _Dicts((ids, keys per id,
-    first)): a placeholder per dict, not per tensor. Tuples: made without a Python call."""
-
-
-class _Dicts(_Dict):
-    pass
-
-
 _PLAIN_TENSOR = {torch.Tensor, torch.nn.Parameter}
 _DICT = {dict}
 
 
 class _Pickler(pickle.Pickler):
     """Pickles the state in one pass of the C pickler: every tensor it meets, in a state dict
-    or inside any object, goes to `tensors` (after those already there: the _Dicts') and is
-    pickled as _Tensor(its index). A tensor met twice (tied weights) is stored once. A
-    Checkpointer keeps one from save to save: making one costs about what a dump does."""
+    or inside any object, goes to `tensors` (after the tensors of the dicts that went as their
+    keys) and is pickled as _Tensor(its index). A tensor met twice (tied weights) is stored
+    once. A Checkpointer keeps one from save to save: making one costs about what a dump does."""
 
     def __init__(self):
         self._out = io.BytesIO()
@@ -174,17 +163,13 @@ class _Pickler(pickle.Pickler):
         return _Tensor, (str(i),)
 
 
-def _placeholder(obj):
-    return type(obj), tuple(obj)
-
-
 class _Reductions(dict):
-    """_Pickler's dispatch_table: the placeholders, and every tensor type (a subclass too,
-    found when first met), to their reductions; any other type to copyreg's, if it has one
-    (else the pickler uses the object's own __reduce_ex__)."""
+    """_Pickler's dispatch_table: every tensor type (a subclass too, found when first met) to
+    the tensor's reduction; any other type to copyreg's, if it has one (else the pickler uses
+    the object's own __reduce_ex__)."""
 
     def __init__(self, tensor):
-        super().__init__({_Dict: _placeholder, _Dicts: _placeholder})
+        super().__init__()
         self._tensor_reduction = tensor
 
     def __missing__(self, kind):
@@ -195,24 +180,37 @@ class _Reductions(dict):
 
 
 class _Unpickler(pickle.Unpickler):
-    """Loads a remainder: each _Tensor(name) becomes own(name), each _Dicts its dicts of
-    own(name), and a _Dict (the model's state dict, which load copies into the model and
-    drops) its dict of view(name)."""
+    """Loads a remainder: each _Tensor(name) becomes own(name). load() resolves the dicts that
+    went as their keys (_capture): the model's state dict (which load copies into the model and
+    drops) to view(name)s, the optimizer's per-parameter states to own(name)s."""
 
     def __init__(self, data, view, own):
         super().__init__(io.BytesIO(data))
+        self._view, self._own = view, own
+        # "_Dict" and "_Dicts": the same dicts in checkpoints of format /1 (placeholder objects
+        # in their places), which disk may still hold.
+        self._classes = {"_Tensor": own, "_Dict": self._tensors, "_Dicts": self._dicts}
 
-        def tensors(keys, first, tensor=view):
-            return {k: tensor(str(first + j)) for j, k in enumerate(keys)}
+    def _tensors(self, keys, first, own=False):
+        tensor = self._own if own else self._view
+        return {k: tensor(str(first + j)) for j, k in enumerate(keys)}
 
-        def dicts(ids, keys, first):
-            out = {}
-            for i, ks in zip(ids, keys):
-                out[i] = tensors(ks, first, own)
-                first += len(ks)
-            return out
+    def _dicts(self, ids, keys, first):
+        out = {}
+        for i, ks in zip(ids, keys):
+            out[i] = self._tensors(ks, first, own=True)
+            first += len(ks)
+        return out
 
-        self._classes = {"_Tensor": own, "_Dict": tensors, "_Dicts": dicts}
+    def load(self):
+        rest = super().load()
+        keys = rest.pop("model_keys", None)
+        if keys is not None:
+            rest["model"] = self._tensors(keys, 0)
+        states = rest.pop("optimizer_states", None)
+        if states is not None:
+            rest["optimizer"]["state"] = self._dicts(*states)
+        return rest
 
     def find_class(self, module, name):
         if module == __name__ and name in self._classes:
@@ -220,38 +218,69 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _capture(model, optimizer, extra, pickler):
-    """([tensor], the pickled rest, the state): the tensors of the state, in the order they
-    are named, and everything else pickled with placeholders in their places. Lean, since a
-    program may save at every step: the model's state dict and the optimizer's per-parameter
-    states, when they hold only tensors, go as their keys (_Dict, _Dicts), the rest through
-    the C pickler; the tensors are the model's own, not detached copies (the copies run under
-    torch.no_grad())."""
+def _same(a, b):
+    """Whether lists a and b (or None) hold the same objects."""
+    return a is b or (a is not None and b is not None and len(a) == len(b) and
+                      all(map(operator.is_, a, b)))
+
+
+class _Placed:
+    """Which of the state's dicts go as their keys, and the tensors those hold, in order: the
+    model's state dict when it holds only plain tensors, none twice (tied weights go through
+    the pickler, which stores such a tensor once); the optimizer's per-parameter states when
+    they are dicts of plain tensors, none met before. Kept from save to save: the same objects
+    in the same places go the same way (held())."""
+
+    def __init__(self, values, per_values):
+        self.values, self.per_values = values, per_values
+        self.model = values is not None and set(map(type, values)) <= _PLAIN_TENSOR and \
+            len(set(map(id, values))) == len(values)
+        tensors = values if self.model else []
+        self.first = len(tensors)  # the index of the optimizer's first tensor
+        self.optimizer = False
+        if per_values is not None and set(map(type, per_values)) <= _PLAIN_TENSOR:
+            together = tensors + per_values
+            self.optimizer = len(set(map(id, together))) == len(together)
+            if self.optimizer:
+                tensors = together
+        self.tensors = tuple(tensors)
+
+    def held(self, values, per_values):
+        return _same(values, self.values) and _same(per_values, self.per_values)
+
+
+def _capture(model, optimizer, extra, pickler, placed=None):
+    """([tensor], the pickled rest, the state, _Placed): the tensors of the state, in the order
+    they are named, and everything else pickled with placeholders in their places. Lean, since
+    a program may save at every step: the model's state dict and the optimizer's per-parameter
+    states, when they hold only tensors, go as their keys, the rest through the C pickler; the
+    tensors are the model's own, not detached copies (the copies run under torch.no_grad()).
+    `placed`: the previous call's _Placed, reused when it holds the same tensors."""
     # The model's state in a plain dict: an OrderedDict's _metadata (module versions, for
     # load_state_dict) is not needed to copy the tensors back.
     sd = model.state_dict(destination={}, keep_vars=True) if model is not None else None
     osd = optimizer.state_dict() if optimizer is not None else None
     extra = dict(extra) if extra is not None else None
-    # A dict goes as its keys when it holds only plain tensors, none met before (tied weights
-    # go through the pickler, which stores such a tensor once).
-    tensors, model_part, optimizer_part = [], sd, osd
-    if sd is not None:
-        values = list(sd.values())
-        if set(map(type, values)) <= _PLAIN_TENSOR and len(set(map(id, values))) == len(values):
-            tensors, model_part = values, _Dict((tuple(sd), 0))
+    values = list(sd.values()) if sd is not None else None
     per_param = osd.get("state") if osd is not None else None
-    if type(per_param) is dict:
-        per = list(per_param.values())
-        if set(map(type, per)) <= _DICT:
-            values = list(chain.from_iterable(map(dict.values, per)))
-            together = tensors + values
-            if set(map(type, values)) <= _PLAIN_TENSOR and \
-                    len(set(map(id, together))) == len(together):
-                optimizer_part = dict(osd, state=_Dicts(
-                    (tuple(per_param), tuple(map(tuple, per)), len(tensors))))
-                tensors = together
-    data = pickler.pickle({"model": model_part, "optimizer": optimizer_part, "extra": extra},
-                          tensors)
+    per = list(per_param.values()) if type(per_param) is dict else None
+    per_values = list(chain.from_iterable(map(dict.values, per))) \
+        if per is not None and set(map(type, per)) <= _DICT else None
+    if placed is None or not placed.held(values, per_values):
+        placed = _Placed(values, per_values)
+    tensors = list(placed.tensors)  # the pickler appends the tensors it meets
+    # A dict that goes as its keys is in a field of its own, the tensors it held named in
+    # order from its first (the model's from "0"): plain tuples, which the C pickler writes
+    # without a Python call or a class to look up.
+    if placed.optimizer:
+        optimizer_part = dict(osd, state=None)
+        states = (tuple(per_param), tuple(map(tuple, per)), placed.first)
+    else:
+        optimizer_part, states = osd, None
+    data = pickler.pickle({"model": None if placed.model else sd,
+                           "model_keys": tuple(sd) if placed.model else None,
+                           "optimizer": optimizer_part, "optimizer_states": states,
+                           "extra": extra}, tensors)
     state = {"model": sd, "optimizer": osd, "extra": extra}
     if len(data) > MAX_REMAINDER_BYTES:
         sizes = []
@@ -264,7 +293,7 @@ def _capture(model, optimizer, extra, pickler):
                          f"{len(data)} bytes pickled, more than {MAX_REMAINDER_BYTES}; the "
                          f"largest is {biggest[1]} ({biggest[0]} bytes): keep large values in "
                          f"tensors")
-    return tensors, data, state
+    return tensors, data, state, placed
 
 
 def _check_tensors(tensors, state):
@@ -331,13 +360,38 @@ class _Layout:
         self.on_host = all(t.device.type == "cpu" for t in tensors)  # _host_sources
         self.key = key
         # The step is in the slot's header, not here: one safetensors header per layout.
-        header["__metadata__"] = {"format": "lockstep.torch.Checkpointer/1"}
+        header["__metadata__"] = {"format": "lockstep.torch.Checkpointer/2"}
         text = json.dumps(header, separators=(",", ":")).encode()
         # Data starts 64-byte aligned in the slot (the header ends padded with spaces).
         self.header = text + b" " * ((-(HEADER_BYTES + 8 + len(text))) % 64)
         self.data_start = HEADER_BYTES + 8 + len(self.header)  # in the slot
         self.remainder_start = self.data_start + offset
         self.payload_bytes = 8 + len(self.header) + offset + remainder_bytes
+
+
+class _HostCopy:
+    """How a save of host tensors, each contiguous, was copied (Checkpointer._host_sources):
+    its layout, its tensors in the payload's order and what copies them. It holds for the next
+    save while that one's tensors are the same objects (held here, and so their storage) at
+    the same addresses, each of the same dtype and shape and contiguous, and the remainder is
+    as long: then they are the same memory, and their layout is the same (a tensor's place
+    depends on its dtype, shape, device and sparsity: one at the same address is on the same
+    device, and a sparse one has none)."""
+
+    def __init__(self, layout, tensors, sources, host):
+        self.layout, self.sources, self.host = layout, sources, host
+        self.tensors = list(tensors)
+        self.ptrs = list(map(_DATA_PTR, tensors))
+        self.shapes = list(map(_DTYPE_SHAPE, tensors))
+
+    def fits(self, tensors, remainder_bytes):
+        if remainder_bytes != self.layout.key[-1] or not _same(tensors, self.tensors):
+            return False
+        try:
+            return list(map(_DATA_PTR, tensors)) == self.ptrs and \
+                list(map(_DTYPE_SHAPE, tensors)) == self.shapes and all(map(_CONTIGUOUS, tensors))
+        except RuntimeError:  # a tensor without storage (sparse, now) has no address
+            return False
 
 
 class _Slot:
@@ -409,7 +463,8 @@ class Checkpointer:
         self._restored = False
         self._last_step = None
         self._layout = None
-        self._flat = None  # (layout, data pointers, what copies them): see _host_sources
+        self._placed = None  # the last save's _Placed
+        self._flat = None  # the last save's _HostCopy, when it has one
         self._checksum = ctypes.c_uint64()  # lockstep_gather_xxh3's
         self._hold_at = _hold_at()
         self._pickler = _Pickler()
@@ -460,19 +515,25 @@ class Checkpointer:
             self._save_fallback(step, model, optimizer, extra)
             self._last_step = step
             return None if blocking else SaveHandle.completed()
-        tensors, remainder, state = _capture(model, optimizer, extra, self._pickler)
-        key = (*map(_LAYOUT_OF, tensors), len(remainder))
-        layout = self._layout
-        if layout is None or layout.key != key:
-            _check_tensors(tensors, state)
-            layout = self._layout = _Layout(tensors, key, len(remainder))
+        tensors, remainder, state, self._placed = _capture(model, optimizer, extra,
+                                                           self._pickler, self._placed)
+        flat = self._flat
+        if flat is not None and flat.fits(tensors, len(remainder)):
+            layout, sources, host = flat.layout, flat.sources, flat.host
+        else:
+            self._flat = None
+            key = (*map(_LAYOUT_OF, tensors), len(remainder))
+            layout = self._layout
+            if layout is None or layout.key != key:
+                _check_tensors(tensors, state)
+                layout = self._layout = _Layout(tensors, key, len(remainder))
+            sources = layout.sources(tensors)
+            host = self._host_sources(layout, tensors, sources) if layout.on_host else None
         payload_bytes = layout.payload_bytes
         slot, sequence = self._slot_for(HEADER_BYTES + payload_bytes)
         slot.prepare(layout, tensors)
         m, views = slot.map, slot.views
         r = layout.remainder_start
-        sources = layout.sources(tensors)
-        host = self._host_sources(layout, sources) if layout.on_host else None
 
         def copy(hash_it):
             """Copies the state into the slot; returns the payload's checksum when hash_it and
@@ -487,7 +548,7 @@ class Checkpointer:
                     torch.cat(flat, out=out)
             else:
                 checksum = self._checksum if hash_it else None
-                if _GATHER(len(sources), host, slot.dsts, layout.sizes,
+                if _GATHER(len(layout.entries), host, slot.dsts, layout.sizes,
                            slot.base + HEADER_BYTES, payload_bytes, checksum) != 0:
                     raise RuntimeError("lockstep.torch.Checkpointer: a copy from no memory or "
                                        "outside its slot's payload (a bug)")
@@ -583,30 +644,23 @@ class Checkpointer:
         sa, sb = a.sequence(), b.sequence()
         return (a, sb + 1) if sa <= sb else (b, sa + 1)
 
-    def _host_sources(self, layout, sources):
+    def _host_sources(self, layout, tensors, sources):
         """What copies a state held on the host whose tensors are all contiguous (None when one
-        is not). The tensors' addresses (a ctypes array), for lockstep_gather_xxh3, when each
-        is a plain tensor whose memory holds its values; else (a negative view, a zero tensor,
-        a subclass: torch resolves them) a list, for each of the layout's runs, of flat views
-        of its tensors, torch.cat's inputs. Kept from save to save while the tensors are the
-        same, each contiguous and where it was: the entry holds them (and so their storage),
-        so the same objects at the same addresses, of the layout's dtypes and shapes, are the
-        same memory. It keeps the last save's tensors alive until a save with others."""
-        ptrs = list(map(_DATA_PTR, sources))
-        cached = self._flat
-        if cached is not None and cached[0] is layout and cached[1] == ptrs and \
-                all(map(operator.is_, sources, cached[3])) and all(map(_CONTIGUOUS, sources)):
-            return cached[2]
-        self._flat = None
+        is not): the tensors' addresses in the payload's order (a ctypes array), for
+        lockstep_gather_xxh3, when each is a plain tensor whose memory holds its values; else
+        (a negative view, a zero tensor, a subclass: torch resolves them) a list, for each of
+        the layout's runs, of flat views of its tensors, torch.cat's inputs. Kept for the next
+        saves (_HostCopy)."""
         if not all(map(_CONTIGUOUS, sources)):
             return None
+        ptrs = list(map(_DATA_PTR, sources))
         if _GATHER is not None and set(map(type, sources)) <= _PLAIN_TENSOR and \
                 not any(map(_NEGATIVE, sources)) and not any(map(_ZERO, sources)):
             host = (ctypes.c_uint64 * len(ptrs))(*ptrs)
         else:
             flat = [t.detach().view(-1) for t in sources]
             host = [flat[first:end] for _, _, _, first, end in layout.runs]
-        self._flat = (layout, ptrs, host, sources)
+        self._flat = _HostCopy(layout, tensors, sources, host)
         return host
 
     # ----------------------------------------------------------------------------------------
@@ -663,7 +717,8 @@ class Checkpointer:
 
         # torch.frombuffer holds no export of the mapping, which closes when load returns:
         # every tensor kept past load is copied out of it (once, however often it is met);
-        # only the model's tensors (a _Dict) are views, copied into the model below.
+        # only the model's tensors (its state dict when it went as its keys) are views, copied
+        # into the model below.
         owned = {}
 
         def own(name):

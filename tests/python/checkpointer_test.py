@@ -16,8 +16,10 @@ Run: PYTHONPATH=BUILD/python checkpointer_test.py  (exit 77: no torch, grpc or x
 """
 import ctypes
 import importlib
+import io
 import json
 import os
+import pickle
 import struct
 import subprocess
 import sys
@@ -377,6 +379,41 @@ ckpt.save(3, model, opt)
         same_state(self, model, opt, restored, restored_opt)
         self.assertTrue(torch.equal(again.extra["grid"], (torch.arange(12.0).view(3, 4) * 2).t()))
 
+    def test_the_same_tensors_changed_in_place_are_saved_as_they_are_now(self):
+        # A save whose tensors are the objects of the save before, at the same addresses,
+        # skips the checks and the layout made then (_Placed, _HostCopy). A tensor may have
+        # changed under them: shrunk in place (the same address, another shape), given another
+        # dtype over the same memory, or put under other keys.
+        model, _ = model_and_optimizer()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        first = next(model.parameters())
+        x, y = torch.full((3,), 1.0), torch.full((3,), 2.0)
+        opt.state[first] = {"b": x, "a": y}
+        shrunk = torch.arange(6.0)
+        retyped = torch.zeros(4)
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        for step in (1, 2):  # the second save takes the kept way
+            ckpt.save(step, model, opt, extra={"shrunk": shrunk, "retyped": retyped})
+        address = (shrunk.data_ptr(), retyped.data_ptr())
+        shrunk.resize_(4)
+        retyped.data = retyped.data.view(torch.int32)
+        retyped.copy_(torch.tensor([7, -1, 1 << 30, 3], dtype=torch.int32))
+        opt.state[first] = {"a": x, "b": y}  # the same tensors in the same order
+        self.assertEqual((shrunk.data_ptr(), retyped.data_ptr()), address)
+        ckpt.save(3, model, opt, extra={"shrunk": shrunk, "retyped": retyped})
+        self.lt = self.fresh_process()
+        restored, _ = model_and_optimizer(seed=1)
+        restored_opt = torch.optim.SGD(restored.parameters(), lr=0.1)
+        again = self.lt.Checkpointer()
+        self.assertEqual(again.load(restored, restored_opt), 3)
+        self.assertTrue(torch.equal(again.extra["shrunk"], torch.arange(4.0)))
+        got = again.extra["retyped"]
+        self.assertEqual(got.dtype, torch.int32)
+        self.assertEqual(got.tolist(), [7, -1, 1 << 30, 3])
+        state = restored_opt.state[next(restored.parameters())]
+        self.assertEqual((state["a"].tolist(), state["b"].tolist()), ([1.0] * 3, [2.0] * 3))
+
     def test_the_native_copy_and_its_fallback_write_the_same_slots(self):
         # The copy of liblockstep_checkpoint.so (the build puts it in the package) against the
         # one a package without it makes (torch.cat, the xxhash module): the same slots, byte
@@ -532,6 +569,42 @@ ckpt.save(3, model, opt)
         with self.assertRaisesRegex(KeyError, r"model\.2\.weight is not in the model"):
             bigger = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
             self.lt.Checkpointer().load(bigger)
+
+
+class FormatOneTest(unittest.TestCase):
+    def test_a_remainder_of_format_1_loads_as_it_did(self):
+        # Checkpoints written before format 2 (a disk may keep them past an upgrade) pickled
+        # the dicts that went as their keys as placeholder objects, checkpoint._Dict (the
+        # model's state dict: views) and checkpoint._Dicts (the optimizer's states: copies).
+        ck = importlib.import_module("lockstep.checkpoint")
+
+        class _Dict(tuple):
+            pass
+
+        class _Dicts(tuple):
+            pass
+
+        for kind in (_Dict, _Dicts):
+            kind.__module__, kind.__qualname__ = ck.__name__, kind.__name__
+            setattr(ck, kind.__name__, kind)
+        try:
+            out = io.BytesIO()
+            pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+            pickler.dispatch_table = {k: (lambda o: (type(o), tuple(o))) for k in (_Dict, _Dicts)}
+            pickler.dump({"model": _Dict((("w", "b"), 0)),
+                          "optimizer": {"state": _Dicts(((0, 1), (("exp_avg", "step"), ("m",)),
+                                                         2)),
+                                        "param_groups": [{"lr": 0.5, "params": [0, 1]}]},
+                          "extra": {"grid": ck._Tensor("5"), "epoch": 3}})
+        finally:
+            del ck._Dict, ck._Dicts
+        rest = ck._Unpickler(out.getvalue(), view=lambda name: f"view {name}",
+                             own=lambda name: f"own {name}").load()
+        self.assertEqual(rest, {
+            "model": {"w": "view 0", "b": "view 1"},
+            "optimizer": {"state": {0: {"exp_avg": "own 2", "step": "own 3"}, 1: {"m": "own 4"}},
+                          "param_groups": [{"lr": 0.5, "params": [0, 1]}]},
+            "extra": {"grid": "own 5", "epoch": 3}})
 
 
 class OutsideLockstepTest(unittest.TestCase):
