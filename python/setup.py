@@ -41,7 +41,7 @@ def generate_stubs(out_dir):
 def build_native(out_dir):
     """Compiles native/checkpoint_copy.cc into out_dir/lockstep/liblockstep_checkpoint.so, the
     copy lockstep.torch.Checkpointer.save makes (docs/programs.md). Where no C++ compiler or
-    xxhash.h is found (Debian: g++, libxxhash-dev) it says so and goes on: a save then copies
+    libxxhash is found (Debian: g++, libxxhash-dev) it says so and goes on: a save then copies
     with torch.cat and hashes with the xxhash module, to the same bytes, more slowly."""
     cxx = shlex.split(os.environ.get("CXX", "")) or \
         [c for c in (shutil.which("c++"), shutil.which("g++")) if c][:1]
@@ -53,7 +53,8 @@ def build_native(out_dir):
         try:
             done = subprocess.run([*cxx, "-O2", "-std=c++17", "-shared", "-fPIC",
                                    "-fvisibility=hidden", "-o", out,
-                                   os.path.join(HERE, "native", "checkpoint_copy.cc")],
+                                   os.path.join(HERE, "native", "checkpoint_copy.cc"),
+                                   "-lxxhash"],
                                   capture_output=True, text=True)
         except OSError as e:
             why = f"{cxx[0]}: {e.strerror}"
