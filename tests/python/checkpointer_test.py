@@ -338,6 +338,30 @@ ckpt.save(3, model, opt)
         self.assertTrue(torch.equal(got[0], torch.arange(3.0)))
         self.assertEqual(got[1], 7)
 
+    def test_an_optimizer_that_keeps_the_state_it_loads_gets_copies(self):
+        # torch's Optimizer.load_state_dict deep-copies what it is given, so load hands it
+        # views into the mapping; an optimizer with a load_state_dict of its own gets copies
+        # (views would point into the mapping, unmapped when load returns).
+        class Keeping(torch.optim.AdamW):
+            def load_state_dict(self, state_dict):
+                params = [p for g in self.param_groups for p in g["params"]]
+                for i, s in state_dict["state"].items():
+                    self.state[params[i]] = s
+
+        model, opt = model_and_optimizer()
+        train(model, opt, 2)
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        ckpt.save(2, model, opt)
+        self.lt = self.fresh_process()
+        restored, _ = model_and_optimizer(seed=1)
+        keeping = Keeping(restored.parameters(), lr=0.01)
+        self.assertEqual(self.lt.Checkpointer().load(restored, keeping), 2)
+        for p, q in zip(model.parameters(), restored.parameters()):
+            for k, v in opt.state[p].items():
+                self.assertTrue(torch.equal(v, keeping.state[q][k]), k)
+        self.assertEqual(keeping.param_groups[0]["lr"], 0.01)
+
     def test_a_state_that_changes_shape_between_saves_comes_back_in_its_last_shape(self):
         model, opt = model_and_optimizer()
         ckpt = self.lt.Checkpointer()
