@@ -370,6 +370,30 @@ class _Layout:
         self.payload_bytes = 8 + len(self.header) + offset + remainder_bytes
 
 
+def _loads_into_state(optimizer):
+    """Whether optimizer.load_state_dict is torch.optim's own, neither replaced (in the class or
+    on the object) nor hooked: what it is given then ends up in optimizer.state and
+    optimizer.param_groups and nowhere else (deep-copied before torch 2.1; since, as given where
+    the dtype and device match)."""
+    return type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict and \
+        "load_state_dict" not in vars(optimizer) and \
+        not getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None) and \
+        not getattr(optimizer, "_optimizer_load_state_dict_post_hooks", None)
+
+
+def _copy_out(value, begin, end):
+    """Replaces, in the dicts and lists of `value`, every tensor whose memory starts in
+    [begin, end) (a view of a mapping about to close) by a copy of its own."""
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            if begin <= v.data_ptr() < end:
+                value[k] = v.clone()
+        elif isinstance(v, (dict, list)):
+            _copy_out(v, begin, end)
+
+
 class _HostCopy:
     """How a save of host tensors, each contiguous, was copied (Checkpointer._host_sources):
     its layout, its tensors in the payload's order and what copies them. It holds for the next
@@ -530,6 +554,8 @@ class Checkpointer:
                 layout = self._layout = _Layout(tensors, key, len(remainder))
             sources = layout.sources(tensors)
             host = self._host_sources(layout, tensors, sources) if layout.on_host else None
+            if not layout.on_host:
+                self._placed = None  # a device's memory is not held from one save to the next
         payload_bytes = layout.payload_bytes
         slot, sequence = self._slot_for(HEADER_BYTES + payload_bytes)
         slot.prepare(layout, tensors)
@@ -551,8 +577,9 @@ class Checkpointer:
                 checksum = self._checksum if hash_it else None
                 if _GATHER(len(layout.entries), host, slot.dsts, layout.sizes,
                            slot.base + HEADER_BYTES, payload_bytes, checksum) != 0:
-                    raise RuntimeError("lockstep.torch.Checkpointer: a copy from no memory or "
-                                       "outside its slot's payload (a bug)")
+                    raise RuntimeError("lockstep.torch.Checkpointer: the native copy refused "
+                                       "(a source of no memory or a destination outside the "
+                                       "slot's payload: a bug; or no memory for its hash)")
                 return checksum.value if hash_it else None
             return None
 
@@ -717,12 +744,12 @@ class Checkpointer:
                                     offset=data_start + begin).view(e["shape"])
 
         # torch.frombuffer holds no export of the mapping, which closes when load returns:
-        # every tensor kept past load is copied out of it (once, however often it is met);
-        # only the model's tensors (its state dict when it went as its keys) are views, copied
-        # into the model below, and the optimizer's per-parameter states when its
-        # load_state_dict is torch's, which deep-copies the state it is given (a copy of our
-        # own before it would double the restore's copying and its page faults: a 1 GiB Adam
-        # state came back in 1.4-1.9 s, against 0.64 s without).
+        # every tensor kept past load is copied out of it (once, however often it is met). The
+        # model's tensors (its state dict when it went as its keys) are views, copied into the
+        # model below; so are the optimizer's per-parameter states when its load_state_dict is
+        # torch's own (_loads_into_state): the views it keeps are copied after, so that each
+        # tensor is copied once (a copy before it, which torch before 2.1 deep-copies again,
+        # restored a 1 GiB Adam state in 1.4-1.9 s, against 0.64 s).
         owned = {}
 
         def own(name):
@@ -731,10 +758,9 @@ class Checkpointer:
                 t = owned[name] = tensor(name).clone()
             return t
 
-        copies = optimizer is not None and \
-            type(optimizer).load_state_dict is torch.optim.Optimizer.load_state_dict
+        direct = optimizer is not None and _loads_into_state(optimizer)
         rest = _Unpickler(tensor(_REMAINDER).numpy().tobytes(), view=tensor, own=own,
-                          copy_states=not copies).load()
+                          copy_states=not direct).load()
 
         if model is not None:
             if rest["model"] is None:
@@ -765,7 +791,11 @@ class Checkpointer:
             if rest["optimizer"] is None:
                 raise KeyError(f"lockstep.torch.Checkpointer: the checkpoint of step {step} "
                                f"holds no optimizer state")
-            optimizer.load_state_dict(rest["optimizer"])  # its tensors are copies (own)
+            optimizer.load_state_dict(rest["optimizer"])
+            if direct:
+                begin = torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
+                _copy_out(optimizer.state, begin, begin + len(m))
+                _copy_out(optimizer.param_groups, begin, begin + len(m))
         self.extra = rest["extra"]
 
     # ----------------------------------------------------------------------------------------

@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <cstring>
 
-// XXH3_state_t on the stack (the header and libxxhash come from one package); the hash through
-// libxxhash's dispatch, which picks the widest vector unit the CPU has at run time (AVX2 hashes
-// about 2.4x as fast as the SSE2 a portable build would be limited to).
-#define XXH_STATIC_LINKING_ONLY
-#include <xxh_x86dispatch.h>
+// The hash is libxxhash's, through its dispatch where the library has one (Debian's does): it
+// picks the widest vector unit the CPU has at run time (AVX2 hashes about 2.4x as fast as the
+// SSE2 a portable build is limited to). Its state is the library's to allocate: its layout is
+// not a stable ABI.
 #include <xxhash.h>
+#if __has_include(<xxh_x86dispatch.h>)
+#include <xxh_x86dispatch.h>
+#endif
 
 namespace {
 
@@ -30,7 +32,8 @@ extern "C" {
 // XXH3-64 of [begin, begin + length): the payload, which holds every destination, in order
 // (dsts ascending, none overlapping another or the end); the bytes between and after them
 // are hashed as they are; with checksum null, copies only. Returns 0, or -1 without copying
-// when the destinations are not so or a source of some bytes is null.
+// when the destinations are not so, a source of some bytes is null, or the hash's state could
+// not be allocated.
 // The caller holds the memory: ctypes releases the GIL for the call.
 __attribute__((visibility("default"))) int lockstep_gather_xxh3(int64_t n, const uint64_t* srcs,
                                                                 const uint64_t* dsts,
@@ -55,9 +58,9 @@ __attribute__((visibility("default"))) int lockstep_gather_xxh3(int64_t n, const
   }
   // The payload a window at a time: the copies that land in it, then its hash, while it is in
   // cache (one update per window: XXH3 streams fast in large updates, slowly in small ones).
-  XXH3_state_t state;
-  XXH3_INITSTATE(&state);
-  XXH3_64bits_reset(&state);
+  XXH3_state_t* const state = XXH3_createState();
+  if (state == nullptr) return -1;
+  XXH3_64bits_reset(state);
   int64_t i = 0;
   uint64_t copied = 0;  // of entry i
   for (uint64_t window = begin; window < end;) {
@@ -73,10 +76,11 @@ __attribute__((visibility("default"))) int lockstep_gather_xxh3(int64_t n, const
         break;
       }
     }
-    XXH3_64bits_update(&state, reinterpret_cast<const void*>(window), window_end - window);
+    XXH3_64bits_update(state, reinterpret_cast<const void*>(window), window_end - window);
     window = window_end;
   }
-  *checksum = XXH3_64bits_digest(&state);
+  *checksum = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
   return 0;
 }
 

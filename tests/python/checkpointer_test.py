@@ -14,10 +14,12 @@ tests/integration/program_test.cc.
 
 Run: PYTHONPATH=BUILD/python checkpointer_test.py  (exit 77: no torch, grpc or xxhash here)
 """
+import collections
 import ctypes
 import importlib
 import io
 import json
+import mmap
 import os
 import pickle
 import struct
@@ -338,29 +340,88 @@ ckpt.save(3, model, opt)
         self.assertTrue(torch.equal(got[0], torch.arange(3.0)))
         self.assertEqual(got[1], 7)
 
-    def test_an_optimizer_that_keeps_the_state_it_loads_gets_copies(self):
-        # torch's Optimizer.load_state_dict deep-copies what it is given, so load hands it
-        # views into the mapping; an optimizer with a load_state_dict of its own gets copies
-        # (views would point into the mapping, unmapped when load returns).
-        class Keeping(torch.optim.AdamW):
-            def load_state_dict(self, state_dict):
-                params = [p for g in self.param_groups for p in g["params"]]
-                for i, s in state_dict["state"].items():
-                    self.state[params[i]] = s
-
+    def saved_trained_state(self):
         model, opt = model_and_optimizer()
         train(model, opt, 2)
         ckpt = self.lt.Checkpointer()
         ckpt.load(None)
         ckpt.save(2, model, opt)
         self.lt = self.fresh_process()
-        restored, _ = model_and_optimizer(seed=1)
-        keeping = Keeping(restored.parameters(), lr=0.01)
-        self.assertEqual(self.lt.Checkpointer().load(restored, keeping), 2)
-        for p, q in zip(model.parameters(), restored.parameters()):
-            for k, v in opt.state[p].items():
-                self.assertTrue(torch.equal(v, keeping.state[q][k]), k)
-        self.assertEqual(keeping.param_groups[0]["lr"], 0.01)
+        return model, opt
+
+    def test_an_optimizer_that_keeps_the_state_it_loads_gets_copies(self):
+        # An optimizer whose load_state_dict is not torch's own, in its class or on the object,
+        # may keep what it is given, anywhere: it gets copies (views would point into the
+        # mapping, unmapped when load returns: reading them crashes).
+        def keep(optimizer, state_dict):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            optimizer.kept = {params[i]: s for i, s in state_dict["state"].items()}
+
+        class Keeping(torch.optim.AdamW):
+            load_state_dict = keep
+
+        model, opt = self.saved_trained_state()
+        for how in ("class", "object"):
+            restored, _ = model_and_optimizer(seed=1)
+            if how == "class":
+                keeping = Keeping(restored.parameters(), lr=0.01)
+            else:
+                keeping = torch.optim.AdamW(restored.parameters(), lr=0.01)
+                keeping.load_state_dict = lambda state_dict, o=keeping: keep(o, state_dict)
+            self.assertEqual(self.lt.Checkpointer().load(restored, keeping), 2, how)
+            for p, q in zip(model.parameters(), restored.parameters()):
+                for k, v in opt.state[p].items():
+                    self.assertTrue(torch.equal(v, keeping.kept[q][k]), f"{how}: {k}")
+            self.assertEqual(keeping.param_groups[0]["lr"], 0.01)
+
+    def test_views_torch_keeps_since_2_1_are_copied_out_of_the_mapping(self):
+        # torch.optim's own load_state_dict gets views of the mapping. Before torch 2.1 it
+        # deep-copies them; since 2.1 (pytorch#106082) it keeps a tensor as given when its dtype
+        # and device match, so load copies out what it kept. Here 2.1's way stands in for 1.13's,
+        # and the mappings load makes are watched: no state tensor may point into one.
+        def shallow(optimizer, state_dict):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            state = collections.defaultdict(dict)
+            for i, s in state_dict["state"].items():
+                p = params[i]
+                state[p] = {k: v if k == "step" else v.to(dtype=p.dtype, device=p.device)
+                            for k, v in s.items()}
+            groups = [dict(saved, params=g["params"])
+                      for saved, g in zip(state_dict["param_groups"], optimizer.param_groups)]
+            optimizer.__setstate__({"state": state, "param_groups": groups})
+
+        class Mappings:
+            def __init__(self, real):
+                self.real, self.ranges = real, []
+
+            def __getattr__(self, name):
+                return getattr(self.real, name)
+
+            def mmap(self, *args, **kwargs):
+                m = self.real.mmap(*args, **kwargs)
+                if kwargs.get("access") == self.real.ACCESS_COPY:  # load's
+                    begin = torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
+                    self.ranges.append((begin, begin + len(m)))
+                return m
+
+        model, opt = self.saved_trained_state()
+        ck = sys.modules["lockstep.checkpoint"]
+        restored, restored_opt = model_and_optimizer(seed=1)
+        own = torch.optim.Optimizer.load_state_dict
+        ck.mmap = mappings = Mappings(mmap)
+        torch.optim.Optimizer.load_state_dict = shallow
+        try:
+            self.assertEqual(self.lt.Checkpointer().load(restored, restored_opt), 2)
+        finally:
+            torch.optim.Optimizer.load_state_dict = own
+            ck.mmap = mmap
+        self.assertEqual(len(mappings.ranges), 1)
+        (begin, end), = mappings.ranges
+        for q, state in restored_opt.state.items():
+            for k, v in state.items():
+                self.assertFalse(begin <= v.data_ptr() < end, f"{k} points into the mapping")
+        same_state(self, model, opt, restored, restored_opt)
+        train(restored, restored_opt, 1)
 
     def test_a_state_that_changes_shape_between_saves_comes_back_in_its_last_shape(self):
         model, opt = model_and_optimizer()
@@ -406,8 +467,9 @@ ckpt.save(3, model, opt)
     def test_the_same_tensors_changed_in_place_are_saved_as_they_are_now(self):
         # A save whose tensors are the objects of the save before, at the same addresses,
         # skips the checks and the layout made then (_Placed, _HostCopy). A tensor may have
-        # changed under them: shrunk in place (the same address, another shape), given another
-        # dtype over the same memory, or put under other keys.
+        # changed under them: shrunk in place (the same address, another shape), or given
+        # another dtype over the same memory. The same tensors put under other keys must come
+        # back under those (a save keeps no keys: this guards that).
         model, _ = model_and_optimizer()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         first = next(model.parameters())
@@ -417,8 +479,11 @@ ckpt.save(3, model, opt)
         retyped = torch.zeros(4)
         ckpt = self.lt.Checkpointer()
         ckpt.load(None)
-        for step in (1, 2):  # the second save takes the kept way
-            ckpt.save(step, model, opt, extra={"shrunk": shrunk, "retyped": retyped})
+        ckpt.save(1, model, opt, extra={"shrunk": shrunk, "retyped": retyped})
+        kept = ckpt._flat
+        self.assertIsNotNone(kept)
+        ckpt.save(2, model, opt, extra={"shrunk": shrunk, "retyped": retyped})
+        self.assertIs(ckpt._flat, kept, "the second save did not take the kept way")
         address = (shrunk.data_ptr(), retyped.data_ptr())
         shrunk.resize_(4)
         retyped.data = retyped.data.view(torch.int32)
