@@ -340,11 +340,15 @@ absl::Status Cluster::StartWorker(const std::string& name, const std::vector<std
                                   const std::vector<std::string>& launcher) {
   const std::string hooks = absl::StrCat(dir_, "/hooks/", name);
   std::filesystem::remove_all(hooks);
+  // A program worker's checkpoint memory in the cluster's directory, not /dev/shm: a worker the
+  // test kills leaves it behind (`flags` may name another).
+  const std::string memory = absl::StrCat(dir_, "/shm");
+  std::filesystem::create_directories(memory);
   std::vector<std::string> argv = launcher;
   for (const std::string& arg :
        {std::string(LOCKSTEP_WORKER_BIN), "--coordinator=" + WorkerCoordinatorFlag(),
         std::string("--device=cpu"), "--name=" + name, "--test_hooks_dir=" + hooks,
-        "--data_cache_dir=" + dir_ + "/cache"}) {
+        "--data_cache_dir=" + dir_ + "/cache", "--checkpoint_memory_dir=" + memory}) {
     argv.push_back(arg);
   }
   if (!token_file_.empty()) argv.push_back("--token_file=" + token_file_);
