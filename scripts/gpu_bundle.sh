@@ -14,15 +14,19 @@ if [[ ! -f "$build/build.ninja" ]]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" >/dev/null
 fi
-targets=(cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test nccl_id_test mlp_step_bench gpu_gpt_step_bench attention_bench lockstep-coordinator lockstep-worker lockstepctl lockstep_python)
+targets=(cuda_kernels_test gpu_mlp_test gpu_gpt_test gpu_trainer_test nccl_communicator_test nccl_id_test mlp_step_bench gpu_gpt_step_bench attention_bench lockstep-coordinator lockstep-worker lockstepctl lockstep_python lockstep_checkpoint_native)
 ninja -C "$build" -j "${LOCKSTEP_JOBS:-2}" "${targets[@]}"
 rm -rf "$out/gpu-bundle" "$out/gpu-bundle.tar.xz"
 binaries=()
-for t in "${targets[@]}"; do [[ "$t" == lockstep_python ]] || binaries+=("$t"); done
+for t in "${targets[@]}"; do [[ "$t" == lockstep_* ]] || binaries+=("$t"); done
 LOCKSTEP_BUNDLE_SYSTEM_CUDA=1 "$root/scripts/bundle.sh" --build "$build" "$out/gpu-bundle" \
   "${binaries[@]}"
 # Program jobs: the torchrun example and the lockstep package (lockstep.torch) it imports.
 cp -r "$build/python" "$out/gpu-bundle/python"
+# The checkpoint's native copy finds its libxxhash beside it (its RPATH is $ORIGIN): the GPU
+# host may have neither it nor the xxhash module.
+native="$build/python/lockstep/liblockstep_checkpoint.so"
+cp -L "$(ldd "$native" | awk '$1 ~ /^libxxhash/ {print $3}')" "$out/gpu-bundle/python/lockstep/"
 install -D -m 0644 "$root/examples/torch/train.py" "$out/gpu-bundle/examples/torch/train.py"
 install -m 0755 "$root/tests/gpu/check.sh" "$out/gpu-bundle/check.sh"
 install -m 0644 "$root/tests/gpu/gpu_checkpoint.py" "$out/gpu-bundle/gpu_checkpoint.py"

@@ -108,13 +108,22 @@ def _load_gather():
 _GATHER = _load_gather()
 
 
-def _xxh3(view):
+def _hash_payload(slot, length):
+    """XXH3-64 of the first `length` bytes of the slot's payload (a save whose copy did not hash
+    it: a non-blocking one, or one without the native copy): by the native library, a gather of
+    nothing, when it is here; else by the xxhash module."""
+    if _GATHER is not None:
+        out = ctypes.c_uint64()
+        if _GATHER(0, None, None, None, slot.base + HEADER_BYTES, length, out) != 0:
+            raise RuntimeError("lockstep.torch.Checkpointer: no memory for the hash's state")
+        return out.value
     try:
         import xxhash
     except ImportError:
         raise RuntimeError("lockstep.torch.Checkpointer needs the xxhash module "
-                           "(Debian: python3-xxhash)") from None
-    return xxhash.xxh3_64_intdigest(view)
+                           "(Debian: python3-xxhash) where liblockstep_checkpoint.so is "
+                           "not") from None
+    return xxhash.xxh3_64_intdigest(slot.payload[:length])
 
 
 _PLAIN_TENSOR = {torch.Tensor, torch.nn.Parameter}
@@ -587,7 +596,7 @@ class Checkpointer:
             if step == self._hold_at:
                 _hold_for_test()
             if checksum is None:
-                checksum = _xxh3(slot.payload)
+                checksum = _hash_payload(slot, payload_bytes)
             struct.pack_into("<qQQ", m, 16, step, payload_bytes, checksum)
             slot.store_sequence(sequence)  # the commit: written last
 
