@@ -5,7 +5,7 @@
 #   cluster.sh start --dir DIR [--workers N] [--listen HOST:PORT] [--bin BUILD_DIR]
 #                    [--token_file FILE] [--http_listen HOST:PORT]
 #                    [--data_root DIRS] [--checkpoint_root DIRS]
-#                    [--programs_root DIRS [--program_user USER]]
+#                    [--programs_root DIRS [--program_user USER] [--checkpoint_memory_dir DIR]]
 #   cluster.sh stop  --dir DIR      (returns once every process has exited)
 # After start, DIR/address holds the coordinator address (HOST:PORT). With --token_file, every
 # process (and lockstepctl, given the same file or $LOCKSTEP_TOKEN) uses that token. With
@@ -16,12 +16,14 @@
 # /var/lib/lockstep/checkpoints or --checkpoint_root (comma-separated; "/" allows any path).
 # With --programs_root the workers run program jobs (the user's own scripts) from there, as
 # --program_user (default: nobody when started as root, else the caller), with BUILD_DIR/python
-# on PYTHONPATH so that scripts import lockstep.torch from the build tree.
+# on PYTHONPATH so that scripts import lockstep.torch from the build tree, and keep the programs'
+# in-memory checkpoints under --checkpoint_memory_dir (default: the worker's, /dev/shm; a
+# killed worker leaves its directory there until it starts again).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cmd="${1:-}"; shift || true
 dir=""; workers=2; listen="127.0.0.1:0"; bin="$root/build"; token_file=""; http_listen=""
-data_root=""; checkpoint_root=""; programs_root=""; program_user=""
+data_root=""; checkpoint_root=""; programs_root=""; program_user=""; memory_dir=""
 while (($#)); do
   case "$1" in
     --dir) dir="$2"; shift ;;
@@ -34,6 +36,7 @@ while (($#)); do
     --checkpoint_root) checkpoint_root="$2"; shift ;;
     --programs_root) programs_root="$2"; shift ;;
     --program_user) program_user="$2"; shift ;;
+    --checkpoint_memory_dir) memory_dir="$2"; shift ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -75,6 +78,7 @@ case "$cmd" in
       elif [[ $(id -u) -eq 0 ]]; then
         programs+=(--program_user=nobody)
       fi
+      [[ -n "$memory_dir" ]] && programs+=(--checkpoint_memory_dir="$memory_dir")
     fi
     for ((i = 0; i < workers; i++)); do
       PYTHONPATH="$bin/python${PYTHONPATH:+:$PYTHONPATH}" \

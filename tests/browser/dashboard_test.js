@@ -68,8 +68,12 @@ test("dashboard", { timeout: 8 * 60 * 1000 }, async (t) => {
     "    open(mark, 'w').close()",
     "    raise ValueError('boom on rank 1')",
     ""].join("\n"), { mode: 0o644 });
+  // Checkpoint memory in the test's directory: the worker the test kills leaves its own behind.
+  const memory = path.join(dir, "shm");
+  fs.mkdirSync(memory);
   clusterSh("start", "--dir", cluster, "--workers", "3", "--bin", build, "--token_file", tokenFile,
-    "--http_listen", "127.0.0.1:0", "--programs_root", programs);
+    "--http_listen", "127.0.0.1:0", "--programs_root", programs,
+    "--checkpoint_memory_dir", memory);
   const base = fs.readFileSync(path.join(cluster, "dashboard"), "utf8").trim().replace(/\/$/, "");
   let browser = null;
   let passed = false;
