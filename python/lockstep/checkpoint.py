@@ -505,7 +505,7 @@ class Checkpointer:
         self._saving = False  # a save in progress: one may not start inside another
         self._pending = None  # the SaveHandle of a save not yet committed
         self._staging = None  # (tensors' key, pinned host buffers for GPU tensors): blocking=False
-        self._stream = None
+        self._streams = {}  # device -> the side stream of its copies to the staging buffers
         if not _agent.available():
             if fallback_dir is None:
                 raise RuntimeError(
@@ -524,13 +524,13 @@ class Checkpointer:
         With blocking=False it returns a SaveHandle once the state is captured, and the rest
         goes on in a thread, overlapping the next step: CPU tensors are copied into the slot
         before it returns, their checksum and the commit follow in the thread; GPU tensors'
-        copies to pinned host buffers are enqueued on a side stream that the current stream
-        then waits for (later work on the device, the next forward included, cannot change
-        them under the copy, and the host does not wait), and the thread copies them on into
-        the slot. A state held on the host whose payload is at most INLINE_COMMIT_BYTES is
-        committed before it returns (a thread costs more than its checksum). The next save
-        waits until this one is committed; handle.wait() waits for the commit and raises what
-        failed."""
+        copies to pinned host buffers are enqueued on a side stream of their device that the
+        device's current stream then waits for (later work on the device, the next forward
+        included, cannot change them under the copy, and the host does not wait), and the
+        thread copies them on into the slot. A state held on the host whose payload is at most
+        INLINE_COMMIT_BYTES is committed before it returns (a thread costs more than its
+        checksum). The next save waits until this one is committed; handle.wait() waits for
+        the commit and raises what failed (the next save then does not raise it again)."""
         if self._saving:
             raise RuntimeError("lockstep.torch.Checkpointer.save: called inside a save (from a "
                                "signal handler?); a save must return before the next starts")
@@ -606,25 +606,39 @@ class Checkpointer:
             self._last_step = step
             return None if blocking else SaveHandle.completed(step)
         handle = SaveHandle(step)
-        event = None
+        events = []
         if on_device:
-            # Device -> pinned host memory on a side stream, after the work that produced the
-            # state; later work on the device waits for these copies, the host does not.
+            # Device -> pinned host memory on a side stream of each device, after the work that
+            # produced the state there; later work on a device waits for its copies, the host
+            # does not.
             tensors_key = layout.key[:-1]  # a remainder of another length: the same buffers
             if self._staging is None or self._staging[0] != tensors_key:
                 self._staging = (tensors_key,
                                  [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                                   if t.is_cuda else None for t in sources])
-                self._stream = self._stream or torch.cuda.Stream()
             staging = self._staging[1]
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream), torch.no_grad():
-                for st, t in zip(staging, sources):
-                    if st is not None:
+            by_device = {}
+            for st, t in zip(staging, sources):
+                if st is not None:
+                    by_device.setdefault(t.device, []).append((st, t))
+            for device, pairs in by_device.items():
+                # The streams and the event of the tensors' own device (not the current one: a
+                # script may use cuda:1 without making it current).
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.Stream(device)
+                current = torch.cuda.current_stream(device)
+                stream.wait_stream(current)
+                with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
+                    for st, t in pairs:
                         st.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            torch.cuda.current_stream().wait_event(event)
+                        # Memory freed meanwhile (a tensor made on another stream) is not
+                        # given out again before the copy ends.
+                        t.record_stream(stream)
+                event = torch.cuda.Event(blocking=True)  # the thread sleeps in synchronize()
+                event.record(stream)
+                current.wait_event(event)
+                events.append(event)
             # The host's tensors (Adam's step counts, for one) change at the next step: they
             # are copied before save returns; the thread copies only the staged ones.
             with torch.no_grad():
@@ -637,8 +651,9 @@ class Checkpointer:
 
         def run():
             try:
-                if event is not None:
-                    event.synchronize()
+                if events:
+                    for event in events:
+                        event.synchronize()
                     with torch.no_grad():
                         for st, view in zip(staging, views):
                             if st is not None:
@@ -649,21 +664,28 @@ class Checkpointer:
             finally:
                 handle._done.set()
 
-        self._pending = handle
-        self._last_step = step
         handle._thread = threading.Thread(target=run, name=f"lockstep-save-{step}")
-        handle._thread.start()
+        self._pending = handle  # before it starts: a running thread is always waited for
+        try:
+            handle._thread.start()
+        except BaseException:
+            self._pending = None  # it never ran: the slot stays uncommitted, nothing to wait for
+            raise
+        self._last_step = step
         return handle
 
     def wait(self):
-        """Waits for a save made with blocking=False to be committed; raises what failed."""
+        """Waits for a save made with blocking=False to be committed; raises what failed, unless
+        its handle's wait() raised it already."""
         pending, self._pending = self._pending, None
         if pending is not None:
+            reported = pending._reported
             try:
                 pending.wait()
             except BaseException:
                 self._last_step = None  # not committed: a save of that step again is not a no-op
-                raise
+                if not reported:
+                    raise
 
     def _slot_for(self, need):
         """The slot to write next (the older save), mapped and at least `need` bytes, and the
@@ -849,6 +871,7 @@ class SaveHandle:
         self.step = step
         self._done = threading.Event()
         self._error = None
+        self._reported = False  # wait() raised the error: the next save does not raise it again
         self._thread = None
 
     @classmethod
@@ -865,6 +888,7 @@ class SaveHandle:
         if self._thread is not None:
             self._thread.join()
         if self._error is not None:
+            self._reported = True
             raise self._error
 
 

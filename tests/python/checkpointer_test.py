@@ -247,6 +247,34 @@ class CheckpointerTest(unittest.TestCase):
         self.assertEqual(self.lt.Checkpointer().load(restored), 1)
         self.assertTrue(torch.equal(restored.weight, expected))
 
+    def test_a_failed_non_blocking_save_is_raised_once(self):
+        # A non-blocking save whose commit fails in its thread: handle.wait() raises it, and the
+        # next save neither raises it again nor takes its step for saved; not waited for, the
+        # next save raises it.
+        model, opt = model_and_optimizer()
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        big = torch.zeros(300_000, dtype=torch.float64)  # past 1 MiB: committed in the thread
+        ck = sys.modules["lockstep.checkpoint"]
+        real = ck._hash_payload
+
+        def fail(slot, length):
+            raise OSError("the hash failed")
+
+        ck._hash_payload = fail
+        try:
+            handle = ckpt.save(1, model, opt, extra={"big": big}, blocking=False)
+            with self.assertRaisesRegex(OSError, "the hash failed"):
+                handle.wait()
+            ckpt.save(2, model, opt, extra={"big": big}, blocking=False)  # fails in its thread
+            ckpt._pending._done.wait()  # with `fail` in place (not handle.wait(): it reports)
+        finally:
+            ck._hash_payload = real
+        with self.assertRaisesRegex(OSError, "the hash failed"):
+            ckpt.save(3, model, opt, extra={"big": big})  # step 2's failure, not waited for
+        ckpt.save(2, model, opt, extra={"big": big})  # not taken for saved
+        self.assertEqual(max(filter(None, map(committed, self.agent.paths)))[1], 2)
+
     def test_a_save_of_the_same_step_is_a_no_op(self):
         model, opt = model_and_optimizer()
         ckpt = self.lt.Checkpointer()
