@@ -191,24 +191,24 @@ class _Reductions(dict):
 class _Unpickler(pickle.Unpickler):
     """Loads a remainder: each _Tensor(name) becomes own(name). load() resolves the dicts that
     went as their keys (_capture): the model's state dict (which load copies into the model and
-    drops) to view(name)s, the optimizer's per-parameter states to own(name)s, or to views
-    with copy_states=False (for an optimizer whose load_state_dict copies them)."""
+    drops) to view(name)s, the optimizer's per-parameter states to state(name, key)s (load's:
+    copies of their own, or views for an optimizer whose load_state_dict copies them)."""
 
-    def __init__(self, data, view, own, copy_states=True):
+    def __init__(self, data, view, own, state):
         super().__init__(io.BytesIO(data))
-        self._view, self._own, self._copy_states = view, own, copy_states
+        self._view, self._state = view, state
         # "_Dict" and "_Dicts": the same dicts in checkpoints of format /1 (placeholder objects
         # in their places), which disk may still hold.
         self._classes = {"_Tensor": own, "_Dict": self._tensors, "_Dicts": self._dicts}
 
-    def _tensors(self, keys, first, own=False):
-        tensor = self._own if own else self._view
-        return {k: tensor(str(first + j)) for j, k in enumerate(keys)}
+    def _tensors(self, keys, first):
+        view = self._view
+        return {k: view(str(first + j)) for j, k in enumerate(keys)}
 
     def _dicts(self, ids, keys, first):
-        out = {}
+        out, state = {}, self._state
         for i, ks in zip(ids, keys):
-            out[i] = self._tensors(ks, first, own=self._copy_states)
+            out[i] = {k: state(str(first + j), k) for j, k in enumerate(ks)}
             first += len(ks)
         return out
 
@@ -371,6 +371,11 @@ class _Layout:
         self.key = key
         # The step is in the slot's header, not here: one safetensors header per layout.
         header["__metadata__"] = {"format": "lockstep.torch.Checkpointer/2"}
+        # Where each tensor off the host was (load puts it back on a device of that kind):
+        # safetensors' metadata holds strings only.
+        devices = {str(i): str(t.device) for i, t in enumerate(tensors) if t.device.type != "cpu"}
+        if devices:
+            header["__metadata__"]["devices"] = json.dumps(devices, separators=(",", ":"))
         text = json.dumps(header, separators=(",", ":")).encode()
         # Data starts 64-byte aligned in the slot (the header ends padded with spaces).
         self.header = text + b" " * ((-(HEADER_BYTES + 8 + len(text))) % 64)
@@ -725,11 +730,26 @@ class Checkpointer:
     # ----------------------------------------------------------------------------------------
     # load
 
-    def load(self, model, optimizer=None):
+    def load(self, model, optimizer=None, map_location=None):
         """Restores the group's newest common state into `model` (in place) and `optimizer`;
-        returns its step, or None when there is none (a fresh start). Sets self.extra."""
+        returns its step, or None when there is none (a fresh start). Sets self.extra.
+
+        The model's tensors are filled where they are. Every other tensor (the optimizer's,
+        self.extra's) comes back on a device of the kind it was saved on: the model's device of
+        that kind when it has one (not necessarily the index saved: a restarted rank may have
+        another LOCAL_RANK), else the current GPU for one saved on a GPU, else the device
+        saved. map_location (a device, as torch.load's) puts them all there instead. The
+        optimizer's load_state_dict then moves its per-parameter states to their parameters'
+        devices, as it does."""
+        if map_location is not None:
+            try:
+                map_location = torch.device(map_location)
+            except (TypeError, RuntimeError) as e:
+                why = str(e).splitlines()[0]
+                raise ValueError(f"lockstep.torch.Checkpointer.load: map_location "
+                                 f"{map_location!r} is not a device ({why})") from None
         if self._fallback is not None:
-            return self._load_fallback(model, optimizer)
+            return self._load_fallback(model, optimizer, map_location)
         started = time.monotonic()
         response = _agent.call(_agent.agent().CheckpointRestore,
                                _program_pb2().CheckpointRestoreRequest(),
@@ -742,7 +762,7 @@ class Checkpointer:
         with open(response.path, "rb") as f:
             m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable: torch.frombuffer
         try:
-            self._fill(m, int(response.step), model, optimizer)
+            self._fill(m, int(response.step), model, optimizer, map_location)
         finally:
             m.close()
         self._last_step = int(response.step)
@@ -754,11 +774,12 @@ class Checkpointer:
                     what="lockstep.torch.Checkpointer.load")
         return self._last_step
 
-    def _fill(self, m, step, model, optimizer):
+    def _fill(self, m, step, model, optimizer, map_location):
         (n,) = struct.unpack_from("<Q", m, HEADER_BYTES)
         header = json.loads(bytes(m[HEADER_BYTES + 8:HEADER_BYTES + 8 + n]))
         data_start = HEADER_BYTES + 8 + n
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None) or {}
+        devices = json.loads(metadata.get("devices", "{}"))  # not in checkpoints of the host
 
         def tensor(name):
             """A view of the tensor `name` in the mapping (which closes when load returns)."""
@@ -774,24 +795,43 @@ class Checkpointer:
             return torch.frombuffer(m, dtype=dtype, count=count,
                                     offset=data_start + begin).view(e["shape"])
 
+        remainder = tensor(_REMAINDER).numpy().tobytes()
+        direct = optimizer is not None and _loads_into_state(optimizer)
+        goes = {}  # a tensor's name -> the device it goes to (the others stay on the host)
+        if devices or map_location is not None:
+            goes = self._devices(remainder, tensor, devices, step, model, optimizer, direct,
+                                 map_location)
+
         # torch.frombuffer holds no export of the mapping, which closes when load returns:
         # every tensor kept past load is copied out of it (once, however often it is met). The
         # model's tensors (its state dict when it went as its keys) are views, copied into the
         # model below; so are the optimizer's per-parameter states when its load_state_dict is
         # torch's own (_loads_into_state): the views it keeps are copied after, so that each
         # tensor is copied once (a copy before it, which torch before 2.1 deep-copies again,
-        # restored a 1 GiB Adam state in 1.15-2.55 s, against 0.64-0.98 s).
+        # restored a 1 GiB Adam state in 1.15-2.55 s, against 0.64-0.98 s). A tensor that goes
+        # to a device is copied there from the mapping.
         owned = {}
 
         def own(name):
             t = owned.get(name)
             if t is None:
-                t = owned[name] = tensor(name).clone()
+                d = goes.get(name)
+                t = owned[name] = tensor(name).clone() if d is None else \
+                    tensor(name).to(d, copy=True)
             return t
 
-        direct = optimizer is not None and _loads_into_state(optimizer)
-        rest = _Unpickler(tensor(_REMAINDER).numpy().tobytes(), view=tensor, own=own,
-                          copy_states=not direct).load()
+        def state(name, key):
+            """A per-parameter state for torch's own load_state_dict, which puts each on its
+            parameter's device but "step" (torch 1.13 leaves it as it is given; later versions
+            as well, unless the optimizer is capturable or fused): a view of the mapping, or,
+            for a "step" that goes to a device (_devices), its copy there. Only "step": a state
+            handed on the GPU would be deep-copied there again by torch before 2.1, twice its
+            memory on the device."""
+            d = goes.get(name)
+            return tensor(name) if d is None else tensor(name).to(d)
+
+        rest = _Unpickler(remainder, view=tensor, own=own,
+                          state=state if direct else lambda name, key: own(name)).load()
 
         if model is not None:
             if rest["model"] is None:
@@ -829,6 +869,49 @@ class Checkpointer:
                 _copy_out(optimizer.param_groups, begin, begin + len(m))
         self.extra = rest["extra"]
 
+    @staticmethod
+    def _devices(remainder, tensor, devices, step, model, optimizer, direct, map_location):
+        """{name: device} for each tensor of the state that load puts on a device: those saved
+        on one (`devices`, the header's), or all with map_location; raises, naming the tensor,
+        when one has no device of its kind here. Never the model's (filled in place, wherever
+        it was saved); of the per-parameter states that torch's own load_state_dict gets
+        (`direct`: it puts them on their parameters' devices), only a "step" (which it leaves
+        where it is: Adam's with capturable=True must be on the GPU), and that one only where
+        its device's kind is here. A load of the remainder that leaves every tensor in the
+        mapping says which tensors are the model's (its state dict goes through the pickler
+        when it has tied weights) and the optimizer's, and where each is in the state."""
+        met = {}
+
+        def view(name, key=None):
+            t = met.get(name)
+            if t is None:
+                t = met[name] = tensor(name)
+            return t
+        probe = _Unpickler(remainder, view=view, own=view, state=view).load()
+        skip = {id(t) for t in probe["model"].values()} \
+            if isinstance(probe.get("model"), dict) else set()
+        steps = set()  # the per-parameter states' "step"s
+        states = (probe.get("optimizer") or {}).get("state") if direct else None
+        for per in states.values() if isinstance(states, dict) else ():
+            for k, t in per.items() if isinstance(per, dict) else ():
+                (steps if k == "step" else skip).add(id(t))
+        home = _homes(model, optimizer, map_location)
+        goes = {}
+        for name, t in met.items():
+            saved = devices.get(name, "cpu")
+            if id(t) in skip or (map_location is None and saved == "cpu"):
+                continue
+            d = home(saved)
+            if d is not None:
+                goes[name] = d
+            elif id(t) not in steps:
+                raise RuntimeError(
+                    f"lockstep.torch.Checkpointer: {_path_of(probe, t)} of the checkpoint of "
+                    f"step {step} was saved on {saved}, and this process has no "
+                    f"{torch.device(saved).type} device; load(..., map_location=\"cpu\") puts "
+                    f"it on the host")
+        return goes
+
     # ----------------------------------------------------------------------------------------
     # outside Lockstep
 
@@ -849,11 +932,27 @@ class Checkpointer:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def _load_fallback(self, model, optimizer):
+    def _load_fallback(self, model, optimizer, map_location):
         path = self._fallback_path()
         if not os.path.exists(path):
             return None
-        state = torch.load(path, map_location="cpu")
+
+        home = _homes(model, optimizer, map_location)
+
+        def restore(storage, location):  # where load() puts a tensor: as the slots' (docstring)
+            if map_location is None and location == "cpu":
+                return storage
+            device = home(location)
+            if device is None:
+                raise RuntimeError(f"lockstep.torch.Checkpointer: {path} holds a tensor saved "
+                                   f"on {location}, and this process has no "
+                                   f"{torch.device(location).type} device; "
+                                   f"load(..., map_location=\"cpu\") puts it on the host")
+            return storage if device.type == "cpu" else \
+                torch.serialization.default_restore_location(storage, str(device))
+        # This process's own file, pickled objects in `extra` included (torch 2.6 and later
+        # load tensors only by default).
+        state = torch.load(path, map_location=restore, weights_only=False)
         if model is not None:
             model.load_state_dict(state["model"])
         if optimizer is not None:
@@ -861,6 +960,37 @@ class Checkpointer:
         self.extra = state["extra"]
         self._last_step = int(state["step"])
         return self._last_step
+
+
+def _homes(model, optimizer, map_location):
+    """home(saved): the device that Checkpointer.load restores a tensor saved on device `saved`
+    to (None: none of its kind here). map_location when given; else the device saved when the
+    model or the optimizer's parameters have a tensor there now; else the first of theirs of
+    that kind (a restarted rank's GPU may have another index); else, for a GPU, the current
+    one; else the device saved."""
+    if map_location is not None:
+        return lambda saved: map_location
+    here = {}  # the devices of the model's tensors and the optimizer's parameters, in order
+    if model is not None:
+        for t in chain(model.parameters(), model.buffers()):
+            here.setdefault(t.device)
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                here.setdefault(p.device)
+    known = {}
+
+    def home(saved):
+        if saved not in known:
+            s = torch.device(saved)
+            d = s if s in here else next((h for h in here if h.type == s.type), None)
+            if d is None:
+                d = s if s.type != "cuda" else \
+                    torch.device("cuda", torch.cuda.current_device()) \
+                    if torch.cuda.is_available() else None
+            known[saved] = d
+        return known[saved]
+    return home
 
 
 class SaveHandle:

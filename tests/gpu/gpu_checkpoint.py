@@ -7,9 +7,9 @@ in place and runs another step: the save's copies must wait for the work queued 
 they read zeros), and the work queued after must wait for the copies (or it races them). It
 waits for the save's commit, writes the digest of the state at step 5 and exits with code 3:
 the group restarts. Generation 2 loads: it must get step 5 with exactly that digest, its
-optimizer's moments on the GPU again, and trains on from it. Prints `gpu-checkpoint: ok ...`
-or `gpu-checkpoint: MISMATCH ...`, and exits with code 4 on a mismatch (check.sh makes it fatal:
-no restart). On a machine without CUDA it runs the same on the CPU, smaller (a check of the
+optimizer's moments and a tensor of `extra` on the GPU again, and trains on from it. Prints
+`gpu-checkpoint: ok ...` or `gpu-checkpoint: MISMATCH ...`, and exits with code 4 on a
+mismatch (check.sh makes it fatal: no restart). On a machine without CUDA it runs the same on the CPU, smaller (a check of the
 script itself).
 Usage: gpu_checkpoint.py OUT_DIR
 """
@@ -71,7 +71,8 @@ if start is None:
             torch.cuda._sleep(2_000_000_000)
             for t, k in zip(tensors, kept):
                 t.copy_(k)
-    handle = ckpt.save(5, model, opt, blocking=False)
+    ema = torch.arange(1000.0, device=device)
+    handle = ckpt.save(5, model, opt, extra={"ema": ema}, blocking=False)
     with torch.no_grad():  # queued behind the save's copies, or it races them
         torch._foreach_add_(tensors, 1.0)
     step()
@@ -86,11 +87,17 @@ with open(expected_path) as f:
     expected = f.read()
 state_devices = {t.device.type for s in opt.state.values() for k, t in s.items()
                  if torch.is_tensor(t) and k != "step"}
+ema = (ckpt.extra or {}).get("ema")
+ema_ok = torch.is_tensor(ema) and ema.device == device and \
+    torch.equal(ema.cpu(), torch.arange(1000.0))
 step()  # trains on from the restored state
-if start == 5 and got == expected and state_devices == {device.type}:
+if start == 5 and got == expected and state_devices == {device.type} and ema_ok:
     print(f"gpu-checkpoint: ok: restored step {start} on {device}, the digest saved "
-          f"(optimizer state on {sorted(state_devices)})", flush=True)
+          f"(optimizer state on {sorted(state_devices)}, extra's tensor on {ema.device})",
+          flush=True)
 else:
     print(f"gpu-checkpoint: MISMATCH: restored step {start}, digest {got[:16]} against "
-          f"{expected[:16]}, moments on {sorted(state_devices)}", flush=True)
+          f"{expected[:16]}, moments on {sorted(state_devices)}, extra's tensor "
+          f"{'on ' + str(ema.device) if torch.is_tensor(ema) else 'missing'} "
+          f"({'same' if ema_ok else 'not the one saved'})", flush=True)
     sys.exit(4)  # fatal (check.sh's spec): a restart would load the same step again

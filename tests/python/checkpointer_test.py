@@ -687,6 +687,109 @@ ckpt.save(3, model, opt)
             bigger = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
             self.lt.Checkpointer().load(bigger)
 
+    def pretend_saved_on(self, devices):
+        """Rewrites the newest committed slot as a save on another host would have written it:
+        the tensor of each shape in `devices` recorded on its device (a host with GPUs records
+        where each tensor off the host was)."""
+        (sequence, step, payload), path = max((committed(p), p) for p in self.agent.paths
+                                              if committed(p))
+        data = read(path)
+        (n,) = struct.unpack_from("<Q", data, HEADER_BYTES)
+        header = json.loads(data[HEADER_BYTES + 8:HEADER_BYTES + 8 + n])
+        where = {name: devices[tuple(e["shape"])] for name, e in header.items()
+                 if name != "__metadata__" and tuple(e["shape"]) in devices}
+        self.assertEqual({tuple(header[name]["shape"]) for name in where}, set(devices))
+        header["__metadata__"]["devices"] = json.dumps(where)
+        text = json.dumps(header).encode()
+        text += b" " * ((-(HEADER_BYTES + 8 + len(text))) % 64)
+        body = struct.pack("<Q", len(text)) + text + data[HEADER_BYTES + 8 + n:HEADER_BYTES +
+                                                          payload]
+        top = bytearray(data[:HEADER_BYTES])
+        struct.pack_into("<QQ", top, 24, len(body), xxhash.xxh3_64_intdigest(body))
+        with open(path, "wb") as f:
+            f.write(bytes(top) + body)
+
+    def test_tensors_saved_off_the_host_come_back_on_a_device_of_their_kind(self):
+        model, opt = model_and_optimizer()
+        train(model, opt, 2)
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        ema = torch.arange(35.0).view(5, 7)
+        ckpt.save(2, model, opt, extra={"ema": ema, "box": Box(torch.ones(3, 2), "b")})
+        self.assertNotIn("devices", self.slot_header()["__metadata__"])  # all on the host
+        self.pretend_saved_on({(5, 7): "cuda:1"})
+
+        # A tensor saved on a GPU goes to this process's GPU (not necessarily cuda:1: a
+        # restarted rank may have another); with none here, an error that names it.
+        self.lt = self.fresh_process()
+        restored, restored_opt = model_and_optimizer(seed=1)
+        if torch.cuda.is_available():
+            again = self.lt.Checkpointer()
+            self.assertEqual(again.load(restored, restored_opt), 2)
+            self.assertEqual(again.extra["ema"].device,
+                             torch.device("cuda", torch.cuda.current_device()))
+        else:
+            with self.assertRaisesRegex(RuntimeError, r"extra\.ema of the checkpoint of step 2 "
+                                                      r"was saved on cuda:1, and this process "
+                                                      r"has no cuda device; .*map_location"):
+                self.lt.Checkpointer().load(restored, restored_opt)
+        # map_location puts every tensor outside the model there.
+        self.lt = self.fresh_process()
+        restored, restored_opt = model_and_optimizer(seed=1)
+        again = self.lt.Checkpointer()
+        with self.assertRaisesRegex(ValueError, r"map_location 'gpu0' is not a device"):
+            again.load(restored, restored_opt, map_location="gpu0")
+        self.assertEqual(again.load(restored, restored_opt, map_location="cpu"), 2)
+        same_state(self, model, opt, restored, restored_opt)
+        self.assertTrue(torch.equal(again.extra["ema"], ema))
+        self.assertEqual(again.extra["box"].tensor.device.type, "cpu")
+
+        # A tensor saved on another kind of device goes back to one of that kind (here the
+        # meta device, which every build has: a shape without memory), inside an object too.
+        self.pretend_saved_on({(3, 2): "meta"})
+        self.lt = self.fresh_process()
+        restored, restored_opt = model_and_optimizer(seed=1)
+        again = self.lt.Checkpointer()
+        self.assertEqual(again.load(restored, restored_opt), 2)
+        same_state(self, model, opt, restored, restored_opt)
+        self.assertEqual(again.extra["box"].tensor.device.type, "meta")
+        self.assertEqual(again.extra["box"].tensor.shape, (3, 2))
+        self.assertTrue(torch.equal(again.extra["ema"], ema))  # saved on the host: there
+    @unittest.skipIf(torch.cuda.is_available(), "a host without a GPU restores it")
+    def test_a_gpu_hosts_model_and_optimizer_restore_on_a_host_without_one(self):
+        # The model's tensors are filled in place, wherever they were saved, its state dict
+        # pickled (tied weights) or not; the optimizer's per-parameter states go to their
+        # parameters (torch's load_state_dict), and a "step" saved on a GPU stays on the host
+        # where there is none. Only tensors load itself puts somewhere need a device.
+        model = Tied(seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        ckpt.save(1, model, opt)
+        self.pretend_saved_on({(6, 4): "cuda:1"})  # the tied weight and its momentum
+        self.lt = self.fresh_process()
+        restored = Tied(seed=1)
+        restored_opt = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
+        self.assertEqual(self.lt.Checkpointer().load(restored, restored_opt), 1)
+        same_state(self, model, opt, restored, restored_opt)
+
+        model, opt = model_and_optimizer()
+        train(model, opt, 2)
+        self.lt = self.fresh_process()
+        ckpt = self.lt.Checkpointer()
+        ckpt.load(None)
+        ckpt.save(3, model, opt)
+        # A weight, its moments and every "step" (and the model's num_batches_tracked).
+        self.pretend_saved_on({(8, 4): "cuda:0", (): "cuda:0"})
+        self.lt = self.fresh_process()
+        restored, restored_opt = model_and_optimizer(seed=1)
+        self.assertEqual(self.lt.Checkpointer().load(restored, restored_opt), 3)
+        same_state(self, model, opt, restored, restored_opt)
+        self.assertEqual({t.device.type for s in restored_opt.state.values()
+                          for t in s.values()}, {"cpu"})
+
 
 class FormatOneTest(unittest.TestCase):
     def test_a_remainder_of_format_1_loads_as_it_did(self):
@@ -716,7 +819,8 @@ class FormatOneTest(unittest.TestCase):
         finally:
             del ck._Dict, ck._Dicts
         rest = ck._Unpickler(out.getvalue(), view=lambda name: f"view {name}",
-                             own=lambda name: f"own {name}").load()
+                             own=lambda name: f"own {name}",
+                             state=lambda name, key: f"own {name}").load()
         self.assertEqual(rest, {
             "model": {"w": "view 0", "b": "view 1"},
             "optimizer": {"state": {0: {"exp_avg": "own 2", "step": "own 3"}, 1: {"m": "own 4"}},
@@ -746,6 +850,11 @@ class OutsideLockstepTest(unittest.TestCase):
             self.assertEqual(again.load(restored, restored_opt), 2)
             same_state(self, model, opt, restored, restored_opt)
             self.assertEqual(again.extra, {"epoch": 0})
+            # A tensor of `extra` comes back where it was saved, or where map_location says.
+            ckpt.save(3, model, opt, extra={"ema": torch.ones(2)})
+            again = self.lt.Checkpointer(fallback_dir=d)
+            self.assertEqual(again.load(None, map_location="meta"), 3)
+            self.assertEqual(again.extra["ema"].device.type, "meta")
 
 
 if __name__ == "__main__":
