@@ -166,9 +166,12 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }();
   CommandResult result;
+  if (code.ok()) result.output = ReadFile(out_path);
+  std::error_code ignored;  // what the command read and wrote is in the result
+  std::filesystem::remove(out_path, ignored);
+  if (!stdin_data.empty()) std::filesystem::remove(in_path, ignored);
   if (!code.ok()) return code.status();
   result.exit_code = *code;
-  result.output = ReadFile(out_path);
   return result;
 }
 
@@ -333,6 +336,15 @@ Cluster::~Cluster() {
   if (coordinator_ != nullptr) {
     coordinator_->Signal(SIGTERM);
     (void)coordinator_->Wait(absl::Seconds(5));
+  }
+  standbys_.clear();  // killed, if still running: nothing writes in the directory after this
+  coordinator_.reset();
+  // A passing test's directory goes with it (tens of MB of logs, state and checkpoint memory
+  // per test); a failing test's stays for its logs, and every one with LOCKSTEP_TEST_KEEP_DIRS
+  // set.
+  if (!::testing::Test::HasFailure() && std::getenv("LOCKSTEP_TEST_KEEP_DIRS") == nullptr) {
+    std::error_code ignored;  // a program's process the test left running may still write
+    std::filesystem::remove_all(dir_, ignored);
   }
 }
 

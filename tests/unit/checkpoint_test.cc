@@ -33,6 +33,9 @@ class CheckpointTest : public ::testing::Test {
                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::remove_all(dir_);
   }
+  void TearDown() override {
+    if (!HasFailure()) std::filesystem::remove_all(dir_);  // a failure's stays to be looked at
+  }
   CheckpointData Make(int64_t step, const std::string& job = kJob, uint64_t spec = kSpec) {
     CheckpointData d;
     d.step = step;
