@@ -34,8 +34,10 @@ for name in "${names[@]}"; do
   done
   cat >"$out/bin/$name" <<LAUNCHER
 #!/bin/sh
-# Runs the bundled $name with the bundle's libraries.
+# Runs the bundled $name with the bundle's libraries (LOCKSTEP_BUNDLE_LIB names them: a
+# worker leaves them out of its programs' LD_LIBRARY_PATH).
 here=\$(dirname "\$(readlink -f "\$0")")/..
+LOCKSTEP_BUNDLE_LIB="\$here/lib" \\
 LD_LIBRARY_PATH="\$here/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "\$here/libexec/$name" "\$@"
 LAUNCHER
   chmod 0755 "$out/bin/$name"

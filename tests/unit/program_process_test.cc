@@ -83,6 +83,25 @@ TEST(ProgramEnvironmentTest, IsTorchrunsAndKeepsTheWorkersSecretsOut) {
   EXPECT_EQ(env, expected);
 }
 
+// A worker run from a bundle: its launcher put the bundle's libraries first on
+// LD_LIBRARY_PATH (and named them in LOCKSTEP_BUNDLE_LIB); the program gets the rest.
+TEST(ProgramEnvironmentTest, ProgramsDoNotLoadTheBundlesLibraries) {
+  const auto ld_path = [](const std::map<std::string, std::string>& worker_env) {
+    auto env = AsMap(ProgramEnvironment(ProgramAssignment(), worker_env, ProgramSettings{}, "w5",
+                                        "10.0.0.1", 1));
+    return env.count("LD_LIBRARY_PATH") ? env["LD_LIBRARY_PATH"] : "(unset)";
+  };
+  EXPECT_EQ(ld_path({{"LOCKSTEP_BUNDLE_LIB", "/opt/b/bin/../lib"},
+                     {"LD_LIBRARY_PATH", "/opt/b/bin/../lib:/usr/local/cuda/lib64:/opt/x"}}),
+            "/usr/local/cuda/lib64:/opt/x");
+  EXPECT_EQ(ld_path({{"LOCKSTEP_BUNDLE_LIB", "/opt/b/bin/../lib"},
+                     {"LD_LIBRARY_PATH", "/opt/b/bin/../lib"}}),
+            "(unset)");
+  // Without a bundle, the worker's own is the program's, whatever it holds.
+  EXPECT_EQ(ld_path({{"LD_LIBRARY_PATH", "/opt/b/bin/../lib:/opt/x"}}), "/opt/b/bin/../lib:/opt/x");
+  EXPECT_EQ(ld_path({{"LOCKSTEP_BUNDLE_LIB", "/opt/b/bin/../lib"}}), "(unset)");
+}
+
 TEST(ProgramEnvironmentTest, GpuWorkersSeeTheirHostsGpusInLocalRankOrder) {
   v1::Assignment a = ProgramAssignment();
   a.mutable_spec()->mutable_program()->mutable_env()->erase("OMP_NUM_THREADS");

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 extern char** environ;
 
@@ -120,6 +121,22 @@ std::vector<std::string> ProgramEnvironment(const v1::Assignment& a,
   std::map<std::string, std::string> env;
   for (const auto& [name, value] : worker_env) {
     if (InheritedVariable(name)) env[name] = value;
+  }
+  // A worker run from a bundle (scripts/bundle.sh) finds its libraries through
+  // LD_LIBRARY_PATH, which its launcher points at them: a program (Python, PyTorch) must load
+  // its own, the host's (an older libstdc++ of the bundle's build host loaded first fails
+  // them), so the launcher's folder is taken out again.
+  if (const auto bundle = worker_env.find("LOCKSTEP_BUNDLE_LIB");
+      bundle != worker_env.end() && env.count("LD_LIBRARY_PATH") != 0) {
+    std::vector<std::string> kept;
+    for (absl::string_view dir : absl::StrSplit(env["LD_LIBRARY_PATH"], ':')) {
+      if (dir != bundle->second) kept.emplace_back(dir);
+    }
+    if (kept.empty()) {
+      env.erase("LD_LIBRARY_PATH");
+    } else {
+      env["LD_LIBRARY_PATH"] = absl::StrJoin(kept, ":");
+    }
   }
   if (env.count("PATH") == 0) env["PATH"] = "/usr/local/bin:/usr/bin:/bin";
   if (!settings.home.empty()) env["HOME"] = settings.home;

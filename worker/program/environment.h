@@ -33,7 +33,8 @@ absl::StatusOr<ProgramSettings> ResolveProgramSettings(const std::string& root,
 
 // The worker's own variables a program inherits (the rest, its token included, never reach
 // it): PATH, LANG, LANGUAGE, LC_*, TZ, TMPDIR, LD_LIBRARY_PATH, PYTHONPATH, NCCL_*, CUDA_*
-// (but CUDA_VISIBLE_DEVICES, which the worker sets).
+// (but CUDA_VISIBLE_DEVICES, which the worker sets). ProgramEnvironment takes a bundle's
+// library folder (LOCKSTEP_BUNDLE_LIB, scripts/bundle.sh) out of LD_LIBRARY_PATH.
 bool InheritedVariable(const std::string& name);
 
 // The program's environment as "NAME=value", sorted: the inherited variables of `worker_env`,
