@@ -286,16 +286,26 @@ absl::StatusOr<Blas::Precision> Blas::ParsePrecision(const std::string& name) {
       absl::StrCat("precision: \"fp32\", \"tf32\" or \"bf16\", got \"", name, "\""));
 }
 
+absl::Status Blas::GrowBf16(int slot, size_t count) {
+  if (count <= bf16_capacity_[slot]) return absl::OkStatus();
+  // The old buffer may still feed a product in flight on the stream.
+  LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  DeviceFree(bf16_scratch_[slot]);
+  bf16_scratch_[slot] = nullptr;
+  bf16_capacity_[slot] = 0;
+  LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&bf16_scratch_[slot], count * sizeof(__nv_bfloat16)));
+  bf16_capacity_[slot] = count;
+  return absl::OkStatus();
+}
+
+absl::Status Blas::ReserveBf16(size_t count) {
+  if (!bf16_) return absl::OkStatus();
+  for (int slot : {0, 1}) LOCKSTEP_RETURN_IF_ERROR(GrowBf16(slot, count));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<const void*> Blas::ToBf16(int slot, const float* values, size_t count) {
-  if (count > bf16_capacity_[slot]) {
-    // The old buffer may still feed a product in flight on the stream.
-    LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    DeviceFree(bf16_scratch_[slot]);
-    bf16_scratch_[slot] = nullptr;
-    bf16_capacity_[slot] = 0;
-    LOCKSTEP_GPU_RETURN_IF_ERROR(DeviceMalloc(&bf16_scratch_[slot], count * sizeof(__nv_bfloat16)));
-    bf16_capacity_[slot] = count;
-  }
+  LOCKSTEP_RETURN_IF_ERROR(GrowBf16(slot, count));
   Bf16* out = static_cast<Bf16*>(bf16_scratch_[slot]);
   LOCKSTEP_RETURN_IF_ERROR(RoundToBf16(values, count, out, stream_));
   return static_cast<const void*>(out);

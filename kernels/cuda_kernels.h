@@ -51,6 +51,11 @@ class Blas {
   static absl::StatusOr<Precision> ParsePrecision(const std::string& name);
 
   bool bf16() const { return bf16_; }
+  // kBf16: grows both operand slots to `count` values now (no-op otherwise, or when they hold
+  // as many). A slot that grows inside a backward frees its old buffer, and cudaFree waits
+  // for the whole device, NCCL's collectives included: a model sizes them before its first
+  // product, for the largest operand of its forward and backward.
+  absl::Status ReserveBf16(size_t count);
 
   // An operand of Gemm: FP32 values (rounded into the scratch under kBf16), or values stored
   // in bfloat16 already (a bf16 activation: used as they are, so the product is the same as
@@ -131,6 +136,7 @@ class Blas {
   absl::StatusOr<bool> LtMatmul(const LtProduct& p);
   // kBf16: the two operands of a product rounded to bfloat16 (uint16 storage), grown on use.
   absl::StatusOr<const void*> ToBf16(int slot, const float* values, size_t count);
+  absl::Status GrowBf16(int slot, size_t count);
   void* bf16_scratch_[2] = {nullptr, nullptr};
   size_t bf16_capacity_[2] = {0, 0};
 };

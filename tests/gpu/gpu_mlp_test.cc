@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/device_memory.h"
 #include "worker/model/mlp.h"
 
 namespace lockstep::worker {
@@ -82,6 +83,44 @@ TEST(GpuMlpTest, MatchesCpuMlpForwardBackward) {
     cudaFree(dx);
     cudaFree(dy);
   }
+}
+
+// bf16: the products' operand slots are sized before the first product, so a backward
+// allocates and frees nothing (a cudaFree waits for the whole device, NCCL's sums of the
+// buckets already sent included: a peer that died then would hang the worker). The second
+// layer's weight (512 x 8), a backward operand, is larger than any forward operand of its slot.
+TEST(GpuMlpTest, Bf16BackwardAllocatesNothing) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
+  const std::vector<int> dims = {16, 512, 8};
+  const int n = 4;
+  Mlp cpu(dims, kernels::Activation::kRelu);
+  cpu.Initialize(3);
+  auto gpu = GpuMlp::Create(dims, kernels::Activation::kRelu, nullptr);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_TRUE((*gpu)->UploadParams(cpu.params()).ok());
+  ASSERT_TRUE((*gpu)->blas().SetPrecision(kernels::cuda::Blas::Precision::kBf16).ok());
+  std::vector<float> x(static_cast<size_t>(n) * dims.front(), 0.5f);
+  std::vector<int32_t> y = {0, 1, 2, 3};
+  float* dx = nullptr;
+  int32_t* dy = nullptr;
+  ASSERT_EQ(cudaMalloc(&dx, x.size() * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dy, y.size() * sizeof(int32_t)), cudaSuccess);
+  cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
+  cudaMemcpy(dy, y.data(), y.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
+  std::vector<int64_t> in_use;  // at each piece of the gradient, as backward reports them
+  ASSERT_TRUE((*gpu)
+                  ->ForwardBackward(
+                      dx, dy, n, 1.0f / n, 500,
+                      [&](size_t) { in_use.push_back(kernels::cuda::DeviceBytesInUse()); },
+                      /*accumulate=*/false)
+                  .ok());
+  const int64_t after = kernels::cuda::DeviceBytesInUse();
+  ASSERT_FALSE(in_use.empty());
+  for (int64_t bytes : in_use) EXPECT_EQ(bytes, in_use.front());
+  EXPECT_EQ(after, in_use.front());
+  cudaFree(dx);
+  cudaFree(dy);
 }
 
 }  // namespace

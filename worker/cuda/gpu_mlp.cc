@@ -48,6 +48,15 @@ GpuMlp::~GpuMlp() {
 }
 
 absl::Status GpuMlp::Reserve(int n) {
+  // bf16's operand slots, for the largest of a forward's and a backward's products of n rows
+  // (a weight, an activation or its gradient), before the first: none grows inside a
+  // backward, while NCCL sums its buckets (Blas::ReserveBf16).
+  size_t bf16_span = 0;
+  for (const Mlp::LayerSlice& s : layers_) {
+    bf16_span = std::max({bf16_span, static_cast<size_t>(s.in) * s.out,
+                          static_cast<size_t>(n) * std::max(s.in, s.out)});
+  }
+  LOCKSTEP_RETURN_IF_ERROR(blas_->ReserveBf16(bf16_span));
   if (n <= capacity_) return absl::OkStatus();
   // Growing frees the old buffers first: the stream must be idle before they go. Every freed
   // pointer is cleared at once, so a failed allocation leaves nothing dangling.
