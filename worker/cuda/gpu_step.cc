@@ -447,11 +447,13 @@ absl::Status GpuStep::RunPass(int pass, const float* x, const int32_t* y, int n,
       on_ready(end);
     };
   }
-  LOCKSTEP_RETURN_IF_ERROR(
-      model_->ForwardBackward(SlotBatch(*slot, n), grad_scale, bucket_floats_, ready, accumulate));
-  LOCKSTEP_RETURN_IF_ERROR(zero_status);
-  LOCKSTEP_RETURN_IF_ERROR(ZeroFrozen(zeroed, model_->num_params()));
-  return ReleaseSlot(*slot);
+  absl::Status run =
+      model_->ForwardBackward(SlotBatch(*slot, n), grad_scale, bucket_floats_, ready, accumulate);
+  if (run.ok()) run = zero_status;
+  if (run.ok()) run = ZeroFrozen(zeroed, model_->num_params());
+  // Released whatever happened: the slot's next upload waits for what this pass queued on it.
+  absl::Status released = ReleaseSlot(*slot);
+  return run.ok() ? released : run;
 }
 
 absl::StatusOr<double> GpuStep::Evaluate(const float* x, const int32_t* y, int n,

@@ -102,11 +102,17 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
   LOCKSTEP_GPU_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&comm->stream_, cudaStreamNonBlocking));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // init and collectives return at once; we poll (and can abort)
-  LOCKSTEP_GPU_RETURN_IF_ERROR(ncclCommInitRankConfig(&comm->comm_, size, *id, rank, &config));
+  // A communicator NCCL made and then failed is aborted (Fail), never finalized.
+  if (const ncclResult_t r = ncclCommInitRankConfig(&comm->comm_, size, *id, rank, &config);
+      r != ncclSuccess && r != ncclInProgress) {
+    return comm->Fail(kernels::GpuStatus(r, "ncclCommInitRankConfig", __FILE__, __LINE__));
+  }
   const absl::Time deadline = absl::Now() + options.init_timeout;
   while (true) {
     ncclResult_t state = ncclSuccess;
-    LOCKSTEP_GPU_RETURN_IF_ERROR(ncclCommGetAsyncError(comm->comm_, &state));
+    if (const ncclResult_t r = ncclCommGetAsyncError(comm->comm_, &state); r != ncclSuccess) {
+      return comm->Fail(kernels::GpuStatus(r, "ncclCommGetAsyncError", __FILE__, __LINE__));
+    }
     if (state == ncclSuccess) break;
     if (state != ncclInProgress) {
       absl::Status failed = kernels::GpuStatus(state, "ncclCommInitRankConfig", __FILE__, __LINE__);
@@ -233,8 +239,10 @@ absl::Status NcclCommunicator::Wait() {
       return Fail(kernels::GpuStatus(done, "cudaStreamQuery(nccl stream)", __FILE__, __LINE__));
     }
     ncclResult_t state = ncclSuccess;
-    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess ||
-        (state != ncclSuccess && state != ncclInProgress)) {
+    if (const ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) {
+      state = r;  // the query itself failed: its error is the one to tell
+    }
+    if (state != ncclSuccess && state != ncclInProgress) {
       return Fail(absl::UnavailableError(absl::StrCat(
           "NCCL reported an error (a peer died or the network failed): ", ncclGetErrorString(state),
           " ", ncclGetLastError(comm_))));
