@@ -16,6 +16,17 @@
 namespace lockstep::worker {
 namespace {
 
+// The batch's features and labels in device memory (the caller frees them).
+void ToDevice(const std::vector<float>& x, const std::vector<int32_t>& y, float** dx,
+              int32_t** dy) {
+  ASSERT_EQ(cudaMalloc(dx, x.size() * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(dy, y.size() * sizeof(int32_t)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(*dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(*dy, y.data(), y.size() * sizeof(int32_t), cudaMemcpyHostToDevice),
+            cudaSuccess);
+}
+
 TEST(GpuMlpTest, MatchesCpuMlpForwardBackward) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no usable GPU";
@@ -41,10 +52,8 @@ TEST(GpuMlpTest, MatchesCpuMlpForwardBackward) {
     ASSERT_TRUE((*gpu)->UploadParams(cpu.params()).ok());
     float* dx = nullptr;
     int32_t* dy = nullptr;
-    ASSERT_EQ(cudaMalloc(&dx, x.size() * sizeof(float)), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&dy, y.size() * sizeof(int32_t)), cudaSuccess);
-    cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
-    cudaMemcpy(dy, y.data(), y.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
+    ToDevice(x, y, &dx, &dy);
+    ASSERT_FALSE(HasFatalFailure());
     ASSERT_TRUE((*gpu)
                     ->ForwardBackward(dx, dy, n, 1.0f / n, 500,
                                       [&](size_t end) { gpu_points.push_back(end); },
@@ -104,10 +113,8 @@ TEST(GpuMlpTest, Bf16BackwardAllocatesNothing) {
   std::vector<int32_t> y = {0, 1, 2, 3};
   float* dx = nullptr;
   int32_t* dy = nullptr;
-  ASSERT_EQ(cudaMalloc(&dx, x.size() * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&dy, y.size() * sizeof(int32_t)), cudaSuccess);
-  cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice);
-  cudaMemcpy(dy, y.data(), y.size() * sizeof(int32_t), cudaMemcpyHostToDevice);
+  ToDevice(x, y, &dx, &dy);
+  ASSERT_FALSE(HasFatalFailure());
   std::vector<int64_t> in_use;  // at each piece of the gradient, as backward reports them
   ASSERT_TRUE((*gpu)
                   ->ForwardBackward(
