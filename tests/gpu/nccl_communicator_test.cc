@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "tests/testing/local_store.h"
 
@@ -94,17 +95,24 @@ TEST(NcclCommunicatorTest, TwoRanksOnOneGpu) {
   if (version >= kNcclSharedGpuVersion) {
     EXPECT_TRUE(allowed) << "NCCL " << NcclVersionName(version);
   }
-  for (int rank = 0; rank < 2; ++rank) {
-    if (allowed) {
-      ASSERT_TRUE(status[rank].ok()) << "rank " << rank << ": " << status[rank];
+  if (allowed) {
+    for (int rank = 0; rank < 2; ++rank) {
       EXPECT_EQ(result[rank], (std::vector<float>{3.0f, 30.0f, 7.0f, 8.0f})) << "rank " << rank;
-    } else {
-      // The refusal says what is missing, in the worker's words.
-      EXPECT_EQ(status[rank].code(), absl::StatusCode::kFailedPrecondition) << status[rank];
-      EXPECT_NE(status[rank].message().find("NCCL_MULTI_RANK_GPU_ENABLE"), std::string::npos)
-          << status[rank];
+    }
+    return;
+  }
+  // The refusal says what is missing, in the worker's words, in the error of a rank that NCCL
+  // refused; the other may fail of its peer's abort instead (NCCL's last error is one text for
+  // the process, and its words decide), but it fails.
+  int told = 0;
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_FALSE(status[rank].ok()) << "rank " << rank;
+    if (status[rank].code() == absl::StatusCode::kFailedPrecondition &&
+        absl::StrContains(status[rank].message(), "NCCL_MULTI_RANK_GPU_ENABLE")) {
+      ++told;
     }
   }
+  EXPECT_GE(told, 1) << status[0] << " | " << status[1];
 }
 
 }  // namespace
