@@ -8,9 +8,9 @@
 # with one SIGKILLed mid-run, which must end with exact steps and the one-worker run's
 # checksum; the GPT step benchmark (GPT-2 124M shape), attention alone and the MLP's, each next
 # to PyTorch on the same GPU, as tables.
-# It keeps to a time budget (LOCKSTEP_CHECK_SECONDS, default 540: a device command may run 600):
-# each wait is cut to what is left, and a section that cannot start in time says "not run: out
-# of time". PyTorch's compiled GPT baseline runs only with LOCKSTEP_CHECK_COMPILE=1.
+# It keeps to a time budget (LOCKSTEP_CHECK_SECONDS, default 510: a device command may run 600,
+# and what ends a section, stopping its daemons and the tables, comes after): each wait is cut
+# to what is left, and a section that cannot start in time says "not run: out of time". PyTorch's compiled GPT baseline runs only with LOCKSTEP_CHECK_COMPILE=1.
 # Exit status: 0 when every test and job that ran passed (the benchmarks are measurements: a
 # failed one shows as "failed" in its table, not in the status).
 #   check.sh [BUNDLE_DIR]   (default: the folder holding this script, i.e. gpu-bundle/)
@@ -24,7 +24,7 @@ mkdir -p "$out"
 log="$out/gpu-check.log"
 : >"$log"
 scratch="$(mktemp -d)"  # the benchmarks' JSON: one file back in $OUT (a device returns few)
-budget="${LOCKSTEP_CHECK_SECONDS:-540}"
+budget="${LOCKSTEP_CHECK_SECONDS:-510}"
 end_at=$((SECONDS + budget))
 left() { echo $((end_at - SECONDS)); }
 # The smaller of N seconds and what is left of the budget (at least 1).
