@@ -735,12 +735,12 @@ class Checkpointer:
         returns its step, or None when there is none (a fresh start). Sets self.extra.
 
         The model's tensors are filled where they are. Every other tensor (the optimizer's,
-        self.extra's) comes back on a device of the kind it was saved on: the model's device of
-        that kind when it has one (not necessarily the index saved: a restarted rank may have
-        another LOCAL_RANK), else the current GPU for one saved on a GPU, else the device
-        saved. map_location (a device, as torch.load's) puts them all there instead. The
-        optimizer's load_state_dict then moves its per-parameter states to their parameters'
-        devices, as it does."""
+        self.extra's) comes back on a device of the kind it was saved on (_homes): the one
+        saved when the model or the optimizer's parameters are there now, else one of theirs
+        of that kind (a restarted rank may have another LOCAL_RANK), else the current GPU for
+        one saved on a GPU, else the device saved. map_location (a device, as torch.load's)
+        puts them all there instead. The optimizer's load_state_dict then moves its
+        per-parameter states to their parameters' devices, as it does."""
         if map_location is not None:
             try:
                 map_location = torch.device(map_location)
@@ -905,11 +905,7 @@ class Checkpointer:
             if d is not None:
                 goes[name] = d
             elif id(t) not in steps:
-                raise RuntimeError(
-                    f"lockstep.torch.Checkpointer: {_path_of(probe, t)} of the checkpoint of "
-                    f"step {step} was saved on {saved}, and this process has no "
-                    f"{torch.device(saved).type} device; load(..., map_location=\"cpu\") puts "
-                    f"it on the host")
+                raise _no_device(f"{_path_of(probe, t)} of the checkpoint of step {step}", saved)
         return goes
 
     # ----------------------------------------------------------------------------------------
@@ -944,10 +940,7 @@ class Checkpointer:
                 return storage
             device = home(location)
             if device is None:
-                raise RuntimeError(f"lockstep.torch.Checkpointer: {path} holds a tensor saved "
-                                   f"on {location}, and this process has no "
-                                   f"{torch.device(location).type} device; "
-                                   f"load(..., map_location=\"cpu\") puts it on the host")
+                raise _no_device(f"a tensor of {path}", location)
             return storage if device.type == "cpu" else \
                 torch.serialization.default_restore_location(storage, str(device))
         # This process's own file, pickled objects in `extra` included (torch 2.6 and later
@@ -980,17 +973,30 @@ def _homes(model, optimizer, map_location):
                 here.setdefault(p.device)
     known = {}
 
+    def where(saved):
+        s = torch.device(saved)
+        if s in here:
+            return s
+        for h in here:
+            if h.type == s.type:
+                return h
+        if s.type != "cuda":
+            return s
+        return torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else None
+
     def home(saved):
         if saved not in known:
-            s = torch.device(saved)
-            d = s if s in here else next((h for h in here if h.type == s.type), None)
-            if d is None:
-                d = s if s.type != "cuda" else \
-                    torch.device("cuda", torch.cuda.current_device()) \
-                    if torch.cuda.is_available() else None
-            known[saved] = d
+            known[saved] = where(saved)
         return known[saved]
     return home
+
+
+def _no_device(what, saved):
+    """The error of a load that has no device of the kind `what` was saved on."""
+    return RuntimeError(f"lockstep.torch.Checkpointer: {what} was saved on {saved}, and this "
+                        f"process has no {torch.device(saved).type} device; "
+                        f"load(..., map_location=\"cpu\") puts it on the host")
 
 
 class SaveHandle:
